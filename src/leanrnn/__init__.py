@@ -1,0 +1,34 @@
+"""leanrnn: LSTM, GRU and RNN inference on the CPU with planned memory.
+
+The whole public API is named in ``__all__``; everything else is private.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .config import get_num_threads, set_num_threads
+from .engine import Session
+from .formats.packing import LayerWeights, PackedWeights, pack
+from .nn import GRU, LSTM, RNN, Model, from_state_dict, from_torch
+from .spec import Activation, RNNSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRU",
+    "LSTM",
+    "RNN",
+    "Activation",
+    "LayerWeights",
+    "Model",
+    "PackedWeights",
+    "RNNSpec",
+    "Session",
+    "__version__",
+    "errors",
+    "from_state_dict",
+    "from_torch",
+    "get_num_threads",
+    "pack",
+    "set_num_threads",
+]

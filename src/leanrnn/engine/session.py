@@ -1,0 +1,283 @@
+"""Session: spec + packed weights + one planned arena. ``resize`` plans, ``run`` executes.
+
+Design (MNN's onResize/onExecute split): ``resize(batch, steps)`` lists every scratch buffer with
+its lifetime in op order — one op per (layer, direction) — and the planner packs them into a single
+aligned arena, so directions and layers reuse the same bytes. ``run`` then only validates inputs,
+copies initial states in, and calls kernels on arena views made at resize time: no heap allocation
+but the returned arrays, and none at all when the caller passes ``out=``.
+
+Buffers (per op k = layer*D + direction unless noted):
+  xw.{k}   [T*N, Gp]  input projection (time-major)          live k..k
+  h.{k}.a/b [N, Kp]   state double buffer                       live k..k
+  c.{k}    [N, Hp]    LSTM cell state                           live k..k
+  gates.{k} [N, Gp]   gate pre-activations                      live k..k
+  aux.{k}  [N, Hp]    LSTM unprojected h / GRU r*h               live k..k
+  y.{l}    [T*N, D*K] output of layer l < L-1 (time-major)      live first op of l .. last op of l+1
+  lengths  [N] int64                                            live 0..end
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numba
+import numpy as np
+
+from .. import config
+from ..errors import ShapeError
+from ..formats.packing import PackedWeights
+from ..kernels import gemm, recurrent
+from ..memory.arena import Arena
+from ..memory.planner import Buffer, Plan, plan
+from ..spec import RNNSpec
+from . import _check
+
+_log = logging.getLogger("leanrnn")
+
+# Below this many multiply-adds per step, waking the thread pool costs more than it saves.
+PARALLEL_MIN_MACS = 1 << 17
+
+
+class Session:
+    """Runs one model. Not re-entrant: concurrent ``run`` calls on one session are serialized
+    by a lock (use one session per thread for parallel throughput; they can share weights)."""
+
+    def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
+        self.weights = weights
+        self.spec: RNNSpec = weights.spec
+        self.dtype = weights.dtype
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._arena: Arena | None = None
+        self._plan: Plan | None = None
+        self._N = self._T = -1
+        spec, dt = self.spec, self.dtype
+        tiny = np.finfo(dt).tiny
+        clip = spec.clip if spec.clip is not None else 0.0
+        self._consts = np.array([0.0, 1.0, tiny, clip], dtype=dt)
+        self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
+        self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
+        self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+
+    # ---------------------------------------------------------------- planning
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._arena.nbytes if self._arena is not None else 0
+
+    def buffers(self, batch: int, steps: int) -> list[Buffer]:
+        """Every scratch buffer a run of ``batch`` x ``steps`` needs, with lifetimes."""
+        spec, w = self.spec, self.weights
+        it = self.dtype.itemsize
+        N, T, D, L = batch, steps, spec.num_directions, spec.num_layers
+        K = spec.output_size
+        out: list[Buffer] = [Buffer("lengths", 8 * N, 0, L * D - 1)]
+        for layer in range(L):
+            for d in range(D):
+                k = layer * D + d
+                out.append(Buffer(f"xw.{k}", T * N * w.Gp * it, k, k))
+                out.append(Buffer(f"h.{k}.a", N * w.Kp * it, k, k))
+                out.append(Buffer(f"h.{k}.b", N * w.Kp * it, k, k))
+                out.append(Buffer(f"gates.{k}", N * w.Gp * it, k, k))
+                if spec.cell == "lstm":
+                    out.append(Buffer(f"c.{k}", N * w.Hp * it, k, k))
+                if spec.proj_size or (spec.cell == "gru" and not spec.linear_before_reset):
+                    out.append(Buffer(f"aux.{k}", N * w.Hp * it, k, k))
+            if layer < L - 1:
+                out.append(Buffer(f"y.{layer}", T * N * D * K * it, layer * D, (layer + 2) * D - 1))
+        return out
+
+    def resize(self, batch: int, steps: int, memory_limit: int | None = None) -> Plan:
+        """Plan every scratch buffer for ``batch`` sequences of up to ``steps`` steps, in one
+        arena. Reuses the current arena when the new plan fits in it."""
+        for name, v in (("batch", batch), ("steps", steps)):
+            if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
+                raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
+        batch, steps = int(batch), int(steps)
+        p = plan(self.buffers(batch, steps), limit=memory_limit)
+        if self._arena is None or self._arena.nbytes < p.total:
+            self._arena = None  # drop the old arena before taking the new one
+            self._arena = Arena(p.total, name=f"arena[{self.spec.cell} N={batch} T={steps}]")
+        if config.log_enabled("memory"):
+            for pl in p.placements:
+                b = pl.buffer
+                _log.info(
+                    "plan %-10s %10d B at %10d  ops %d..%d", b.name, b.nbytes, pl.offset, b.first,
+                    b.last,
+                )
+        self._plan = p
+        self._N, self._T = batch, steps
+        self._make_views()
+        return p
+
+    def _make_views(self) -> None:
+        spec, w, p, a = self.spec, self.weights, self._plan, self._arena
+        assert p is not None and a is not None
+        N, T, D, L, dt = self._N, self._T, spec.num_directions, spec.num_layers, self.dtype
+        K = spec.output_size
+        v = {}
+        for pl in p.placements:
+            name = pl.buffer.name
+            kind = name.split(".")[0]
+            if kind == "lengths":
+                shape, dtype = (N,), np.int64
+            elif kind == "xw":
+                shape, dtype = (T * N, w.Gp), dt
+            elif kind == "h":
+                shape, dtype = (N, w.Kp), dt
+            elif kind == "gates":
+                shape, dtype = (N, w.Gp), dt
+            elif kind in ("c", "aux"):
+                shape, dtype = (N, w.Hp), dt
+            else:  # y.{layer}
+                shape, dtype = (T * N, D * K), dt
+            v[name] = a.view(pl.offset, shape, dtype)
+        # Kernels always get an aux array; a zero-row stand-in when the cell needs none.
+        self._empty = np.zeros((N, w.Hp), dt) if "aux.0" not in v else None
+        self._views = v
+        self._layer_inputs = [None] + [v[f"y.{layer}"] for layer in range(L - 1)]
+
+    # ---------------------------------------------------------------- running
+    def _threads(self) -> int:
+        return self.threads or config.get_num_threads()
+
+    def run(self, x, h0=None, c0=None, lengths=None, out=None):
+        """Run the whole stack over ``x``.
+
+        x:       [T, N, C] ([N, T, C] if spec.batch_first), the model's dtype, C-contiguous
+        h0:      [L*D, N, K] initial hidden state (K = proj_size or hidden_size), or None = 0
+        c0:      [L*D, N, H] initial LSTM cell state, or None = 0
+        lengths: [N] ints in 0..T, or None = all T (PyTorch packed-sequence semantics)
+        out:     None, or a tuple (y, h_n[, c_n]) of preallocated C-contiguous outputs
+        returns  (y [T, N, D*K] (batch-first: [N, T, D*K]), h_n [L*D, N, K], c_n [L*D, N, H] or
+                 None for GRU/RNN). NaN/Inf in inputs propagate to the outputs.
+        """
+        spec, dt, op = self.spec, self.dtype, "Session.run"
+        C = spec.input_size
+        names = ("N", "T", "C") if spec.batch_first else ("T", "N", "C")
+        x = _check.array(op, "x", x, dt, (None, None, C), names)
+        if x.shape[-1] != C:  # pragma: no cover - covered by _check.array
+            raise ShapeError(f"[{op}] x last dim {x.shape[-1]}; expected C={C}")
+        _check.contiguous(op, "x", x)
+        if spec.batch_first:
+            N, T = x.shape[0], x.shape[1]
+        else:
+            T, N = x.shape[0], x.shape[1]
+        if N == 0 or T == 0:
+            raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        if h0 is not None:
+            h0 = _check.array(op, "h0", h0, dt, (LD, N, K), ("L*D", "N", "K"))
+        if c0 is not None:
+            if spec.cell != "lstm":
+                raise ShapeError(f"[{op}] c0 was given but a {spec.cell.upper()} has no cell state")
+            c0 = _check.array(op, "c0", c0, dt, (LD, N, H), ("L*D", "N", "H"))
+        if lengths is not None:
+            lengths = _check.lengths(op, lengths, N, T)
+        y, h_n, c_n = self._outputs(out, T, N)
+        with self._lock:
+            if (N, T) != (self._N, self._T):
+                self.resize(N, T)
+            self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
+        return y, h_n, c_n
+
+    def _outputs(self, out, T: int, N: int):
+        spec, dt, op = self.spec, self.dtype, "Session.run"
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        DK = spec.num_directions * K
+        yshape = (N, T, DK) if spec.batch_first else (T, N, DK)
+        is_lstm = spec.cell == "lstm"
+        if out is None:
+            y = np.empty(yshape, dt)
+            h_n = np.empty((LD, N, K), dt)
+            c_n = np.empty((LD, N, H), dt) if is_lstm else None
+            return y, h_n, c_n
+        if isinstance(out, np.ndarray):
+            out = (out,)
+        if not isinstance(out, tuple | list) or len(out) != (3 if is_lstm else 2):
+            raise ShapeError(
+                f"[{op}] out must be a tuple (y, h_n{', c_n' if is_lstm else ''}); got "
+                f"{type(out).__name__} of length {len(out) if isinstance(out, tuple | list) else '?'}"
+            )
+        y = _check.array(op, "out[0] (y)", out[0], dt, yshape, ("T", "N", "D*K"))
+        h_n = _check.array(op, "out[1] (h_n)", out[1], dt, (LD, N, K), ("L*D", "N", "K"))
+        c_n = None
+        if is_lstm:
+            c_n = _check.array(op, "out[2] (c_n)", out[2], dt, (LD, N, H), ("L*D", "N", "H"))
+        for name, a in (("y", y), ("h_n", h_n), ("c_n", c_n)):
+            if a is not None:
+                _check.writable(op, f"out {name}", a)
+        return y, h_n, c_n
+
+    def _execute(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int) -> None:
+        spec, w, v = self.spec, self.weights, self._views
+        D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
+        threads = self._threads()
+        macs = N * w.Gp * w.Kp
+        par = threads > 1 and macs >= PARALLEL_MIN_MACS
+        if par:
+            numba.set_num_threads(threads)
+        proj_k = gemm.input_projection_parallel if par else gemm.input_projection_serial
+        lens = v["lengths"]
+        if lengths is None:
+            lens[:] = T
+        else:
+            lens[:] = lengths
+        consts = self._consts
+        y_final = y.reshape(-1, D * K)
+        bf_T = T if spec.batch_first else 0
+        for layer in range(L):
+            if layer == 0:
+                xin, xin_bf, Cin = x.reshape(-1, spec.input_size), bf_T, spec.input_size
+            else:
+                xin, xin_bf, Cin = self._layer_inputs[layer], 0, D * K
+            if layer == L - 1:
+                yout, y_bf = y_final, bf_T
+            else:
+                yout, y_bf = v[f"y.{layer}"], 0
+            for d in range(D):
+                k = layer * D + d
+                pl = w.layers[layer][d]
+                xw = v[f"xw.{k}"]
+                proj_k(xin, pl.Wt, pl.b, Cin, xin_bf, N, xw, consts)
+                ha, hb = v[f"h.{k}.a"], v[f"h.{k}.b"]
+                ha[:] = 0
+                if h0 is not None:
+                    ha[:, :K] = h0[k]
+                rev = spec.reversed_direction(d)
+                acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
+                gates = v[f"gates.{k}"]
+                aux = v.get(f"aux.{k}", self._empty)
+                if spec.cell == "lstm":
+                    c = v[f"c.{k}"]
+                    c[:] = 0
+                    if c0 is not None:
+                        c[:, :H] = c0[k]
+                    fn = recurrent.lstm_parallel if par else recurrent.lstm_serial
+                    parity = fn(
+                        xw, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
+                        c, gates, aux, lens, T, rev, yout, d * K, y_bf, acts, al, be,
+                        spec.input_forget, consts,
+                    )
+                    c_n[k] = c[:, :H]
+                elif spec.cell == "gru":
+                    fn = recurrent.gru_parallel if par else recurrent.gru_serial
+                    parity = fn(
+                        xw, pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens,
+                        T, rev, yout, d * K, y_bf, acts, al, be, consts,
+                    )
+                else:
+                    fn = recurrent.rnn_parallel if par else recurrent.rnn_serial
+                    parity = fn(
+                        xw, pl.Rt, K, ha, hb, gates, lens, T, rev, yout, d * K, y_bf, acts, al,
+                        be, consts,
+                    )
+                h_n[k] = (hb if parity else ha)[:, :K]
+
+    def __repr__(self) -> str:
+        planned = f"N={self._N}, T={self._T}, arena={self.arena_bytes} B" if self._plan else "unplanned"
+        return f"Session({self.spec.cell}, H={self.spec.hidden_size}, {planned})"

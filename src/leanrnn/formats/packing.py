@@ -1,0 +1,224 @@
+"""Canonical weights <-> the packed layout the kernels read (prepared once, at load).
+
+Canonical (``LayerWeights``): one per (layer, direction), internal gate order (see ``spec``),
+gate-major rows, no padding: ``W`` [G, C], ``R`` [G, K], ``bW``/``bR`` [G], ``peep`` [3, H] for
+(i, f, o) or None, ``proj`` [P, H] or None. K = P if projected else H.
+
+Packed (``PackedLayer``), MNN's ``copyWeightAlignUp4x4`` idea adapted to dot-product kernels:
+
+- Units are grouped in blocks of ``B`` = 16; H is padded to Hp = multiple of B with zero rows.
+- Gate rows are *fused per unit block*: packed row ``(u*ng + gate)*B + j`` holds canonical row
+  ``gate*H + u*B + j``. A thread that owns unit block ``u`` finds all gates of its units in one
+  contiguous slab of ``ng*B`` rows, so it can finish the cell update without waiting for others.
+- Every row starts on a 64-byte boundary (row strides Cp, Kp, Hp are multiples of 16 elements),
+  and all tensors of a model live in one 64-byte-aligned buffer.
+- Biases are folded where the math allows: ``b = bW + bR`` is added once in the input projection;
+  only GRU with linear_before_reset keeps ``bR`` of the n gate apart (``rb``), because there the
+  reset gate multiplies it. The original ``bW``/``bR`` are kept too, so unpack is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DTypeError, WeightsError
+from ..memory.arena import aligned_empty, round_up
+from ..spec import RNNSpec
+
+B = 16  # units per block; 16 float32 = one 64-byte row segment
+ROW_ALIGN = 16  # elements: row strides are multiples of this
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass
+class LayerWeights:
+    """Canonical weights of one (layer, direction), internal gate order, unpadded."""
+
+    W: np.ndarray  # [G, C]
+    R: np.ndarray  # [G, K]
+    bW: np.ndarray  # [G]
+    bR: np.ndarray  # [G]
+    peep: np.ndarray | None = None  # [3, H] peepholes for (i, f, o)
+    proj: np.ndarray | None = None  # [P, H]
+
+
+@dataclass
+class PackedLayer:
+    """Views into the packed buffer for one (layer, direction). Shapes use padded sizes."""
+
+    Wt: np.ndarray  # [Gp, Cp] input weights, fused-block row order
+    Rt: np.ndarray  # [Gp, Kp] recurrent weights, fused-block row order
+    b: np.ndarray  # [Gp] folded bias, added in the input projection
+    rb: np.ndarray  # [Gp] recurrent bias kept apart (GRU n gate with linear_before_reset), else 0
+    bW: np.ndarray  # [Gp] original input bias (for unpack)
+    bR: np.ndarray  # [Gp] original recurrent bias (for unpack)
+    peep: np.ndarray  # [3, Hp] (zeros and unused without peepholes)
+    proj: np.ndarray  # [Pp, Hp] (shape [0, Hp] without projection)
+
+
+def gate_permutation(num_gates: int, H: int) -> np.ndarray:
+    """perm[packed_row] = canonical row, or -1 for a padding row. Length ng*Hp."""
+    Hp = round_up(H, B)
+    perm = np.full(num_gates * Hp, -1, dtype=np.int64)
+    for u in range(Hp // B):
+        for g in range(num_gates):
+            for j in range(B):
+                unit = u * B + j
+                if unit < H:
+                    perm[(u * num_gates + g) * B + j] = g * H + unit
+    return perm
+
+
+class PackedWeights:
+    """All packed tensors of a model in one 64-byte-aligned buffer.
+
+    ``layers[l][d]`` is the ``PackedLayer`` of layer ``l``, direction ``d``.
+    """
+
+    def __init__(self, spec: RNNSpec, dtype) -> None:
+        self.spec = spec
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise DTypeError(f"[pack] dtype {self.dtype}; expected float32 or float64")
+        H, P = spec.hidden_size, spec.proj_size
+        K = spec.output_size
+        self.B = B
+        self.Hp = round_up(H, B)
+        self.Kp = round_up(K, ROW_ALIGN)
+        self.Pp = round_up(P, 4) if P else 0
+        self.Gp = spec.num_gates * self.Hp
+        self.perm = gate_permutation(spec.num_gates, H)
+        shapes = []
+        for layer in range(spec.num_layers):
+            Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
+            for _ in range(spec.num_directions):
+                shapes.append(
+                    {
+                        "Wt": (self.Gp, Cp),
+                        "Rt": (self.Gp, self.Kp),
+                        "b": (self.Gp,),
+                        "rb": (self.Gp,),
+                        "bW": (self.Gp,),
+                        "bR": (self.Gp,),
+                        "peep": (3, self.Hp),
+                        "proj": (self.Pp, self.Hp),
+                    }
+                )
+        item = self.dtype.itemsize
+        sizes = [round_up(int(np.prod(s)) * item, 64) for d in shapes for s in d.values()]
+        self.nbytes = sum(sizes)
+        self.buffer = aligned_empty(self.nbytes)
+        self.buffer[:] = 0
+        off = 0
+        flat = []
+        for d in shapes:
+            views = {}
+            for name, shape in d.items():
+                n = int(np.prod(shape)) * item
+                views[name] = self.buffer[off : off + n].view(self.dtype).reshape(shape)
+                off += round_up(n, 64)
+            flat.append(PackedLayer(**views))
+        nd = spec.num_directions
+        self.layers = [flat[i * nd : (i + 1) * nd] for i in range(spec.num_layers)]
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Every packed tensor by a stable name, e.g. ``l0.d1.Rt`` (for the native format)."""
+        out = {}
+        for li, dirs in enumerate(self.layers):
+            for di, pl in enumerate(dirs):
+                for name in PackedLayer.__dataclass_fields__:
+                    out[f"l{li}.d{di}.{name}"] = getattr(pl, name)
+        return out
+
+    def unpack(self) -> list[list[LayerWeights]]:
+        """The canonical weights back, bit for bit."""
+        spec = self.spec
+        H, K, P = spec.hidden_size, spec.output_size, spec.proj_size
+        valid = self.perm >= 0
+        rows = self.perm[valid]
+        out = []
+        for li, dirs in enumerate(self.layers):
+            C = spec.layer_input_size(li)
+            layer = []
+            for pl in dirs:
+                G = spec.gate_width
+                W = np.empty((G, C), self.dtype)
+                R = np.empty((G, K), self.dtype)
+                bW = np.empty(G, self.dtype)
+                bR = np.empty(G, self.dtype)
+                W[rows] = pl.Wt[valid, :C]
+                R[rows] = pl.Rt[valid, :K]
+                bW[rows] = pl.bW[valid]
+                bR[rows] = pl.bR[valid]
+                peep = pl.peep[:, :H].copy() if spec.peepholes else None
+                proj = pl.proj[:P, :H].copy() if P else None
+                layer.append(LayerWeights(W, R, bW, bR, peep, proj))
+            out.append(layer)
+        return out
+
+
+def _check(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
+    arr = np.asarray(a)
+    if arr.shape != shape:
+        raise WeightsError(f"[pack] {name} has shape {arr.shape}; expected {shape}")
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise DTypeError(f"[pack] {name} has dtype {arr.dtype}; expected a float array")
+    return arr
+
+
+def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> PackedWeights:
+    """Pack canonical weights (validated against ``spec``) into the kernel layout."""
+    if len(layers) != spec.num_layers or any(len(d) != spec.num_directions for d in layers):
+        raise WeightsError(
+            f"[pack] got {[len(d) for d in layers]} (layers x directions); expected "
+            f"{spec.num_layers} layer(s) of {spec.num_directions} direction(s)"
+        )
+    pw = PackedWeights(spec, dtype)
+    H, K, P, G = spec.hidden_size, spec.output_size, spec.proj_size, spec.gate_width
+    valid = pw.perm >= 0
+    rows = pw.perm[valid]
+    gate_of_row = np.where(valid, (np.arange(pw.Gp) // B) % spec.num_gates, -1)
+    for li, dirs in enumerate(layers):
+        C = spec.layer_input_size(li)
+        for di, lw in enumerate(dirs):
+            tag = f"layer {li} direction {di}"
+            W = _check(f"{tag} W", lw.W, (G, C))
+            R = _check(f"{tag} R", lw.R, (G, K))
+            bW = _check(f"{tag} bW", lw.bW, (G,))
+            bR = _check(f"{tag} bR", lw.bR, (G,))
+            pl = pw.layers[li][di]
+            pl.Wt[valid, :C] = W[rows]
+            pl.Rt[valid, :K] = R[rows]
+            pl.bW[valid] = bW[rows]
+            pl.bR[valid] = bR[rows]
+            # Fold in the working precision, so b == bW + bR exactly as the kernels would add them.
+            pl.b[:] = pl.bW + pl.bR
+            if spec.cell == "gru" and spec.linear_before_reset:
+                n_rows = gate_of_row == 2
+                pl.rb[n_rows] = pl.bR[n_rows]
+                pl.b[n_rows] = pl.bW[n_rows]
+            if spec.peepholes:
+                if lw.peep is None:
+                    raise WeightsError(f"[pack] {tag}: spec has peepholes but peep is None")
+                pl.peep[:, :H] = _check(f"{tag} peep", lw.peep, (3, H))
+            if P:
+                if lw.proj is None:
+                    raise WeightsError(f"[pack] {tag}: spec has proj_size={P} but proj is None")
+                pl.proj[:P, :H] = _check(f"{tag} proj", lw.proj, (P, H))
+    return pw
+
+
+# ---- gate-order conversions: every importer names its source order explicitly ----
+
+# Row blocks of the source order, listed in internal order (see spec.GATES).
+TORCH_ORDER = {"lstm": (0, 1, 2, 3), "gru": (1, 0, 2), "rnn": (0,)}  # torch GRU is (r, z, n)
+ONNX_ORDER = {"lstm": (0, 2, 3, 1), "gru": (0, 1, 2), "rnn": (0,)}  # ONNX LSTM is (i, o, f, c)
+ONNX_PEEP_ORDER = (0, 2, 1)  # ONNX P is (i, o, f); internal (i, f, o)
+
+
+def reorder_gates(a: np.ndarray, order: tuple[int, ...], H: int) -> np.ndarray:
+    """Rows grouped in gate blocks of H, source order -> internal order (``order[k]`` = source
+    block holding internal gate k). Works for [G, X] matrices and [G] vectors."""
+    return np.concatenate([a[k * H : (k + 1) * H] for k in order], axis=0)

@@ -1,0 +1,146 @@
+"""PyTorch's nn.LSTM / nn.GRU / nn.RNN parameters <-> canonical weights.
+
+PyTorch names parameters ``weight_ih_l{k}[_reverse]`` [G, C], ``weight_hh_l{k}`` [G, K],
+``bias_ih_l{k}``/``bias_hh_l{k}`` [G], ``weight_hr_l{k}`` [P, H]; gate rows are (i, f, g, o) for
+LSTM — already our order — and (r, z, n) for GRU, which we swap to (z, r, n). PyTorch's GRU is
+linear_before_reset. torch itself is imported only by ``from_torch_module``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..errors import WeightsError
+from ..spec import Activation, RNNSpec
+from .packing import TORCH_ORDER, LayerWeights, reorder_gates
+
+_KEY = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)_l(\d+)(_reverse)?$")
+
+
+def _suffix(d: int) -> str:
+    return "_reverse" if d == 1 else ""
+
+
+def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
+               batch_first: bool = False) -> RNNSpec:  # fmt: skip
+    """Read sizes (and, if ``cell`` is None, the cell) off a PyTorch RNN state dict."""
+    if "weight_ih_l0" not in sd or "weight_hh_l0" not in sd:
+        raise WeightsError(
+            f"[from_state_dict] no weight_ih_l0/weight_hh_l0 among keys {sorted(sd)[:8]}; "
+            "expected a torch.nn.LSTM/GRU/RNN state dict"
+        )
+    w_ih, w_hh = np.shape(sd["weight_ih_l0"]), np.shape(sd["weight_hh_l0"])
+    if len(w_ih) != 2 or len(w_hh) != 2:
+        raise WeightsError(f"[from_state_dict] weight_ih_l0 {w_ih}, weight_hh_l0 {w_hh}: expected 2-D")
+    G, C = w_ih
+    K = w_hh[1]
+    proj = np.shape(sd["weight_hr_l0"])[0] if "weight_hr_l0" in sd else 0
+    H = np.shape(sd["weight_hr_l0"])[1] if proj else K
+    if cell is None:
+        ratios = {4: "lstm", 3: "gru", 1: "rnn"}
+        if G % H or G // H not in ratios:
+            raise WeightsError(f"[from_state_dict] gate width {G} is not 4H, 3H or H for H={H}")
+        cell = ratios[G // H]
+    layers = 1 + max(int(m.group(2)) for k in sd if (m := _KEY.match(k)))
+    bidir = "weight_ih_l0_reverse" in sd
+    acts = None
+    if cell == "rnn":
+        if nonlinearity not in ("tanh", "relu"):
+            raise WeightsError(f"[from_state_dict] nonlinearity={nonlinearity!r}; expected tanh or relu")
+        acts = ((Activation.make(nonlinearity),),) * (2 if bidir else 1)
+    return RNNSpec(
+        cell, int(C), int(H), num_layers=layers,
+        direction="bidirectional" if bidir else "forward", proj_size=int(proj),
+        bias="bias_ih_l0" in sd, batch_first=batch_first, activations=acts,
+    )  # fmt: skip
+
+
+def expected_keys(spec: RNNSpec) -> list[str]:
+    keys = []
+    for layer in range(spec.num_layers):
+        for d in range(spec.num_directions):
+            sfx = f"_l{layer}{_suffix(d)}"
+            keys += [f"weight_ih{sfx}", f"weight_hh{sfx}"]
+            if spec.bias:
+                keys += [f"bias_ih{sfx}", f"bias_hh{sfx}"]
+            if spec.proj_size:
+                keys.append(f"weight_hr{sfx}")
+    return keys
+
+
+def from_state_dict(spec: RNNSpec, sd: dict) -> list[list[LayerWeights]]:
+    """Canonical weights from a PyTorch-named dict of arrays (numpy, or anything np.asarray takes)."""
+    want = expected_keys(spec)
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise WeightsError(
+            f"[from_state_dict] missing keys {missing}; unexpected keys {unexpected} "
+            f"(for {spec.cell.upper()} layers={spec.num_layers} directions={spec.num_directions} "
+            f"bias={spec.bias} proj_size={spec.proj_size})"
+        )
+    H, K, G = spec.hidden_size, spec.output_size, spec.gate_width
+    order = TORCH_ORDER[spec.cell]
+    out = []
+    for layer in range(spec.num_layers):
+        C = spec.layer_input_size(layer)
+        dirs = []
+        for d in range(spec.num_directions):
+            sfx = f"_l{layer}{_suffix(d)}"
+
+            def get(name, shape, sfx=sfx):
+                a = np.asarray(sd[name + sfx])
+                if a.shape != shape:
+                    raise WeightsError(f"[from_state_dict] {name}{sfx} has shape {a.shape}; expected {shape}")
+                return a
+
+            W = reorder_gates(get("weight_ih", (G, C)), order, H)
+            R = reorder_gates(get("weight_hh", (G, K)), order, H)
+            if spec.bias:
+                bW = reorder_gates(get("bias_ih", (G,)), order, H)
+                bR = reorder_gates(get("bias_hh", (G,)), order, H)
+            else:
+                bW = np.zeros(G, W.dtype)
+                bR = np.zeros(G, W.dtype)
+            proj = get("weight_hr", (spec.proj_size, H)) if spec.proj_size else None
+            dirs.append(LayerWeights(W, R, bW, bR, None, proj))
+        out.append(dirs)
+    return out
+
+
+def to_state_dict(spec: RNNSpec, layers: list[list[LayerWeights]]) -> dict[str, np.ndarray]:
+    """The inverse of ``from_state_dict``: PyTorch names and gate order."""
+    H = spec.hidden_size
+    # Inverse permutation of TORCH_ORDER: source block k came from internal position inv[k].
+    order = TORCH_ORDER[spec.cell]
+    inv = tuple(order.index(k) for k in range(len(order)))
+    sd = {}
+    for layer, dirs in enumerate(layers):
+        for d, lw in enumerate(dirs):
+            sfx = f"_l{layer}{_suffix(d)}"
+            sd[f"weight_ih{sfx}"] = reorder_gates(lw.W, inv, H)
+            sd[f"weight_hh{sfx}"] = reorder_gates(lw.R, inv, H)
+            if spec.bias:
+                sd[f"bias_ih{sfx}"] = reorder_gates(lw.bW, inv, H)
+                sd[f"bias_hh{sfx}"] = reorder_gates(lw.bR, inv, H)
+            if spec.proj_size:
+                sd[f"weight_hr{sfx}"] = lw.proj
+    return sd
+
+
+def from_torch_module(module) -> tuple[RNNSpec, dict[str, np.ndarray]]:
+    """(spec, numpy state dict) of a torch.nn.LSTM/GRU/RNN. Imports torch only here."""
+    import torch
+
+    kinds = {torch.nn.LSTM: "lstm", torch.nn.GRU: "gru", torch.nn.RNN: "rnn"}
+    cell = next((c for t, c in kinds.items() if isinstance(module, t)), None)
+    if cell is None:
+        raise WeightsError(
+            f"[from_torch] got {type(module).__name__}; expected torch.nn.LSTM, GRU or RNN"
+        )
+    sd = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    nonlin = getattr(module, "nonlinearity", "tanh")
+    spec = infer_spec(sd, cell, nonlin, bool(module.batch_first))
+    return spec, sd

@@ -1,0 +1,128 @@
+"""Scalar math the kernels inline: activations (float32 fast paths), typed constants.
+
+float32 ``tanh`` is a clamped rational approximation (max error ~1e-7) made only of adds,
+multiplies and one divide, so LLVM vectorizes the loops around it; scalar libm ``tanhf``/``expf``
+calls per element are what make naive numba RNNs slow at large batch. float64 uses libm, so the
+float64 path stays within 1e-10 of PyTorch's double path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from ._jit import inline
+
+# Activation codes (spec.ACTIVATIONS order).
+SIGMOID, TANH, RELU, AFFINE, LEAKYRELU, THRESHOLDEDRELU = 0, 1, 2, 3, 4, 5
+SCALEDTANH, HARDSIGMOID, ELU, SOFTSIGN, SOFTPLUS = 6, 7, 8, 9, 10
+
+
+def tanh_(x):  # pragma: no cover - replaced by the overload inside kernels
+    return math.tanh(x)
+
+
+def sigmoid_(x):  # pragma: no cover
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@overload(tanh_, inline="always", fastmath=True)
+def _tanh_ov(x):
+    if x == types.float32:
+
+        def impl(x):
+            # Clamp with comparisons (not min/max) so NaN passes through untouched.
+            v = x
+            if v > np.float32(9.0):
+                v = np.float32(9.0)
+            if v < np.float32(-9.0):
+                v = np.float32(-9.0)
+            x2 = v * v
+            p = np.float32(-2.76076847742355e-16)
+            p = p * x2 + np.float32(2.00018790482477e-13)
+            p = p * x2 + np.float32(-8.60467152213735e-11)
+            p = p * x2 + np.float32(5.12229709037114e-08)
+            p = p * x2 + np.float32(1.48572235717979e-05)
+            p = p * x2 + np.float32(6.37261928875436e-04)
+            p = p * x2 + np.float32(4.89352455891786e-03)
+            q = np.float32(1.19825839466702e-06)
+            q = q * x2 + np.float32(1.18534705686654e-04)
+            q = q * x2 + np.float32(2.26843463243900e-03)
+            q = q * x2 + np.float32(4.89352518554385e-03)
+            return (p * v) / q
+
+        return impl
+    return lambda x: math.tanh(x)
+
+
+@overload(sigmoid_, inline="always", fastmath=True)
+def _sigmoid_ov(x):
+    if x == types.float32:
+        return lambda x: np.float32(0.5) * tanh_(np.float32(0.5) * x) + np.float32(0.5)
+    return lambda x: 1.0 / (1.0 + math.exp(-x))
+
+
+@inline
+def act(code, x, alpha, beta, zero, one):
+    """ONNX activation ``code`` of scalar x; alpha, beta, zero and one are in x's dtype (a float64
+    literal would promote float32 math to float64)."""
+    if code == SIGMOID:
+        return sigmoid_(x)
+    if code == TANH:
+        return tanh_(x)
+    if code == RELU:
+        return x if x > zero else zero
+    if code == AFFINE:
+        return alpha * x + beta
+    if code == LEAKYRELU:
+        return x if x >= zero else alpha * x
+    if code == THRESHOLDEDRELU:
+        return x if x > alpha else zero
+    if code == SCALEDTANH:
+        return alpha * tanh_(beta * x)
+    if code == HARDSIGMOID:
+        v = alpha * x + beta
+        v = v if v > zero else zero
+        return v if v < one else one
+    if code == ELU:
+        return x if x >= zero else alpha * (math.exp(x) - one)
+    if code == SOFTSIGN:
+        return x / (one + abs(x))
+    # SOFTPLUS
+    return math.log(one + math.exp(x))
+
+
+@inline
+def act_span(code, alpha, beta, zero, one, buf, row, start, length):
+    """buf[row, start:start+length] = act(buf[...]) in place; the switch sits outside the loops
+    so each case is a plain loop LLVM can vectorize."""
+    if code == SIGMOID:
+        for j in range(start, start + length):
+            buf[row, j] = sigmoid_(buf[row, j])
+    elif code == TANH:
+        for j in range(start, start + length):
+            buf[row, j] = tanh_(buf[row, j])
+    else:
+        for j in range(start, start + length):
+            buf[row, j] = act(code, buf[row, j], alpha, beta, zero, one)
+
+
+@inline
+def clip_span(clip, buf, row, start, length):
+    """Bound buf[row, start:start+length] to [-clip, clip] (ONNX ``clip``); NaN passes through."""
+    for j in range(start, start + length):
+        v = buf[row, j]
+        if v > clip:
+            v = clip
+        if v < -clip:
+            v = -clip
+        buf[row, j] = v
+
+
+@inline
+def flush(v, tiny):
+    """0 for subnormal |v|: a decaying state must not drop the loop onto the slow denormal path."""
+    return v if abs(v) >= tiny else v - v

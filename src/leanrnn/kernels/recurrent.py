@@ -1,0 +1,265 @@
+"""The recurrences: one numba kernel per cell runs every timestep of one (layer, direction).
+
+Per step, each unit block u (B units; all gates of those units are one contiguous slab of packed
+rows, see formats.packing) is one parallel task: it computes its gate pre-activations with the
+dot GEMM tile, then finishes the fused, in-place cell/hidden update for its units without waiting
+for the other blocks. Only two things need a barrier inside a step: the LSTM projection (needs
+the whole unprojected h) and the GRU n gate with linear_before_reset = 0 (needs r*h of all units).
+
+Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
+  xw:      [T*N, Gp] input projection with folded bias, time-major rows t*N + n
+  Rt:      [Gp, Kp]  packed recurrent weights;  K = real recurrent width (P or H)
+  h_a/h_b: [N, Kp]   state double buffer; h_a holds h0 on entry. The return value says which
+                     holds the final state (0: h_a, 1: h_b). Blocks read h_prev while others
+                     write h_next, so h cannot be updated in place; c can, and is.
+  c:       [N, Hp]   LSTM cell state, in/out
+  gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
+  lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after its length
+  y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
+           y_off..y_off+K. Steps past a sample's length are written as zeros.
+  acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
+  consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
+No argument may alias another, except that y may be read by nothing here.
+"""
+
+from __future__ import annotations
+
+from numba import prange
+
+from ..formats.packing import B
+from ._jit import inline, twins
+from ._math import act_span, clip_span, flush
+from .gemm import gemm_nt_block
+
+
+@inline
+def _yrow(t, n, N, y_bf_T):
+    return n * y_bf_T + t if y_bf_T > 0 else t * N + n
+
+
+@inline
+def _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero):
+    for n in range(N):
+        for t in range(lengths[n], T):
+            r = _yrow(t, n, N, y_bf_T)
+            for j in range(K):
+                y[r, y_off + j] = zero
+
+
+@inline
+def _add_span(dst, row, start, src, srow, length):
+    for j in range(length):
+        dst[row, start + j] += src[srow, start + j]
+
+
+def _lstm(
+    xw, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
+    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
+):  # fmt: skip
+    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
+    N = h_a.shape[0]
+    U = Rt.shape[0] // (4 * B)
+    H = hfull.shape[1]
+    Kout = P if P > 0 else K
+    af, ag, ah = acts[0], acts[1], acts[2]
+    alf, alg, alh = alphas[0], alphas[1], alphas[2]
+    bef, beg, beh = betas[0], betas[1], betas[2]
+    _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
+    hp = h_a
+    hn = h_b
+    parity = 0
+    for s in range(T):
+        for u in prange(U):
+            r0 = u * 4 * B
+            ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
+            c0 = u * B
+            gemm_nt_block(hp, 0, N, Rt, r0, r0 + 4 * B, K, gates, zero, 0, N)
+            for n in range(N):
+                L = lengths[n]
+                if s >= L:
+                    if P == 0:
+                        for j in range(c0, c0 + B):
+                            hn[n, j] = hp[n, j]
+                    continue
+                t = L - 1 - s if reverse else s
+                xr = t * N + n
+                _add_span(gates, n, r0, xw, xr, 4 * B)
+                if use_peep:
+                    for j in range(B):
+                        gates[n, ri + j] += peep[0, c0 + j] * c[n, c0 + j]
+                        gates[n, rf + j] += peep[1, c0 + j] * c[n, c0 + j]
+                if clip > zero:
+                    clip_span(clip, gates, n, ri, 3 * B)
+                act_span(af, alf, bef, zero, one, gates, n, ri, B)
+                if input_forget:
+                    for j in range(B):
+                        gates[n, rf + j] = one - gates[n, ri + j]
+                else:
+                    act_span(af, alf, bef, zero, one, gates, n, rf, B)
+                act_span(ag, alg, beg, zero, one, gates, n, rg, B)
+                for j in range(B):
+                    cc = gates[n, rf + j] * c[n, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
+                    c[n, c0 + j] = flush(cc, tiny)
+                if use_peep:
+                    for j in range(B):
+                        gates[n, ro + j] += peep[2, c0 + j] * c[n, c0 + j]
+                if clip > zero:
+                    clip_span(clip, gates, n, ro, B)
+                act_span(af, alf, bef, zero, one, gates, n, ro, B)
+                # The g slot is free now: reuse it for h(c).
+                for j in range(B):
+                    gates[n, rg + j] = c[n, c0 + j]
+                act_span(ah, alh, beh, zero, one, gates, n, rg, B)
+                if P == 0:
+                    for j in range(B):
+                        hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny)
+                    yr = _yrow(t, n, N, y_bf_T)
+                    for j in range(min(B, K - c0)):
+                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+                else:
+                    for j in range(B):
+                        hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
+        if P > 0:
+            for pb in prange(proj.shape[0] // 4):
+                p0 = pb * 4
+                gemm_nt_block(hfull, 0, N, proj, p0, p0 + 4, H, hn, zero, 0, N)
+                for n in range(N):
+                    L = lengths[n]
+                    if s >= L:
+                        for p in range(p0, p0 + 4):
+                            hn[n, p] = hp[n, p]
+                        continue
+                    t = L - 1 - s if reverse else s
+                    yr = _yrow(t, n, N, y_bf_T)
+                    for p in range(p0, min(p0 + 4, P)):
+                        v = flush(hn[n, p], tiny)
+                        hn[n, p] = v
+                        y[yr, y_off + p] = v
+        hp, hn = hn, hp
+        parity = 1 - parity
+    return parity
+
+
+def _gru(
+    xw, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
+    y, y_off, y_bf_T, acts, alphas, betas, consts,
+):  # fmt: skip
+    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
+    N = h_a.shape[0]
+    U = Rt.shape[0] // (3 * B)
+    af, ag = acts[0], acts[1]
+    alf, alg = alphas[0], alphas[1]
+    bef, beg = betas[0], betas[1]
+    _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
+    hp = h_a
+    hn = h_b
+    parity = 0
+    for s in range(T):
+        for u in prange(U):
+            r0 = u * 3 * B
+            rz, rr, rn = r0, r0 + B, r0 + 2 * B
+            c0 = u * B
+            gemm_nt_block(hp, 0, N, Rt, r0, r0 + (3 if linear_before_reset else 2) * B, K,
+                          gates, zero, 0, N)  # fmt: skip
+            for n in range(N):
+                L = lengths[n]
+                if s >= L:
+                    if linear_before_reset:
+                        for j in range(c0, c0 + B):
+                            hn[n, j] = hp[n, j]
+                    continue
+                t = L - 1 - s if reverse else s
+                xr = t * N + n
+                _add_span(gates, n, rz, xw, xr, 2 * B)
+                if clip > zero:
+                    clip_span(clip, gates, n, rz, 2 * B)
+                act_span(af, alf, bef, zero, one, gates, n, rz, 2 * B)
+                if linear_before_reset:
+                    for j in range(B):
+                        gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
+                            gates[n, rn + j] + rb[rn + j]
+                        )
+                    if clip > zero:
+                        clip_span(clip, gates, n, rn, B)
+                    act_span(ag, alg, beg, zero, one, gates, n, rn, B)
+                    for j in range(B):
+                        z = gates[n, rz + j]
+                        hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
+                        hn[n, c0 + j] = flush(hv, tiny)
+                    yr = _yrow(t, n, N, y_bf_T)
+                    for j in range(min(B, K - c0)):
+                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+                else:
+                    for j in range(B):
+                        rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
+        if not linear_before_reset:
+            for u in prange(U):
+                r0 = u * 3 * B
+                rz, rn = r0, r0 + 2 * B
+                c0 = u * B
+                gemm_nt_block(rh, 0, N, Rt, rn, rn + B, K, gates, zero, 0, N)
+                for n in range(N):
+                    L = lengths[n]
+                    if s >= L:
+                        for j in range(c0, c0 + B):
+                            hn[n, j] = hp[n, j]
+                        continue
+                    t = L - 1 - s if reverse else s
+                    xr = t * N + n
+                    _add_span(gates, n, rn, xw, xr, B)
+                    if clip > zero:
+                        clip_span(clip, gates, n, rn, B)
+                    act_span(ag, alg, beg, zero, one, gates, n, rn, B)
+                    for j in range(B):
+                        z = gates[n, rz + j]
+                        hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
+                        hn[n, c0 + j] = flush(hv, tiny)
+                    yr = _yrow(t, n, N, y_bf_T)
+                    for j in range(min(B, K - c0)):
+                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+        hp, hn = hn, hp
+        parity = 1 - parity
+    return parity
+
+
+def _rnn(
+    xw, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
+    consts,
+):  # fmt: skip
+    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
+    N = h_a.shape[0]
+    U = Rt.shape[0] // B
+    af, alf, bef = acts[0], alphas[0], betas[0]
+    _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
+    hp = h_a
+    hn = h_b
+    parity = 0
+    for s in range(T):
+        for u in prange(U):
+            r0 = u * B
+            gemm_nt_block(hp, 0, N, Rt, r0, r0 + B, K, gates, zero, 0, N)
+            for n in range(N):
+                L = lengths[n]
+                if s >= L:
+                    for j in range(r0, r0 + B):
+                        hn[n, j] = hp[n, j]
+                    continue
+                t = L - 1 - s if reverse else s
+                xr = t * N + n
+                _add_span(gates, n, r0, xw, xr, B)
+                if clip > zero:
+                    clip_span(clip, gates, n, r0, B)
+                act_span(af, alf, bef, zero, one, gates, n, r0, B)
+                for j in range(B):
+                    hn[n, r0 + j] = flush(gates[n, r0 + j], tiny)
+                yr = _yrow(t, n, N, y_bf_T)
+                for j in range(min(B, K - r0)):
+                    y[yr, y_off + r0 + j] = hn[n, r0 + j]
+        hp, hn = hn, hp
+        parity = 1 - parity
+    return parity
+
+
+lstm_serial, lstm_parallel = twins(_lstm)
+gru_serial, gru_parallel = twins(_gru)
+rnn_serial, rnn_parallel = twins(_rnn)

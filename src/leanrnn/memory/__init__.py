@@ -1,0 +1,1 @@
+"""Memory: one aligned buffer with typed views (arena) and lifetimes -> offsets (planner)."""

@@ -1,0 +1,213 @@
+"""PyTorch-compatible modules on the engine: ``LSTM``, ``GRU``, ``RNN`` and the general ``Model``.
+
+    >>> import numpy as np, leanrnn
+    >>> lstm = leanrnn.LSTM(8, 16, num_layers=2, seed=0)
+    >>> y, (h_n, c_n) = lstm(np.zeros((5, 3, 8), np.float32))   # [T, N, C] -> [T, N, H]
+    >>> y.shape, h_n.shape
+    ((5, 3, 16), (2, 3, 16))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .engine import Session
+from .errors import DTypeError, SpecError
+from .formats import torch_format
+from .formats.packing import PackedWeights, pack
+from .spec import Activation, RNNSpec
+
+
+class Model:
+    """A runnable recurrent stack: spec + packed weights + a lazily planned Session.
+
+    ``model(x, hx=None, lengths=None)`` returns ``(y, h_n)`` (GRU/RNN) or ``(y, (h_n, c_n))``
+    (LSTM), like torch.nn. ``x`` may be [T, N, C] (or [N, T, C] with batch_first) or unbatched
+    [T, C], in which case the batch dimension is dropped from the outputs too.
+    """
+
+    def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
+        self.weights = weights
+        self.session = Session(weights, threads=threads)
+
+    # -- description
+    @property
+    def spec(self) -> RNNSpec:
+        return self.weights.spec
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.weights.dtype
+
+    def __repr__(self) -> str:
+        s = self.spec
+        extra = f", proj_size={s.proj_size}" if s.proj_size else ""
+        return (
+            f"{type(self).__name__}({s.input_size}, {s.hidden_size}, num_layers={s.num_layers}, "
+            f"direction={s.direction!r}, batch_first={s.batch_first}{extra}, dtype={self.dtype})"
+        )
+
+    # -- running
+    def forward(self, x, hx=None, lengths=None, out=None):
+        spec = self.spec
+        unbatched = isinstance(x, np.ndarray) and x.ndim == 2
+        if unbatched:
+            x = x[None] if spec.batch_first else x[:, None]
+        h0 = c0 = None
+        if hx is not None:
+            if spec.cell == "lstm":
+                if not isinstance(hx, tuple | list) or len(hx) != 2:
+                    raise SpecError(f"[{type(self).__name__}] hx must be a tuple (h0, c0) for LSTM")
+                h0, c0 = hx
+            else:
+                h0 = hx
+            if unbatched:
+                h0 = h0[:, None] if isinstance(h0, np.ndarray) else h0
+                c0 = c0[:, None] if isinstance(c0, np.ndarray) else c0
+        y, h_n, c_n = self.session.run(x, h0, c0, lengths, out=out)
+        if unbatched:
+            y = y[0] if spec.batch_first else y[:, 0]
+            h_n = h_n[:, 0]
+            c_n = c_n[:, 0] if c_n is not None else None
+        return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
+
+    __call__ = forward
+
+    # -- weights in and out
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """PyTorch-named parameters (numpy arrays) — ``torch_module.load_state_dict`` takes them
+        after ``torch.from_numpy``."""
+        return torch_format.to_state_dict(self.spec, self.weights.unpack())
+
+    def astype(self, dtype) -> Model:
+        """A copy with weights in ``dtype`` (float32 or float64)."""
+        return type(self)._from_packed(pack(self.spec, self.weights.unpack(), dtype))
+
+    @classmethod
+    def _from_packed(cls, weights: PackedWeights, threads: int | None = None) -> Model:
+        obj = cls.__new__(cls)
+        Model.__init__(obj, weights, threads)
+        return obj
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict, *, cell: str | None = None,
+                        nonlinearity: str = "tanh", batch_first: bool = False,
+                        dtype=None) -> Model:  # fmt: skip
+        """Build from a PyTorch-named dict of arrays (numpy or torch tensors on the CPU).
+
+        The cell and sizes are read off the weight shapes; ``dtype`` defaults to the weights'
+        float dtype (float32 or float64)."""
+        sd = {k: _to_numpy(v) for k, v in state_dict.items()}
+        cell = cell or getattr(cls, "_cell", None)
+        spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)
+        if dtype is None:
+            dtype = sd["weight_ih_l0"].dtype
+            if dtype not in (np.float32, np.float64):
+                raise DTypeError(
+                    f"[from_state_dict] weights have dtype {dtype}; pass dtype=np.float32 or "
+                    "np.float64 to convert explicitly"
+                )
+        weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
+        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if cls is Model else cls
+        return target._from_packed(weights)
+
+    @classmethod
+    def from_torch(cls, module, dtype=None) -> Model:
+        """Copy a torch.nn.LSTM/GRU/RNN (imports torch only here)."""
+        spec, sd = torch_format.from_torch_module(module)
+        dtype = dtype or sd["weight_ih_l0"].dtype
+        weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
+        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell]
+        return target._from_packed(weights)
+
+
+def _to_numpy(v) -> np.ndarray:
+    if isinstance(v, np.ndarray):
+        return v
+    if hasattr(v, "detach"):  # a torch tensor; no torch import needed
+        return v.detach().cpu().numpy()
+    return np.asarray(v)
+
+
+class _TorchLike(Model):
+    _cell = "rnn"
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
+                 batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
+                 proj_size: int = 0, *, nonlinearity: str = "tanh", dtype=np.float32,
+                 seed: int | None = None, threads: int | None = None) -> None:  # fmt: skip
+        if dropout:
+            raise SpecError(
+                f"[{type(self).__name__}] dropout={dropout}: leanrnn runs inference only; "
+                "dropout is identity there, pass 0"
+            )
+        acts = None
+        if self._cell == "rnn":
+            if nonlinearity not in ("tanh", "relu"):
+                raise SpecError(f"[RNN] nonlinearity={nonlinearity!r}; expected 'tanh' or 'relu'")
+            acts = ((Activation.make(nonlinearity),),) * (2 if bidirectional else 1)
+        spec = RNNSpec(
+            self._cell, input_size, hidden_size, num_layers=num_layers,
+            direction="bidirectional" if bidirectional else "forward", proj_size=proj_size,
+            bias=bias, batch_first=batch_first, activations=acts,
+        )  # fmt: skip
+        # PyTorch's initialisation: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)).
+        rng = np.random.default_rng(seed)
+        k = 1.0 / np.sqrt(hidden_size)
+        sd = {
+            key: rng.uniform(-k, k, size=_param_shape(spec, key)).astype(dtype)
+            for key in torch_format.expected_keys(spec)
+        }
+        super().__init__(pack(spec, torch_format.from_state_dict(spec, sd), dtype), threads)
+
+
+def _param_shape(spec: RNNSpec, key: str) -> tuple[int, ...]:
+    layer = int(key.split("_l")[1].split("_")[0])
+    G, H, K = spec.gate_width, spec.hidden_size, spec.output_size
+    if key.startswith("weight_ih"):
+        return (G, spec.layer_input_size(layer))
+    if key.startswith("weight_hh"):
+        return (G, K)
+    if key.startswith("weight_hr"):
+        return (spec.proj_size, H)
+    return (G,)
+
+
+class LSTM(_TorchLike):
+    """torch.nn.LSTM on leanrnn: ``LSTM(input_size, hidden_size, num_layers=1, bias=True,
+    batch_first=False, dropout=0.0, bidirectional=False, proj_size=0)``; call returns
+    ``(y, (h_n, c_n))``; ``lengths=`` gives per-sample lengths (packed-sequence semantics)."""
+
+    _cell = "lstm"
+
+
+class GRU(_TorchLike):
+    """torch.nn.GRU on leanrnn (linear_before_reset, like PyTorch); call returns ``(y, h_n)``."""
+
+    _cell = "gru"
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("proj_size"):
+            raise SpecError("[GRU] proj_size is only defined for LSTM")
+        super().__init__(*args, **kwargs)
+
+
+class RNN(_TorchLike):
+    """torch.nn.RNN on leanrnn (``nonlinearity='tanh'`` or ``'relu'``); returns ``(y, h_n)``."""
+
+    _cell = "rnn"
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("proj_size"):
+            raise SpecError("[RNN] proj_size is only defined for LSTM")
+        super().__init__(*args, **kwargs)
+
+
+def from_torch(module, dtype=None) -> Model:
+    """Copy a torch.nn.LSTM/GRU/RNN into the matching leanrnn module."""
+    return Model.from_torch(module, dtype)
+
+
+def from_state_dict(state_dict: dict, **kwargs) -> Model:
+    """Build from a PyTorch-named state dict; see ``Model.from_state_dict``."""
+    return Model.from_state_dict(state_dict, **kwargs)
