@@ -35,14 +35,22 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
     if len(w_ih) != 2 or len(w_hh) != 2:
         raise WeightsError(f"[from_state_dict] weight_ih_l0 {w_ih}, weight_hh_l0 {w_hh}: expected 2-D")
     G, C = w_ih
-    K = w_hh[1]
     proj = np.shape(sd["weight_hr_l0"])[0] if "weight_hr_l0" in sd else 0
-    H = np.shape(sd["weight_hr_l0"])[1] if proj else K
     if cell is None:
+        H = np.shape(sd["weight_hr_l0"])[1] if proj else w_hh[1]
         ratios = {4: "lstm", 3: "gru", 1: "rnn"}
-        if G % H or G // H not in ratios:
+        if H == 0 or G % H or G // H not in ratios:
             raise WeightsError(f"[from_state_dict] gate width {G} is not 4H, 3H or H for H={H}")
         cell = ratios[G // H]
+    else:
+        # The cell fixes the gate count, so the input weights' rows give H; every other shape
+        # is then checked against it (with a message naming the tensor that disagrees).
+        ng = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
+        if G % ng:
+            raise WeightsError(
+                f"[from_state_dict] weight_ih_l0 has {G} rows; a {cell.upper()} needs a multiple of {ng}"
+            )
+        H = G // ng
     layers = 1 + max(int(m.group(2)) for k in sd if (m := _KEY.match(k)))
     bidir = "weight_ih_l0_reverse" in sd
     acts = None

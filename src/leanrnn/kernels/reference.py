@@ -238,7 +238,9 @@ def layers_from_torch(module) -> tuple[RNNSpec, list[list[LayerWeights]]]:
     elif isinstance(module, torch.nn.RNN):
         cell = "rnn"
     else:
-        raise SpecError(f"[layers_from_torch] expected nn.LSTM/GRU/RNN, got {type(module).__name__}")
+        raise SpecError(
+            f"[layers_from_torch] expected nn.LSTM/GRU/RNN, got {type(module).__name__}"
+        )
     D = 2 if module.bidirectional else 1
     activations = None
     if cell == "rnn" and module.nonlinearity == "relu":

@@ -1,0 +1,7 @@
+"""``python -m leanrnn`` is the ``leanrnn`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

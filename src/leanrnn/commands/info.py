@@ -1,0 +1,108 @@
+"""``leanrnn info``: version, threads, BLAS, CPU features, numba cache, first-compile cost."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="describe this machine and the leanrnn install")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="measure the one-time compile cost on a cold numba cache (takes ~1 minute)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+
+
+def _cpu_features() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    keep = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16",
+                            "avx512_vnni", "amx_tile")  # fmt: skip
+                    return [f for f in keep if f in flags]
+    except OSError:
+        pass
+    return []
+
+
+def _time_first_run(cache_dir: str | None) -> float:
+    """Seconds for `import leanrnn` + the first run of a default LSTM, in a fresh process."""
+    code = (
+        "import time; t=time.perf_counter(); import numpy as np, leanrnn; "
+        "m=leanrnn.LSTM(64, 128, seed=0); m(np.zeros((10, 1, 64), np.float32)); "
+        "print(time.perf_counter()-t)"
+    )
+    env = dict(os.environ)
+    if cache_dir:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def collect(measure_compile: bool) -> dict:
+    import numba
+    import numpy as np
+    from threadpoolctl import threadpool_info
+
+    import leanrnn
+    from leanrnn import config
+
+    info = {
+        "leanrnn": leanrnn.__version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_features": _cpu_features(),
+        "cores_seen_by_numba": int(numba.config.NUMBA_NUM_THREADS),
+        "threads": config.get_num_threads(),
+        "threading_layer": _threading_layer(),
+        "blas": [
+            {k: d.get(k) for k in ("internal_api", "version", "num_threads", "architecture")}
+            for d in threadpool_info()
+            if d.get("user_api") == "blas"
+        ],
+        "numba_cache_dir": config.numba_cache_dir(),
+        "warm_start_seconds": round(_time_first_run(None), 3),
+    }
+    if measure_compile:
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            info["cold_compile_seconds"] = round(_time_first_run(d), 1)
+            info["cold_compile_wall_seconds"] = round(time.perf_counter() - t0, 1)
+    return info
+
+
+def _threading_layer() -> str:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet: report what numba would pick
+        return f"not started (configured: {numba.config.THREADING_LAYER})"
+
+
+def run(args) -> int:
+    info = collect(args.compile)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for k, v in info.items():
+        print(f"{k:22s} {v}")
+    if not args.compile:
+        print(f"{'cold_compile_seconds':22s} (run `leanrnn info --compile` to measure)")
+    return 0
