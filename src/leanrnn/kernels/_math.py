@@ -14,7 +14,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ._jit import inline
+from ._jit import inline, jit
 
 # Activation codes (spec.ACTIVATIONS order).
 SIGMOID, TANH, RELU, AFFINE, LEAKYRELU, THRESHOLDEDRELU = 0, 1, 2, 3, 4, 5
@@ -35,11 +35,8 @@ def _tanh_ov(x):
 
         def impl(x):
             # Clamp with comparisons (not min/max) so NaN passes through untouched.
-            v = x
-            if v > np.float32(9.0):
-                v = np.float32(9.0)
-            if v < np.float32(-9.0):
-                v = np.float32(-9.0)
+            a = np.float32(9.0) if x > np.float32(9.0) else x
+            v = np.float32(-9.0) if a < np.float32(-9.0) else a
             x2 = v * v
             p = np.float32(-2.76076847742355e-16)
             p = p * x2 + np.float32(2.00018790482477e-13)
@@ -65,7 +62,7 @@ def _sigmoid_ov(x):
     return lambda x: 1.0 / (1.0 + math.exp(-x))
 
 
-@inline
+@jit
 def act(code, x, alpha, beta, zero, one):
     """ONNX activation ``code`` of scalar x; alpha, beta, zero and one are in x's dtype (a float64
     literal would promote float32 math to float64)."""
@@ -91,8 +88,8 @@ def act(code, x, alpha, beta, zero, one):
         return x if x >= zero else alpha * (math.exp(x) - one)
     if code == SOFTSIGN:
         return x / (one + abs(x))
-    # SOFTPLUS
-    return math.log(one + math.exp(x))
+    # SOFTPLUS, in the form that cannot overflow: max(x, 0) + log1p(exp(-|x|))
+    return (x if x > zero else zero) + math.log1p(math.exp(-abs(x)))
 
 
 @inline

@@ -1,0 +1,151 @@
+"""``leanrnn bench``: the command-line front of the harness (``register`` is called by
+``leanrnn.cli``). Heavy imports happen inside ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EPILOG = """\
+default suite: LSTM and GRU, single layer, input = hidden, H in {128, 512, 1024}; (N=1, T=100),
+(N=64, T=100), (N=1, T=1000); streaming (N=1, 100 single steps, state carried); 1 and 2
+threads; every installed engine. Writes results.json (raw samples), report.md and PNG plots to
+--out. Each (engine, config) runs in a fresh process; expect tens of minutes for the full suite.
+
+examples:
+  leanrnn bench --quick
+  leanrnn bench --engines leanrnn,onnxruntime,torch --cells lstm --hidden 512 --threads 1
+  leanrnn bench --seed-table
+  leanrnn bench --from-json bench-results/results.json     # re-render the report only
+"""
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in s.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected positive integers, e.g. 1,2")
+    return vals
+
+
+def _names(s: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in s.split(",") if v.strip())
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="speed and memory side by side with numpy, torch, onnxruntime and MNN",
+        description="Benchmark leanrnn against the engines users would pick instead, on the "
+        "same weights and inputs, speed and memory together.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="small subset (LSTM+GRU, H 128/512, N=1 T=100 and streaming, 1 thread)")
+    p.add_argument("--seed-table", action="store_true",
+                   help="only what the seed's table needs: LSTM H=512, N=1, 1 thread")
+    p.add_argument("--engines", type=_names,
+                   help="comma list of engine names (see --list-engines) or module:Class")
+    p.add_argument("--cells", type=_names, help="comma list: lstm,gru")
+    p.add_argument("--hidden", type=_ints, help="hidden sizes, e.g. 128,512,1024")
+    p.add_argument("--batch", type=_ints,
+                   help="batch sizes; with --steps replaces the default (N, T) shapes")
+    p.add_argument("--steps", type=_ints, help="sequence lengths T for the full-sequence runs")
+    p.add_argument("--stream-steps", type=int,
+                   help="steps of the streaming config (default 100; 0 = no streaming rows)")
+    p.add_argument("--threads", type=_ints, help="thread counts, e.g. 1,2")
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="output directory (default: ./bench-results)")
+    p.add_argument("--repeats", type=int, help="max timed samples per row (default 15)")
+    p.add_argument("--warmup", type=int, help="warm-up runs per row (default 3)")
+    p.add_argument("--max-time", type=float,
+                   help="seconds of sampling per row before repeats are cut (default 3)")
+    p.add_argument("--timeout", type=float, help="seconds before a row's child is killed")
+    p.add_argument("--no-memray", action="store_true", help="skip the native heap figures")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM measurement")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument("--from-json", type=Path, metavar="FILE",
+                   help="re-render report.md and plots from a saved results.json; runs nothing")
+    p.add_argument("--list-engines", action="store_true",
+                   help="list engines and whether they can run here")
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def options_from_args(args):
+    """The harness Options for parsed ``args`` (``--quick`` / ``--seed-table`` as the base,
+    explicit flags on top)."""
+    from .harness import Options
+    from .report import SEED_ENGINES
+
+    kw: dict = {"out": args.out}
+    if args.seed_table:
+        base = Options(
+            engines=SEED_ENGINES, cells=("lstm",), hidden=(512,), shapes=((1, 100),),
+            threads=(1,), stream_steps=100, out=args.out,
+        )  # fmt: skip
+    elif args.quick:
+        base = Options.quick(out=args.out)
+    else:
+        base = Options(out=args.out)
+    if args.engines:
+        kw["engines"] = args.engines
+    if args.cells:
+        bad = [c for c in args.cells if c not in ("lstm", "gru")]
+        if bad:
+            raise SystemExit(f"leanrnn bench: --cells {','.join(bad)}: expected lstm and/or gru")
+        kw["cells"] = args.cells
+    if args.hidden:
+        kw["hidden"] = args.hidden
+    if args.batch or args.steps:
+        kw["shapes"] = tuple((n, t) for n in (args.batch or (1,)) for t in (args.steps or (100,)))
+    if args.stream_steps is not None:
+        kw["stream_steps"] = args.stream_steps
+    if args.threads:
+        kw["threads"] = args.threads
+    for flag, name in (("repeats", "repeats"), ("warmup", "warmup"), ("max_time", "max_time_s"),
+                       ("timeout", "timeout_s")):  # fmt: skip
+        if getattr(args, flag) is not None:
+            kw[name] = getattr(args, flag)
+    if args.no_memray:
+        kw["memray"] = False
+    if args.no_bandwidth:
+        kw["bandwidth"] = False
+    return base.__class__(**(base.__dict__ | kw))
+
+
+def run(args) -> int:
+    from . import report
+
+    if args.list_engines:
+        from .engines import ENGINES
+
+        for name, cls in ENGINES.items():
+            why = cls.unavailable()
+            print(f"{name:<15} {'ok' if why is None else why:<28} {cls.description}")
+        return 0
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        out = args.out if args.out != Path("bench-results") else args.from_json.parent
+    else:
+        from .harness import run_suite
+
+        opts = options_from_args(args)
+        results = run_suite(opts, progress=not args.no_progress)
+        out = opts.out
+    files = report.write(results, out, plots=not args.no_plots)
+    if args.seed_table:
+        print(report.seed_table(results))
+    else:
+        print(report.latency_table(results))
+        print("\nWhere leanrnn is not yet the best:")
+        for line in report.summary(results) or ["nowhere in this run"]:
+            print(f"- {line}")
+    print(f"\nresults: {Path(out) / 'results.json'}")
+    for name, path in files.items():
+        print(f"{name}: {path}")
+    return 0

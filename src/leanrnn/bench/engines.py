@@ -1,0 +1,468 @@
+"""The engines a user would pick instead of leanrnn, behind one small interface.
+
+An engine is created in a fresh child process with the thread count already in the environment
+(see ``harness``); ``__init__`` imports its library and applies the thread setting, ``load`` builds
+the model (counted in the cold figure), ``forward`` runs the whole sequence, ``stream`` runs it one
+step per call with the state carried. Both return ``(y [T, N, H], h_n [1, N, H], c_n or None)``
+as NumPy arrays; they may be views of engine-owned buffers, valid until the next call.
+
+Engines are looked up by name in ``ENGINES``, or as ``"package.module:Class"`` for your own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from .problem import Problem
+
+
+class Engine:
+    """Base class. Subclasses set ``name``, ``requires`` (modules that must be importable) and
+    ``files`` (model files the harness prepares: ``"onnx"``, ``"mnn"``)."""
+
+    name = "?"
+    description = ""
+    requires: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this engine cannot run here, or None. Looks modules up without importing them."""
+        missing = [m for m in cls.requires if importlib.util.find_spec(m) is None]
+        return f"not installed: {', '.join(missing)}" if missing else None
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def thread_info(self) -> dict:
+        """What the library reports about its threads, for the JSON (proof of enforcement)."""
+        return {}
+
+    def load(self, p: Problem, files: dict[str, str]) -> None:
+        raise NotImplementedError
+
+    def forward(self):
+        raise NotImplementedError
+
+    def stream(self, steps: int):
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------- leanrnn
+class LeanRNN(Engine):
+    name = "leanrnn"
+    description = "leanrnn Session.run(..., out=...): no allocation per call"
+    requires = ("leanrnn", "numba")
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        import leanrnn
+
+        self._lr = leanrnn
+        leanrnn.set_num_threads(threads)
+
+    def thread_info(self) -> dict:
+        import numba
+
+        return {"leanrnn": self._lr.get_num_threads(), "numba": numba.get_num_threads()}
+
+    def load(self, p: Problem, files) -> None:
+        cfg = p.config
+        self.p = p
+        self.model = self._lr.Model.from_state_dict(p.sd)
+        self.session = self.model.session
+        lstm = cfg.cell == "lstm"
+        # Every output buffer allocated once, here; run(..., out=...) then allocates nothing.
+        self.y = np.empty((cfg.T, cfg.N, cfg.H), np.float32)
+        self.h_n = np.empty((1, cfg.N, cfg.H), np.float32)
+        self.c_n = np.empty((1, cfg.N, cfg.H), np.float32) if lstm else None
+        self.out = (self.y, self.h_n, self.c_n) if lstm else (self.y, self.h_n)
+        # Streaming: state ping-pongs between two buffers; y_t is written straight into y.
+        self.h = [np.empty_like(self.h_n), np.empty_like(self.h_n)]
+        self.c = [np.empty_like(self.h_n), np.empty_like(self.h_n)] if lstm else [None, None]
+        self.y_steps = [self.y[t : t + 1] for t in range(cfg.T)]
+        self.x_steps = [p.x[t : t + 1] for t in range(cfg.T)]
+
+    def forward(self):
+        self.session.run(self.p.x, self.p.h0, self.p.c0, None, out=self.out)
+        return self.y, self.h_n, self.c_n
+
+    def stream(self, steps: int):
+        h, c = self.h, self.c
+        h[0][...] = self.p.h0
+        if c[0] is not None:
+            c[0][...] = self.p.c0
+        for t in range(steps):
+            a, b = t & 1, (t + 1) & 1
+            self._step(self.x_steps[t], h[a], c[a], self.y_steps[t], h[b], c[b])
+        last = steps & 1
+        return self.y[:steps], h[last], c[last]
+
+    def _step(self, x_t, h_in, c_in, y_t, h_out, c_out) -> None:
+        # STREAMING SWITCH POINT: when Session.stream (issue 4) lands, replace this call with
+        # ``self._stream.feed(x_t)`` on a stream opened in ``load`` (batch=N), and read the state
+        # from ``self._stream.state`` in ``stream``. Until then: one run() per step, T=1, state
+        # carried through h0/c0 and out= buffers, which allocates nothing either.
+        out = (y_t, h_out, c_out) if c_out is not None else (y_t, h_out)
+        self.session.run(x_t, h_in, c_in, None, out=out)
+
+
+# --------------------------------------------------------------------------------- NumPy
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+class NumpyNaive(Engine):
+    """What people write first: a per-step loop, both products every step, fresh arrays."""
+
+    name = "numpy-naive"
+    description = "NumPy per-step loop, new arrays every step"
+    requires = ("numpy",)
+
+    def load(self, p: Problem, files) -> None:
+        self.p = p
+        self.W, self.R = p.sd["weight_ih_l0"], p.sd["weight_hh_l0"]
+        self.b_ih, self.b_hh = p.sd["bias_ih_l0"], p.sd["bias_hh_l0"]
+
+    def _step(self, x, h, c):
+        H = self.p.config.H
+        gi = x @ self.W.T + self.b_ih
+        gh = h @ self.R.T + self.b_hh
+        if c is not None:
+            g = gi + gh
+            i, f, gg, o = g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H], g[:, 3 * H :]
+            c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(gg)
+            h = _sigmoid(o) * np.tanh(c)
+            return h, c
+        r = _sigmoid(gi[:, :H] + gh[:, :H])
+        z = _sigmoid(gi[:, H : 2 * H] + gh[:, H : 2 * H])
+        n = np.tanh(gi[:, 2 * H :] + r * gh[:, 2 * H :])
+        return (1 - z) * n + z * h, None
+
+    def _run(self, steps: int):
+        p = self.p
+        h = p.h0[0]
+        c = p.c0[0] if p.c0 is not None else None
+        ys = []
+        for t in range(steps):
+            h, c = self._step(p.x[t], h, c)
+            ys.append(h)
+        return np.stack(ys), h[None], (c[None] if c is not None else None)
+
+    def forward(self):
+        return self._run(self.p.config.T)
+
+    def stream(self, steps: int):
+        return self._run(steps)  # it already is one call per step
+
+
+class NumpyPrealloc(Engine):
+    """The careful NumPy version: input projection for all steps as one GEMM, every buffer
+    allocated once, nonlinearities in place (``out=``)."""
+
+    name = "numpy-prealloc"
+    description = "NumPy, hoisted input GEMM, preallocated in-place buffers"
+    requires = ("numpy",)
+
+    def load(self, p: Problem, files) -> None:
+        cfg = p.config
+        T, N, H, G = cfg.T, cfg.N, cfg.H, cfg.G
+        self.p = p
+        self.Wt = np.ascontiguousarray(p.sd["weight_ih_l0"].T)  # [C, G]
+        self.Rt = np.ascontiguousarray(p.sd["weight_hh_l0"].T)  # [H, G]
+        self.b_ih, self.b_hh = p.sd["bias_ih_l0"], p.sd["bias_hh_l0"]
+        lstm = cfg.cell == "lstm"
+        # LSTM folds both biases into the projection; GRU must keep b_hn inside r * (...).
+        self.b_x = self.b_ih + self.b_hh if lstm else self.b_ih.copy()
+        if not lstm:
+            self.b_x[: 2 * H] += self.b_hh[: 2 * H]
+        self.xw = np.empty((T, N, G), np.float32)
+        self.gh = np.empty((N, G), np.float32)
+        self.tmp = np.empty((N, H), np.float32)
+        self.y = np.empty((T, N, H), np.float32)
+        self.h = np.empty((N, H), np.float32)
+        self.c = np.empty((N, H), np.float32) if lstm else None
+        self.xw1 = np.empty((1, N, G), np.float32)
+
+    @staticmethod
+    def _sigmoid_(a) -> None:
+        np.negative(a, out=a)
+        np.exp(a, out=a)
+        a += 1.0
+        np.reciprocal(a, out=a)
+
+    def _recur(self, xw_t, y_t) -> None:
+        H, h, c, gh, tmp = self.p.config.H, self.h, self.c, self.gh, self.tmp
+        np.matmul(h, self.Rt, out=gh)
+        if c is not None:
+            gh += xw_t
+            i, f, g, o = gh[:, :H], gh[:, H : 2 * H], gh[:, 2 * H : 3 * H], gh[:, 3 * H :]
+            self._sigmoid_(gh[:, :H])
+            self._sigmoid_(gh[:, H : 2 * H])
+            self._sigmoid_(o)
+            np.tanh(g, out=g)
+            c *= f
+            np.multiply(i, g, out=tmp)
+            c += tmp
+            np.tanh(c, out=tmp)
+            np.multiply(o, tmp, out=h)
+        else:
+            gh[:, 2 * H :] += self.b_hh[2 * H :]
+            rz = gh[:, : 2 * H]
+            rz += xw_t[:, : 2 * H]
+            self._sigmoid_(rz)
+            r, z, n = gh[:, :H], gh[:, H : 2 * H], gh[:, 2 * H :]
+            n *= r
+            n += xw_t[:, 2 * H :]
+            np.tanh(n, out=n)
+            # h = n + z * (h - n)
+            h -= n
+            h *= z
+            h += n
+        y_t[...] = h
+
+    def _reset(self) -> None:
+        self.h[...] = self.p.h0[0]
+        if self.c is not None:
+            self.c[...] = self.p.c0[0]
+
+    def _state(self):
+        return self.h[None], (self.c[None] if self.c is not None else None)
+
+    def forward(self):
+        p = self.p
+        T, N, C = p.x.shape
+        np.matmul(p.x.reshape(T * N, C), self.Wt, out=self.xw.reshape(T * N, -1))
+        self.xw += self.b_x
+        self._reset()
+        for t in range(T):
+            self._recur(self.xw[t], self.y[t])
+        return (self.y, *self._state())
+
+    def stream(self, steps: int):
+        self._reset()
+        xw = self.xw1[0]
+        for t in range(steps):
+            np.matmul(self.p.x[t], self.Wt, out=xw)
+            xw += self.b_x
+            self._recur(xw, self.y[t])
+        return (self.y[:steps], *self._state())
+
+
+# --------------------------------------------------------------------------------- torch
+class Torch(Engine):
+    name = "torch"
+    description = "torch.nn.LSTM/GRU in inference_mode, default (oneDNN) path"
+    requires = ("torch",)
+    onednn = True
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        import torch
+
+        self.torch = torch
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(1)
+        if not self.onednn:
+            # Entered once for the life of the child process: no per-call context overhead.
+            self._flags = torch.backends.mkldnn.flags(enabled=False)
+            self._flags.__enter__()
+
+    def thread_info(self) -> dict:
+        t = self.torch
+        return {
+            "torch": t.get_num_threads(),
+            "torch_interop": t.get_num_interop_threads(),
+            "mkldnn_enabled": bool(t.backends.mkldnn.enabled),
+        }
+
+    def load(self, p: Problem, files) -> None:
+        torch, cfg = self.torch, p.config
+        cls = torch.nn.LSTM if cfg.cell == "lstm" else torch.nn.GRU
+        self.m = cls(cfg.C, cfg.H).eval()
+        with torch.no_grad():
+            self.m.load_state_dict({k: torch.from_numpy(v) for k, v in p.sd.items()})
+        self.p = p
+        self.x = torch.from_numpy(p.x)
+        self.x_steps = [self.x[t : t + 1] for t in range(cfg.T)]
+        self.h0 = torch.from_numpy(p.h0)
+        self.c0 = torch.from_numpy(p.c0) if p.c0 is not None else None
+        self.y = np.empty((cfg.T, cfg.N, cfg.H), np.float32)
+
+    def _call(self, x, h, c):
+        if c is None:
+            y, h = self.m(x, h)
+            return y, h, None
+        y, (h, c) = self.m(x, (h, c))
+        return y, h, c
+
+    def forward(self):
+        with self.torch.inference_mode():
+            y, h, c = self._call(self.x, self.h0, self.c0)
+        return y.numpy(), h.numpy(), (c.numpy() if c is not None else None)
+
+    def stream(self, steps: int):
+        h, c = self.h0, self.c0
+        with self.torch.inference_mode():
+            for t in range(steps):
+                y, h, c = self._call(self.x_steps[t], h, c)
+                self.y[t] = y.numpy()[0]
+        return self.y[:steps], h.numpy(), (c.numpy() if c is not None else None)
+
+
+class TorchNoDNNL(Torch):
+    name = "torch-nodnnl"
+    description = "torch as above inside torch.backends.mkldnn.flags(enabled=False)"
+    onednn = False
+
+
+# --------------------------------------------------------------------------------- ONNX Runtime
+class OnnxRuntime(Engine):
+    name = "onnxruntime"
+    description = "onnxruntime InferenceSession on a one-node ONNX LSTM/GRU"
+    requires = ("onnxruntime", "onnx")
+    files = ("onnx",)
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        import onnxruntime as ort
+
+        self.ort = ort
+
+    def thread_info(self) -> dict:
+        return {"intra_op_num_threads": self.threads, "inter_op_num_threads": 1}
+
+    def load(self, p: Problem, files) -> None:
+        ort = self.ort
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.s = ort.InferenceSession(files["onnx"], so, providers=["CPUExecutionProvider"])
+        self.p = p
+        self.lstm = p.c0 is not None
+        self.y = np.empty(p.x.shape[:2] + (p.config.H,), np.float32)
+
+    def _feeds(self, x, h, c) -> dict:
+        feeds = {"X": x, "initial_h": h}
+        if self.lstm:
+            feeds["initial_c"] = c
+        return feeds
+
+    def forward(self):
+        p = self.p
+        out = self.s.run(None, self._feeds(p.x, p.h0, p.c0))
+        y = out[0][:, 0]  # Y is [T, num_directions=1, N, H]
+        return y, out[1], (out[2] if self.lstm else None)
+
+    def stream(self, steps: int):
+        p = self.p
+        h, c = p.h0, p.c0
+        for t in range(steps):
+            out = self.s.run(None, self._feeds(p.x[t : t + 1], h, c))
+            self.y[t] = out[0][0, 0]
+            h = out[1]
+            c = out[2] if self.lstm else None
+        return self.y[:steps], h, c
+
+
+# --------------------------------------------------------------------------------- MNN
+class MNNEngine(Engine):
+    """MNN's Module API on a model converted (fixed shapes) from the same ONNX file.
+
+    Never imports ``MNN.tools``: that module runs pip and sends telemetry when imported. The
+    harness converts through the ``_tools`` extension in a subprocess (``convert_mnn``).
+    """
+
+    name = "mnn"
+    description = "MNN nn.load_module_from_file, model converted from the same ONNX"
+    requires = ("MNN",)
+    files = ("mnn",)
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads)
+        import MNN
+
+        self.nn, self.F = MNN.nn, MNN.expr
+
+    def thread_info(self) -> dict:
+        return {"numThread": self.threads}
+
+    def load(self, p: Problem, files) -> None:
+        lstm = p.c0 is not None
+        # precision "high" keeps fp32 math; "normal" may pick bf16/fp16 kernels on some CPUs.
+        cfg = {"backend": "CPU", "numThread": self.threads, "precision": "high"}
+        self.rt = self.nn.create_runtime_manager((cfg,))
+        ins = ["X", "initial_h"] + (["initial_c"] if lstm else [])
+        outs = ["Y", "Y_h"] + (["Y_c"] if lstm else [])
+        self.m = self.nn.load_module_from_file(files["mnn"], ins, outs, runtime_manager=self.rt)
+        self.p = p
+        self.lstm = lstm
+        self.y = np.empty(p.x.shape[:2] + (p.config.H,), np.float32)
+
+    def _var(self, a: np.ndarray):
+        return self.F.const(a, list(a.shape), self.F.NCHW)
+
+    def _run(self, x, h, c):
+        ins = [x, h] + ([c] if self.lstm else [])
+        return self.m.forward(ins)
+
+    def forward(self):
+        p = self.p
+        out = self._run(self._var(p.x), self._var(p.h0), self._var(p.c0) if self.lstm else None)
+        y = np.asarray(out[0].read())[:, 0]
+        h = np.asarray(out[1].read())
+        c = np.asarray(out[2].read()) if self.lstm else None
+        return y, h, c
+
+    def stream(self, steps: int):
+        p = self.p
+        h = self._var(p.h0)
+        c = self._var(p.c0) if self.lstm else None
+        for t in range(steps):
+            out = self._run(self._var(p.x[t : t + 1]), h, c)
+            self.y[t] = np.asarray(out[0].read())[0, 0]
+            h = out[1]
+            c = out[2] if self.lstm else None
+        hn = np.asarray(h.read())
+        cn = np.asarray(c.read()) if self.lstm else None
+        return self.y[:steps], hn, cn
+
+
+# The converter's own Python wrapper (MNN/tools/mnnconvert.py) calls exactly this; we skip the
+# wrapper because importing MNN.tools pip-installs a logging SDK and sends telemetry.
+_MNN_CONVERT = "import sys, _tools; sys.exit(_tools.mnnconvert(sys.argv) or 0)"
+
+
+def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:
+    """argv for a child process converting ``onnx_path`` to ``mnn_path`` with MNNConvert."""
+    import sys
+
+    return [
+        sys.executable, "-c", _MNN_CONVERT, "mnnconvert", "-f", "ONNX",
+        "--modelFile", str(onnx_path), "--MNNModel", str(mnn_path), "--bizCode", "leanrnn",
+    ]  # fmt: skip
+
+
+ENGINES: dict[str, type[Engine]] = {
+    e.name: e
+    for e in (LeanRNN, NumpyNaive, NumpyPrealloc, Torch, TorchNoDNNL, OnnxRuntime, MNNEngine)
+}
+
+
+def resolve(name: str) -> type[Engine]:
+    """An engine class by registry name or ``"package.module:Class"``."""
+    if name in ENGINES:
+        return ENGINES[name]
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(mod), attr)
+        if not (isinstance(cls, type) and issubclass(cls, Engine)):
+            raise TypeError(f"{name} is not a leanrnn.bench.engines.Engine subclass")
+        return cls
+    known = ", ".join(ENGINES)
+    raise KeyError(f"unknown engine {name!r}; expected one of {known} or 'module:Class'")

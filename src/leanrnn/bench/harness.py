@@ -1,0 +1,607 @@
+"""Fair measurement: every (engine, config) runs in a fresh child process with its thread count
+enforced; outputs are checked against the float64 reference before any timing; then warm-up,
+repeated samples, and the memory figures. The parent plans jobs, prepares model files and
+references, shows progress and collects rows.
+
+Child protocol: ``python -m leanrnn.bench.harness JOB.json RESULT.json``. Thread variables are set
+in the child's environment by the parent, so they are in place before any library is imported.
+
+Memory figures per row (Linux /proc; bytes):
+- ``cold_peak``: peak RSS increase from just before ``load`` to the end of the first forward
+  (model load + first run: weights, pools, JIT caches, first outputs). Imports excluded.
+- ``warm_peak``: peak RSS increase over the warm timed forwards, the peak reset right before
+  (``/proc/self/clear_refs``). Engines with pools show ~0 here: their memory was taken cold.
+- ``warm_growth``: RSS after the timed forwards minus before.
+- ``heap_peak``: memray's peak of live native allocations during one warm forward (one step
+  for streaming rows); counts malloc/mmap made during that call only, not memory reused from
+  pools or held by the allocator.
+- ``stream_growth_rss`` / ``stream_growth_heap`` (streaming rows): RSS growth over T more
+  steps (T = 100 by default), and bytes memray saw allocated but not freed during them.
+RSS counts pages the allocator keeps after ``free``; memray counts live allocations only.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .problem import Config
+
+SCHEMA = "leanrnn-bench/1"
+
+# Every variable a BLAS or OpenMP runtime reads for its thread count, set in the child's env.
+THREAD_ENV = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS", "LEANRNN_NUM_THREADS",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------- /proc memory
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    return -1
+
+
+def rss() -> int:
+    """Resident set size now, bytes."""
+    return _status_kb("VmRSS:") * 1024
+
+
+def hwm() -> int:
+    """Peak resident set size since start or the last ``reset_peak``, bytes."""
+    return _status_kb("VmHWM:") * 1024
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------- child side
+@dataclass
+class Timing:
+    unit: str  # "forward" or "step"
+    samples: list[float] = field(default_factory=list)  # seconds per unit, one per sample
+    inner: int = 1  # units per sample
+    warmup: int = 0
+    cpu_util: float = float("nan")  # process CPU seconds / wall seconds while sampling
+
+    def summary(self) -> dict:
+        s = sorted(self.samples)
+        q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+        return {
+            "unit": self.unit,
+            "samples_s": self.samples,
+            "inner": self.inner,
+            "warmup": self.warmup,
+            "median_s": statistics.median(s),
+            "min_s": s[0],
+            "p25_s": q[0],
+            "p75_s": q[2],
+            "cpu_util": self.cpu_util,
+        }
+
+
+def _os_threads() -> int:
+    return _status_kb("Threads:")
+
+
+def _limit_threadpools(n: int):
+    """Limit every BLAS/OpenMP pool loaded in this process; returns (limiter, info)."""
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:
+        return None, []
+    limiter = threadpool_limits(limits=n)
+    info = [
+        {k: d.get(k) for k in ("internal_api", "num_threads", "version", "filepath")}
+        for d in threadpool_info()
+    ]
+    return limiter, info
+
+
+def _memray_peak(fn, path: Path) -> dict:
+    """Run ``fn`` once under memray; peak live native bytes and allocation count."""
+    import memray
+
+    if path.exists():
+        path.unlink()
+    with memray.Tracker(path, native_traces=False):
+        r = fn()
+        del r
+    reader = memray.FileReader(path)
+    meta = reader.metadata
+    leaked = sum(a.size for a in reader.get_leaked_allocation_records(merge_threads=True))
+    reader.close()
+    path.unlink()
+    return {"peak": int(meta.peak_memory), "allocations": int(meta.total_allocations),
+            "leaked": int(leaked)}  # fmt: skip
+
+
+def run_job(job: dict, workdir: Path) -> dict:
+    """Measure one (engine, config) in this process; returns the row's measured fields."""
+    from . import engines as E
+    from .problem import compare, make_problem
+
+    cfg = Config(**job["config"])
+    n = cfg.threads
+    row: dict = {"pid": os.getpid(), "loadavg_start": os.getloadavg()[0]}
+
+    t0 = time.perf_counter()
+    eng = E.resolve(job["engine"])(n)
+    limiter, pools = _limit_threadpools(n)
+    row["import_s"] = time.perf_counter() - t0
+    row["threadpools"] = pools
+    row["thread_info"] = eng.thread_info()
+
+    p = make_problem(cfg)
+    run_once = (lambda: eng.stream(cfg.T)) if cfg.stream else eng.forward
+    gc.collect()
+
+    # Cold: load + first run, from a reset peak.
+    can_reset = reset_peak()
+    r0 = rss()
+    t0 = time.perf_counter()
+    eng.load(p, job["files"])
+    out = run_once()
+    cold_s = time.perf_counter() - t0
+    mem = {"cold_peak": hwm() - r0, "cold_retained": rss() - r0, "peak_reset": can_reset}
+    row["cold_s"] = cold_s
+    row["os_threads"] = _os_threads()
+
+    # Verify before any timing; a mismatch marks the row but the row is still measured.
+    row["verify"] = compare(out, Path(job["ref"]))
+    del out
+    gc.collect()
+
+    # Warm-up, then size the samples: each at least min_sample_s, at most max_time_s in total.
+    tm = Timing(unit="step" if cfg.stream else "forward")
+    units = cfg.T if cfg.stream else 1
+    warm_t0 = time.perf_counter()
+    est = cold_s
+    for _ in range(job["warmup"]):
+        t = time.perf_counter()
+        run_once()
+        est = time.perf_counter() - t
+        tm.warmup += 1
+        if time.perf_counter() - warm_t0 > job["max_time_s"] / 2:
+            break
+    inner = 1 if cfg.stream else max(1, min(10_000, math.ceil(job["min_sample_s"] / est)))
+    repeats = max(job["min_repeats"], min(job["repeats"], int(job["max_time_s"] / (est * inner))))
+    tm.inner = inner * units
+
+    gc.collect()
+    gc.disable()
+    reset_peak()
+    r0 = rss()
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        t = time.perf_counter_ns()
+        for _ in range(inner):
+            run_once()
+        tm.samples.append((time.perf_counter_ns() - t) * 1e-9 / (inner * units))
+    tm.cpu_util = (time.process_time() - c0) / (time.perf_counter() - w0)
+    mem["warm_peak"] = hwm() - r0
+    mem["warm_growth"] = rss() - r0
+
+    if cfg.stream:
+        steps = cfg.T
+        reset_peak()
+        r0 = rss()
+        eng.stream(steps)
+        mem["stream_growth_rss"] = rss() - r0
+        mem["stream_peak_rss"] = hwm() - r0
+    gc.enable()
+
+    if job.get("memray", True) and _has("memray"):
+        one = (lambda: eng.stream(1)) if cfg.stream else eng.forward
+        h = _memray_peak(one, workdir / "one.memray")
+        mem["heap_peak"], mem["heap_allocations"] = h["peak"], h["allocations"]
+        if cfg.stream:
+            h = _memray_peak(lambda: eng.stream(cfg.T), workdir / "s.memray")
+            mem["stream_growth_heap"] = h["leaked"]
+            mem["stream_heap_allocations"] = h["allocations"]
+    row["timing"] = tm.summary()
+    row["memory"] = mem
+    row["loadavg_end"] = os.getloadavg()[0]
+    del limiter
+    return row
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def measure_bandwidth(threads: int, sizes: list[int], big: int = 128 << 20) -> dict:
+    """STREAM-style copy bandwidth with ``threads`` threads, (read + written bytes) / second as
+    STREAM counts it: best of 5 trials over arrays of ``big`` bytes (beyond the caches) and of
+    each size in ``sizes`` (bytes per array). Each thread copies its own slice back and forth
+    ``reps`` times inside one call, so small sizes measure the cache, not the call overhead."""
+    import numba
+    import numpy as np
+
+    numba.set_num_threads(threads)
+
+    @numba.njit(parallel=True, nogil=True)
+    def copy(a, b, nchunks, reps):  # a, b: [n] float32; a -> b, b -> a, ...
+        n = a.size
+        step = (n + nchunks - 1) // nchunks
+        for k in numba.prange(nchunks):
+            lo = k * step
+            hi = min(n, lo + step)
+            for _ in range(reps // 2):
+                for i in range(lo, hi):
+                    b[i] = a[i]
+                for i in range(lo, hi):
+                    a[i] = b[i]
+
+    def best(nbytes: int) -> float:
+        n = max(1024, nbytes // 4)
+        a = np.ones(n, np.float32)
+        b = np.zeros(n, np.float32)
+        reps = max(2, min(100_000, int(4e8 // (8 * n)))) // 2 * 2  # ~0.4 GB moved per trial
+        copy(a, b, threads, 2)
+        t_best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            copy(a, b, threads, reps)
+            t_best = min(t_best, (time.perf_counter() - t) / reps)
+        return 2 * n * 4 / t_best
+
+    return {
+        "threads": threads,
+        "dram_bytes": big,
+        "dram_copy_Bps": best(big),
+        "copy_Bps": {str(s): best(s) for s in sorted(set(sizes))},
+    }
+
+
+def child_main(argv: list[str]) -> int:
+    job_path, result_path = Path(argv[0]), Path(argv[1])
+    job = json.loads(job_path.read_text())
+    try:
+        if job["kind"] == "bandwidth":
+            result = {"ok": True, **measure_bandwidth(job["threads"], job["sizes"])}
+        else:
+            result = {"ok": True, **run_job(job, job_path.parent)}
+    except Exception as e:  # reported in the row; the parent carries on with the suite
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    result_path.write_text(json.dumps(result, default=_json_default))
+    return 0
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, tuple | set):
+        return list(o)
+    return str(o)
+
+
+# ------------------------------------------------------------------------- parent side
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for k in THREAD_ENV:
+        env[k] = str(threads)
+    env["MKL_DYNAMIC"] = "FALSE"
+    env["OMP_DYNAMIC"] = "FALSE"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def spawn(job: dict, threads: int, timeout: float) -> dict:
+    """Run ``job`` in a fresh interpreter; returns its result dict (``ok`` False on failure)."""
+    with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
+        jp, rp = Path(d) / "job.json", Path(d) / "result.json"
+        jp.write_text(json.dumps(job))
+        cmd = [sys.executable, "-m", "leanrnn.bench.harness", str(jp), str(rp)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd, env=child_env(threads), capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+        wall = time.perf_counter() - t0
+        if not rp.exists():
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
+            return {"ok": False, "error": f"child exited {proc.returncode}: " + " | ".join(tail)}
+        res = json.loads(rp.read_text())
+        res["child_wall_s"] = wall
+        return res
+
+
+# ------------------------------------------------------------------------- the suite
+DEFAULT_ENGINES = (
+    "leanrnn", "numpy-naive", "numpy-prealloc", "torch", "torch-nodnnl", "onnxruntime", "mnn",
+)  # fmt: skip
+DEFAULT_SHAPES = ((1, 100), (64, 100), (1, 1000))  # (N, T) full-sequence runs
+
+
+@dataclass
+class Options:
+    """What to run and how hard to measure it. ``shapes`` are (N, T) full-sequence runs;
+    ``stream_steps`` > 0 adds one streaming config (N=1) per cell and H."""
+
+    engines: tuple[str, ...] = DEFAULT_ENGINES
+    cells: tuple[str, ...] = ("lstm", "gru")
+    hidden: tuple[int, ...] = (128, 512, 1024)
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES
+    stream_steps: int = 100
+    threads: tuple[int, ...] = (1, 2)
+    warmup: int = 3
+    repeats: int = 15
+    min_repeats: int = 3
+    min_sample_s: float = 0.005
+    max_time_s: float = 3.0  # sampling budget per row (after warm-up)
+    timeout_s: float = 900.0
+    memray: bool = True
+    bandwidth: bool = True
+    out: Path = Path("bench-results")
+
+    @classmethod
+    def quick(cls, **kw) -> Options:
+        base = dict(
+            cells=("lstm", "gru"), hidden=(128, 512), shapes=((1, 100),), threads=(1,),
+            warmup=2, repeats=7, max_time_s=1.0,
+        )  # fmt: skip
+        return cls(**(base | kw))
+
+    def configs(self) -> list[Config]:
+        out = []
+        for cell in self.cells:
+            for H in self.hidden:
+                shapes = [(N, T, False) for N, T in self.shapes]
+                if self.stream_steps > 0:
+                    shapes.append((1, self.stream_steps, True))
+                for N, T, stream in shapes:
+                    for n in self.threads:
+                        out.append(Config(cell, H, N, T, stream, n))
+        return out
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["out"] = str(self.out)
+        return d
+
+
+def _progress(total: int):
+    """A live progress bar: rich if installed, else tqdm, else one line per job."""
+    try:
+        from rich.progress import (
+            BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+            TimeRemainingColumn,
+        )  # fmt: skip
+
+        prog = Progress(
+            TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+            transient=False,
+        )  # fmt: skip
+        prog.start()
+        task = prog.add_task("", total=total)
+        return (
+            lambda desc: prog.update(task, description=desc),
+            lambda: prog.advance(task),
+            prog.stop,
+        )
+    except ImportError:
+        pass
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="job", dynamic_ncols=True)
+        return bar.set_description_str, lambda: bar.update(1), bar.close
+    except ImportError:
+        done = [0]
+
+        def step() -> None:
+            done[0] += 1
+
+        return (lambda d: print(f"[{done[0]}/{total}] {d}", file=sys.stderr), step, lambda: None)
+
+
+def machine_info() -> dict:
+    import platform
+    from importlib import metadata
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    versions = {}
+    for dist in ("leanrnn", "numpy", "numba", "torch", "onnxruntime", "onnx", "MNN", "memray"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "versions": versions,
+        "loadavg": os.getloadavg(),
+    }  # fmt: skip
+
+
+def _engine_status(names) -> dict[str, str | None]:
+    from .engines import resolve
+
+    status = {}
+    for name in names:
+        try:
+            status[name] = resolve(name).unavailable()
+        except Exception as e:  # an unknown plugin is reported, not fatal
+            status[name] = f"{type(e).__name__}: {e}"
+    return status
+
+
+def _prepare_models(cfg: Config, need: set[str], models: Path, cache: dict) -> dict[str, str]:
+    """ONNX (fixed shapes) and MNN files for ``cfg``; values are paths or 'error: ...'.
+    ``cache`` maps model keys to what was already made, so each file is made once."""
+    from .engines import convert_mnn_command
+    from .problem import write_onnx
+
+    files = cache.setdefault(cfg.model_key, {})
+    onnx_path = models / f"{cfg.model_key}.onnx"
+    mnn_path = models / f"{cfg.model_key}.mnn"
+    if need & {"onnx", "mnn"} and "onnx" not in files:
+        try:
+            write_onnx(cfg, onnx_path)
+            files["onnx"] = str(onnx_path)
+        except Exception as e:
+            files["onnx"] = f"error: ONNX export failed: {type(e).__name__}: {e}"
+    if "mnn" in need and "mnn" not in files:
+        if files["onnx"].startswith("error"):
+            files["mnn"] = files["onnx"]
+        else:
+            files["mnn"] = _convert_mnn(convert_mnn_command(onnx_path, mnn_path), mnn_path)
+    return files
+
+
+def _convert_mnn(cmd: list[str], mnn_path: Path) -> str:
+    """Run MNNConvert in its own process; the model's path, or 'error: <the converter's last
+    words>'."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env(1))
+    except Exception as e:
+        return f"error: MNNConvert failed: {type(e).__name__}: {e}"
+    log = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode != 0 or not mnn_path.exists() or "Converted Success" not in proc.stdout:
+        return "error: MNNConvert failed: " + " | ".join(log[-3:])
+    return str(mnn_path)
+
+
+def run_suite(opts: Options, progress: bool = True) -> dict:
+    """Run every (engine, config) of ``opts`` in its own process; returns the results dict
+    (also written to ``opts.out / results.json``)."""
+    from .engines import resolve
+    from .problem import reference_file
+
+    out = Path(opts.out)
+    (out / "cache").mkdir(parents=True, exist_ok=True)
+    configs = opts.configs()
+    status = _engine_status(opts.engines)
+    needs = {}
+    for name in opts.engines:
+        needs[name] = set(resolve(name).files) if status[name] is None else set()
+    jobs = [(cfg, name) for cfg in configs for name in opts.engines]
+    n_bw = len(opts.threads) if opts.bandwidth else 0
+    describe, advance, stop = (
+        _progress(len(jobs) + n_bw) if progress else (lambda d: None, lambda: None, lambda: None)
+    )
+    results: dict = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "options": opts.as_dict(),
+        "machine": machine_info(),
+        "engines": {n: {"unavailable": status[n], "description": _describe(n)} for n in opts.engines},
+        "bandwidth": {},
+        "rows": [],
+        "fields": FIELDS,
+    }
+    model_cache: dict = {}
+    try:
+        if opts.bandwidth:
+            sizes = sorted({c.weight_bytes for c in configs})
+            for n in opts.threads:
+                describe(f"memory bandwidth, {n} thread(s)")
+                bw = spawn({"kind": "bandwidth", "threads": n, "sizes": sizes}, n, opts.timeout_s)
+                results["bandwidth"][str(n)] = bw
+                advance()
+        for cfg, name in jobs:
+            describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
+            row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label}
+            reason = status[name]
+            files: dict[str, str] = {}
+            if reason is None and needs[name]:
+                files = _prepare_models(cfg, needs[name], out / "models", model_cache)
+                bad = [files[k] for k in needs[name] if files.get(k, "").startswith("error")]
+                reason = bad[0][len("error: ") :] if bad else None
+            if reason is not None:
+                row |= {"status": "unavailable", "reason": reason}
+            else:
+                ref = reference_file(cfg, out / "cache")
+                job = {
+                    "kind": "engine", "engine": name, "config": cfg.as_dict(), "files": files,
+                    "ref": str(ref), "warmup": opts.warmup, "repeats": opts.repeats,
+                    "min_repeats": opts.min_repeats, "min_sample_s": opts.min_sample_s,
+                    "max_time_s": opts.max_time_s, "memray": opts.memray,
+                }  # fmt: skip
+                res = spawn(job, cfg.threads, opts.timeout_s)
+                if res.pop("ok"):
+                    ok = res["verify"]["ok"]
+                    row |= {"status": "ok" if ok else "mismatch", "reason": None} | res
+                    if not ok:
+                        row["reason"] = f"max abs error {res['verify']['worst']:.3g} > tolerance"
+                else:
+                    row |= {"status": "error", "reason": res.get("error")}
+                    if "trace" in res:
+                        row["trace"] = res["trace"]
+            results["rows"].append(row)
+            advance()
+    finally:
+        stop()
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    return results
+
+
+def _describe(name: str) -> str:
+    from .engines import resolve
+
+    try:
+        return resolve(name).description
+    except Exception:
+        return ""
+
+
+FIELDS = {
+    "rows[].status": "ok | mismatch (outputs differ from the float64 reference; still timed) | "
+    "error (the child failed; see reason) | unavailable (not installed or model conversion failed)",
+    "rows[].verify": "max abs error of y, h_n, c_n vs the float64 reference, and the tolerance",
+    "rows[].timing.samples_s": "raw samples: seconds per unit (a forward, or a step if streaming)",
+    "rows[].timing.median_s": "median of samples_s: the figure in the tables",
+    "rows[].timing.inner": "units timed together per sample",
+    "rows[].timing.cpu_util": "process CPU time / wall time while sampling (≈ threads used)",
+    "rows[].import_s": "importing the engine's library in a fresh process",
+    "rows[].cold_s": "model load + first run (imports excluded)",
+    "rows[].memory.cold_peak": "peak RSS increase over load + first run, bytes",
+    "rows[].memory.cold_retained": "RSS increase still held after load + first run, bytes",
+    "rows[].memory.warm_peak": "peak RSS increase over the warm timed runs (peak reset first)",
+    "rows[].memory.warm_growth": "RSS after the timed runs minus before",
+    "rows[].memory.heap_peak": "memray: peak live native allocations in one warm forward/step",
+    "rows[].memory.stream_growth_rss": "streaming rows: RSS growth over 100 more steps",
+    "rows[].memory.stream_growth_heap": "streaming rows: bytes allocated and not freed over 100 "
+    "steps (memray)",
+    "rows[].threadpools": "threadpoolctl's view of BLAS/OpenMP pools after limiting",
+    "rows[].thread_info": "the engine's own thread settings as it reports them",
+    "rows[].os_threads": "OS threads in the child after the first run (pools included)",
+    "bandwidth[threads]": "STREAM-style copy, (read + written bytes)/s, DRAM-sized and per "
+    "recurrent-weight size",
+}
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

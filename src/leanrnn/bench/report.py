@@ -1,0 +1,465 @@
+"""Turn a results dict (``results.json``) into what people read: markdown tables with each
+engine's ratio to leanrnn, the memory table, the physical-limit table, the seed table, a summary
+of where leanrnn is not yet the best, and PNG plots. Works on a saved JSON as well as a live run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+BASE = "leanrnn"
+
+# Quoted, not measured: the MNN article's ARM figures for an LSTM H=512 (MB per forward, MB of
+# growth over 100 steps). Shown next to our measurements for context only.
+SEED_QUOTED = (("MNN", 3.2, 0.8), ("TFLite", 5.8, 2.3), ("PyTorch Mobile", 6.5, 3.1))
+SEED_ENGINES = ("leanrnn", "torch", "torch-nodnnl", "onnxruntime", "mnn")
+
+
+# ------------------------------------------------------------------------- helpers
+def config_key(row: dict) -> tuple:
+    c = row["config"]
+    return (c["cell"], c["H"], c["stream"], c["N"], c["T"], c["threads"])
+
+
+def grouped(results: dict) -> dict[tuple, dict[str, dict]]:
+    """{config key: {engine: row}} in suite order."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for row in results["rows"]:
+        out.setdefault(config_key(row), {})[row["engine"]] = row
+    return out
+
+
+def engines_of(results: dict) -> list[str]:
+    seen = []
+    for row in results["rows"]:
+        if row["engine"] not in seen:
+            seen.append(row["engine"])
+    return seen
+
+
+def median(row: dict | None) -> float | None:
+    if not row or row.get("status") not in ("ok", "mismatch"):
+        return None
+    return row["timing"]["median_s"]
+
+
+def per_step(row: dict | None) -> float | None:
+    """Median seconds per timestep (N=1 rows: the time the recurrent weights bound)."""
+    m = median(row)
+    if m is None:
+        return None
+    return m if row["config"]["stream"] else m / row["config"]["T"]
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "–"
+    if s < 1e-3:
+        return f"{s * 1e6:.3g} µs"
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s:.3g} s"
+
+
+def fmt_bytes(b: float | None) -> str:
+    if b is None:
+        return "–"
+    sign = "-" if b < 0 else ""
+    b = abs(b)
+    if b < 1024:
+        return f"{sign}{b:.0f} B"
+    if b < 1 << 20:
+        return f"{sign}{b / 1024:.3g} KiB"
+    if b < 1 << 30:
+        return f"{sign}{b / (1 << 20):.3g} MiB"
+    return f"{sign}{b / (1 << 30):.3g} GiB"
+
+
+def fmt_ratio(r: float) -> str:
+    return f"{r:.2f}×" if r < 10 else f"{r:.0f}×"
+
+
+def config_label(key: tuple) -> str:
+    cell, H, stream, N, T, _ = key
+    shape = f"stream N={N}, {T} steps" if stream else f"N={N} T={T}"
+    return f"{cell.upper()} H={H} {shape}"
+
+
+def _cell(row: dict | None, base: dict | None) -> str:
+    if row is None:
+        return ""
+    st = row.get("status")
+    if st == "unavailable":
+        return "n/a"
+    if st == "error":
+        return "error"
+    m = median(row)
+    text = fmt_time(m)
+    b = median(base)
+    if row["engine"] != BASE and b:
+        text += f" ({fmt_ratio(m / b)})"
+    if st == "mismatch":
+        text = f"⚠ mismatch {text}"
+    return text
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- tables
+def latency_table(results: dict) -> str:
+    """Median time per forward (per step when streaming) and each engine's ratio to leanrnn."""
+    engines = engines_of(results)
+    rows = []
+    for key, by_engine in grouped(results).items():
+        base = by_engine.get(BASE)
+        rows.append(
+            [config_label(key), str(key[-1])] + [_cell(by_engine.get(e), base) for e in engines]
+        )
+    legend = (
+        "Median time per forward (per step for streaming rows). (r×) = engine time / leanrnn "
+        "time: above 1 leanrnn is faster. ⚠ mismatch = outputs differ from the float64 "
+        "reference (timed anyway); n/a = unavailable; error = the child failed (reasons below)."
+    )
+    return _table(["config", "threads", *engines], rows) + "\n\n" + legend + _reasons(results)
+
+
+def _reasons(results: dict) -> str:
+    seen: dict[str, set] = defaultdict(set)
+    for row in results["rows"]:
+        if row.get("status") in ("unavailable", "error", "mismatch") and row.get("reason"):
+            seen[row["engine"]].add(f"{row['status']}: {row['reason']}")
+    if not seen:
+        return ""
+    lines = ["", ""]
+    for engine, reasons in seen.items():
+        for r in sorted(reasons)[:4]:
+            lines.append(f"- {engine}: {r}")
+        if len(reasons) > 4:
+            lines.append(f"- {engine}: … {len(reasons) - 4} more (see results.json)")
+    return "\n".join(lines)
+
+
+def memory_table(results: dict) -> str:
+    """One line per (config, engine) at the smallest thread count measured."""
+    engines = engines_of(results)
+    groups = grouped(results)
+    tmin = min((k[-1] for k in groups), default=1)
+    rows = []
+    for key, by_engine in groups.items():
+        if key[-1] != tmin:
+            continue
+        for e in engines:
+            row = by_engine.get(e)
+            if not row or row.get("status") not in ("ok", "mismatch"):
+                continue
+            m = row["memory"]
+            growth = "–"
+            if key[2]:
+                growth = (
+                    f"{fmt_bytes(m.get('stream_growth_rss'))} / "
+                    f"{fmt_bytes(m.get('stream_growth_heap'))}"
+                )
+            rows.append([
+                config_label(key), e, fmt_bytes(m.get("cold_peak")), fmt_bytes(m.get("warm_peak")),
+                fmt_bytes(m.get("heap_peak")), growth,
+            ])  # fmt: skip
+    legend = (
+        f"{tmin} thread(s). cold = peak RSS increase over model load + first forward (imports "
+        "excluded; for leanrnn this includes loading numba's compiled kernels). warm = peak RSS "
+        "increase over the warm timed forwards (engines with memory pools show ~0: they took it "
+        "cold). heap = memray's peak of live native allocations in one warm forward (one step "
+        "when streaming); memory reused from pools is not counted. growth = over the streaming "
+        "steps after warm-up, RSS / bytes allocated and not freed (memray). RSS counts memory "
+        "the allocator keeps after free."
+    )
+    header = ["config", "engine", "cold peak", "warm peak", "heap peak", "growth (RSS / heap)"]
+    return _table(header, rows) + "\n\n" + legend
+
+
+def bandwidth_for(results: dict, threads: int, nbytes: int) -> float | None:
+    """Best STREAM copy bandwidth (bytes/s) at ``nbytes`` arrays with at most ``threads``."""
+    best = None
+    for t, bw in results.get("bandwidth", {}).items():
+        if int(t) > threads or not bw.get("ok", True) or "copy_Bps" not in bw:
+            continue
+        v = bw["copy_Bps"].get(str(nbytes))
+        if v and (best is None or v > best):
+            best = v
+    return best
+
+
+def limit_table(results: dict) -> str:
+    """N=1 rows: the time to read the recurrent weights once per step at the measured copy
+    bandwidth, and the fraction of that floor each engine reaches (100% = at the limit)."""
+    engines = engines_of(results)
+    rows = []
+    for key, by_engine in grouped(results).items():
+        cell, H, stream, N, T, threads = key
+        if N != 1:
+            continue
+        wbytes = H * H * (4 if cell == "lstm" else 3) * 4
+        bw = bandwidth_for(results, threads, wbytes)
+        if not bw:
+            continue
+        floor = wbytes / bw
+        cells = []
+        for e in engines:
+            s = per_step(by_engine.get(e))
+            cells.append("–" if s is None else f"{fmt_time(s)} ({100 * floor / s:.0f}%)")
+        rows.append(
+            [config_label(key), str(threads), fmt_bytes(wbytes), f"{bw / 1e9:.0f} GB/s",
+             fmt_time(floor), *cells]
+        )  # fmt: skip
+    if not rows:
+        return "(no N=1 rows, or bandwidth not measured)"
+    dram = []
+    for t, bw in sorted(results.get("bandwidth", {}).items()):
+        if bw.get("dram_copy_Bps"):
+            dram.append(f"{bw['dram_copy_Bps'] / 1e9:.1f} GB/s with {t} thread(s)")
+    legend = (
+        "STREAM-style copy bandwidth of this machine (arrays of "
+        f"{fmt_bytes(_first(results, 'dram_bytes'))}, beyond the caches): {', '.join(dram)}. "
+        "floor = bytes of R [H, G] (float32) / copy bandwidth measured with arrays of that size "
+        "(so cache-resident weights get the cache's bandwidth): the time just to read the "
+        "recurrent weights once per step. Each engine: time per step (floor / time); 100% "
+        "would be at the limit."
+    )
+    header = ["config", "threads", "R bytes", "copy bw", "floor/step", *engines]
+    return _table(header, rows) + "\n\n" + legend
+
+
+def _first(results: dict, key: str):
+    for bw in results.get("bandwidth", {}).values():
+        if key in bw:
+            return bw[key]
+    return None
+
+
+def seed_table(results: dict) -> str:
+    """The seed's table: LSTM H=512 per-forward memory and growth over 100 steps, measured here,
+    next to the MNN article's ARM figures (quoted, not measured)."""
+    groups = grouped(results)
+    rows = []
+    for key, by_engine in groups.items():
+        cell, H, stream, N, T, threads = key
+        if cell != "lstm" or H != 512 or N != 1 or threads != 1:
+            continue
+        for e in by_engine:
+            if e not in SEED_ENGINES:
+                continue
+            row = by_engine[e]
+            if row.get("status") not in ("ok", "mismatch"):
+                rows.append([config_label(key), e, row.get("status", "?"), "", "", ""])
+                continue
+            m = row["memory"]
+            growth = "–"
+            if stream:
+                growth = (
+                    f"{fmt_bytes(m.get('stream_growth_rss'))} / "
+                    f"{fmt_bytes(m.get('stream_growth_heap'))}"
+                )
+            rows.append([
+                config_label(key), e, fmt_bytes(m.get("heap_peak")), fmt_bytes(m.get("warm_peak")),
+                fmt_bytes(m.get("cold_peak")), growth,
+            ])  # fmt: skip
+    measured = _table(
+        ["config (1 thread)", "engine", "per forward: heap peak", "per forward: warm RSS peak",
+         "cold: load + first", "growth over 100 steps (RSS / heap)"],
+        rows or [["(no LSTM H=512 N=1 rows: run with --seed-table)", "", "", "", "", ""]],
+    )  # fmt: skip
+    quoted = _table(
+        ["engine (ARM, quoted)", "per forward", "growth over 100 steps"],
+        [[name, f"{a} MB", f"{b} MB"] for name, a, b in SEED_QUOTED],
+    )
+    return (
+        "Measured here (x86, this machine):\n\n" + measured + "\n\n"
+        "QUOTED from the MNN article, on ARM — not measured here, not comparable row by row "
+        "(different hardware, model files and accounting):\n\n" + quoted
+    )
+
+
+def summary(results: dict) -> list[str]:
+    """Plain sentences: every config where some engine beats leanrnn (time or memory), and
+    every row that is not ok."""
+    out = []
+    for key, by_engine in grouped(results).items():
+        base = by_engine.get(BASE)
+        where = f"{config_label(key)}, {key[-1]} thread(s)"
+        if base is None:
+            continue
+        if base.get("status") != "ok":
+            out.append(f"{where}: leanrnn row is {base.get('status')} ({base.get('reason')})")
+            continue
+        b = median(base)
+        faster = sorted(
+            (median(r), e)
+            for e, r in by_engine.items()
+            if e != BASE and r.get("status") == "ok" and median(r) < b
+        )
+        if faster:
+            peers = ", ".join(f"{e} {fmt_time(t)} ({b / t:.2f}× faster)" for t, e in faster)
+            out.append(f"{where}: slower than {peers}; leanrnn {fmt_time(b)}")
+        for field, what in (("heap_peak", "heap per forward"), ("cold_peak", "cold memory")):
+            bm = base["memory"].get(field)
+            lower = sorted(
+                (r["memory"].get(field), e)
+                for e, r in by_engine.items()
+                if e != BASE and r.get("status") == "ok" and r["memory"].get(field) is not None
+                and bm is not None and r["memory"][field] < bm
+            )  # fmt: skip
+            if lower:
+                peers = ", ".join(f"{e} {fmt_bytes(v)}" for v, e in lower)
+                out.append(f"{where}: {what} {fmt_bytes(bm)}, more than {peers}")
+    for row in results["rows"]:
+        if row.get("status") in ("mismatch", "error"):
+            out.append(
+                f"{row['engine']} on {row['label']}, {row['config']['threads']} thread(s): "
+                f"{row['status']}: {row.get('reason')}"
+            )
+    return out
+
+
+# ------------------------------------------------------------------------- plots
+def plot(results: dict, out: Path) -> list[Path]:
+    """latency_ratio.png (engine time / leanrnn time per config) and memory.png (cold peak,
+    warm peak and heap peak per engine). Needs matplotlib; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    engines = [e for e in engines_of(results) if e != BASE]
+    groups = grouped(results)
+    threads = sorted({k[-1] for k in groups})
+    written = []
+
+    fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 0.9 * len(groups)), 4.5 * len(threads)),
+                             squeeze=False)  # fmt: skip
+    for ax, t in zip(axes[:, 0], threads, strict=True):
+        keys = [k for k in groups if k[-1] == t]
+        width = 0.8 / max(1, len(engines))
+        for j, e in enumerate(engines):
+            xs, ys = [], []
+            for i, k in enumerate(keys):
+                b, m = median(groups[k].get(BASE)), median(groups[k].get(e))
+                if b and m:
+                    xs.append(i + (j - (len(engines) - 1) / 2) * width)
+                    ys.append(m / b)
+            ax.bar(xs, ys, width, label=e)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
+                      fontsize=8)  # fmt: skip
+        ax.set_ylabel("time / leanrnn time (log; >1 = leanrnn faster)")
+        ax.set_title(f"latency ratio to leanrnn, {t} thread(s)")
+        ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    path = out / "latency_ratio.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    all_engines = engines_of(results)
+    tmin = threads[0] if threads else 1
+    keys = [k for k in groups if k[-1] == tmin]
+    metrics = (("cold_peak", "cold: load + first forward"), ("warm_peak", "warm peak RSS increase"),
+               ("heap_peak", "heap peak of one forward (memray)"))  # fmt: skip
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, 0.9 * len(keys)), 4 * len(metrics)),
+                             squeeze=False)  # fmt: skip
+    for ax, (field, title) in zip(axes[:, 0], metrics, strict=True):
+        width = 0.8 / max(1, len(all_engines))
+        for j, e in enumerate(all_engines):
+            xs, ys = [], []
+            for i, k in enumerate(keys):
+                r = groups[k].get(e)
+                if r and r.get("status") in ("ok", "mismatch"):
+                    v = r["memory"].get(field)
+                    if v is not None:
+                        xs.append(i + (j - (len(all_engines) - 1) / 2) * width)
+                        ys.append(max(v, 1024) / (1 << 20))  # floor at 1 KiB for the log axis
+            ax.bar(xs, ys, width, label=e)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
+                      fontsize=8)  # fmt: skip
+        ax.set_ylabel("MiB (log; floored at 1 KiB)")
+        ax.set_title(f"{title}, {tmin} thread(s)")
+        ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    path = out / "memory.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------- the report
+def machine_line(results: dict) -> str:
+    m = results.get("machine", {})
+    v = m.get("versions", {})
+    vers = ", ".join(f"{k} {x}" for k, x in v.items() if x)
+    load = m.get("loadavg", [None])[0]
+    load_end = (m.get("loadavg_end") or [None])[0]
+    return (
+        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores; Python {m.get('python', '?')}; "
+        f"{vers}. Load average {load} at start, {load_end} at end."
+    )
+
+
+def render(results: dict, plots: list[Path] | None = None) -> str:
+    parts = [
+        "# leanrnn bench",
+        "",
+        f"{results.get('created', '')} — {machine_line(results)}",
+        "",
+        "Each (engine, config) ran in a fresh process with its thread count enforced; outputs "
+        "were checked against a float64 reference before timing.",
+        "",
+        "## Latency",
+        "",
+        latency_table(results),
+        "",
+        "## Where leanrnn is not yet the best",
+        "",
+        "\n".join(f"- {s}" for s in summary(results)) or "- nowhere in this run",
+        "",
+        "## Memory",
+        "",
+        memory_table(results),
+        "",
+        "## The physical limit (N=1)",
+        "",
+        limit_table(results),
+        "",
+        "## The seed's table (LSTM H=512)",
+        "",
+        seed_table(results),
+        "",
+    ]
+    if plots:
+        parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    return "\n".join(parts)
+
+
+def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
+    """report.md (+ PNGs when matplotlib is installed) next to results.json."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    pngs: list[Path] = []
+    if plots:
+        try:
+            pngs = plot(results, out)
+        except ImportError:
+            pngs = []
+        files |= {p.stem: p for p in pngs}
+    md = out / "report.md"
+    md.write_text(render(results, pngs))
+    files["report"] = md
+    return files

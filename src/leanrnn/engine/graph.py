@@ -1,0 +1,1168 @@
+"""GraphModel / GraphSession: run the small op graph exporters put around RNN nodes.
+
+Op vocabulary is ONNX's (see ``SUPPORTED_OPS``). A ``GraphModel`` owns the graph, folds every
+node whose inputs are all constants, packs RNN weights that became constant, and drops nodes no
+output needs. A ``GraphSession`` plans one run shape the way ``Session`` does (MNN's
+onResize/onExecute split):
+
+- ``resize`` walks the graph once with the input shapes: tensors that depend only on input
+  *shapes* (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape`` chains, ``ConstantOfShape``
+  initial states) are evaluated right there; every other tensor gets a shape, a dtype and a
+  lifetime [producing op, last reading op], and ``memory.planner`` packs them into one arena.
+  View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout, and Transpose/Cast/Expand
+  when they move no data) get no memory; they extend the lifetime of the tensor they view.
+- ``run`` hands each op arena views to write into; graph outputs are fresh arrays per run.
+
+RNN nodes (LSTM/GRU/RNN, one layer, any direction) run through one engine ``Session`` each.
+The engine returns y [T, N, D*H] ([N, T, D*H] for layout 1); ONNX wants Y [T, D, N, H]
+([N, T, D, H]), which is the same memory when D == 1 or layout == 1, so the engine writes Y in
+place and only a layout-0 bidirectional Y is transposed through an arena scratch buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, UnsupportedOpError
+from ..formats.native import Graph, Node
+from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
+from ..formats.packing import pack
+from ..memory.arena import Arena
+from ..memory.planner import Buffer, Plan, plan
+from .session import Session
+
+# Bytes any single folded constant may take at load, beyond the size of the largest weight:
+# a hostile file cannot make loading allocate more than the model plausibly needs.
+FOLD_SLACK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Out:
+    """What ``infer`` says about one output: shape, dtype, whether it is a view of input 0's
+    memory (no buffer of its own), and its value when it is known from shapes alone."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    view: bool = False
+    value: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class OpDef:
+    infer: Callable  # (ctx, node, ins: [Out|None], vals: [ndarray|None]) -> [Out]
+    run: Callable  # (ctx, node, ins: [ndarray|None], outs: [ndarray|None], metas, tmp) -> [ndarray]
+    scratch: Callable | None = None  # (ctx, node, ins, metas, needed) -> {name: (shape, dtype)}
+
+
+class _Ctx:
+    """What ops may consult: opset, packed RNN weights, per-node engine sessions."""
+
+    def __init__(self, graph: Graph, sessions: dict[str, Session], threads: int | None) -> None:
+        self.opset = graph.opset
+        self.packed = graph.packed
+        self.sessions = sessions
+        self.threads = threads
+        self.needed: set[str] = set()
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _fail(node: Node, msg: str, cls: type[LeanRNNError] = ShapeError):
+    raise cls(f"[graph] node {node.name!r} ({node.op}): {msg}")
+
+
+def _axis(node: Node, axis, rank: int) -> int:
+    a = int(axis)
+    if not -rank <= a < rank:
+        _fail(node, f"axis {a} is out of range for a rank-{rank} tensor")
+    return a % rank
+
+
+def _ints(node: Node, value, what: str) -> list[int]:
+    if value is None:
+        _fail(node, f"{what} must be a constant or computable from input shapes (Shape, Gather, "
+              "Concat, ...); here it depends on input values", ModelFormatError)  # fmt: skip
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or arr.ndim > 1:
+        _fail(node, f"{what} is {arr.dtype}{list(arr.shape)}; expected a 1-D integer tensor")
+    return [int(v) for v in arr.reshape(-1)]
+
+
+def _optional(node: Node, ins: list, vals: list, i: int, attr: str, what: str) -> list[int] | None:
+    """An int list given as attribute ``attr`` (older opsets) or as input ``i`` (newer)."""
+    if attr in node.attrs:
+        return [int(v) for v in node.attrs[attr]]
+    if i < len(ins) and ins[i] is not None:
+        return _ints(node, vals[i], what)
+    return None
+
+
+def _same_dtype(node: Node, ins: list) -> np.dtype:
+    present = [m for m in ins if m is not None]
+    dt = present[0].dtype
+    for m in present[1:]:
+        if m.dtype != dt:
+            _fail(node, f"inputs have dtypes {[str(x.dtype) for x in present]}; expected one dtype",
+                  DTypeError)  # fmt: skip
+    return dt
+
+
+def _float(node: Node, m: Out) -> None:
+    if m.dtype.kind != "f":
+        _fail(node, f"input has dtype {m.dtype}; expected a float tensor", DTypeError)
+
+
+def _broadcast(node: Node, *shapes) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in np.broadcast_shapes(*shapes))
+    except ValueError:
+        _fail(node, f"shapes {[list(s) for s in shapes]} do not broadcast")
+
+
+def _nin(node: Node, ins: list, lo: int, hi: int | None = None) -> None:
+    n = len(ins)
+    if n < lo or (hi is not None and n > hi) or any(m is None for m in ins[:lo]):
+        want = f"{lo}" if hi == lo else f"{lo}..{hi if hi is not None else 'n'}"
+        _fail(node, f"has {n} inputs; expected {want} (required ones present)", ModelFormatError)
+
+
+def _view_run(ctx, node, ins, outs, metas, tmp):
+    return [ins[0].reshape(metas[0].shape)]
+
+
+# -------------------------------------------------------------------------- elementwise ops
+def _unary_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    if node.op not in ("Relu", "Neg", "Abs", "Identity"):
+        _float(node, ins[0])
+    return [Out(ins[0].shape, ins[0].dtype)]
+
+
+def _sigmoid(x, out):
+    # 1 / (1 + exp(-x)): exp overflow gives inf and the correct limit 0
+    np.negative(x, out=out)
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += 1
+    np.reciprocal(out, out=out)
+
+
+_UNARY: dict[str, Callable] = {
+    "Relu": lambda x, o: np.maximum(x, x.dtype.type(0), out=o),
+    "Tanh": lambda x, o: np.tanh(x, out=o),
+    "Sigmoid": _sigmoid,
+    "Neg": lambda x, o: np.negative(x, out=o),
+    "Abs": lambda x, o: np.abs(x, out=o),
+    "Exp": lambda x, o: np.exp(x, out=o),
+    "Log": lambda x, o: np.log(x, out=o),
+    "Sqrt": lambda x, o: np.sqrt(x, out=o),
+    "Reciprocal": lambda x, o: np.reciprocal(x, out=o),
+}
+
+
+def _unary(fn):
+    def run(ctx, node, ins, outs, metas, tmp):
+        fn(ins[0], outs[0])
+        return outs
+
+    return run
+
+
+def _binary_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    dt = _same_dtype(node, ins)
+    return [Out(_broadcast(node, ins[0].shape, ins[1].shape), dt)]
+
+
+def _div(a, b, out):
+    if out.dtype.kind == "f":
+        np.divide(a, b, out=out)
+        return
+    if np.any(b == 0):
+        raise ShapeError("[graph] integer Div by zero")
+    # ONNX integer division truncates toward zero; numpy's // floors
+    q = np.floor_divide(a, b)
+    q += (np.remainder(a, b) != 0) & ((a < 0) ^ (b < 0))
+    np.copyto(out, q)
+
+
+_BINARY: dict[str, Callable] = {
+    "Add": lambda a, b, o: np.add(a, b, out=o),
+    "Sub": lambda a, b, o: np.subtract(a, b, out=o),
+    "Mul": lambda a, b, o: np.multiply(a, b, out=o),
+    "Div": _div,
+}
+
+
+def _binary(fn):
+    def run(ctx, node, ins, outs, metas, tmp):
+        fn(ins[0], ins[1], outs[0])
+        return outs
+
+    return run
+
+
+def _softmax_axes(ctx, node, shape) -> tuple[tuple[int, ...], int]:
+    """(2-D or N-D working shape, axis) for Softmax/LogSoftmax under the node's opset."""
+    rank = len(shape)
+    if ctx.opset < 13:  # before opset 13: coerce to 2-D at axis (default 1), normalize rows
+        a = _axis(node, node.attrs.get("axis", 1), rank) if rank else 0
+        return (math.prod(shape[:a]), math.prod(shape[a:])), 1
+    return tuple(shape), _axis(node, node.attrs.get("axis", -1), rank)
+
+
+def _softmax_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    _float(node, ins[0])
+    if not ins[0].shape:
+        _fail(node, "input is a scalar; expected rank >= 1")
+    _softmax_axes(ctx, node, ins[0].shape)
+    return [Out(ins[0].shape, ins[0].dtype)]
+
+
+def _softmax_scratch(ctx, node, ins, metas, needed):
+    if node.op != "LogSoftmax":
+        return {}
+    return {"exp": (ins[0].shape, ins[0].dtype)}
+
+
+def _softmax_run(ctx, node, ins, outs, metas, tmp):
+    work, ax = _softmax_axes(ctx, node, ins[0].shape)
+    x, o = ins[0].reshape(work), outs[0].reshape(work)
+    np.subtract(x, x.max(axis=ax, keepdims=True), out=o)
+    if node.op == "Softmax":
+        np.exp(o, out=o)
+        o /= o.sum(axis=ax, keepdims=True)
+    else:
+        e = tmp["exp"].reshape(work)
+        np.exp(o, out=e)
+        o -= np.log(e.sum(axis=ax, keepdims=True))
+    return outs
+
+
+# ------------------------------------------------------------------------------- linear algebra
+def _matmul_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    dt = _same_dtype(node, ins)
+    sa, sb = list(ins[0].shape), list(ins[1].shape)
+    if not sa or not sb:
+        _fail(node, f"inputs have shapes {sa} and {sb}; MatMul needs rank >= 1")
+    a1, b1 = len(sa) == 1, len(sb) == 1
+    sa = [1, *sa] if a1 else sa
+    sb = [*sb, 1] if b1 else sb
+    if sa[-1] != sb[-2]:
+        _fail(node, f"inner dims differ: {list(ins[0].shape)} @ {list(ins[1].shape)}")
+    shape = [*_broadcast(node, tuple(sa[:-2]), tuple(sb[:-2])), sa[-2], sb[-1]]
+    if b1:
+        shape.pop(-1)
+    if a1:
+        shape.pop(-2 if not b1 else -1)
+    return [Out(tuple(shape), dt)]
+
+
+def _matmul_run(ctx, node, ins, outs, metas, tmp):
+    a, b = ins
+    o = outs[0]
+    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:
+        # [..., K] @ [K, M]: one BLAS call over all leading rows, not one per batch entry
+        np.matmul(a.reshape(-1, a.shape[-1]), b, out=o.reshape(-1, b.shape[1]))
+    else:
+        np.matmul(a, b, out=o)
+    return outs
+
+
+def _gemm_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 3)
+    dt = _same_dtype(node, ins)
+    A, Bm = ins[0].shape, ins[1].shape
+    if len(A) != 2 or len(Bm) != 2:
+        _fail(node, f"A is {list(A)}, B is {list(Bm)}; Gemm needs 2-D A and B")
+    M, K = A[::-1] if node.attrs.get("transA", 0) else A
+    K2, N = Bm[::-1] if node.attrs.get("transB", 0) else Bm
+    if K != K2:
+        _fail(node, f"A' is [{M}, {K}] and B' is [{K2}, {N}]; inner dims differ")
+    if len(ins) > 2 and ins[2] is not None and _broadcast(node, ins[2].shape, (M, N)) != (M, N):
+        _fail(node, f"C has shape {list(ins[2].shape)}; expected to broadcast to [{M}, {N}]")
+    return [Out((M, N), dt)]
+
+
+def _gemm_run(ctx, node, ins, outs, metas, tmp):
+    a = ins[0].T if node.attrs.get("transA", 0) else ins[0]
+    b = ins[1].T if node.attrs.get("transB", 0) else ins[1]
+    o = outs[0]
+    np.matmul(a, b, out=o)
+    alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
+    if alpha != 1.0:
+        o *= o.dtype.type(alpha)
+    if len(ins) > 2 and ins[2] is not None and beta != 0.0:
+        o += ins[2] if beta == 1.0 else ins[2] * ins[2].dtype.type(beta)
+    return outs
+
+
+# ------------------------------------------------------------------------------ data movement
+def _gather_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    data, idx = ins
+    if idx.dtype.kind not in "iu":
+        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    if not data.shape:
+        _fail(node, "data is a scalar; expected rank >= 1")
+    a = _axis(node, node.attrs.get("axis", 0), len(data.shape))
+    shape = data.shape[:a] + idx.shape + data.shape[a + 1 :]
+    return [Out(shape, data.dtype)]
+
+
+def _gather_run(ctx, node, ins, outs, metas, tmp):
+    data, idx = ins
+    a = _axis(node, node.attrs.get("axis", 0), data.ndim)
+    n = data.shape[a]
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -n or hi >= n:
+            bad = lo if lo < -n else hi
+            _fail(node, f"index {bad} is out of range [-{n}, {n}) for axis {a} of input "
+                  f"{list(data.shape)} (e.g. a token id >= the embedding's vocabulary)")  # fmt: skip
+    # indices are checked above, so 'wrap' only maps negatives; unlike 'raise' it is unbuffered
+    np.take(data, idx, axis=a, out=outs[0], mode="wrap")
+    return outs
+
+
+def _transpose_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    shape = ins[0].shape
+    rank = len(shape)
+    perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+    if sorted(p % rank if rank else p for p in perm) != list(range(rank)) or len(perm) != rank:
+        _fail(node, f"perm {perm} is not a permutation of {rank} axes")
+    perm = [p % rank for p in perm]
+    out = tuple(shape[p] for p in perm)
+    # Moving only size-1 axes keeps the memory order: the output is a reshape (no copy)
+    moved = [p for p in perm if shape[p] != 1]
+    return [Out(out, ins[0].dtype, view=moved == sorted(moved))]
+
+
+def _transpose_run(ctx, node, ins, outs, metas, tmp):
+    if metas[0].view:
+        return [ins[0].reshape(metas[0].shape)]
+    rank = ins[0].ndim
+    perm = [int(p) % rank for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+    np.copyto(outs[0], ins[0].transpose(perm))
+    return outs
+
+
+def _squeeze_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 2)
+    shape = ins[0].shape
+    axes = _optional(node, ins, vals, 1, "axes", "axes")
+    if axes is None:
+        keep = [d for d in shape if d != 1]
+    else:
+        ax = {_axis(node, a, len(shape)) for a in axes}
+        for a in ax:
+            if shape[a] != 1:
+                _fail(node, f"cannot squeeze axis {a} of size {shape[a]} (input {list(shape)})")
+        keep = [d for i, d in enumerate(shape) if i not in ax]
+    return [Out(tuple(keep), ins[0].dtype, view=True)]
+
+
+def _unsqueeze_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 2)
+    shape = list(ins[0].shape)
+    axes = _optional(node, ins, vals, 1, "axes", "axes")
+    if axes is None:
+        _fail(node, "needs axes", ModelFormatError)
+    rank = len(shape) + len(axes)
+    ax = sorted(_axis(node, a, rank) for a in axes)
+    if len(set(ax)) != len(ax):
+        _fail(node, f"axes {axes} repeat an axis")
+    for a in ax:
+        shape.insert(a, 1)
+    return [Out(tuple(shape), ins[0].dtype, view=True)]
+
+
+def _reshape_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    src = ins[0].shape
+    want = _ints(node, vals[1], "the target shape")
+    allowzero = int(node.attrs.get("allowzero", 0))
+    shape = []
+    for i, d in enumerate(want):
+        if d == 0 and not allowzero:
+            if i >= len(src):
+                _fail(node, f"shape {want} copies dim {i} (0) but the input has rank {len(src)}")
+            d = src[i]
+        shape.append(d)
+    if shape.count(-1) > 1 or any(d < -1 for d in shape):
+        _fail(node, f"shape {want} is invalid (at most one -1, others >= 0)")
+    total = math.prod(src)
+    if -1 in shape:
+        rest = math.prod(d for d in shape if d != -1)
+        if rest == 0 or total % rest:
+            _fail(node, f"cannot reshape {list(src)} ({total} values) to {want}")
+        shape[shape.index(-1)] = total // rest
+    if math.prod(shape) != total:
+        _fail(node, f"cannot reshape {list(src)} ({total} values) to {want}")
+    return [Out(tuple(shape), ins[0].dtype, view=True)]
+
+
+def _flatten_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    shape = ins[0].shape
+    a = int(node.attrs.get("axis", 1))
+    if not -len(shape) <= a <= len(shape):
+        _fail(node, f"axis {a} out of range for rank {len(shape)}")
+    a = a + len(shape) if a < 0 else a
+    return [Out((math.prod(shape[:a]), math.prod(shape[a:])), ins[0].dtype, view=True)]
+
+
+def _identity_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 3 if node.op == "Dropout" else 1)
+    if node.op == "Dropout" and len(ins) > 2 and ins[2] is not None:
+        train = vals[2]
+        if train is None or bool(np.asarray(train).reshape(-1)[0]):
+            _fail(node, "training_mode is not a constant false; leanrnn runs inference only",
+                  ModelFormatError)  # fmt: skip
+    outs = [Out(ins[0].shape, ins[0].dtype, view=True)]
+    if len(node.outputs) > 1:
+        outs.append(Out(ins[0].shape, np.dtype(np.bool_)))  # Dropout's mask: all kept
+    return outs
+
+
+def _identity_run(ctx, node, ins, outs, metas, tmp):
+    res = [ins[0].reshape(metas[0].shape)]
+    if len(outs) > 1:
+        outs[1].fill(True)
+        res.append(outs[1])
+    return res
+
+
+def _concat_infer(ctx, node, ins, vals):
+    if not ins or any(m is None for m in ins):
+        _fail(node, "needs one or more inputs", ModelFormatError)
+    dt = _same_dtype(node, ins)
+    rank = len(ins[0].shape)
+    if "axis" not in node.attrs:
+        _fail(node, "needs an axis attribute", ModelFormatError)
+    a = _axis(node, node.attrs["axis"], max(rank, 1))
+    for m in ins:
+        if len(m.shape) != rank or any(
+            d != e for i, (d, e) in enumerate(zip(m.shape, ins[0].shape, strict=True)) if i != a
+        ):
+            _fail(node, f"input shapes {[list(m.shape) for m in ins]} differ off axis {a}")
+    shape = list(ins[0].shape)
+    shape[a] = sum(m.shape[a] for m in ins)
+    value = None
+    if all(v is not None for v in vals):  # shape arithmetic: keep the value
+        value = np.concatenate([np.asarray(v) for v in vals], axis=a)
+    return [Out(tuple(shape), dt, value=value)]
+
+
+def _concat_run(ctx, node, ins, outs, metas, tmp):
+    a = _axis(node, node.attrs["axis"], max(ins[0].ndim, 1))
+    np.concatenate(ins, axis=a, out=outs[0])
+    return outs
+
+
+def _slices(node, ins, vals, opset) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    shape = ins[0].shape
+    if opset < 10 or "starts" in node.attrs:
+        starts, ends = node.attrs.get("starts"), node.attrs.get("ends")
+        axes, steps = node.attrs.get("axes"), None
+        if starts is None or ends is None:
+            _fail(node, "needs starts and ends", ModelFormatError)
+    else:
+        _nin(node, ins, 3, 5)
+        starts = _ints(node, vals[1], "starts")
+        ends = _ints(node, vals[2], "ends")
+        axes = _optional(node, ins, vals, 3, "__none__", "axes")
+        steps = _optional(node, ins, vals, 4, "__none__", "steps")
+    axes = list(range(len(starts))) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        _fail(node, f"starts/ends/axes/steps have lengths {len(starts)}/{len(ends)}/"
+              f"{len(axes)}/{len(steps)}; expected equal")  # fmt: skip
+    sl = [slice(None)] * len(shape)
+    for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
+        a = _axis(node, a, len(shape))
+        if st == 0:
+            _fail(node, "a step is 0")
+        n = shape[a]
+        s = s + n if s < 0 else s
+        e = e + n if e < 0 else e
+        if st > 0:
+            s, e = min(max(s, 0), n), min(max(e, 0), n)
+        else:
+            s, e = min(max(s, 0), n - 1), min(max(e, -1), n - 1)
+        sl[a] = slice(s, e if e >= 0 else None, st)
+    out = tuple(len(range(*sl[i].indices(shape[i]))) for i in range(len(shape)))
+    return tuple(sl), out
+
+
+def _slice_infer(ctx, node, ins, vals):
+    sl, shape = _slices(node, ins, vals, ctx.opset)
+    value = None if vals[0] is None else np.asarray(vals[0])[sl]
+    return [Out(shape, ins[0].dtype, value=value)]
+
+
+def _slice_run(ctx, node, ins, outs, metas, tmp):
+    metas_in = [None if a is None else Out(a.shape, a.dtype) for a in ins]
+    sl, _ = _slices(node, metas_in, ins, ctx.opset)
+    np.copyto(outs[0], ins[0][sl])
+    return outs
+
+
+def _split_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 2)
+    shape = ins[0].shape
+    a = _axis(node, node.attrs.get("axis", 0), len(shape))
+    sizes = _optional(node, ins, vals, 1, "split", "split")
+    k = len(node.outputs)
+    if sizes is None:
+        k = int(node.attrs.get("num_outputs", k))
+        q = -(-shape[a] // k)
+        sizes = [q] * (k - 1) + [shape[a] - q * (k - 1)]
+    if len(sizes) != len(node.outputs) or sum(sizes) != shape[a] or min(sizes) < 0:
+        _fail(node, f"split {sizes} does not cut axis {a} of size {shape[a]} into "
+              f"{len(node.outputs)} parts")  # fmt: skip
+    return [Out(shape[:a] + (s,) + shape[a + 1 :], ins[0].dtype) for s in sizes]
+
+
+def _split_run(ctx, node, ins, outs, metas, tmp):
+    a = _axis(node, node.attrs.get("axis", 0), ins[0].ndim)
+    start = 0
+    for o, m in zip(outs, metas, strict=True):
+        n = m.shape[a]
+        idx = [slice(None)] * ins[0].ndim
+        idx[a] = slice(start, start + n)
+        np.copyto(o, ins[0][tuple(idx)])
+        start += n
+    return outs
+
+
+def _expand_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    want = _ints(node, vals[1], "the target shape")
+    if any(d < 0 for d in want):
+        _fail(node, f"shape {want} has a negative dim")
+    shape = _broadcast(node, ins[0].shape, tuple(want))
+    return [Out(shape, ins[0].dtype, view=shape == ins[0].shape)]
+
+
+def _expand_run(ctx, node, ins, outs, metas, tmp):
+    if metas[0].view:
+        return [ins[0]]
+    np.copyto(outs[0], np.broadcast_to(ins[0], metas[0].shape))
+    return outs
+
+
+# ------------------------------------------------------------------------------ shape and types
+def _shape_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    s = ins[0].shape
+    r = len(s)
+    start, end = int(node.attrs.get("start", 0)), int(node.attrs.get("end", r))
+    start = min(max(start + r if start < 0 else start, 0), r)
+    end = min(max(end + r if end < 0 else end, 0), r)
+    v = np.array(s[start:end], dtype=np.int64)
+    return [Out(v.shape, v.dtype, value=v)]
+
+
+def _shape_run(ctx, node, ins, outs, metas, tmp):
+    return [metas[0].value.copy()]
+
+
+def _constant_of_shape_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    shape = _ints(node, vals[0], "the shape")
+    if any(d < 0 for d in shape):
+        _fail(node, f"shape {shape} has a negative dim")
+    v = node.attrs.get("value") or {"dtype": "float32", "values": [0.0]}
+    return [Out(tuple(shape), np.dtype(v["dtype"]))]
+
+
+def _constant_of_shape_run(ctx, node, ins, outs, metas, tmp):
+    v = node.attrs.get("value") or {"dtype": "float32", "values": [0.0]}
+    outs[0].fill(v["values"][0])
+    return outs
+
+
+def _cast_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    if "to" not in node.attrs:
+        _fail(node, "needs a 'to' attribute", ModelFormatError)
+    dt = np.dtype(node.attrs["to"])
+    value = None if vals[0] is None else np.asarray(vals[0]).astype(dt)
+    return [Out(ins[0].shape, dt, view=dt == ins[0].dtype, value=value)]
+
+
+def _cast_run(ctx, node, ins, outs, metas, tmp):
+    if metas[0].view:
+        return [ins[0]]
+    np.copyto(outs[0], ins[0], casting="unsafe")
+    return outs
+
+
+# ---------------------------------------------------------------------------------- RNN nodes
+def _rnn_layout(node: Node) -> tuple[int, int]:
+    layout = int(node.attrs.get("layout", 0))
+    D = 2 if node.attrs.get("direction") == "bidirectional" else 1
+    return layout, D
+
+
+def _rnn_infer(ctx, node, ins, vals):
+    ins = list(ins) + [None] * (8 - len(ins))
+    layout, D = _rnn_layout(node)
+    X = ins[0]
+    if X is None:
+        _fail(node, "has no input X", ModelFormatError)
+    if len(X.shape) != 3:
+        want = "[T, N, C]" if layout == 0 else "[N, T, C] (layout=1)"
+        _fail(node, f"X has shape {list(X.shape)}; expected {want}")
+    T, N, C = X.shape if layout == 0 else (X.shape[1], X.shape[0], X.shape[2])
+    pw = ctx.packed.get(node.name)
+    if pw is not None:
+        Cw, H, wdt = pw.spec.input_size, pw.spec.hidden_size, pw.dtype
+    else:
+        W, R = ins[1], ins[2]
+        if W is None or R is None:
+            _fail(node, "has no W or R input", ModelFormatError)
+        if len(W.shape) != 3 or len(R.shape) != 3:
+            _fail(node, f"W is {list(W.shape)}, R is {list(R.shape)}; expected rank 3")
+        Cw, H, wdt = W.shape[2], node.attrs.get("hidden_size") or R.shape[2], W.dtype
+    if C != Cw:
+        _fail(node, f"X has {C} features; the weights expect input_size {Cw}")
+    if X.dtype != wdt:
+        _fail(node, f"X has dtype {X.dtype}; the weights are {wdt} (leanrnn never converts "
+              "silently; Cast the input)", DTypeError)  # fmt: skip
+    if T < 1 or N < 1:
+        _fail(node, f"X has shape {list(X.shape)}; T and N must be >= 1")
+    state = (D, N, H) if layout == 0 else (N, D, H)
+    if ins[4] is not None and (ins[4].shape != (N,) or ins[4].dtype.kind not in "iu"):
+        _fail(node, f"sequence_lens is {ins[4].dtype}{list(ins[4].shape)}; expected int32[{N}]")
+    for k, nm in ((5, "initial_h"), (6, "initial_c")):
+        if ins[k] is not None and (ins[k].shape != state or ins[k].dtype != wdt):
+            _fail(node, f"{nm} is {ins[k].dtype}{list(ins[k].shape)}; expected {wdt}"
+                  f"{list(state)}")  # fmt: skip
+    if ins[6] is not None and node.op != "LSTM":
+        _fail(node, "initial_c is an LSTM input", ModelFormatError)
+    Y = (T, D, N, H) if layout == 0 else (N, T, D, H)
+    metas = [Out(Y, wdt), Out(state, wdt), Out(state, wdt)]
+    return metas[: len(node.outputs)]
+
+
+def _rnn_need(ctx, node, k: int) -> bool:
+    return k < len(node.outputs) and node.outputs[k] in ctx.needed
+
+
+def _rnn_scratch(ctx, node, ins, metas, needed):
+    layout, D = _rnn_layout(node)
+    X = ins[0].shape
+    T, N = (X[0], X[1]) if layout == 0 else (X[1], X[0])
+    H, dt = metas[0].shape[-1], metas[0].dtype  # Y is [.., H] in both layouts
+    tmp = {}
+    if not (_rnn_need(ctx, node, 0) and (D == 1 or layout == 1)):
+        tmp["y"] = ((T, N, D * H) if layout == 0 else (N, T, D * H), dt)
+    if not (_rnn_need(ctx, node, 1) and layout == 0):
+        tmp["h"] = ((D, N, H), dt)
+    if node.op == "LSTM" and not (_rnn_need(ctx, node, 2) and layout == 0):
+        tmp["c"] = ((D, N, H), dt)
+    return tmp
+
+
+def _rnn_run(ctx, node, ins, outs, metas, tmp):
+    ins = list(ins) + [None] * (8 - len(ins))
+    outs = list(outs) + [None] * (3 - len(outs))
+    layout, D = _rnn_layout(node)
+    session = ctx.sessions.get(node.name)
+    if session is None:  # weights are graph inputs or computed: pack them for this run
+        P = ins[7] if node.op == "LSTM" else None
+        spec, layers = rnn_from_onnx(node.op, node.attrs, ins[1], ins[2], ins[3], P,
+                                     f"node {node.name!r}")  # fmt: skip
+        session = Session(pack(spec, layers, ins[1].dtype), threads=ctx.threads)
+    x = ins[0]
+    H = session.spec.hidden_size
+    h0, c0 = ins[5], ins[6]
+    if layout == 1:
+        h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
+        c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
+    else:
+        h0 = None if h0 is None else np.ascontiguousarray(h0)
+        c0 = None if c0 is None else np.ascontiguousarray(c0)
+    T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
+    eng = (T, N, D * H) if layout == 0 else (N, T, D * H)
+    y = tmp["y"] if "y" in tmp else outs[0].reshape(eng)
+    h = tmp["h"] if "h" in tmp else outs[1]
+    out = (y, h)
+    if node.op == "LSTM":
+        out = (y, h, tmp["c"] if "c" in tmp else outs[2])
+    session.run(x, h0, c0, ins[4], out=out)
+    if "y" in tmp and _rnn_need(ctx, node, 0):  # layout 0, D == 2: [T, N, D, H] -> [T, D, N, H]
+        np.copyto(outs[0], y.reshape(T, N, D, H).transpose(0, 2, 1, 3))
+    if layout == 1:
+        for k, src in ((1, h), (2, out[2] if node.op == "LSTM" else None)):
+            if src is not None and _rnn_need(ctx, node, k):
+                np.copyto(outs[k], src.transpose(1, 0, 2))
+    return outs[: len(node.outputs)]
+
+
+# ------------------------------------------------------------------------------------ registry
+OPS: dict[str, OpDef] = {
+    **{k: OpDef(_unary_infer, _unary(f)) for k, f in _UNARY.items()},
+    **{k: OpDef(_binary_infer, _binary(f)) for k, f in _BINARY.items()},
+    "Softmax": OpDef(_softmax_infer, _softmax_run, _softmax_scratch),
+    "LogSoftmax": OpDef(_softmax_infer, _softmax_run, _softmax_scratch),
+    "MatMul": OpDef(_matmul_infer, _matmul_run),
+    "Gemm": OpDef(_gemm_infer, _gemm_run),
+    "Gather": OpDef(_gather_infer, _gather_run),
+    "Transpose": OpDef(_transpose_infer, _transpose_run),
+    "Squeeze": OpDef(_squeeze_infer, _view_run),
+    "Unsqueeze": OpDef(_unsqueeze_infer, _view_run),
+    "Reshape": OpDef(_reshape_infer, _view_run),
+    "Flatten": OpDef(_flatten_infer, _view_run),
+    "Identity": OpDef(_identity_infer, _identity_run),
+    "Dropout": OpDef(_identity_infer, _identity_run),
+    "Concat": OpDef(_concat_infer, _concat_run),
+    "Slice": OpDef(_slice_infer, _slice_run),
+    "Split": OpDef(_split_infer, _split_run),
+    "Expand": OpDef(_expand_infer, _expand_run),
+    "Shape": OpDef(_shape_infer, _shape_run),
+    "ConstantOfShape": OpDef(_constant_of_shape_infer, _constant_of_shape_run),
+    "Cast": OpDef(_cast_infer, _cast_run),
+    **{k: OpDef(_rnn_infer, _rnn_run, _rnn_scratch) for k in RNN_OPS},
+}
+# Constant nodes never reach the engine: the importer turns them into constants.
+SUPPORTED_OPS = tuple(sorted([*OPS, "Constant"]))
+
+
+def _guard(node: Node, fn, *args):
+    """Call an op function; anything but a leanrnn error (a malformed attribute in a hostile
+    file, say) becomes a ModelFormatError that names the node."""
+    try:
+        return fn(*args)
+    except LeanRNNError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+        raise ModelFormatError(f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: "
+                               f"{e}") from None  # fmt: skip
+
+
+def _eval(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
+    """Run one node on concrete arrays, allocating its outputs (folding and shape math)."""
+    if all(m.value is not None for m in metas):
+        return [m.value for m in metas]
+    outs = [None if m.view else np.empty(m.shape, m.dtype) for m in metas]
+    tmp = {}
+    if OPS[node.op].scratch is not None:
+        ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
+        for k, (shape, dt) in OPS[node.op].scratch(ctx, node, ins, metas, set()).items():
+            tmp[k] = np.empty(shape, dt)
+    return list(OPS[node.op].run(ctx, node, vals, outs, metas, tmp))
+
+
+# --------------------------------------------------------------------------------- the model
+class GraphModel:
+    """A runnable op graph around RNN nodes (what ``leanrnn.load`` returns for ONNX files).
+
+    ``model(*inputs)`` or ``model(**named)`` returns the graph's outputs (one array, or a tuple);
+    ``run(feeds)`` returns a list. Inputs must have the declared dtypes (nothing is converted).
+
+        >>> m = leanrnn.load("model.onnx")                      # doctest: +SKIP
+        >>> logits = m(tokens)                                  # doctest: +SKIP
+    """
+
+    def __init__(self, graph: Graph, threads: int | None = None) -> None:
+        self.graph = graph
+        self.threads = threads
+        self._check()
+        self._fold()
+        pack_constant_rnns(graph)
+        self._prune()
+        self._classify()
+        self._lock = threading.Lock()
+        self._session: GraphSession | None = None
+
+    # -- description
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.graph.outputs]
+
+    @property
+    def rnn_nodes(self) -> list[Node]:
+        return [n for n in self.graph.nodes if n.op in RNN_OPS]
+
+    def __repr__(self) -> str:
+        ops = ", ".join(n.op for n in self.graph.nodes)
+        return f"GraphModel({self.graph.name!r}: {self.input_names} -> {self.output_names}; {ops})"
+
+    # -- load-time passes
+    def _check(self) -> None:
+        g = self.graph
+        defined = set(g.constants) | {t.name for t in g.inputs}
+        names = set()
+        for node in g.nodes:
+            if node.op not in OPS:
+                raise UnsupportedOpError(
+                    f"[load] node {node.name!r} has op {node.op!r}, which leanrnn does not "
+                    f"implement; supported ops: {', '.join(SUPPORTED_OPS)}"
+                )
+            if node.name in names:
+                raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
+            names.add(node.name)
+            for i in node.inputs:
+                if i and i not in defined:
+                    raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) reads {i!r}, "
+                                           "which nothing defines before it")  # fmt: skip
+            for o in node.outputs:
+                if o in defined:
+                    raise ModelFormatError(f"[load] node {node.name!r} redefines tensor {o!r}")
+            defined |= {o for o in node.outputs if o}
+            if node.op in RNN_OPS:
+                self._check_rnn(node)
+        for t in g.outputs:
+            if t.name not in defined:
+                raise ModelFormatError(f"[load] graph output {t.name!r} is never produced")
+        stray = sorted(set(g.packed) - {n.name for n in g.nodes if n.op in RNN_OPS})
+        if stray:
+            raise ModelFormatError(f"[load] packed weights for unknown RNN nodes {stray}")
+
+    def _check_rnn(self, node: Node) -> None:
+        a = node.attrs
+        if a.get("layout") not in (0, 1) or a.get("direction") not in (
+            "forward", "reverse", "bidirectional"
+        ):
+            raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) has malformed "
+                                   f"attributes {a}")  # fmt: skip
+        pw = self.graph.packed.get(node.name)
+        if pw is None:
+            return
+        s = pw.spec
+        if (s.cell, s.num_layers, s.direction, s.batch_first) != (
+            RNN_OPS[node.op], 1, a["direction"], a["layout"] == 1
+        ):
+            raise ModelFormatError(
+                f"[load] node {node.name!r} ({node.op}, {a['direction']}, layout {a['layout']}) "
+                f"does not match its packed spec ({s.cell}, layers={s.num_layers}, "
+                f"{s.direction}, batch_first={s.batch_first})"
+            )
+
+    def _fold(self) -> None:
+        """Evaluate every non-RNN node whose inputs are all constants, once, at load."""
+        g = self.graph
+        limit = FOLD_SLACK_BYTES + max((c.nbytes for c in g.constants.values()), default=0)
+        ctx = _Ctx(g, {}, self.threads)
+        keep = []
+        for node in g.nodes:
+            if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
+                keep.append(node)
+                continue
+            vals = [g.constants[i] if i else None for i in node.inputs]
+            ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
+            metas = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            for m in metas:
+                if m.nbytes > limit:
+                    raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) would make a "
+                                           f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
+                                           f"more than {limit} bytes")  # fmt: skip
+            res = _guard(node, _eval, ctx, node, vals, metas)
+            for name, arr in zip(node.outputs, res, strict=False):
+                if name:
+                    g.constants[name] = np.ascontiguousarray(arr)
+        g.nodes = keep
+
+    def _prune(self) -> None:
+        g = self.graph
+        needed = {t.name for t in g.outputs}
+        keep = []
+        for node in reversed(g.nodes):
+            if any(o in needed for o in node.outputs):
+                keep.append(node)
+                needed |= {i for i in node.inputs if i}
+        g.nodes = keep[::-1]
+        self._needed = needed
+        for k in [k for k in g.constants if k not in needed]:
+            del g.constants[k]
+        for k in [k for k in g.packed if k not in {n.name for n in g.nodes}]:
+            del g.packed[k]
+
+    def _classify(self) -> None:
+        """Which tensors depend only on input shapes ("shape": evaluated at resize) and which on
+        input values ("data": planned in the arena, computed at run)."""
+        kind = dict.fromkeys(self.graph.constants, "const")
+        kind.update(dict.fromkeys(self.input_names, "data"))
+        self._shape_nodes: set[str] = set()
+        for node in self.graph.nodes:
+            if node.op == "Shape" or (
+                node.op not in RNN_OPS
+                and all(kind.get(i) in ("const", "shape") for i in node.inputs if i)
+            ):
+                k = "shape"
+                self._shape_nodes.add(node.name)
+            else:
+                k = "data"
+            kind.update(dict.fromkeys((o for o in node.outputs if o), k))
+        self._kind = kind
+
+    # -- running
+    @property
+    def session(self) -> GraphSession:
+        if self._session is None:
+            self._session = GraphSession(self)
+        return self._session
+
+    def run(self, feeds) -> list[np.ndarray]:
+        """Outputs (in ``output_names`` order) for ``feeds``: a dict name -> array, or a list in
+        ``input_names`` order."""
+        return self.session.run(feeds)
+
+    def __call__(self, *args, **kwargs):
+        if args and kwargs:
+            raise ShapeError("[GraphModel] pass inputs positionally or by name, not both")
+        outs = self.run(dict(kwargs) if kwargs else list(args))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
+        """Plan the session for input ``shapes`` (dict or list); see ``GraphSession.resize``."""
+        return self.session.resize(shapes, dtypes, memory_limit)
+
+
+class GraphSession:
+    """One planned arena for a GraphModel plus one engine Session per RNN node. Not re-entrant;
+    calls are serialized by a lock."""
+
+    def __init__(self, model: GraphModel) -> None:
+        self.model = model
+        g = model.graph
+        self._sessions = {name: Session(pw, threads=model.threads) for name, pw in g.packed.items()}
+        self._ctx = _Ctx(g, self._sessions, model.threads)
+        self._ctx.needed = model._needed
+        self._lock = threading.Lock()
+        self._key = None
+        self._arena: Arena | None = None
+        self._plan: Plan | None = None
+        self.resize_constant_bytes = 0
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the graph arena (intermediate tensors), without the RNN sessions' arenas."""
+        return self._arena.nbytes if self._arena is not None else 0
+
+    @property
+    def rnn_arena_bytes(self) -> int:
+        return sum(s.arena_bytes for s in self._sessions.values())
+
+    def _input_metas(self, shapes, dtypes) -> dict:
+        g = self.model.graph
+        names = self.model.input_names
+        if isinstance(shapes, dict):
+            unknown = sorted(set(shapes) - set(names))
+            missing = sorted(set(names) - set(shapes))
+            if unknown or missing:
+                raise ShapeError(f"[GraphSession.resize] missing inputs {missing}; unexpected "
+                                 f"inputs {unknown}; the model's inputs are {names}")  # fmt: skip
+            shapes = [shapes[n] for n in names]
+        if len(shapes) != len(names):
+            raise ShapeError(f"[GraphSession.resize] got {len(shapes)} input shapes; the model "
+                             f"has {len(names)} inputs {names}")  # fmt: skip
+        if dtypes is None:
+            dtypes = [t.dtype for t in g.inputs]
+        elif isinstance(dtypes, dict):
+            dtypes = [dtypes.get(n, t.dtype) for n, t in zip(names, g.inputs, strict=True)]
+        metas = {}
+        for t, shape, dt in zip(g.inputs, shapes, dtypes, strict=True):
+            if not dt:
+                raise DTypeError(f"[GraphSession.resize] input {t.name!r} has no declared dtype; "
+                                 "pass dtypes=")  # fmt: skip
+            metas[t.name] = Out(tuple(int(d) for d in shape), np.dtype(dt))
+        return metas
+
+    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
+        """Plan every intermediate tensor for inputs of ``shapes`` (and ``dtypes``, default the
+        declared ones), in one arena; plans each RNN node's Session too."""
+        metas_in = self._input_metas(shapes, dtypes)
+        with self._lock:
+            return self._resize(metas_in, memory_limit)
+
+    def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
+        model, g, ctx = self.model, self.model.graph, self._ctx
+        limit = memory_limit
+        metas: dict[str, Out] = {k: Out(v.shape, v.dtype) for k, v in g.constants.items()}
+        metas.update(metas_in)
+        values: dict[str, np.ndarray] = dict(g.constants)
+        steps = []  # (node, out metas, scratch {key: (shape, dtype)})
+        extra = 0
+        for node in g.nodes:
+            ins = [metas[i] if i else None for i in node.inputs]
+            vals = [values.get(i) if i else None for i in node.inputs]
+            outs = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            for m in outs:
+                if limit is not None and m.nbytes > limit:
+                    raise ShapeError(f"[GraphSession.resize] node {node.name!r} ({node.op}) "
+                                     f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
+                                     f" limit is {limit}")  # fmt: skip
+            for name, m in zip(node.outputs, outs, strict=False):
+                if name:
+                    metas[name] = m
+            if node.name in model._shape_nodes:
+                res = _guard(node, _eval, ctx, node, vals, outs)
+                for name, arr in zip(node.outputs, res, strict=False):
+                    if name:
+                        values[name] = np.ascontiguousarray(arr)
+                        extra += arr.nbytes
+                continue
+            tmp = {}
+            if OPS[node.op].scratch is not None:
+                tmp = _guard(node, OPS[node.op].scratch, ctx, node, ins, outs, model._needed)
+            steps.append((node, outs, tmp))
+        p, views = self._plan_arena(steps, metas, limit)
+        for node, _, _ in steps:
+            sess = self._sessions.get(node.name)
+            if sess is not None:
+                x = metas[node.inputs[0]].shape
+                T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
+                sess.resize(N, T)
+        self._steps, self._metas, self._values, self._views = steps, metas, values, views
+        self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
+        self.resize_constant_bytes = extra
+        self._plan = p
+        return p
+
+    def _plan_arena(self, steps, metas, limit):
+        g = self.model.graph
+        outputs = {t.name for t in g.outputs}
+        root: dict[str, str] = {}
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for k, (node, outs, _) in enumerate(steps):
+            for i in node.inputs:
+                if i:
+                    r = root.get(i, i)
+                    last[r] = max(last.get(r, k), k)
+            for name, m in zip(node.outputs, outs, strict=False):
+                if not name:
+                    continue
+                if m.view:
+                    root[name] = root.get(node.inputs[0], node.inputs[0])
+                else:
+                    root[name] = name
+                    first[name] = last[name] = k
+        buffers = []
+        self._fresh = set()
+        for k, (node, outs, tmp) in enumerate(steps):
+            for name, m in zip(node.outputs, outs, strict=False):
+                if not name or m.view:
+                    continue
+                if node.op in RNN_OPS and name not in self.model._needed:
+                    continue
+                if name in outputs:
+                    self._fresh.add(name)  # a new array per run, handed to the caller
+                    continue
+                buffers.append(Buffer(name, m.nbytes, first[name], last[name]))
+            for key, (shape, dt) in tmp.items():
+                nbytes = math.prod(shape) * np.dtype(dt).itemsize
+                buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
+        p = plan(buffers, limit=limit)
+        if self._arena is None or self._arena.nbytes < p.total:
+            self._arena = None  # drop the old arena before taking the new one
+            self._arena = Arena(p.total, name=f"graph arena[{g.name}]")
+        shapes = {}
+        for node, outs, tmp in steps:
+            for name, m in zip(node.outputs, outs, strict=False):
+                shapes[name] = (m.shape, m.dtype)
+            for key, (shape, dt) in tmp.items():
+                shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
+        views = {}
+        for pl in p.placements:
+            shape, dt = shapes[pl.buffer.name]
+            views[pl.buffer.name] = self._arena.view(pl.offset, shape, dt)
+        return p, views
+
+    def _feeds(self, feeds) -> dict[str, np.ndarray]:
+        g = self.model.graph
+        names = self.model.input_names
+        if not isinstance(feeds, dict):
+            feeds = list(feeds)
+            if len(feeds) != len(names):
+                raise ShapeError(f"[GraphModel.run] got {len(feeds)} inputs; the model takes "
+                                 f"{len(names)}: {names}")  # fmt: skip
+            feeds = dict(zip(names, feeds, strict=True))
+        unknown = sorted(set(feeds) - set(names))
+        missing = sorted(set(names) - set(feeds))
+        if unknown or missing:
+            raise ShapeError(f"[GraphModel.run] missing inputs {missing}; unexpected inputs "
+                             f"{unknown}; the model's inputs are {names}")  # fmt: skip
+        out = {}
+        for t in g.inputs:
+            a = feeds[t.name]
+            if not isinstance(a, np.ndarray):
+                a = np.asarray(a)
+            if t.dtype and a.dtype != np.dtype(t.dtype):
+                hint = f"; convert with .astype(np.{t.dtype})" if a.dtype.kind in "fiub" else ""
+                raise DTypeError(f"[GraphModel.run] input {t.name!r} has dtype {a.dtype}; the "
+                                 f"model declares {t.dtype}{hint}")  # fmt: skip
+            if t.shape is not None:
+                bad = len(t.shape) != a.ndim or any(
+                    isinstance(d, int) and d != s for d, s in zip(t.shape, a.shape, strict=False)
+                )
+                if bad:
+                    want = ", ".join("?" if d is None else str(d) for d in t.shape)
+                    raise ShapeError(f"[GraphModel.run] input {t.name!r} has shape "
+                                     f"{tuple(a.shape)}; the model declares [{want}]")  # fmt: skip
+            out[t.name] = np.ascontiguousarray(a)
+        return out
+
+    def run(self, feeds) -> list[np.ndarray]:
+        feeds = self._feeds(feeds)
+        metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
+        with self._lock:
+            key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
+            if key != self._key:
+                self._resize(metas_in, None)
+            return self._execute(feeds)
+
+    def _execute(self, feeds: dict) -> list[np.ndarray]:
+        env = dict(self._values)
+        env.update(feeds)
+        fresh = {}
+        views, ctx = self._views, self._ctx
+        for node, metas, tmp_spec in self._steps:
+            outs = []
+            for name, m in zip(node.outputs, metas, strict=False):
+                if not name or m.view:
+                    outs.append(None)
+                elif name in self._fresh:
+                    fresh[name] = np.empty(m.shape, m.dtype)
+                    outs.append(fresh[name])
+                else:
+                    outs.append(views.get(name))
+            tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
+            ins = [env[i] if i else None for i in node.inputs]
+            res = OPS[node.op].run(ctx, node, ins, outs, metas, tmp)
+            for name, arr in zip(node.outputs, res, strict=False):
+                if name:
+                    env[name] = arr
+        results = []
+        handed = set()
+        for t in self.model.graph.outputs:
+            arr = env[t.name]
+            if t.name in fresh and t.name not in handed:
+                handed.add(t.name)
+                results.append(arr)
+            else:  # a view, a constant, an input or a repeated output: the caller gets a copy
+                results.append(np.array(arr, copy=True))
+        return results

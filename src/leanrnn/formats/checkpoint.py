@@ -1,0 +1,166 @@
+"""State dicts of torch.nn.LSTM/GRU/RNN from files: PyTorch checkpoints, .safetensors, .npz.
+
+PyTorch files are pickles underneath, so they are read only with
+``torch.load(..., weights_only=True)`` (torch's restricted unpickler, which refuses any global
+but tensors and containers) and only when torch is installed — leanrnn never unpickles anything
+itself. ``.safetensors`` and ``.npz`` (``allow_pickle=False``) need no torch; every declared array
+size is checked against the bytes actually present before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+
+import numpy as np
+
+from ..errors import ModelFormatError, WeightsError
+from . import native
+
+# An .npz member may decompress to at most this many times its stored size (plus 1 MiB):
+# weights barely compress, a zip bomb compresses enormously.
+MAX_NPZ_RATIO = 64
+
+_RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$")
+
+
+def sniff(path: str) -> str:
+    """What a file holds, by content: 'lrnn', 'safetensors', 'npz', 'torch-zip', 'pickle',
+    'onnx' (a protobuf that starts like a ModelProto) or 'unknown'."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if native.is_safetensors(head):
+        return "lrnn" if native.is_native(path) else "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:4] == b"PK\x05\x06":
+        try:
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return "unknown"
+        if any(n.endswith("data.pkl") for n in names):
+            return "torch-zip"
+        if names and all(n.endswith(".npy") for n in names):
+            return "npz"
+        return "unknown"
+    if head[:1] == b"\x80" or head[:2] in (b"(d", b"}q", b"(l", b"cc"):
+        return "pickle"
+    if head[:1] == b"\x08":  # ModelProto field 1 (ir_version), varint
+        return "onnx"
+    return "unknown"
+
+
+def read_npz(path: str) -> dict[str, np.ndarray]:
+    """Arrays of an .npz without pickles; each member's declared shape is checked against its
+    stored size before it is read."""
+    op = "load"
+    out = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                name = info.filename
+                if not name.endswith(".npy"):
+                    raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is not a .npy array")
+                if info.compress_type != zipfile.ZIP_STORED and info.file_size > (
+                    MAX_NPZ_RATIO * info.compress_size + (1 << 20)
+                ):
+                    raise ModelFormatError(
+                        f"[{op}] {path!r}: member {name!r} claims to inflate {info.compress_size}"
+                        f" bytes to {info.file_size}; refusing (zip bomb?)"
+                    )
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                    if dtype.hasobject:
+                        raise ModelFormatError(f"[{op}] {path!r}: member {name!r} holds Python "
+                                               "objects; refusing (pickles are never loaded)")
+                    want = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                    have = info.file_size - f.tell()
+                    if want != have:
+                        raise ModelFormatError(
+                            f"[{op}] {path!r}: member {name!r} declares {dtype}{list(shape)} = "
+                            f"{want} bytes but holds {have}"
+                        )
+                    data = f.read(want)
+                    if len(data) != want:
+                        raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is truncated")
+                arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
+                out[name[: -len(".npy")]] = np.ascontiguousarray(arr)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zipfile.LargeZipFile) as e:
+        raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
+    return out
+
+
+def read_torch(path: str) -> dict[str, np.ndarray]:
+    """A PyTorch checkpoint's tensors via torch.load(weights_only=True); never without torch."""
+    op = "load"
+    try:
+        import torch
+    except ImportError:
+        raise ModelFormatError(
+            f"[{op}] {path!r} is a PyTorch (pickle-based) checkpoint; reading it safely needs "
+            "torch (torch.load with weights_only=True). Install torch, or re-save the state dict "
+            "as .safetensors or .npz"
+        ) from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        raise ModelFormatError(
+            f"[{op}] {path!r}: torch.load(weights_only=True) refused or failed: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (a checkpoint must "
+            "be a state dict of tensors; leanrnn never runs arbitrary pickles)"
+        ) from None
+    if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict):
+        raise ModelFormatError(f"[{op}] {path!r} holds a {type(obj).__name__}; expected a state "
+                               "dict (save module.state_dict(), not the module)")
+    out = {}
+    for k, v in obj.items():
+        if not isinstance(v, torch.Tensor):
+            raise ModelFormatError(f"[{op}] {path!r}: entry {k!r} is a {type(v).__name__}; "
+                                   "expected tensors only")
+        if v.dtype == torch.bfloat16:
+            raise WeightsError(f"[{op}] {path!r}: {k!r} is bfloat16; convert to float32 first")
+        out[str(k)] = v.detach().cpu().contiguous().numpy()
+    return out
+
+
+def read_state_dict(path: str, kind: str | None = None) -> dict[str, np.ndarray]:
+    """A state dict from any supported checkpoint file (``kind`` from ``sniff``)."""
+    path = os.fspath(path)
+    kind = kind or sniff(path)
+    if kind == "safetensors":
+        return native.read_safetensors(path)
+    if kind == "npz":
+        return read_npz(path)
+    if kind in ("torch-zip", "pickle"):
+        return read_torch(path)
+    raise ModelFormatError(f"[load] {path!r} is not a state-dict file (.pt/.pth, .safetensors "
+                           "or .npz)")
+
+
+def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict[str, np.ndarray]:
+    """The one RNN module's entries of a state dict, prefix stripped (``lstm.weight_ih_l0`` ->
+    ``weight_ih_l0``). With several RNN modules, or other parameters besides, ``prefix`` must
+    say which module to take — nothing is dropped silently."""
+    prefixes = sorted({m.group(1) for k in sd if (m := _RNN_KEY.match(k))})
+    if prefix is None:
+        if not prefixes:
+            raise WeightsError(f"[load] {path!r} has no '*weight_ih_l0' entry among keys "
+                               f"{sorted(sd)[:8]}; expected a torch.nn.LSTM/GRU/RNN state dict")
+        if len(prefixes) > 1:
+            raise WeightsError(f"[load] {path!r} holds several RNN modules {prefixes}; pass "
+                               "prefix= to pick one")
+        prefix = prefixes[0]
+        others = sorted(k for k in sd if not k.startswith(prefix))
+        if others:
+            raise WeightsError(
+                f"[load] {path!r} holds other parameters besides the RNN {prefix!r}: "
+                f"{others[:8]}; pass prefix={prefix!r} to load just the RNN"
+            )
+    picked = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    if not picked:
+        raise WeightsError(f"[load] {path!r}: no keys start with prefix {prefix!r}; RNN prefixes "
+                           f"present: {prefixes}")
+    return picked

@@ -1,0 +1,511 @@
+"""The native format ``.lrnn`` and the op-graph IR it stores.
+
+A ``.lrnn`` file is a safetensors file: an 8-byte little-endian header length, a JSON header, then
+the tensor bytes. Any safetensors reader opens it. The header's ``__metadata__`` holds
+``format = "leanrnn"``, ``version``, ``kind`` (``"rnn"``: one recurrent stack; ``"graph"``: an op
+graph around RNN nodes), the spec or graph as JSON, and a CRC-32 over that metadata and the data.
+
+The packed tensors are stored exactly as ``PackedWeights`` lays them out in memory (every tensor a
+multiple of 64 bytes, so the safetensors rule "no holes" holds and the data section starts on a
+64-byte boundary): loading is one ``readinto`` per RNN into the engine's own aligned buffer.
+Loading never executes code, and every size is checked against the file before anything is
+allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import LeanRNNError, ModelFormatError
+from ..memory.arena import aligned_empty, round_up
+from ..spec import RNNSpec
+from .packing import B, ROW_ALIGN, SUPPORTED_DTYPES, PackedLayer, PackedWeights
+
+FORMAT = "leanrnn"
+VERSION = 1
+MAX_HEADER_BYTES = 64 << 20  # a header is JSON text; 64 MiB is far beyond any real model's
+
+# safetensors dtype codes <-> numpy
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+    "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
+_ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+# ------------------------------------------------------------------------------------------ IR
+@dataclass
+class TensorInfo:
+    """A graph input or output: name, numpy dtype name, shape (ints, symbolic names or None for
+    an unknown dim; ``None`` for an unknown rank)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str | None, ...] | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape)}  # fmt: skip
+
+    @staticmethod
+    def from_dict(d: dict) -> TensorInfo:
+        shape = d.get("shape")
+        return TensorInfo(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
+
+
+@dataclass
+class Node:
+    """One op. ``op`` is the ONNX operator name (the op vocabulary), ``inputs`` use "" for an
+    absent optional input, ``attrs`` holds JSON values only (ints, floats, strings, lists)."""
+
+    op: str
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "name": self.name, "inputs": list(self.inputs),
+                "outputs": list(self.outputs), "attrs": self.attrs}  # fmt: skip
+
+    @staticmethod
+    def from_dict(d: dict) -> Node:
+        return Node(str(d["op"]), str(d["name"]), tuple(str(s) for s in d["inputs"]),
+                    tuple(str(s) for s in d["outputs"]), dict(d.get("attrs") or {}))  # fmt: skip
+
+
+@dataclass
+class Graph:
+    """A model as an op graph: what importers produce and ``engine.graph.GraphModel`` runs.
+
+    ``constants`` are weights and folded values by tensor name; ``packed`` maps the name of an
+    RNN node (LSTM/GRU/RNN, always one layer) to its packed weights when they are constant (the
+    node's W/R/B/P inputs are then ""). ``opset`` is the ONNX default-domain opset, which fixes
+    a few op semantics (e.g. Softmax's axis before opset 13).
+    """
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    nodes: list[Node]
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    packed: dict[str, PackedWeights] = field(default_factory=dict)
+    opset: int = 17
+    name: str = "graph"
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "opset": self.opset,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "nodes": [n.to_dict() for n in self.nodes],
+        }
+
+
+# ------------------------------------------------------------------- safetensors: the container
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class _Container:
+    """A parsed and size-checked safetensors header; tensors are read on demand."""
+
+    def __init__(self, path: str, op: str) -> None:
+        self.path, self.op = path, op
+        try:
+            self.size = os.path.getsize(path)
+        except OSError as e:
+            raise ModelFormatError(f"[{op}] cannot read {path!r}: {e.strerror}") from None
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelFormatError(
+                    f"[{op}] {path!r} is {self.size} bytes; a safetensors/.lrnn file starts with "
+                    "an 8-byte header length (file truncated?)"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n < 2 or n > min(self.size - 8, MAX_HEADER_BYTES):
+                raise ModelFormatError(
+                    f"[{op}] {path!r} declares a {n}-byte header but the file holds "
+                    f"{self.size - 8} bytes after the length field (truncated or corrupt)"
+                )
+            raw = f.read(n)
+        if len(raw) != n:
+            raise ModelFormatError(f"[{op}] {path!r}: header truncated ({len(raw)} of {n} bytes)")
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ModelFormatError(f"[{op}] {path!r}: header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ModelFormatError(f"[{op}] {path!r}: header is {type(header).__name__}; "
+                                   "expected a JSON object")  # fmt: skip
+        self.data_start = 8 + n
+        self.data_size = self.size - self.data_start
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+        ):
+            raise ModelFormatError(f"[{op}] {path!r}: __metadata__ must map strings to strings")
+        self.metadata: dict[str, str] = meta
+        self.entries: dict[str, _Entry] = {}
+        for name, e in header.items():
+            self.entries[name] = self._entry(name, e)
+        # safetensors: the data section is exactly covered, without holes or overlaps.
+        spans = sorted((e.begin, e.end, e.name) for e in self.entries.values())
+        cursor = 0
+        for begin, end, name in spans:
+            if begin != cursor:
+                raise ModelFormatError(
+                    f"[{op}] {path!r}: tensor {name!r} starts at byte {begin}; expected {cursor} "
+                    "(tensors must tile the data section without holes or overlaps)"
+                )
+            cursor = end
+        if cursor != self.data_size:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensors cover {cursor} bytes but the data section holds "
+                f"{self.data_size} (truncated, or trailing bytes)"
+            )
+
+    def _entry(self, name: str, e) -> _Entry:
+        op, path = self.op, self.path
+        if not isinstance(e, dict):
+            raise ModelFormatError(f"[{op}] {path!r}: entry {name!r} is not an object")
+        code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if code not in _ST_DTYPES:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {name!r} has dtype {code!r}; expected one of "
+                f"{sorted(_ST_DTYPES)}"
+            )
+        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+            raise ModelFormatError(f"[{op}] {path!r}: tensor {name!r} has shape {shape!r}; "
+                                   "expected a list of non-negative ints")  # fmt: skip
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_count(o) for o in offs)):
+            raise ModelFormatError(f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; "
+                                   "expected [begin, end]")  # fmt: skip
+        dtype = np.dtype(_ST_DTYPES[code])
+        want = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
+        begin, end = offs
+        if end < begin or end > self.data_size or end - begin != want:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {name!r} {code}{shape} needs {want} bytes but its "
+                f"offsets [{begin}, {end}] span {end - begin} of a {self.data_size}-byte data "
+                "section"
+            )
+        return _Entry(name, dtype, tuple(shape), begin, end)
+
+    def read_into(self, f, entry_begin: int, buf: np.ndarray) -> None:
+        f.seek(self.data_start + entry_begin)
+        got = f.readinto(memoryview(buf).cast("B"))
+        if got != buf.nbytes:
+            raise ModelFormatError(
+                f"[{self.op}] {self.path!r}: read {got} of {buf.nbytes} bytes (file truncated "
+                "while reading?)"
+            )
+
+    def array(self, f, e: _Entry) -> np.ndarray:
+        out = np.empty(e.shape, e.dtype)
+        if out.nbytes:
+            self.read_into(f, e.begin, out)
+        if out.dtype.byteorder == ">":  # pragma: no cover - big-endian hosts
+            out = out.byteswap().view(out.dtype.newbyteorder("<"))
+        return out
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
+
+
+def is_safetensors(head: bytes) -> bool:
+    """Whether ``head`` (the first >= 9 bytes of a file) looks like a safetensors header."""
+    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] >= 2
+
+
+def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
+    """Every tensor of a plain safetensors file, sizes checked against the file first."""
+    c = _Container(str(path), op)
+    with open(c.path, "rb") as f:
+        return {name: c.array(f, e) for name, e in sorted(c.entries.items())}
+
+
+def read_metadata(path: str, op: str = "load") -> dict[str, str]:
+    return _Container(str(path), op).metadata
+
+
+# ------------------------------------------------------------------------- packed layouts
+def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> list[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) list ``PackedWeights(spec, dtype).tensors()`` will have, computed without
+    allocating, so a file's declared sizes can be checked before anything is allocated."""
+    Hp = round_up(spec.hidden_size, B)
+    Kp = round_up(spec.output_size, ROW_ALIGN)
+    Pp = round_up(spec.proj_size, 4) if spec.proj_size else 0
+    Gp = spec.num_gates * Hp
+    out = []
+    for layer in range(spec.num_layers):
+        Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
+        shapes = {"Wt": (Gp, Cp), "Rt": (Gp, Kp), "b": (Gp,), "rb": (Gp,), "bW": (Gp,),
+                  "bR": (Gp,), "peep": (3, Hp), "proj": (Pp, Hp)}  # fmt: skip
+        assert list(shapes) == list(PackedLayer.__dataclass_fields__)
+        for d in range(spec.num_directions):
+            out += [(f"l{layer}.d{d}.{k}", s) for k, s in shapes.items()]
+    return out
+
+
+def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
+    """(name, view, byte offset in pw.buffer) of every packed tensor, in buffer order."""
+    base = pw.buffer.ctypes.data
+    return [(k, v, v.ctypes.data - base if v.size else -1) for k, v in pw.tensors().items()]
+
+
+# ----------------------------------------------------------------------------------- writing
+def _crc(meta: dict[str, str], chunks) -> str:
+    crc = zlib.crc32(json.dumps(meta, sort_keys=True).encode())
+    for c in chunks:
+        crc = zlib.crc32(memoryview(c).cast("B"), crc)
+    return f"{crc:08x}"
+
+
+def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> None:
+    """Write a safetensors file. ``blocks`` is a list of (prefix, [(name, array, offset)]) where
+    each block's arrays tile one contiguous byte region (offset -1: empty tensor)."""
+    header: dict[str, dict] = {}
+    chunks: list[np.ndarray] = []
+    cursor = 0
+    for prefix, items in blocks:
+        block_start = cursor
+        for name, arr, off in items:
+            if arr.dtype.byteorder == ">":  # pragma: no cover - safetensors is little-endian
+                arr = arr.astype(arr.dtype.newbyteorder("<"))
+            code = _ST_CODES.get(np.dtype(arr.dtype.str.replace("<", "=")))
+            if code is None:
+                raise ModelFormatError(f"[save] tensor {name!r} has dtype {arr.dtype}; the "
+                                       "native format stores numeric dtypes only")  # fmt: skip
+            begin = block_start + (off if off >= 0 else cursor - block_start)
+            if off >= 0 and begin != cursor:
+                raise ModelFormatError(f"[save] tensor {prefix}{name} would leave a hole at "
+                                       f"byte {cursor}")  # fmt: skip
+            header[prefix + name] = {"dtype": code, "shape": list(arr.shape),
+                                     "data_offsets": [begin, begin + arr.nbytes]}  # fmt: skip
+            cursor = begin + arr.nbytes
+            if arr.nbytes:
+                chunks.append(np.ascontiguousarray(arr))
+    meta = dict(meta)
+    meta["crc32"] = _crc(meta, chunks)
+    header["__metadata__"] = meta
+    text = json.dumps(header, separators=(",", ":")).encode()
+    # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
+    text += b" " * ((-(8 + len(text))) % 64)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for c in chunks:
+                f.write(memoryview(c).cast("B"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _packed_items(pw: PackedWeights) -> list:
+    items = _region(pw)
+    total = sum(v.nbytes for _, v, _ in items)
+    if total != pw.nbytes:  # every packed tensor is a multiple of 64 bytes (see packing)
+        raise ModelFormatError(f"[save] packed tensors cover {total} of {pw.nbytes} buffer bytes")
+    return items
+
+
+def save_rnn(weights: PackedWeights, path: str) -> None:
+    """Write one recurrent stack (spec + packed weights) as ``.lrnn``."""
+    meta = {"format": FORMAT, "version": str(VERSION), "kind": "rnn",
+            "dtype": weights.dtype.name, "spec": json.dumps(weights.spec.to_dict())}  # fmt: skip
+    _write(str(path), meta, [("", _packed_items(weights))])
+
+
+def save_graph(graph: Graph, path: str) -> None:
+    """Write an op graph (constants + packed RNN weights) as ``.lrnn``."""
+    blocks = []
+    packed = {}
+    for node_name, pw in graph.packed.items():
+        blocks.append((f"rnn:{node_name}:", _packed_items(pw)))
+        packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
+    # Constants after the packed regions, widest items first, so each stays aligned to its itemsize.
+    consts = sorted(graph.constants.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0]))
+    blocks.append(("const:", [(k, np.ascontiguousarray(v), -1) for k, v in consts]))
+    g = graph.to_dict()
+    g["packed"] = packed
+    meta = {"format": FORMAT, "version": str(VERSION), "kind": "graph", "graph": json.dumps(g)}
+    _write(str(path), meta, blocks)
+
+
+# ----------------------------------------------------------------------------------- reading
+def is_native(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+        return is_safetensors(head) and read_metadata(path).get("format") == FORMAT
+    except (OSError, LeanRNNError):
+        return False
+
+
+def load(path: str, verify: bool = True) -> PackedWeights | Graph:
+    """Read a ``.lrnn`` file: ``PackedWeights`` for kind "rnn", a ``Graph`` for kind "graph".
+
+    Every declared size is checked against the spec and the file size before allocation; with
+    ``verify`` the CRC-32 of metadata and data is checked too (catches bit flips)."""
+    op = "load"
+    c = _Container(str(path), op)
+    meta = c.metadata
+    if meta.get("format") != FORMAT:
+        raise ModelFormatError(f"[{op}] {path!r} is a safetensors file without leanrnn metadata; "
+                               "expected a .lrnn file (or load it as a state dict)")  # fmt: skip
+    try:
+        version = int(meta.get("version", ""))
+    except ValueError:
+        version = -1
+    if version < 1 or version > VERSION:
+        raise ModelFormatError(
+            f"[{op}] {path!r} has format version {meta.get('version')!r}; this leanrnn reads "
+            f"versions 1..{VERSION} (upgrade leanrnn for newer files)"
+        )
+    kind = meta.get("kind")
+    with open(c.path, "rb") as f:
+        if kind == "rnn":
+            spec = _spec(meta.get("spec"), op, path)
+            dtype = _dtype(meta.get("dtype"), op, path)
+            result: PackedWeights | Graph = _read_packed(c, f, "", spec, dtype)
+            regions = [result.buffer]
+        elif kind == "graph":
+            result, regions = _read_graph(c, f, meta)
+        else:
+            raise ModelFormatError(f"[{op}] {path!r} has kind {kind!r}; expected 'rnn' or 'graph'")
+    if verify:
+        want = meta.get("crc32")
+        body = {k: v for k, v in meta.items() if k != "crc32"}
+        got = _crc(body, [r for r in regions if r.nbytes])
+        if want != got:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: checksum mismatch (stored {want}, computed {got}); the file "
+                "is corrupt"
+            )
+    return result
+
+
+def _spec(text, op, path) -> RNNSpec:
+    try:
+        return RNNSpec.from_dict(json.loads(text) if isinstance(text, str) else text)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ModelFormatError(f"[{op}] {path!r}: bad spec in header: {e}") from None
+
+
+def _dtype(name, op, path) -> np.dtype:
+    try:
+        dt = np.dtype(str(name))
+    except TypeError:
+        dt = None
+    if dt not in SUPPORTED_DTYPES:
+        raise ModelFormatError(f"[{op}] {path!r}: weights dtype {name!r}; expected float32 or "
+                               "float64")  # fmt: skip
+    return dt
+
+
+def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+    op, path = c.op, c.path
+    layout = _packed_layout(spec, dtype)
+    begin = None
+    cursor = None
+    for name, shape in layout:
+        e = c.entries.get(prefix + name)
+        if e is None:
+            raise ModelFormatError(f"[{op}] {path!r}: missing tensor {prefix + name!r} for "
+                                   f"{spec.cell.upper()} H={spec.hidden_size}")  # fmt: skip
+        if e.shape != shape or e.dtype != dtype:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {prefix + name!r} is {e.dtype}{list(e.shape)}; the spec "
+                f"needs {dtype}{list(shape)}"
+            )
+        if begin is None:
+            begin = cursor = e.begin
+        if e.end > e.begin:
+            if e.begin != cursor:
+                raise ModelFormatError(f"[{op}] {path!r}: packed tensors of {prefix or 'the model'}"
+                                       " are not stored in engine order")  # fmt: skip
+            cursor = e.end
+    assert begin is not None and cursor is not None
+    nbytes = cursor - begin
+    pw = PackedWeights(spec, dtype)  # allocates nbytes, which the file was just shown to hold
+    items = _region(pw)
+    if pw.nbytes != nbytes or [(k, v.shape) for k, v, _ in items] != layout:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: stored packing ({nbytes} bytes) does not match this leanrnn's "
+            f"packing ({pw.nbytes} bytes); re-convert the model from its source"
+        )
+    c.read_into(f, begin, pw.buffer)
+    return pw
+
+
+def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
+    op, path = c.op, c.path
+    try:
+        g = json.loads(meta.get("graph", ""))
+        if not isinstance(g, dict):
+            raise TypeError("graph is not an object")
+        graph = Graph(
+            inputs=[TensorInfo.from_dict(d) for d in g["inputs"]],
+            outputs=[TensorInfo.from_dict(d) for d in g["outputs"]],
+            nodes=[Node.from_dict(d) for d in g["nodes"]],
+            opset=int(g.get("opset", 17)),
+            name=str(g.get("name", "graph")),
+        )
+        packed_meta = g.get("packed") or {}
+        if not isinstance(packed_meta, dict):
+            raise TypeError("packed is not an object")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            RecursionError) as e:  # fmt: skip
+        raise ModelFormatError(f"[{op}] {path!r}: malformed graph in header: {e!r}") from None
+    regions = []
+    used = set()
+    for node_name, pm in packed_meta.items():
+        if not isinstance(pm, dict):
+            raise ModelFormatError(f"[{op}] {path!r}: packed entry {node_name!r} is malformed")
+        spec = _spec(pm.get("spec"), op, path)
+        dtype = _dtype(pm.get("dtype"), op, path)
+        prefix = f"rnn:{node_name}:"
+        pw = _read_packed(c, f, prefix, spec, dtype)
+        graph.packed[str(node_name)] = pw
+        regions.append(pw.buffer)
+        used |= {prefix + k for k in pw.tensors()}
+    consts = {k: e for k, e in c.entries.items() if k.startswith("const:")}
+    unknown = sorted(set(c.entries) - used - set(consts))
+    if unknown:
+        raise ModelFormatError(f"[{op}] {path!r}: unexpected tensors {unknown[:8]}")
+    if consts:
+        # One aligned read for all constants; each becomes a read-only view into it.
+        lo = min(e.begin for e in consts.values())
+        hi = max(e.end for e in consts.values())
+        buf = aligned_empty(hi - lo)
+        if hi > lo:
+            c.read_into(f, lo, buf[: hi - lo])
+        regions.append(buf[: hi - lo])
+        for k, e in consts.items():
+            if (e.begin - lo) % e.dtype.itemsize:
+                arr = np.frombuffer(buf[e.begin - lo : e.end - lo].tobytes(), e.dtype)
+            else:
+                arr = buf[e.begin - lo : e.end - lo].view(e.dtype)
+            arr = arr.reshape(e.shape)
+            arr.flags.writeable = False
+            graph.constants[k[len("const:") :]] = arr
+    return graph, regions

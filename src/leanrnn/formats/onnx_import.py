@@ -1,0 +1,437 @@
+"""ONNX files -> the op-graph IR (``native.Graph``), with LSTM/GRU/RNN nodes mapped to RNNSpec +
+packed weights. The ``onnx`` package is imported only when a file is read.
+
+ONNX stores an RNN node's weights per direction as W [D, G, C], R [D, G, H], B [D, 2G] (input
+biases then recurrent biases) and LSTM peepholes P [D, 3H], with gate rows in ONNX's order
+(LSTM i, o, f, c; GRU z, r, h; RNN h). ``rnn_from_onnx`` converts them to the internal order of
+``spec.GATES`` with ``packing.ONNX_ORDER`` / ``ONNX_PEEP_ORDER``; nothing after import knows
+the source order.
+
+Files are untrusted: every initializer's declared shape and dtype is checked against the bytes it
+actually holds before an array is made, external data must live next to the model (no absolute
+paths, no ``..``), and nothing is ever executed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from ..errors import DTypeError, LeanRNNError, ModelFormatError, SpecError, WeightsError
+from ..spec import DEFAULT_ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
+from .native import Graph, Node, TensorInfo
+from .packing import ONNX_ORDER, ONNX_PEEP_ORDER, SUPPORTED_DTYPES, LayerWeights, pack, reorder_gates
+
+RNN_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN": "rnn"}
+MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message
+
+# ONNX TensorProto.DataType -> numpy (the types leanrnn computes with or passes through)
+_DTYPES = {
+    1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+    9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64,
+}  # fmt: skip
+_DTYPE_NAMES = {
+    0: "UNDEFINED", 8: "STRING", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16",
+}  # fmt: skip
+
+
+def np_dtype(code: int, where: str) -> np.dtype:
+    """numpy dtype of an ONNX TensorProto data type code, or a ModelFormatError naming it."""
+    if code not in _DTYPES:
+        name = _DTYPE_NAMES.get(code, f"code {code}")
+        raise ModelFormatError(
+            f"[load_onnx] {where} has element type {name}; leanrnn supports "
+            "float32/float64/float16, integer and bool tensors"
+        )
+    return np.dtype(_DTYPES[code])
+
+
+# ------------------------------------------------------------------------- RNN node mapping
+def rnn_attrs(op: str, raw: dict, where: str) -> dict:
+    """Normalize an ONNX LSTM/GRU/RNN node's attributes to JSON values with defaults filled in.
+
+    ``activations`` becomes one [name, alpha, beta] triple per activation of every direction,
+    consuming ``activation_alpha`` / ``activation_beta`` the way onnxruntime does: one value per
+    activation that takes an alpha (beta), in order; missing values take the ONNX defaults.
+    """
+    cell = RNN_OPS[op]
+    direction = raw.get("direction", "forward")
+    if direction not in ("forward", "reverse", "bidirectional"):
+        raise ModelFormatError(f"[load_onnx] {where}: direction={direction!r}; expected forward, "
+                               "reverse or bidirectional")  # fmt: skip
+    D = 2 if direction == "bidirectional" else 1
+    per_dir = len(DEFAULT_ACTIVATIONS[cell])
+    names = list(raw.get("activations") or [])
+    if not names:
+        names = [a.capitalize() for a in DEFAULT_ACTIVATIONS[cell]] * D
+    elif len(names) == per_dir and D == 2:
+        names = names * 2  # one direction's list given for both
+    if len(names) != per_dir * D:
+        raise ModelFormatError(
+            f"[load_onnx] {where}: {len(names)} activations {names}; expected {per_dir} per "
+            f"direction x {D} direction(s) for {op}"
+        )
+    alphas = list(raw.get("activation_alpha") or [])
+    betas = list(raw.get("activation_beta") or [])
+    acts = []
+    for name in names:
+        key = str(name).lower()
+        alpha = alphas.pop(0) if key in USES_ALPHA and alphas else None
+        beta = betas.pop(0) if key in USES_BETA and betas else None
+        try:
+            a = Activation.make(str(name), alpha, beta)
+        except SpecError as e:
+            raise ModelFormatError(f"[load_onnx] {where}: {e}") from None
+        acts.append([a.name, a.alpha, a.beta])
+    clip = raw.get("clip")
+    if clip is not None and not float(clip) > 0:
+        raise ModelFormatError(f"[load_onnx] {where}: clip={clip}; expected a positive float")
+    layout = int(raw.get("layout", 0))
+    if layout not in (0, 1):
+        raise ModelFormatError(f"[load_onnx] {where}: layout={layout}; expected 0 or 1")
+    hs = raw.get("hidden_size")
+    if hs is not None and (not isinstance(hs, int) or hs < 1):
+        raise ModelFormatError(f"[load_onnx] {where}: hidden_size={hs!r}; expected a positive int")
+    input_forget = int(raw.get("input_forget", 0))
+    if input_forget and cell != "lstm":
+        raise ModelFormatError(f"[load_onnx] {where}: input_forget is an LSTM attribute")
+    return {
+        "hidden_size": hs,
+        "direction": direction,
+        "activations": acts,
+        "clip": None if clip is None else float(clip),
+        "input_forget": bool(input_forget),
+        "linear_before_reset": bool(int(raw.get("linear_before_reset", 0))),
+        "layout": layout,
+    }
+
+
+def rnn_from_onnx(op: str, attrs: dict, W, R, B=None, P=None,
+                  where: str = "node") -> tuple[RNNSpec, list[list[LayerWeights]]]:  # fmt: skip
+    """(spec, canonical weights) of one ONNX RNN node. ``attrs`` comes from ``rnn_attrs``;
+    W [D, G, C], R [D, G, H], B [D, 2G] or None, P [D, 3H] or None (LSTM), all one float dtype."""
+    cell = RNN_OPS[op]
+    D = 2 if attrs["direction"] == "bidirectional" else 1
+    ng = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
+    W, R = np.asarray(W), np.asarray(R)
+    if W.dtype not in SUPPORTED_DTYPES:
+        raise DTypeError(f"[load_onnx] {where}: W has dtype {W.dtype}; leanrnn runs RNN nodes in "
+                         "float32 or float64")  # fmt: skip
+    if R.ndim != 3:
+        raise WeightsError(f"[load_onnx] {where}: R has shape {R.shape}; expected [D, G, H]")
+    H = attrs["hidden_size"] or int(R.shape[2])
+    G = ng * H
+    if W.ndim != 3 or W.shape[:2] != (D, G) or W.shape[2] < 1:
+        raise WeightsError(f"[load_onnx] {where}: W has shape {W.shape}; expected [D={D}, "
+                           f"G={G}, C] ({ng} gates x hidden_size {H})")  # fmt: skip
+    want = {"R": (R, (D, G, H)), "B": (B, (D, 2 * G)), "P": (P, (D, 3 * H))}
+    for name, (a, shape) in want.items():
+        if a is None:
+            continue
+        a = np.asarray(a)
+        if a.shape != shape:
+            raise WeightsError(f"[load_onnx] {where}: {name} has shape {a.shape}; expected "
+                               f"{list(shape)}")  # fmt: skip
+        if a.dtype != W.dtype:
+            raise DTypeError(f"[load_onnx] {where}: {name} has dtype {a.dtype}; expected "
+                             f"{W.dtype} like W")  # fmt: skip
+    if P is not None and cell != "lstm":
+        raise WeightsError(f"[load_onnx] {where}: peepholes (P) are an LSTM input")
+    C = int(W.shape[2])
+    k = len(DEFAULT_ACTIVATIONS[cell])
+    flat = [Activation.make(n, a, b) for n, a, b in attrs["activations"]]
+    acts = tuple(tuple(flat[d * k : (d + 1) * k]) for d in range(D))
+    try:
+        spec = RNNSpec(
+            cell, C, H, num_layers=1, direction=attrs["direction"], bias=B is not None,
+            batch_first=attrs["layout"] == 1, activations=acts, clip=attrs["clip"],
+            input_forget=attrs["input_forget"], peepholes=P is not None,
+            linear_before_reset=attrs["linear_before_reset"] if cell == "gru" else True,
+        )  # fmt: skip
+    except SpecError as e:
+        raise ModelFormatError(f"[load_onnx] {where}: {e}") from None
+    order = ONNX_ORDER[cell]
+    dirs = []
+    for d in range(D):
+        Bd = np.zeros(2 * G, W.dtype) if B is None else np.asarray(B)[d]
+        peep = None
+        if P is not None:
+            peep = reorder_gates(np.asarray(P)[d], ONNX_PEEP_ORDER, H).reshape(3, H)
+        dirs.append(LayerWeights(
+            W=reorder_gates(W[d], order, H), R=reorder_gates(R[d], order, H),
+            bW=reorder_gates(Bd[:G], order, H), bR=reorder_gates(Bd[G:], order, H), peep=peep,
+        ))  # fmt: skip
+    return spec, [dirs]
+
+
+# ----------------------------------------------------------------------------- tensors
+class _Reader:
+    """Turns TensorProtos into arrays after checking every declared size against real bytes."""
+
+    def __init__(self, base_dir: str | None) -> None:
+        self.base_dir = base_dir
+        self._sizes: dict[str, int] = {}
+
+    def array(self, t, where: str) -> np.ndarray:
+        from onnx import TensorProto
+
+        dtype = np_dtype(t.data_type, where)
+        dims = [int(d) for d in t.dims]
+        if any(d < 0 for d in dims):
+            raise ModelFormatError(f"[load_onnx] {where} has dims {dims}; expected dims >= 0")
+        count = math.prod(dims)
+        nbytes = count * dtype.itemsize
+        if t.HasField("segment"):
+            raise ModelFormatError(f"[load_onnx] {where} is a segmented tensor; not supported")
+        if t.data_location == TensorProto.EXTERNAL:
+            return self._external(t, dtype, dims, nbytes, where)
+        if t.raw_data:
+            raw = t.raw_data
+            if len(raw) != nbytes:
+                raise WeightsError(
+                    f"[load_onnx] {where} declares {dtype}{dims} = {nbytes} bytes but holds "
+                    f"{len(raw)} bytes of raw data"
+                )
+            return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(dims)
+        field, cast = {
+            np.dtype(np.float32): ("float_data", None),
+            np.dtype(np.float64): ("double_data", None),
+            np.dtype(np.int64): ("int64_data", None),
+            np.dtype(np.uint64): ("uint64_data", None),
+            np.dtype(np.uint32): ("uint64_data", None),
+            np.dtype(np.float16): ("int32_data", np.uint16),
+        }.get(dtype, ("int32_data", None))
+        values = getattr(t, field)
+        if len(values) != count:
+            raise WeightsError(
+                f"[load_onnx] {where} declares {dtype}{dims} ({count} values) but holds "
+                f"{len(values)} in {field}"
+            )
+        if cast is not None:
+            return np.array(values, dtype=cast).view(dtype).reshape(dims)
+        return np.array(values, dtype=dtype).reshape(dims)
+
+    def _external(self, t, dtype, dims, nbytes: int, where: str) -> np.ndarray:
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        if self.base_dir is None:
+            raise ModelFormatError(f"[load_onnx] {where} keeps its data in external file {loc!r};"
+                                   " load the model from a path, not bytes")  # fmt: skip
+        norm = os.path.normpath(loc)
+        if not loc or os.path.isabs(loc) or norm.startswith(".."):
+            raise ModelFormatError(
+                f"[load_onnx] {where}: external data location {loc!r} must be a relative path "
+                "inside the model's directory"
+            )
+        base = os.path.realpath(self.base_dir)
+        path = os.path.realpath(os.path.join(base, norm))
+        if os.path.commonpath([base, path]) != base or not os.path.isfile(path):
+            raise ModelFormatError(f"[load_onnx] {where}: external data file {loc!r} is missing "
+                                   "or outside the model's directory")  # fmt: skip
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info.get("length", nbytes))
+        except ValueError:
+            raise ModelFormatError(f"[load_onnx] {where}: malformed external offset/length "
+                                   f"{info}") from None  # fmt: skip
+        size = self._sizes.setdefault(path, os.path.getsize(path))
+        if length != nbytes or offset < 0 or offset + length > size:
+            raise WeightsError(
+                f"[load_onnx] {where} declares {dtype}{dims} = {nbytes} bytes at offset {offset} "
+                f"length {length} of {loc!r}, which holds {size} bytes"
+            )
+        out = np.empty(dims, dtype)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
+                raise ModelFormatError(f"[load_onnx] {where}: short read from {loc!r}")
+        return out
+
+
+# --------------------------------------------------------------------------------- graph
+def _value_info(vi, where: str) -> TensorInfo:
+    tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+    if tt is None:
+        raise ModelFormatError(f"[load_onnx] {where} {vi.name!r} is not a tensor (sequence, map "
+                               "and optional values are not supported)")  # fmt: skip
+    dtype = np_dtype(tt.elem_type, f"{where} {vi.name!r}").name if tt.elem_type else ""
+    shape = None
+    if tt.HasField("shape"):
+        dims: list[int | str | None] = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif d.HasField("dim_param") and d.dim_param:
+                dims.append(str(d.dim_param))
+            else:
+                dims.append(None)
+        shape = tuple(dims)
+    return TensorInfo(vi.name, dtype, shape)
+
+
+def _attrs(node, reader: _Reader, where: str) -> dict:
+    from onnx import AttributeProto as A
+
+    out = {}
+    for a in node.attribute:
+        t = a.type
+        if t == A.FLOAT:
+            out[a.name] = float(a.f)
+        elif t == A.INT:
+            out[a.name] = int(a.i)
+        elif t == A.STRING:
+            out[a.name] = a.s.decode("utf-8", "replace")
+        elif t == A.FLOATS:
+            out[a.name] = [float(v) for v in a.floats]
+        elif t == A.INTS:
+            out[a.name] = [int(v) for v in a.ints]
+        elif t == A.STRINGS:
+            out[a.name] = [s.decode("utf-8", "replace") for s in a.strings]
+        elif t == A.TENSOR:
+            arr = reader.array(a.t, f"{where} attribute {a.name!r}")
+            if arr.size > 1 << 16:
+                raise ModelFormatError(f"[load_onnx] {where}: attribute {a.name!r} holds "
+                                       f"{arr.size} values; expected a small tensor")  # fmt: skip
+            out[a.name] = {"dtype": arr.dtype.name, "shape": list(arr.shape),
+                           "values": arr.ravel().tolist()}  # fmt: skip
+        else:
+            out[a.name] = f"<unsupported attribute type {t}>"
+    return out
+
+
+def _constant_value(attrs: dict, where: str) -> np.ndarray:
+    if "value" in attrs and isinstance(attrs["value"], dict):
+        v = attrs["value"]
+        return np.array(v["values"], dtype=v["dtype"]).reshape(v["shape"])
+    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
+                       ("value_int", np.int64), ("value_ints", np.int64)):  # fmt: skip
+        if key in attrs:
+            return np.array(attrs[key], dtype=dtype)
+    raise ModelFormatError(f"[load_onnx] {where}: Constant with attributes {sorted(attrs)}; "
+                           "leanrnn supports value, value_float(s) and value_int(s)")  # fmt: skip
+
+
+def read_onnx(source, *, pack_dtype=None) -> Graph:
+    """Parse an ONNX model (path or bytes) into a ``Graph``. RNN nodes whose W/R/B/P are
+    constants get packed weights (in their own dtype, or ``pack_dtype``)."""
+    try:
+        import onnx
+        from google.protobuf.message import DecodeError
+    except ImportError:  # pragma: no cover - exercised only without the optional dependency
+        raise ModelFormatError("[load_onnx] reading ONNX files needs the onnx package: "
+                               "pip install 'leanrnn[onnx]'") from None  # fmt: skip
+    if isinstance(source, bytes | bytearray | memoryview):
+        data, base_dir, label = bytes(source), None, "<bytes>"
+    else:
+        label = os.fspath(source)
+        base_dir = os.path.dirname(os.path.abspath(label))
+        size = os.path.getsize(label)
+        if size > MAX_ONNX_BYTES:
+            raise ModelFormatError(f"[load_onnx] {label!r} is {size} bytes; one ONNX protobuf "
+                                   "holds at most 2 GiB (use external data)")  # fmt: skip
+        with open(label, "rb") as f:
+            data = f.read()
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as e:
+        raise ModelFormatError(f"[load_onnx] {label!r} is not a valid ONNX protobuf: {e}") from None
+    if not model.HasField("graph") or not model.graph.output:
+        raise ModelFormatError(f"[load_onnx] {label!r} holds no ONNX graph with outputs "
+                               "(not an ONNX model, or truncated)")  # fmt: skip
+    opset = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if not opset or not 1 <= opset[0] <= 10_000:
+        raise ModelFormatError(f"[load_onnx] {label!r} declares default-domain opset {opset}; "
+                               "expected one version")  # fmt: skip
+    try:
+        return _convert(model.graph, opset[0], _Reader(base_dir), pack_dtype)
+    except LeanRNNError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
+        # protobuf accepts many byte strings; anything inconsistent that slipped past the
+        # checks above still surfaces as a format error, never as a crash
+        raise ModelFormatError(f"[load_onnx] {label!r}: malformed model ({e!r})") from None
+
+
+def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
+    constants: dict[str, np.ndarray] = {}
+    for t in g.initializer:
+        if not t.name:
+            raise ModelFormatError("[load_onnx] an initializer has no name")
+        constants[t.name] = reader.array(t, f"initializer {t.name!r}")
+    if len(g.sparse_initializer):
+        raise ModelFormatError("[load_onnx] sparse initializers are not supported")
+    inputs = [_value_info(vi, "graph input") for vi in g.input if vi.name not in constants]
+    outputs = [_value_info(vi, "graph output") for vi in g.output]
+    defined = set(constants) | {t.name for t in inputs}
+    nodes: list[Node] = []
+    seen_names: set[str] = set()
+    for i, n in enumerate(g.node):
+        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+        name = n.name or f"{n.op_type}_{i}"
+        while name in seen_names:
+            name = f"{name}_{i}"
+        seen_names.add(name)
+        where = f"node {name!r} ({op})"
+        for inp in n.input:
+            if inp and inp not in defined:
+                raise ModelFormatError(
+                    f"[load_onnx] {where} reads {inp!r}, which no graph input, initializer or "
+                    "earlier node defines (graph not topologically sorted, or dangling)"
+                )
+        for out in n.output:
+            if out and out in defined:
+                raise ModelFormatError(f"[load_onnx] {where} redefines tensor {out!r}")
+        attrs = _attrs(n, reader, where)
+        if op == "Constant":
+            if len(n.output) != 1 or not n.output[0]:
+                raise ModelFormatError(f"[load_onnx] {where} must have exactly one output")
+            constants[n.output[0]] = _constant_value(attrs, where)
+            defined.add(n.output[0])
+            continue
+        if op == "Cast" and "to" in attrs:
+            attrs["to"] = np_dtype(int(attrs["to"]), f"{where} attribute 'to'").name
+        if op == "ConstantOfShape" and "value" in attrs:
+            v = attrs["value"]
+            if not isinstance(v, dict) or len(v["values"]) != 1:
+                raise ModelFormatError(f"[load_onnx] {where}: value must be a one-element tensor")
+        node = Node(op, name, tuple(n.input), tuple(n.output), attrs)
+        if op in RNN_OPS:
+            node.attrs = rnn_attrs(op, attrs, where)
+        nodes.append(node)
+        defined |= {o for o in n.output if o}
+    for t in outputs:
+        if t.name not in defined:
+            raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
+    graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph")
+    pack_constant_rnns(graph, pack_dtype)
+    return graph
+
+
+def pack_constant_rnns(graph: Graph, dtype=None) -> None:
+    """Pack every RNN node whose W, R, B, P are constants and drop those inputs from the node
+    (and the constants nobody else reads). Idempotent."""
+    for node in graph.nodes:
+        if node.op not in RNN_OPS or node.name in graph.packed:
+            continue
+        ins = list(node.inputs) + [""] * (8 - len(node.inputs))
+        weight_slots = (1, 2, 3, 7)  # W, R, B, P
+        if any(ins[k] and ins[k] not in graph.constants for k in weight_slots):
+            continue  # weights are computed at run time; the engine packs them per run
+        if not ins[1] or not ins[2]:
+            raise ModelFormatError(f"[load_onnx] node {node.name!r} ({node.op}) has no W or R")
+        W, R, B, P = (graph.constants[ins[k]] if ins[k] else None for k in weight_slots)
+        if node.op != "LSTM" and P is not None:
+            P = None  # only LSTM has input 7; others never get here with one
+        spec, layers = rnn_from_onnx(node.op, node.attrs, W, R, B, P, f"node {node.name!r}")
+        graph.packed[node.name] = pack(spec, layers, dtype or W.dtype)
+        for k in weight_slots:
+            ins[k] = ""
+        while ins and ins[-1] == "":
+            ins.pop()
+        node.inputs = tuple(ins)
+    used = {i for n in graph.nodes for i in n.inputs} | {t.name for t in graph.outputs}
+    for k in [k for k in graph.constants if k not in used]:
+        del graph.constants[k]
