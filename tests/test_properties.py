@@ -101,7 +101,8 @@ def test_planner_never_overlaps_live_buffers(reqs):
 @SETTINGS
 @given(spec=specs(), seed=st.integers(0, 2**16), N=st.integers(1, 6), T=st.integers(1, 7))
 def test_batch_equals_separate_runs(spec, seed, N, T):
-    """A batch of N (with per-sample lengths) equals N runs of batch 1 at their own lengths."""
+    """A batch of N (with per-sample lengths) equals N runs of batch 1 at their own lengths
+    (up to float32 rounding: 4-sample tiles sum in another order than single samples)."""
     rng = np.random.default_rng(seed)
     model = leanrnn.Model(pack(spec, random_layers(spec, rng)))
     C = spec.input_size
@@ -114,9 +115,9 @@ def test_batch_equals_separate_runs(spec, seed, N, T):
         yn, hn, cn = model.session.run(np.ascontiguousarray(xn))
         got = y[n, :L] if spec.batch_first else y[:L, n]
         want = yn[0] if spec.batch_first else yn[:, 0]
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
         tail = y[n, L:] if spec.batch_first else y[L:, n]
         assert not tail.any()
-        np.testing.assert_allclose(h_n[:, n], hn[:, 0], rtol=0, atol=2e-6)
+        np.testing.assert_allclose(h_n[:, n], hn[:, 0], rtol=0, atol=1e-5)
         if c_n is not None:
-            np.testing.assert_allclose(c_n[:, n], cn[:, 0], rtol=0, atol=2e-6)
+            np.testing.assert_allclose(c_n[:, n], cn[:, 0], rtol=0, atol=1e-5)

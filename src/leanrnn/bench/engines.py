@@ -434,8 +434,9 @@ class MNNEngine(Engine):
 
 
 # The converter's own Python wrapper (MNN/tools/mnnconvert.py) calls exactly this; we skip the
-# wrapper because importing MNN.tools pip-installs a logging SDK and sends telemetry.
-_MNN_CONVERT = "import sys, _tools; sys.exit(_tools.mnnconvert(sys.argv) or 0)"
+# wrapper because importing MNN.tools pip-installs a logging SDK and sends telemetry. The call
+# returns True even on failure: success is the output file plus "Converted Success" in the log.
+_MNN_CONVERT = "import sys, _tools; _tools.mnnconvert(sys.argv)"
 
 
 def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:

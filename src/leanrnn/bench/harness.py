@@ -236,35 +236,45 @@ def measure_bandwidth(threads: int, sizes: list[int], big: int = 128 << 20) -> d
     """STREAM-style copy bandwidth with ``threads`` threads, (read + written bytes) / second as
     STREAM counts it: best of 5 trials over arrays of ``big`` bytes (beyond the caches) and of
     each size in ``sizes`` (bytes per array). Each thread copies its own slice back and forth
-    ``reps`` times inside one call, so small sizes measure the cache, not the call overhead."""
+    ``reps`` times inside one compiled call (a plain loop LLVM vectorizes), so small sizes
+    measure the cache rather than the call overhead."""
+    import threading
+
     import numba
     import numpy as np
 
-    numba.set_num_threads(threads)
-
-    @numba.njit(parallel=True, nogil=True)
-    def copy(a, b, nchunks, reps):  # a, b: [n] float32; a -> b, b -> a, ...
+    @numba.njit(nogil=True)
+    def copy(a, b, reps):  # a, b: [n] float32; a -> b -> a, reps times in all
         n = a.size
-        step = (n + nchunks - 1) // nchunks
-        for k in numba.prange(nchunks):
-            lo = k * step
-            hi = min(n, lo + step)
-            for _ in range(reps // 2):
-                for i in range(lo, hi):
-                    b[i] = a[i]
-                for i in range(lo, hi):
-                    a[i] = b[i]
+        for _ in range(reps // 2):
+            for i in range(n):
+                b[i] = a[i]
+            for i in range(n):
+                a[i] = b[i]
 
     def best(nbytes: int) -> float:
         n = max(1024, nbytes // 4)
         a = np.ones(n, np.float32)
         b = np.zeros(n, np.float32)
         reps = max(2, min(100_000, int(4e8 // (8 * n)))) // 2 * 2  # ~0.4 GB moved per trial
-        copy(a, b, threads, 2)
+        step = -(-n // threads)
+        parts = [(a[k * step : (k + 1) * step], b[k * step : (k + 1) * step]) for k in range(threads)]
+        copy(a, b, 2)
         t_best = float("inf")
         for _ in range(5):
+            start = threading.Barrier(threads + 1)
+
+            def work(pa, pb, start=start):
+                start.wait()
+                copy(pa, pb, reps)
+
+            pool = [threading.Thread(target=work, args=ab) for ab in parts]
+            for th in pool:
+                th.start()
+            start.wait()
             t = time.perf_counter()
-            copy(a, b, threads, reps)
+            for th in pool:
+                th.join()
             t_best = min(t_best, (time.perf_counter() - t) / reps)
         return 2 * n * 4 / t_best
 
@@ -281,21 +291,33 @@ def child_main(argv: list[str]) -> int:
     job = json.loads(job_path.read_text())
     try:
         if job["kind"] == "bandwidth":
-            result = {"ok": True, **measure_bandwidth(job["threads"], job["sizes"])}
+            bw = measure_bandwidth(job["threads"], job["sizes"], job.get("big", 128 << 20))
+            result = {"ok": True, **bw}
         else:
             result = {"ok": True, **run_job(job, job_path.parent)}
     except Exception as e:  # reported in the row; the parent carries on with the suite
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-    result_path.write_text(json.dumps(result, default=_json_default))
+    result_path.write_text(dumps(result))
     return 0
 
 
-def _json_default(o):
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, tuple | set):
-        return list(o)
-    return str(o)
+def _plain(o):
+    """JSON-ready copy of ``o``: NumPy scalars to Python, NaN/inf to None (strict JSON)."""
+    if isinstance(o, dict):
+        return {str(k): _plain(v) for k, v in o.items()}
+    if isinstance(o, list | tuple | set):
+        return [_plain(v) for v in o]
+    if hasattr(o, "item") and not isinstance(o, str | bytes):
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, Path):
+        return str(o)
+    return o
+
+
+def dumps(o, indent: int | None = None) -> str:
+    return json.dumps(_plain(o), indent=indent, allow_nan=False)
 
 
 # ------------------------------------------------------------------------- parent side
@@ -309,13 +331,34 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def _busy_cpu_s() -> float:
+    """CPU seconds all processes on this machine have spent busy since boot (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def spawn(job: dict, threads: int, timeout: float) -> dict:
-    """Run ``job`` in a fresh interpreter; returns its result dict (``ok`` False on failure)."""
+    """Run ``job`` in a fresh interpreter; returns its result dict (``ok`` False on failure).
+
+    Also reports ``background_cores``: CPU used by everything but the child while it ran, in
+    cores (other users of a shared machine make timings noisy; this says how much)."""
     with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
         jp, rp = Path(d) / "job.json", Path(d) / "result.json"
         jp.write_text(json.dumps(job))
         cmd = [sys.executable, "-m", "leanrnn.bench.harness", str(jp), str(rp)]
-        t0 = time.perf_counter()
+        busy0, mine0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
         try:
             proc = subprocess.run(
                 cmd, env=child_env(threads), capture_output=True, text=True, timeout=timeout
@@ -323,11 +366,13 @@ def spawn(job: dict, threads: int, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
         wall = time.perf_counter() - t0
+        others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
         if not rp.exists():
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
             return {"ok": False, "error": f"child exited {proc.returncode}: " + " | ".join(tail)}
         res = json.loads(rp.read_text())
         res["child_wall_s"] = wall
+        res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
         return res
 
 
@@ -357,6 +402,7 @@ class Options:
     timeout_s: float = 900.0
     memray: bool = True
     bandwidth: bool = True
+    bandwidth_bytes: int = 128 << 20  # STREAM arrays: well beyond the last-level cache
     out: Path = Path("bench-results")
 
     @classmethod
@@ -487,7 +533,7 @@ def _convert_mnn(cmd: list[str], mnn_path: Path) -> str:
     except Exception as e:
         return f"error: MNNConvert failed: {type(e).__name__}: {e}"
     log = (proc.stdout + proc.stderr).strip().splitlines()
-    if proc.returncode != 0 or not mnn_path.exists() or "Converted Success" not in proc.stdout:
+    if proc.returncode != 0 or not mnn_path.exists() or not any("Converted Success" in ln for ln in log):
         return "error: MNNConvert failed: " + " | ".join(log[-3:])
     return str(mnn_path)
 
@@ -527,17 +573,20 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
             sizes = sorted({c.weight_bytes for c in configs})
             for n in opts.threads:
                 describe(f"memory bandwidth, {n} thread(s)")
-                bw = spawn({"kind": "bandwidth", "threads": n, "sizes": sizes}, n, opts.timeout_s)
+                job = {"kind": "bandwidth", "threads": n, "sizes": sizes, "big": opts.bandwidth_bytes}
+                bw = spawn(job, n, opts.timeout_s)
                 results["bandwidth"][str(n)] = bw
                 advance()
         for cfg, name in jobs:
             describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
-            row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label}
+            row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "files": {}}
             reason = status[name]
             files: dict[str, str] = {}
             if reason is None and needs[name]:
-                files = _prepare_models(cfg, needs[name], out / "models", model_cache)
-                bad = [files[k] for k in needs[name] if files.get(k, "").startswith("error")]
+                made = _prepare_models(cfg, needs[name], out / "models", model_cache)
+                files = {k: made[k] for k in needs[name]}
+                row["files"] = files
+                bad = [v for v in files.values() if v.startswith("error")]
                 reason = bad[0][len("error: ") :] if bad else None
             if reason is not None:
                 row |= {"status": "unavailable", "reason": reason}
@@ -564,7 +613,7 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
     finally:
         stop()
     results["machine"]["loadavg_end"] = os.getloadavg()
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (out / "results.json").write_text(dumps(results, indent=1))
     return results
 
 
@@ -585,7 +634,9 @@ FIELDS = {
     "rows[].timing.median_s": "median of samples_s: the figure in the tables",
     "rows[].timing.inner": "units timed together per sample",
     "rows[].timing.cpu_util": "process CPU time / wall time while sampling (≈ threads used)",
-    "rows[].import_s": "importing the engine's library in a fresh process",
+    "rows[].import_s": "importing the engine's library in a fresh process (the child harness "
+    "imports leanrnn first, so leanrnn's own import is not in its figure)",
+    "rows[].files": "model files the engine loaded (ONNX for onnxruntime, MNN for mnn)",
     "rows[].cold_s": "model load + first run (imports excluded)",
     "rows[].memory.cold_peak": "peak RSS increase over load + first run, bytes",
     "rows[].memory.cold_retained": "RSS increase still held after load + first run, bytes",
@@ -598,6 +649,7 @@ FIELDS = {
     "rows[].threadpools": "threadpoolctl's view of BLAS/OpenMP pools after limiting",
     "rows[].thread_info": "the engine's own thread settings as it reports them",
     "rows[].os_threads": "OS threads in the child after the first run (pools included)",
+    "rows[].background_cores": "CPU used by other processes while the row ran, in cores",
     "bandwidth[threads]": "STREAM-style copy, (read + written bytes)/s, DRAM-sized and per "
     "recurrent-weight size",
 }

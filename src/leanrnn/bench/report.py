@@ -6,8 +6,11 @@ of where leanrnn is not yet the best, and PNG plots. Works on a saved JSON as we
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
+
+from .problem import Config
 
 BASE = "leanrnn"
 
@@ -82,9 +85,16 @@ def fmt_ratio(r: float) -> str:
 
 
 def config_label(key: tuple) -> str:
-    cell, H, stream, N, T, _ = key
-    shape = f"stream N={N}, {T} steps" if stream else f"N={N} T={T}"
-    return f"{cell.upper()} H={H} {shape}"
+    cell, H, stream, N, T, threads = key
+    return Config(cell, H, N, T, stream, threads).label
+
+
+def busy(row: dict | None) -> bool:
+    """Whether other processes left this row fewer free cores than it had threads."""
+    if not row or "background_cores" not in row:
+        return False
+    cores = os.cpu_count() or 1
+    return row["background_cores"] > cores - row["config"]["threads"] + 0.25
 
 
 def _cell(row: dict | None, base: dict | None) -> str:
@@ -102,6 +112,8 @@ def _cell(row: dict | None, base: dict | None) -> str:
         text += f" ({fmt_ratio(m / b)})"
     if st == "mismatch":
         text = f"⚠ mismatch {text}"
+    if busy(row):
+        text += " †"
     return text
 
 
@@ -124,7 +136,8 @@ def latency_table(results: dict) -> str:
     legend = (
         "Median time per forward (per step for streaming rows). (r×) = engine time / leanrnn "
         "time: above 1 leanrnn is faster. ⚠ mismatch = outputs differ from the float64 "
-        "reference (timed anyway); n/a = unavailable; error = the child failed (reasons below)."
+        "reference (timed anyway); n/a = unavailable; error = the child failed (reasons below). "
+        "† = other processes kept more cores busy than the row had to spare (noisy)."
     )
     return _table(["config", "threads", *engines], rows) + "\n\n" + legend + _reasons(results)
 
@@ -284,17 +297,23 @@ def seed_table(results: dict) -> str:
     )
 
 
+MEMORY_FIELDS = (
+    ("heap_peak", "heap peak per forward"),
+    ("warm_peak", "warm peak RSS"),
+    ("cold_peak", "cold (load + first run)"),
+    ("stream_growth_rss", "RSS growth over the streaming steps"),
+    ("stream_growth_heap", "heap growth over the streaming steps"),
+)
+
+
 def summary(results: dict) -> list[str]:
-    """Plain sentences: every config where some engine beats leanrnn (time or memory), and
-    every row that is not ok."""
+    """Plain sentences: each config where an engine is faster than leanrnn, each memory figure
+    where an engine needs clearly less (by 16 KiB and 10% at least), and every row not ok."""
+    groups = grouped(results)
     out = []
-    for key, by_engine in grouped(results).items():
+    for key, by_engine in groups.items():
         base = by_engine.get(BASE)
-        where = f"{config_label(key)}, {key[-1]} thread(s)"
-        if base is None:
-            continue
-        if base.get("status") != "ok":
-            out.append(f"{where}: leanrnn row is {base.get('status')} ({base.get('reason')})")
+        if base is None or base.get("status") != "ok":
             continue
         b = median(base)
         faster = sorted(
@@ -303,26 +322,44 @@ def summary(results: dict) -> list[str]:
             if e != BASE and r.get("status") == "ok" and median(r) < b
         )
         if faster:
-            peers = ", ".join(f"{e} {fmt_time(t)} ({b / t:.2f}× faster)" for t, e in faster)
-            out.append(f"{where}: slower than {peers}; leanrnn {fmt_time(b)}")
-        for field, what in (("heap_peak", "heap per forward"), ("cold_peak", "cold memory")):
-            bm = base["memory"].get(field)
-            lower = sorted(
-                (r["memory"].get(field), e)
-                for e, r in by_engine.items()
-                if e != BASE and r.get("status") == "ok" and r["memory"].get(field) is not None
-                and bm is not None and r["memory"][field] < bm
-            )  # fmt: skip
-            if lower:
-                peers = ", ".join(f"{e} {fmt_bytes(v)}" for v, e in lower)
-                out.append(f"{where}: {what} {fmt_bytes(bm)}, more than {peers}")
+            peers = ", ".join(f"{e} {b / t:.2f}× faster ({fmt_time(t)})" for t, e in faster)
+            mark = " †" if busy(base) else ""
+            out.append(
+                f"{config_label(key)}, {key[-1]} thread(s): {peers}; leanrnn {fmt_time(b)}{mark}"
+            )
+    for field, what in MEMORY_FIELDS:
+        lower: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        compared = 0
+        for by_engine in groups.values():
+            base = by_engine.get(BASE)
+            bm = base["memory"].get(field) if base and base.get("status") == "ok" else None
+            if bm is None:
+                continue
+            compared += 1
+            for e, r in by_engine.items():
+                v = r["memory"].get(field) if e != BASE and r.get("status") == "ok" else None
+                if v is not None and v < bm - max(16 << 10, 0.1 * abs(bm)):
+                    lower[e].append((v, bm))
+        for e, pairs in lower.items():
+            vs, bs = [p[0] for p in pairs], [p[1] for p in pairs]
+            out.append(
+                f"{what}: {e} needs less in {len(pairs)} of {compared} configs "
+                f"({_span(vs)} vs leanrnn {_span(bs)})"
+            )
     for row in results["rows"]:
-        if row.get("status") in ("mismatch", "error"):
+        if row.get("status") in ("mismatch", "error") or (
+            row["engine"] == BASE and row.get("status") != "ok"
+        ):
             out.append(
                 f"{row['engine']} on {row['label']}, {row['config']['threads']} thread(s): "
                 f"{row['status']}: {row.get('reason')}"
             )
     return out
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return fmt_bytes(lo) if fmt_bytes(lo) == fmt_bytes(hi) else f"{fmt_bytes(lo)}–{fmt_bytes(hi)}"
 
 
 # ------------------------------------------------------------------------- plots
@@ -334,11 +371,23 @@ def plot(results: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
     out = Path(out)
-    engines = [e for e in engines_of(results) if e != BASE]
+    all_engines = engines_of(results)
+    engines = [e for e in all_engines if e != BASE]
+    cmap = plt.get_cmap("tab10")
+    color = {e: cmap(i % 10) for i, e in enumerate(all_engines)}
     groups = grouped(results)
     threads = sorted({k[-1] for k in groups})
     written = []
+    nice = [v * 10.0**p for p in range(-4, 6) for v in (1, 2, 5)]
+
+    def log_axis(ax, unit: str) -> None:
+        lo, hi = ax.get_ylim()
+        ax.yaxis.set_major_locator(FixedLocator([v for v in nice if lo <= v <= hi]))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{unit}"))
 
     fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 0.9 * len(groups)), 4.5 * len(threads)),
                              squeeze=False)  # fmt: skip
@@ -352,9 +401,10 @@ def plot(results: dict, out: Path) -> list[Path]:
                 if b and m:
                     xs.append(i + (j - (len(engines) - 1) / 2) * width)
                     ys.append(m / b)
-            ax.bar(xs, ys, width, label=e)
+            ax.bar(xs, ys, width, label=e, color=color[e])
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_yscale("log")
+        log_axis(ax, "×")
         ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
                       fontsize=8)  # fmt: skip
         ax.set_ylabel("time / leanrnn time (log; >1 = leanrnn faster)")
@@ -366,7 +416,6 @@ def plot(results: dict, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
 
-    all_engines = engines_of(results)
     tmin = threads[0] if threads else 1
     keys = [k for k in groups if k[-1] == tmin]
     metrics = (("cold_peak", "cold: load + first forward"), ("warm_peak", "warm peak RSS increase"),
@@ -384,8 +433,9 @@ def plot(results: dict, out: Path) -> list[Path]:
                     if v is not None:
                         xs.append(i + (j - (len(all_engines) - 1) / 2) * width)
                         ys.append(max(v, 1024) / (1 << 20))  # floor at 1 KiB for the log axis
-            ax.bar(xs, ys, width, label=e)
+            ax.bar(xs, ys, width, label=e, color=color[e])
         ax.set_yscale("log")
+        log_axis(ax, "")
         ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
                       fontsize=8)  # fmt: skip
         ax.set_ylabel("MiB (log; floored at 1 KiB)")

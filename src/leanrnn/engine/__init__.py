@@ -1,5 +1,6 @@
 """The engine: a Session binds a spec and packed weights to a planned arena and runs kernels."""
 
-from .session import Session
+from .session import Pool, Session
+from .stream import Stream
 
-__all__ = ["Session"]
+__all__ = ["Pool", "Session", "Stream"]

@@ -14,6 +14,19 @@ Buffers (per op k = layer*D + direction unless noted):
   aux.{k}  [N, Hp]    LSTM unprojected h / GRU r*h               live k..k
   y.{l}    [T*N, D*K] output of layer l < L-1 (time-major)      live first op of l .. last op of l+1
   lengths  [N] int64                                            live 0..end
+  stage.x/stage.y  batch-first chunk staging (chunked runs only)   live 0..end
+
+Chunked runs (``chunk=K``, unidirectional stacks): the plan is made for K steps and the whole
+stack advances K steps at a time, layer after layer, carrying every layer's state — so xw and
+the buffers between layers are O(K), not O(T). With ``return_sequences=False`` the outputs of a
+chunk are dropped once the next layer has consumed them, and peak memory does not depend on T.
+Bidirectional layers cannot be chunked: the reverse direction starts at each sample's last step,
+so it needs xw [T, N, G] per direction and the layer output [T, N, 2K] for the whole sequence;
+``chunk`` is then ignored for them (``resize`` reports it in ``Session.chunk_note``).
+
+Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
+the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
+give each thread its own pool — or none — to run truly in parallel).
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import numba
 import numpy as np
 
 from .. import config
-from ..errors import ShapeError
+from ..errors import PlanError, ShapeError
 from ..formats.packing import PackedWeights
 from ..kernels import gemm, recurrent
 from ..memory.arena import Arena
@@ -37,21 +50,63 @@ _log = logging.getLogger("leanrnn")
 
 # Below this many multiply-adds per step, waking the thread pool costs more than it saves.
 PARALLEL_MIN_MACS = 1 << 17
+# Steps per chunk when a run keeps only final states and no chunk was set: small enough that
+# scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
+DEFAULT_CHUNK = 32
+
+
+def _positive_or_none(op: str, name: str, v) -> int | None:
+    if v is None:
+        return None
+    if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
+        raise ShapeError(f"[{op}] {name}={v!r}; expected a positive int or None")
+    return int(v)
+
+
+class Pool:
+    """One arena shared by several sessions that run one at a time (MNN's multi-model sharing).
+
+    >>> pool = Pool(); a = Session(w1, pool=pool); b = Session(w2, pool=pool)
+
+    The arena grows to the largest plan any member asks for; members re-make their views when
+    it does. ``lock`` serializes runs of all members, so sharing is safe across threads.
+    """
+
+    def __init__(self) -> None:
+        self.arena: Arena | None = None
+        self.generation = 0
+        self.lock = threading.RLock()
+
+    def acquire(self, nbytes: int, name: str) -> Arena:
+        if self.arena is None or self.arena.nbytes < nbytes:
+            self.arena = None
+            self.arena = Arena(nbytes, name=f"pool[{name}]")
+            self.generation += 1
+        return self.arena
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes if self.arena is not None else 0
 
 
 class Session:
     """Runs one model. Not re-entrant: concurrent ``run`` calls on one session are serialized
     by a lock (use one session per thread for parallel throughput; they can share weights)."""
 
-    def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
+    def __init__(self, weights: PackedWeights, threads: int | None = None,
+                 chunk: int | None = None, pool: Pool | None = None) -> None:  # fmt: skip
         self.weights = weights
         self.spec: RNNSpec = weights.spec
         self.dtype = weights.dtype
         self.threads = threads
-        self._lock = threading.Lock()
+        self.chunk = _positive_or_none("Session", "chunk", chunk)
+        self.pool = pool
+        self._lock = pool.lock if pool is not None else threading.RLock()
+        self._gen = -1
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self._N = self._T = -1
+        self._key_now: tuple = ()
         spec, dt = self.spec, self.dtype
         tiny = np.finfo(dt).tiny
         clip = spec.clip if spec.clip is not None else 0.0
@@ -69,8 +124,11 @@ class Session:
     def arena_bytes(self) -> int:
         return self._arena.nbytes if self._arena is not None else 0
 
-    def buffers(self, batch: int, steps: int) -> list[Buffer]:
-        """Every scratch buffer a run of ``batch`` x ``steps`` needs, with lifetimes."""
+    def buffers(self, batch: int, steps: int, staged: bool = False,
+                discard: bool = False) -> list[Buffer]:  # fmt: skip
+        """Every scratch buffer a run of ``batch`` x ``steps`` needs, with lifetimes.
+        ``staged`` adds the batch-first staging buffers chunked runs use; ``discard`` adds a
+        scratch output for the last layer (return_sequences=False writes no user y)."""
         spec, w = self.spec, self.weights
         it = self.dtype.itemsize
         N, T, D, L = batch, steps, spec.num_directions, spec.num_layers
@@ -89,19 +147,37 @@ class Session:
                     out.append(Buffer(f"aux.{k}", N * w.Hp * it, k, k))
             if layer < L - 1:
                 out.append(Buffer(f"y.{layer}", T * N * D * K * it, layer * D, (layer + 2) * D - 1))
+        if discard:
+            out.append(Buffer(f"y.{L - 1}", T * N * D * K * it, (L - 1) * D, L * D - 1))
+        if staged:
+            out.append(Buffer("stage.x", T * N * spec.input_size * it, 0, L * D - 1))
+            out.append(Buffer("stage.y", T * N * D * K * it, 0, L * D - 1))
         return out
 
-    def resize(self, batch: int, steps: int, memory_limit: int | None = None) -> Plan:
+    @property
+    def chunkable(self) -> bool:
+        return self.spec.num_directions == 1
+
+    def resize(self, batch: int, steps: int, memory_limit: int | None = None,
+               return_sequences: bool = True) -> Plan:  # fmt: skip
         """Plan every scratch buffer for ``batch`` sequences of up to ``steps`` steps, in one
-        arena. Reuses the current arena when the new plan fits in it."""
+        arena, and allocate it (reusing the current arena when the plan fits in it).
+
+        With ``memory_limit`` (bytes of arena), a unidirectional stack gets the largest chunk
+        (timesteps) whose plan fits; ``PlanError`` — before anything is allocated — if not even
+        one step fits, or if a bidirectional stack does not fit whole. ``return_sequences=False``
+        plans for runs that keep only final states (chunked by default, see DEFAULT_CHUNK).
+        """
         for name, v in (("batch", batch), ("steps", steps)):
             if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
                 raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
         batch, steps = int(batch), int(steps)
-        p = plan(self.buffers(batch, steps), limit=memory_limit)
-        if self._arena is None or self._arena.nbytes < p.total:
-            self._arena = None  # drop the old arena before taking the new one
-            self._arena = Arena(p.total, name=f"arena[{self.spec.cell} N={batch} T={steps}]")
+        if memory_limit is not None:
+            self.chunk = self._largest_chunk(batch, steps, int(memory_limit), not return_sequences)
+        key = self._key(batch, steps, return_sequences)
+        _, T, staged, discard = key
+        p = plan(self.buffers(batch, T, staged, discard), limit=memory_limit)
+        self._allocate(p.total, f"{self.spec.cell} N={batch} T={T}")
         if config.log_enabled("memory"):
             for pl in p.placements:
                 b = pl.buffer
@@ -110,9 +186,53 @@ class Session:
                     b.last,
                 )
         self._plan = p
-        self._N, self._T = batch, steps
+        self._N, self._T, self._key_now = batch, T, key
         self._make_views()
         return p
+
+    def _key(self, batch: int, steps: int, return_sequences: bool) -> tuple:
+        """(N, planned steps, staged, discard): what a plan depends on besides the model."""
+        chunk = self.chunk
+        if chunk is None and not return_sequences:
+            chunk = DEFAULT_CHUNK
+        T = steps if chunk is None or not self.chunkable else min(steps, chunk)
+        return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
+
+    def _largest_chunk(self, batch: int, steps: int, limit: int, discard: bool) -> int:
+        def fits(t: int) -> bool:
+            staged = t < steps and self.spec.batch_first
+            return plan(self.buffers(batch, t, staged, discard)).total <= limit
+
+        if not self.chunkable:
+            if not fits(steps):
+                need = plan(self.buffers(batch, steps)).total
+                raise PlanError(
+                    f"[Session.resize] a bidirectional stack needs the whole sequence: "
+                    f"{need} bytes of arena for N={batch}, T={steps}; memory_limit={limit}"
+                )
+            return steps
+        if not fits(1):
+            need = plan(self.buffers(batch, 1, self.spec.batch_first)).total
+            raise PlanError(
+                f"[Session.resize] even one step needs {need} bytes of arena for N={batch}; "
+                f"memory_limit={limit}"
+            )
+        lo, hi = 1, steps  # largest t with fits(t): the plan grows monotonically with t
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _allocate(self, nbytes: int, name: str) -> None:
+        if self.pool is not None:
+            self._arena = self.pool.acquire(nbytes, name)
+            self._gen = self.pool.generation
+        elif self._arena is None or self._arena.nbytes < nbytes:
+            self._arena = None  # drop the old arena before taking the new one
+            self._arena = Arena(nbytes, name=f"arena[{name}]")
 
     def _make_views(self) -> None:
         spec, w, p, a = self.spec, self.weights, self._plan, self._arena
@@ -133,6 +253,10 @@ class Session:
                 shape, dtype = (N, w.Gp), dt
             elif kind in ("c", "aux"):
                 shape, dtype = (N, w.Hp), dt
+            elif name == "stage.x":
+                shape, dtype = (N, T, spec.input_size), dt
+            elif name == "stage.y":
+                shape, dtype = (N, T, D * K), dt
             else:  # y.{layer}
                 shape, dtype = (T * N, D * K), dt
             v[name] = a.view(pl.offset, shape, dtype)
@@ -145,7 +269,7 @@ class Session:
     def _threads(self) -> int:
         return self.threads or config.get_num_threads()
 
-    def run(self, x, h0=None, c0=None, lengths=None, out=None):
+    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True):
         """Run the whole stack over ``x``.
 
         x:       [T, N, C] ([N, T, C] if spec.batch_first), the model's dtype, C-contiguous
@@ -153,15 +277,17 @@ class Session:
         c0:      [L*D, N, H] initial LSTM cell state, or None = 0
         lengths: [N] ints in 0..T, or None = all T (PyTorch packed-sequence semantics)
         out:     None, or a tuple (y, h_n[, c_n]) of preallocated C-contiguous outputs
+                 (y is omitted from the tuple when return_sequences=False)
+        return_sequences: False keeps only the final states; y is then None and, with
+                 ``chunk`` set, peak memory does not depend on T
         returns  (y [T, N, D*K] (batch-first: [N, T, D*K]), h_n [L*D, N, K], c_n [L*D, N, H] or
                  None for GRU/RNN). NaN/Inf in inputs propagate to the outputs.
+        h0/c0 may be the same arrays as the h_n/c_n outputs (state updated in place).
         """
         spec, dt, op = self.spec, self.dtype, "Session.run"
         C = spec.input_size
         names = ("N", "T", "C") if spec.batch_first else ("T", "N", "C")
         x = _check.array(op, "x", x, dt, (None, None, C), names)
-        if x.shape[-1] != C:  # pragma: no cover - covered by _check.array
-            raise ShapeError(f"[{op}] x last dim {x.shape[-1]}; expected C={C}")
         _check.contiguous(op, "x", x)
         if spec.batch_first:
             N, T = x.shape[0], x.shape[1]
@@ -178,32 +304,74 @@ class Session:
             c0 = _check.array(op, "c0", c0, dt, (LD, N, H), ("L*D", "N", "H"))
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
-        y, h_n, c_n = self._outputs(out, T, N)
+        y, h_n, c_n = self._outputs(out, T, N, return_sequences)
         with self._lock:
-            if (N, T) != (self._N, self._T):
-                self.resize(N, T)
-            self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
+            stale = self.pool is not None and self._gen != self.pool.generation
+            if stale or self._key(N, T, return_sequences) != self._key_now:
+                self.resize(N, T, return_sequences=return_sequences)
+            if self._T >= T:
+                self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
+            else:
+                self._execute_chunked(x, h0, c0, lengths, y, h_n, c_n, T, N)
         return y, h_n, c_n
 
-    def _outputs(self, out, T: int, N: int):
+    def _execute_chunked(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int) -> None:
+        """Advance the whole stack ``self._T`` steps at a time, carrying state in h_n/c_n."""
+        spec, Tc, v = self.spec, self._T, self._views
+        bf = spec.batch_first
+        # The final states double as the carried state: each chunk starts from them.
+        if h0 is not None:
+            h_n[:] = h0
+        else:
+            h_n[:] = 0
+        if c_n is not None:
+            if c0 is not None:
+                c_n[:] = c0
+            else:
+                c_n[:] = 0
+        for t0 in range(0, T, Tc):
+            t1 = min(T, t0 + Tc)
+            n_steps = t1 - t0
+            if bf:
+                # Contiguous [N, n_steps, ...] windows at the start of the staging buffers (a
+                # [:, :n_steps] slice would not be contiguous when the last chunk is short).
+                sx, sy = v["stage.x"], v["stage.y"]
+                xs = sx.reshape(-1)[: N * n_steps * sx.shape[2]].reshape(N, n_steps, -1)
+                xs[:] = x[:, t0:t1]
+                ys = sy.reshape(-1)[: N * n_steps * sy.shape[2]].reshape(N, n_steps, -1)
+            else:
+                xs = x[t0:t1]
+                ys = y[t0:t1] if y is not None else None
+            lens = None
+            if lengths is not None:
+                lens = np.clip(lengths - t0, 0, n_steps)
+            self._execute(xs, h_n, c_n, lens, ys, h_n, c_n, n_steps, N)
+            if bf and y is not None:
+                y[:, t0:t1] = ys
+
+    def _outputs(self, out, T: int, N: int, return_sequences: bool = True):
         spec, dt, op = self.spec, self.dtype, "Session.run"
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
         DK = spec.num_directions * K
         yshape = (N, T, DK) if spec.batch_first else (T, N, DK)
         is_lstm = spec.cell == "lstm"
         if out is None:
-            y = np.empty(yshape, dt)
+            y = np.empty(yshape, dt) if return_sequences else None
             h_n = np.empty((LD, N, K), dt)
             c_n = np.empty((LD, N, H), dt) if is_lstm else None
             return y, h_n, c_n
         if isinstance(out, np.ndarray):
             out = (out,)
+        if not return_sequences and isinstance(out, tuple | list):
+            out = (None, *out)
         if not isinstance(out, tuple | list) or len(out) != (3 if is_lstm else 2):
             raise ShapeError(
                 f"[{op}] out must be a tuple (y, h_n{', c_n' if is_lstm else ''}); got "
                 f"{type(out).__name__} of length {len(out) if isinstance(out, tuple | list) else '?'}"
             )
-        y = _check.array(op, "out[0] (y)", out[0], dt, yshape, ("T", "N", "D*K"))
+        y = None
+        if return_sequences:
+            y = _check.array(op, "out[0] (y)", out[0], dt, yshape, ("T", "N", "D*K"))
         h_n = _check.array(op, "out[1] (h_n)", out[1], dt, (LD, N, K), ("L*D", "N", "K"))
         c_n = None
         if is_lstm:
@@ -228,21 +396,25 @@ class Session:
         else:
             lens[:] = lengths
         consts = self._consts
-        y_final = y.reshape(-1, D * K)
+        TN = T * N  # planned views hold self._T steps; a shorter run uses their first T*N rows
         bf_T = T if spec.batch_first else 0
+        y_final = y.reshape(-1, D * K) if y is not None else v[f"y.{L - 1}"][:TN]
+        log = config.log_enabled("memory")
         for layer in range(L):
             if layer == 0:
                 xin, xin_bf, Cin = x.reshape(-1, spec.input_size), bf_T, spec.input_size
             else:
-                xin, xin_bf, Cin = self._layer_inputs[layer], 0, D * K
+                xin, xin_bf, Cin = self._layer_inputs[layer][:TN], 0, D * K
             if layer == L - 1:
-                yout, y_bf = y_final, bf_T
+                yout, y_bf = y_final, (bf_T if y is not None else 0)
             else:
-                yout, y_bf = v[f"y.{layer}"], 0
+                yout, y_bf = v[f"y.{layer}"][:TN], 0
             for d in range(D):
                 k = layer * D + d
+                if log:
+                    self._log_events(k, "acquire")
                 pl = w.layers[layer][d]
-                xw = v[f"xw.{k}"]
+                xw = v[f"xw.{k}"][:TN]
                 proj_k(xin, pl.Wt, pl.b, Cin, xin_bf, N, xw, consts)
                 ha, hb = v[f"h.{k}.a"], v[f"h.{k}.b"]
                 ha[:] = 0
@@ -277,6 +449,23 @@ class Session:
                         be, consts,
                     )
                 h_n[k] = (hb if parity else ha)[:, :K]
+                if log:
+                    self._log_events(k, "release")
+
+    def _log_events(self, k: int, what: str) -> None:
+        """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""
+        for pl in self._plan.placements:
+            b = pl.buffer
+            if (b.first if what == "acquire" else b.last) == k:
+                _log.info(
+                    "op %d %s %-10s %10d B at +%d", k, what, b.name, b.nbytes, pl.offset
+                )
+
+    def stream(self, batch: int = 1):
+        """A ``Stream`` over this session: feed chunks, state carried (unidirectional stacks)."""
+        from .stream import Stream
+
+        return Stream(self, batch)
 
     def __repr__(self) -> str:
         planned = f"N={self._N}, T={self._T}, arena={self.arena_bytes} B" if self._plan else "unplanned"

@@ -70,7 +70,13 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                     )
                 with z.open(info) as f:
                     version = np.lib.format.read_magic(f)
-                    shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                    if version == (1, 0):
+                        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                    elif version == (2, 0):
+                        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                    else:
+                        raise ModelFormatError(f"[{op}] {path!r}: member {name!r} uses .npy "
+                                               f"format {version}; expected 1.0 or 2.0")
                     if dtype.hasobject:
                         raise ModelFormatError(f"[{op}] {path!r}: member {name!r} holds Python "
                                                "objects; refusing (pickles are never loaded)")

@@ -1,0 +1,91 @@
+"""Stream: feed a sequence chunk by chunk (down to one step per call) with every layer's state
+carried between calls, in the session's arena; nothing grows with the number of steps fed."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ShapeError, SpecError
+from . import _check
+
+
+class Stream:
+    """Created by ``Session.stream(batch)``. ``feed`` equals one long ``run`` over the
+    concatenated chunks, whatever the chunking.
+
+    >>> s = session.stream(batch=1)
+    >>> y = s.feed(x_chunk)            # [Tc, N, C] -> [Tc, N, K]; or [N, C] -> [N, K] (one step)
+    >>> saved = s.state; s.reset(0); s.state = saved
+    """
+
+    def __init__(self, session, batch: int) -> None:
+        spec = session.spec
+        if spec.num_directions != 1:
+            raise SpecError(
+                "[Session.stream] a bidirectional stack cannot stream: its reverse direction "
+                "starts from the last step of the whole sequence; use run() on full sequences"
+            )
+        if not isinstance(batch, int | np.integer) or isinstance(batch, bool) or batch < 1:
+            raise ShapeError(f"[Session.stream] batch={batch!r}; expected a positive int")
+        self.session = session
+        self.batch = int(batch)
+        L, K, H, dt = spec.num_layers, spec.output_size, spec.hidden_size, session.dtype
+        self._h = np.zeros((L, self.batch, K), dt)
+        self._c = np.zeros((L, self.batch, H), dt) if spec.cell == "lstm" else None
+        self.steps = 0  # steps fed since creation or the last full reset
+
+    def feed(self, x, lengths=None, out=None) -> np.ndarray:
+        """Run the next chunk. ``x``: [Tc, N, C] ([N, Tc, C] batch-first) or [N, C] for one
+        step; ``lengths``: valid steps of each sample in this chunk (a sample's state freezes
+        after them). ``out``: optional preallocated y. Returns y for the chunk."""
+        single = isinstance(x, np.ndarray) and x.ndim == 2
+        if single:
+            x = x[None] if not self.session.spec.batch_first else x[:, None]
+        if isinstance(x, np.ndarray) and x.ndim == 3:
+            n = x.shape[0] if self.session.spec.batch_first else x.shape[1]
+            if n != self.batch:
+                raise ShapeError(
+                    f"[Stream.feed] x has batch {n}; this stream was opened for batch={self.batch}"
+                )
+        if single and out is not None:
+            out = out[None] if not self.session.spec.batch_first else out[:, None]
+        if out is None and isinstance(x, np.ndarray) and x.ndim == 3:
+            spec = self.session.spec
+            out = np.empty((*x.shape[:2], spec.num_directions * spec.output_size), self._h.dtype)
+        # The carried state is both the initial state and the final-state output: run() reads
+        # each layer's slot before it writes it, so the update happens in place.
+        outs = (out, self._h) if self._c is None else (out, self._h, self._c)
+        y, _, _ = self.session.run(x, self._h, self._c, lengths, out=outs)
+        self.steps += x.shape[1] if self.session.spec.batch_first else x.shape[0]
+        if single:
+            return y[0] if not self.session.spec.batch_first else y[:, 0]
+        return y
+
+    @property
+    def state(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(h [L, N, K], c [L, N, H] or None): a copy, safe to keep as a checkpoint."""
+        return self._h.copy(), (self._c.copy() if self._c is not None else None)
+
+    @state.setter
+    def state(self, value) -> None:
+        h, c = value
+        dt = self.session.dtype
+        _check.array("Stream.state", "h", h, dt, self._h.shape, ("L", "N", "K"))
+        self._h[:] = h
+        if self._c is not None:
+            _check.array("Stream.state", "c", c, dt, self._c.shape, ("L", "N", "H"))
+            self._c[:] = c
+
+    def reset(self, i: int | None = None) -> None:
+        """Zero the state of sample ``i`` (a new sequence starts in that slot), or of all."""
+        if i is None:
+            self._h[:] = 0
+            if self._c is not None:
+                self._c[:] = 0
+            self.steps = 0
+            return
+        if not -self.batch <= i < self.batch:
+            raise ShapeError(f"[Stream.reset] sample {i} out of range for batch={self.batch}")
+        self._h[:, i] = 0
+        if self._c is not None:
+            self._c[:, i] = 0
