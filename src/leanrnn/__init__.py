@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import errors
 from .config import get_num_threads, set_num_threads
-from .engine import Session
+from .engine import Pool, Session, Stream
 from .formats.packing import LayerWeights, PackedWeights, pack
 from .nn import GRU, LSTM, RNN, Model, from_state_dict, from_torch
 from .spec import Activation, RNNSpec
@@ -22,8 +22,10 @@ __all__ = [
     "LayerWeights",
     "Model",
     "PackedWeights",
+    "Pool",
     "RNNSpec",
     "Session",
+    "Stream",
     "__version__",
     "errors",
     "from_state_dict",

@@ -44,36 +44,61 @@ def register(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true",
-                   help="small subset (LSTM+GRU, H 128/512, N=1 T=100 and streaming, 1 thread)")
-    p.add_argument("--seed-table", action="store_true",
-                   help="only what the seed's table needs: LSTM H=512, N=1, 1 thread")
-    p.add_argument("--engines", type=_names,
-                   help="comma list of engine names (see --list-engines) or module:Class")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small subset (LSTM+GRU, H 128/512, N=1 T=100 and streaming, 1 thread)",
+    )
+    p.add_argument(
+        "--seed-table",
+        action="store_true",
+        help="only what the seed's table needs: LSTM H=512, N=1, 1 thread",
+    )
+    p.add_argument(
+        "--engines",
+        type=_names,
+        help="comma list of engine names (see --list-engines) or module:Class",
+    )
     p.add_argument("--cells", type=_names, help="comma list: lstm,gru")
     p.add_argument("--hidden", type=_ints, help="hidden sizes, e.g. 128,512,1024")
-    p.add_argument("--batch", type=_ints,
-                   help="batch sizes; with --steps replaces the default (N, T) shapes")
+    p.add_argument(
+        "--batch", type=_ints, help="batch sizes; with --steps replaces the default (N, T) shapes"
+    )
     p.add_argument("--steps", type=_ints, help="sequence lengths T for the full-sequence runs")
-    p.add_argument("--stream-steps", type=int,
-                   help="steps of the streaming config (default 100; 0 = no streaming rows)")
+    p.add_argument(
+        "--stream-steps",
+        type=int,
+        help="steps of the streaming config (default 100; 0 = no streaming rows)",
+    )
     p.add_argument("--threads", type=_ints, help="thread counts, e.g. 1,2")
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="output directory (default: ./bench-results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="output directory (default: ./bench-results)",
+    )
     p.add_argument("--repeats", type=int, help="max timed samples per row (default 15)")
     p.add_argument("--warmup", type=int, help="warm-up runs per row (default 3)")
-    p.add_argument("--max-time", type=float,
-                   help="seconds of sampling per row before repeats are cut (default 3)")
+    p.add_argument(
+        "--max-time",
+        type=float,
+        help="seconds of sampling per row before repeats are cut (default 3)",
+    )
     p.add_argument("--timeout", type=float, help="seconds before a row's child is killed")
     p.add_argument("--no-memray", action="store_true", help="skip the native heap figures")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM measurement")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no live progress bar")
-    p.add_argument("--from-json", type=Path, metavar="FILE",
-                   help="re-render report.md and plots from a saved results.json; runs nothing")
-    p.add_argument("--list-engines", action="store_true",
-                   help="list engines and whether they can run here")
-    p.set_defaults(func=run)  # fmt: skip
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="re-render report.md and plots from a saved results.json; runs nothing",
+    )
+    p.add_argument(
+        "--list-engines", action="store_true", help="list engines and whether they can run here"
+    )
+    p.set_defaults(func=run)
 
 
 def options_from_args(args):
@@ -85,9 +110,14 @@ def options_from_args(args):
     kw: dict = {"out": args.out}
     if args.seed_table:
         base = Options(
-            engines=SEED_ENGINES, cells=("lstm",), hidden=(512,), shapes=((1, 100),),
-            threads=(1,), stream_steps=100, out=args.out,
-        )  # fmt: skip
+            engines=SEED_ENGINES,
+            cells=("lstm",),
+            hidden=(512,),
+            shapes=((1, 100),),
+            threads=(1,),
+            stream_steps=100,
+            out=args.out,
+        )
     elif args.quick:
         base = Options.quick(out=args.out)
     else:
@@ -107,8 +137,12 @@ def options_from_args(args):
         kw["stream_steps"] = args.stream_steps
     if args.threads:
         kw["threads"] = args.threads
-    for flag, name in (("repeats", "repeats"), ("warmup", "warmup"), ("max_time", "max_time_s"),
-                       ("timeout", "timeout_s")):  # fmt: skip
+    for flag, name in (
+        ("repeats", "repeats"),
+        ("warmup", "warmup"),
+        ("max_time", "max_time_s"),
+        ("timeout", "timeout_s"),
+    ):
         if getattr(args, flag) is not None:
             kw[name] = getattr(args, flag)
     if args.no_memray:

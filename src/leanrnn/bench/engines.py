@@ -345,7 +345,7 @@ class OnnxRuntime(Engine):
         self.s = ort.InferenceSession(files["onnx"], so, providers=["CPUExecutionProvider"])
         self.p = p
         self.lstm = p.c0 is not None
-        self.y = np.empty(p.x.shape[:2] + (p.config.H,), np.float32)
+        self.y = np.empty((*p.x.shape[:2], p.config.H), np.float32)
 
     def _feeds(self, x, h, c) -> dict:
         feeds = {"X": x, "initial_h": h}
@@ -402,7 +402,7 @@ class MNNEngine(Engine):
         self.m = self.nn.load_module_from_file(files["mnn"], ins, outs, runtime_manager=self.rt)
         self.p = p
         self.lstm = lstm
-        self.y = np.empty(p.x.shape[:2] + (p.config.H,), np.float32)
+        self.y = np.empty((*p.x.shape[:2], p.config.H), np.float32)
 
     def _var(self, a: np.ndarray):
         return self.F.const(a, list(a.shape), self.F.NCHW)
@@ -444,9 +444,19 @@ def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:
     import sys
 
     return [
-        sys.executable, "-c", _MNN_CONVERT, "mnnconvert", "-f", "ONNX",
-        "--modelFile", str(onnx_path), "--MNNModel", str(mnn_path), "--bizCode", "leanrnn",
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        _MNN_CONVERT,
+        "mnnconvert",
+        "-f",
+        "ONNX",
+        "--modelFile",
+        str(onnx_path),
+        "--MNNModel",
+        str(mnn_path),
+        "--bizCode",
+        "leanrnn",
+    ]
 
 
 ENGINES: dict[str, type[Engine]] = {

@@ -41,9 +41,15 @@ SCHEMA = "leanrnn-bench/1"
 
 # Every variable a BLAS or OpenMP runtime reads for its thread count, set in the child's env.
 THREAD_ENV = (
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS",
-    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS", "LEANRNN_NUM_THREADS",
-)  # fmt: skip
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "BLIS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "NUMBA_NUM_THREADS",
+    "LEANRNN_NUM_THREADS",
+)
 
 
 # ------------------------------------------------------------------------- /proc memory
@@ -132,8 +138,11 @@ def _memray_peak(fn, path: Path) -> dict:
     leaked = sum(a.size for a in reader.get_leaked_allocation_records(merge_threads=True))
     reader.close()
     path.unlink()
-    return {"peak": int(meta.peak_memory), "allocations": int(meta.total_allocations),
-            "leaked": int(leaked)}  # fmt: skip
+    return {
+        "peak": int(meta.peak_memory),
+        "allocations": int(meta.total_allocations),
+        "leaked": int(leaked),
+    }
 
 
 def run_job(job: dict, workdir: Path) -> dict:
@@ -258,7 +267,9 @@ def measure_bandwidth(threads: int, sizes: list[int], big: int = 128 << 20) -> d
         b = np.zeros(n, np.float32)
         reps = max(2, min(100_000, int(4e8 // (8 * n)))) // 2 * 2  # ~0.4 GB moved per trial
         step = -(-n // threads)
-        parts = [(a[k * step : (k + 1) * step], b[k * step : (k + 1) * step]) for k in range(threads)]
+        parts = [
+            (a[k * step : (k + 1) * step], b[k * step : (k + 1) * step]) for k in range(threads)
+        ]
         copy(a, b, 2)
         t_best = float("inf")
         for _ in range(5):
@@ -378,8 +389,14 @@ def spawn(job: dict, threads: int, timeout: float) -> dict:
 
 # ------------------------------------------------------------------------- the suite
 DEFAULT_ENGINES = (
-    "leanrnn", "numpy-naive", "numpy-prealloc", "torch", "torch-nodnnl", "onnxruntime", "mnn",
-)  # fmt: skip
+    "leanrnn",
+    "numpy-naive",
+    "numpy-prealloc",
+    "torch",
+    "torch-nodnnl",
+    "onnxruntime",
+    "mnn",
+)
 DEFAULT_SHAPES = ((1, 100), (64, 100), (1, 1000))  # (N, T) full-sequence runs
 
 
@@ -408,9 +425,14 @@ class Options:
     @classmethod
     def quick(cls, **kw) -> Options:
         base = dict(
-            cells=("lstm", "gru"), hidden=(128, 512), shapes=((1, 100),), threads=(1,),
-            warmup=2, repeats=7, max_time_s=1.0,
-        )  # fmt: skip
+            cells=("lstm", "gru"),
+            hidden=(128, 512),
+            shapes=((1, 100),),
+            threads=(1,),
+            warmup=2,
+            repeats=7,
+            max_time_s=1.0,
+        )
         return cls(**(base | kw))
 
     def configs(self) -> list[Config]:
@@ -435,15 +457,24 @@ def _progress(total: int):
     """A live progress bar: rich if installed, else tqdm, else one line per job."""
     try:
         from rich.progress import (
-            BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
             TimeRemainingColumn,
-        )  # fmt: skip
+        )
 
         prog = Progress(
-            TextColumn("[bold]bench[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+            TextColumn("[bold]bench[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
             transient=False,
-        )  # fmt: skip
+        )
         prog.start()
         task = prog.add_task("", total=total)
         return (
@@ -484,10 +515,13 @@ def machine_info() -> dict:
         except metadata.PackageNotFoundError:
             versions[dist] = None
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "versions": versions,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
         "loadavg": os.getloadavg(),
-    }  # fmt: skip
+    }
 
 
 def _engine_status(names) -> dict[str, str | None]:
@@ -533,7 +567,11 @@ def _convert_mnn(cmd: list[str], mnn_path: Path) -> str:
     except Exception as e:
         return f"error: MNNConvert failed: {type(e).__name__}: {e}"
     log = (proc.stdout + proc.stderr).strip().splitlines()
-    if proc.returncode != 0 or not mnn_path.exists() or not any("Converted Success" in ln for ln in log):
+    if (
+        proc.returncode != 0
+        or not mnn_path.exists()
+        or not any("Converted Success" in ln for ln in log)
+    ):
         return "error: MNNConvert failed: " + " | ".join(log[-3:])
     return str(mnn_path)
 
@@ -562,7 +600,9 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
         "argv": sys.argv,
         "options": opts.as_dict(),
         "machine": machine_info(),
-        "engines": {n: {"unavailable": status[n], "description": _describe(n)} for n in opts.engines},
+        "engines": {
+            n: {"unavailable": status[n], "description": _describe(n)} for n in opts.engines
+        },
         "bandwidth": {},
         "rows": [],
         "fields": FIELDS,
@@ -573,7 +613,12 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
             sizes = sorted({c.weight_bytes for c in configs})
             for n in opts.threads:
                 describe(f"memory bandwidth, {n} thread(s)")
-                job = {"kind": "bandwidth", "threads": n, "sizes": sizes, "big": opts.bandwidth_bytes}
+                job = {
+                    "kind": "bandwidth",
+                    "threads": n,
+                    "sizes": sizes,
+                    "big": opts.bandwidth_bytes,
+                }
                 bw = spawn(job, n, opts.timeout_s)
                 results["bandwidth"][str(n)] = bw
                 advance()
@@ -593,11 +638,18 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
             else:
                 ref = reference_file(cfg, out / "cache")
                 job = {
-                    "kind": "engine", "engine": name, "config": cfg.as_dict(), "files": files,
-                    "ref": str(ref), "warmup": opts.warmup, "repeats": opts.repeats,
-                    "min_repeats": opts.min_repeats, "min_sample_s": opts.min_sample_s,
-                    "max_time_s": opts.max_time_s, "memray": opts.memray,
-                }  # fmt: skip
+                    "kind": "engine",
+                    "engine": name,
+                    "config": cfg.as_dict(),
+                    "files": files,
+                    "ref": str(ref),
+                    "warmup": opts.warmup,
+                    "repeats": opts.repeats,
+                    "min_repeats": opts.min_repeats,
+                    "min_sample_s": opts.min_sample_s,
+                    "max_time_s": opts.max_time_s,
+                    "memray": opts.memray,
+                }
                 res = spawn(job, cfg.threads, opts.timeout_s)
                 if res.pop("ok"):
                     ok = res["verify"]["ok"]

@@ -105,7 +105,12 @@ def make_weights(cfg: Config) -> dict[str, np.ndarray]:
     def u(*shape):
         return rng.uniform(-k, k, size=shape).astype(np.float32)
 
-    return {"weight_ih_l0": u(G, C), "weight_hh_l0": u(G, H), "bias_ih_l0": u(G), "bias_hh_l0": u(G)}
+    return {
+        "weight_ih_l0": u(G, C),
+        "weight_hh_l0": u(G, H),
+        "bias_ih_l0": u(G),
+        "bias_hh_l0": u(G),
+    }
 
 
 def make_problem(cfg: Config) -> Problem:
@@ -115,7 +120,11 @@ def make_problem(cfg: Config) -> Problem:
     rng = np.random.default_rng(_seed("inputs", cfg.cell, H, cfg.N, cfg.T))
     x = rng.standard_normal((cfg.T, cfg.N, C), dtype=np.float32)
     h0 = rng.uniform(-0.5, 0.5, size=(1, cfg.N, H)).astype(np.float32)
-    c0 = rng.uniform(-0.5, 0.5, size=(1, cfg.N, H)).astype(np.float32) if cfg.cell == "lstm" else None
+    c0 = (
+        rng.uniform(-0.5, 0.5, size=(1, cfg.N, H)).astype(np.float32)
+        if cfg.cell == "lstm"
+        else None
+    )
     return Problem(cfg, sd, x, h0, c0)
 
 

@@ -178,10 +178,16 @@ def memory_table(results: dict) -> str:
                     f"{fmt_bytes(m.get('stream_growth_rss'))} / "
                     f"{fmt_bytes(m.get('stream_growth_heap'))}"
                 )
-            rows.append([
-                config_label(key), e, fmt_bytes(m.get("cold_peak")), fmt_bytes(m.get("warm_peak")),
-                fmt_bytes(m.get("heap_peak")), growth,
-            ])  # fmt: skip
+            rows.append(
+                [
+                    config_label(key),
+                    e,
+                    fmt_bytes(m.get("cold_peak")),
+                    fmt_bytes(m.get("warm_peak")),
+                    fmt_bytes(m.get("heap_peak")),
+                    growth,
+                ]
+            )
     legend = (
         f"{tmin} thread(s). cold = peak RSS increase over model load + first forward (imports "
         "excluded; for leanrnn this includes loading numba's compiled kernels). warm = peak RSS "
@@ -213,7 +219,7 @@ def limit_table(results: dict) -> str:
     engines = engines_of(results)
     rows = []
     for key, by_engine in grouped(results).items():
-        cell, H, stream, N, T, threads = key
+        cell, H, _, N, _, threads = key
         if N != 1:
             continue
         wbytes = H * H * (4 if cell == "lstm" else 3) * 4
@@ -226,9 +232,15 @@ def limit_table(results: dict) -> str:
             s = per_step(by_engine.get(e))
             cells.append("–" if s is None else f"{fmt_time(s)} ({100 * floor / s:.0f}%)")
         rows.append(
-            [config_label(key), str(threads), fmt_bytes(wbytes), f"{bw / 1e9:.0f} GB/s",
-             fmt_time(floor), *cells]
-        )  # fmt: skip
+            [
+                config_label(key),
+                str(threads),
+                fmt_bytes(wbytes),
+                f"{bw / 1e9:.0f} GB/s",
+                fmt_time(floor),
+                *cells,
+            ]
+        )
     if not rows:
         return "(no N=1 rows, or bandwidth not measured)"
     dram = []
@@ -260,7 +272,7 @@ def seed_table(results: dict) -> str:
     groups = grouped(results)
     rows = []
     for key, by_engine in groups.items():
-        cell, H, stream, N, T, threads = key
+        cell, H, stream, N, _, threads = key
         if cell != "lstm" or H != 512 or N != 1 or threads != 1:
             continue
         for e in by_engine:
@@ -277,15 +289,27 @@ def seed_table(results: dict) -> str:
                     f"{fmt_bytes(m.get('stream_growth_rss'))} / "
                     f"{fmt_bytes(m.get('stream_growth_heap'))}"
                 )
-            rows.append([
-                config_label(key), e, fmt_bytes(m.get("heap_peak")), fmt_bytes(m.get("warm_peak")),
-                fmt_bytes(m.get("cold_peak")), growth,
-            ])  # fmt: skip
+            rows.append(
+                [
+                    config_label(key),
+                    e,
+                    fmt_bytes(m.get("heap_peak")),
+                    fmt_bytes(m.get("warm_peak")),
+                    fmt_bytes(m.get("cold_peak")),
+                    growth,
+                ]
+            )
     measured = _table(
-        ["config (1 thread)", "engine", "per forward: heap peak", "per forward: warm RSS peak",
-         "cold: load + first", "growth over 100 steps (RSS / heap)"],
+        [
+            "config (1 thread)",
+            "engine",
+            "per forward: heap peak",
+            "per forward: warm RSS peak",
+            "cold: load + first",
+            "growth over 100 steps (RSS / heap)",
+        ],
         rows or [["(no LSTM H=512 N=1 rows: run with --seed-table)", "", "", "", "", ""]],
-    )  # fmt: skip
+    )
     quoted = _table(
         ["engine (ARM, quoted)", "per forward", "growth over 100 steps"],
         [[name, f"{a} MB", f"{b} MB"] for name, a, b in SEED_QUOTED],
@@ -294,6 +318,44 @@ def seed_table(results: dict) -> str:
         "Measured here (x86, this machine):\n\n" + measured + "\n\n"
         "QUOTED from the MNN article, on ARM — not measured here, not comparable row by row "
         "(different hardware, model files and accounting):\n\n" + quoted
+    )
+
+
+BAR_PEERS = ("onnxruntime", "torch")
+
+
+def bars_table(results: dict) -> str | None:
+    """The engine issue's bar: in every LSTM full-sequence row, leanrnn no slower than the faster
+    of onnxruntime and torch (median of repeated runs). None when those rows are missing."""
+    rows = []
+    for key, by_engine in grouped(results).items():
+        cell, H, stream, N, T, threads = key
+        if cell != "lstm" or stream or BASE not in by_engine:
+            continue
+        peers = {e: median(by_engine.get(e)) for e in BAR_PEERS}
+        if not any(peers.values()):
+            continue
+        b = median(by_engine[BASE])
+        best = min((t, e) for e, t in peers.items() if t)
+        if b is None:
+            verdict, ratio = by_engine[BASE].get("status", "?"), "–"
+        else:
+            ratio = f"{b / best[0]:.2f}"
+            ok = b <= best[0] and by_engine[BASE].get("status") == "ok"
+            verdict = "pass" if ok else "FAIL"
+            if busy(by_engine[BASE]):
+                verdict += " †"
+        rows.append(
+            [str(H), str(N), str(T), str(threads), _cell(by_engine[BASE], None)]
+            + [_cell(by_engine.get(e), None) for e in BAR_PEERS]
+            + [f"{ratio} (vs {best[1]})", verdict]
+        )
+    if not rows:
+        return None
+    header = ["H", "N", "T", "threads", BASE, *BAR_PEERS, "leanrnn / faster peer", "bar ≤ 1"]
+    return _table(header, rows) + (
+        "\n\nSingle-layer LSTM, input = hidden; median time per forward. The bar (engine issue): "
+        "leanrnn / faster peer ≤ 1 in every row. † = the machine was busy during leanrnn's row."
     )
 
 
@@ -370,7 +432,6 @@ def plot(results: dict, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     out = Path(out)
@@ -389,8 +450,9 @@ def plot(results: dict, out: Path) -> list[Path]:
         ax.yaxis.set_minor_locator(NullLocator())
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{unit}"))
 
-    fig, axes = plt.subplots(len(threads), 1, figsize=(max(8, 0.9 * len(groups)), 4.5 * len(threads)),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(threads), 1, figsize=(max(8, 0.9 * len(groups)), 4.5 * len(threads)), squeeze=False
+    )
     for ax, t in zip(axes[:, 0], threads, strict=True):
         keys = [k for k in groups if k[-1] == t]
         width = 0.8 / max(1, len(engines))
@@ -405,8 +467,9 @@ def plot(results: dict, out: Path) -> list[Path]:
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_yscale("log")
         log_axis(ax, "×")
-        ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
-                      fontsize=8)  # fmt: skip
+        ax.set_xticks(
+            range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right", fontsize=8
+        )
         ax.set_ylabel("time / leanrnn time (log; >1 = leanrnn faster)")
         ax.set_title(f"latency ratio to leanrnn, {t} thread(s)")
         ax.legend(fontsize=8, ncol=3)
@@ -418,10 +481,14 @@ def plot(results: dict, out: Path) -> list[Path]:
 
     tmin = threads[0] if threads else 1
     keys = [k for k in groups if k[-1] == tmin]
-    metrics = (("cold_peak", "cold: load + first forward"), ("warm_peak", "warm peak RSS increase"),
-               ("heap_peak", "heap peak of one forward (memray)"))  # fmt: skip
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(max(8, 0.9 * len(keys)), 4 * len(metrics)),
-                             squeeze=False)  # fmt: skip
+    metrics = (
+        ("cold_peak", "cold: load + first forward"),
+        ("warm_peak", "warm peak RSS increase"),
+        ("heap_peak", "heap peak of one forward (memray)"),
+    )
+    fig, axes = plt.subplots(
+        len(metrics), 1, figsize=(max(8, 0.9 * len(keys)), 4 * len(metrics)), squeeze=False
+    )
     for ax, (field, title) in zip(axes[:, 0], metrics, strict=True):
         width = 0.8 / max(1, len(all_engines))
         for j, e in enumerate(all_engines):
@@ -436,8 +503,9 @@ def plot(results: dict, out: Path) -> list[Path]:
             ax.bar(xs, ys, width, label=e, color=color[e])
         ax.set_yscale("log")
         log_axis(ax, "")
-        ax.set_xticks(range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right",
-                      fontsize=8)  # fmt: skip
+        ax.set_xticks(
+            range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right", fontsize=8
+        )
         ax.set_ylabel("MiB (log; floored at 1 KiB)")
         ax.set_title(f"{title}, {tmin} thread(s)")
         ax.legend(fontsize=8, ncol=4)
@@ -463,6 +531,7 @@ def machine_line(results: dict) -> str:
 
 
 def render(results: dict, plots: list[Path] | None = None) -> str:
+    bars = bars_table(results)
     parts = [
         "# leanrnn bench",
         "",
@@ -475,6 +544,7 @@ def render(results: dict, plots: list[Path] | None = None) -> str:
         "",
         latency_table(results),
         "",
+        *(["## Engine bars (LSTM vs onnxruntime and torch)", "", bars, ""] if bars else []),
         "## Where leanrnn is not yet the best",
         "",
         "\n".join(f"- {s}" for s in summary(results)) or "- nowhere in this run",

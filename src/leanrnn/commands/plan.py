@@ -1,0 +1,119 @@
+"""``leanrnn plan``: every arena buffer of a model's plan (name, bytes, offset, first/last op),
+the totals, and optionally the arena drawn as a timeline (matplotlib)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show the memory plan of a model for a batch and length",
+        description="MODEL is a model file (.lrnn, .onnx, state dict) or a shorthand such as "
+        "lstm:512 or gru:256x2 (cell:hidden[xlayers], input = hidden).",
+    )
+    p.add_argument("model")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--chunk", type=int, default=None, help="timesteps per chunk")
+    p.add_argument("--memory-limit", type=int, default=None, help="arena bytes; picks the chunk")
+    p.add_argument("--png", default=None, help="draw the arena timeline to this PNG file")
+    p.set_defaults(func=run)
+
+
+_SHORT = re.compile(r"^(lstm|gru|rnn):(\d+)(?:x(\d+))?$", re.IGNORECASE)
+
+
+def load_model(ref: str):
+    """A model from a file, or from the ``cell:hidden[xlayers]`` shorthand (random weights)."""
+    import leanrnn
+    from leanrnn.errors import ModelFormatError
+
+    m = _SHORT.match(ref)
+    if m and not os.path.exists(ref):
+        cls = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[m.group(1).lower()]
+        H = int(m.group(2))
+        return cls(H, H, num_layers=int(m.group(3) or 1), seed=0)
+    try:
+        from leanrnn.loading import load
+    except ImportError:  # pragma: no cover - loading ships with the package
+        raise ModelFormatError(f"[plan] cannot load {ref!r}: model files are not supported") from None
+    return load(ref)
+
+
+def _sessions(model):
+    """(name, Session) pairs: a graph model has one session per recurrent node."""
+    if hasattr(model, "session"):
+        return [("model", model.session)]
+    return list(getattr(model, "sessions", lambda: [])())
+
+
+def run(args) -> int:
+    from leanrnn.engine import Session
+
+    model = load_model(args.model)
+    pairs = _sessions(model)
+    if not pairs:
+        print("this model has no recurrent sessions to plan")
+        return 1
+    for name, base in pairs:
+        s = Session(base.weights, chunk=args.chunk)
+        p = s.resize(args.batch, args.steps, memory_limit=args.memory_limit)
+        spec = s.spec
+        D, K = spec.num_directions, spec.output_size
+        it = s.dtype.itemsize
+        out_bytes = args.batch * args.steps * D * K * it
+        state_bytes = spec.num_layers * D * args.batch * (K + (spec.hidden_size if spec.cell == "lstm" else 0)) * it
+        print(f"{name}: {spec.cell.upper()} C={spec.input_size} H={spec.hidden_size} "
+              f"layers={spec.num_layers} directions={D}  N={args.batch} T={args.steps} "
+              f"chunk={s.chunk or 'none'} (planned steps {s._T})")  # fmt: skip
+        print(f"{'buffer':<12}{'bytes':>12}{'offset':>12}{'first':>7}{'last':>6}")
+        for row in p.table():
+            print(f"{row['name']:<12}{row['bytes']:>12,}{row['offset']:>12,}"
+                  f"{row['first']:>7}{row['last']:>6}")  # fmt: skip
+        print(f"weights   {s.weights.nbytes:>12,} B (packed, aligned)")
+        print(f"arena     {p.total:>12,} B (without reuse {p.naive_total:,} B, "
+              f"{p.naive_total / max(p.total, 1):.2f}x)")  # fmt: skip
+        print(f"outputs   {out_bytes:>12,} B y + {state_bytes:,} B final states (returned arrays)")
+        if args.png:
+            draw(p, args.png, f"{name}: {spec.cell.upper()} H={spec.hidden_size} N={args.batch} "
+                 f"T={args.steps}")  # fmt: skip
+            print(f"timeline  {args.png}")
+    return 0
+
+
+def draw(plan, path: str, title: str) -> None:
+    """Arena timeline: x = op index (lifetime), y = byte offset, one rectangle per buffer."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from leanrnn.errors import LeanRNNError
+
+        raise LeanRNNError("[plan] --png needs matplotlib: pip install 'leanrnn[plot]'") from None
+    fig, ax = plt.subplots(figsize=(9, 5))
+    cmap = plt.get_cmap("tab20")
+    kinds = sorted({p.buffer.name.split(".")[0] for p in plan.placements})
+    for pl in plan.placements:
+        b = pl.buffer
+        color = cmap(kinds.index(b.name.split(".")[0]) % 20)
+        ax.add_patch(plt.Rectangle((b.first - 0.45, pl.offset / 1024), b.last - b.first + 0.9,
+                                   max(b.nbytes, 1) / 1024, color=color, alpha=0.8, ec="k",
+                                   lw=0.5))  # fmt: skip
+        if b.nbytes > plan.total * 0.04:
+            ax.text(b.first, (pl.offset + b.nbytes / 2) / 1024, b.name, fontsize=7, va="center")
+    last = max(p.buffer.last for p in plan.placements)
+    ax.set_xlim(-0.6, last + 0.6)
+    ax.set_ylim(0, plan.total / 1024 * 1.02)
+    ax.set_xlabel("op (layer x direction)")
+    ax.set_ylabel("arena offset (KiB)")
+    ax.set_title(f"{title}: arena {plan.total / 1024:.0f} KiB, without reuse "
+                 f"{plan.naive_total / 1024:.0f} KiB")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
