@@ -17,7 +17,7 @@ examples:
   leanrnn bench --quick
   leanrnn bench --engines leanrnn,onnxruntime,torch --cells lstm --hidden 512 --threads 1
   leanrnn bench --seed-table
-  leanrnn bench --from-json bench-results/results.json     # re-render the report only
+  leanrnn bench --from-json bench-out/results.json     # re-render the report only
 """
 
 
@@ -74,8 +74,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path("bench-results"),
-        help="output directory (default: ./bench-results)",
+        default=Path("bench-out"),
+        help="output directory (default: ./bench-out)",
     )
     p.add_argument("--repeats", type=int, help="max timed samples per row (default 15)")
     p.add_argument("--warmup", type=int, help="warm-up runs per row (default 3)")
@@ -164,7 +164,7 @@ def run(args) -> int:
         return 0
     if args.from_json:
         results = json.loads(args.from_json.read_text())
-        out = args.out if args.out != Path("bench-results") else args.from_json.parent
+        out = args.out if args.out != Path("bench-out") else args.from_json.parent
     else:
         from .harness import run_suite
 

@@ -420,7 +420,7 @@ class Options:
     memray: bool = True
     bandwidth: bool = True
     bandwidth_bytes: int = 128 << 20  # STREAM arrays: well beyond the last-level cache
-    out: Path = Path("bench-results")
+    out: Path = Path("bench-out")
 
     @classmethod
     def quick(cls, **kw) -> Options:

@@ -324,32 +324,40 @@ def seed_table(results: dict) -> str:
 BAR_PEERS = ("onnxruntime", "torch")
 
 
-def bars_table(results: dict) -> str | None:
-    """The engine issue's bar: in every LSTM full-sequence row, leanrnn no slower than the faster
-    of onnxruntime and torch (median of repeated runs). None when those rows are missing."""
-    rows = []
+def bar_rows(results: dict) -> list[dict]:
+    """The engine issue's bar, row by row: in every LSTM full-sequence config, leanrnn no slower
+    than the faster of onnxruntime and torch (median of repeated runs). ``passed`` is False when
+    leanrnn is slower, its output is wrong, or its row failed."""
+    out = []
     for key, by_engine in grouped(results).items():
         cell, H, stream, N, T, threads = key
         if cell != "lstm" or stream or BASE not in by_engine:
             continue
-        peers = {e: median(by_engine.get(e)) for e in BAR_PEERS}
-        if not any(peers.values()):
+        peers = [(median(by_engine.get(e)), e) for e in BAR_PEERS]
+        peers = [(t, e) for t, e in peers if t]
+        if not peers:
             continue
-        b = median(by_engine[BASE])
-        best = min((t, e) for e, t in peers.items() if t)
-        if b is None:
-            verdict, ratio = by_engine[BASE].get("status", "?"), "–"
-        else:
-            ratio = f"{b / best[0]:.2f}"
-            ok = b <= best[0] and by_engine[BASE].get("status") == "ok"
-            verdict = "pass" if ok else "FAIL"
-            if busy(by_engine[BASE]):
-                verdict += " †"
-        rows.append(
-            [str(H), str(N), str(T), str(threads), _cell(by_engine[BASE], None)]
-            + [_cell(by_engine.get(e), None) for e in BAR_PEERS]
-            + [f"{ratio} (vs {best[1]})", verdict]
-        )
+        best_t, best_e = min(peers)
+        base = by_engine[BASE]
+        b = median(base)
+        out.append({
+            "key": key, "H": H, "N": N, "T": T, "threads": threads,
+            "ratio": None if b is None else b / best_t, "peer": best_e,
+            "passed": b is not None and b <= best_t and base.get("status") == "ok",
+            "busy": busy(base),
+            "cells": [_cell(by_engine.get(e), None) for e in (BASE, *BAR_PEERS)],
+        })  # fmt: skip
+    return out
+
+
+def bars_table(results: dict) -> str | None:
+    """``bar_rows`` as markdown; None when the results have no such rows."""
+    rows = []
+    for b in bar_rows(results):
+        ratio = "–" if b["ratio"] is None else f"{b['ratio']:.2f} (vs {b['peer']})"
+        verdict = ("pass" if b["passed"] else "FAIL") + (" †" if b["busy"] else "")
+        rows.append([str(b["H"]), str(b["N"]), str(b["T"]), str(b["threads"]), *b["cells"],
+                     ratio, verdict])  # fmt: skip
     if not rows:
         return None
     header = ["H", "N", "T", "threads", BASE, *BAR_PEERS, "leanrnn / faster peer", "bar ≤ 1"]

@@ -704,6 +704,10 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
     if node.op == "LSTM":
         out = (y, h, tmp["c"] if "c" in tmp else outs[2])
     session.run(x, h0, c0, ins[4], out=out)
+    if ins[4] is not None and not ins[4].all():
+        # A zero-length sample: onnxruntime reports zero final states (not the initial ones)
+        for state in out[1:]:
+            state[:, ins[4] == 0] = 0
     if "y" in tmp and _rnn_need(ctx, node, 0):  # layout 0, D == 2: [T, N, D, H] -> [T, D, N, H]
         np.copyto(outs[0], y.reshape(T, N, D, H).transpose(0, 2, 1, 3))
     if layout == 1:

@@ -1,0 +1,250 @@
+"""The benchmark harness itself: a tiny suite end to end, the JSON's fields, a wrong engine is
+flagged (not hidden), the tables render. No timing assertions: this machine is shared."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from leanrnn.bench import report
+from leanrnn.bench.harness import Options, run_suite
+from leanrnn.bench.problem import Config, compare, make_problem, reference, reference_file
+
+HAVE = {m: importlib.util.find_spec(m) is not None for m in ("torch", "onnxruntime", "onnx")}
+HAVE_MEMRAY = importlib.util.find_spec("memray") is not None
+
+ROW_FIELDS = {
+    "engine", "config", "label", "status", "reason", "files", "verify", "timing", "memory",
+    "import_s", "cold_s", "threadpools", "thread_info", "os_threads", "background_cores",
+    "child_wall_s", "loadavg_start", "loadavg_end",
+}  # fmt: skip
+TIMING_FIELDS = {"unit", "samples_s", "inner", "warmup", "median_s", "min_s", "p25_s", "p75_s",
+                 "cpu_util"}  # fmt: skip
+MEMORY_FIELDS = {"cold_peak", "cold_retained", "warm_peak", "warm_growth"}
+STREAM_FIELDS = {"stream_growth_rss", "stream_peak_rss"}
+TOP_FIELDS = {"schema", "created", "argv", "options", "machine", "engines", "bandwidth", "rows",
+              "fields"}  # fmt: skip
+
+
+def tiny(tmp_path, engines, **kw) -> Options:
+    base = dict(
+        engines=tuple(engines), cells=("lstm", "gru"), hidden=(8,), shapes=((2, 5),),
+        stream_steps=5, threads=(1,), warmup=1, repeats=3, min_repeats=2, max_time_s=0.1,
+        min_sample_s=0.001, bandwidth=False, out=tmp_path / "out", timeout_s=300,
+    )  # fmt: skip
+    return Options(**(base | kw))
+
+
+# ------------------------------------------------------------------ the reference is right
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_bench_reference_matches_leanrnn_oracle(cell):
+    """The bench's batched float64 loop equals the project's per-sample float64 oracle."""
+    import leanrnn
+    from leanrnn.kernels.reference import reference_forward
+
+    p = make_problem(Config(cell, 6, 3, 4))
+    m = leanrnn.from_state_dict(p.sd)
+    want = reference_forward(m.spec, m.weights.unpack(), p.x, p.h0, p.c0)
+    got = reference(p)
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+        else:
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAVE["torch"], reason="torch not installed")
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_bench_reference_matches_torch(cell):
+    import torch
+
+    p = make_problem(Config(cell, 6, 3, 4))
+    mod = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(6, 6).double()
+    mod.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in p.sd.items()})
+    h0 = torch.from_numpy(p.h0.astype(np.float64))
+    hx = (h0, torch.from_numpy(p.c0.astype(np.float64))) if cell == "lstm" else h0
+    with torch.no_grad():
+        y, _ = mod(torch.from_numpy(p.x.astype(np.float64)), hx)
+    np.testing.assert_allclose(reference(p)[0], y.numpy(), rtol=0, atol=1e-12)
+
+
+def test_compare_flags_wrong_and_nan(tmp_path):
+    cfg = Config("lstm", 4, 1, 3)
+    ref = reference_file(cfg, tmp_path)
+    y, h, c = (a.astype(np.float32) for a in reference(make_problem(cfg)))
+    assert compare((y, h, c), ref)["ok"]
+    assert not compare((y + 1e-2, h, c), ref)["ok"]
+    y[0, 0, 0] = np.nan
+    assert not compare((y, h, c), ref)["ok"]
+    assert not compare((y[:1], h, c), ref)["ok"]  # wrong size is a mismatch, not a crash
+
+
+# ------------------------------------------------------------------ end to end
+def test_tiny_suite_end_to_end(tmp_path):
+    engines = ["leanrnn", "numpy-naive", "numpy-prealloc"]
+    engines += [e for e, m in (("torch", "torch"), ("onnxruntime", "onnxruntime")) if HAVE[m]]
+    opts = tiny(tmp_path, engines, bandwidth=True, bandwidth_bytes=1 << 20)
+    results = run_suite(opts, progress=False)
+
+    saved = json.loads((opts.out / "results.json").read_text())  # strict JSON: no NaN
+    assert TOP_FIELDS <= saved.keys()
+    assert len(saved["rows"]) == len(engines) * 4  # 2 cells x (one shape + streaming)
+    assert saved["bandwidth"]["1"]["ok"] and saved["bandwidth"]["1"]["dram_copy_Bps"] > 0
+    for row in saved["rows"]:
+        assert row["status"] == "ok", (row["engine"], row["label"], row.get("reason"))
+        assert ROW_FIELDS <= row.keys()
+        assert TIMING_FIELDS <= row["timing"].keys()
+        assert len(row["timing"]["samples_s"]) >= 2
+        assert MEMORY_FIELDS <= row["memory"].keys()
+        assert row["verify"]["worst"] <= row["verify"]["tolerance"]
+        if row["config"]["stream"]:
+            assert row["timing"]["unit"] == "step"
+            assert STREAM_FIELDS <= row["memory"].keys()
+        if HAVE_MEMRAY:
+            assert "heap_peak" in row["memory"]
+        assert all(pool["num_threads"] == 1 for pool in row["threadpools"])  # BLAS/OpenMP
+    by_engine = {r["engine"]: r for r in saved["rows"]}
+    if "torch" in by_engine:
+        assert by_engine["torch"]["thread_info"]["torch"] == 1
+
+    files = report.write(results, opts.out)
+    text = files["report"].read_text()
+    for section in ("## Latency", "## Memory", "## The physical limit", "## The seed's table"):
+        assert section in text
+    if importlib.util.find_spec("matplotlib"):
+        assert (opts.out / "latency_ratio.png").stat().st_size > 0
+        assert (opts.out / "memory.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(
+    not (importlib.util.find_spec("MNN") and HAVE["onnx"]), reason="MNN or onnx not installed"
+)
+def test_mnn_converts_and_runs(tmp_path):
+    """MNN through the converter extension in a subprocess (never MNN.tools), fixed shapes."""
+    results = run_suite(tiny(tmp_path, ["mnn"], cells=("gru",)), progress=False)
+    for row in results["rows"]:
+        assert row["status"] == "ok", (row["label"], row.get("reason"))
+        assert row["files"]["mnn"].endswith(".mnn")
+    assert {r["files"]["mnn"] for r in results["rows"]} == {
+        str(tmp_path / "out" / "models" / f"gru-H8-N{n}-T{t}.mnn") for n, t in ((2, 5), (1, 1))
+    }
+
+
+WRONG = '''
+from leanrnn.bench.engines import NumpyPrealloc
+
+
+class Wrong(NumpyPrealloc):
+    """NumPy done right, then every output nudged: must be flagged, never hidden."""
+
+    name = "wrong"
+
+    def forward(self):
+        y, h, c = super().forward()
+        return y + 0.01, h, c
+
+    def stream(self, steps):
+        y, h, c = super().stream(steps)
+        return y, h + 0.01, c
+
+
+class Missing(NumpyPrealloc):
+    name = "missing"
+    requires = ("no_such_module_for_leanrnn_bench",)
+'''
+
+
+def test_wrong_engine_is_flagged_and_missing_is_unavailable(tmp_path, monkeypatch):
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "bench_plugin_wrong.py").write_text(textwrap.dedent(WRONG))
+    monkeypatch.syspath_prepend(str(plug))
+    monkeypatch.setenv("PYTHONPATH", str(plug))  # the children import it too
+    engines = ("numpy-naive", "bench_plugin_wrong:Wrong", "bench_plugin_wrong:Missing")
+    results = run_suite(tiny(tmp_path, engines, cells=("lstm",)), progress=False)
+
+    rows = {(r["engine"], r["config"]["stream"]): r for r in results["rows"]}
+    for stream in (False, True):
+        wrong = rows["bench_plugin_wrong:Wrong", stream]
+        assert wrong["status"] == "mismatch"
+        assert wrong["verify"]["worst"] > wrong["verify"]["tolerance"]
+        assert wrong["timing"]["median_s"] > 0  # still measured
+        missing = rows["bench_plugin_wrong:Missing", stream]
+        assert missing["status"] == "unavailable"
+        assert "no_such_module_for_leanrnn_bench" in missing["reason"]
+    table = report.latency_table(results)
+    assert "⚠ mismatch" in table and "n/a" in table
+    assert any("mismatch" in line for line in report.summary(results))
+
+
+# ------------------------------------------------------------------ rendering only
+def fake_row(engine, cfg: Config, median_s, status="ok", mem=None):
+    row = {"engine": engine, "config": cfg.as_dict(), "label": cfg.label, "status": status,
+           "reason": None if status == "ok" else "because", "background_cores": 0.0}  # fmt: skip
+    if status in ("ok", "mismatch"):
+        row["timing"] = {"median_s": median_s, "samples_s": [median_s], "unit": "forward"}
+        row["memory"] = {"cold_peak": 1 << 20, "warm_peak": 0, "heap_peak": 4096} | (mem or {})
+        row["verify"] = {"ok": status == "ok", "worst": 0.0, "tolerance": 1e-4}
+    return row
+
+
+def fake_results():
+    rows = []
+    for cfg in (Config("lstm", 512, 1, 100), Config("lstm", 512, 1, 100, stream=True)):
+        rows += [
+            fake_row("leanrnn", cfg, 0.010),
+            fake_row("torch", cfg, 0.020),
+            fake_row("onnxruntime", cfg, 0.005, mem={"heap_peak": 0}),
+            fake_row("mnn", cfg, 0.0, status="unavailable"),
+            fake_row("numpy-naive", cfg, 0.5, status="mismatch"),
+        ]
+    bw = {"1": {"ok": True, "threads": 1, "dram_bytes": 1 << 27, "dram_copy_Bps": 4e10,
+                "copy_Bps": {str(512 * 2048 * 4): 1e11}}}  # fmt: skip
+    return {"rows": rows, "bandwidth": bw, "machine": {}, "created": "now"}
+
+
+def test_tables_render():
+    res = fake_results()
+    table = report.latency_table(res)
+    lines = table.splitlines()
+    assert lines[0].startswith("| config | threads | leanrnn | torch | onnxruntime | mnn |")
+    assert "| LSTM H=512 N=1 T=100 | 1 | 10 ms | 20 ms (2.00×) | 5 ms (0.50×) | n/a |" in table
+    assert "⚠ mismatch 500 ms (50×)" in table
+    summ = report.summary(res)
+    assert any("onnxruntime 2.00× faster" in s for s in summ)
+    assert not any(s.startswith("heap peak per forward") for s in summ)  # 4 KiB: below noise
+    limit = report.limit_table(res)
+    assert "41.9 µs" in limit  # 4 MiB of R at 100 GB/s
+    seed = report.seed_table(res)
+    assert "QUOTED" in seed and "3.2 MB" in seed and "| LSTM H=512" in seed
+    bars = report.bars_table(res)
+    assert bars is not None and "pass" not in bars.splitlines()[2]  # ORT faster: FAIL
+    assert "FAIL" in bars
+    md = report.render(res)
+    assert md.count("|---") >= 4
+
+
+def test_cli_registers_and_rerenders(tmp_path, capsys):
+    from leanrnn.cli import build_parser, main
+
+    args = build_parser().parse_args(["bench", "--quick", "--engines", "leanrnn,torch"])
+    from leanrnn.bench.cli import options_from_args
+
+    opts = options_from_args(args)
+    assert opts.engines == ("leanrnn", "torch") and opts.threads == (1,)
+    args = build_parser().parse_args(["bench", "--batch", "1,8", "--steps", "10", "--hidden", "4"])
+    opts = options_from_args(args)
+    assert opts.shapes == ((1, 10), (8, 10)) and opts.hidden == (4,)
+    assert {c.threads for c in opts.configs()} == {1, 2}
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(fake_results()))
+    assert main(["bench", "--from-json", str(path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "| LSTM H=512 N=1 T=100 |" in out
+    assert (tmp_path / "report.md").exists()
