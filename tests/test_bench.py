@@ -208,6 +208,12 @@ def fake_results():
     return {"rows": rows, "bandwidth": bw, "machine": {}, "created": "now"}
 
 
+def test_time_format_keeps_three_digits():
+    assert [report.fmt_time(s) for s in (1.5e-6, 0.0009996, 0.0123, 0.9996, 12.3)] == [
+        "1.5 µs", "1 ms", "12.3 ms", "1 s", "12.3 s"
+    ]  # fmt: skip
+
+
 def test_tables_render():
     res = fake_results()
     table = report.latency_table(res)

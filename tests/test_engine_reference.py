@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import leanrnn
@@ -63,6 +63,10 @@ def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None):
     c0 = rng.standard_normal((LD, N, H)).astype(dtype) if with_state and spec.cell == "lstm" else None
     y, h_n, c_n = model.session.run(x, h0, c0, lengths)
     ry, rh, rc = reference_forward(spec, layers, x, h0, c0, lengths)
+    if rtol is not None:
+        # Unbounded activations can overflow; past 1e30 inf-vs-NaN depends on operation order,
+        # which is no property of the kernels worth pinning.
+        assume(np.isfinite(ry).all() and np.abs(ry).max() < 1e30)
     # Unbounded activations (Affine, Relu, Softplus...) can grow outputs to 1e3 and more, where
     # float32 rounding is relative: allow the dtype's tolerance relative to the magnitude too.
     tol = atol(dtype)

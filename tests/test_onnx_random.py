@@ -31,7 +31,7 @@ ACTIVATIONS = {
     "Elu": ((0.5, 1.5), None), "Softsign": None, "Softplus": None,
 }  # fmt: skip
 BOUNDED = ["Sigmoid", "HardSigmoid", "Tanh", "Softsign", "ScaledTanh"]
-SEEDS = range(40)
+SEEDS = range(60)
 
 
 def _case(op: str, seed: int) -> dict:

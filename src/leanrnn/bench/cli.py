@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="small subset (LSTM+GRU, H 128/512, N=1 T=100 and streaming, 1 thread)",
+        help="small subset: LSTM+GRU, H 128/512, N=1 and 64 at T=100, streaming, 1 thread",
     )
     p.add_argument(
         "--seed-table",

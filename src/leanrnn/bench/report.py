@@ -57,12 +57,12 @@ def per_step(row: dict | None) -> float | None:
 
 
 def fmt_time(s: float | None) -> str:
+    """Three significant digits in the largest unit that keeps the number below 1000."""
     if s is None or not math.isfinite(s):
         return "–"
-    if s < 1e-3:
-        return f"{s * 1e6:.3g} µs"
-    if s < 1:
-        return f"{s * 1e3:.3g} ms"
+    for scale, unit in ((1e6, "µs"), (1e3, "ms")):
+        if float(f"{s * scale:.3g}") < 1000:
+            return f"{s * scale:.3g} {unit}"
     return f"{s:.3g} s"
 
 

@@ -694,8 +694,8 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
         h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
         c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
     else:
-        h0 = None if h0 is None else np.ascontiguousarray(h0)
-        c0 = None if c0 is None else np.ascontiguousarray(c0)
+        h0 = None if h0 is None else np.asarray(h0, order="C")
+        c0 = None if c0 is None else np.asarray(c0, order="C")
     T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
     eng = (T, N, D * H) if layout == 0 else (N, T, D * H)
     y = tmp["y"] if "y" in tmp else outs[0].reshape(eng)
@@ -882,7 +882,7 @@ class GraphModel:
             res = _guard(node, _eval, ctx, node, vals, metas)
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
-                    g.constants[name] = np.ascontiguousarray(arr)
+                    g.constants[name] = np.asarray(arr, order="C")
         g.nodes = keep
 
     def _prune(self) -> None:
@@ -1026,7 +1026,7 @@ class GraphSession:
                 res = _guard(node, _eval, ctx, node, vals, outs)
                 for name, arr in zip(node.outputs, res, strict=False):
                     if name:
-                        values[name] = np.ascontiguousarray(arr)
+                        values[name] = np.asarray(arr, order="C")
                         extra += arr.nbytes
                 continue
             tmp = {}
@@ -1127,7 +1127,7 @@ class GraphSession:
                     want = ", ".join("?" if d is None else str(d) for d in t.shape)
                     raise ShapeError(f"[GraphModel.run] input {t.name!r} has shape "
                                      f"{tuple(a.shape)}; the model declares [{want}]")  # fmt: skip
-            out[t.name] = np.ascontiguousarray(a)
+            out[t.name] = np.asarray(a, order="C")
         return out
 
     def run(self, feeds) -> list[np.ndarray]:

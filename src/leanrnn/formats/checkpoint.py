@@ -91,7 +91,7 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                     if len(data) != want:
                         raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is truncated")
                 arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
-                out[name[: -len(".npy")]] = np.ascontiguousarray(arr)
+                out[name[: -len(".npy")]] = np.asarray(arr, order="C")
     except (zipfile.BadZipFile, EOFError, OSError, ValueError, zipfile.LargeZipFile) as e:
         raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
     return out

@@ -300,7 +300,7 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
                                      "data_offsets": [begin, begin + arr.nbytes]}  # fmt: skip
             cursor = begin + arr.nbytes
             if arr.nbytes:
-                chunks.append(np.ascontiguousarray(arr))
+                chunks.append(np.asarray(arr, order="C"))
     meta = dict(meta)
     meta["crc32"] = _crc(meta, chunks)
     header["__metadata__"] = meta
@@ -344,7 +344,7 @@ def save_graph(graph: Graph, path: str) -> None:
         packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
     # Constants after the packed regions, widest items first, so each stays aligned to its itemsize.
     consts = sorted(graph.constants.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0]))
-    blocks.append(("const:", [(k, np.ascontiguousarray(v), -1) for k, v in consts]))
+    blocks.append(("const:", [(k, np.asarray(v, order="C"), -1) for k, v in consts]))
     g = graph.to_dict()
     g["packed"] = packed
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "graph", "graph": json.dumps(g)}

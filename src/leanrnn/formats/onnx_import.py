@@ -66,8 +66,6 @@ def rnn_attrs(op: str, raw: dict, where: str) -> dict:
     names = list(raw.get("activations") or [])
     if not names:
         names = [a.capitalize() for a in DEFAULT_ACTIVATIONS[cell]] * D
-    elif len(names) == per_dir and D == 2:
-        names = names * 2  # one direction's list given for both
     if len(names) != per_dir * D:
         raise ModelFormatError(
             f"[load_onnx] {where}: {len(names)} activations {names}; expected {per_dir} per "

@@ -120,6 +120,8 @@ def clip_span(clip, buf, row, start, length):
 
 
 @inline
-def flush(v, tiny):
-    """0 for subnormal |v|: a decaying state must not drop the loop onto the slow denormal path."""
-    return v if abs(v) >= tiny else v - v
+def flush(v, tiny, zero):
+    """0 for subnormal |v|: a decaying state must not drop the loop onto the slow denormal path.
+    Written as ``abs(v) < tiny`` so NaN (comparison false) passes through; ``v - v`` would be
+    folded to 0 under fast-math reassociation."""
+    return zero if abs(v) < tiny else v

@@ -99,7 +99,7 @@ def _lstm(
                 act_span(ag, alg, beg, zero, one, gates, n, rg, B)
                 for j in range(B):
                     cc = gates[n, rf + j] * c[n, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
-                    c[n, c0 + j] = flush(cc, tiny)
+                    c[n, c0 + j] = flush(cc, tiny, zero)
                 if use_peep:
                     for j in range(B):
                         gates[n, ro + j] += peep[2, c0 + j] * c[n, c0 + j]
@@ -112,7 +112,7 @@ def _lstm(
                 act_span(ah, alh, beh, zero, one, gates, n, rg, B)
                 if P == 0:
                     for j in range(B):
-                        hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny)
+                        hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
                     yr = _yrow(t, n, N, y_bf_T)
                     for j in range(min(B, K - c0)):
                         y[yr, y_off + c0 + j] = hn[n, c0 + j]
@@ -132,7 +132,7 @@ def _lstm(
                     t = L - 1 - s if reverse else s
                     yr = _yrow(t, n, N, y_bf_T)
                     for p in range(p0, min(p0 + 4, P)):
-                        v = flush(hn[n, p], tiny)
+                        v = flush(hn[n, p], tiny, zero)
                         hn[n, p] = v
                         y[yr, y_off + p] = v
         hp, hn = hn, hp
@@ -185,7 +185,7 @@ def _gru(
                     for j in range(B):
                         z = gates[n, rz + j]
                         hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
-                        hn[n, c0 + j] = flush(hv, tiny)
+                        hn[n, c0 + j] = flush(hv, tiny, zero)
                     yr = _yrow(t, n, N, y_bf_T)
                     for j in range(min(B, K - c0)):
                         y[yr, y_off + c0 + j] = hn[n, c0 + j]
@@ -213,7 +213,7 @@ def _gru(
                     for j in range(B):
                         z = gates[n, rz + j]
                         hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
-                        hn[n, c0 + j] = flush(hv, tiny)
+                        hn[n, c0 + j] = flush(hv, tiny, zero)
                     yr = _yrow(t, n, N, y_bf_T)
                     for j in range(min(B, K - c0)):
                         y[yr, y_off + c0 + j] = hn[n, c0 + j]
@@ -251,7 +251,7 @@ def _rnn(
                     clip_span(clip, gates, n, r0, B)
                 act_span(af, alf, bef, zero, one, gates, n, r0, B)
                 for j in range(B):
-                    hn[n, r0 + j] = flush(gates[n, r0 + j], tiny)
+                    hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
                 yr = _yrow(t, n, N, y_bf_T)
                 for j in range(min(B, K - r0)):
                     y[yr, y_off + r0 + j] = hn[n, r0 + j]
