@@ -141,7 +141,7 @@ def main() -> None:
         json.dump(res, f, indent=2)
     mib = 2**20
     s, l1, l2 = res["stream"], res["long_T100"], res["long_T10000"]
-    print(f"| bar | measured | target |\n|---|---|---|")
+    print("| bar | measured | target |\n|---|---|---|")
     print(
         f"| stream 100 steps, N=1, H=512: tracemalloc growth | {s.get('tracemalloc_growth')} B | 0 |"
     )

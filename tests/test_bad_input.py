@@ -29,7 +29,12 @@ BAD = [
     ("dtype", lambda x: x.astype(np.float64), errors.DTypeError, "dtype float64; expected float32"),
     ("int", lambda x: x.astype(np.int32), errors.DTypeError, "astype"),
     ("list", lambda x: x.tolist(), errors.DTypeError, "is a list"),
-    ("strided", lambda x: np.zeros((5, 6, 8), np.float32)[:, ::2], errors.LayoutError, "C-contiguous"),
+    (
+        "strided",
+        lambda x: np.zeros((5, 6, 8), np.float32)[:, ::2],
+        errors.LayoutError,
+        "C-contiguous",
+    ),
     ("negative", lambda x: x[::-1], errors.LayoutError, "ascontiguousarray"),
     ("empty", lambda x: x[:0], errors.ShapeError, "T and N must be >= 1"),
 ]
@@ -104,11 +109,15 @@ def test_bad_spec_and_weights():
         leanrnn.RNNSpec("lstn", 3, 4)
     sd = leanrnn.LSTM(4, 6, seed=0).state_dict()
     sd["weight_hh_l0"] = sd["weight_hh_l0"][:, :5]
-    with pytest.raises(errors.WeightsError, match=r"weight_hh_l0 has shape \(24, 5\); expected \(24, 6\)"):
+    with pytest.raises(
+        errors.WeightsError, match=r"weight_hh_l0 has shape \(24, 5\); expected \(24, 6\)"
+    ):
         leanrnn.LSTM.from_state_dict(sd)
     sd = leanrnn.LSTM(4, 6, seed=0).state_dict()
     sd["bogus"] = sd.pop("bias_hh_l0")
-    with pytest.raises(errors.WeightsError, match=r"missing keys \['bias_hh_l0'\]; unexpected keys \['bogus'\]"):
+    with pytest.raises(
+        errors.WeightsError, match=r"missing keys \['bias_hh_l0'\]; unexpected keys \['bogus'\]"
+    ):
         leanrnn.LSTM.from_state_dict(sd)
 
 

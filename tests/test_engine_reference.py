@@ -60,7 +60,11 @@ def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None):
     x = rng.standard_normal((N, T, C) if spec.batch_first else (T, N, C)).astype(dtype)
     lengths = rng.integers(0, T + 1, size=N) if with_lengths else None
     h0 = rng.standard_normal((LD, N, K)).astype(dtype) if with_state else None
-    c0 = rng.standard_normal((LD, N, H)).astype(dtype) if with_state and spec.cell == "lstm" else None
+    c0 = (
+        rng.standard_normal((LD, N, H)).astype(dtype)
+        if with_state and spec.cell == "lstm"
+        else None
+    )
     y, h_n, c_n = model.session.run(x, h0, c0, lengths)
     ry, rh, rc = reference_forward(spec, layers, x, h0, c0, lengths)
     if rtol is not None:

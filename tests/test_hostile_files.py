@@ -23,8 +23,6 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 MiB = 1 << 20
-import os
-TRACE = os.environ.get('TRACE') == '1'
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -116,7 +114,7 @@ def test_every_bit_flip_in_a_native_file_is_caught(files, tmp_path, kind):
     data = bytearray(files[kind])
     (n,) = struct.unpack("<Q", bytes(data[:8]))
     rng = np.random.default_rng(0)
-    header_positions = range(0, 8 + n)
+    header_positions = range(0, 8 + n) if n < 2000 else rng.integers(0, 8 + n, 1500)
     data_positions = rng.integers(8 + n, len(data), 64)
     p = tmp_path / f"flip.{kind}"
     for pos in [*header_positions, *data_positions]:
@@ -218,21 +216,15 @@ def test_absurd_native_header_allocates_nothing(files, tmp_path, case):
 
 
 def test_npz_member_lying_about_its_shape(tmp_path):
-    import io
     import zipfile
 
-    buf = io.BytesIO()
-    np.lib.format.write_array(buf, np.zeros(4, np.float32))
-    raw = bytearray(buf.getvalue())
-    raw[: raw.index(b"\n") + 1] = raw[: raw.index(b"\n") + 1].replace(b"(4,)", b"(9999999999,)"
-                                                                      [: 5].ljust(4))  # fmt: skip
     header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (4000000000,), }"
-    hdr = np.lib.format.magic(1, 0) + struct.pack("<H", 118) + header.ljust(117) + b"\n"
+    npy = np.lib.format.magic(1, 0) + struct.pack("<H", 118) + header.ljust(117) + b"\n"
     p = tmp_path / "lie.npz"
     with zipfile.ZipFile(p, "w") as z:
-        z.writestr("weight_ih_l0.npy", hdr + bytes(16))
+        z.writestr("weight_ih_l0.npy", npy + bytes(16))  # 4 floats, not 4e9
     msg = _expect_error(tmp_path, p.read_bytes(), "lie.npz", ModelFormatError)
-    assert "declares" in msg and "holds" in msg
+    assert "declares" in msg and "holds 16" in msg
 
 
 # ------------------------------------------------------------------------ pickles in disguise
@@ -342,24 +334,24 @@ def _try_to_use(model) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch on mutated bytes that look pickled
 @pytest.mark.parametrize("kind", ["onnx", "graph", "stack", "npz"])
 def test_fuzzed_files_fail_cleanly(files, tmp_path_factory, kind):
     path = tmp_path_factory.mktemp("fuzz") / f"fuzz.{kind}"
-    if TRACE: tracemalloc.start()
 
     @settings(max_examples=900, deadline=2000, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(st.lists(_mutation, min_size=1, max_size=6))
     def fuzz(mutations):
         path.write_bytes(_mutate(files[kind], mutations))
-        if TRACE: tracemalloc.reset_peak()
+        tracemalloc.start()  # traced only while loading: tracing hypothesis too is slow
         try:
             _try_to_use(load(path))
         except LeanRNNError as e:
             assert str(e)
-        if TRACE: assert tracemalloc.get_traced_memory()[1] < 256 * MiB
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        assert peak < 256 * MiB
 
-    try:
-        fuzz()
-    finally:
-        tracemalloc.stop()
+    fuzz()

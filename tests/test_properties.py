@@ -45,9 +45,13 @@ def random_layers(spec, rng, dtype=np.float32):
 
             dirs.append(
                 LayerWeights(
-                    r(G, C), r(G, K), r(G), r(G),
-                    r(3, H) if spec.peepholes else None, r(P, H) if P else None,
-                )  # fmt: skip
+                    r(G, C),
+                    r(G, K),
+                    r(G),
+                    r(G),
+                    r(3, H) if spec.peepholes else None,
+                    r(P, H) if P else None,
+                )
             )
         out.append(dirs)
     return out

@@ -17,7 +17,9 @@ def test_all_names_exist_and_no_kernel_leaks():
 
 
 def test_cli_help_and_demo_run():
-    out = subprocess.run([sys.executable, "-m", "leanrnn", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "leanrnn", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "demo" in out.stdout and "plan" in out.stdout
     out = subprocess.run(
         [sys.executable, "-m", "leanrnn", "demo", "--hidden", "32", "--steps", "5", "--repeat", "2"],

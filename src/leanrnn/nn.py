@@ -1,10 +1,10 @@
 """PyTorch-compatible modules on the engine: ``LSTM``, ``GRU``, ``RNN`` and the general ``Model``.
 
-    >>> import numpy as np, leanrnn
-    >>> lstm = leanrnn.LSTM(8, 16, num_layers=2, seed=0)
-    >>> y, (h_n, c_n) = lstm(np.zeros((5, 3, 8), np.float32))   # [T, N, C] -> [T, N, H]
-    >>> y.shape, h_n.shape
-    ((5, 3, 16), (2, 3, 16))
+>>> import numpy as np, leanrnn
+>>> lstm = leanrnn.LSTM(8, 16, num_layers=2, seed=0)
+>>> y, (h_n, c_n) = lstm(np.zeros((5, 3, 8), np.float32))   # [T, N, C] -> [T, N, H]
+>>> y.shape, h_n.shape
+((5, 3, 16), (2, 3, 16))
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ ACTIVATIONS: dict[str, tuple[float, float]] = {
 }
 ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 # Which ONNX activations consume alpha / beta from activation_alpha / activation_beta.
-USES_ALPHA = frozenset({"affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu"})
+USES_ALPHA = frozenset(
+    {"affine", "leakyrelu", "thresholdedrelu", "scaledtanh", "hardsigmoid", "elu"}
+)
 USES_BETA = frozenset({"affine", "scaledtanh", "hardsigmoid"})
 
 DEFAULT_ACTIVATIONS = {

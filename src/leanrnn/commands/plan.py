@@ -40,7 +40,9 @@ def load_model(ref: str):
     try:
         from leanrnn.loading import load
     except ImportError:  # pragma: no cover - loading ships with the package
-        raise ModelFormatError(f"[plan] cannot load {ref!r}: model files are not supported") from None
+        raise ModelFormatError(
+            f"[plan] cannot load {ref!r}: model files are not supported"
+        ) from None
     return load(ref)
 
 
@@ -66,7 +68,13 @@ def run(args) -> int:
         D, K = spec.num_directions, spec.output_size
         it = s.dtype.itemsize
         out_bytes = args.batch * args.steps * D * K * it
-        state_bytes = spec.num_layers * D * args.batch * (K + (spec.hidden_size if spec.cell == "lstm" else 0)) * it
+        state_bytes = (
+            spec.num_layers
+            * D
+            * args.batch
+            * (K + (spec.hidden_size if spec.cell == "lstm" else 0))
+            * it
+        )
         print(f"{name}: {spec.cell.upper()} C={spec.input_size} H={spec.hidden_size} "
               f"layers={spec.num_layers} directions={D}  N={args.batch} T={args.steps} "
               f"chunk={s.chunk or 'none'} (planned steps {s._T})")  # fmt: skip

@@ -11,7 +11,9 @@ def fmt_shape(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def array(op: str, name: str, a, dtype: np.dtype, want: tuple, names: tuple[str, ...]) -> np.ndarray:
+def array(
+    op: str, name: str, a, dtype: np.dtype, want: tuple, names: tuple[str, ...]
+) -> np.ndarray:
     """Check an input array: ndarray, ``dtype``, shape ``want`` (None = any), C-contiguous."""
     if not isinstance(a, np.ndarray):
         raise DTypeError(
@@ -24,8 +26,12 @@ def array(op: str, name: str, a, dtype: np.dtype, want: tuple, names: tuple[str,
             f"[{op}] {name} has dtype {a.dtype}; expected {dtype} (the model's dtype; leanrnn "
             f"never converts silently){hint}"
         )
-    if a.ndim != len(want) or any(w is not None and s != w for s, w in zip(a.shape, want, strict=False)):
-        spec = fmt_shape([f"{n}={w}" if w is not None else n for n, w in zip(names, want, strict=True)])
+    if a.ndim != len(want) or any(
+        w is not None and s != w for s, w in zip(a.shape, want, strict=False)
+    ):
+        spec = fmt_shape(
+            [f"{n}={w}" if w is not None else n for n, w in zip(names, want, strict=True)]
+        )
         raise ShapeError(f"[{op}] {name} has shape {tuple(a.shape)}; expected {spec}")
     return a
 

@@ -34,7 +34,7 @@ from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
 from ..formats.packing import pack
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
-from .session import Session
+from .session import Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -653,7 +653,12 @@ def _rnn_infer(ctx, node, ins, vals):
                   f"{list(state)}")  # fmt: skip
     if ins[6] is not None and node.op != "LSTM":
         _fail(node, "initial_c is an LSTM input", ModelFormatError)
-    Y = (T, D, N, H) if layout == 0 else (N, T, D, H)
+    if layout == 1:
+        Y = (N, T, D, H)
+    elif node.attrs.get("y_tndh"):  # fused with the Transpose that followed (see _fuse)
+        Y = (T, N, D, H)
+    else:
+        Y = (T, D, N, H)
     metas = [Out(Y, wdt), Out(state, wdt), Out(state, wdt)]
     return metas[: len(node.outputs)]
 
@@ -662,14 +667,20 @@ def _rnn_need(ctx, node, k: int) -> bool:
     return k < len(node.outputs) and node.outputs[k] in ctx.needed
 
 
+def _y_direct(node, D: int) -> bool:
+    """Whether the engine's y [T, N, D*H] ([N, T, D*H]) is ONNX Y's memory as it stands."""
+    layout, _ = _rnn_layout(node)
+    return D == 1 or layout == 1 or bool(node.attrs.get("y_tndh"))
+
+
 def _rnn_scratch(ctx, node, ins, metas, needed):
     layout, D = _rnn_layout(node)
     X = ins[0].shape
     T, N = (X[0], X[1]) if layout == 0 else (X[1], X[0])
     H, dt = metas[0].shape[-1], metas[0].dtype  # Y is [.., H] in both layouts
     tmp = {}
-    if not (_rnn_need(ctx, node, 0) and (D == 1 or layout == 1)):
-        tmp["y"] = ((T, N, D * H) if layout == 0 else (N, T, D * H), dt)
+    if _rnn_need(ctx, node, 0) and not _y_direct(node, D):
+        tmp["y"] = ((T, N, D * H), dt)
     if not (_rnn_need(ctx, node, 1) and layout == 0):
         tmp["h"] = ((D, N, H), dt)
     if node.op == "LSTM" and not (_rnn_need(ctx, node, 2) and layout == 0):
@@ -690,29 +701,29 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
     x = ins[0]
     H = session.spec.hidden_size
     h0, c0 = ins[5], ins[6]
-    if layout == 1:
+    if layout == 1:  # the engine keeps states [D, N, H] in both layouts
         h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
         c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
-    else:
-        h0 = None if h0 is None else np.asarray(h0, order="C")
-        c0 = None if c0 is None else np.asarray(c0, order="C")
     T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
-    eng = (T, N, D * H) if layout == 0 else (N, T, D * H)
-    y = tmp["y"] if "y" in tmp else outs[0].reshape(eng)
+    want_y = _rnn_need(ctx, node, 0)
+    y = None
+    if want_y:
+        y = tmp["y"] if "y" in tmp else outs[0].reshape((T, N, D * H) if layout == 0 else
+                                                        (N, T, D * H))  # fmt: skip
     h = tmp["h"] if "h" in tmp else outs[1]
-    out = (y, h)
-    if node.op == "LSTM":
-        out = (y, h, tmp["c"] if "c" in tmp else outs[2])
-    session.run(x, h0, c0, ins[4], out=out)
+    states = (h, tmp["c"] if "c" in tmp else outs[2]) if node.op == "LSTM" else (h,)
+    # Without Y the engine keeps only final states (chunked: scratch independent of T)
+    out = (y, *states) if want_y else states
+    session.run(x, h0, c0, ins[4], out=out, return_sequences=want_y)
     if ins[4] is not None and not ins[4].all():
         # A zero-length sample: onnxruntime reports zero final states (not the initial ones)
-        for state in out[1:]:
+        for state in states:
             state[:, ins[4] == 0] = 0
-    if "y" in tmp and _rnn_need(ctx, node, 0):  # layout 0, D == 2: [T, N, D, H] -> [T, D, N, H]
+    if "y" in tmp:  # layout 0, D == 2: [T, N, D, H] -> ONNX's [T, D, N, H]
         np.copyto(outs[0], y.reshape(T, N, D, H).transpose(0, 2, 1, 3))
     if layout == 1:
-        for k, src in ((1, h), (2, out[2] if node.op == "LSTM" else None)):
-            if src is not None and _rnn_need(ctx, node, k):
+        for k, src in enumerate(states, start=1):
+            if _rnn_need(ctx, node, k):
                 np.copyto(outs[k], src.transpose(1, 0, 2))
     return outs[: len(node.outputs)]
 
@@ -789,6 +800,8 @@ class GraphModel:
         self._fold()
         pack_constant_rnns(graph)
         self._prune()
+        if self._fuse():
+            self._prune()
         self._classify()
         self._lock = threading.Lock()
         self._session: GraphSession | None = None
@@ -848,6 +861,8 @@ class GraphModel:
         ):
             raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) has malformed "
                                    f"attributes {a}")  # fmt: skip
+        if a.get("y_tndh", False) not in (True, False) or (a.get("y_tndh") and a["layout"]):
+            raise ModelFormatError(f"[load] node {node.name!r}: y_tndh needs layout 0")
         pw = self.graph.packed.get(node.name)
         if pw is None:
             return
@@ -900,6 +915,33 @@ class GraphModel:
         for k in [k for k in g.packed if k not in {n.name for n in g.nodes}]:
             del g.packed[k]
 
+    def _fuse(self) -> bool:
+        """Fold ``Transpose(perm=[0, 2, 1, 3])`` of a layout-0 RNN's Y into the RNN node: the
+        engine writes y as [T, N, D, H] anyway, so exporters' transpose back (torch emits one
+        after every bidirectional layer) costs neither a copy nor a buffer."""
+        g = self.graph
+        consumers: dict[str, list[Node]] = {}
+        for node in g.nodes:
+            for i in node.inputs:
+                consumers.setdefault(i, []).append(node)
+        outputs = {t.name for t in g.outputs}
+        dropped = set()
+        for node in g.nodes:
+            if node.op not in RNN_OPS or node.attrs.get("layout") != 0 or not node.outputs:
+                continue
+            y = node.outputs[0]
+            users = consumers.get(y, [])
+            if not y or y in outputs or node.attrs.get("y_tndh") or len(users) != 1:
+                continue
+            t = users[0]
+            if t.op != "Transpose" or [int(p) for p in t.attrs.get("perm", ())] != [0, 2, 1, 3]:
+                continue
+            node.outputs = (t.outputs[0], *node.outputs[1:])
+            node.attrs["y_tndh"] = True
+            dropped.add(t.name)
+        g.nodes = [n for n in g.nodes if n.name not in dropped]
+        return bool(dropped)
+
     def _classify(self) -> None:
         """Which tensors depend only on input shapes ("shape": evaluated at resize) and which on
         input values ("data": planned in the arena, computed at run)."""
@@ -948,7 +990,12 @@ class GraphSession:
     def __init__(self, model: GraphModel) -> None:
         self.model = model
         g = model.graph
-        self._sessions = {name: Session(pw, threads=model.threads) for name, pw in g.packed.items()}
+        # RNN nodes run one after another: their sessions share one arena (sized to the largest)
+        self._pool = Pool()
+        self._sessions = {
+            name: Session(pw, threads=model.threads, pool=self._pool)
+            for name, pw in g.packed.items()
+        }
         self._ctx = _Ctx(g, self._sessions, model.threads)
         self._ctx.needed = model._needed
         self._lock = threading.Lock()
@@ -968,7 +1015,7 @@ class GraphSession:
 
     @property
     def rnn_arena_bytes(self) -> int:
-        return sum(s.arena_bytes for s in self._sessions.values())
+        return self._pool.nbytes
 
     def _input_metas(self, shapes, dtypes) -> dict:
         g = self.model.graph
@@ -1039,7 +1086,7 @@ class GraphSession:
             if sess is not None:
                 x = metas[node.inputs[0]].shape
                 T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
-                sess.resize(N, T)
+                sess.resize(N, T, return_sequences=_rnn_need(ctx, node, 0))
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra

@@ -182,7 +182,11 @@ class Session:
             for pl in p.placements:
                 b = pl.buffer
                 _log.info(
-                    "plan %-10s %10d B at %10d  ops %d..%d", b.name, b.nbytes, pl.offset, b.first,
+                    "plan %-10s %10d B at %10d  ops %d..%d",
+                    b.name,
+                    b.nbytes,
+                    pl.offset,
+                    b.first,
                     b.last,
                 )
         self._plan = p
@@ -431,22 +435,73 @@ class Session:
                         c[:, :H] = c0[k]
                     fn = recurrent.lstm_parallel if par else recurrent.lstm_serial
                     parity = fn(
-                        xw, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
-                        c, gates, aux, lens, T, rev, yout, d * K, y_bf, acts, al, be,
-                        spec.input_forget, consts,
+                        xw,
+                        pl.Rt,
+                        K,
+                        pl.peep,
+                        spec.peepholes,
+                        pl.proj,
+                        spec.proj_size,
+                        ha,
+                        hb,
+                        c,
+                        gates,
+                        aux,
+                        lens,
+                        T,
+                        rev,
+                        yout,
+                        d * K,
+                        y_bf,
+                        acts,
+                        al,
+                        be,
+                        spec.input_forget,
+                        consts,
                     )
                     c_n[k] = c[:, :H]
                 elif spec.cell == "gru":
                     fn = recurrent.gru_parallel if par else recurrent.gru_serial
                     parity = fn(
-                        xw, pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens,
-                        T, rev, yout, d * K, y_bf, acts, al, be, consts,
+                        xw,
+                        pl.Rt,
+                        K,
+                        pl.rb,
+                        spec.linear_before_reset,
+                        ha,
+                        hb,
+                        gates,
+                        aux,
+                        lens,
+                        T,
+                        rev,
+                        yout,
+                        d * K,
+                        y_bf,
+                        acts,
+                        al,
+                        be,
+                        consts,
                     )
                 else:
                     fn = recurrent.rnn_parallel if par else recurrent.rnn_serial
                     parity = fn(
-                        xw, pl.Rt, K, ha, hb, gates, lens, T, rev, yout, d * K, y_bf, acts, al,
-                        be, consts,
+                        xw,
+                        pl.Rt,
+                        K,
+                        ha,
+                        hb,
+                        gates,
+                        lens,
+                        T,
+                        rev,
+                        yout,
+                        d * K,
+                        y_bf,
+                        acts,
+                        al,
+                        be,
+                        consts,
                     )
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
@@ -457,9 +512,7 @@ class Session:
         for pl in self._plan.placements:
             b = pl.buffer
             if (b.first if what == "acquire" else b.last) == k:
-                _log.info(
-                    "op %d %s %-10s %10d B at +%d", k, what, b.name, b.nbytes, pl.offset
-                )
+                _log.info("op %d %s %-10s %10d B at +%d", k, what, b.name, b.nbytes, pl.offset)
 
     def stream(self, batch: int = 1):
         """A ``Stream`` over this session: feed chunks, state carried (unidirectional stacks)."""
@@ -468,5 +521,7 @@ class Session:
         return Stream(self, batch)
 
     def __repr__(self) -> str:
-        planned = f"N={self._N}, T={self._T}, arena={self.arena_bytes} B" if self._plan else "unplanned"
+        planned = (
+            f"N={self._N}, T={self._T}, arena={self.arena_bytes} B" if self._plan else "unplanned"
+        )
         return f"Session({self.spec.cell}, H={self.spec.hidden_size}, {planned})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -36,7 +37,8 @@ def sniff(path: str) -> str:
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError):
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError,
+                NotImplementedError):
             return "unknown"
         if any(n.endswith("data.pkl") for n in names):
             return "torch-zip"
@@ -92,7 +94,8 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                         raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is truncated")
                 arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
                 out[name[: -len(".npy")]] = np.asarray(arr, order="C")
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zipfile.LargeZipFile) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, ValueError,
+            NotImplementedError, KeyError) as e:
         raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
     return out
 

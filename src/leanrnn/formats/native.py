@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import LeanRNNError, ModelFormatError
 from ..memory.arena import aligned_empty, round_up
 from ..spec import RNNSpec
-from .packing import B, ROW_ALIGN, SUPPORTED_DTYPES, PackedLayer, PackedWeights
+from .packing import ROW_ALIGN, SUPPORTED_DTYPES, B, PackedLayer, PackedWeights
 
 FORMAT = "leanrnn"
 VERSION = 1

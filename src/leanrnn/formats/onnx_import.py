@@ -22,7 +22,14 @@ import numpy as np
 from ..errors import DTypeError, LeanRNNError, ModelFormatError, SpecError, WeightsError
 from ..spec import DEFAULT_ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
 from .native import Graph, Node, TensorInfo
-from .packing import ONNX_ORDER, ONNX_PEEP_ORDER, SUPPORTED_DTYPES, LayerWeights, pack, reorder_gates
+from .packing import (
+    ONNX_ORDER,
+    ONNX_PEEP_ORDER,
+    SUPPORTED_DTYPES,
+    LayerWeights,
+    pack,
+    reorder_gates,
+)
 
 RNN_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN": "rnn"}
 MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message

@@ -33,7 +33,9 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
         )
     w_ih, w_hh = np.shape(sd["weight_ih_l0"]), np.shape(sd["weight_hh_l0"])
     if len(w_ih) != 2 or len(w_hh) != 2:
-        raise WeightsError(f"[from_state_dict] weight_ih_l0 {w_ih}, weight_hh_l0 {w_hh}: expected 2-D")
+        raise WeightsError(
+            f"[from_state_dict] weight_ih_l0 {w_ih}, weight_hh_l0 {w_hh}: expected 2-D"
+        )
     G, C = w_ih
     proj = np.shape(sd["weight_hr_l0"])[0] if "weight_hr_l0" in sd else 0
     if cell is None:
@@ -56,7 +58,9 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
     acts = None
     if cell == "rnn":
         if nonlinearity not in ("tanh", "relu"):
-            raise WeightsError(f"[from_state_dict] nonlinearity={nonlinearity!r}; expected tanh or relu")
+            raise WeightsError(
+                f"[from_state_dict] nonlinearity={nonlinearity!r}; expected tanh or relu"
+            )
         acts = ((Activation.make(nonlinearity),),) * (2 if bidir else 1)
     return RNNSpec(
         cell, int(C), int(H), num_layers=layers,
@@ -101,7 +105,9 @@ def from_state_dict(spec: RNNSpec, sd: dict) -> list[list[LayerWeights]]:
             def get(name, shape, sfx=sfx):
                 a = np.asarray(sd[name + sfx])
                 if a.shape != shape:
-                    raise WeightsError(f"[from_state_dict] {name}{sfx} has shape {a.shape}; expected {shape}")
+                    raise WeightsError(
+                        f"[from_state_dict] {name}{sfx} has shape {a.shape}; expected {shape}"
+                    )
                 return a
 
             W = reorder_gates(get("weight_ih", (G, C)), order, H)

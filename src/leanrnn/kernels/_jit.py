@@ -39,8 +39,8 @@ def twins(fn):
         twin.__module__ = fn.__module__
         fn.__globals__[twin.__name__] = twin
         out.append(
-            numba.njit(
-                cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=parallel
-            )(twin)
+            numba.njit(cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=parallel)(
+                twin
+            )
         )
     return tuple(out)

@@ -70,13 +70,17 @@ def plan(buffers: list[Buffer], align: int = ALIGN, limit: int | None = None) ->
     """Assign offsets. Raises ``PlanError`` if the arena would exceed ``limit`` bytes."""
     names = [b.name for b in buffers]
     if len(set(names)) != len(names):
-        raise PlanError(f"[plan] duplicate buffer names: {sorted({n for n in names if names.count(n) > 1})}")
+        raise PlanError(
+            f"[plan] duplicate buffer names: {sorted({n for n in names if names.count(n) > 1})}"
+        )
     placed: list[Placement] = []
     order = sorted(buffers, key=lambda b: (-b.nbytes, b.first, b.name))
     total = 0
     for b in order:
         if b.nbytes < 0 or b.first > b.last:
-            raise PlanError(f"[plan] buffer {b.name!r} has nbytes={b.nbytes}, first={b.first}, last={b.last}")
+            raise PlanError(
+                f"[plan] buffer {b.name!r} has nbytes={b.nbytes}, first={b.first}, last={b.last}"
+            )
         size = round_up(b.nbytes, align)
         busy = sorted(
             (p.offset, p.offset + round_up(p.buffer.nbytes, align))
