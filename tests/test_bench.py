@@ -85,6 +85,7 @@ def test_compare_flags_wrong_and_nan(tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_tiny_suite_end_to_end(tmp_path):
     engines = ["leanrnn", "numpy-naive", "numpy-prealloc"]
     engines += [e for e, m in (("torch", "torch"), ("onnxruntime", "onnxruntime")) if HAVE[m]]

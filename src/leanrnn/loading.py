@@ -31,7 +31,7 @@ def load(path, *, threads: int | None = None, verify: bool = True, prefix: str |
     """Load a model from ``path``; returns an ``LSTM``/``GRU``/``RNN`` for a recurrent stack or a
     ``GraphModel`` for a graph (ONNX, or a ``.lrnn`` converted from one).
 
-    Supported: ``.lrnn`` (native; ``verify`` checks its CRC), ONNX, and state dicts of
+    Supported: ``.lrnn`` (native; ``verify`` checks its checksum), ONNX, and state dicts of
     torch.nn.LSTM/GRU/RNN as PyTorch checkpoints (needs torch; read with weights_only=True),
     ``.safetensors`` or ``.npz``. For state dicts, ``prefix`` picks the module inside a larger
     state dict (e.g. ``"encoder.lstm."``), ``cell`` overrides the cell read off the weight

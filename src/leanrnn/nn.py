@@ -48,7 +48,9 @@ class Model:
         )
 
     # -- running
-    def forward(self, x, hx=None, lengths=None, out=None):
+    def forward(self, x, hx=None, lengths=None, out=None, return_sequences: bool = True):
+        """Run the model; see ``Session.run`` for shapes. ``return_sequences=False`` returns
+        ``None`` for y and keeps memory independent of T (the run is chunked)."""
         spec = self.spec
         unbatched = isinstance(x, np.ndarray) and x.ndim == 2
         if unbatched:
@@ -64,9 +66,10 @@ class Model:
             if unbatched:
                 h0 = h0[:, None] if isinstance(h0, np.ndarray) else h0
                 c0 = c0[:, None] if isinstance(c0, np.ndarray) else c0
-        y, h_n, c_n = self.session.run(x, h0, c0, lengths, out=out)
+        y, h_n, c_n = self.session.run(x, h0, c0, lengths, out, return_sequences)
         if unbatched:
-            y = y[0] if spec.batch_first else y[:, 0]
+            if y is not None:
+                y = y[0] if spec.batch_first else y[:, 0]
             h_n = h_n[:, 0]
             c_n = c_n[:, 0] if c_n is not None else None
         return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)

@@ -55,7 +55,7 @@ class Engine:
 # --------------------------------------------------------------------------------- leanrnn
 class LeanRNN(Engine):
     name = "leanrnn"
-    description = "leanrnn Session.run(..., out=...): no allocation per call"
+    description = "leanrnn Session.run(..., out=...) into preallocated outputs"
     requires = ("leanrnn", "numba")
 
     def __init__(self, threads: int) -> None:
@@ -76,39 +76,26 @@ class LeanRNN(Engine):
         self.model = self._lr.Model.from_state_dict(p.sd)
         self.session = self.model.session
         lstm = cfg.cell == "lstm"
-        # Every output buffer allocated once, here; run(..., out=...) then allocates nothing.
+        # Every output buffer allocated once, here; run(..., out=...) then needs no new arrays.
         self.y = np.empty((cfg.T, cfg.N, cfg.H), np.float32)
         self.h_n = np.empty((1, cfg.N, cfg.H), np.float32)
         self.c_n = np.empty((1, cfg.N, cfg.H), np.float32) if lstm else None
         self.out = (self.y, self.h_n, self.c_n) if lstm else (self.y, self.h_n)
-        # Streaming: state ping-pongs between two buffers; y_t is written straight into y.
-        self.h = [np.empty_like(self.h_n), np.empty_like(self.h_n)]
-        self.c = [np.empty_like(self.h_n), np.empty_like(self.h_n)] if lstm else [None, None]
-        self.y_steps = [self.y[t : t + 1] for t in range(cfg.T)]
-        self.x_steps = [p.x[t : t + 1] for t in range(cfg.T)]
+        if cfg.stream:
+            # Session.stream (issue 4): state carried in the stream, y_t written into y[t].
+            self._stream = self.session.stream(batch=cfg.N)
 
     def forward(self):
         self.session.run(self.p.x, self.p.h0, self.p.c0, None, out=self.out)
         return self.y, self.h_n, self.c_n
 
     def stream(self, steps: int):
-        h, c = self.h, self.c
-        h[0][...] = self.p.h0
-        if c[0] is not None:
-            c[0][...] = self.p.c0
+        s, x, y = self._stream, self.p.x, self.y
+        s.state = (self.p.h0, self.p.c0)
         for t in range(steps):
-            a, b = t & 1, (t + 1) & 1
-            self._step(self.x_steps[t], h[a], c[a], self.y_steps[t], h[b], c[b])
-        last = steps & 1
-        return self.y[:steps], h[last], c[last]
-
-    def _step(self, x_t, h_in, c_in, y_t, h_out, c_out) -> None:
-        # STREAMING SWITCH POINT: when Session.stream (issue 4) lands, replace this call with
-        # ``self._stream.feed(x_t)`` on a stream opened in ``load`` (batch=N), and read the state
-        # from ``self._stream.state`` in ``stream``. Until then: one run() per step, T=1, state
-        # carried through h0/c0 and out= buffers, which allocates nothing either.
-        out = (y_t, h_out, c_out) if c_out is not None else (y_t, h_out)
-        self.session.run(x_t, h_in, c_in, None, out=out)
+            s.feed(x[t], out=y[t])  # one step: x [N, C] -> y [N, H]
+        h, c = s.state  # a copy of 2 x [1, N, H]: once per call, not per step
+        return y[:steps], h, c
 
 
 # --------------------------------------------------------------------------------- NumPy

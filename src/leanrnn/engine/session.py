@@ -428,6 +428,7 @@ class Session:
                 acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
                 gates = v[f"gates.{k}"]
                 aux = v.get(f"aux.{k}", self._empty)
+                # fmt: off
                 if spec.cell == "lstm":
                     c = v[f"c.{k}"]
                     c[:] = 0
@@ -435,74 +436,24 @@ class Session:
                         c[:, :H] = c0[k]
                     fn = recurrent.lstm_parallel if par else recurrent.lstm_serial
                     parity = fn(
-                        xw,
-                        pl.Rt,
-                        K,
-                        pl.peep,
-                        spec.peepholes,
-                        pl.proj,
-                        spec.proj_size,
-                        ha,
-                        hb,
-                        c,
-                        gates,
-                        aux,
-                        lens,
-                        T,
-                        rev,
-                        yout,
-                        d * K,
-                        y_bf,
-                        acts,
-                        al,
-                        be,
-                        spec.input_forget,
-                        consts,
+                        xw, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
+                        c, gates, aux, lens, T, rev, yout, d * K, y_bf, acts, al, be,
+                        spec.input_forget, consts,
                     )
                     c_n[k] = c[:, :H]
                 elif spec.cell == "gru":
                     fn = recurrent.gru_parallel if par else recurrent.gru_serial
                     parity = fn(
-                        xw,
-                        pl.Rt,
-                        K,
-                        pl.rb,
-                        spec.linear_before_reset,
-                        ha,
-                        hb,
-                        gates,
-                        aux,
-                        lens,
-                        T,
-                        rev,
-                        yout,
-                        d * K,
-                        y_bf,
-                        acts,
-                        al,
-                        be,
-                        consts,
+                        xw, pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens,
+                        T, rev, yout, d * K, y_bf, acts, al, be, consts,
                     )
                 else:
                     fn = recurrent.rnn_parallel if par else recurrent.rnn_serial
                     parity = fn(
-                        xw,
-                        pl.Rt,
-                        K,
-                        ha,
-                        hb,
-                        gates,
-                        lens,
-                        T,
-                        rev,
-                        yout,
-                        d * K,
-                        y_bf,
-                        acts,
-                        al,
-                        be,
-                        consts,
+                        xw, pl.Rt, K, ha, hb, gates, lens, T, rev, yout, d * K, y_bf, acts, al,
+                        be, consts,
                     )
+                # fmt: on
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")

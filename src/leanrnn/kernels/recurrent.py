@@ -52,6 +52,25 @@ def _add_span(dst, row, start, src, srow, length):
         dst[row, start + j] += src[srow, start + j]
 
 
+@inline
+def _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny):
+    """n = g(clip(pre_n)) in place, then h' = (1 - z)*n + z*h for one unit block of sample n."""
+    if clip > zero:
+        clip_span(clip, gates, n, rn, B)
+    act_span(ag, alg, beg, zero, one, gates, n, rn, B)
+    for j in range(B):
+        z = gates[n, rz + j]
+        hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
+        hn[n, c0 + j] = flush(hv, tiny, zero)
+
+
+@inline
+def _emit(hn, n, c0, y, yr, y_off, K):
+    """Copy the block's new h (its real units only) into output row yr."""
+    for j in range(min(B, K - c0)):
+        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+
+
 def _lstm(
     xw, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
@@ -113,9 +132,7 @@ def _lstm(
                 if P == 0:
                     for j in range(B):
                         hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
-                    yr = _yrow(t, n, N, y_bf_T)
-                    for j in range(min(B, K - c0)):
-                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                 else:
                     for j in range(B):
                         hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
@@ -179,16 +196,8 @@ def _gru(
                         gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
                             gates[n, rn + j] + rb[rn + j]
                         )
-                    if clip > zero:
-                        clip_span(clip, gates, n, rn, B)
-                    act_span(ag, alg, beg, zero, one, gates, n, rn, B)
-                    for j in range(B):
-                        z = gates[n, rz + j]
-                        hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
-                        hn[n, c0 + j] = flush(hv, tiny, zero)
-                    yr = _yrow(t, n, N, y_bf_T)
-                    for j in range(min(B, K - c0)):
-                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+                    _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                 else:
                     for j in range(B):
                         rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
@@ -207,16 +216,8 @@ def _gru(
                     t = L - 1 - s if reverse else s
                     xr = t * N + n
                     _add_span(gates, n, rn, xw, xr, B)
-                    if clip > zero:
-                        clip_span(clip, gates, n, rn, B)
-                    act_span(ag, alg, beg, zero, one, gates, n, rn, B)
-                    for j in range(B):
-                        z = gates[n, rz + j]
-                        hv = (one - z) * gates[n, rn + j] + z * hp[n, c0 + j]
-                        hn[n, c0 + j] = flush(hv, tiny, zero)
-                    yr = _yrow(t, n, N, y_bf_T)
-                    for j in range(min(B, K - c0)):
-                        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+                    _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
@@ -252,9 +253,7 @@ def _rnn(
                 act_span(af, alf, bef, zero, one, gates, n, r0, B)
                 for j in range(B):
                     hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
-                yr = _yrow(t, n, N, y_bf_T)
-                for j in range(min(B, K - r0)):
-                    y[yr, y_off + r0 + j] = hn[n, r0 + j]
+                _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity

@@ -1,0 +1,322 @@
+"""Loading and running real model files: leanrnn's native format vs ONNX, and leanrnn vs
+onnxruntime on the same ONNX file.
+
+Part 1 (the load bar): a 2-layer LSTM, C = H = 512, loaded from .lrnn and from .onnx with
+``leanrnn.load``. Bars: .lrnn loads at least 5x faster, and its peak memory during the load is
+at most the weights plus 10%.
+
+Part 2 (the run bar): embedding -> 2-layer LSTM(512) -> linear, exported by torch.onnx.export
+(or built with onnx.helper if torch is missing), run by leanrnn and by onnxruntime on the same
+file with the same thread count, at N = 1 and N = 64. Bars: leanrnn at least as fast, with a
+lower peak memory.
+
+Every measurement runs in its own fresh subprocess. Peak memory is the growth of the process's
+resident high-water mark (VmHWM, reset through /proc/self/clear_refs right before the measured
+section) over the resident size at that moment, so imports and the interpreter do not count.
+
+    python benchmarks/bench_load.py                 # both parts
+    python benchmarks/bench_load.py --threads 1 --steps 50 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+H = 512
+VOCAB = 10_000
+CLASSES = 1_000
+
+
+# --------------------------------------------------------------------------- memory probes
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); return the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _peak_since(base: int) -> int:
+    return _status("VmHWM") - base
+
+
+# ---------------------------------------------------------------------------------- models
+def _lstm_onnx(path: str, seed: int = 0) -> None:
+    """2-layer LSTM (C = H = 512) as two ONNX LSTM nodes, weights as initializers."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    k = 1 / np.sqrt(H)
+
+    def u(*shape):
+        return rng.uniform(-k, k, shape).astype(np.float32)
+
+    inits, nodes = [numpy_helper.from_array(np.array([1], np.int64), "axes")], []
+    x = "x"
+    for layer in range(2):
+        names = [f"W{layer}", f"R{layer}", f"B{layer}"]
+        inits += [numpy_helper.from_array(a, n) for a, n in
+                  zip((u(1, 4 * H, H), u(1, 4 * H, H), u(1, 8 * H)), names, strict=True)]  # fmt: skip
+        nodes.append(helper.make_node("LSTM", [x, *names], [f"Y{layer}"], hidden_size=H))
+        nodes.append(helper.make_node("Squeeze", [f"Y{layer}", "axes"], [f"y{layer}"]))
+        x = f"y{layer}"
+    g = helper.make_graph(nodes, "lstm2", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                          ["T", "N", H])], [helper.make_tensor_value_info(x, TensorProto.FLOAT,
+                          None)], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
+
+
+def _tagger_onnx(path: str, seed: int = 0) -> str:
+    """embedding -> 2-layer LSTM(512) -> linear; torch.onnx.export when torch is installed."""
+    try:
+        import torch
+    except ImportError:
+        return _tagger_onnx_helper(path, seed)
+    torch.manual_seed(seed)
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, H)
+            self.lstm = torch.nn.LSTM(H, H, num_layers=2)
+            self.head = torch.nn.Linear(H, CLASSES)
+
+        def forward(self, tokens):
+            return self.head(self.lstm(self.emb(tokens))[0])
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Tagger().eval(), (torch.zeros(4, 2, dtype=torch.long),), path,
+                          dynamo=False, input_names=["tokens"], output_names=["logits"],
+                          dynamic_axes={"tokens": {0: "T", 1: "N"}})  # fmt: skip
+    return "torch.onnx.export"
+
+
+def _tagger_onnx_helper(path: str, seed: int) -> str:
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    k = 1 / np.sqrt(H)
+
+    def u(*shape):
+        return rng.uniform(-k, k, shape).astype(np.float32)
+
+    inits = [numpy_helper.from_array(rng.standard_normal((VOCAB, H)).astype(np.float32), "emb"),
+             numpy_helper.from_array(np.array([1], np.int64), "axes"),
+             numpy_helper.from_array(u(H, CLASSES), "head_w"),
+             numpy_helper.from_array(u(CLASSES), "head_b")]  # fmt: skip
+    nodes = [helper.make_node("Gather", ["emb", "tokens"], ["e"])]
+    x = "e"
+    for layer in range(2):
+        names = [f"W{layer}", f"R{layer}", f"B{layer}"]
+        inits += [numpy_helper.from_array(a, n) for a, n in
+                  zip((u(1, 4 * H, H), u(1, 4 * H, H), u(1, 8 * H)), names, strict=True)]  # fmt: skip
+        nodes.append(helper.make_node("LSTM", [x, *names], [f"Y{layer}"], hidden_size=H))
+        nodes.append(helper.make_node("Squeeze", [f"Y{layer}", "axes"], [f"y{layer}"]))
+        x = f"y{layer}"
+    nodes += [helper.make_node("MatMul", [x, "head_w"], ["mm"]),
+              helper.make_node("Add", ["mm", "head_b"], ["logits"])]  # fmt: skip
+    g = helper.make_graph(nodes, "tagger", [helper.make_tensor_value_info("tokens",
+                          TensorProto.INT64, ["T", "N"])], [helper.make_tensor_value_info(
+                          "logits", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(m.SerializeToString())
+    return "onnx.helper"
+
+
+# ---------------------------------------------------------------------------------- children
+def child_load(path: str, repeats: int) -> dict:
+    import leanrnn  # noqa: F401  (imports and numba set-up are not part of the measurement)
+    from leanrnn.loading import load
+
+    if path.endswith(".onnx"):
+        import onnx  # noqa: F401  (read_onnx imports it lazily; not part of the load)
+    base = _reset_peak()
+    t0 = time.perf_counter()
+    model = load(path)
+    first = time.perf_counter() - t0
+    peak = _peak_since(base)
+    weights = model.weights.nbytes if hasattr(model, "weights") else sum(
+        pw.nbytes for pw in model.graph.packed.values())  # fmt: skip
+    del model
+    times = [first]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        m = load(path)
+        times.append(time.perf_counter() - t0)
+        del m
+    return {"first_s": first, "best_s": min(times), "peak_bytes": peak, "weight_bytes": weights}
+
+
+def child_run(engine: str, path: str, batch: int, steps: int, threads: int, repeats: int,
+              out_path: str) -> dict:  # fmt: skip
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (steps, batch)).astype(np.int64)
+    if engine == "leanrnn":
+        import leanrnn
+        from leanrnn.loading import load
+
+        leanrnn.set_num_threads(threads)
+        base = _reset_peak()
+        model = load(path)
+        run = model.run
+        feeds = [tokens]
+    else:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        base = _reset_peak()
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        name = sess.get_inputs()[0].name
+        feeds = {name: tokens}
+
+        def run(f):
+            return sess.run(None, f)
+
+    out = run(feeds)  # warm-up (plans memory, compiles nothing new: numba cache is warm)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = run(feeds)
+        times.append(time.perf_counter() - t0)
+    peak = _peak_since(base)
+    np.save(out_path, out[0])
+    return {"median_s": statistics.median(times), "best_s": min(times), "peak_bytes": peak}
+
+
+def _spawn(args: list[str], threads: int) -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    env["LEANRNN_NUM_THREADS"] = str(threads)
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                         text=True, env=env, check=False)  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"child {args} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------ parts
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):8.1f} MiB"
+
+
+def part_load(tmp: str, repeats: int, trials: int) -> bool:
+    from leanrnn.loading import convert
+
+    onnx_path = os.path.join(tmp, "lstm2.onnx")
+    lrnn_path = os.path.join(tmp, "lstm2.lrnn")
+    _lstm_onnx(onnx_path)
+    convert(onnx_path, lrnn_path)
+    res = {}
+    for label, path in (("onnx", onnx_path), (".lrnn", lrnn_path)):
+        runs = [_spawn(["load", path, str(repeats)], 1) for _ in range(trials)]
+        res[label] = {
+            "best_s": statistics.median(r["best_s"] for r in runs),
+            "first_s": statistics.median(r["first_s"] for r in runs),
+            "peak_bytes": statistics.median(r["peak_bytes"] for r in runs),
+            "weight_bytes": runs[0]["weight_bytes"],
+        }
+    print(f"\n== Load a 2-layer LSTM, C=H={H} ({os.path.getsize(onnx_path) / 1e6:.1f} MB ONNX, "
+          f"{os.path.getsize(lrnn_path) / 1e6:.1f} MB .lrnn); median of {trials} processes")  # fmt: skip
+    print(f"{'from':<8}{'first load':>12}{'best load':>12}{'peak memory':>16}{'weights':>16}")
+    for label, r in res.items():
+        print(f"{label:<8}{r['first_s'] * 1e3:10.1f}ms{r['best_s'] * 1e3:10.1f}ms"
+              f"{_mib(r['peak_bytes']):>16}{_mib(r['weight_bytes']):>16}")  # fmt: skip
+    speedup = res["onnx"]["first_s"] / res[".lrnn"]["first_s"]
+    ratio = res[".lrnn"]["peak_bytes"] / res[".lrnn"]["weight_bytes"]
+    ok_speed, ok_mem = speedup >= 5, ratio <= 1.10
+    print(f"bar: .lrnn >= 5x faster than ONNX (first load in a fresh process): {speedup:.1f}x "
+          f"-> {'PASS' if ok_speed else 'FAIL'}")  # fmt: skip
+    print(f"bar: .lrnn peak <= weights + 10%: peak/weights = {ratio:.3f} -> "
+          f"{'PASS' if ok_mem else 'FAIL'}")  # fmt: skip
+    return ok_speed and ok_mem
+
+
+def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int]) -> bool:
+    path = os.path.join(tmp, "tagger.onnx")
+    how = _tagger_onnx(path)
+    print(f"\n== embedding({VOCAB}) -> 2-layer LSTM({H}) -> linear({CLASSES}), {how}; "
+          f"T={steps}, {threads} thread(s), median of {repeats} runs, each engine in its own "
+          "process")  # fmt: skip
+    print(f"{'N':>4}{'engine':>12}{'median':>12}{'best':>12}{'peak memory':>16}")
+    ok = True
+    for n in batches:
+        res = {}
+        for engine in ("leanrnn", "onnxruntime"):
+            out = os.path.join(tmp, f"{engine}_{n}.npy")
+            res[engine] = _spawn(["run", engine, path, str(n), str(steps), str(threads),
+                                  str(repeats), out], threads)  # fmt: skip
+            r = res[engine]
+            print(f"{n:>4}{engine:>12}{r['median_s'] * 1e3:10.1f}ms{r['best_s'] * 1e3:10.1f}ms"
+                  f"{_mib(r['peak_bytes']):>16}")  # fmt: skip
+        diff = float(np.max(np.abs(np.load(os.path.join(tmp, f"leanrnn_{n}.npy"))
+                                   - np.load(os.path.join(tmp, f"onnxruntime_{n}.npy")))))  # fmt: skip
+        faster = res["leanrnn"]["median_s"] <= res["onnxruntime"]["median_s"]
+        leaner = res["leanrnn"]["peak_bytes"] < res["onnxruntime"]["peak_bytes"]
+        speed = res["onnxruntime"]["median_s"] / res["leanrnn"]["median_s"]
+        mem = res["leanrnn"]["peak_bytes"] / max(res["onnxruntime"]["peak_bytes"], 1)
+        print(f"     N={n}: leanrnn {speed:.2f}x the speed of onnxruntime "
+              f"({'PASS' if faster else 'FAIL'}), {mem:.2f}x its peak memory "
+              f"({'PASS' if leaner else 'FAIL'}); max |diff| = {diff:.2e}")  # fmt: skip
+        ok = ok and faster and leaner and diff < 1e-3
+    return ok
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        role, rest = sys.argv[2], sys.argv[3:]
+        if role == "load":
+            res = child_load(rest[0], int(rest[1]))
+        else:
+            engine, path, n, t, threads, reps, out = rest
+            res = child_run(engine, path, int(n), int(t), int(threads), int(reps), out)
+        print(json.dumps(res))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=int, default=100, help="T for the run part")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--trials", type=int, default=3, help="processes per load measurement")
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--part", choices=["load", "run", "all"], default="all")
+    args = p.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("load", "all"):
+            ok &= part_load(tmp, args.repeats, args.trials)
+        if args.part in ("run", "all"):
+            batches = [int(b) for b in args.batches.split(",")]
+            ok &= part_run(tmp, args.threads, args.steps, args.repeats, batches)
+    print("\nall bars pass" if ok else "\nsome bars FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
