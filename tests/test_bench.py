@@ -248,6 +248,8 @@ def test_cli_registers_and_rerenders(tmp_path, capsys):
     opts = options_from_args(args)
     assert opts.shapes == ((1, 10), (8, 10)) and opts.hidden == (4,)
     assert {c.threads for c in opts.configs()} == {1, 2}
+    with pytest.raises(SystemExit, match="onnxrt: unknown"):
+        options_from_args(build_parser().parse_args(["bench", "--engines", "onnxrt"]))
 
     path = tmp_path / "results.json"
     path.write_text(json.dumps(fake_results()))

@@ -123,6 +123,14 @@ def options_from_args(args):
     else:
         base = Options(out=args.out)
     if args.engines:
+        from .engines import ENGINES
+
+        bad = [e for e in args.engines if e not in ENGINES and ":" not in e]
+        if bad:
+            raise SystemExit(
+                f"leanrnn bench: --engines {','.join(bad)}: unknown; expected some of "
+                f"{','.join(ENGINES)} or module:Class"
+            )
         kw["engines"] = args.engines
     if args.cells:
         bad = [c for c in args.cells if c not in ("lstm", "gru")]

@@ -586,7 +586,6 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
     """Run every (engine, config) of ``opts`` in its own process; returns the results dict
     (also written to ``opts.out / results.json``)."""
     from .engines import resolve
-    from .problem import reference_file
 
     out = Path(opts.out)
     (out / "cache").mkdir(parents=True, exist_ok=True)
@@ -619,60 +618,56 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
             sizes = sorted({c.weight_bytes for c in configs})
             for n in opts.threads:
                 describe(f"memory bandwidth, {n} thread(s)")
-                job = {
-                    "kind": "bandwidth",
-                    "threads": n,
-                    "sizes": sizes,
-                    "big": opts.bandwidth_bytes,
-                }
-                bw = spawn(job, n, opts.timeout_s)
-                results["bandwidth"][str(n)] = bw
+                job = {"kind": "bandwidth", "threads": n, "sizes": sizes}
+                job["big"] = opts.bandwidth_bytes
+                results["bandwidth"][str(n)] = spawn(job, n, opts.timeout_s)
                 advance()
         for cfg, name in jobs:
             describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
-            row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "files": {}}
-            reason = status[name]
             files: dict[str, str] = {}
+            reason = status[name]
             if reason is None and needs[name]:
                 made = _prepare_models(cfg, needs[name], out / "models", model_cache)
                 files = {k: made[k] for k in needs[name]}
-                row["files"] = files
                 bad = [v for v in files.values() if v.startswith("error")]
                 reason = bad[0][len("error: ") :] if bad else None
-            if reason is not None:
-                row |= {"status": "unavailable", "reason": reason}
-            else:
-                ref = reference_file(cfg, out / "cache")
-                job = {
-                    "kind": "engine",
-                    "engine": name,
-                    "config": cfg.as_dict(),
-                    "files": files,
-                    "ref": str(ref),
-                    "warmup": opts.warmup,
-                    "repeats": opts.repeats,
-                    "min_repeats": opts.min_repeats,
-                    "min_sample_s": opts.min_sample_s,
-                    "max_time_s": opts.max_time_s,
-                    "memray": opts.memray,
-                }
-                res = spawn(job, cfg.threads, opts.timeout_s)
-                if res.pop("ok"):
-                    ok = res["verify"]["ok"]
-                    row |= {"status": "ok" if ok else "mismatch", "reason": None} | res
-                    if not ok:
-                        row["reason"] = f"max abs error {res['verify']['worst']:.3g} > tolerance"
-                else:
-                    row |= {"status": "error", "reason": res.get("error")}
-                    if "trace" in res:
-                        row["trace"] = res["trace"]
-            results["rows"].append(row)
+            results["rows"].append(_row(opts, cfg, name, files, reason))
+            # Saved after every row: an interrupted run keeps what it measured.
+            (out / "results.json").write_text(dumps(results, indent=1))
             advance()
     finally:
         stop()
     results["machine"]["loadavg_end"] = os.getloadavg()
     (out / "results.json").write_text(dumps(results, indent=1))
     return results
+
+
+def _row(opts: Options, cfg: Config, name: str, files: dict, unavailable: str | None) -> dict:
+    """One results row: measured in a child, or marked unavailable with the reason."""
+    from .problem import reference_file
+
+    row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "files": files}
+    if unavailable is not None:
+        return row | {"status": "unavailable", "reason": unavailable}
+    job = {
+        "kind": "engine",
+        "engine": name,
+        "config": cfg.as_dict(),
+        "files": files,
+        "ref": str(reference_file(cfg, Path(opts.out) / "cache")),
+        "warmup": opts.warmup,
+        "repeats": opts.repeats,
+        "min_repeats": opts.min_repeats,
+        "min_sample_s": opts.min_sample_s,
+        "max_time_s": opts.max_time_s,
+        "memray": opts.memray,
+    }
+    res = spawn(job, cfg.threads, opts.timeout_s)
+    if not res.pop("ok"):
+        return row | {"status": "error", "reason": res.get("error"), "trace": res.get("trace")}
+    v = res["verify"]
+    reason = None if v["ok"] else f"max abs error {v['worst']:.3g} > tolerance {v['tolerance']}"
+    return row | {"status": "ok" if v["ok"] else "mismatch", "reason": reason} | res
 
 
 def _describe(name: str) -> str:

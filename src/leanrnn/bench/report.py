@@ -480,7 +480,7 @@ def plot(results: dict, out: Path) -> list[Path]:
         )
         ax.set_ylabel("time / leanrnn time (log; >1 = leanrnn faster)")
         ax.set_title(f"latency ratio to leanrnn, {t} thread(s)")
-        ax.legend(fontsize=8, ncol=3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path = out / "latency_ratio.png"
     fig.savefig(path, dpi=110)
@@ -516,7 +516,7 @@ def plot(results: dict, out: Path) -> list[Path]:
         )
         ax.set_ylabel("MiB (log; floored at 1 KiB)")
         ax.set_title(f"{title}, {tmin} thread(s)")
-        ax.legend(fontsize=8, ncol=4)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path = out / "memory.png"
     fig.savefig(path, dpi=110)
@@ -528,13 +528,11 @@ def plot(results: dict, out: Path) -> list[Path]:
 # ------------------------------------------------------------------------- the report
 def machine_line(results: dict) -> str:
     m = results.get("machine", {})
-    v = m.get("versions", {})
-    vers = ", ".join(f"{k} {x}" for k, x in v.items() if x)
-    load = m.get("loadavg", [None])[0]
-    load_end = (m.get("loadavg_end") or [None])[0]
+    vers = ", ".join(f"{k} {x}" for k, x in m.get("versions", {}).items() if x)
+    load = [f"{(m.get(k) or [math.nan])[0]:.2f}" for k in ("loadavg", "loadavg_end")]
     return (
         f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores; Python {m.get('python', '?')}; "
-        f"{vers}. Load average {load} at start, {load_end} at end."
+        f"{vers}. Load average {load[0]} at start, {load[1]} at end."
     )
 
 
