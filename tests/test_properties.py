@@ -32,7 +32,7 @@ def specs(draw):
     )
 
 
-def random_layers(spec, rng, dtype=np.float32):
+def random_layers(spec, rng, dtype=np.float32, scale=0.5):
     out = []
     G, H, K, P = spec.gate_width, spec.hidden_size, spec.output_size, spec.proj_size
     for layer in range(spec.num_layers):
@@ -41,7 +41,7 @@ def random_layers(spec, rng, dtype=np.float32):
         for _ in range(spec.num_directions):
 
             def r(*shape):
-                return (rng.standard_normal(shape) * 0.5).astype(dtype)
+                return (rng.standard_normal(shape) * scale).astype(dtype)
 
             dirs.append(
                 LayerWeights(

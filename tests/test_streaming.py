@@ -19,7 +19,10 @@ from tolerances import atol
 
 def _model(cell, layers=2, H=20, C=6, proj=0, bf=False, seed=0, dtype=np.float32):
     spec = RNNSpec(cell, C, H, num_layers=layers, proj_size=proj, batch_first=bf)
-    return leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(seed), dtype), dtype))
+    # torch-like weight scale: chunk boundaries change float32 summation order, and large
+    # weights would amplify that rounding past the float32 tolerance over many steps
+    layers = random_layers(spec, np.random.default_rng(seed), dtype, scale=1 / np.sqrt(H))
+    return leanrnn.Model(pack(spec, layers, dtype))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,14 +26,20 @@ def array(
             f"[{op}] {name} has dtype {a.dtype}; expected {dtype} (the model's dtype; leanrnn "
             f"never converts silently){hint}"
         )
-    if a.ndim != len(want) or any(
-        w is not None and s != w for s, w in zip(a.shape, want, strict=False)
-    ):
+    if a.ndim != len(want) or not _shape_ok(a.shape, want):
         spec = fmt_shape(
             [f"{n}={w}" if w is not None else n for n, w in zip(names, want, strict=True)]
         )
         raise ShapeError(f"[{op}] {name} has shape {tuple(a.shape)}; expected {spec}")
     return a
+
+
+def _shape_ok(shape: tuple, want: tuple) -> bool:
+    # A plain loop: this runs on every call of a streaming step, where a generator costs µs.
+    for s, w in zip(shape, want, strict=True):
+        if w is not None and s != w:
+            return False
+    return True
 
 
 def contiguous(op: str, name: str, a: np.ndarray) -> None:

@@ -268,12 +268,21 @@ class Session:
         self._empty = np.zeros((N, w.Hp), dt) if "aux.0" not in v else None
         self._views = v
         self._layer_inputs = [None] + [v[f"y.{layer}"] for layer in range(L - 1)]
+        # Per op k: its views, looked up once here rather than by name on every run.
+        self._op_views = [
+            (
+                v[f"xw.{k}"], v[f"h.{k}.a"], v[f"h.{k}.b"], v[f"gates.{k}"],
+                v.get(f"aux.{k}", self._empty), v.get(f"c.{k}"),
+            )
+            for k in range(L * D)
+        ]  # fmt: skip
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:
         return self.threads or config.get_num_threads()
 
-    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True):
+    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True,
+            _trusted: bool = False):  # fmt: skip
         """Run the whole stack over ``x``.
 
         x:       [T, N, C] ([N, T, C] if spec.batch_first), the model's dtype, C-contiguous
@@ -300,15 +309,19 @@ class Session:
         if N == 0 or T == 0:
             raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
-        if h0 is not None:
+        # A Stream passes its own state buffers as h0/c0: validated when it made them.
+        if h0 is not None and not _trusted:
             h0 = _check.array(op, "h0", h0, dt, (LD, N, K), ("L*D", "N", "K"))
-        if c0 is not None:
+        if c0 is not None and not _trusted:
             if spec.cell != "lstm":
                 raise ShapeError(f"[{op}] c0 was given but a {spec.cell.upper()} has no cell state")
             c0 = _check.array(op, "c0", c0, dt, (LD, N, H), ("L*D", "N", "H"))
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         y, h_n, c_n = self._outputs(out, T, N, return_sequences)
+        return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
+
+    def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
         with self._lock:
             stale = self.pool is not None and self._gen != self.pool.generation
             if stale or self._key(N, T, return_sequences) != self._key_now:
@@ -401,6 +414,7 @@ class Session:
             lens[:] = lengths
         consts = self._consts
         TN = T * N  # planned views hold self._T steps; a shorter run uses their first T*N rows
+        short = T < self._T
         bf_T = T if spec.batch_first else 0
         y_final = y.reshape(-1, D * K) if y is not None else v[f"y.{L - 1}"][:TN]
         log = config.log_enabled("memory")
@@ -408,32 +422,34 @@ class Session:
             if layer == 0:
                 xin, xin_bf, Cin = x.reshape(-1, spec.input_size), bf_T, spec.input_size
             else:
-                xin, xin_bf, Cin = self._layer_inputs[layer][:TN], 0, D * K
+                xin, xin_bf, Cin = self._layer_inputs[layer], 0, D * K
+                xin = xin[:TN] if short else xin
             if layer == L - 1:
                 yout, y_bf = y_final, (bf_T if y is not None else 0)
             else:
-                yout, y_bf = v[f"y.{layer}"][:TN], 0
+                yout, y_bf = self._layer_inputs[layer + 1], 0
+                yout = yout[:TN] if short else yout
             for d in range(D):
                 k = layer * D + d
                 if log:
                     self._log_events(k, "acquire")
                 pl = w.layers[layer][d]
-                xw = v[f"xw.{k}"][:TN]
+                xw, ha, hb, gates, aux, c = self._op_views[k]
+                if short:
+                    xw = xw[:TN]
                 proj_k(xin, pl.Wt, pl.b, Cin, xin_bf, N, xw, consts)
-                ha, hb = v[f"h.{k}.a"], v[f"h.{k}.b"]
-                ha[:] = 0
                 if h0 is not None:
-                    ha[:, :K] = h0[k]
+                    ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
+                else:
+                    ha[:] = 0
                 rev = spec.reversed_direction(d)
                 acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
-                gates = v[f"gates.{k}"]
-                aux = v.get(f"aux.{k}", self._empty)
                 # fmt: off
                 if spec.cell == "lstm":
-                    c = v[f"c.{k}"]
-                    c[:] = 0
                     if c0 is not None:
                         c[:, :H] = c0[k]
+                    else:
+                        c[:] = 0
                     fn = recurrent.lstm_parallel if par else recurrent.lstm_serial
                     parity = fn(
                         xw, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
