@@ -27,7 +27,10 @@ def test_run_with_out_has_zero_growth(cls):
     arena = model.session.arena_bytes
     tracemalloc.start()
     try:
-        for _ in range(5):  # anything a first traced call caches is cached by now
+        # Warm-up under tracing: numba's dispatcher fills a bounded Python-side cache on the
+        # first ~1500 kernel calls of the GRU kernel (measured: it stops at ~290 KiB), so
+        # growth is measured after it, over 50 more runs.
+        for _ in range(400):
             model.session.run(x, lengths=lengths, out=out)
         before, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()

@@ -7,7 +7,7 @@ copies initial states in, and calls kernels on arena views made at resize time: 
 but the returned arrays, and none at all when the caller passes ``out=``.
 
 Buffers (per op k = layer*D + direction unless noted):
-  xw.{k}   [T*N, Gp]  input projection (time-major)          live k..k
+  xw.{k}   [T*N, Gp]  input projection (rows in x's order)    live k..k
   h.{k}.a/b [N, Kp]   state double buffer                       live k..k
   c.{k}    [N, Hp]    LSTM cell state                           live k..k
   gates.{k} [N, Gp]   gate pre-activations                      live k..k
@@ -402,7 +402,7 @@ class Session:
         spec, w, v = self.spec, self.weights, self._views
         D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
         threads = self._threads()
-        macs = N * w.Gp * w.Kp
+        macs = N * w.Gp * w.Kp  # per step
         par = threads > 1 and macs >= PARALLEL_MIN_MACS
         if par:
             numba.set_num_threads(threads)
@@ -437,7 +437,7 @@ class Session:
                 xw, ha, hb, gates, aux, c = self._op_views[k]
                 if short:
                     xw = xw[:TN]
-                proj_k(xin, pl.Wt, pl.b, Cin, xin_bf, N, xw, consts)
+                proj_k(xin, pl.Wt, pl.b, Cin, xw)
                 if h0 is not None:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
@@ -446,13 +446,12 @@ class Session:
                 acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
                 # fmt: off
                 if spec.cell == "lstm":
+                    c[:] = 0  # padding units too: the projection reads every column of h(c)
                     if c0 is not None:
                         c[:, :H] = c0[k]
-                    else:
-                        c[:] = 0
                     fn = recurrent.lstm_parallel if par else recurrent.lstm_serial
                     parity = fn(
-                        xw, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
+                        xw, xin_bf, pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb,
                         c, gates, aux, lens, T, rev, yout, d * K, y_bf, acts, al, be,
                         spec.input_forget, consts,
                     )
@@ -460,13 +459,13 @@ class Session:
                 elif spec.cell == "gru":
                     fn = recurrent.gru_parallel if par else recurrent.gru_serial
                     parity = fn(
-                        xw, pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens,
+                        xw, xin_bf, pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens,
                         T, rev, yout, d * K, y_bf, acts, al, be, consts,
                     )
                 else:
                     fn = recurrent.rnn_parallel if par else recurrent.rnn_serial
                     parity = fn(
-                        xw, pl.Rt, K, ha, hb, gates, lens, T, rev, yout, d * K, y_bf, acts, al,
+                        xw, xin_bf, pl.Rt, K, ha, hb, gates, lens, T, rev, yout, d * K, y_bf, acts, al,
                         be, consts,
                     )
                 # fmt: on

@@ -4,14 +4,16 @@ Canonical (``LayerWeights``): one per (layer, direction), internal gate order (s
 gate-major rows, no padding: ``W`` [G, C], ``R`` [G, K], ``bW``/``bR`` [G], ``peep`` [3, H] for
 (i, f, o) or None, ``proj`` [P, H] or None. K = P if projected else H.
 
-Packed (``PackedLayer``), MNN's ``copyWeightAlignUp4x4`` idea adapted to dot-product kernels:
+Packed (``PackedLayer``), MNN's ``copyWeightAlignUp4x4`` idea at register-tile granularity:
 
 - Units are grouped in blocks of ``B`` = 16; H is padded to Hp = multiple of B with zero rows.
-- Gate rows are *fused per unit block*: packed row ``(u*ng + gate)*B + j`` holds canonical row
-  ``gate*H + u*B + j``. A thread that owns unit block ``u`` finds all gates of its units in one
-  contiguous slab of ``ng*B`` rows, so it can finish the cell update without waiting for others.
-- Every row starts on a 64-byte boundary (row strides Cp, Kp, Hp are multiples of 16 elements),
-  and all tensors of a model live in one 64-byte-aligned buffer.
+- Gates are *fused per unit block*: block u is one panel [K, ng*B] whose row k holds, for input
+  k, the weights of gate rows (i_u, f_u, g_u, o_u) of its 16 units — column ``gate*B + j`` is
+  canonical row ``gate*H + u*B + j``. A GEMM tile broadcasts one input and reads one contiguous
+  panel row per k (kernels/_simd.py), and the thread owning block u has every gate of its units
+  and finishes the cell update without waiting for other blocks.
+- Panel rows are ng*B elements (a multiple of 64 bytes), and all tensors of a model live in
+  one 64-byte-aligned buffer.
 - Biases are folded where the math allows: ``b = bW + bR`` is added once in the input projection;
   only GRU with linear_before_reset keeps ``bR`` of the n gate apart (``rb``), because there the
   reset gate multiplies it. The original ``bW``/``bR`` are kept too, so unpack is exact.
@@ -48,14 +50,14 @@ class LayerWeights:
 class PackedLayer:
     """Views into the packed buffer for one (layer, direction). Shapes use padded sizes."""
 
-    Wt: np.ndarray  # [Gp, Cp] input weights, fused-block row order
-    Rt: np.ndarray  # [Gp, Kp] recurrent weights, fused-block row order
+    Wt: np.ndarray  # [U, Cp, ng*B] input weights, one gate-fused panel per unit block
+    Rt: np.ndarray  # [U, Kp, ng*B] recurrent weights, same panels
     b: np.ndarray  # [Gp] folded bias, added in the input projection
     rb: np.ndarray  # [Gp] recurrent bias kept apart (GRU n gate with linear_before_reset), else 0
     bW: np.ndarray  # [Gp] original input bias (for unpack)
     bR: np.ndarray  # [Gp] original recurrent bias (for unpack)
     peep: np.ndarray  # [3, Hp] (zeros and unused without peepholes)
-    proj: np.ndarray  # [Pp, Hp] (shape [0, Hp] without projection)
+    proj: np.ndarray  # [Pp/B, Hp, B] projection panels (shape [0, Hp, B] without projection)
 
 
 def gate_permutation(num_gates: int, H: int) -> np.ndarray:
@@ -87,25 +89,14 @@ class PackedWeights:
         self.B = B
         self.Hp = round_up(H, B)
         self.Kp = round_up(K, ROW_ALIGN)
-        self.Pp = round_up(P, 4) if P else 0
+        self.Pp = round_up(P, B) if P else 0
+        self.U = self.Hp // B
+        self.W = spec.num_gates * B  # panel width
         self.Gp = spec.num_gates * self.Hp
         self.perm = gate_permutation(spec.num_gates, H)
-        shapes = []
-        for layer in range(spec.num_layers):
-            Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
-            for _ in range(spec.num_directions):
-                shapes.append(
-                    {
-                        "Wt": (self.Gp, Cp),
-                        "Rt": (self.Gp, self.Kp),
-                        "b": (self.Gp,),
-                        "rb": (self.Gp,),
-                        "bW": (self.Gp,),
-                        "bR": (self.Gp,),
-                        "peep": (3, self.Hp),
-                        "proj": (self.Pp, self.Hp),
-                    }
-                )
+        shapes = [
+            dict(d) for d in _chunks(self.layout(spec), len(PackedLayer.__dataclass_fields__))
+        ]
         item = self.dtype.itemsize
         sizes = [round_up(int(np.prod(s)) * item, 64) for d in shapes for s in d.values()]
         self.nbytes = sum(sizes)
@@ -122,6 +113,32 @@ class PackedWeights:
             flat.append(PackedLayer(**views))
         nd = spec.num_directions
         self.layers = [flat[i * nd : (i + 1) * nd] for i in range(spec.num_layers)]
+
+    @staticmethod
+    def layout(spec: RNNSpec) -> list[tuple[str, tuple[int, ...]]]:
+        """(short name, shape) of every packed tensor, per (layer, direction) in buffer order —
+        what a file must declare, computable before anything is allocated."""
+        Hp = round_up(spec.hidden_size, B)
+        Kp = round_up(spec.output_size, ROW_ALIGN)
+        Pp = round_up(spec.proj_size, B) if spec.proj_size else 0
+        U, Wd, Gp = Hp // B, spec.num_gates * B, spec.num_gates * Hp
+        out = []
+        for layer in range(spec.num_layers):
+            Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
+            shapes = {
+                "Wt": (U, Cp, Wd),
+                "Rt": (U, Kp, Wd),
+                "b": (Gp,),
+                "rb": (Gp,),
+                "bW": (Gp,),
+                "bR": (Gp,),
+                "peep": (3, Hp),
+                "proj": (Pp // B, Hp, B),
+            }
+            assert list(shapes) == list(PackedLayer.__dataclass_fields__)
+            for _ in range(spec.num_directions):
+                out += list(shapes.items())
+        return out
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Every packed tensor by a stable name, e.g. ``l0.d1.Rt`` (for the native format)."""
@@ -148,15 +165,31 @@ class PackedWeights:
                 R = np.empty((G, K), self.dtype)
                 bW = np.empty(G, self.dtype)
                 bR = np.empty(G, self.dtype)
-                W[rows] = pl.Wt[valid, :C]
-                R[rows] = pl.Rt[valid, :K]
+                W[rows] = from_panels(pl.Wt)[valid, :C]
+                R[rows] = from_panels(pl.Rt)[valid, :K]
                 bW[rows] = pl.bW[valid]
                 bR[rows] = pl.bR[valid]
                 peep = pl.peep[:, :H].copy() if spec.peepholes else None
-                proj = pl.proj[:P, :H].copy() if P else None
+                proj = from_panels(pl.proj)[:P, :H].copy() if P else None
                 layer.append(LayerWeights(W, R, bW, bR, peep, proj))
             out.append(layer)
         return out
+
+
+def _chunks(seq: list, n: int) -> list[list]:
+    return [seq[i : i + n] for i in range(0, len(seq), n)]
+
+
+def to_panels(dense: np.ndarray, panels: np.ndarray) -> None:
+    """Dense rows [U*Wd, X] (packed row order) -> panels [U, X, Wd], in place."""
+    U, X, Wd = panels.shape
+    panels[:] = dense.reshape(U, Wd, X).transpose(0, 2, 1)
+
+
+def from_panels(panels: np.ndarray) -> np.ndarray:
+    """Panels [U, X, Wd] -> dense rows [U*Wd, X] in packed row order (a copy)."""
+    U, X, Wd = panels.shape
+    return panels.transpose(0, 2, 1).reshape(U * Wd, X)
 
 
 def _check(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
@@ -189,8 +222,12 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             bW = _check(f"{tag} bW", lw.bW, (G,))
             bR = _check(f"{tag} bR", lw.bR, (G,))
             pl = pw.layers[li][di]
-            pl.Wt[valid, :C] = W[rows]
-            pl.Rt[valid, :K] = R[rows]
+            dense = np.zeros((pw.Gp, pl.Wt.shape[1]), pw.dtype)
+            dense[valid, :C] = W[rows]
+            to_panels(dense, pl.Wt)
+            dense = np.zeros((pw.Gp, pw.Kp), pw.dtype)
+            dense[valid, :K] = R[rows]
+            to_panels(dense, pl.Rt)
             pl.bW[valid] = bW[rows]
             pl.bR[valid] = bR[rows]
             # Fold in the working precision, so b == bW + bR exactly as the kernels would add them.
@@ -206,7 +243,9 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             if P:
                 if lw.proj is None:
                     raise WeightsError(f"[pack] {tag}: spec has proj_size={P} but proj is None")
-                pl.proj[:P, :H] = _check(f"{tag} proj", lw.proj, (P, H))
+                dense = np.zeros((pw.Pp, pw.Hp), pw.dtype)
+                dense[:P, :H] = _check(f"{tag} proj", lw.proj, (P, H))
+                to_panels(dense, pl.proj)
     return pw
 
 

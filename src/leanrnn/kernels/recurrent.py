@@ -7,8 +7,9 @@ for the other blocks. Only two things need a barrier inside a step: the LSTM pro
 the whole unprojected h) and the GRU n gate with linear_before_reset = 0 (needs r*h of all units).
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
-  xw:      [T*N, Gp] input projection with folded bias, time-major rows t*N + n
-  Rt:      [Gp, Kp]  packed recurrent weights;  K = real recurrent width (P or H)
+  xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
+           n*T + t when xw_bf_T = T > 0 (it follows the layout of the layer input)
+  Rt:      [U, Kp, ng*B] gate-fused recurrent panels;  K = real recurrent width (P or H)
   h_a/h_b: [N, Kp]   state double buffer; h_a holds h0 on entry. The return value says which
                      holds the final state (0: h_a, 1: h_b). Blocks read h_prev while others
                      write h_next, so h cannot be updated in place; c can, and is.
@@ -28,8 +29,8 @@ from numba import prange
 
 from ..formats.packing import B
 from ._jit import inline, twins
-from ._math import act_span, clip_span, flush
-from .gemm import gemm_nt_block
+from ._math import SIGMOID, TANH, act_span, clip_span, flush, sigmoid_, tanh_
+from .gemm import panel1, panel2, panel3, panel4
 
 
 @inline
@@ -72,27 +73,32 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 def _lstm(
-    xw, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
+    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
-    U = Rt.shape[0] // (4 * B)
+    U = Rt.shape[0]
     H = hfull.shape[1]
     Kout = P if P > 0 else K
     af, ag, ah = acts[0], acts[1], acts[2]
     alf, alg, alh = alphas[0], alphas[1], alphas[2]
     bef, beg, beh = betas[0], betas[1], betas[2]
+    # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
+    # cell and the hidden update in registers, one vector pass — no per-gate passes.
+    fast = af == SIGMOID and ag == TANH and ah == TANH and not use_peep
+    fast = fast and not input_forget and not clip > zero
     _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
     for s in range(T):
+        dst = hn if P == 0 else hfull
         for u in prange(U):
             r0 = u * 4 * B
             ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
             c0 = u * B
-            gemm_nt_block(hp, 0, N, Rt, r0, r0 + 4 * B, K, gates, zero, 0, N)
+            panel4(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
                 L = lengths[n]
                 if s >= L:
@@ -101,7 +107,19 @@ def _lstm(
                             hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = t * N + n
+                xr = _yrow(t, n, N, xw_bf_T)
+                if fast:
+                    for j in range(B):
+                        i_ = sigmoid_(gates[n, ri + j] + xw[xr, ri + j])
+                        f_ = sigmoid_(gates[n, rf + j] + xw[xr, rf + j])
+                        g_ = tanh_(gates[n, rg + j] + xw[xr, rg + j])
+                        o_ = sigmoid_(gates[n, ro + j] + xw[xr, ro + j])
+                        cc = flush(f_ * c[n, c0 + j] + i_ * g_, tiny, zero)
+                        c[n, c0 + j] = cc
+                        dst[n, c0 + j] = flush(o_ * tanh_(cc), tiny, zero)
+                    if P == 0:
+                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    continue
                 _add_span(gates, n, r0, xw, xr, 4 * B)
                 if use_peep:
                     for j in range(B):
@@ -137,18 +155,18 @@ def _lstm(
                     for j in range(B):
                         hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
         if P > 0:
-            for pb in prange(proj.shape[0] // 4):
-                p0 = pb * 4
-                gemm_nt_block(hfull, 0, N, proj, p0, p0 + 4, H, hn, zero, 0, N)
+            for pb in prange(proj.shape[0]):
+                p0 = pb * B
+                panel1(proj, pb, 0, hfull, 0, N, H, hn, p0)
                 for n in range(N):
                     L = lengths[n]
                     if s >= L:
-                        for p in range(p0, p0 + 4):
+                        for p in range(p0, p0 + B):
                             hn[n, p] = hp[n, p]
                         continue
                     t = L - 1 - s if reverse else s
                     yr = _yrow(t, n, N, y_bf_T)
-                    for p in range(p0, min(p0 + 4, P)):
+                    for p in range(p0, min(p0 + B, P)):
                         v = flush(hn[n, p], tiny, zero)
                         hn[n, p] = v
                         y[yr, y_off + p] = v
@@ -158,15 +176,16 @@ def _lstm(
 
 
 def _gru(
-    xw, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
+    xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
-    U = Rt.shape[0] // (3 * B)
+    U = Rt.shape[0]
     af, ag = acts[0], acts[1]
     alf, alg = alphas[0], alphas[1]
     bef, beg = betas[0], betas[1]
+    fast = af == SIGMOID and ag == TANH and not clip > zero and linear_before_reset
     _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
@@ -176,8 +195,10 @@ def _gru(
             r0 = u * 3 * B
             rz, rr, rn = r0, r0 + B, r0 + 2 * B
             c0 = u * B
-            gemm_nt_block(hp, 0, N, Rt, r0, r0 + (3 if linear_before_reset else 2) * B, K,
-                          gates, zero, 0, N)  # fmt: skip
+            if linear_before_reset:
+                panel3(Rt, u, 0, hp, 0, N, K, gates, r0)
+            else:
+                panel2(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
                 L = lengths[n]
                 if s >= L:
@@ -186,7 +207,15 @@ def _gru(
                             hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = t * N + n
+                xr = _yrow(t, n, N, xw_bf_T)
+                if fast:  # PyTorch's GRU in one fused pass
+                    for j in range(B):
+                        z = sigmoid_(gates[n, rz + j] + xw[xr, rz + j])
+                        r = sigmoid_(gates[n, rr + j] + xw[xr, rr + j])
+                        nn_ = tanh_(xw[xr, rn + j] + r * (gates[n, rn + j] + rb[rn + j]))
+                        hn[n, c0 + j] = flush((one - z) * nn_ + z * hp[n, c0 + j], tiny, zero)
+                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    continue
                 _add_span(gates, n, rz, xw, xr, 2 * B)
                 if clip > zero:
                     clip_span(clip, gates, n, rz, 2 * B)
@@ -206,7 +235,7 @@ def _gru(
                 r0 = u * 3 * B
                 rz, rn = r0, r0 + 2 * B
                 c0 = u * B
-                gemm_nt_block(rh, 0, N, Rt, rn, rn + B, K, gates, zero, 0, N)
+                panel1(Rt, u, 2, rh, 0, N, K, gates, rn)
                 for n in range(N):
                     L = lengths[n]
                     if s >= L:
@@ -214,7 +243,7 @@ def _gru(
                             hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    xr = t * N + n
+                    xr = _yrow(t, n, N, xw_bf_T)
                     _add_span(gates, n, rn, xw, xr, B)
                     _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
                     _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
@@ -224,12 +253,12 @@ def _gru(
 
 
 def _rnn(
-    xw, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
+    xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
     consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
-    U = Rt.shape[0] // B
+    U = Rt.shape[0]
     af, alf, bef = acts[0], alphas[0], betas[0]
     _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
     hp = h_a
@@ -238,7 +267,7 @@ def _rnn(
     for s in range(T):
         for u in prange(U):
             r0 = u * B
-            gemm_nt_block(hp, 0, N, Rt, r0, r0 + B, K, gates, zero, 0, N)
+            panel1(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
                 L = lengths[n]
                 if s >= L:
@@ -246,11 +275,15 @@ def _rnn(
                         hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = t * N + n
+                xr = _yrow(t, n, N, xw_bf_T)
                 _add_span(gates, n, r0, xw, xr, B)
                 if clip > zero:
                     clip_span(clip, gates, n, r0, B)
-                act_span(af, alf, bef, zero, one, gates, n, r0, B)
+                if af == TANH:  # the common case inline, without the activation switch
+                    for j in range(r0, r0 + B):
+                        gates[n, j] = tanh_(gates[n, j])
+                else:
+                    act_span(af, alf, bef, zero, one, gates, n, r0, B)
                 for j in range(B):
                     hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
                 _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
