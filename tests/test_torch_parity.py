@@ -90,13 +90,16 @@ def test_matches_torch(case, dtype, with_lengths, with_state):
         np.testing.assert_allclose(hs, hst.numpy(), rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("N", [4, 9, 33])
 @pytest.mark.parametrize("H", [64, 200])
-def test_long_sequence_parallel_path(H):
-    """A size that takes the multithreaded kernels (N*G*K above the threshold)."""
+def test_threaded_paths(H, N):
+    """Sizes that take the threaded paths on 2 threads: unit blocks split per step (N <= 8)
+    and batch slices on worker threads (N > 8)."""
     torch.manual_seed(0)
     m = torch.nn.LSTM(H, H)
     model = leanrnn.from_torch(m)
-    x = np.random.default_rng(0).standard_normal((50, 9, H)).astype(np.float32)
+    leanrnn.set_num_threads(2)
+    x = np.random.default_rng(0).standard_normal((50, N, H)).astype(np.float32)
     y, (h, c) = model(x)
     with torch.no_grad():
         yt, (ht, ct) = m(torch.from_numpy(x))

@@ -38,9 +38,11 @@ def twins(fn):
         twin.__qualname__ = fn.__qualname__ + suffix
         twin.__module__ = fn.__module__
         fn.__globals__[twin.__name__] = twin
+        # nogil: the engine runs disjoint batch slices of the serial twin on Python threads.
         out.append(
-            numba.njit(cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=parallel)(
-                twin
-            )
+            numba.njit(
+                cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=parallel,
+                nogil=True,
+            )(twin)
         )
     return tuple(out)

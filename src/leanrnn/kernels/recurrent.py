@@ -15,7 +15,10 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
                      write h_next, so h cannot be updated in place; c can, and is.
   c:       [N, Hp]   LSTM cell state, in/out
   gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
-  lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after its length
+  lengths: [Nall] int64 valid steps per sample (<= T); a sample's state freezes after it
+  n0, Nall: the samples this call runs are n0..n0+N of Nall (N = h_a.shape[0]); h_a, h_b, c,
+           gates and the scratch hold just those rows, xw, y and lengths hold all Nall — so
+           threads can run disjoint batch slices of one recurrence with no barrier at all
   y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
@@ -39,10 +42,10 @@ def _yrow(t, n, N, y_bf_T):
 
 
 @inline
-def _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero):
-    for n in range(N):
+def _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero):
+    for n in range(n0, n0 + N):
         for t in range(lengths[n], T):
-            r = _yrow(t, n, N, y_bf_T)
+            r = _yrow(t, n, Nall, y_bf_T)
             for j in range(K):
                 y[r, y_off + j] = zero
 
@@ -73,7 +76,7 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 def _lstm(
-    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
+    xw, xw_bf_T, n0, Nall, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
@@ -88,7 +91,7 @@ def _lstm(
     # cell and the hidden update in registers, one vector pass — no per-gate passes.
     fast = af == SIGMOID and ag == TANH and ah == TANH and not use_peep
     fast = fast and not input_forget and not clip > zero
-    _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
+    _zero_tails(y, y_off, Kout, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
@@ -100,14 +103,14 @@ def _lstm(
             c0 = u * B
             panel4(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
-                L = lengths[n]
+                L = lengths[n0 + n]
                 if s >= L:
                     if P == 0:
                         for j in range(c0, c0 + B):
                             hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = _yrow(t, n, N, xw_bf_T)
+                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
                 if fast:
                     for j in range(B):
                         i_ = sigmoid_(gates[n, ri + j] + xw[xr, ri + j])
@@ -118,7 +121,7 @@ def _lstm(
                         c[n, c0 + j] = cc
                         dst[n, c0 + j] = flush(o_ * tanh_(cc), tiny, zero)
                     if P == 0:
-                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
                     continue
                 _add_span(gates, n, r0, xw, xr, 4 * B)
                 if use_peep:
@@ -150,7 +153,7 @@ def _lstm(
                 if P == 0:
                     for j in range(B):
                         hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
-                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
                 else:
                     for j in range(B):
                         hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
@@ -159,13 +162,13 @@ def _lstm(
                 p0 = pb * B
                 panel1(proj, pb, 0, hfull, 0, N, H, hn, p0)
                 for n in range(N):
-                    L = lengths[n]
+                    L = lengths[n0 + n]
                     if s >= L:
                         for p in range(p0, p0 + B):
                             hn[n, p] = hp[n, p]
                         continue
                     t = L - 1 - s if reverse else s
-                    yr = _yrow(t, n, N, y_bf_T)
+                    yr = _yrow(t, n0 + n, Nall, y_bf_T)
                     for p in range(p0, min(p0 + B, P)):
                         v = flush(hn[n, p], tiny, zero)
                         hn[n, p] = v
@@ -176,7 +179,7 @@ def _lstm(
 
 
 def _gru(
-    xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
+    xw, xw_bf_T, n0, Nall, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
@@ -186,7 +189,7 @@ def _gru(
     alf, alg = alphas[0], alphas[1]
     bef, beg = betas[0], betas[1]
     fast = af == SIGMOID and ag == TANH and not clip > zero and linear_before_reset
-    _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
+    _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
@@ -200,21 +203,21 @@ def _gru(
             else:
                 panel2(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
-                L = lengths[n]
+                L = lengths[n0 + n]
                 if s >= L:
                     if linear_before_reset:
                         for j in range(c0, c0 + B):
                             hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = _yrow(t, n, N, xw_bf_T)
+                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
                 if fast:  # PyTorch's GRU in one fused pass
                     for j in range(B):
                         z = sigmoid_(gates[n, rz + j] + xw[xr, rz + j])
                         r = sigmoid_(gates[n, rr + j] + xw[xr, rr + j])
                         nn_ = tanh_(xw[xr, rn + j] + r * (gates[n, rn + j] + rb[rn + j]))
                         hn[n, c0 + j] = flush((one - z) * nn_ + z * hp[n, c0 + j], tiny, zero)
-                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
                     continue
                 _add_span(gates, n, rz, xw, xr, 2 * B)
                 if clip > zero:
@@ -226,7 +229,7 @@ def _gru(
                             gates[n, rn + j] + rb[rn + j]
                         )
                     _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
                 else:
                     for j in range(B):
                         rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
@@ -237,30 +240,30 @@ def _gru(
                 c0 = u * B
                 panel1(Rt, u, 2, rh, 0, N, K, gates, rn)
                 for n in range(N):
-                    L = lengths[n]
+                    L = lengths[n0 + n]
                     if s >= L:
                         for j in range(c0, c0 + B):
                             hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    xr = _yrow(t, n, N, xw_bf_T)
+                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
                     _add_span(gates, n, rn, xw, xr, B)
                     _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                    _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
 
 
 def _rnn(
-    xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
+    xw, xw_bf_T, n0, Nall, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
     consts,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
     U = Rt.shape[0]
     af, alf, bef = acts[0], alphas[0], betas[0]
-    _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
+    _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
@@ -269,13 +272,13 @@ def _rnn(
             r0 = u * B
             panel1(Rt, u, 0, hp, 0, N, K, gates, r0)
             for n in range(N):
-                L = lengths[n]
+                L = lengths[n0 + n]
                 if s >= L:
                     for j in range(r0, r0 + B):
                         hn[n, j] = hp[n, j]
                     continue
                 t = L - 1 - s if reverse else s
-                xr = _yrow(t, n, N, xw_bf_T)
+                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
                 _add_span(gates, n, r0, xw, xr, B)
                 if clip > zero:
                     clip_span(clip, gates, n, r0, B)
@@ -286,7 +289,7 @@ def _rnn(
                     act_span(af, alf, bef, zero, one, gates, n, r0, B)
                 for j in range(B):
                     hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
-                _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
