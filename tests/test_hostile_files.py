@@ -37,9 +37,12 @@ def _lstm_onnx(H=5, C=3, extra_nodes=(), w_shape=None, raw_override=None) -> onn
         Wt.dims.extend(w_shape)
     if raw_override is not None:
         Wt.raw_data = raw_override
-    inits = [Wt, numpy_helper.from_array(R, "R"),
-             numpy_helper.from_array(rng.standard_normal((H, 2)).astype(np.float32), "head"),
-             numpy_helper.from_array(np.array([1], np.int64), "axes")]  # fmt: skip
+    inits = [
+        Wt,
+        numpy_helper.from_array(R, "R"),
+        numpy_helper.from_array(rng.standard_normal((H, 2)).astype(np.float32), "head"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+    ]
     nodes = [
         helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=H, name="lstm"),
         helper.make_node("Squeeze", ["Y", "axes"], ["y"], name="squeeze"),
@@ -48,12 +51,32 @@ def _lstm_onnx(H=5, C=3, extra_nodes=(), w_shape=None, raw_override=None) -> onn
     ]
     out = "out" if not extra_nodes else extra_nodes[-1].output[0]
     g = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "N", C])],
-        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], inits,
-    )  # fmt: skip
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "N", C])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+        inits,
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
+
+
+def _npz_bytes(arrays: dict) -> bytes:
+    """An .npz like np.savez writes, with fixed timestamps so the fuzzer sees the same bytes
+    on every run."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for k, v in sorted(arrays.items()):
+            member = io.BytesIO()
+            np.lib.format.write_array(member, np.asarray(v), allow_pickle=False)
+            z.writestr(
+                zipfile.ZipInfo(f"{k}.npy", date_time=(2020, 1, 1, 0, 0, 0)), member.getvalue()
+            )
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +89,11 @@ def files(tmp_path_factory) -> dict[str, bytes]:
     save(GRU(4, 6, num_layers=2, seed=0), d / "stack.lrnn")
     m = LSTM(3, 5, seed=1)
     sd = m.state_dict()
-    np.savez(d / "sd.npz", **sd)
+    (d / "sd.npz").write_bytes(_npz_bytes(sd))
     for name in ("graph.lrnn", "stack.lrnn", "sd.npz"):
         out[name.split(".")[-1] if name == "sd.npz" else name.split(".")[0]] = (
-            d / name).read_bytes()  # fmt: skip
+            d / name
+        ).read_bytes()
     torch = pytest.importorskip("torch")
     torch.save({k: torch.from_numpy(v) for k, v in sd.items()}, d / "sd.pt")
     out["pt"] = (d / "sd.pt").read_bytes()
@@ -170,8 +194,9 @@ def test_absurd_constant_of_shape_is_refused_at_load(tmp_path):
     huge = helper.make_node("ConstantOfShape", ["big_shape"], ["zeros"], name="bomb")
     add = helper.make_node("Add", ["out", "zeros"], ["sum"], name="add")
     m = _lstm_onnx(extra_nodes=[huge, add])
-    m.graph.initializer.append(numpy_helper.from_array(np.array([1 << 20, 1 << 20], np.int64),
-                                                       "big_shape"))  # fmt: skip
+    m.graph.initializer.append(
+        numpy_helper.from_array(np.array([1 << 20, 1 << 20], np.int64), "big_shape")
+    )
     tracemalloc.start()
     try:
         msg = _expect_error(tmp_path, m.SerializeToString(), "bomb.onnx", ModelFormatError)
@@ -339,8 +364,13 @@ def _try_to_use(model) -> None:
 def test_fuzzed_files_fail_cleanly(files, tmp_path_factory, kind):
     path = tmp_path_factory.mktemp("fuzz") / f"fuzz.{kind}"
 
-    @settings(max_examples=900, deadline=2000, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=900,
+        deadline=2000,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.lists(_mutation, min_size=1, max_size=6))
     def fuzz(mutations):
         path.write_bytes(_mutate(files[kind], mutations))

@@ -23,7 +23,6 @@ pytestmark = pytest.mark.onnx
 PATTERN = r"^test_(lstm|gru|rnn|simple_rnn)_.*_cpu$"
 
 
-
 def _rnn_node_tests() -> type[unittest.TestCase]:
     """Only the matching tests, as one TestCase (a module-level reference to the suite's own
     class would make pytest collect ~4000 more tests, all skipped)."""

@@ -4,6 +4,7 @@ checkpoints, .safetensors and .npz load into the same model."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -73,9 +74,14 @@ def _max_err(a, b) -> float:
 
 
 def test_tagger_torchscript_export_matches_torch(tagger, tmp_path):
-    path = _export(tagger, (torch.zeros(5, 3, dtype=torch.long),), tmp_path / "tagger.onnx",
-                   dynamo=False, names=(["tokens"], ["logits"]),
-                   dynamic={"tokens": {0: "T", 1: "N"}})  # fmt: skip
+    path = _export(
+        tagger,
+        (torch.zeros(5, 3, dtype=torch.long),),
+        tmp_path / "tagger.onnx",
+        dynamo=False,
+        names=(["tokens"], ["logits"]),
+        dynamic={"tokens": {0: "T", 1: "N"}},
+    )
     model = load(path)
     assert isinstance(model, GraphModel)
     assert [n.op for n in model.rnn_nodes] == ["LSTM", "LSTM"]
@@ -91,8 +97,13 @@ def test_tagger_torchscript_export_matches_torch(tagger, tmp_path):
 
 def test_tagger_dynamo_export_matches_torch(tagger, tmp_path):
     tokens = np.random.default_rng(1).integers(0, 53, (6, 4))
-    path = _export(tagger, (torch.from_numpy(tokens),), tmp_path / "tagger_dynamo.onnx",
-                   dynamo=True, names=(["tokens"], ["logits"]))  # fmt: skip
+    path = _export(
+        tagger,
+        (torch.from_numpy(tokens),),
+        tmp_path / "tagger_dynamo.onnx",
+        dynamo=True,
+        names=(["tokens"], ["logits"]),
+    )
     model = load(path)
     with torch.no_grad():
         want = tagger(torch.from_numpy(tokens)).numpy()
@@ -102,8 +113,13 @@ def test_tagger_dynamo_export_matches_torch(tagger, tmp_path):
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_bidirectional_gru_export_matches_torch(bigru, tmp_path, dynamo):
     x = np.random.default_rng(2).standard_normal((3, 9, 12)).astype(np.float32)
-    path = _export(bigru, (torch.from_numpy(x),), tmp_path / "bigru.onnx", dynamo=dynamo,
-                   names=(["x"], ["y", "h"]))  # fmt: skip
+    path = _export(
+        bigru,
+        (torch.from_numpy(x),),
+        tmp_path / "bigru.onnx",
+        dynamo=dynamo,
+        names=(["x"], ["y", "h"]),
+    )
     model = load(path)
     with torch.no_grad():
         want_y, want_h = (t.numpy() for t in bigru(torch.from_numpy(x)))
@@ -117,11 +133,28 @@ def test_onnx_to_lrnn_gives_identical_outputs(tagger, bigru, tmp_path):
     tokens = np.random.default_rng(3).integers(0, 53, (7, 2))
     x = np.random.default_rng(4).standard_normal((2, 5, 12)).astype(np.float32)
     cases = [
-        (_export(tagger, (torch.from_numpy(tokens),), tmp_path / "t.onnx", dynamo=False,
-                 names=(["tokens"], ["logits"]), dynamic={"tokens": {0: "T", 1: "N"}}), tokens),
-        (_export(bigru, (torch.from_numpy(x),), tmp_path / "g.onnx", dynamo=False,
-                 names=(["x"], ["y", "h"])), x),
-    ]  # fmt: skip
+        (
+            _export(
+                tagger,
+                (torch.from_numpy(tokens),),
+                tmp_path / "t.onnx",
+                dynamo=False,
+                names=(["tokens"], ["logits"]),
+                dynamic={"tokens": {0: "T", 1: "N"}},
+            ),
+            tokens,
+        ),
+        (
+            _export(
+                bigru,
+                (torch.from_numpy(x),),
+                tmp_path / "g.onnx",
+                dynamo=False,
+                names=(["x"], ["y", "h"]),
+            ),
+            x,
+        ),
+    ]
     for onnx_path, inp in cases:
         lrnn = convert(onnx_path, tmp_path / (onnx_path.stem + ".lrnn"))
         a, b = load(onnx_path), load(lrnn)
@@ -200,3 +233,130 @@ def test_state_dict_files_load(torch_lstm, tmp_path, fmt):
     # and on to the native format, bit for bit
     out = convert(path, tmp_path / "lstm.lrnn", **kwargs)
     assert np.array_equal(load(out).weights.buffer, model.weights.buffer)
+
+
+def test_dynamo_export_with_external_data(bigru, tmp_path):
+    """torch's default for the new exporter keeps weights in a side file; it must load."""
+    x = np.random.default_rng(6).standard_normal((2, 4, 12)).astype(np.float32)
+    path = tmp_path / "ext.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            bigru,
+            (torch.from_numpy(x),),
+            str(path),
+            dynamo=True,
+            external_data=True,
+            input_names=["x"],
+            output_names=["y", "h"],
+        )
+    assert any(p.name != "ext.onnx" for p in tmp_path.iterdir())  # the side file exists
+    with torch.no_grad():
+        want_y, _ = bigru(torch.from_numpy(x))
+    assert _max_err(load(path)(x)[0], want_y.numpy()) <= TOL
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_cli_convert_inspect_run(tagger, tmp_path, capsys):
+    from leanrnn.cli import main
+
+    onnx_path = _export(
+        tagger,
+        (torch.zeros(5, 3, dtype=torch.long),),
+        tmp_path / "t.onnx",
+        dynamo=False,
+        names=(["tokens"], ["logits"]),
+        dynamic={"tokens": {0: "T", 1: "N"}},
+    )
+    lrnn = tmp_path / "t.lrnn"
+    assert main(["convert", str(onnx_path), str(lrnn)]) == 0
+    capsys.readouterr()
+
+    assert main(["inspect", str(lrnn), "--batch", "4", "--steps", "9", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == sum(p.numel() for p in tagger.parameters())
+    assert [layer["op"] for layer in info["layers"] if "spec" in layer] == ["LSTM", "LSTM"]
+    assert info["arena"]["input_shapes"] == {"tokens": [9, 4]}
+    assert info["arena"]["total_bytes"] > 0
+    assert main(["inspect", str(lrnn)]) == 0
+    text = capsys.readouterr().out
+    assert "parameters" in text and "planned arena" in text and "LSTM" in text
+
+    tokens = np.random.default_rng(7).integers(0, 53, (6, 2))
+    np.save(tmp_path / "x.npy", tokens)
+    out = tmp_path / "y.npz"
+    assert main(["run", str(lrnn), "--input", str(tmp_path / "x.npy"), "--output", str(out)]) == 0
+    with torch.no_grad():
+        want = tagger(torch.from_numpy(tokens)).numpy()
+    assert _max_err(np.load(out)["logits"], want) <= TOL
+
+
+def test_cli_run_stack_with_lengths(tmp_path, capsys):
+    from leanrnn.cli import main
+
+    m = GRU(3, 5, seed=2)
+    path = save(m, tmp_path / "g.lrnn")
+    x = np.random.default_rng(8).standard_normal((7, 2, 3)).astype(np.float32)
+    lengths = np.array([7, 3])
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "l.npy", lengths)
+    out = tmp_path / "o.npz"
+    args = [
+        "run",
+        str(path),
+        "--input",
+        str(tmp_path / "x.npy"),
+        "--lengths",
+        str(tmp_path / "l.npy"),
+        "--output",
+        str(out),
+    ]
+    assert main(args) == 0
+    y, h = m(x, lengths=lengths)
+    got = np.load(out)
+    assert np.array_equal(got["y"], y) and np.array_equal(got["h_n"], h)
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameters"] == 3 * 5 * 3 + 3 * 5 * 5 + 2 * 3 * 5
+
+
+def test_cli_reports_errors_cleanly(tmp_path, capsys):
+    from leanrnn.cli import main
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x01garbage")
+    assert main(["inspect", str(bad)]) == 1
+    assert "leanrnn: error: [" in capsys.readouterr().err
+
+
+def test_streamed_import_equals_in_memory_import(tagger, bigru, tmp_path):
+    """From a file, weights are read straight from disk into gate order; from bytes, through the
+    parsed protobuf. Both must give the same packed weights and constants, bit for bit."""
+    from leanrnn.formats.onnx_import import read_onnx
+
+    x = np.zeros((2, 3, 12), np.float32)
+    paths = [
+        _export(
+            tagger,
+            (torch.zeros(3, 2, dtype=torch.long),),
+            tmp_path / "a.onnx",
+            dynamo=False,
+            names=(["tokens"], ["logits"]),
+        ),
+        _export(
+            bigru,
+            (torch.from_numpy(x),),
+            tmp_path / "b.onnx",
+            dynamo=False,
+            names=(["x"], ["y", "h"]),
+        ),
+    ]
+    for p in paths:
+        a, b = read_onnx(p), read_onnx(p.read_bytes())
+        assert a.packed.keys() == b.packed.keys() and a.packed
+        for k in a.packed:
+            assert np.array_equal(a.packed[k].buffer, b.packed[k].buffer)
+        assert a.constants.keys() == b.constants.keys()
+        for k in a.constants:
+            assert np.array_equal(a.constants[k], b.constants[k])

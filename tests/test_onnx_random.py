@@ -25,11 +25,18 @@ GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 PER_DIRECTION = {"LSTM": 3, "GRU": 2, "RNN": 1}
 # ONNX spellings (onnxruntime's RNN op is case-sensitive) and ranges that keep outputs finite
 ACTIVATIONS = {
-    "Sigmoid": None, "Tanh": None, "Relu": None, "Affine": ((0.2, 1.2), (-0.5, 0.5)),
-    "LeakyRelu": ((0.01, 0.5), None), "ThresholdedRelu": ((0.0, 0.8), None),
-    "ScaledTanh": ((0.5, 1.5), (0.5, 1.5)), "HardSigmoid": ((0.1, 0.5), (0.3, 0.7)),
-    "Elu": ((0.5, 1.5), None), "Softsign": None, "Softplus": None,
-}  # fmt: skip
+    "Sigmoid": None,
+    "Tanh": None,
+    "Relu": None,
+    "Affine": ((0.2, 1.2), (-0.5, 0.5)),
+    "LeakyRelu": ((0.01, 0.5), None),
+    "ThresholdedRelu": ((0.0, 0.8), None),
+    "ScaledTanh": ((0.5, 1.5), (0.5, 1.5)),
+    "HardSigmoid": ((0.1, 0.5), (0.3, 0.7)),
+    "Elu": ((0.5, 1.5), None),
+    "Softsign": None,
+    "Softplus": None,
+}
 BOUNDED = ["Sigmoid", "HardSigmoid", "Tanh", "Softsign", "ScaledTanh"]
 SEEDS = range(60)
 
@@ -88,10 +95,14 @@ def _case(op: str, seed: int) -> dict:
     outs = ["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else [])
     keep = [o for o in outs if rng.random() < 0.7] or [str(rng.choice(outs))]
     return {
-        "op": op, "attrs": attrs, "tensors": tensors, "outputs": [o if o in keep else "" for o in outs],
-        "layout": int(rng.integers(0, 2)), "weights_as_inputs": bool(rng.random() < 0.3),
+        "op": op,
+        "attrs": attrs,
+        "tensors": tensors,
+        "outputs": [o if o in keep else "" for o in outs],
+        "layout": int(rng.integers(0, 2)),
+        "weights_as_inputs": bool(rng.random() < 0.3),
         "omit_hidden_size": bool(rng.random() < 0.3),
-    }  # fmt: skip
+    }
 
 
 def _model(case: dict, layout: int, tensors: dict, for_ort: bool) -> bytes:
@@ -117,7 +128,9 @@ def _model(case: dict, layout: int, tensors: dict, for_ort: bool) -> bytes:
         if k not in as_init
     ]
     inits = [numpy_helper.from_array(v, k) for k, v in tensors.items() if k in as_init]
-    graph_outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs if o]
+    graph_outputs = [
+        helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs if o
+    ]
     g = helper.make_graph([node], "g", graph_inputs, graph_outputs, inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
     model.ir_version = 8
@@ -180,22 +193,123 @@ def test_cases_cover_every_attribute():
             c = _case(op, seed)
             a, t = c["attrs"], c["tensors"]
             for key, val in (
-                ("direction", a["direction"]), ("layout", c["layout"]),
-                ("clip", "clip" in a), ("input_forget", a.get("input_forget", 0)),
-                ("lbr", a.get("linear_before_reset", -1)), ("P", "P" in t), ("B", "B" in t),
-                ("seq", "seq" in t), ("zero_len", "seq" in t and not t["seq"].all()),
-                ("h0", "h0" in t), ("c0", "c0" in t), ("dynamic", c["weights_as_inputs"]),
-                ("no_hidden_size", c["omit_hidden_size"]), ("alpha", "activation_alpha" in a),
-                ("beta", "activation_beta" in a), ("outputs", tuple(c["outputs"])),
-            ):  # fmt: skip
+                ("direction", a["direction"]),
+                ("layout", c["layout"]),
+                ("clip", "clip" in a),
+                ("input_forget", a.get("input_forget", 0)),
+                ("lbr", a.get("linear_before_reset", -1)),
+                ("P", "P" in t),
+                ("B", "B" in t),
+                ("seq", "seq" in t),
+                ("zero_len", "seq" in t and not t["seq"].all()),
+                ("h0", "h0" in t),
+                ("c0", "c0" in t),
+                ("dynamic", c["weights_as_inputs"]),
+                ("no_hidden_size", c["omit_hidden_size"]),
+                ("alpha", "activation_alpha" in a),
+                ("beta", "activation_beta" in a),
+                ("outputs", tuple(c["outputs"])),
+            ):
                 seen.setdefault(key, set()).add(val)
             for name in a.get("activations", []):
                 seen.setdefault("act", set()).add(name)
     assert seen["direction"] == {"forward", "reverse", "bidirectional"}
     assert seen["layout"] == {0, 1}
-    for key in ("clip", "input_forget", "P", "B", "seq", "zero_len", "h0", "c0", "dynamic",
-                "no_hidden_size", "alpha", "beta"):  # fmt: skip
+    for key in (
+        "clip",
+        "input_forget",
+        "P",
+        "B",
+        "seq",
+        "zero_len",
+        "h0",
+        "c0",
+        "dynamic",
+        "no_hidden_size",
+        "alpha",
+        "beta",
+    ):
         assert len(seen[key]) == 2, key
     assert seen["lbr"] >= {0, 1}
     assert seen["act"] == set(ACTIVATIONS)
     assert len(seen["outputs"]) >= 6
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU", "RNN"])
+def test_float64_nodes_match_the_float64_reference(op):
+    """float64 RNN nodes run in float64 (onnxruntime has no double LSTM/GRU/RNN kernels, so the
+    oracle here is leanrnn's NumPy reference)."""
+    from leanrnn.formats.onnx_import import rnn_attrs, rnn_from_onnx
+    from leanrnn.kernels.reference import reference_forward
+
+    case = _case(op, 7)
+    t = {
+        k: (v.astype(np.float64) if v.dtype == np.float32 else v)
+        for k, v in case["tensors"].items()
+    }
+    case = dict(case, tensors=t, layout=0, outputs=["Y", "Y_h"] + (["Y_c"] if op == "LSTM" else []))
+    model = onnx.load_from_string(_model(case, 0, t, for_ort=True))
+    for vi in [*model.graph.input, *model.graph.output]:
+        if vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    got = GraphModel(read_onnx(model.SerializeToString())).run(_feeds(case, t))
+    # attributes as the file holds them (ONNX floats are float32)
+    attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    attrs["activations"] = [a.decode() for a in attrs.get("activations", [])]
+    spec, layers = rnn_from_onnx(
+        op, rnn_attrs(op, attrs, op), t["W"], t["R"], t.get("B"), t.get("P")
+    )
+    y, h, c = reference_forward(spec, layers, t["X"], t.get("h0"), t.get("c0"), t.get("seq"))
+    T, N = t["X"].shape[:2]
+    D, H = spec.num_directions, spec.hidden_size
+    want = [y.reshape(T, N, D, H).transpose(0, 2, 1, 3), h] + ([c] if op == "LSTM" else [])
+    if "seq" in t and not t["seq"].all():  # onnxruntime's convention, which leanrnn follows
+        for w in want[1:]:
+            w[:, t["seq"] == 0] = 0
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+@pytest.mark.parametrize("outputs", [("Y", "Y_h"), ("", "Y_h")])
+@pytest.mark.parametrize("layout", [0, 1])
+def test_long_sequences_match_onnxruntime(direction, outputs, layout):
+    """T longer than the engine's chunk of steps, with lengths and initial states: the chunked
+    paths (forward nodes; nodes whose Y nobody reads) against onnxruntime."""
+    rng = np.random.default_rng([len(direction), len(outputs[0]), layout])
+    D = 2 if direction == "bidirectional" else 1
+    T, N, C, H = 77, 3, 6, 9
+    t = {
+        "W": (rng.standard_normal((D, 4 * H, C)) / np.sqrt(C)).astype(np.float32),
+        "R": (rng.standard_normal((D, 4 * H, H)) * 0.8 / np.sqrt(H)).astype(np.float32),
+        "B": (rng.standard_normal((D, 8 * H)) * 0.3).astype(np.float32),
+        "seq": np.array([T, 40, 33], np.int32),
+        "h0": rng.standard_normal((D, N, H)).astype(np.float32),
+        "c0": rng.standard_normal((D, N, H)).astype(np.float32),
+        "X": rng.standard_normal((T, N, C)).astype(np.float32),
+    }
+    case = {
+        "op": "LSTM",
+        "attrs": {"hidden_size": H, "direction": direction},
+        "tensors": t,
+        "outputs": [*outputs, "Y_c"],
+        "layout": layout,
+        "weights_as_inputs": False,
+        "omit_hidden_size": False,
+    }
+    sess = ort.InferenceSession(
+        _model(case, 0, t, for_ort=True), providers=["CPUExecutionProvider"]
+    )
+    expected = sess.run(None, _feeds(case, t))
+    if layout:
+        expected = [
+            e.transpose(2, 0, 1, 3) if e.ndim == 4 else e.transpose(1, 0, 2) for e in expected
+        ]
+    tensors = _to_layout1(t) if layout else t
+    got = GraphModel(read_onnx(_model(case, layout, tensors, for_ort=False))).run(
+        _feeds(case, tensors)
+    )
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5, err_msg=_describe(case))

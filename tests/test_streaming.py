@@ -17,8 +17,10 @@ from test_properties import random_layers
 from tolerances import atol
 
 
-def _model(cell, layers=2, H=20, C=6, proj=0, bf=False, seed=0, dtype=np.float32):
-    spec = RNNSpec(cell, C, H, num_layers=layers, proj_size=proj, batch_first=bf)
+def _model(cell, layers=2, H=20, C=6, proj=0, bf=False, seed=0, dtype=np.float32,
+           direction="forward"):  # fmt: skip
+    spec = RNNSpec(cell, C, H, num_layers=layers, proj_size=proj, batch_first=bf,
+                   direction=direction)  # fmt: skip
     # torch-like weight scale: chunk boundaries change float32 summation order, and large
     # weights would amplify that rounding past the float32 tolerance over many steps
     layers = random_layers(spec, np.random.default_rng(seed), dtype, scale=1 / np.sqrt(H))
@@ -75,10 +77,28 @@ def test_single_step_feed_reset_and_restore():
         s.feed(x[0, :1])
 
 
-def test_stream_rejects_bidirectional():
+def test_stream_rejects_bidirectional_and_reverse():
     m = leanrnn.LSTM(4, 8, bidirectional=True, seed=0)
     with pytest.raises(errors.SpecError, match="bidirectional stack cannot stream"):
         m.session.stream(1)
+    rev = _model("gru", 1, direction="reverse")
+    with pytest.raises(errors.SpecError, match="reverse stack cannot stream"):
+        rev.session.stream(1)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_reverse_stacks_ignore_chunking(cell):
+    """Regression: chunks advance forward in time, which is wrong for a reverse direction;
+    chunk and return_sequences=False must fall back to the whole sequence there."""
+    model = _model(cell, 2, direction="reverse")
+    x = np.random.default_rng(0).standard_normal((70, 2, 6)).astype(np.float32)
+    lengths = np.array([70, 45])
+    y, h, _ = model.session.run(x, lengths=lengths)
+    s = Session(model.weights, chunk=32)
+    yc, hc, _ = s.run(x, lengths=lengths)
+    np.testing.assert_allclose(yc, y, rtol=0, atol=1e-6)
+    _, hl, _ = Session(model.weights).run(x, lengths=lengths, return_sequences=False)
+    np.testing.assert_allclose(hl, h, rtol=0, atol=1e-6)
 
 
 def test_streaming_steps_do_not_grow_memory():

@@ -8,7 +8,9 @@ from __future__ import annotations
 from . import errors
 from .config import get_num_threads, set_num_threads
 from .engine import Pool, Session, Stream
+from .engine.graph import GraphModel
 from .formats.packing import LayerWeights, PackedWeights, pack
+from .loading import convert, load, save
 from .nn import GRU, LSTM, RNN, Model, from_state_dict, from_torch
 from .spec import Activation, RNNSpec
 
@@ -19,6 +21,7 @@ __all__ = [
     "LSTM",
     "RNN",
     "Activation",
+    "GraphModel",
     "LayerWeights",
     "Model",
     "PackedWeights",
@@ -27,10 +30,13 @@ __all__ = [
     "Session",
     "Stream",
     "__version__",
+    "convert",
     "errors",
     "from_state_dict",
     "from_torch",
     "get_num_threads",
+    "load",
     "pack",
+    "save",
     "set_num_threads",
 ]

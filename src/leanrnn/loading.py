@@ -25,9 +25,17 @@ _CELL_MODULES = {"lstm": LSTM, "gru": GRU, "rnn": RNN}
 __all__ = ["convert", "load", "save"]
 
 
-def load(path, *, threads: int | None = None, verify: bool = True, prefix: str | None = None,
-         cell: str | None = None, nonlinearity: str = "tanh", batch_first: bool = False,
-         dtype=None) -> Model | GraphModel:  # fmt: skip
+def load(
+    path,
+    *,
+    threads: int | None = None,
+    verify: bool = True,
+    prefix: str | None = None,
+    cell: str | None = None,
+    nonlinearity: str = "tanh",
+    batch_first: bool = False,
+    dtype=None,
+) -> Model | GraphModel:
     """Load a model from ``path``; returns an ``LSTM``/``GRU``/``RNN`` for a recurrent stack or a
     ``GraphModel`` for a graph (ONNX, or a ``.lrnn`` converted from one).
 
@@ -50,8 +58,9 @@ def load(path, *, threads: int | None = None, verify: bool = True, prefix: str |
         return GraphModel(obj, threads=threads)
     if kind in ("safetensors", "npz", "torch-zip", "pickle"):
         sd = checkpoint.select_rnn(checkpoint.read_state_dict(path, kind), prefix, path)
-        model = Model.from_state_dict(sd, cell=cell, nonlinearity=nonlinearity,
-                                      batch_first=batch_first, dtype=dtype)  # fmt: skip
+        model = Model.from_state_dict(
+            sd, cell=cell, nonlinearity=nonlinearity, batch_first=batch_first, dtype=dtype
+        )
         if threads is not None:
             model.session.threads = threads
         return model
@@ -76,8 +85,9 @@ def save(model: Model | GraphModel, path) -> str:
     elif isinstance(model, Model):
         native.save_rnn(model.weights, path)
     else:
-        raise ModelFormatError(f"[save] got a {type(model).__name__}; expected a leanrnn Model "
-                               "or GraphModel")  # fmt: skip
+        raise ModelFormatError(
+            f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
+        )
     return path
 
 
@@ -86,6 +96,7 @@ def convert(src, dst, **options) -> str:
     to ``dst``. Returns ``dst``."""
     dst = os.fspath(dst)
     if not dst.lower().endswith(".lrnn"):
-        raise ModelFormatError(f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its "
-                               "native format only)")  # fmt: skip
+        raise ModelFormatError(
+            f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its native format only)"
+        )
     return save(load(src, **options), dst)

@@ -12,8 +12,9 @@ import sys
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a model file on inputs from .npy/.npz files")
     p.add_argument("model", help="model file: .lrnn, .onnx, PyTorch checkpoint, .safetensors, .npz")
-    p.add_argument("--input", required=True,
-                   help="x.npy (the first input) or inputs.npz (inputs by name)")
+    p.add_argument(
+        "--input", required=True, help="x.npy (the first input) or inputs.npz (inputs by name)"
+    )
     p.add_argument("--lengths", help="l.npy: per-sample lengths [N] (integers)")
     p.add_argument("--output", help="write every output to this .npz (default: print a summary)")
     p.add_argument("--threads", type=int, help="kernel threads (default: all)")
@@ -121,8 +122,14 @@ def describe(model, batch: int, steps: int) -> dict:
         for node in g.nodes:
             pw = g.packed.get(node.name)
             if node.op in RNN_OPS and pw is not None:
-                layers.append({"node": node.name, "op": node.op, "spec": _spec_line(pw.spec),
-                               "weight_bytes": pw.nbytes})  # fmt: skip
+                layers.append(
+                    {
+                        "node": node.name,
+                        "op": node.op,
+                        "spec": _spec_line(pw.spec),
+                        "weight_bytes": pw.nbytes,
+                    }
+                )
                 params += _rnn_params(pw.spec)
                 wbytes += pw.nbytes
             else:
@@ -141,18 +148,33 @@ def describe(model, batch: int, steps: int) -> dict:
             "rnn_arena_bytes": sess.rnn_arena_bytes,
             "shape_constant_bytes": sess.resize_constant_bytes,
         }
-        arena["total_bytes"] = sess.arena_bytes + sess.rnn_arena_bytes + (
-            sess.resize_constant_bytes)  # fmt: skip
-        return {"kind": "graph", "inputs": [t.to_dict() for t in g.inputs],
-                "outputs": [t.to_dict() for t in g.outputs], "layers": layers,
-                "parameters": int(params), "weight_bytes": int(wbytes),
-                "batch": batch, "steps": steps, "arena": arena}  # fmt: skip
+        arena["total_bytes"] = (
+            sess.arena_bytes + sess.rnn_arena_bytes + (sess.resize_constant_bytes)
+        )
+        return {
+            "kind": "graph",
+            "inputs": [t.to_dict() for t in g.inputs],
+            "outputs": [t.to_dict() for t in g.outputs],
+            "layers": layers,
+            "parameters": int(params),
+            "weight_bytes": int(wbytes),
+            "batch": batch,
+            "steps": steps,
+            "arena": arena,
+        }
     spec = model.spec
     p = model.session.resize(batch, steps)
     return {
         "kind": "rnn",
-        "layers": [{"layer": layer, "spec": _spec_line(spec.with_(num_layers=1, input_size=(
-            spec.layer_input_size(layer))))} for layer in range(spec.num_layers)],  # fmt: skip
+        "layers": [
+            {
+                "layer": layer,
+                "spec": _spec_line(
+                    spec.with_(num_layers=1, input_size=(spec.layer_input_size(layer)))
+                ),
+            }
+            for layer in range(spec.num_layers)
+        ],
         "spec": spec.to_dict(),
         "dtype": model.dtype.name,
         "parameters": _rnn_params(spec),
@@ -179,16 +201,19 @@ def run_cmd(args) -> int:
     lengths = None if args.lengths is None else _load_array(args.lengths, "--lengths")
     inp = _load_array(args.input, "--input")
     if isinstance(model, GraphModel):
-        if isinstance(inp, np.lib.npyio.NpzFile):
-            feeds = {k: inp[k] for k in inp.files}
-        else:
-            if len(model.input_names) - (lengths is not None) != 1:
-                raise ShapeError(f"[run] the model takes inputs {model.input_names}; pass them "
-                                 "by name in an .npz")  # fmt: skip
-            feeds = {model.input_names[0]: inp}
+        feeds = {}
         if lengths is not None:
-            name = _lengths_input(model)
-            feeds[name] = lengths
+            feeds[_lengths_input(model)] = lengths
+        if isinstance(inp, np.lib.npyio.NpzFile):
+            feeds.update({k: inp[k] for k in inp.files})
+        else:
+            rest = [n for n in model.input_names if n not in feeds]
+            if len(rest) != 1:
+                raise ShapeError(
+                    f"[run] the model takes inputs {model.input_names}; pass them by name in "
+                    "an .npz"
+                )
+            feeds[rest[0]] = inp
         outs = dict(zip(model.output_names, model.run(feeds), strict=True))
     else:
         if isinstance(inp, np.lib.npyio.NpzFile):
@@ -202,8 +227,10 @@ def run_cmd(args) -> int:
         print(f"wrote {', '.join(outs)} to {args.output}")
     else:
         for k, v in outs.items():
-            print(f"{k}: {v.dtype}{list(v.shape)} mean={float(np.mean(v)):.6g} "
-                  f"absmax={float(np.max(np.abs(v))) if v.size else 0.0:.6g}")  # fmt: skip
+            print(
+                f"{k}: {v.dtype}{list(v.shape)} mean={float(np.mean(v)):.6g} "
+                f"absmax={float(np.max(np.abs(v))) if v.size else 0.0:.6g}"
+            )
     return 0
 
 
@@ -215,8 +242,10 @@ def _lengths_input(model) -> str:
     for node in model.rnn_nodes:
         if len(node.inputs) > 4 and node.inputs[4] in names:
             return node.inputs[4]
-    raise ShapeError(f"[run] --lengths given, but no graph input feeds an RNN node's "
-                     f"sequence_lens (inputs: {model.input_names})")  # fmt: skip
+    raise ShapeError(
+        f"[run] --lengths given, but no graph input feeds an RNN node's "
+        f"sequence_lens (inputs: {model.input_names})"
+    )
 
 
 def inspect_cmd(args) -> int:
@@ -244,12 +273,16 @@ def inspect_cmd(args) -> int:
     print(f"  parameters:   {info['parameters']:,}")
     print(f"  weight bytes: {info['weight_bytes']:,} ({_mib(info['weight_bytes'])})")
     a = info["arena"]
-    print(f"  planned arena for N={info['batch']}, T={info['steps']}: {a['total_bytes']:,} B "
-          f"({_mib(a['total_bytes'])})")  # fmt: skip
+    print(
+        f"  planned arena for N={info['batch']}, T={info['steps']}: {a['total_bytes']:,} B "
+        f"({_mib(a['total_bytes'])})"
+    )
     if info["kind"] == "graph":
-        print(f"    graph intermediates: {_mib(a['graph_arena_bytes'])} (without reuse: "
-              f"{_mib(a['graph_arena_naive_bytes'])}); RNN scratch: {_mib(a['rnn_arena_bytes'])};"
-              f" shape-derived constants: {_mib(a['shape_constant_bytes'])}")  # fmt: skip
+        print(
+            f"    graph intermediates: {_mib(a['graph_arena_bytes'])} (without reuse: "
+            f"{_mib(a['graph_arena_naive_bytes'])}); RNN scratch: {_mib(a['rnn_arena_bytes'])};"
+            f" shape-derived constants: {_mib(a['shape_constant_bytes'])}"
+        )
         print(f"    input shapes: {a['input_shapes']}")
     else:
         print(f"    without reuse: {_mib(a['naive_bytes'])}")

@@ -1,26 +1,32 @@
 """GraphModel / GraphSession: run the small op graph exporters put around RNN nodes.
 
-Op vocabulary is ONNX's (see ``SUPPORTED_OPS``). A ``GraphModel`` owns the graph, folds every
-node whose inputs are all constants, packs RNN weights that became constant, and drops nodes no
-output needs. A ``GraphSession`` plans one run shape the way ``Session`` does (MNN's
-onResize/onExecute split):
+Op vocabulary is ONNX's (see ``SUPPORTED_OPS``). A ``GraphModel`` owns the graph: at load it
+rejects unsupported ops (naming op and node), folds every node whose inputs are all constants,
+packs RNN weights that became constant, drops nodes no output needs, and fuses the
+``Transpose(perm=[0, 2, 1, 3])`` exporters put after an RNN's Y into the RNN node. A
+``GraphSession`` plans one run shape the way ``Session`` does (MNN's onResize/onExecute split):
 
-- ``resize`` walks the graph once with the input shapes: tensors that depend only on input
+- ``resize`` walks the graph once with the input shapes. Tensors that depend only on input
   *shapes* (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape`` chains, ``ConstantOfShape``
-  initial states) are evaluated right there; every other tensor gets a shape, a dtype and a
+  initial states) are evaluated right there. Every other tensor gets a shape, a dtype and a
   lifetime [producing op, last reading op], and ``memory.planner`` packs them into one arena.
-  View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout, and Transpose/Cast/Expand
-  when they move no data) get no memory; they extend the lifetime of the tensor they view.
-- ``run`` hands each op arena views to write into; graph outputs are fresh arrays per run.
+  View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout; Transpose/Cast/Expand when
+  they move no data) get no memory, and elementwise ops overwrite their input when nothing
+  reads it later; both extend the lifetime of the memory they reuse.
+- ``run`` hands each op its arena views; a graph output is a fresh array per run, written in
+  place by the op that produces it.
 
-RNN nodes (LSTM/GRU/RNN, one layer, any direction) run through one engine ``Session`` each.
-The engine returns y [T, N, D*H] ([N, T, D*H] for layout 1); ONNX wants Y [T, D, N, H]
-([N, T, D, H]), which is the same memory when D == 1 or layout == 1, so the engine writes Y in
-place and only a layout-0 bidirectional Y is transposed through an arena scratch buffer.
+RNN nodes (LSTM/GRU/RNN, one layer, any direction) run through one engine ``Session`` each; the
+sessions share one arena (``Pool``: they run one after another) and unidirectional ones run in
+chunks of steps, so their scratch does not grow with T. The engine returns y [T, N, D*H]
+([N, T, D*H] for layout 1); ONNX wants Y [T, D, N, H] ([N, T, D, H]), which is the same memory
+when D == 1, layout == 1 or the transpose after Y was fused, so the engine writes Y in place;
+only an unfused layout-0 bidirectional Y is transposed through an arena scratch buffer.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -28,13 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import config
 from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, UnsupportedOpError
 from ..formats.native import Graph, Node
 from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
 from ..formats.packing import pack
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
-from .session import Pool, Session
+from .session import DEFAULT_CHUNK, Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -79,6 +86,14 @@ def _fail(node: Node, msg: str, cls: type[LeanRNNError] = ShapeError):
     raise cls(f"[graph] node {node.name!r} ({node.op}): {msg}")
 
 
+def _numeric(node: Node, name) -> np.dtype:
+    """A numeric or bool dtype by its numpy name (names only: np.dtype(None) is float64)."""
+    dt = np.dtype(name) if isinstance(name, str) else None
+    if dt is None or dt.kind not in "biuf":
+        _fail(node, f"dtype {name!r}; expected a numeric or bool dtype name", ModelFormatError)
+    return dt
+
+
 def _axis(node: Node, axis, rank: int) -> int:
     a = int(axis)
     if not -rank <= a < rank:
@@ -88,8 +103,12 @@ def _axis(node: Node, axis, rank: int) -> int:
 
 def _ints(node: Node, value, what: str) -> list[int]:
     if value is None:
-        _fail(node, f"{what} must be a constant or computable from input shapes (Shape, Gather, "
-              "Concat, ...); here it depends on input values", ModelFormatError)  # fmt: skip
+        _fail(
+            node,
+            f"{what} must be a constant or computable from input shapes (Shape, Gather, "
+            "Concat, ...); here it depends on input values",
+            ModelFormatError,
+        )
     arr = np.asarray(value)
     if arr.dtype.kind not in "iu" or arr.ndim > 1:
         _fail(node, f"{what} is {arr.dtype}{list(arr.shape)}; expected a 1-D integer tensor")
@@ -110,8 +129,11 @@ def _same_dtype(node: Node, ins: list) -> np.dtype:
     dt = present[0].dtype
     for m in present[1:]:
         if m.dtype != dt:
-            _fail(node, f"inputs have dtypes {[str(x.dtype) for x in present]}; expected one dtype",
-                  DTypeError)  # fmt: skip
+            _fail(
+                node,
+                f"inputs have dtypes {[str(x.dtype) for x in present]}; expected one dtype",
+                DTypeError,
+            )
     return dt
 
 
@@ -268,12 +290,41 @@ def _matmul_infer(ctx, node, ins, vals):
     return [Out(tuple(shape), dt)]
 
 
+# Below this many multiply-adds a matrix product runs on the calling thread alone.
+PARALLEL_MATMUL_MACS = 1 << 24
+_pool = None
+
+
+def _row_parallel_matmul(ctx, a, b, out) -> None:
+    """out [R, M] = a [R, K] @ b [K, M], rows split over ``threads`` Python threads, each a
+    single-threaded BLAS call (numpy releases the GIL). Unlike BLAS's own pool, idle Python
+    threads sleep instead of spinning, so they never starve the RNN kernels' threads."""
+    global _pool
+    threads = ctx.threads or config.get_num_threads()
+    rows = a.shape[0]
+    if threads < 2 or rows < 2 * threads or rows * a.shape[1] * b.shape[1] < PARALLEL_MATMUL_MACS:
+        np.matmul(a, b, out=out)
+        return
+    if _pool is None or _pool._max_workers < threads:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanrnn-matmul")
+    cuts = np.linspace(0, rows, threads + 1).astype(int)
+    jobs = [
+        _pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
+        for lo, hi in itertools.pairwise(cuts)
+        if hi > lo
+    ]
+    for j in jobs:
+        j.result()
+
+
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
     a, b = ins
     o = outs[0]
-    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:
-        # [..., K] @ [K, M]: one BLAS call over all leading rows, not one per batch entry
-        np.matmul(a.reshape(-1, a.shape[-1]), b, out=o.reshape(-1, b.shape[1]))
+    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
+        # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
+        _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
         np.matmul(a, b, out=o)
     return outs
@@ -298,7 +349,7 @@ def _gemm_run(ctx, node, ins, outs, metas, tmp):
     a = ins[0].T if node.attrs.get("transA", 0) else ins[0]
     b = ins[1].T if node.attrs.get("transB", 0) else ins[1]
     o = outs[0]
-    np.matmul(a, b, out=o)
+    _row_parallel_matmul(ctx, a, b, o)
     alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
     if alpha != 1.0:
         o *= o.dtype.type(alpha)
@@ -328,8 +379,11 @@ def _gather_run(ctx, node, ins, outs, metas, tmp):
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -n or hi >= n:
             bad = lo if lo < -n else hi
-            _fail(node, f"index {bad} is out of range [-{n}, {n}) for axis {a} of input "
-                  f"{list(data.shape)} (e.g. a token id >= the embedding's vocabulary)")  # fmt: skip
+            _fail(
+                node,
+                f"index {bad} is out of range [-{n}, {n}) for axis {a} of input "
+                f"{list(data.shape)} (e.g. a token id >= the embedding's vocabulary)",
+            )
     # indices are checked above, so 'wrap' only maps negatives; unlike 'raise' it is unbuffered
     np.take(data, idx, axis=a, out=outs[0], mode="wrap")
     return outs
@@ -428,8 +482,11 @@ def _identity_infer(ctx, node, ins, vals):
     if node.op == "Dropout" and len(ins) > 2 and ins[2] is not None:
         train = vals[2]
         if train is None or bool(np.asarray(train).reshape(-1)[0]):
-            _fail(node, "training_mode is not a constant false; leanrnn runs inference only",
-                  ModelFormatError)  # fmt: skip
+            _fail(
+                node,
+                "training_mode is not a constant false; leanrnn runs inference only",
+                ModelFormatError,
+            )
     outs = [Out(ins[0].shape, ins[0].dtype, view=True)]
     if len(node.outputs) > 1:
         outs.append(Out(ins[0].shape, np.dtype(np.bool_)))  # Dropout's mask: all kept
@@ -487,8 +544,11 @@ def _slices(node, ins, vals, opset) -> tuple[tuple[slice, ...], tuple[int, ...]]
     axes = list(range(len(starts))) if axes is None else axes
     steps = [1] * len(starts) if steps is None else steps
     if not len(starts) == len(ends) == len(axes) == len(steps):
-        _fail(node, f"starts/ends/axes/steps have lengths {len(starts)}/{len(ends)}/"
-              f"{len(axes)}/{len(steps)}; expected equal")  # fmt: skip
+        _fail(
+            node,
+            f"starts/ends/axes/steps have lengths {len(starts)}/{len(ends)}/"
+            f"{len(axes)}/{len(steps)}; expected equal",
+        )
     sl = [slice(None)] * len(shape)
     for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
         a = _axis(node, a, len(shape))
@@ -530,9 +590,12 @@ def _split_infer(ctx, node, ins, vals):
         q = -(-shape[a] // k)
         sizes = [q] * (k - 1) + [shape[a] - q * (k - 1)]
     if len(sizes) != len(node.outputs) or sum(sizes) != shape[a] or min(sizes) < 0:
-        _fail(node, f"split {sizes} does not cut axis {a} of size {shape[a]} into "
-              f"{len(node.outputs)} parts")  # fmt: skip
-    return [Out(shape[:a] + (s,) + shape[a + 1 :], ins[0].dtype) for s in sizes]
+        _fail(
+            node,
+            f"split {sizes} does not cut axis {a} of size {shape[a]} into "
+            f"{len(node.outputs)} parts",
+        )
+    return [Out((*shape[:a], s, *shape[a + 1 :]), ins[0].dtype) for s in sizes]
 
 
 def _split_run(ctx, node, ins, outs, metas, tmp):
@@ -585,7 +648,7 @@ def _constant_of_shape_infer(ctx, node, ins, vals):
     if any(d < 0 for d in shape):
         _fail(node, f"shape {shape} has a negative dim")
     v = node.attrs.get("value") or {"dtype": "float32", "values": [0.0]}
-    return [Out(tuple(shape), np.dtype(v["dtype"]))]
+    return [Out(tuple(shape), _numeric(node, v["dtype"]))]
 
 
 def _constant_of_shape_run(ctx, node, ins, outs, metas, tmp):
@@ -598,7 +661,7 @@ def _cast_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
     if "to" not in node.attrs:
         _fail(node, "needs a 'to' attribute", ModelFormatError)
-    dt = np.dtype(node.attrs["to"])
+    dt = _numeric(node, node.attrs["to"])
     value = None if vals[0] is None else np.asarray(vals[0]).astype(dt)
     return [Out(ins[0].shape, dt, view=dt == ins[0].dtype, value=value)]
 
@@ -640,8 +703,12 @@ def _rnn_infer(ctx, node, ins, vals):
     if C != Cw:
         _fail(node, f"X has {C} features; the weights expect input_size {Cw}")
     if X.dtype != wdt:
-        _fail(node, f"X has dtype {X.dtype}; the weights are {wdt} (leanrnn never converts "
-              "silently; Cast the input)", DTypeError)  # fmt: skip
+        _fail(
+            node,
+            f"X has dtype {X.dtype}; the weights are {wdt} (leanrnn never converts "
+            "silently; Cast the input)",
+            DTypeError,
+        )
     if T < 1 or N < 1:
         _fail(node, f"X has shape {list(X.shape)}; T and N must be >= 1")
     state = (D, N, H) if layout == 0 else (N, D, H)
@@ -649,8 +716,7 @@ def _rnn_infer(ctx, node, ins, vals):
         _fail(node, f"sequence_lens is {ins[4].dtype}{list(ins[4].shape)}; expected int32[{N}]")
     for k, nm in ((5, "initial_h"), (6, "initial_c")):
         if ins[k] is not None and (ins[k].shape != state or ins[k].dtype != wdt):
-            _fail(node, f"{nm} is {ins[k].dtype}{list(ins[k].shape)}; expected {wdt}"
-                  f"{list(state)}")  # fmt: skip
+            _fail(node, f"{nm} is {ins[k].dtype}{list(ins[k].shape)}; expected {wdt}{list(state)}")
     if ins[6] is not None and node.op != "LSTM":
         _fail(node, "initial_c is an LSTM input", ModelFormatError)
     if layout == 1:
@@ -673,14 +739,24 @@ def _y_direct(node, D: int) -> bool:
     return D == 1 or layout == 1 or bool(node.attrs.get("y_tndh"))
 
 
+def _engine_y(ctx, node) -> bool:
+    """Whether the engine computes y: when Y is needed, and for a reverse node always.
+
+    Without Y the engine keeps only final states (``return_sequences=False``), which runs
+    unidirectional stacks in chunks of steps; chunked runs are wrong for direction="reverse"
+    in this engine version (chunks advance forward in time; reproducer in the issue report),
+    so reverse nodes compute y into scratch instead. Bidirectional stacks are never chunked."""
+    return _rnn_need(ctx, node, 0) or node.attrs.get("direction") == "reverse"
+
+
 def _rnn_scratch(ctx, node, ins, metas, needed):
     layout, D = _rnn_layout(node)
     X = ins[0].shape
     T, N = (X[0], X[1]) if layout == 0 else (X[1], X[0])
     H, dt = metas[0].shape[-1], metas[0].dtype  # Y is [.., H] in both layouts
     tmp = {}
-    if _rnn_need(ctx, node, 0) and not _y_direct(node, D):
-        tmp["y"] = ((T, N, D * H), dt)
+    if _engine_y(ctx, node) and not (_rnn_need(ctx, node, 0) and _y_direct(node, D)):
+        tmp["y"] = ((T, N, D * H) if layout == 0 else (N, T, D * H), dt)
     if not (_rnn_need(ctx, node, 1) and layout == 0):
         tmp["h"] = ((D, N, H), dt)
     if node.op == "LSTM" and not (_rnn_need(ctx, node, 2) and layout == 0):
@@ -695,8 +771,9 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
     session = ctx.sessions.get(node.name)
     if session is None:  # weights are graph inputs or computed: pack them for this run
         P = ins[7] if node.op == "LSTM" else None
-        spec, layers = rnn_from_onnx(node.op, node.attrs, ins[1], ins[2], ins[3], P,
-                                     f"node {node.name!r}")  # fmt: skip
+        spec, layers = rnn_from_onnx(
+            node.op, node.attrs, ins[1], ins[2], ins[3], P, f"node {node.name!r}"
+        )
         session = Session(pack(spec, layers, ins[1].dtype), threads=ctx.threads)
     x = ins[0]
     H = session.spec.hidden_size
@@ -705,21 +782,23 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
         h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
         c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
     T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
-    want_y = _rnn_need(ctx, node, 0)
+    engine_y = _engine_y(ctx, node)
     y = None
-    if want_y:
-        y = tmp["y"] if "y" in tmp else outs[0].reshape((T, N, D * H) if layout == 0 else
-                                                        (N, T, D * H))  # fmt: skip
+    if engine_y:
+        y = (
+            tmp["y"]
+            if "y" in tmp
+            else outs[0].reshape((T, N, D * H) if layout == 0 else (N, T, D * H))
+        )
     h = tmp["h"] if "h" in tmp else outs[1]
     states = (h, tmp["c"] if "c" in tmp else outs[2]) if node.op == "LSTM" else (h,)
-    # Without Y the engine keeps only final states (chunked: scratch independent of T)
-    out = (y, *states) if want_y else states
-    session.run(x, h0, c0, ins[4], out=out, return_sequences=want_y)
+    out = (y, *states) if engine_y else states
+    session.run(x, h0, c0, ins[4], out=out, return_sequences=engine_y)
     if ins[4] is not None and not ins[4].all():
         # A zero-length sample: onnxruntime reports zero final states (not the initial ones)
         for state in states:
             state[:, ins[4] == 0] = 0
-    if "y" in tmp:  # layout 0, D == 2: [T, N, D, H] -> ONNX's [T, D, N, H]
+    if "y" in tmp and _rnn_need(ctx, node, 0):  # layout 0, D == 2: -> ONNX's [T, D, N, H]
         np.copyto(outs[0], y.reshape(T, N, D, H).transpose(0, 2, 1, 3))
     if layout == 1:
         for k, src in enumerate(states, start=1):
@@ -753,8 +832,22 @@ OPS: dict[str, OpDef] = {
     "Cast": OpDef(_cast_infer, _cast_run),
     **{k: OpDef(_rnn_infer, _rnn_run, _rnn_scratch) for k in RNN_OPS},
 }
+# Elementwise ops whose output may take over an input's memory (see GraphSession._plan_arena)
+INPLACE_OPS = frozenset([*_UNARY, *_BINARY, "Softmax", "LogSoftmax"])
 # Constant nodes never reach the engine: the importer turns them into constants.
 SUPPORTED_OPS = tuple(sorted([*OPS, "Constant"]))
+
+
+_controller = None
+
+
+def _blas_controller():
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    return _controller
 
 
 def _guard(node: Node, fn, *args):
@@ -765,8 +858,9 @@ def _guard(node: Node, fn, *args):
     except LeanRNNError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
-        raise ModelFormatError(f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: "
-                               f"{e}") from None  # fmt: skip
+        raise ModelFormatError(
+            f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: {e}"
+        ) from None
 
 
 def _eval(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
@@ -788,6 +882,9 @@ class GraphModel:
 
     ``model(*inputs)`` or ``model(**named)`` returns the graph's outputs (one array, or a tuple);
     ``run(feeds)`` returns a list. Inputs must have the declared dtypes (nothing is converted).
+    Returned arrays belong to the caller (fresh per run). The model takes ownership of ``graph``
+    and rewrites it at load (folded constants, packed weights, pruned and fused nodes); that
+    rewritten graph is what ``leanrnn.save`` stores.
 
         >>> m = leanrnn.load("model.onnx")                      # doctest: +SKIP
         >>> logits = m(tokens)                                  # doctest: +SKIP
@@ -826,6 +923,13 @@ class GraphModel:
     # -- load-time passes
     def _check(self) -> None:
         g = self.graph
+        for t in [*g.inputs, *g.outputs]:
+            ok = t.dtype == "" or (t.dtype in np.sctypeDict and np.dtype(t.dtype).kind in "biuf")
+            if not ok:
+                raise ModelFormatError(
+                    f"[load] graph input/output {t.name!r} has dtype "
+                    f"{t.dtype!r}; expected a numeric or bool dtype"
+                )
         defined = set(g.constants) | {t.name for t in g.inputs}
         names = set()
         for node in g.nodes:
@@ -839,8 +943,10 @@ class GraphModel:
             names.add(node.name)
             for i in node.inputs:
                 if i and i not in defined:
-                    raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) reads {i!r}, "
-                                           "which nothing defines before it")  # fmt: skip
+                    raise ModelFormatError(
+                        f"[load] node {node.name!r} ({node.op}) reads {i!r}, "
+                        "which nothing defines before it"
+                    )
             for o in node.outputs:
                 if o in defined:
                     raise ModelFormatError(f"[load] node {node.name!r} redefines tensor {o!r}")
@@ -857,10 +963,13 @@ class GraphModel:
     def _check_rnn(self, node: Node) -> None:
         a = node.attrs
         if a.get("layout") not in (0, 1) or a.get("direction") not in (
-            "forward", "reverse", "bidirectional"
+            "forward",
+            "reverse",
+            "bidirectional",
         ):
-            raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) has malformed "
-                                   f"attributes {a}")  # fmt: skip
+            raise ModelFormatError(
+                f"[load] node {node.name!r} ({node.op}) has malformed attributes {a}"
+            )
         if a.get("y_tndh", False) not in (True, False) or (a.get("y_tndh") and a["layout"]):
             raise ModelFormatError(f"[load] node {node.name!r}: y_tndh needs layout 0")
         pw = self.graph.packed.get(node.name)
@@ -868,7 +977,10 @@ class GraphModel:
             return
         s = pw.spec
         if (s.cell, s.num_layers, s.direction, s.batch_first) != (
-            RNN_OPS[node.op], 1, a["direction"], a["layout"] == 1
+            RNN_OPS[node.op],
+            1,
+            a["direction"],
+            a["layout"] == 1,
         ):
             raise ModelFormatError(
                 f"[load] node {node.name!r} ({node.op}, {a['direction']}, layout {a['layout']}) "
@@ -891,9 +1003,11 @@ class GraphModel:
             metas = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
             for m in metas:
                 if m.nbytes > limit:
-                    raise ModelFormatError(f"[load] node {node.name!r} ({node.op}) would make a "
-                                           f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
-                                           f"more than {limit} bytes")  # fmt: skip
+                    raise ModelFormatError(
+                        f"[load] node {node.name!r} ({node.op}) would make a "
+                        f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
+                        f"more than {limit} bytes"
+                    )
             res = _guard(node, _eval, ctx, node, vals, metas)
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
@@ -992,13 +1106,33 @@ class GraphSession:
         g = model.graph
         # RNN nodes run one after another: their sessions share one arena (sized to the largest)
         self._pool = Pool()
+        # Forward time-major nodes run in chunks of steps: their scratch (the input projection
+        # above all) is O(chunk), not O(T); y is still written whole, in place. (Not reverse
+        # ones: see _engine_y.)
+        layouts = {n.name: n.attrs.get("layout", 0) for n in model.rnn_nodes}
         self._sessions = {
-            name: Session(pw, threads=model.threads, pool=self._pool)
+            name: Session(
+                pw,
+                threads=model.threads,
+                pool=self._pool,
+                chunk=DEFAULT_CHUNK
+                if pw.spec.direction == "forward" and layouts[name] == 0
+                else None,
+            )
             for name, pw in g.packed.items()
         }
         self._ctx = _Ctx(g, self._sessions, model.threads)
         self._ctx.needed = model._needed
         self._lock = threading.Lock()
+        # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
+        # spinning workers and numba's spinning OpenMP workers otherwise starve each other on
+        # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
+        ops = {n.op for n in g.nodes}
+        self._blas_alone = (
+            bool(ops & set(RNN_OPS))
+            and bool(ops & {"MatMul", "Gemm"})
+            and ((model.threads or config.get_num_threads()) > 1)
+        )
         self._key = None
         self._arena: Arena | None = None
         self._plan: Plan | None = None
@@ -1024,12 +1158,16 @@ class GraphSession:
             unknown = sorted(set(shapes) - set(names))
             missing = sorted(set(names) - set(shapes))
             if unknown or missing:
-                raise ShapeError(f"[GraphSession.resize] missing inputs {missing}; unexpected "
-                                 f"inputs {unknown}; the model's inputs are {names}")  # fmt: skip
+                raise ShapeError(
+                    f"[GraphSession.resize] missing inputs {missing}; unexpected "
+                    f"inputs {unknown}; the model's inputs are {names}"
+                )
             shapes = [shapes[n] for n in names]
         if len(shapes) != len(names):
-            raise ShapeError(f"[GraphSession.resize] got {len(shapes)} input shapes; the model "
-                             f"has {len(names)} inputs {names}")  # fmt: skip
+            raise ShapeError(
+                f"[GraphSession.resize] got {len(shapes)} input shapes; the model "
+                f"has {len(names)} inputs {names}"
+            )
         if dtypes is None:
             dtypes = [t.dtype for t in g.inputs]
         elif isinstance(dtypes, dict):
@@ -1037,8 +1175,9 @@ class GraphSession:
         metas = {}
         for t, shape, dt in zip(g.inputs, shapes, dtypes, strict=True):
             if not dt:
-                raise DTypeError(f"[GraphSession.resize] input {t.name!r} has no declared dtype; "
-                                 "pass dtypes=")  # fmt: skip
+                raise DTypeError(
+                    f"[GraphSession.resize] input {t.name!r} has no declared dtype; pass dtypes="
+                )
             metas[t.name] = Out(tuple(int(d) for d in shape), np.dtype(dt))
         return metas
 
@@ -1063,9 +1202,11 @@ class GraphSession:
             outs = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
             for m in outs:
                 if limit is not None and m.nbytes > limit:
-                    raise ShapeError(f"[GraphSession.resize] node {node.name!r} ({node.op}) "
-                                     f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
-                                     f" limit is {limit}")  # fmt: skip
+                    raise ShapeError(
+                        f"[GraphSession.resize] node {node.name!r} ({node.op}) "
+                        f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
+                        f" limit is {limit}"
+                    )
             for name, m in zip(node.outputs, outs, strict=False):
                 if name:
                     metas[name] = m
@@ -1086,7 +1227,7 @@ class GraphSession:
             if sess is not None:
                 x = metas[node.inputs[0]].shape
                 T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
-                sess.resize(N, T, return_sequences=_rnn_need(ctx, node, 0))
+                sess.resize(N, T, return_sequences=_engine_y(ctx, node))
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra
@@ -1094,36 +1235,52 @@ class GraphSession:
         return p
 
     def _plan_arena(self, steps, metas, limit):
+        """Lifetimes -> one arena. A tensor's memory is shared by its *family*: the views of it
+        and the elementwise ops that overwrite it in place (allowed when nothing reads the old
+        value later and no graph output is in the family). A family holding a graph output
+        lives in a fresh array per run, which the caller then owns; all others in the arena."""
         g = self.model.graph
         outputs = {t.name for t in g.outputs}
-        root: dict[str, str] = {}
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        for k, (node, outs, _) in enumerate(steps):
+        last_read: dict[str, int] = {}
+        for k, (node, _, _) in enumerate(steps):
             for i in node.inputs:
                 if i:
-                    r = root.get(i, i)
-                    last[r] = max(last.get(r, k), k)
+                    last_read[i] = k
+        root: dict[str, str] = {}
+        family: dict[str, list[str]] = {}
+        first: dict[str, int] = {}
+        inplace: dict[str, str] = {}
+        for k, (node, outs, _) in enumerate(steps):
             for name, m in zip(node.outputs, outs, strict=False):
-                if not name:
+                if not name or (node.op in RNN_OPS and name not in self.model._needed):
                     continue
-                if m.view:
-                    root[name] = root.get(node.inputs[0], node.inputs[0])
+                src = (
+                    node.inputs[0]
+                    if m.view
+                    else self._inplace_source(
+                        node, m, k, root, first, family, last_read, metas, outputs
+                    )
+                )
+                if src is not None and (m.view or src in root):
+                    r = root.get(src, src)
+                    if not m.view:
+                        inplace[name] = src
                 else:
-                    root[name] = name
-                    first[name] = last[name] = k
+                    r = name
+                    first[name] = k
+                root[name] = r
+                family.setdefault(r, []).append(name)
         buffers = []
-        self._fresh = set()
-        for k, (node, outs, tmp) in enumerate(steps):
-            for name, m in zip(node.outputs, outs, strict=False):
-                if not name or m.view:
-                    continue
-                if node.op in RNN_OPS and name not in self.model._needed:
-                    continue
-                if name in outputs:
-                    self._fresh.add(name)  # a new array per run, handed to the caller
-                    continue
-                buffers.append(Buffer(name, m.nbytes, first[name], last[name]))
+        self._fresh: set[str] = set()  # roots allocated per run
+        for r, members in family.items():
+            if r not in first:
+                continue  # a view of a graph input, constant or shape value
+            if any(m in outputs for m in members):
+                self._fresh.add(r)
+                continue
+            last = max([first[r], *(last_read.get(m, first[r]) for m in members)])
+            buffers.append(Buffer(r, metas[r].nbytes, first[r], last))
+        for k, (node, _, tmp) in enumerate(steps):
             for key, (shape, dt) in tmp.items():
                 nbytes = math.prod(shape) * np.dtype(dt).itemsize
                 buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
@@ -1131,17 +1288,30 @@ class GraphSession:
         if self._arena is None or self._arena.nbytes < p.total:
             self._arena = None  # drop the old arena before taking the new one
             self._arena = Arena(p.total, name=f"graph arena[{g.name}]")
-        shapes = {}
-        for node, outs, tmp in steps:
-            for name, m in zip(node.outputs, outs, strict=False):
-                shapes[name] = (m.shape, m.dtype)
+        shapes = {r: (metas[r].shape, metas[r].dtype) for r in family}
+        for node, _, tmp in steps:
             for key, (shape, dt) in tmp.items():
                 shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
         views = {}
         for pl in p.placements:
             shape, dt = shapes[pl.buffer.name]
             views[pl.buffer.name] = self._arena.view(pl.offset, shape, dt)
+        self._root, self._inplace = root, inplace
         return p, views
+
+    @staticmethod
+    def _inplace_source(node, m, k, root, first, family, last_read, metas, outputs) -> str | None:
+        """The input an elementwise op may overwrite with its output, if any."""
+        if node.op not in INPLACE_OPS:
+            return None
+        for i in node.inputs:
+            r = root.get(i)
+            if r not in first or metas[i].shape != m.shape or metas[i].dtype != m.dtype:
+                continue  # not produced here (input, constant), or not the output's layout
+            members = family[r]
+            if all(last_read.get(x, -1) <= k and x not in outputs for x in members):
+                return i
+        return None
 
     def _feeds(self, feeds) -> dict[str, np.ndarray]:
         g = self.model.graph
@@ -1149,14 +1319,18 @@ class GraphSession:
         if not isinstance(feeds, dict):
             feeds = list(feeds)
             if len(feeds) != len(names):
-                raise ShapeError(f"[GraphModel.run] got {len(feeds)} inputs; the model takes "
-                                 f"{len(names)}: {names}")  # fmt: skip
+                raise ShapeError(
+                    f"[GraphModel.run] got {len(feeds)} inputs; the model takes "
+                    f"{len(names)}: {names}"
+                )
             feeds = dict(zip(names, feeds, strict=True))
         unknown = sorted(set(feeds) - set(names))
         missing = sorted(set(names) - set(feeds))
         if unknown or missing:
-            raise ShapeError(f"[GraphModel.run] missing inputs {missing}; unexpected inputs "
-                             f"{unknown}; the model's inputs are {names}")  # fmt: skip
+            raise ShapeError(
+                f"[GraphModel.run] missing inputs {missing}; unexpected inputs "
+                f"{unknown}; the model's inputs are {names}"
+            )
         out = {}
         for t in g.inputs:
             a = feeds[t.name]
@@ -1164,16 +1338,20 @@ class GraphSession:
                 a = np.asarray(a)
             if t.dtype and a.dtype != np.dtype(t.dtype):
                 hint = f"; convert with .astype(np.{t.dtype})" if a.dtype.kind in "fiub" else ""
-                raise DTypeError(f"[GraphModel.run] input {t.name!r} has dtype {a.dtype}; the "
-                                 f"model declares {t.dtype}{hint}")  # fmt: skip
+                raise DTypeError(
+                    f"[GraphModel.run] input {t.name!r} has dtype {a.dtype}; the "
+                    f"model declares {t.dtype}{hint}"
+                )
             if t.shape is not None:
                 bad = len(t.shape) != a.ndim or any(
                     isinstance(d, int) and d != s for d, s in zip(t.shape, a.shape, strict=False)
                 )
                 if bad:
                     want = ", ".join("?" if d is None else str(d) for d in t.shape)
-                    raise ShapeError(f"[GraphModel.run] input {t.name!r} has shape "
-                                     f"{tuple(a.shape)}; the model declares [{want}]")  # fmt: skip
+                    raise ShapeError(
+                        f"[GraphModel.run] input {t.name!r} has shape "
+                        f"{tuple(a.shape)}; the model declares [{want}]"
+                    )
             out[t.name] = np.asarray(a, order="C")
         return out
 
@@ -1184,23 +1362,28 @@ class GraphSession:
             key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
             if key != self._key:
                 self._resize(metas_in, None)
-            return self._execute(feeds)
+            if not self._blas_alone:
+                return self._execute(feeds)
+            with _blas_controller().limit(limits=1, user_api="blas"):
+                return self._execute(feeds)
 
     def _execute(self, feeds: dict) -> list[np.ndarray]:
         env = dict(self._values)
         env.update(feeds)
-        fresh = {}
-        views, ctx = self._views, self._ctx
+        fresh: dict[str, np.ndarray] = {}
+        views, ctx, root, inplace = self._views, self._ctx, self._root, self._inplace
         for node, metas, tmp_spec in self._steps:
             outs = []
             for name, m in zip(node.outputs, metas, strict=False):
-                if not name or m.view:
+                if not name or m.view or name not in root:
                     outs.append(None)
+                elif name in inplace:
+                    outs.append(env[inplace[name]])
                 elif name in self._fresh:
                     fresh[name] = np.empty(m.shape, m.dtype)
                     outs.append(fresh[name])
                 else:
-                    outs.append(views.get(name))
+                    outs.append(views[name])
             tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
             ins = [env[i] if i else None for i in node.inputs]
             res = OPS[node.op].run(ctx, node, ins, outs, metas, tmp)
@@ -1211,9 +1394,10 @@ class GraphSession:
         handed = set()
         for t in self.model.graph.outputs:
             arr = env[t.name]
-            if t.name in fresh and t.name not in handed:
-                handed.add(t.name)
+            r = root.get(t.name)
+            if r in fresh and r not in handed:
+                handed.add(r)
                 results.append(arr)
-            else:  # a view, a constant, an input or a repeated output: the caller gets a copy
+            else:  # a constant, an input, or a second output of one family: the caller's copy
                 results.append(np.array(arr, copy=True))
         return results

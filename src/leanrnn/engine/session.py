@@ -20,9 +20,9 @@ Chunked runs (``chunk=K``, unidirectional stacks): the plan is made for K steps 
 stack advances K steps at a time, layer after layer, carrying every layer's state — so xw and
 the buffers between layers are O(K), not O(T). With ``return_sequences=False`` the outputs of a
 chunk are dropped once the next layer has consumed them, and peak memory does not depend on T.
-Bidirectional layers cannot be chunked: the reverse direction starts at each sample's last step,
-so it needs xw [T, N, G] per direction and the layer output [T, N, 2K] for the whole sequence;
-``chunk`` is then ignored for them (``resize`` reports it in ``Session.chunk_note``).
+Reverse and bidirectional stacks cannot be chunked: a reverse direction starts at each sample's
+last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*K] for the whole
+sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
@@ -177,7 +177,9 @@ class Session:
 
     @property
     def chunkable(self) -> bool:
-        return self.spec.num_directions == 1
+        """Only forward stacks advance chunk by chunk: a reverse direction starts at each
+        sample's last step, so it needs the whole sequence (as bidirectional layers do)."""
+        return self.spec.direction == "forward"
 
     def resize(self, batch: int, steps: int, memory_limit: int | None = None,
                return_sequences: bool = True) -> Plan:  # fmt: skip
@@ -232,7 +234,7 @@ class Session:
             if not fits(steps):
                 need = plan(self.buffers(batch, steps)).total
                 raise PlanError(
-                    f"[Session.resize] a bidirectional stack needs the whole sequence: "
+                    f"[Session.resize] a {self.spec.direction} stack needs the whole sequence: "
                     f"{need} bytes of arena for N={batch}, T={steps}; memory_limit={limit}"
                 )
             return steps

@@ -20,9 +20,9 @@ class Stream:
 
     def __init__(self, session, batch: int) -> None:
         spec = session.spec
-        if spec.num_directions != 1:
+        if spec.direction != "forward":
             raise SpecError(
-                "[Session.stream] a bidirectional stack cannot stream: its reverse direction "
+                f"[Session.stream] a {spec.direction} stack cannot stream: its reverse direction "
                 "starts from the last step of the whole sequence; use run() on full sequences"
             )
         if not isinstance(batch, int | np.integer) or isinstance(batch, bool) or batch < 1:

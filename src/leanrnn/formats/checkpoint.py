@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import zipfile
 import zlib
 
@@ -18,6 +19,20 @@ import numpy as np
 
 from ..errors import ModelFormatError, WeightsError
 from . import native
+
+# What zipfile raises on corrupt archives (RuntimeError: "encrypted", from a flipped flag bit)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    zlib.error,
+    struct.error,
+    EOFError,
+    OSError,
+    ValueError,
+    NotImplementedError,
+    RuntimeError,
+    KeyError,
+)
 
 # An .npz member may decompress to at most this many times its stored size (plus 1 MiB):
 # weights barely compress, a zip bomb compresses enormously.
@@ -37,8 +52,7 @@ def sniff(path: str) -> str:
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError,
-                NotImplementedError):
+        except _ZIP_ERRORS:
             return "unknown"
         if any(n.endswith("data.pkl") for n in names):
             return "torch-zip"
@@ -77,11 +91,15 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                     elif version == (2, 0):
                         shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
                     else:
-                        raise ModelFormatError(f"[{op}] {path!r}: member {name!r} uses .npy "
-                                               f"format {version}; expected 1.0 or 2.0")
+                        raise ModelFormatError(
+                            f"[{op}] {path!r}: member {name!r} uses .npy "
+                            f"format {version}; expected 1.0 or 2.0"
+                        )
                     if dtype.hasobject:
-                        raise ModelFormatError(f"[{op}] {path!r}: member {name!r} holds Python "
-                                               "objects; refusing (pickles are never loaded)")
+                        raise ModelFormatError(
+                            f"[{op}] {path!r}: member {name!r} holds Python "
+                            "objects; refusing (pickles are never loaded)"
+                        )
                     want = int(np.prod(shape, dtype=object)) * dtype.itemsize
                     have = info.file_size - f.tell()
                     if want != have:
@@ -94,8 +112,7 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                         raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is truncated")
                 arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
                 out[name[: -len(".npy")]] = np.asarray(arr, order="C")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, ValueError,
-            NotImplementedError, KeyError) as e:
+    except _ZIP_ERRORS as e:
         raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
     return out
 
@@ -122,13 +139,16 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict):
-        raise ModelFormatError(f"[{op}] {path!r} holds a {type(obj).__name__}; expected a state "
-                               "dict (save module.state_dict(), not the module)")
+        raise ModelFormatError(
+            f"[{op}] {path!r} holds a {type(obj).__name__}; expected a state "
+            "dict (save module.state_dict(), not the module)"
+        )
     out = {}
     for k, v in obj.items():
         if not isinstance(v, torch.Tensor):
-            raise ModelFormatError(f"[{op}] {path!r}: entry {k!r} is a {type(v).__name__}; "
-                                   "expected tensors only")
+            raise ModelFormatError(
+                f"[{op}] {path!r}: entry {k!r} is a {type(v).__name__}; expected tensors only"
+            )
         if v.dtype == torch.bfloat16:
             raise WeightsError(f"[{op}] {path!r}: {k!r} is bfloat16; convert to float32 first")
         out[str(k)] = v.detach().cpu().contiguous().numpy()
@@ -145,8 +165,9 @@ def read_state_dict(path: str, kind: str | None = None) -> dict[str, np.ndarray]
         return read_npz(path)
     if kind in ("torch-zip", "pickle"):
         return read_torch(path)
-    raise ModelFormatError(f"[load] {path!r} is not a state-dict file (.pt/.pth, .safetensors "
-                           "or .npz)")
+    raise ModelFormatError(
+        f"[load] {path!r} is not a state-dict file (.pt/.pth, .safetensors or .npz)"
+    )
 
 
 def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict[str, np.ndarray]:
@@ -156,11 +177,14 @@ def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict
     prefixes = sorted({m.group(1) for k in sd if (m := _RNN_KEY.match(k))})
     if prefix is None:
         if not prefixes:
-            raise WeightsError(f"[load] {path!r} has no '*weight_ih_l0' entry among keys "
-                               f"{sorted(sd)[:8]}; expected a torch.nn.LSTM/GRU/RNN state dict")
+            raise WeightsError(
+                f"[load] {path!r} has no '*weight_ih_l0' entry among keys "
+                f"{sorted(sd)[:8]}; expected a torch.nn.LSTM/GRU/RNN state dict"
+            )
         if len(prefixes) > 1:
-            raise WeightsError(f"[load] {path!r} holds several RNN modules {prefixes}; pass "
-                               "prefix= to pick one")
+            raise WeightsError(
+                f"[load] {path!r} holds several RNN modules {prefixes}; pass prefix= to pick one"
+            )
         prefix = prefixes[0]
         others = sorted(k for k in sd if not k.startswith(prefix))
         if others:
@@ -170,6 +194,8 @@ def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict
             )
     picked = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     if not picked:
-        raise WeightsError(f"[load] {path!r}: no keys start with prefix {prefix!r}; RNN prefixes "
-                           f"present: {prefixes}")
+        raise WeightsError(
+            f"[load] {path!r}: no keys start with prefix {prefix!r}; RNN prefixes "
+            f"present: {prefixes}"
+        )
     return picked

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LeanRNNError, ModelFormatError
-from ..memory.arena import aligned_empty, round_up
+from ..memory.arena import aligned_empty
 from ..spec import RNNSpec
-from .packing import ROW_ALIGN, SUPPORTED_DTYPES, B, PackedLayer, PackedWeights
+from .packing import SUPPORTED_DTYPES, PackedWeights
 
 FORMAT = "leanrnn"
 VERSION = 1
@@ -34,10 +34,19 @@ MAX_HEADER_BYTES = 64 << 20  # a header is JSON text; 64 MiB is far beyond any r
 
 # safetensors dtype codes <-> numpy
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
-    "U8": np.uint8, "BOOL": np.bool_,
-}  # fmt: skip
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 _ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
@@ -52,8 +61,11 @@ class TensorInfo:
     shape: tuple[int | str | None, ...] | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape)}  # fmt: skip
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+        }
 
     @staticmethod
     def from_dict(d: dict) -> TensorInfo:
@@ -73,13 +85,23 @@ class Node:
     attrs: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "name": self.name, "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "attrs": self.attrs}  # fmt: skip
+        return {
+            "op": self.op,
+            "name": self.name,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "attrs": self.attrs,
+        }
 
     @staticmethod
     def from_dict(d: dict) -> Node:
-        return Node(str(d["op"]), str(d["name"]), tuple(str(s) for s in d["inputs"]),
-                    tuple(str(s) for s in d["outputs"]), dict(d.get("attrs") or {}))  # fmt: skip
+        return Node(
+            str(d["op"]),
+            str(d["name"]),
+            tuple(str(s) for s in d["inputs"]),
+            tuple(str(s) for s in d["outputs"]),
+            dict(d.get("attrs") or {}),
+        )
 
 
 @dataclass
@@ -150,8 +172,9 @@ class _Container:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ModelFormatError(f"[{op}] {path!r}: header is not valid JSON ({e})") from None
         if not isinstance(header, dict):
-            raise ModelFormatError(f"[{op}] {path!r}: header is {type(header).__name__}; "
-                                   "expected a JSON object")  # fmt: skip
+            raise ModelFormatError(
+                f"[{op}] {path!r}: header is {type(header).__name__}; expected a JSON object"
+            )
         self.data_start = 8 + n
         self.data_size = self.size - self.data_start
         meta = header.pop("__metadata__", None) or {}
@@ -190,11 +213,14 @@ class _Container:
                 f"{sorted(_ST_DTYPES)}"
             )
         if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
-            raise ModelFormatError(f"[{op}] {path!r}: tensor {name!r} has shape {shape!r}; "
-                                   "expected a list of non-negative ints")  # fmt: skip
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {name!r} has shape {shape!r}; "
+                "expected a list of non-negative ints"
+            )
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_count(o) for o in offs)):
-            raise ModelFormatError(f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; "
-                                   "expected [begin, end]")  # fmt: skip
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; expected [begin, end]"
+            )
         dtype = np.dtype(_ST_DTYPES[code])
         want = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         begin, end = offs
@@ -245,22 +271,13 @@ def read_metadata(path: str, op: str = "load") -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------- packed layouts
-def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> list[tuple[str, tuple[int, ...]]]:
-    """The (name, shape) list ``PackedWeights(spec, dtype).tensors()`` will have, computed without
-    allocating, so a file's declared sizes can be checked before anything is allocated."""
-    Hp = round_up(spec.hidden_size, B)
-    Kp = round_up(spec.output_size, ROW_ALIGN)
-    Pp = round_up(spec.proj_size, 4) if spec.proj_size else 0
-    Gp = spec.num_gates * Hp
-    out = []
-    for layer in range(spec.num_layers):
-        Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
-        shapes = {"Wt": (Gp, Cp), "Rt": (Gp, Kp), "b": (Gp,), "rb": (Gp,), "bW": (Gp,),
-                  "bR": (Gp,), "peep": (3, Hp), "proj": (Pp, Hp)}  # fmt: skip
-        assert list(shapes) == list(PackedLayer.__dataclass_fields__)
-        for d in range(spec.num_directions):
-            out += [(f"l{layer}.d{d}.{k}", s) for k, s in shapes.items()]
-    return out
+def _weight_floor(spec: RNNSpec, dtype: np.dtype) -> int:
+    """A lower bound of ``PackedWeights(spec, dtype).nbytes`` from the spec alone: the unpadded
+    W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it;
+    padding makes the real size at most ~4x this plus a few KiB per layer."""
+    G, K = spec.gate_width, spec.output_size
+    per = sum(G * (spec.layer_input_size(layer) + K) for layer in range(spec.num_layers))
+    return per * spec.num_directions * dtype.itemsize
 
 
 def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
@@ -302,21 +319,28 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
                 arr = arr.astype(arr.dtype.newbyteorder("<"))
             code = _ST_CODES.get(np.dtype(arr.dtype.str.replace("<", "=")))
             if code is None:
-                raise ModelFormatError(f"[save] tensor {name!r} has dtype {arr.dtype}; the "
-                                       "native format stores numeric dtypes only")  # fmt: skip
+                raise ModelFormatError(
+                    f"[save] tensor {name!r} has dtype {arr.dtype}; the "
+                    "native format stores numeric dtypes only"
+                )
             begin = block_start + (off if off >= 0 else cursor - block_start)
             if off >= 0 and begin != cursor:
-                raise ModelFormatError(f"[save] tensor {prefix}{name} would leave a hole at "
-                                       f"byte {cursor}")  # fmt: skip
-            header[prefix + name] = {"dtype": code, "shape": list(arr.shape),
-                                     "data_offsets": [begin, begin + arr.nbytes]}  # fmt: skip
+                raise ModelFormatError(
+                    f"[save] tensor {prefix}{name} would leave a hole at byte {cursor}"
+                )
+            header[prefix + name] = {
+                "dtype": code,
+                "shape": list(arr.shape),
+                "data_offsets": [begin, begin + arr.nbytes],
+            }
             cursor = begin + arr.nbytes
             if arr.nbytes:
                 chunks.append(np.asarray(arr, order="C"))
         if cursor > block_start:
             block = chunks[first_chunk:]
-            regions.append(block[0] if len(block) == 1 else b"".join(
-                memoryview(c).cast("B") for c in block))  # fmt: skip
+            regions.append(
+                block[0] if len(block) == 1 else b"".join(memoryview(c).cast("B") for c in block)
+            )
     meta = dict(meta)
     meta["checksum"] = _checksum(meta, regions)
     header["__metadata__"] = meta
@@ -346,8 +370,13 @@ def _packed_items(pw: PackedWeights) -> list:
 
 def save_rnn(weights: PackedWeights, path: str) -> None:
     """Write one recurrent stack (spec + packed weights) as ``.lrnn``."""
-    meta = {"format": FORMAT, "version": str(VERSION), "kind": "rnn",
-            "dtype": weights.dtype.name, "spec": json.dumps(weights.spec.to_dict())}  # fmt: skip
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "kind": "rnn",
+        "dtype": weights.dtype.name,
+        "spec": json.dumps(weights.spec.to_dict()),
+    }
     _write(str(path), meta, [("", _packed_items(weights))])
 
 
@@ -386,8 +415,10 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
     c = _Container(str(path), op)
     meta = c.metadata
     if meta.get("format") != FORMAT:
-        raise ModelFormatError(f"[{op}] {path!r} is a safetensors file without leanrnn metadata; "
-                               "expected a .lrnn file (or load it as a state dict)")  # fmt: skip
+        raise ModelFormatError(
+            f"[{op}] {path!r} is a safetensors file without leanrnn metadata; "
+            "expected a .lrnn file (or load it as a state dict)"
+        )
     try:
         version = int(meta.get("version", ""))
     except ValueError:
@@ -404,6 +435,9 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
             dtype = _dtype(meta.get("dtype"), op, path)
             result: PackedWeights | Graph = _read_packed(c, f, "", spec, dtype)
             regions = [result.buffer]
+            extra = sorted(set(c.entries) - set(result.tensors()))
+            if extra:
+                raise ModelFormatError(f"[{op}] {path!r}: unexpected tensors {extra[:8]}")
         elif kind == "graph":
             result, regions = _read_graph(c, f, meta)
         else:
@@ -428,46 +462,44 @@ def _spec(text, op, path) -> RNNSpec:
 
 
 def _dtype(name, op, path) -> np.dtype:
-    try:
-        dt = np.dtype(str(name))
-    except TypeError:
-        dt = None
-    if dt not in SUPPORTED_DTYPES:
-        raise ModelFormatError(f"[{op}] {path!r}: weights dtype {name!r}; expected float32 or "
-                               "float64")  # fmt: skip
+    # by name only: np.dtype(None) is float64, and a dtype compares equal to None
+    dt = next((d for d in SUPPORTED_DTYPES if d.name == name), None)
+    if dt is None:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: weights dtype {name!r}; expected float32 or float64"
+        )
     return dt
 
 
 def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
     op, path = c.op, c.path
-    layout = _packed_layout(spec, dtype)
-    begin = None
-    cursor = None
-    for name, shape in layout:
-        e = c.entries.get(prefix + name)
-        if e is None:
-            raise ModelFormatError(f"[{op}] {path!r}: missing tensor {prefix + name!r} for "
-                                   f"{spec.cell.upper()} H={spec.hidden_size}")  # fmt: skip
-        if e.shape != shape or e.dtype != dtype:
-            raise ModelFormatError(
-                f"[{op}] {path!r}: tensor {prefix + name!r} is {e.dtype}{list(e.shape)}; the spec "
-                f"needs {dtype}{list(shape)}"
-            )
-        if begin is None:
-            begin = cursor = e.begin
-        if e.end > e.begin:
-            if e.begin != cursor:
-                raise ModelFormatError(f"[{op}] {path!r}: packed tensors of {prefix or 'the model'}"
-                                       " are not stored in engine order")  # fmt: skip
-            cursor = e.end
-    assert begin is not None and cursor is not None
-    nbytes = cursor - begin
-    pw = PackedWeights(spec, dtype)  # allocates nbytes, which the file was just shown to hold
-    items = _region(pw)
-    if pw.nbytes != nbytes or [(k, v.shape) for k, v, _ in items] != layout:
+    mine = sorted(
+        (e for k, e in c.entries.items() if k.startswith(prefix) and (prefix or ":" not in k)),
+        key=lambda e: (e.begin, e.end),
+    )
+    if not mine:
+        raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {prefix or 'the model'}")
+    begin, end = mine[0].begin, mine[-1].end
+    floor = _weight_floor(spec, dtype)
+    if floor > end - begin:
         raise ModelFormatError(
-            f"[{op}] {path!r}: stored packing ({nbytes} bytes) does not match this leanrnn's "
-            f"packing ({pw.nbytes} bytes); re-convert the model from its source"
+            f"[{op}] {path!r}: the spec ({spec.cell.upper()} C={spec.input_size} "
+            f"H={spec.hidden_size} layers={spec.num_layers}) needs at least {floor} bytes of "
+            f"weights but the file holds {end - begin} for {prefix or 'the model'}"
+        )
+    # Bounded: the file holds at least the unpadded weights. No zero-fill: read_into below
+    # fills the whole buffer, padding included.
+    pw = PackedWeights(spec, dtype, zero=False)
+    items = _region(pw)
+    want = {prefix + k: (v.shape, off) for k, v, off in items}
+    got = {e.name: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine}
+    if pw.nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
+        missing = sorted(set(want) - set(got))[:4]
+        raise ModelFormatError(
+            f"[{op}] {path!r}: stored packed tensors of {prefix or 'the model'} ({end - begin} "
+            f"bytes) do not match this leanrnn's packing of the spec ({pw.nbytes} bytes"
+            + (f"; missing {missing}" if missing else "")
+            + "); the file is corrupt, or was written by another version: re-convert it"
         )
     c.read_into(f, begin, pw.buffer)
     return pw
@@ -489,8 +521,14 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
         packed_meta = g.get("packed") or {}
         if not isinstance(packed_meta, dict):
             raise TypeError("packed is not an object")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
-            RecursionError) as e:  # fmt: skip
+    except (
+        json.JSONDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        RecursionError,
+    ) as e:
         raise ModelFormatError(f"[{op}] {path!r}: malformed graph in header: {e!r}") from None
     regions = []
     used = set()

@@ -7,6 +7,12 @@ biases then recurrent biases) and LSTM peepholes P [D, 3H], with gate rows in ON
 ``spec.GATES`` with ``packing.ONNX_ORDER`` / ``ONNX_PEEP_ORDER``; nothing after import knows
 the source order.
 
+Memory: a file is parsed without its initializers' raw bytes (``_strip_raw_data`` re-encodes the
+protobuf minus those fields, a few KiB), and each weight is read straight from the file into its
+array — RNN weights directly in internal gate order, one node at a time, right before packing.
+Peak memory while importing is about the model's weights plus one RNN node's, not several
+copies of the file.
+
 Files are untrusted: every initializer's declared shape and dtype is checked against the bytes it
 actually holds before an array is made, external data must live next to the model (no absolute
 paths, no ``..``), and nothing is ever executed.
@@ -36,12 +42,26 @@ MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message
 
 # ONNX TensorProto.DataType -> numpy (the types leanrnn computes with or passes through)
 _DTYPES = {
-    1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
-    9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64,
-}  # fmt: skip
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+}
 _DTYPE_NAMES = {
-    0: "UNDEFINED", 8: "STRING", 14: "COMPLEX64", 15: "COMPLEX128", 16: "BFLOAT16",
-}  # fmt: skip
+    0: "UNDEFINED",
+    8: "STRING",
+    14: "COMPLEX64",
+    15: "COMPLEX128",
+    16: "BFLOAT16",
+}
 
 
 def np_dtype(code: int, where: str) -> np.dtype:
@@ -66,8 +86,10 @@ def rnn_attrs(op: str, raw: dict, where: str) -> dict:
     cell = RNN_OPS[op]
     direction = raw.get("direction", "forward")
     if direction not in ("forward", "reverse", "bidirectional"):
-        raise ModelFormatError(f"[load_onnx] {where}: direction={direction!r}; expected forward, "
-                               "reverse or bidirectional")  # fmt: skip
+        raise ModelFormatError(
+            f"[load_onnx] {where}: direction={direction!r}; expected forward, "
+            "reverse or bidirectional"
+        )
     D = 2 if direction == "bidirectional" else 1
     per_dir = len(DEFAULT_ACTIVATIONS[cell])
     names = list(raw.get("activations") or [])
@@ -113,35 +135,50 @@ def rnn_attrs(op: str, raw: dict, where: str) -> dict:
     }
 
 
-def rnn_from_onnx(op: str, attrs: dict, W, R, B=None, P=None,
-                  where: str = "node") -> tuple[RNNSpec, list[list[LayerWeights]]]:  # fmt: skip
+def rnn_from_onnx(
+    op: str,
+    attrs: dict,
+    W,
+    R,
+    B=None,
+    P=None,
+    where: str = "node",
+    gates_in_onnx_order: bool = True,
+) -> tuple[RNNSpec, list[list[LayerWeights]]]:
     """(spec, canonical weights) of one ONNX RNN node. ``attrs`` comes from ``rnn_attrs``;
-    W [D, G, C], R [D, G, H], B [D, 2G] or None, P [D, 3H] or None (LSTM), all one float dtype."""
+    W [D, G, C], R [D, G, H], B [D, 2G] or None, P [D, 3H] or None (LSTM), all one float dtype.
+    ``gates_in_onnx_order=False`` says W and R are already in internal gate order."""
     cell = RNN_OPS[op]
     D = 2 if attrs["direction"] == "bidirectional" else 1
     ng = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
     W, R = np.asarray(W), np.asarray(R)
     if W.dtype not in SUPPORTED_DTYPES:
-        raise DTypeError(f"[load_onnx] {where}: W has dtype {W.dtype}; leanrnn runs RNN nodes in "
-                         "float32 or float64")  # fmt: skip
+        raise DTypeError(
+            f"[load_onnx] {where}: W has dtype {W.dtype}; leanrnn runs RNN nodes in "
+            "float32 or float64"
+        )
     if R.ndim != 3:
         raise WeightsError(f"[load_onnx] {where}: R has shape {R.shape}; expected [D, G, H]")
     H = attrs["hidden_size"] or int(R.shape[2])
     G = ng * H
     if W.ndim != 3 or W.shape[:2] != (D, G) or W.shape[2] < 1:
-        raise WeightsError(f"[load_onnx] {where}: W has shape {W.shape}; expected [D={D}, "
-                           f"G={G}, C] ({ng} gates x hidden_size {H})")  # fmt: skip
+        raise WeightsError(
+            f"[load_onnx] {where}: W has shape {W.shape}; expected [D={D}, "
+            f"G={G}, C] ({ng} gates x hidden_size {H})"
+        )
     want = {"R": (R, (D, G, H)), "B": (B, (D, 2 * G)), "P": (P, (D, 3 * H))}
     for name, (a, shape) in want.items():
         if a is None:
             continue
         a = np.asarray(a)
         if a.shape != shape:
-            raise WeightsError(f"[load_onnx] {where}: {name} has shape {a.shape}; expected "
-                               f"{list(shape)}")  # fmt: skip
+            raise WeightsError(
+                f"[load_onnx] {where}: {name} has shape {a.shape}; expected {list(shape)}"
+            )
         if a.dtype != W.dtype:
-            raise DTypeError(f"[load_onnx] {where}: {name} has dtype {a.dtype}; expected "
-                             f"{W.dtype} like W")  # fmt: skip
+            raise DTypeError(
+                f"[load_onnx] {where}: {name} has dtype {a.dtype}; expected {W.dtype} like W"
+            )
     if P is not None and cell != "lstm":
         raise WeightsError(f"[load_onnx] {where}: peepholes (P) are an LSTM input")
     C = int(W.shape[2])
@@ -150,11 +187,19 @@ def rnn_from_onnx(op: str, attrs: dict, W, R, B=None, P=None,
     acts = tuple(tuple(flat[d * k : (d + 1) * k]) for d in range(D))
     try:
         spec = RNNSpec(
-            cell, C, H, num_layers=1, direction=attrs["direction"], bias=B is not None,
-            batch_first=attrs["layout"] == 1, activations=acts, clip=attrs["clip"],
-            input_forget=attrs["input_forget"], peepholes=P is not None,
+            cell,
+            C,
+            H,
+            num_layers=1,
+            direction=attrs["direction"],
+            bias=B is not None,
+            batch_first=attrs["layout"] == 1,
+            activations=acts,
+            clip=attrs["clip"],
+            input_forget=attrs["input_forget"],
+            peepholes=P is not None,
             linear_before_reset=attrs["linear_before_reset"] if cell == "gru" else True,
-        )  # fmt: skip
+        )
     except SpecError as e:
         raise ModelFormatError(f"[load_onnx] {where}: {e}") from None
     order = ONNX_ORDER[cell]
@@ -164,30 +209,96 @@ def rnn_from_onnx(op: str, attrs: dict, W, R, B=None, P=None,
         peep = None
         if P is not None:
             peep = reorder_gates(np.asarray(P)[d], ONNX_PEEP_ORDER, H).reshape(3, H)
-        dirs.append(LayerWeights(
-            W=reorder_gates(W[d], order, H), R=reorder_gates(R[d], order, H),
-            bW=reorder_gates(Bd[:G], order, H), bR=reorder_gates(Bd[G:], order, H), peep=peep,
-        ))  # fmt: skip
+        Wd, Rd = W[d], R[d]
+        if gates_in_onnx_order:
+            Wd, Rd = reorder_gates(Wd, order, H), reorder_gates(Rd, order, H)
+        dirs.append(
+            LayerWeights(
+                W=Wd,
+                R=Rd,
+                bW=reorder_gates(Bd[:G], order, H),
+                bR=reorder_gates(Bd[G:], order, H),
+                peep=peep,
+            )
+        )
     return spec, [dirs]
 
 
 # ----------------------------------------------------------------------------- tensors
 class _Reader:
-    """Turns TensorProtos into arrays after checking every declared size against real bytes."""
+    """Turns TensorProtos into arrays after checking every declared size against real bytes.
 
-    def __init__(self, base_dir: str | None) -> None:
+    ``raw`` maps an initializer's index to the (offset, length) of its raw bytes in the model
+    file when the protobuf was parsed without them (see ``_strip_raw_data``)."""
+
+    def __init__(
+        self,
+        base_dir: str | None,
+        path: str | None = None,
+        raw: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
         self.base_dir = base_dir
+        self.path = path
+        self.raw = raw or {}
         self._sizes: dict[str, int] = {}
 
-    def array(self, t, where: str) -> np.ndarray:
+    def initializer(
+        self, g, index: int, rows: tuple[tuple[int, ...], int] | None = None
+    ) -> np.ndarray:
+        """Initializer ``index`` as an array. With ``rows = (order, H)`` a [D, G, X] tensor held
+        as raw bytes in the file is read straight into internal gate order (``order`` as in
+        ``packing.ONNX_ORDER``): each gate block is contiguous in the file, so no reordering
+        copy is ever made."""
         from onnx import TensorProto
 
+        t = g.initializer[index]
+        where = f"initializer {t.name!r}"
+        if index not in self.raw or t.data_location == TensorProto.EXTERNAL:
+            arr = self.array(t, where)
+            if rows is None:
+                return arr
+            order, H = rows
+            return np.stack([reorder_gates(a, order, H) for a in arr])
+        if t.HasField("segment"):
+            raise ModelFormatError(f"[load_onnx] {where} is a segmented tensor; not supported")
+        offset, length = self.raw[index]
+        dtype, dims, nbytes = self._declared(t, where)
+        if length != nbytes:
+            raise WeightsError(
+                f"[load_onnx] {where} declares {dtype}{dims} = {nbytes} bytes but holds "
+                f"{length} bytes of raw data"
+            )
+        out = np.empty(dims, dtype.newbyteorder("<"))
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            if rows is None:
+                spans = [(offset, out.reshape(-1))]
+            else:  # out[d, k*H:(k+1)*H] <- source block order[k] of direction d
+                order, H = rows
+                block = H * math.prod(dims[2:]) * dtype.itemsize
+                spans = [
+                    (offset + (d * len(order) + src) * block, out[d, k * H : (k + 1) * H])
+                    for d in range(dims[0])
+                    for k, src in enumerate(order)
+                ]
+            for start, dst in spans:
+                f.seek(start)
+                if dst.nbytes and f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
+                    raise ModelFormatError(f"[load_onnx] {where}: file truncated while reading")
+        return out.astype(dtype, copy=False)
+
+    def _declared(self, t, where: str) -> tuple[np.dtype, list[int], int]:
         dtype = np_dtype(t.data_type, where)
         dims = [int(d) for d in t.dims]
         if any(d < 0 for d in dims):
             raise ModelFormatError(f"[load_onnx] {where} has dims {dims}; expected dims >= 0")
-        count = math.prod(dims)
-        nbytes = count * dtype.itemsize
+        return dtype, dims, math.prod(dims) * dtype.itemsize
+
+    def array(self, t, where: str) -> np.ndarray:
+        from onnx import TensorProto
+
+        dtype, dims, nbytes = self._declared(t, where)
+        count = nbytes // dtype.itemsize
         if t.HasField("segment"):
             raise ModelFormatError(f"[load_onnx] {where} is a segmented tensor; not supported")
         if t.data_location == TensorProto.EXTERNAL:
@@ -222,8 +333,10 @@ class _Reader:
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
         if self.base_dir is None:
-            raise ModelFormatError(f"[load_onnx] {where} keeps its data in external file {loc!r};"
-                                   " load the model from a path, not bytes")  # fmt: skip
+            raise ModelFormatError(
+                f"[load_onnx] {where} keeps its data in external file {loc!r};"
+                " load the model from a path, not bytes"
+            )
         norm = os.path.normpath(loc)
         if not loc or os.path.isabs(loc) or norm.startswith(".."):
             raise ModelFormatError(
@@ -233,14 +346,17 @@ class _Reader:
         base = os.path.realpath(self.base_dir)
         path = os.path.realpath(os.path.join(base, norm))
         if os.path.commonpath([base, path]) != base or not os.path.isfile(path):
-            raise ModelFormatError(f"[load_onnx] {where}: external data file {loc!r} is missing "
-                                   "or outside the model's directory")  # fmt: skip
+            raise ModelFormatError(
+                f"[load_onnx] {where}: external data file {loc!r} is missing "
+                "or outside the model's directory"
+            )
         try:
             offset = int(info.get("offset", 0))
             length = int(info.get("length", nbytes))
         except ValueError:
-            raise ModelFormatError(f"[load_onnx] {where}: malformed external offset/length "
-                                   f"{info}") from None  # fmt: skip
+            raise ModelFormatError(
+                f"[load_onnx] {where}: malformed external offset/length {info}"
+            ) from None
         size = self._sizes.setdefault(path, os.path.getsize(path))
         if length != nbytes or offset < 0 or offset + length > size:
             raise WeightsError(
@@ -255,12 +371,122 @@ class _Reader:
         return out
 
 
+# -------------------------------------------------------------------- protobuf without weights
+# Field numbers of onnx.proto3 that lead to initializer bytes: ModelProto.graph = 7,
+# GraphProto.initializer = 5, TensorProto.raw_data = 9.
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def _varint(f, end: int, label: str) -> int:
+    value, shift = 0, 0
+    while True:
+        if f.tell() >= end or shift > 63:
+            raise ModelFormatError(
+                f"[load_onnx] {label!r} is not a valid ONNX protobuf (bad varint; truncated?)"
+            )
+        byte = f.read(1)[0]
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value
+
+
+def _encode_varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _copy_message(f, start: int, end: int, label: str, on_len) -> bytes:
+    """Re-encode the message at [start, end) of ``f``; ``on_len(field, offset, length)`` may
+    return replacement bytes for a length-delimited field (b"" drops it; None copies it)."""
+    out = bytearray()
+    f.seek(start)
+    while f.tell() < end:
+        tag = _varint(f, end, label)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            out += _encode_varint(tag) + _encode_varint(_varint(f, end, label))
+            continue
+        if wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            data = f.read(n)
+            if len(data) != n or f.tell() > end:
+                raise ModelFormatError(f"[load_onnx] {label!r} is truncated")
+            out += _encode_varint(tag) + data
+            continue
+        if wire != 2:
+            raise ModelFormatError(
+                f"[load_onnx] {label!r} is not a valid ONNX protobuf "
+                f"(wire type {wire} in field {field})"
+            )
+        length = _varint(f, end, label)
+        offset = f.tell()
+        if offset + length > end:
+            raise ModelFormatError(
+                f"[load_onnx] {label!r}: field {field} claims {length} bytes "
+                f"but its message ends {end - offset} bytes later "
+                "(truncated or corrupt)"
+            )
+        body = on_len(field, offset, length)
+        if body is None:
+            f.seek(offset)
+            body = f.read(length)
+        if body or field != _TENSOR_RAW_DATA:
+            out += _encode_varint(tag) + _encode_varint(len(body)) + body
+        f.seek(offset + length)
+    return bytes(out)
+
+
+def _strip_raw_data(path: str, size: int) -> tuple[bytes, dict[int, tuple[int, int]]]:
+    """The model's protobuf with every initializer's raw bytes left out, and where those bytes
+    are in the file (by initializer index). Parsing then costs kilobytes, not the model's size,
+    and each weight is read straight from the file into its array."""
+    raw: dict[int, tuple[int, int]] = {}
+    count = [0]
+
+    with open(path, "rb") as f:
+
+        def tensor(index):
+            def on_len(field, offset, length):
+                if field == _TENSOR_RAW_DATA:
+                    raw[index] = (offset, length)  # the last occurrence wins, as in protobuf
+                    return b""
+                return None
+
+            return on_len
+
+        def graph(field, offset, length):
+            if field != _GRAPH_INITIALIZER:
+                return None
+            index = count[0]
+            count[0] += 1
+            return _copy_message(f, offset, offset + length, path, tensor(index))
+
+        def model(field, offset, length):
+            if field != _MODEL_GRAPH:
+                return None
+            # (a repeated graph field merges, appending initializers: the count runs on)
+            return _copy_message(f, offset, offset + length, path, graph)
+
+        stripped = _copy_message(f, 0, size, path, model)
+    return stripped, raw
+
+
 # --------------------------------------------------------------------------------- graph
 def _value_info(vi, where: str) -> TensorInfo:
     tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
     if tt is None:
-        raise ModelFormatError(f"[load_onnx] {where} {vi.name!r} is not a tensor (sequence, map "
-                               "and optional values are not supported)")  # fmt: skip
+        raise ModelFormatError(
+            f"[load_onnx] {where} {vi.name!r} is not a tensor (sequence, map "
+            "and optional values are not supported)"
+        )
     dtype = np_dtype(tt.elem_type, f"{where} {vi.name!r}").name if tt.elem_type else ""
     shape = None
     if tt.HasField("shape"):
@@ -297,10 +523,15 @@ def _attrs(node, reader: _Reader, where: str) -> dict:
         elif t == A.TENSOR:
             arr = reader.array(a.t, f"{where} attribute {a.name!r}")
             if arr.size > 1 << 16:
-                raise ModelFormatError(f"[load_onnx] {where}: attribute {a.name!r} holds "
-                                       f"{arr.size} values; expected a small tensor")  # fmt: skip
-            out[a.name] = {"dtype": arr.dtype.name, "shape": list(arr.shape),
-                           "values": arr.ravel().tolist()}  # fmt: skip
+                raise ModelFormatError(
+                    f"[load_onnx] {where}: attribute {a.name!r} holds "
+                    f"{arr.size} values; expected a small tensor"
+                )
+            out[a.name] = {
+                "dtype": arr.dtype.name,
+                "shape": list(arr.shape),
+                "values": arr.ravel().tolist(),
+            }
         else:
             out[a.name] = f"<unsupported attribute type {t}>"
     return out
@@ -310,12 +541,18 @@ def _constant_value(attrs: dict, where: str) -> np.ndarray:
     if "value" in attrs and isinstance(attrs["value"], dict):
         v = attrs["value"]
         return np.array(v["values"], dtype=v["dtype"]).reshape(v["shape"])
-    for key, dtype in (("value_float", np.float32), ("value_floats", np.float32),
-                       ("value_int", np.int64), ("value_ints", np.int64)):  # fmt: skip
+    for key, dtype in (
+        ("value_float", np.float32),
+        ("value_floats", np.float32),
+        ("value_int", np.int64),
+        ("value_ints", np.int64),
+    ):
         if key in attrs:
             return np.array(attrs[key], dtype=dtype)
-    raise ModelFormatError(f"[load_onnx] {where}: Constant with attributes {sorted(attrs)}; "
-                           "leanrnn supports value, value_float(s) and value_int(s)")  # fmt: skip
+    raise ModelFormatError(
+        f"[load_onnx] {where}: Constant with attributes {sorted(attrs)}; "
+        "leanrnn supports value, value_float(s) and value_int(s)"
+    )
 
 
 def read_onnx(source, *, pack_dtype=None) -> Graph:
@@ -325,33 +562,39 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
         import onnx
         from google.protobuf.message import DecodeError
     except ImportError:  # pragma: no cover - exercised only without the optional dependency
-        raise ModelFormatError("[load_onnx] reading ONNX files needs the onnx package: "
-                               "pip install 'leanrnn[onnx]'") from None  # fmt: skip
+        raise ModelFormatError(
+            "[load_onnx] reading ONNX files needs the onnx package: pip install 'leanrnn[onnx]'"
+        ) from None
     if isinstance(source, bytes | bytearray | memoryview):
-        data, base_dir, label = bytes(source), None, "<bytes>"
+        data, label = bytes(source), "<bytes>"
+        reader = _Reader(None)
     else:
         label = os.fspath(source)
-        base_dir = os.path.dirname(os.path.abspath(label))
         size = os.path.getsize(label)
         if size > MAX_ONNX_BYTES:
-            raise ModelFormatError(f"[load_onnx] {label!r} is {size} bytes; one ONNX protobuf "
-                                   "holds at most 2 GiB (use external data)")  # fmt: skip
-        with open(label, "rb") as f:
-            data = f.read()
+            raise ModelFormatError(
+                f"[load_onnx] {label!r} is {size} bytes; one ONNX protobuf "
+                "holds at most 2 GiB (use external data)"
+            )
+        data, raw = _strip_raw_data(label, size)
+        reader = _Reader(os.path.dirname(os.path.abspath(label)), label, raw)
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:
         raise ModelFormatError(f"[load_onnx] {label!r} is not a valid ONNX protobuf: {e}") from None
     if not model.HasField("graph") or not model.graph.output:
-        raise ModelFormatError(f"[load_onnx] {label!r} holds no ONNX graph with outputs "
-                               "(not an ONNX model, or truncated)")  # fmt: skip
+        raise ModelFormatError(
+            f"[load_onnx] {label!r} holds no ONNX graph with outputs "
+            "(not an ONNX model, or truncated)"
+        )
     opset = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     if not opset or not 1 <= opset[0] <= 10_000:
-        raise ModelFormatError(f"[load_onnx] {label!r} declares default-domain opset {opset}; "
-                               "expected one version")  # fmt: skip
+        raise ModelFormatError(
+            f"[load_onnx] {label!r} declares default-domain opset {opset}; expected one version"
+        )
     try:
-        return _convert(model.graph, opset[0], _Reader(base_dir), pack_dtype)
+        return _convert(model.graph, opset[0], reader, pack_dtype)
     except LeanRNNError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
@@ -361,16 +604,33 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
 
 
 def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
+    # Initializers read only as RNN weights (W, R, B, P) are read when their node is packed and
+    # dropped right after, so at most one node's unpacked weights are in memory at a time.
+    uses: dict[str, set[bool]] = {}
+    for n in g.node:
+        rnn = n.op_type in RNN_OPS and n.domain in ("", "ai.onnx")
+        for k, name in enumerate(n.input):
+            uses.setdefault(name, set()).add(rnn and k in (1, 2, 3, 7))
+    for vi in g.output:
+        uses.setdefault(vi.name, set()).add(False)
     constants: dict[str, np.ndarray] = {}
-    for t in g.initializer:
+    lazy: dict = {}
+    for i, t in enumerate(g.initializer):
         if not t.name:
             raise ModelFormatError("[load_onnx] an initializer has no name")
-        constants[t.name] = reader.array(t, f"initializer {t.name!r}")
+        if uses.get(t.name) == {True}:
+            lazy[t.name] = _Lazy(reader, g, i)
+        else:
+            constants[t.name] = reader.initializer(g, i)
     if len(g.sparse_initializer):
         raise ModelFormatError("[load_onnx] sparse initializers are not supported")
-    inputs = [_value_info(vi, "graph input") for vi in g.input if vi.name not in constants]
+    inputs = [
+        _value_info(vi, "graph input")
+        for vi in g.input
+        if vi.name not in constants and vi.name not in lazy
+    ]
     outputs = [_value_info(vi, "graph output") for vi in g.output]
-    defined = set(constants) | {t.name for t in inputs}
+    defined = set(constants) | set(lazy) | {t.name for t in inputs}
     nodes: list[Node] = []
     seen_names: set[str] = set()
     for i, n in enumerate(g.node):
@@ -411,27 +671,74 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
     graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph")
-    pack_constant_rnns(graph, pack_dtype)
+    pack_constant_rnns(graph, pack_dtype, lazy)
+    unpacked = sorted(k for k in lazy if k in {i for n in graph.nodes for i in n.inputs})
+    if unpacked:  # pragma: no cover - lazy names only feed RNN weight slots, which get packed
+        raise ModelFormatError(f"[load_onnx] initializers {unpacked} were not packed")
     return graph
 
 
-def pack_constant_rnns(graph: Graph, dtype=None) -> None:
-    """Pack every RNN node whose W, R, B, P are constants and drop those inputs from the node
-    (and the constants nobody else reads). Idempotent."""
+class _Lazy:
+    """An initializer read only when its RNN node is packed (dtype and dims checked now)."""
+
+    def __init__(self, reader: _Reader, g, index: int) -> None:
+        self.reader, self.g, self.index = reader, g, index
+        t = g.initializer[index]
+        self.dims = reader._declared(t, f"initializer {t.name!r}")[1]
+
+    def read(self, rows=None) -> np.ndarray:
+        return self.reader.initializer(self.g, self.index, rows)
+
+
+def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict[str, _Lazy] | None = None) -> None:
+    """Pack every RNN node whose W, R, B, P are constants (in ``graph.constants``, or read on
+    demand from ``lazy``) and drop those inputs from the node (and the constants nobody else
+    reads). Idempotent."""
+    lazy = lazy or {}
+
+    def get(name):
+        return graph.constants[name] if name in graph.constants else lazy[name].read()
+
     for node in graph.nodes:
         if node.op not in RNN_OPS or node.name in graph.packed:
             continue
         ins = list(node.inputs) + [""] * (8 - len(node.inputs))
         weight_slots = (1, 2, 3, 7)  # W, R, B, P
-        if any(ins[k] and ins[k] not in graph.constants for k in weight_slots):
+        if any(
+            ins[k] and ins[k] not in graph.constants and ins[k] not in lazy for k in weight_slots
+        ):
             continue  # weights are computed at run time; the engine packs them per run
         if not ins[1] or not ins[2]:
             raise ModelFormatError(f"[load_onnx] node {node.name!r} ({node.op}) has no W or R")
-        W, R, B, P = (graph.constants[ins[k]] if ins[k] else None for k in weight_slots)
+        # W and R of D x [G, X] in ONNX gate order; read from the file straight into internal
+        # order when the declared dims agree with the node (otherwise rnn_from_onnx reports)
+        W = R = None
+        ng = {"lstm": 4, "gru": 3, "rnn": 1}[RNN_OPS[node.op]]
+        lw, lr = lazy.get(ins[1]), lazy.get(ins[2])
+        if lw is not None and lr is not None and len(lw.dims) == 3 and len(lr.dims) == 3:
+            H = node.attrs["hidden_size"] or lr.dims[2]
+            if lw.dims[1] == lr.dims[1] == ng * H and lr.dims[2] == H and lw.dims[0] == lr.dims[0]:
+                order = ONNX_ORDER[RNN_OPS[node.op]]
+                W, R = lw.read((order, H)), lr.read((order, H))
+        in_onnx_order = W is None
+        if in_onnx_order:
+            W, R = get(ins[1]), get(ins[2])
+        B, P = (get(ins[k]) if ins[k] else None for k in (3, 7))
         if node.op != "LSTM" and P is not None:
             P = None  # only LSTM has input 7; others never get here with one
-        spec, layers = rnn_from_onnx(node.op, node.attrs, W, R, B, P, f"node {node.name!r}")
-        graph.packed[node.name] = pack(spec, layers, dtype or W.dtype)
+        spec, layers = rnn_from_onnx(
+            node.op,
+            node.attrs,
+            W,
+            R,
+            B,
+            P,
+            f"node {node.name!r}",
+            gates_in_onnx_order=in_onnx_order,
+        )
+        wdtype = W.dtype
+        del W, R  # the unpacked weights go before the next node's are read
+        graph.packed[node.name] = pack(spec, layers, dtype or wdtype)
         for k in weight_slots:
             ins[k] = ""
         while ins and ins[-1] == "":

@@ -63,14 +63,10 @@ class PackedLayer:
 def gate_permutation(num_gates: int, H: int) -> np.ndarray:
     """perm[packed_row] = canonical row, or -1 for a padding row. Length ng*Hp."""
     Hp = round_up(H, B)
-    perm = np.full(num_gates * Hp, -1, dtype=np.int64)
-    for u in range(Hp // B):
-        for g in range(num_gates):
-            for j in range(B):
-                unit = u * B + j
-                if unit < H:
-                    perm[(u * num_gates + g) * B + j] = g * H + unit
-    return perm
+    # packed row (u*ng + g)*B + j  <->  unit u*B + j of gate g
+    u, g, j = np.meshgrid(np.arange(Hp // B), np.arange(num_gates), np.arange(B), indexing="ij")
+    unit = (u * B + j).reshape(-1)
+    return np.where(unit < H, g.reshape(-1) * H + unit, -1).astype(np.int64)
 
 
 class PackedWeights:
@@ -79,7 +75,9 @@ class PackedWeights:
     ``layers[l][d]`` is the ``PackedLayer`` of layer ``l``, direction ``d``.
     """
 
-    def __init__(self, spec: RNNSpec, dtype) -> None:
+    def __init__(self, spec: RNNSpec, dtype, zero: bool = True) -> None:
+        """Allocate (and, unless ``zero=False``, clear) the buffer for ``spec``'s tensors.
+        ``zero=False`` is for loaders that fill every byte of ``buffer`` themselves."""
         self.spec = spec
         self.dtype = np.dtype(dtype)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -101,7 +99,8 @@ class PackedWeights:
         sizes = [round_up(int(np.prod(s)) * item, 64) for d in shapes for s in d.values()]
         self.nbytes = sum(sizes)
         self.buffer = aligned_empty(self.nbytes)
-        self.buffer[:] = 0
+        if zero:
+            self.buffer[:] = 0
         off = 0
         flat = []
         for d in shapes:
