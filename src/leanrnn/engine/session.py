@@ -76,6 +76,17 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _pool_obj
 
 
+def _on_threads(fn, n: int, parts: int):
+    """fn(i0, i1) over ``parts`` slices of range(n): this thread takes the first, worker threads
+    the rest (the kernels release the GIL); returns the first slice's result."""
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [_pool(parts - 1).submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    first = fn(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+    return first
+
+
 def _positive_or_none(op: str, name: str, v) -> int | None:
     if v is None:
         return None
@@ -426,15 +437,15 @@ class Session:
         D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
         threads = self._threads()
         macs = N * w.Gp * w.Kp  # per step
-        # Threads split the input projection always, and the recurrence only for small batches:
-        # there each step is a weight-streaming GEMV worth splitting, while at large batch the
-        # parallel build of the recurrent kernel runs its fused cell update slower than the
-        # serial one (measured: H=128, N=64 5.6 ms serial vs 9.4 ms on 2 threads).
-        par_in = threads > 1 and T * N * w.Gp * w.Kp >= PARALLEL_MIN_MACS
-        par = threads > 1 and macs >= PARALLEL_MIN_MACS and N <= PARALLEL_MAX_BATCH
-        # Larger batches: threads run disjoint batch slices of the serial kernel (samples of
-        # a recurrence are independent, so there is no per-step barrier to wait on).
+        # Threads: up to PARALLEL_MAX_BATCH samples, numba's pool splits each step's unit blocks
+        # (a weight-streaming GEMV worth splitting). Above it, worker threads run disjoint batch
+        # slices of the serial kernels — samples are independent, so there is no per-step
+        # barrier, and the parallel build's fused update is slower there (H=128, N=64: 5.6 ms
+        # serial vs 9.4 ms) — and row slices of the input projection, so numba's spinning
+        # OpenMP workers never compete with them.
         split = threads > 1 and macs >= PARALLEL_MIN_MACS and N > PARALLEL_MAX_BATCH
+        par_in = threads > 1 and T * N * w.Gp * w.Kp >= PARALLEL_MIN_MACS and not split
+        par = threads > 1 and macs >= PARALLEL_MIN_MACS and N <= PARALLEL_MAX_BATCH
         if par or par_in:
             numba.set_num_threads(threads)
         proj_k = gemm.input_projection_parallel if par_in else gemm.input_projection_serial
@@ -468,7 +479,15 @@ class Session:
                 xw, ha, hb, gates, aux, c = self._op_views[k]
                 if short:
                     xw = xw[:TN]
-                proj_k(xin, pl.Wt, pl.b, Cin, xw)
+                if split:  # row slices on the worker threads: numba's pool stays asleep
+                    _on_threads(
+                        lambda i0, i1, xin=xin, pl=pl, Cin=Cin, xw=xw: gemm.input_projection_serial(
+                            xin[i0:i1], pl.Wt, pl.b, Cin, xw[i0:i1]
+                        ),
+                        TN, threads,
+                    )  # fmt: skip
+                else:
+                    proj_k(xin, pl.Wt, pl.b, Cin, xw)
                 if h0 is not None:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
@@ -512,14 +531,7 @@ class Session:
         serial, parallel = _KERNELS[self.spec.cell]
         if parts == 1:
             return call(parallel if par else serial, 0, N)
-        fn = serial
-        bounds = [N * i // parts for i in range(parts + 1)]
-        pool = _pool(parts - 1)
-        futures = [pool.submit(call, fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-        parity = call(fn, bounds[0], bounds[1])  # this thread takes the first slice
-        for f in futures:
-            f.result()
-        return parity
+        return _on_threads(lambda n0, n1: call(serial, n0, n1), N, parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""
