@@ -57,6 +57,24 @@ def _peak_since(base: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- models
+def _lstm_layers(x: str, u, inits: list, nodes: list, layers: int = 2) -> str:
+    """Append ``layers`` ONNX LSTM(H) nodes (weights drawn by ``u``) after tensor ``x``, each
+    followed by the Squeeze of its direction axis; returns the last output's name. Needs an
+    int64 initializer "axes" = [1] among ``inits``."""
+    from onnx import helper, numpy_helper
+
+    for layer in range(layers):
+        names = [f"W{layer}", f"R{layer}", f"B{layer}"]
+        inits += [
+            numpy_helper.from_array(a, n)
+            for a, n in zip((u(1, 4 * H, H), u(1, 4 * H, H), u(1, 8 * H)), names, strict=True)
+        ]
+        nodes.append(helper.make_node("LSTM", [x, *names], [f"Y{layer}"], hidden_size=H))
+        nodes.append(helper.make_node("Squeeze", [f"Y{layer}", "axes"], [f"y{layer}"]))
+        x = f"y{layer}"
+    return x
+
+
 def _lstm_onnx(path: str, seed: int = 0) -> None:
     """2-layer LSTM (C = H = 512) as two ONNX LSTM nodes, weights as initializers."""
     from onnx import TensorProto, helper, numpy_helper
@@ -68,16 +86,7 @@ def _lstm_onnx(path: str, seed: int = 0) -> None:
         return rng.uniform(-k, k, shape).astype(np.float32)
 
     inits, nodes = [numpy_helper.from_array(np.array([1], np.int64), "axes")], []
-    x = "x"
-    for layer in range(2):
-        names = [f"W{layer}", f"R{layer}", f"B{layer}"]
-        inits += [
-            numpy_helper.from_array(a, n)
-            for a, n in zip((u(1, 4 * H, H), u(1, 4 * H, H), u(1, 8 * H)), names, strict=True)
-        ]
-        nodes.append(helper.make_node("LSTM", [x, *names], [f"Y{layer}"], hidden_size=H))
-        nodes.append(helper.make_node("Squeeze", [f"Y{layer}", "axes"], [f"y{layer}"]))
-        x = f"y{layer}"
+    x = _lstm_layers("x", u, inits, nodes)
     g = helper.make_graph(
         nodes,
         "lstm2",
@@ -141,16 +150,7 @@ def _tagger_onnx_helper(path: str, seed: int) -> str:
         numpy_helper.from_array(u(CLASSES), "head_b"),
     ]
     nodes = [helper.make_node("Gather", ["emb", "tokens"], ["e"])]
-    x = "e"
-    for layer in range(2):
-        names = [f"W{layer}", f"R{layer}", f"B{layer}"]
-        inits += [
-            numpy_helper.from_array(a, n)
-            for a, n in zip((u(1, 4 * H, H), u(1, 4 * H, H), u(1, 8 * H)), names, strict=True)
-        ]
-        nodes.append(helper.make_node("LSTM", [x, *names], [f"Y{layer}"], hidden_size=H))
-        nodes.append(helper.make_node("Squeeze", [f"Y{layer}", "axes"], [f"y{layer}"]))
-        x = f"y{layer}"
+    x = _lstm_layers("e", u, inits, nodes)
     nodes += [
         helper.make_node("MatMul", [x, "head_w"], ["mm"]),
         helper.make_node("Add", ["mm", "head_b"], ["logits"]),
