@@ -1,10 +1,13 @@
 """The recurrences: one numba kernel per cell runs every timestep of one (layer, direction).
 
-Per step, each unit block u (B units; all gates of those units are one contiguous slab of packed
-rows, see formats.packing) is one parallel task: it computes its gate pre-activations with the
-dot GEMM tile, then finishes the fused, in-place cell/hidden update for its units without waiting
-for the other blocks. Only two things need a barrier inside a step: the LSTM projection (needs
-the whole unprojected h) and the GRU n gate with linear_before_reset = 0 (needs r*h of all units).
+Per step, each unit block u (B units; all gates of those units are one panel, see
+formats.packing) is one task: it computes its gate pre-activations with the register-tiled panel
+GEMM (gemm.py), then finishes the fused, in-place cell/hidden update for its units without
+waiting for the other blocks — one vector pass for the default activations, per-gate passes with
+the ONNX activation switch otherwise. Only two things need a barrier inside a step: the LSTM
+projection (needs the whole unprojected h) and the GRU n gate with linear_before_reset = 0
+(needs r*h of all units). The parallel twin splits the blocks of each step over numba's pool;
+for large batches the engine instead runs disjoint batch slices of the serial twin on threads.
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
@@ -23,7 +26,7 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
   consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
-No argument may alias another, except that y may be read by nothing here.
+No argument may alias another.
 """
 
 from __future__ import annotations
