@@ -9,12 +9,19 @@ float64 path stays within 1e-10 of PyTorch's double path.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 from numba import types
+from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 from ._jit import inline, jit
+
+# numba's SSA pass reports an internal "variable not in scope" check about the inlined float32
+# tanh below while compiling; it is harmless (numba asks for a bug report, nothing is wrong with
+# the code) and would otherwise greet every user on the first run. Only those messages are hidden.
+warnings.filterwarnings("ignore", message=r"(?s).*_tanh_ov", category=NumbaIRAssumptionWarning)
 
 # Activation codes (spec.ACTIVATIONS order).
 SIGMOID, TANH, RELU, AFFINE, LEAKYRELU, THRESHOLDEDRELU = 0, 1, 2, 3, 4, 5

@@ -72,12 +72,17 @@ def _input_projection(x, W, b, K, xw):
     """
     M = x.shape[0]
     U, _, Wd = W.shape
+    # Even row chunks (a multiple of 6 rows, the tile height), and task ids ordered panel-major
+    # so the contiguous task ranges prange hands each thread hold equal work.
     nm = (M + ROWS - 1) // ROWS
+    rows = ((M + nm - 1) // nm + 5) // 6 * 6
     for task in prange(U * nm):
-        u = task % U
-        i0 = (task // U) * ROWS
-        i1 = min(M, i0 + ROWS)
+        u = task // nm
+        i0 = (task % nm) * rows
+        i1 = min(M, i0 + rows)
         c0 = u * Wd
+        if i0 >= i1:  # rounding rows up to the tile height can leave the last chunk empty
+            continue
         if Wd == 4 * B:
             panel4(W, u, 0, x, i0, i1, K, xw, c0)
         elif Wd == 3 * B:
