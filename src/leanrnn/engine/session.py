@@ -298,8 +298,8 @@ class Session:
             else:  # y.{layer}
                 shape, dtype = (T * N, D * K), dt
             v[name] = a.view(pl.offset, shape, dtype)
-        # Kernels always get an aux array; a zero-row stand-in when the cell needs none.
-        self._empty = np.zeros((N, w.Hp), dt) if "aux.0" not in v else None
+        # Kernels always get an aux array; a zero-column stand-in when the cell needs none.
+        self._empty = np.zeros((N, 0), dt)
         self._views = v
         self._layer_inputs = [None] + [v[f"y.{layer}"] for layer in range(L - 1)]
         # Per op k: its views, looked up once here rather than by name on every run.
