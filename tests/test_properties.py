@@ -108,7 +108,10 @@ def test_batch_equals_separate_runs(spec, seed, N, T):
     """A batch of N (with per-sample lengths) equals N runs of batch 1 at their own lengths
     (up to float32 rounding: 4-sample tiles sum in another order than single samples)."""
     rng = np.random.default_rng(seed)
-    model = leanrnn.Model(pack(spec, random_layers(spec, rng)))
+    # torch-like weight scale: batch tiles and single rows sum in different orders, and large
+    # weights would amplify that float32 rounding past the tolerance over 3 layers
+    layers = random_layers(spec, rng, scale=1 / np.sqrt(spec.hidden_size))
+    model = leanrnn.Model(pack(spec, layers))
     C = spec.input_size
     x = rng.standard_normal((N, T, C) if spec.batch_first else (T, N, C)).astype(np.float32)
     lengths = rng.integers(1, T + 1, size=N)
