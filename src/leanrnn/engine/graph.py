@@ -1155,13 +1155,7 @@ class GraphSession:
         g = self.model.graph
         names = self.model.input_names
         if isinstance(shapes, dict):
-            unknown = sorted(set(shapes) - set(names))
-            missing = sorted(set(names) - set(shapes))
-            if unknown or missing:
-                raise ShapeError(
-                    f"[GraphSession.resize] missing inputs {missing}; unexpected "
-                    f"inputs {unknown}; the model's inputs are {names}"
-                )
+            _check_input_names("GraphSession.resize", shapes, names)
             shapes = [shapes[n] for n in names]
         if len(shapes) != len(names):
             raise ShapeError(
@@ -1324,13 +1318,7 @@ class GraphSession:
                     f"{len(names)}: {names}"
                 )
             feeds = dict(zip(names, feeds, strict=True))
-        unknown = sorted(set(feeds) - set(names))
-        missing = sorted(set(names) - set(feeds))
-        if unknown or missing:
-            raise ShapeError(
-                f"[GraphModel.run] missing inputs {missing}; unexpected inputs "
-                f"{unknown}; the model's inputs are {names}"
-            )
+        _check_input_names("GraphModel.run", feeds, names)
         out = {}
         for t in g.inputs:
             a = feeds[t.name]
@@ -1401,3 +1389,14 @@ class GraphSession:
             else:  # a constant, an input, or a second output of one family: the caller's copy
                 results.append(np.array(arr, copy=True))
         return results
+
+
+def _check_input_names(op: str, given, names: list[str]) -> None:
+    """ShapeError naming every missing and unexpected input (sorted), and the model's inputs."""
+    unknown = sorted(set(given) - set(names))
+    missing = sorted(set(names) - set(given))
+    if unknown or missing:
+        raise ShapeError(
+            f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
+            f"the model's inputs are {names}"
+        )

@@ -6,7 +6,9 @@ projection of all timesteps as one blocked GEMM, both on the register tiles of `
     C[i, ccol + j] = sum_{k<K} A[i, k] * P[u, k, v0*16 + j]     i0 <= i < i1, j < N*16
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
-not alias A or P. With more than one row, K is cut into KC-long slices so the panel slice a tile
+not alias A or P. There are four of them, not one taking N, because each must name its
+intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
+more than one row, K is cut into KC-long slices so the panel slice a tile
 streams stays in L1 (48 KiB here); a single row (GEMV) streams the whole panel once instead.
 """
 
