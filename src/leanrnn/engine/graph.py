@@ -740,13 +740,10 @@ def _y_direct(node, D: int) -> bool:
 
 
 def _engine_y(ctx, node) -> bool:
-    """Whether the engine computes y: when Y is needed, and for a reverse node always.
-
-    Without Y the engine keeps only final states (``return_sequences=False``), which runs
-    unidirectional stacks in chunks of steps; chunked runs are wrong for direction="reverse"
-    in this engine version (chunks advance forward in time; reproducer in the issue report),
-    so reverse nodes compute y into scratch instead. Bidirectional stacks are never chunked."""
-    return _rnn_need(ctx, node, 0) or node.attrs.get("direction") == "reverse"
+    """Whether the engine computes y: when Y is needed. Without Y the engine keeps only final
+    states (``return_sequences=False``), chunked for forward stacks; reverse and bidirectional
+    ones run whole (the Session decides, see ``Session.chunkable``)."""
+    return _rnn_need(ctx, node, 0)
 
 
 def _rnn_scratch(ctx, node, ins, metas, needed):
@@ -1106,18 +1103,16 @@ class GraphSession:
         g = model.graph
         # RNN nodes run one after another: their sessions share one arena (sized to the largest)
         self._pool = Pool()
-        # Forward time-major nodes run in chunks of steps: their scratch (the input projection
-        # above all) is O(chunk), not O(T); y is still written whole, in place. (Not reverse
-        # ones: see _engine_y.)
+        # Time-major nodes run in chunks of steps: their scratch (the input projection above
+        # all) is O(chunk), not O(T); y is still written whole, in place. The Session ignores
+        # the chunk for reverse and bidirectional nodes, which need the whole sequence.
         layouts = {n.name: n.attrs.get("layout", 0) for n in model.rnn_nodes}
         self._sessions = {
             name: Session(
                 pw,
                 threads=model.threads,
                 pool=self._pool,
-                chunk=DEFAULT_CHUNK
-                if pw.spec.direction == "forward" and layouts[name] == 0
-                else None,
+                chunk=DEFAULT_CHUNK if layouts[name] == 0 else None,
             )
             for name, pw in g.packed.items()
         }
