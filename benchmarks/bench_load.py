@@ -15,6 +15,7 @@ resident high-water mark (VmHWM, reset through /proc/self/clear_refs right befor
 section) over the resident size at that moment, so imports and the interpreter do not count.
 
     python benchmarks/bench_load.py                 # both parts
+    python benchmarks/bench_load.py --part load     # part 1 only (a few seconds)
     python benchmarks/bench_load.py --threads 1 --steps 50 --repeats 3
 """
 

@@ -29,7 +29,7 @@ from ..spec import RNNSpec
 from .packing import SUPPORTED_DTYPES, PackedWeights
 
 FORMAT = "leanrnn"
-VERSION = 1
+VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
 MAX_HEADER_BYTES = 64 << 20  # a header is JSON text; 64 MiB is far beyond any real model's
 
 # safetensors dtype codes <-> numpy
@@ -147,34 +147,7 @@ class _Container:
 
     def __init__(self, path: str, op: str) -> None:
         self.path, self.op = path, op
-        try:
-            self.size = os.path.getsize(path)
-        except OSError as e:
-            raise ModelFormatError(f"[{op}] cannot read {path!r}: {e.strerror}") from None
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ModelFormatError(
-                    f"[{op}] {path!r} is {self.size} bytes; a safetensors/.lrnn file starts with "
-                    "an 8-byte header length (file truncated?)"
-                )
-            (n,) = struct.unpack("<Q", head)
-            if n < 2 or n > min(self.size - 8, MAX_HEADER_BYTES):
-                raise ModelFormatError(
-                    f"[{op}] {path!r} declares a {n}-byte header but the file holds "
-                    f"{self.size - 8} bytes after the length field (truncated or corrupt)"
-                )
-            raw = f.read(n)
-        if len(raw) != n:
-            raise ModelFormatError(f"[{op}] {path!r}: header truncated ({len(raw)} of {n} bytes)")
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise ModelFormatError(f"[{op}] {path!r}: header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise ModelFormatError(
-                f"[{op}] {path!r}: header is {type(header).__name__}; expected a JSON object"
-            )
+        self.size, n, header = _read_header(path, op)
         self.data_start = 8 + n
         self.data_size = self.size - self.data_start
         meta = header.pop("__metadata__", None) or {}
@@ -250,6 +223,40 @@ class _Container:
         return out
 
 
+def _read_header(path: str, op: str) -> tuple[int, int, dict]:
+    """(file size, header length, parsed header) of a safetensors file; the declared header
+    length is checked against the file before it is read."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ModelFormatError(f"[{op}] cannot read {path!r}: {e.strerror}") from None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ModelFormatError(
+                f"[{op}] {path!r} is {size} bytes; a safetensors/.lrnn file starts with "
+                "an 8-byte header length (file truncated?)"
+            )
+        (n,) = struct.unpack("<Q", head)
+        if n < 2 or n > min(size - 8, MAX_HEADER_BYTES):
+            raise ModelFormatError(
+                f"[{op}] {path!r} declares a {n}-byte header but the file holds "
+                f"{size - 8} bytes after the length field (truncated or corrupt)"
+            )
+        raw = f.read(n)
+    if len(raw) != n:
+        raise ModelFormatError(f"[{op}] {path!r}: header truncated ({len(raw)} of {n} bytes)")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ModelFormatError(f"[{op}] {path!r}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ModelFormatError(
+            f"[{op}] {path!r}: header is {type(header).__name__}; expected a JSON object"
+        )
+    return size, n, header
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
 
@@ -287,21 +294,43 @@ def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
 
 
 # ----------------------------------------------------------------------------------- writing
-def _checksum(meta: dict[str, str], regions) -> str:
+_BLOCK_WORDS = 512  # version-2 checksum: 64-bit words per block (4 KiB)
+
+
+def _checksum(meta: dict[str, str], regions, version: int = VERSION) -> str:
     """A fast integrity check of the metadata and the data regions (as read back: one per
-    packed RNN, one for all constants): CRC-32 of the metadata JSON, then per region the wrapping
-    sum and the XOR of its 64-bit words (any flipped bit changes the sum) and a CRC-32 of the
-    tail bytes. Catches corruption; it is not a cryptographic digest. ~15x faster than CRC-32
-    over the weights, which keeps loading a large model dominated by the read itself."""
+    packed RNN, one for all constants): CRC-32 of the metadata JSON, then one digest per region
+    (``_region_digest`` for version 2, ``_region_digest_v1`` for version-1 files). Catches
+    corruption; it is not a cryptographic digest. CRC-32 over the weights would cost more than
+    reading them, so the data digests are numpy reductions at memory speed."""
+    digest = _region_digest if version >= 2 else _region_digest_v1
     parts = [f"{zlib.crc32(json.dumps(meta, sort_keys=True).encode()):08x}"]
     for r in regions:
         b = np.frombuffer(memoryview(r).cast("B"), np.uint8)
         n = b.size // 8 * 8
-        words = b[:n].view(np.uint64)
-        total = int(words.sum(dtype=np.uint64)) if n else 0
-        xor = int(np.bitwise_xor.reduce(words)) if n else 0
-        parts.append(f"{total:016x}{xor:016x}{zlib.crc32(b[n:].tobytes()):08x}")
+        parts.append(digest(b[:n].view(np.uint64)) + f"{zlib.crc32(b[n:]):08x}")
     return "-".join(parts)
+
+
+def _region_digest(words: np.ndarray) -> str:
+    """Version 2, one pass over the data: the sum s_k of each 4 KiB block of 64-bit words, then
+    sum_k s_k and sum_k (k+1) s_k, wrapping mod 2**64 (Fletcher's checksum, block-wise). The
+    plain sum changes with any single flipped bit or any one changed word; the weighted sum also
+    sees blocks swapped or moved, which a plain sum or XOR (version 1) cannot."""
+    full = words.size // _BLOCK_WORDS * _BLOCK_WORDS
+    sums = np.add.reduce(words[:full].reshape(-1, _BLOCK_WORDS), axis=1)
+    if full < words.size:
+        sums = np.append(sums, np.add.reduce(words[full:]))
+    total = int(np.add.reduce(sums))
+    weighted = int(np.add.reduce(sums * np.arange(1, sums.size + 1, dtype=np.uint64)))
+    return f"{total:016x}{weighted:016x}"
+
+
+def _region_digest_v1(words: np.ndarray) -> str:
+    """Version 1 (read-only now): the wrapping sum and the XOR of the 64-bit words, two passes."""
+    total = int(words.sum(dtype=np.uint64)) if words.size else 0
+    xor = int(np.bitwise_xor.reduce(words)) if words.size else 0
+    return f"{total:016x}{xor:016x}"
 
 
 def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> None:
@@ -342,7 +371,7 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
                 block[0] if len(block) == 1 else b"".join(memoryview(c).cast("B") for c in block)
             )
     meta = dict(meta)
-    meta["checksum"] = _checksum(meta, regions)
+    meta["checksum"] = _checksum(meta, regions, int(meta["version"]))
     header["__metadata__"] = meta
     text = json.dumps(header, separators=(",", ":")).encode()
     # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
@@ -401,7 +430,11 @@ def is_native(path: str) -> bool:
     try:
         with open(path, "rb") as f:
             head = f.read(9)
-        return is_safetensors(head) and read_metadata(path).get("format") == FORMAT
+        if not is_safetensors(head):
+            return False
+        # The header's metadata decides; load() checks the tensor entries against the file.
+        meta = _read_header(path, "load")[2].get("__metadata__")
+        return isinstance(meta, dict) and meta.get("format") == FORMAT
     except (OSError, LeanRNNError):
         return False
 
@@ -445,7 +478,7 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
     if verify:
         want = meta.get("checksum")
         body = {k: v for k, v in meta.items() if k != "checksum"}
-        got = _checksum(body, [r for r in regions if r.nbytes])
+        got = _checksum(body, [r for r in regions if r.nbytes], version)
         if want != got:
             raise ModelFormatError(
                 f"[{op}] {path!r}: checksum mismatch (stored {want}, computed {got}); the file "

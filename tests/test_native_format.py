@@ -1,0 +1,123 @@
+"""The ``.lrnn`` checksum and format versions: the version-2 data digest against a slow pure-Python
+twin, what it catches that version 1 could not, and version-1 files still loading."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from leanrnn.errors import ModelFormatError
+from leanrnn.formats import native
+from leanrnn.loading import load, save
+from leanrnn.nn import GRU, LSTM
+
+BLOCK = 4096  # bytes per block of the version-2 digest
+
+
+def _digest_twin(data: bytes) -> str:
+    """Version-2 region digest with Python ints: per 4 KiB block the sum of its little-endian
+    64-bit words, then the plain and the (k+1)-weighted sums of the block sums, mod 2**64;
+    the 0..7 tail bytes go to CRC-32."""
+    import zlib
+
+    n = len(data) // 8 * 8
+    words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, n, 8)]
+    per = BLOCK // 8
+    sums = [sum(words[i : i + per]) % 2**64 for i in range(0, len(words), per)]
+    total = sum(sums) % 2**64
+    weighted = sum((k + 1) * s for k, s in enumerate(sums)) % 2**64
+    return f"{total:016x}{weighted:016x}{zlib.crc32(data[n:]):08x}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=3 * BLOCK + 21))
+def test_digest_matches_python_twin(data):
+    got = native._checksum({}, [np.frombuffer(data, np.uint8)]).split("-", 1)[1]
+    assert got == _digest_twin(data)
+
+
+def test_digest_handles_large_sums():
+    # all-ones words overflow every sum many times over: the digest wraps mod 2**64
+    data = b"\xff" * (5 * BLOCK + 8 * 3 + 5)
+    got = native._checksum({}, [np.frombuffer(data, np.uint8)]).split("-", 1)[1]
+    assert got == _digest_twin(data)
+
+
+def _data_start(data: bytes) -> int:
+    return 8 + struct.unpack("<Q", data[:8])[0]
+
+
+def _swap_blocks(data: bytes, i: int, j: int) -> bytes:
+    b = bytearray(data)
+    s = _data_start(data)
+    a, c = s + i * BLOCK, s + j * BLOCK
+    b[a : a + BLOCK], b[c : c + BLOCK] = data[c : c + BLOCK], data[a : a + BLOCK]
+    return bytes(b)
+
+
+def test_swapped_blocks_are_caught(tmp_path):
+    """Swapping two 4 KiB blocks of weights keeps every word, so a plain sum or XOR of words
+    (the version-1 digest) cannot see it; the block-weighted sum does."""
+    p = tmp_path / "m.lrnn"
+    save(LSTM(64, 64, seed=0), p)
+    data = p.read_bytes()
+    bad = _swap_blocks(data, 1, 3)
+    assert bad != data
+    s = _data_start(data)
+    v1 = [native._region_digest_v1(np.frombuffer(d[s:], np.uint64)) for d in (data, bad)]
+    assert v1[0] == v1[1]  # what version 1 would have missed
+    p.write_bytes(bad)
+    with pytest.raises(ModelFormatError, match="checksum"):
+        load(p)
+
+
+def test_version_1_files_still_load(tmp_path, monkeypatch):
+    model = GRU(4, 6, num_layers=2, seed=0)
+    with monkeypatch.context() as m:
+        m.setattr(native, "VERSION", 1)  # write as leanrnn with format version 1 did
+        save(model, tmp_path / "v1.lrnn")
+    assert native.read_metadata(tmp_path / "v1.lrnn")["version"] == "1"
+    back = load(tmp_path / "v1.lrnn")
+    np.testing.assert_array_equal(back.weights.buffer, model.weights.buffer)
+    # and a corrupt version-1 file is still refused
+    data = bytearray((tmp_path / "v1.lrnn").read_bytes())
+    data[-5] ^= 0x10
+    (tmp_path / "bad.lrnn").write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match="checksum"):
+        load(tmp_path / "bad.lrnn")
+
+
+def test_new_files_are_version_2_and_round_trip(tmp_path):
+    model = LSTM(5, 7, num_layers=2, seed=3)
+    save(model, tmp_path / "m.lrnn")
+    assert native.read_metadata(tmp_path / "m.lrnn")["version"] == str(native.VERSION) == "2"
+    np.testing.assert_array_equal(load(tmp_path / "m.lrnn").weights.buffer, model.weights.buffer)
+
+
+def test_a_newer_version_is_refused_with_advice(tmp_path):
+    p = tmp_path / "m.lrnn"
+    save(GRU(3, 4, seed=0), p)
+    data = p.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["version"] = "3"
+    text = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    with pytest.raises(ModelFormatError, match=r"version '3'.*upgrade leanrnn"):
+        load(p)
+
+
+def test_is_native_tells_lrnn_from_plain_safetensors(tmp_path):
+    save(GRU(3, 4, seed=0), tmp_path / "m.lrnn")
+    assert native.is_native(tmp_path / "m.lrnn")
+    plain = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "p.safetensors").write_bytes(struct.pack("<Q", len(plain)) + plain + bytes(4))
+    assert not native.is_native(tmp_path / "p.safetensors")
+    (tmp_path / "junk").write_bytes(struct.pack("<Q", 5) + b"{nope")
+    assert not native.is_native(tmp_path / "junk")
+    assert not native.is_native(tmp_path / "missing")
