@@ -51,10 +51,11 @@ def onnx_specs(draw):
     )
 
 
-def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None):
+def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads=None):
     rng = np.random.default_rng(seed)
     layers = random_layers(spec, rng, dtype)
     model = leanrnn.Model(pack(spec, layers, dtype))
+    model.session.threads = threads
     C, K, H = spec.input_size, spec.output_size, spec.hidden_size
     LD = spec.num_layers * spec.num_directions
     x = rng.standard_normal((N, T, C) if spec.batch_first else (T, N, C)).astype(dtype)
@@ -114,6 +115,49 @@ def test_parallel_kernels_match_reference(cell):
 def test_projection_parallel_matches_reference():
     spec = RNNSpec("lstm", 30, 120, num_layers=2, proj_size=50)
     _check(spec, 3, np.float64, 16, 7, True, True)
+
+
+BARRIER_SPECS = [
+    RNNSpec("lstm", 40, 100, direction="bidirectional", peepholes=True, clip=2.0),
+    RNNSpec("lstm", 30, 120, num_layers=2, proj_size=50),
+    RNNSpec("lstm", 24, 96),  # the fused default path
+    RNNSpec("gru", 40, 100, direction="bidirectional", linear_before_reset=False, clip=2.0),
+    RNNSpec("gru", 40, 100),
+    RNNSpec("rnn", 40, 100, direction="reverse"),
+]
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """Let sessions run more threads than this machine has cores (the kernels must be right
+    for any thread count; only speed suffers)."""
+    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
+
+
+@pytest.mark.parametrize("spec", BARRIER_SPECS, ids=repr)
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_meeting_every_step_match_reference(spec, threads, many_cores):
+    """Batch <= PARALLEL_MAX_BATCH: the threads split every step's blocks and meet at each
+    phase through atomics (kernels._sync), on real threads."""
+    _check(spec, 7, np.float64, 3, 9, True, True, threads=threads)
+    if not spec.proj_size:  # (random weights at this scale drive a float32 LSTMP chaotic)
+        _check(spec, 7, np.float32, 3, 9, True, True, threads=threads)
+
+
+@pytest.mark.parametrize("order", ["caller-first", "workers-first"])
+@pytest.mark.parametrize("spec", BARRIER_SPECS[:2] + BARRIER_SPECS[3:4], ids=repr)
+def test_late_or_missing_threads_lose_nothing(spec, order, many_cores, monkeypatch):
+    """One job may do every slice alone — a worker that starts late finds them taken — and
+    the result is the same: nobody waits for a particular thread."""
+    from leanrnn.engine import session as session_mod
+
+    def sequential(job, parts):
+        ids = range(parts) if order == "caller-first" else range(parts - 1, -1, -1)
+        results = {i: job(i) for i in ids}
+        return results[0]
+
+    monkeypatch.setattr(session_mod, "run_jobs", sequential)
+    _check(spec, 5, np.float64, 2, 6, True, True, threads=3)
 
 
 def test_decaying_state_has_no_denormals():

@@ -40,6 +40,12 @@ _log_topics = frozenset(
 )
 
 
+def max_threads() -> int:
+    """The most threads leanrnn runs: the cores numba saw at start-up. More would make the
+    recurrence's threads, which spin-wait for each other every step, wait on descheduled ones."""
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
 def get_num_threads() -> int:
     """Threads leanrnn kernels (and BLAS, through threadpoolctl) use."""
     return _threads

@@ -18,11 +18,18 @@ Buffers (per op k = layer*D + direction unless noted):
 
 Chunked runs (``chunk=K``, unidirectional stacks): the plan is made for K steps and the whole
 stack advances K steps at a time, layer after layer, carrying every layer's state — so xw and
-the buffers between layers are O(K), not O(T). With ``return_sequences=False`` the outputs of a
+the buffers between layers are O(K), not O(T). ``chunk=None`` (the default) picks K so that xw
+fits XW_BUDGET: chunking is also faster, because the recurrence then reads the projection it
+needs while it is still in cache. With ``return_sequences=False`` the outputs of a
 chunk are dropped once the next layer has consumed them, and peak memory does not depend on T.
 Reverse and bidirectional stacks cannot be chunked: a reverse direction starts at each sample's
 last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*K] for the whole
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
+
+Threads: each op (the input projection, then the recurrence) runs as one job per thread; the
+threads hand out projection tasks by ticket and, at batch <= PARALLEL_MAX_BATCH, split every
+step's unit blocks, meeting through atomics rather than a fork/join per step (kernels._sync).
+Larger batches give each thread its own samples.
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
@@ -33,58 +40,36 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 
 from .. import config
 from ..errors import PlanError, ShapeError
 from ..formats.packing import PackedWeights
-from ..kernels import gemm, recurrent
+from ..kernels import _sync, gemm, recurrent
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
 from . import _check
+from .workers import run_jobs
 
 _log = logging.getLogger("leanrnn")
 
-# Below this many multiply-adds per step, waking the thread pool costs more than it saves.
-PARALLEL_MIN_MACS = 1 << 17
-# Above this batch the recurrence runs on one thread (see _execute).
+# Below this many multiply-adds per step, threads wait on each other longer than they work.
+PARALLEL_MIN_MACS = 1 << 15
+# Above this batch, threads take batch slices instead of splitting each step (see _execute).
 PARALLEL_MAX_BATCH = 8
 # Steps per chunk when a run keeps only final states and no chunk was set: small enough that
 # scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
 DEFAULT_CHUNK = 32
+# chunk=None picks chunks whose input projection (xw) fits this many bytes: the recurrence then
+# reads xw while it is still in cache (H=128, N=64, T=100: 9.1 -> 7.7 ms on one thread), and
+# at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
+XW_BUDGET = 2 << 20
+MIN_AUTO_CHUNK = 4
 
 
-_KERNELS = {
-    "lstm": (recurrent.lstm_serial, recurrent.lstm_parallel),
-    "gru": (recurrent.gru_serial, recurrent.gru_parallel),
-    "rnn": (recurrent.rnn_serial, recurrent.rnn_parallel),
-}
-_pool_lock = threading.Lock()
-_pool_obj: ThreadPoolExecutor | None = None
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """The process-wide worker threads for batch slices (the kernels release the GIL)."""
-    global _pool_obj
-    with _pool_lock:
-        if _pool_obj is None or _pool_obj._max_workers < workers:
-            _pool_obj = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="leanrnn")
-        return _pool_obj
-
-
-def _on_threads(fn, n: int, parts: int):
-    """fn(i0, i1) over ``parts`` slices of range(n): this thread takes the first, worker threads
-    the rest (the kernels release the GIL); returns the first slice's result."""
-    bounds = [n * i // parts for i in range(parts + 1)]
-    futures = [_pool(parts - 1).submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    first = fn(bounds[0], bounds[1])
-    for f in futures:
-        f.result()
-    return first
+_KERNELS = {"lstm": recurrent.lstm, "gru": recurrent.gru, "rnn": recurrent.rnn}
 
 
 def _positive_or_none(op: str, name: str, v) -> int | None:
@@ -146,6 +131,7 @@ class Session:
         self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
         self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
         self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+        self._sync = np.zeros(_sync.sync_size(config.max_threads()), np.int64)
 
     # ---------------------------------------------------------------- planning
     @property
@@ -228,11 +214,18 @@ class Session:
         self._make_views()
         return p
 
+    def auto_chunk(self, batch: int) -> int:
+        """The chunk ``chunk=None`` means: steps whose input projection fits XW_BUDGET."""
+        step_bytes = batch * self.weights.Gp * self.dtype.itemsize
+        return max(MIN_AUTO_CHUNK, XW_BUDGET // step_bytes)
+
     def _key(self, batch: int, steps: int, return_sequences: bool) -> tuple:
         """(N, planned steps, staged, discard): what a plan depends on besides the model."""
         chunk = self.chunk
-        if chunk is None and not return_sequences:
-            chunk = DEFAULT_CHUNK
+        if chunk is None:
+            chunk = self.auto_chunk(batch)
+            if not return_sequences:
+                chunk = min(chunk, DEFAULT_CHUNK)
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
@@ -313,7 +306,7 @@ class Session:
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:
-        return self.threads or config.get_num_threads()
+        return min(self.threads or config.get_num_threads(), config.max_threads())
 
     def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True,
             _trusted: bool = False):  # fmt: skip
@@ -437,18 +430,12 @@ class Session:
         D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
         threads = self._threads()
         macs = N * w.Gp * w.Kp  # per step
-        # Threads: up to PARALLEL_MAX_BATCH samples, numba's pool splits each step's unit blocks
-        # (a weight-streaming GEMV worth splitting). Above it, worker threads run disjoint batch
-        # slices of the serial kernels — samples are independent, so there is no per-step
-        # barrier, and the parallel build's fused update is slower there (H=128, N=64: 5.6 ms
-        # serial vs 9.4 ms) — and row slices of the input projection, so numba's spinning
-        # OpenMP workers never compete with them.
-        split = threads > 1 and macs >= PARALLEL_MIN_MACS and N > PARALLEL_MAX_BATCH
-        par_in = threads > 1 and T * N * w.Gp * w.Kp >= PARALLEL_MIN_MACS and not split
-        par = threads > 1 and macs >= PARALLEL_MIN_MACS and N <= PARALLEL_MAX_BATCH
-        if par or par_in:
-            numba.set_num_threads(threads)
-        proj_k = gemm.input_projection_parallel if par_in else gemm.input_projection_serial
+        # Threads (one job per thread per op, see _op): below PARALLEL_MIN_MACS per step they
+        # would wait on each other longer than they work. Up to PARALLEL_MAX_BATCH samples the
+        # threads split every step's unit blocks (a weight-streaming GEMV worth splitting);
+        # above it they take disjoint batch slices, which never wait on each other at all.
+        parts = threads if macs >= PARALLEL_MIN_MACS else 1
+        batch_split = N > PARALLEL_MAX_BATCH
         lens = v["lengths"]
         if lengths is None:
             lens[:] = T
@@ -479,15 +466,6 @@ class Session:
                 xw, ha, hb, gates, aux, c = self._op_views[k]
                 if short:
                     xw = xw[:TN]
-                if split:  # row slices on the worker threads: numba's pool stays asleep
-                    _on_threads(
-                        lambda i0, i1, xin=xin, pl=pl, Cin=Cin, xw=xw: gemm.input_projection_serial(
-                            xin[i0:i1], pl.Wt, pl.b, Cin, xw[i0:i1]
-                        ),
-                        TN, threads,
-                    )  # fmt: skip
-                else:
-                    proj_k(xin, pl.Wt, pl.b, Cin, xw)
                 if h0 is not None:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
@@ -499,39 +477,52 @@ class Session:
                     if c0 is not None:
                         c[:, :H] = c0[k]
                 # fmt: off
-                def call(fn, n0, n1, d=d, pl=pl, xw=xw, ha=ha, hb=hb, gates=gates, aux=aux, c=c,
-                         rev=rev, acts=acts, al=al, be=be, xin_bf=xin_bf, yout=yout, y_bf=y_bf):
+                def recur(n0, n1, me, parts, pl=pl, xw=xw, ha=ha, hb=hb, gates=gates, aux=aux,
+                          c=c, rev=rev, acts=acts, al=al, be=be, xin_bf=xin_bf, yout=yout,
+                          y_bf=y_bf, off=d * K):
+                    fn, sync = _KERNELS[spec.cell], self._sync
                     if spec.cell == "lstm":
                         return fn(
                             xw, xin_bf, n0, N, pl.Rt, K, pl.peep, spec.peepholes, pl.proj,
                             spec.proj_size, ha[n0:n1], hb[n0:n1], c[n0:n1], gates[n0:n1],
-                            aux[n0:n1], lens, T, rev, yout, d * K, y_bf, acts, al, be,
-                            spec.input_forget, consts,
+                            aux[n0:n1], lens, T, rev, yout, off, y_bf, acts, al, be,
+                            spec.input_forget, consts, me, parts, sync,
                         )
                     if spec.cell == "gru":
                         return fn(
                             xw, xin_bf, n0, N, pl.Rt, K, pl.rb, spec.linear_before_reset,
                             ha[n0:n1], hb[n0:n1], gates[n0:n1], aux[n0:n1], lens, T, rev, yout,
-                            d * K, y_bf, acts, al, be, consts,
+                            off, y_bf, acts, al, be, consts, me, parts, sync,
                         )
                     return fn(
                         xw, xin_bf, n0, N, pl.Rt, K, ha[n0:n1], hb[n0:n1], gates[n0:n1], lens,
-                        T, rev, yout, d * K, y_bf, acts, al, be, consts,
+                        T, rev, yout, off, y_bf, acts, al, be, consts, me, parts, sync,
                     )
                 # fmt: on
-                parity = self._recur(call, N, threads if split else 1, par)
+                parity = self._op(xin, pl, Cin, xw, recur, N, parts, batch_split)
                 if spec.cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
 
-    def _recur(self, call, N: int, parts: int, par: bool) -> int:
-        """Run the cell's recurrent kernel over the batch, in ``parts`` slices on threads if > 1."""
-        serial, parallel = _KERNELS[self.spec.cell]
-        if parts == 1:
-            return call(parallel if par else serial, 0, N)
-        return _on_threads(lambda n0, n1: call(serial, n0, n1), N, parts)
+    def _op(self, xin, pl, Cin: int, xw, recur, N: int, parts: int, batch_split: bool) -> int:
+        """One (layer, direction): the input projection, then the recurrence, as one job per
+        thread. The projection's tasks go to whichever threads run (tickets); the recurrence
+        either splits each step's blocks (``parts`` slices, the threads meet every step) or,
+        with ``batch_split``, gives each thread its own samples (they never meet)."""
+        sync = self._sync
+        sync[:] = 0
+
+        def job(me: int) -> int:
+            gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
+            if parts == 1:
+                return recur(0, N, 0, 1)
+            if batch_split:
+                return recur(N * me // parts, N * (me + 1) // parts, 0, 1)
+            return recur(0, N, me, parts)
+
+        return run_jobs(job, parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""

@@ -1,8 +1,6 @@
-"""How kernels are compiled: one place for numba flags and for serial/parallel twins."""
+"""How kernels are compiled: one place for numba flags."""
 
 from __future__ import annotations
-
-import types
 
 import numba
 
@@ -22,27 +20,7 @@ def inline(fn):
     return numba.njit(cache=True, fastmath=set(FASTMATH), error_model="numpy", inline="always")(fn)
 
 
-def twins(fn):
-    """(serial, parallel) dispatchers of one kernel body.
-
-    The parallel one runs ``prange`` loops on numba's thread pool; the serial one runs them as
-    plain loops, which avoids the per-step cost of waking the pool when there is little work.
-    Each twin gets its own function name so numba's on-disk cache keeps both.
-    """
-    out = []
-    for suffix, parallel in (("_serial", False), ("_parallel", True)):
-        code = fn.__code__.replace(
-            co_name=fn.__name__ + suffix, co_qualname=fn.__qualname__ + suffix
-        )
-        twin = types.FunctionType(code, fn.__globals__, fn.__name__ + suffix, fn.__defaults__)
-        twin.__qualname__ = fn.__qualname__ + suffix
-        twin.__module__ = fn.__module__
-        fn.__globals__[twin.__name__] = twin
-        # nogil: the engine runs disjoint batch slices of the serial twin on Python threads.
-        out.append(
-            numba.njit(
-                cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=parallel,
-                nogil=True,
-            )(twin)
-        )
-    return tuple(out)
+def kernel(fn):
+    """An entry point called from Python: like ``jit``, and it releases the GIL, because the
+    engine runs one job per thread over the same op (see _sync)."""
+    return numba.njit(cache=True, fastmath=set(FASTMATH), error_model="numpy", nogil=True)(fn)

@@ -36,26 +36,39 @@ def sigmoid_(x):  # pragma: no cover
     return 1.0 / (1.0 + math.exp(-x))
 
 
+# tanh(v) ~ v * P(v^2) / Q(v^2) on [-9, 9] (and +-1 - 2e-8 beyond): the float32 tanh, here and
+# in the vector IR of _cells.
+TANH_CLAMP = 9.0
+TANH_P = (
+    -2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
+    1.48572235717979e-05, 6.37261928875436e-04, 4.89352455891786e-03,
+)  # fmt: skip
+TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03)
+_P = tuple(np.float32(c) for c in TANH_P)
+_Q = tuple(np.float32(c) for c in TANH_Q)
+_HI, _LO = np.float32(TANH_CLAMP), np.float32(-TANH_CLAMP)
+
+
 @overload(tanh_, inline="always", fastmath=True)
 def _tanh_ov(x):
     if x == types.float32:
 
         def impl(x):
             # Clamp with comparisons (not min/max) so NaN passes through untouched.
-            a = np.float32(9.0) if x > np.float32(9.0) else x
-            v = np.float32(-9.0) if a < np.float32(-9.0) else a
+            a = _HI if x > _HI else x
+            v = _LO if a < _LO else a
             x2 = v * v
-            p = np.float32(-2.76076847742355e-16)
-            p = p * x2 + np.float32(2.00018790482477e-13)
-            p = p * x2 + np.float32(-8.60467152213735e-11)
-            p = p * x2 + np.float32(5.12229709037114e-08)
-            p = p * x2 + np.float32(1.48572235717979e-05)
-            p = p * x2 + np.float32(6.37261928875436e-04)
-            p = p * x2 + np.float32(4.89352455891786e-03)
-            q = np.float32(1.19825839466702e-06)
-            q = q * x2 + np.float32(1.18534705686654e-04)
-            q = q * x2 + np.float32(2.26843463243900e-03)
-            q = q * x2 + np.float32(4.89352518554385e-03)
+            p = _P[0]
+            p = p * x2 + _P[1]
+            p = p * x2 + _P[2]
+            p = p * x2 + _P[3]
+            p = p * x2 + _P[4]
+            p = p * x2 + _P[5]
+            p = p * x2 + _P[6]
+            q = _Q[0]
+            q = q * x2 + _Q[1]
+            q = q * x2 + _Q[2]
+            q = q * x2 + _Q[3]
             return (p * v) / q
 
         return impl

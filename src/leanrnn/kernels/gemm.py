@@ -1,27 +1,30 @@
 """GEMMs on gate-fused block panels (formats.packing): the recurrent step and the input
 projection of all timesteps as one blocked GEMM, both on the register tiles of ``_simd``.
 
-``panelN(P, u, v0, A, i0, i1, K, C, ccol)`` computes, for a panel slice of N groups of 16 columns,
+``panelN(P, u, v0, A, i0, i1, K, C, ccol, bias, boff)`` computes, for a panel slice of N groups
+of 16 columns,
 
-    C[i, ccol + j] = sum_{k<K} A[i, k] * P[u, k, v0*16 + j]     i0 <= i < i1, j < N*16
+    C[i, ccol + j] = bias[boff + j] + sum_{k<K} A[i, k] * P[u, k, v0*16 + j]
+    i0 <= i < i1, j < N*16;  boff < 0: no bias (any array of the dtype may be passed)
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. There are four of them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
-more than one row, K is cut into KC-long slices so the panel slice a tile
-streams stays in L1 (48 KiB here); a single row (GEMV) streams the whole panel once instead.
+more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays
+near (L1/L2; the tile needs 256 B of weights per 12 cycles, which L2 sustains); a single row
+(GEMV) streams the whole panel once instead. KC and ROWS were swept on this machine (Zen 5):
+KC 64 -> 256 and ROWS 96 -> 192 took the H=1024 projection from 195 to 234 GFLOP/s.
 """
 
 from __future__ import annotations
 
-from numba import prange
-
 from ..formats.packing import B
-from ._jit import inline, twins
+from ._jit import inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
+from ._sync import take, task_done, wait_tasks
 
-KC = 64  # inputs per K slice: a [64, 64] float32 panel slice is 16 KiB
-ROWS = 96  # input rows per parallel task in the input projection (a multiple of 6 and 3)
+KC = 256  # inputs per K slice: a [256, 64] float32 panel slice is 64 KiB
+ROWS = 192  # input rows per task in the input projection (a multiple of 6 and 3)
 
 
 @inline
@@ -30,70 +33,81 @@ def _kc(K, i0, i1):
 
 
 @inline
+def _mode(k0, boff):
+    # the tile's init (see _simd): later K slices add to C; the first starts from 0 or the bias
+    return 1 if k0 > 0 else (2 if boff >= 0 else 0)
+
+
+@inline
 def _off(P, u, v0, k0):
     return (u * P.shape[1] + k0) * P.shape[2] + v0 * B
 
 
 @inline
-def panel1(P, u, v0, A, i0, i1, K, C, ccol):
+def panel1(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
     kc = _kc(K, i0, i1)
     for k0 in range(0, K, kc):
         panel_gemm1(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
-                    min(kc, K - k0), C, ccol, C.shape[1], k0)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
-def panel2(P, u, v0, A, i0, i1, K, C, ccol):
+def panel2(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
     kc = _kc(K, i0, i1)
     for k0 in range(0, K, kc):
         panel_gemm2(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
-                    min(kc, K - k0), C, ccol, C.shape[1], k0)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
-def panel3(P, u, v0, A, i0, i1, K, C, ccol):
+def panel3(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
     kc = _kc(K, i0, i1)
     for k0 in range(0, K, kc):
         panel_gemm3(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
-                    min(kc, K - k0), C, ccol, C.shape[1], k0)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
-def panel4(P, u, v0, A, i0, i1, K, C, ccol):
+def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
     kc = _kc(K, i0, i1)
     for k0 in range(0, K, kc):
         panel_gemm4(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
-                    min(kc, K - k0), C, ccol, C.shape[1], k0)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
-def _input_projection(x, W, b, K, xw):
+@kernel
+def input_projection(x, W, b, K, xw, sync):
     """xw = x W^T + b for every input row at once (rows in x's own order).
 
     x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input — the recurrent kernels
         are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output.
+    Tasks (a chunk of rows x one panel) are handed out by ticket from ``sync`` (see _sync), so
+    any number of threads may call this at once on the same arrays: each returns when all
+    tasks are done. Row chunks are the outer order: a chunk of x stays in cache while the
+    panels stream past it (panel-major order re-read all of x from L3 for every panel).
     """
     M = x.shape[0]
     U, _, Wd = W.shape
-    # Even row chunks (a multiple of 6 rows, the tile height), and task ids ordered panel-major
-    # so the contiguous task ranges prange hands each thread hold equal work.
+    # Even row chunks, a multiple of 6 rows (the tile height).
     nm = (M + ROWS - 1) // ROWS
     rows = ((M + nm - 1) // nm + 5) // 6 * 6
-    for task in prange(U * nm):
-        u = task // nm
-        i0 = (task % nm) * rows
+    ntasks = U * nm
+    while True:
+        task = take(sync)
+        if task >= ntasks:
+            break
+        u = task % U
+        i0 = (task // U) * rows
         i1 = min(M, i0 + rows)
         c0 = u * Wd
-        if i0 >= i1:  # rounding rows up to the tile height can leave the last chunk empty
-            continue
-        if Wd == 4 * B:
-            panel4(W, u, 0, x, i0, i1, K, xw, c0)
-        elif Wd == 3 * B:
-            panel3(W, u, 0, x, i0, i1, K, xw, c0)
-        else:
-            panel1(W, u, 0, x, i0, i1, K, xw, c0)
-        for i in range(i0, i1):
-            for j in range(c0, c0 + Wd):
-                xw[i, j] += b[j]
-
-
-input_projection_serial, input_projection_parallel = twins(_input_projection)
+        # The tile adds the bias in its final store: a second pass over xw adding it cost a
+        # quarter of the time at H=128. Rounding rows up to the tile height can leave the
+        # last chunk empty.
+        if i0 < i1 and Wd == 4 * B:
+            panel4(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
+        elif i0 < i1 and Wd == 3 * B:
+            panel3(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
+        elif i0 < i1:
+            panel1(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
+        task_done(sync)
+    wait_tasks(sync, ntasks)

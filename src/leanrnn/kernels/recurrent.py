@@ -6,8 +6,13 @@ GEMM (gemm.py), then finishes the fused, in-place cell/hidden update for its uni
 waiting for the other blocks — one vector pass for the default activations, per-gate passes with
 the ONNX activation switch otherwise. Only two things need a barrier inside a step: the LSTM
 projection (needs the whole unprojected h) and the GRU n gate with linear_before_reset = 0
-(needs r*h of all units). The parallel twin splits the blocks of each step over numba's pool;
-for large batches the engine instead runs disjoint batch slices of the serial twin on threads.
+(needs r*h of all units).
+
+Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
+``parts``; each phase (step, or half-step) is cut into ``parts`` slices of unit blocks that the
+threads claim and finish before any of them moves on. parts == 1 is the plain serial loop. For
+large batches the engine instead runs disjoint batch slices (n0, N below), each with parts == 1,
+so those threads never meet at all.
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
@@ -26,16 +31,17 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
   consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
+  me, parts, sync: this thread's index, the thread count and their sync array (see _sync)
 No argument may alias another.
 """
 
 from __future__ import annotations
 
-from numba import prange
-
 from ..formats.packing import B
-from ._jit import inline, twins
-from ._math import SIGMOID, TANH, act_span, clip_span, flush, sigmoid_, tanh_
+from ._cells import gru_update, lstm_update, rnn_update
+from ._jit import inline, kernel
+from ._math import SIGMOID, TANH, act_span, clip_span, flush
+from ._sync import claim, finish, wait_phase
 from .gemm import panel1, panel2, panel3, panel4
 
 
@@ -74,18 +80,23 @@ def _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tin
 @inline
 def _emit(hn, n, c0, y, yr, y_off, K):
     """Copy the block's new h (its real units only) into output row yr."""
-    for j in range(min(B, K - c0)):
-        y[yr, y_off + c0 + j] = hn[n, c0 + j]
+    if c0 + B <= K:  # a whole block: a constant trip count, so one vector copy
+        for j in range(B):
+            y[yr, y_off + c0 + j] = hn[n, c0 + j]
+    else:
+        for j in range(K - c0):
+            y[yr, y_off + c0 + j] = hn[n, c0 + j]
 
 
 def _lstm(
     xw, xw_bf_T, n0, Nall, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
+    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
     U = Rt.shape[0]
     H = hfull.shape[1]
+    NP = proj.shape[0]  # projection blocks
     Kout = P if P > 0 else K
     af, ag, ah = acts[0], acts[1], acts[2]
     alf, alg, alh = alphas[0], alphas[1], alphas[2]
@@ -94,88 +105,97 @@ def _lstm(
     # cell and the hidden update in registers, one vector pass — no per-gate passes.
     fast = af == SIGMOID and ag == TANH and ah == TANH and not use_peep
     fast = fast and not input_forget and not clip > zero
-    _zero_tails(y, y_off, Kout, lengths, T, n0, N, Nall, y_bf_T, zero)
+    if me == 0:  # one thread zeroes the steps past each length
+        _zero_tails(y, y_off, Kout, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
+    g = 0  # phase counter, the same on every thread
     for s in range(T):
         dst = hn if P == 0 else hfull
-        for u in prange(U):
-            r0 = u * 4 * B
-            ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
-            c0 = u * B
-            panel4(Rt, u, 0, hp, 0, N, K, gates, r0)
-            for n in range(N):
-                L = lengths[n0 + n]
-                if s >= L:
-                    if P == 0:
-                        for j in range(c0, c0 + B):
-                            hn[n, j] = hp[n, j]
-                    continue
-                t = L - 1 - s if reverse else s
-                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
-                if fast:
-                    for j in range(B):
-                        i_ = sigmoid_(gates[n, ri + j] + xw[xr, ri + j])
-                        f_ = sigmoid_(gates[n, rf + j] + xw[xr, rf + j])
-                        g_ = tanh_(gates[n, rg + j] + xw[xr, rg + j])
-                        o_ = sigmoid_(gates[n, ro + j] + xw[xr, ro + j])
-                        cc = flush(f_ * c[n, c0 + j] + i_ * g_, tiny, zero)
-                        c[n, c0 + j] = cc
-                        dst[n, c0 + j] = flush(o_ * tanh_(cc), tiny, zero)
-                    if P == 0:
-                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
-                    continue
-                _add_span(gates, n, r0, xw, xr, 4 * B)
-                if use_peep:
-                    for j in range(B):
-                        gates[n, ri + j] += peep[0, c0 + j] * c[n, c0 + j]
-                        gates[n, rf + j] += peep[1, c0 + j] * c[n, c0 + j]
-                if clip > zero:
-                    clip_span(clip, gates, n, ri, 3 * B)
-                act_span(af, alf, bef, zero, one, gates, n, ri, B)
-                if input_forget:
-                    for j in range(B):
-                        gates[n, rf + j] = one - gates[n, ri + j]
-                else:
-                    act_span(af, alf, bef, zero, one, gates, n, rf, B)
-                act_span(ag, alg, beg, zero, one, gates, n, rg, B)
-                for j in range(B):
-                    cc = gates[n, rf + j] * c[n, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
-                    c[n, c0 + j] = flush(cc, tiny, zero)
-                if use_peep:
-                    for j in range(B):
-                        gates[n, ro + j] += peep[2, c0 + j] * c[n, c0 + j]
-                if clip > zero:
-                    clip_span(clip, gates, n, ro, B)
-                act_span(af, alf, bef, zero, one, gates, n, ro, B)
-                # The g slot is free now: reuse it for h(c).
-                for j in range(B):
-                    gates[n, rg + j] = c[n, c0 + j]
-                act_span(ah, alh, beh, zero, one, gates, n, rg, B)
-                if P == 0:
-                    for j in range(B):
-                        hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
-                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
-                else:
-                    for j in range(B):
-                        hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
-        if P > 0:
-            for pb in prange(proj.shape[0]):
-                p0 = pb * B
-                panel1(proj, pb, 0, hfull, 0, N, H, hn, p0)
+        for q in range(parts):
+            part = (me + q) % parts
+            if not claim(sync, parts, part, g):
+                continue
+            for u in range(U * part // parts, U * (part + 1) // parts):
+                r0 = u * 4 * B
+                ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
+                c0 = u * B
+                panel4(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
                     L = lengths[n0 + n]
                     if s >= L:
-                        for p in range(p0, p0 + B):
-                            hn[n, p] = hp[n, p]
+                        if P == 0:
+                            for j in range(c0, c0 + B):
+                                hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    yr = _yrow(t, n0 + n, Nall, y_bf_T)
-                    for p in range(p0, min(p0 + B, P)):
-                        v = flush(hn[n, p], tiny, zero)
-                        hn[n, p] = v
-                        y[yr, y_off + p] = v
+                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                    if fast:
+                        lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
+                        if P == 0:
+                            _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        continue
+                    _add_span(gates, n, r0, xw, xr, 4 * B)
+                    if use_peep:
+                        for j in range(B):
+                            gates[n, ri + j] += peep[0, c0 + j] * c[n, c0 + j]
+                            gates[n, rf + j] += peep[1, c0 + j] * c[n, c0 + j]
+                    if clip > zero:
+                        clip_span(clip, gates, n, ri, 3 * B)
+                    act_span(af, alf, bef, zero, one, gates, n, ri, B)
+                    if input_forget:
+                        for j in range(B):
+                            gates[n, rf + j] = one - gates[n, ri + j]
+                    else:
+                        act_span(af, alf, bef, zero, one, gates, n, rf, B)
+                    act_span(ag, alg, beg, zero, one, gates, n, rg, B)
+                    for j in range(B):
+                        cc = gates[n, rf + j] * c[n, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
+                        c[n, c0 + j] = flush(cc, tiny, zero)
+                    if use_peep:
+                        for j in range(B):
+                            gates[n, ro + j] += peep[2, c0 + j] * c[n, c0 + j]
+                    if clip > zero:
+                        clip_span(clip, gates, n, ro, B)
+                    act_span(af, alf, bef, zero, one, gates, n, ro, B)
+                    # The g slot is free now: reuse it for h(c).
+                    for j in range(B):
+                        gates[n, rg + j] = c[n, c0 + j]
+                    act_span(ah, alh, beh, zero, one, gates, n, rg, B)
+                    if P == 0:
+                        for j in range(B):
+                            hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
+                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                    else:
+                        for j in range(B):
+                            hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
+            finish(sync, parts)
+        wait_phase(sync, parts, g)
+        g += 1
+        if P > 0:
+            for q in range(parts):
+                part = (me + q) % parts
+                if not claim(sync, parts, part, g):
+                    continue
+                for pb in range(NP * part // parts, NP * (part + 1) // parts):
+                    p0 = pb * B
+                    panel1(proj, pb, 0, hfull, 0, N, H, hn, p0, consts, -1)
+                    for n in range(N):
+                        L = lengths[n0 + n]
+                        if s >= L:
+                            for p in range(p0, p0 + B):
+                                hn[n, p] = hp[n, p]
+                            continue
+                        t = L - 1 - s if reverse else s
+                        yr = _yrow(t, n0 + n, Nall, y_bf_T)
+                        for p in range(p0, min(p0 + B, P)):
+                            v = flush(hn[n, p], tiny, zero)
+                            hn[n, p] = v
+                            y[yr, y_off + p] = v
+                finish(sync, parts)
+            wait_phase(sync, parts, g)
+            g += 1
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
@@ -183,7 +203,7 @@ def _lstm(
 
 def _gru(
     xw, xw_bf_T, n0, Nall, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, consts,
+    y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -192,67 +212,79 @@ def _gru(
     alf, alg = alphas[0], alphas[1]
     bef, beg = betas[0], betas[1]
     fast = af == SIGMOID and ag == TANH and not clip > zero and linear_before_reset
-    _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
+    if me == 0:  # one thread zeroes the steps past each length
+        _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
+    g = 0  # phase counter, the same on every thread
     for s in range(T):
-        for u in prange(U):
-            r0 = u * 3 * B
-            rz, rr, rn = r0, r0 + B, r0 + 2 * B
-            c0 = u * B
-            if linear_before_reset:
-                panel3(Rt, u, 0, hp, 0, N, K, gates, r0)
-            else:
-                panel2(Rt, u, 0, hp, 0, N, K, gates, r0)
-            for n in range(N):
-                L = lengths[n0 + n]
-                if s >= L:
-                    if linear_before_reset:
-                        for j in range(c0, c0 + B):
-                            hn[n, j] = hp[n, j]
-                    continue
-                t = L - 1 - s if reverse else s
-                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
-                if fast:  # PyTorch's GRU in one fused pass
-                    for j in range(B):
-                        z = sigmoid_(gates[n, rz + j] + xw[xr, rz + j])
-                        r = sigmoid_(gates[n, rr + j] + xw[xr, rr + j])
-                        nn_ = tanh_(xw[xr, rn + j] + r * (gates[n, rn + j] + rb[rn + j]))
-                        hn[n, c0 + j] = flush((one - z) * nn_ + z * hp[n, c0 + j], tiny, zero)
-                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
-                    continue
-                _add_span(gates, n, rz, xw, xr, 2 * B)
-                if clip > zero:
-                    clip_span(clip, gates, n, rz, 2 * B)
-                act_span(af, alf, bef, zero, one, gates, n, rz, 2 * B)
-                if linear_before_reset:
-                    for j in range(B):
-                        gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
-                            gates[n, rn + j] + rb[rn + j]
-                        )
-                    _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
-                else:
-                    for j in range(B):
-                        rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
-        if not linear_before_reset:
-            for u in prange(U):
+        for q in range(parts):
+            part = (me + q) % parts
+            if not claim(sync, parts, part, g):
+                continue
+            for u in range(U * part // parts, U * (part + 1) // parts):
                 r0 = u * 3 * B
-                rz, rn = r0, r0 + 2 * B
+                rz, rr, rn = r0, r0 + B, r0 + 2 * B
                 c0 = u * B
-                panel1(Rt, u, 2, rh, 0, N, K, gates, rn)
+                if linear_before_reset:
+                    panel3(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                else:
+                    panel2(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
                     L = lengths[n0 + n]
                     if s >= L:
-                        for j in range(c0, c0 + B):
-                            hn[n, j] = hp[n, j]
+                        if linear_before_reset:
+                            for j in range(c0, c0 + B):
+                                hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
                     xr = _yrow(t, n0 + n, Nall, xw_bf_T)
-                    _add_span(gates, n, rn, xw, xr, B)
-                    _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                    _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                    if fast:  # PyTorch's GRU in one fused pass
+                        gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
+                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        continue
+                    _add_span(gates, n, rz, xw, xr, 2 * B)
+                    if clip > zero:
+                        clip_span(clip, gates, n, rz, 2 * B)
+                    act_span(af, alf, bef, zero, one, gates, n, rz, 2 * B)
+                    if linear_before_reset:
+                        for j in range(B):
+                            gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
+                                gates[n, rn + j] + rb[rn + j]
+                            )
+                        _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                    else:
+                        for j in range(B):
+                            rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
+            finish(sync, parts)
+        wait_phase(sync, parts, g)
+        g += 1
+        if not linear_before_reset:
+            for q in range(parts):
+                part = (me + q) % parts
+                if not claim(sync, parts, part, g):
+                    continue
+                for u in range(U * part // parts, U * (part + 1) // parts):
+                    r0 = u * 3 * B
+                    rz, rn = r0, r0 + 2 * B
+                    c0 = u * B
+                    panel1(Rt, u, 2, rh, 0, N, K, gates, rn, consts, -1)
+                    for n in range(N):
+                        L = lengths[n0 + n]
+                        if s >= L:
+                            for j in range(c0, c0 + B):
+                                hn[n, j] = hp[n, j]
+                            continue
+                        t = L - 1 - s if reverse else s
+                        xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                        _add_span(gates, n, rn, xw, xr, B)
+                        _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                finish(sync, parts)
+            wait_phase(sync, parts, g)
+            g += 1
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
@@ -260,44 +292,53 @@ def _gru(
 
 def _rnn(
     xw, xw_bf_T, n0, Nall, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
-    consts,
+    consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
     U = Rt.shape[0]
     af, alf, bef = acts[0], alphas[0], betas[0]
-    _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
+    if me == 0:  # one thread zeroes the steps past each length
+        _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
+    g = 0  # phase counter, the same on every thread
     for s in range(T):
-        for u in prange(U):
-            r0 = u * B
-            panel1(Rt, u, 0, hp, 0, N, K, gates, r0)
-            for n in range(N):
-                L = lengths[n0 + n]
-                if s >= L:
-                    for j in range(r0, r0 + B):
-                        hn[n, j] = hp[n, j]
-                    continue
-                t = L - 1 - s if reverse else s
-                xr = _yrow(t, n0 + n, Nall, xw_bf_T)
-                _add_span(gates, n, r0, xw, xr, B)
-                if clip > zero:
-                    clip_span(clip, gates, n, r0, B)
-                if af == TANH:  # the common case inline, without the activation switch
-                    for j in range(r0, r0 + B):
-                        gates[n, j] = tanh_(gates[n, j])
-                else:
+        for q in range(parts):
+            part = (me + q) % parts
+            if not claim(sync, parts, part, g):
+                continue
+            for u in range(U * part // parts, U * (part + 1) // parts):
+                r0 = u * B
+                panel1(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                for n in range(N):
+                    L = lengths[n0 + n]
+                    if s >= L:
+                        for j in range(r0, r0 + B):
+                            hn[n, j] = hp[n, j]
+                        continue
+                    t = L - 1 - s if reverse else s
+                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                    if af == TANH and not clip > zero:  # the common case, fused
+                        rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
+                        _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        continue
+                    _add_span(gates, n, r0, xw, xr, B)
+                    if clip > zero:
+                        clip_span(clip, gates, n, r0, B)
                     act_span(af, alf, bef, zero, one, gates, n, r0, B)
-                for j in range(B):
-                    hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
-                _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                    for j in range(B):
+                        hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
+                    _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+            finish(sync, parts)
+        wait_phase(sync, parts, g)
+        g += 1
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
 
 
-lstm_serial, lstm_parallel = twins(_lstm)
-gru_serial, gru_parallel = twins(_gru)
-rnn_serial, rnn_parallel = twins(_rnn)
+lstm = kernel(_lstm)
+gru = kernel(_gru)
+rnn = kernel(_rnn)

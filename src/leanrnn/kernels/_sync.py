@@ -1,0 +1,147 @@
+"""How the threads running one recurrence meet at every step: atomics on a small int64 array.
+
+numba's ``prange`` forks and joins its pool at every timestep; at batch 1 that costs more than
+the step itself (H=128: ~2 us of work per step). Here the engine instead starts one job per
+thread for a whole op, and the threads meet through a ``sync`` array (ints in separate cache
+lines, zeroed by the caller before the jobs start):
+
+- **Work-claiming phases.** A step (a *phase*; the LSTM projection and the GRU's r*h product add
+  a second phase per step) is cut into ``parts`` slices of unit blocks. A thread claims slice p
+  of phase g by compare-and-swap of ``claim[p]`` from g to g+1, computes it, and counts it in
+  ``done``; before phase g+1 it waits until ``done`` reaches (g+1)*parts. Thread ``me`` tries its
+  own slice first (so each core keeps streaming the same weights), then the others.
+- **Never a deadlock.** Nobody waits for a particular thread: a job that starts late (a busy
+  pool, the OS) finds its slices taken and the caller's thread having done them — slower, never
+  stuck. A single thread (parts == 1) skips the atomics entirely.
+- **Ticket queues** (``take``): the input projection's row x panel tasks are handed out by an
+  atomic counter, so whichever threads are running share them; ``done`` again tells when all
+  are finished.
+
+Memory order: the atomics are sequentially consistent, so a slice's plain stores (h, c, y) are
+visible to a thread that has seen its ``done`` count.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._jit import inline
+
+LINE = 16  # int64 slots per cache-line pair: slot r lives at index r*LINE, alone in its line
+# Slot rows of a sync array.
+PROJ_TICKET, PROJ_DONE, STEP_DONE, CLAIM0 = 0, 1, 2, 3
+
+
+def sync_size(parts: int) -> int:
+    """Length of the int64 sync array for ``parts`` slices."""
+    return (CLAIM0 + parts) * LINE
+
+
+def _slot_ptr(context, builder, sig, args):
+    arr = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
+    return builder.gep(arr.data, [args[1]])
+
+
+def _is_int64_array(a) -> bool:
+    return isinstance(a, types.Array) and a.dtype == types.int64 and a.ndim == 1
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """arr[idx] += val atomically; returns the old value."""
+    if not _is_int64_array(arr):
+        return None
+
+    def gen(context, builder, sig, args):
+        return builder.atomic_rmw("add", _slot_ptr(context, builder, sig, args), args[2], "seq_cst")
+
+    return types.int64(arr, types.intp, types.int64), gen
+
+
+@intrinsic
+def atomic_cas(typingctx, arr, idx, expected, new):
+    """If arr[idx] == expected, set it to new; True if this call did."""
+    if not _is_int64_array(arr):
+        return None
+
+    def gen(context, builder, sig, args):
+        ptr = _slot_ptr(context, builder, sig, args)
+        res = builder.cmpxchg(ptr, args[2], args[3], "seq_cst", "seq_cst")
+        return builder.extract_value(res, 1)
+
+    return types.boolean(arr, types.intp, types.int64, types.int64), gen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx], read atomically."""
+    if not _is_int64_array(arr):
+        return None
+
+    def gen(context, builder, sig, args):
+        return builder.load_atomic(_slot_ptr(context, builder, sig, args), "seq_cst", 8)
+
+    return types.int64(arr, types.intp), gen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """A spin-wait hint (x86 ``pause``: lets the sibling hyperthread run, saves power)."""
+
+    def gen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
+            )
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), gen
+
+
+@inline
+def claim(sync, parts, part, g):
+    """Take slice ``part`` of phase ``g``; True if it is ours to compute."""
+    if parts == 1:
+        return True
+    return atomic_cas(sync, (CLAIM0 + part) * LINE, g, g + 1)
+
+
+@inline
+def finish(sync, parts):
+    """Count one computed slice of the current phase."""
+    if parts > 1:
+        atomic_add(sync, STEP_DONE * LINE, 1)
+
+
+@inline
+def wait_phase(sync, parts, g):
+    """Return once every slice of phase ``g`` is done."""
+    if parts > 1:
+        while atomic_load(sync, STEP_DONE * LINE) < (g + 1) * parts:
+            cpu_relax()
+
+
+@inline
+def take(sync):
+    """The next task ticket (past the last task: none left)."""
+    return atomic_add(sync, PROJ_TICKET * LINE, 1)
+
+
+@inline
+def task_done(sync):
+    atomic_add(sync, PROJ_DONE * LINE, 1)
+
+
+@inline
+def wait_tasks(sync, ntasks):
+    while atomic_load(sync, PROJ_DONE * LINE) < ntasks:
+        cpu_relax()
