@@ -26,10 +26,10 @@ Reverse and bidirectional stacks cannot be chunked: a reverse direction starts a
 last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*K] for the whole
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
-Threads: each op (the input projection, then the recurrence) runs as one job per thread; the
-threads hand out projection tasks by ticket and, at batch <= PARALLEL_MAX_BATCH, split every
-step's unit blocks, meeting through atomics rather than a fork/join per step (kernels._sync).
-Larger batches give each thread its own samples.
+Threads: each op (the input projection, then the recurrence) is one launch of numba's pool
+(kernels.ops): its threads hand out projection tasks by ticket and, at batch <=
+PARALLEL_MAX_BATCH, split every step's unit blocks, meeting through atomics rather than a
+fork/join per step (kernels._sync). Larger batches give each thread its own samples.
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
@@ -41,17 +41,17 @@ from __future__ import annotations
 import logging
 import threading
 
+import numba
 import numpy as np
 
 from .. import config
 from ..errors import PlanError, ShapeError
 from ..formats.packing import PackedWeights
-from ..kernels import _sync, gemm, recurrent
+from ..kernels import _sync, gemm, ops, recurrent
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
 from . import _check
-from .workers import run_jobs
 
 _log = logging.getLogger("leanrnn")
 
@@ -70,6 +70,13 @@ MIN_AUTO_CHUNK = 4
 
 
 _KERNELS = {"lstm": recurrent.lstm, "gru": recurrent.gru, "rnn": recurrent.rnn}
+_OPS = {"lstm": ops.lstm_op, "gru": ops.gru_op, "rnn": ops.rnn_op}
+
+
+def _pool_threads(parts: int) -> int:
+    """Threads numba's pool may use for ``parts`` jobs (it has no more than it started with;
+    fewer just run some jobs after others, see kernels.ops)."""
+    return min(parts, int(numba.config.NUMBA_NUM_THREADS))
 
 
 def _positive_or_none(op: str, name: str, v) -> int | None:
@@ -476,53 +483,36 @@ class Session:
                     c[:] = 0  # padding units too: the projection reads every column of h(c)
                     if c0 is not None:
                         c[:, :H] = c0[k]
-                # fmt: off
-                def recur(n0, n1, me, parts, pl=pl, xw=xw, ha=ha, hb=hb, gates=gates, aux=aux,
-                          c=c, rev=rev, acts=acts, al=al, be=be, xin_bf=xin_bf, yout=yout,
-                          y_bf=y_bf, off=d * K):
-                    fn, sync = _KERNELS[spec.cell], self._sync
-                    if spec.cell == "lstm":
-                        return fn(
-                            xw, xin_bf, n0, N, pl.Rt, K, pl.peep, spec.peepholes, pl.proj,
-                            spec.proj_size, ha[n0:n1], hb[n0:n1], c[n0:n1], gates[n0:n1],
-                            aux[n0:n1], lens, T, rev, yout, off, y_bf, acts, al, be,
-                            spec.input_forget, consts, me, parts, sync,
-                        )
-                    if spec.cell == "gru":
-                        return fn(
-                            xw, xin_bf, n0, N, pl.Rt, K, pl.rb, spec.linear_before_reset,
-                            ha[n0:n1], hb[n0:n1], gates[n0:n1], aux[n0:n1], lens, T, rev, yout,
-                            off, y_bf, acts, al, be, consts, me, parts, sync,
-                        )
-                    return fn(
-                        xw, xin_bf, n0, N, pl.Rt, K, ha[n0:n1], hb[n0:n1], gates[n0:n1], lens,
-                        T, rev, yout, off, y_bf, acts, al, be, consts, me, parts, sync,
-                    )
-                # fmt: on
-                parity = self._op(xin, pl, Cin, xw, recur, N, parts, batch_split)
+                off = d * K
+                if spec.cell == "lstm":
+                    rec = (pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb, c,
+                           gates, aux, lens, T, rev, yout, off, y_bf, acts, al, be,
+                           spec.input_forget, consts)  # fmt: skip
+                elif spec.cell == "gru":
+                    rec = (pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens, T,
+                           rev, yout, off, y_bf, acts, al, be, consts)  # fmt: skip
+                else:
+                    rec = (pl.Rt, K, ha, hb, gates, lens, T, rev, yout, off, y_bf, acts, al, be,
+                           consts)  # fmt: skip
+                parity = self._op(xin, xin_bf, pl, Cin, xw, rec, N, parts, batch_split)
                 if spec.cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
 
-    def _op(self, xin, pl, Cin: int, xw, recur, N: int, parts: int, batch_split: bool) -> int:
-        """One (layer, direction): the input projection, then the recurrence, as one job per
-        thread. The projection's tasks go to whichever threads run (tickets); the recurrence
-        either splits each step's blocks (``parts`` slices, the threads meet every step) or,
-        with ``batch_split``, gives each thread its own samples (they never meet)."""
+    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, N: int, parts: int,
+            split: bool) -> int:  # fmt: skip
+        """One (layer, direction): the input projection, then the recurrence (its arguments
+        past the sample range: ``rec``). On several threads it is one launch of numba's pool
+        for the whole op (kernels.ops); returns the recurrence's parity."""
         sync = self._sync
         sync[:] = 0
-
-        def job(me: int) -> int:
+        if parts == 1:
             gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
-            if parts == 1:
-                return recur(0, N, 0, 1)
-            if batch_split:
-                return recur(N * me // parts, N * (me + 1) // parts, 0, 1)
-            return recur(0, N, me, parts)
-
-        return run_jobs(job, parts)
+            return _KERNELS[self.spec.cell](xw, xin_bf, 0, N, *rec, 0, 1, sync)
+        numba.set_num_threads(_pool_threads(parts))
+        return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts, split)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""
