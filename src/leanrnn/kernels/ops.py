@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 from numba import prange
 
-from ._jit import FASTMATH
+from ._jit import FASTMATH, inline
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
 
@@ -27,6 +27,15 @@ def _op(fn):
     )(fn)
 
 
+@inline
+def _share(N, me, parts, split):
+    """(n0, n1, me, parts) the recurrence of job ``me`` gets: a batch slice of its own with
+    ``split``, else every sample and slice ``me`` of each step's blocks."""
+    if split:
+        return N * me // parts, N * (me + 1) // parts, 0, 1
+    return 0, N, me, parts
+
+
 @_op
 def lstm_op(
     x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
@@ -35,15 +44,10 @@ def lstm_op(
     N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        if split:
-            n0, n1 = N * me // parts, N * (me + 1) // parts
-            lstm(xw, xw_bf_T, n0, N, Rt, K, peep, use_peep, proj, P, h_a[n0:n1], h_b[n0:n1],
-                 c[n0:n1], gates[n0:n1], hfull[n0:n1], lengths, T, reverse, y, y_off, y_bf_T,
-                 acts, alphas, betas, input_forget, consts, 0, 1, sync)  # fmt: skip
-        else:
-            lstm(xw, xw_bf_T, 0, N, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull,
-                 lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts,
-                 me, parts, sync)  # fmt: skip
+        n0, n1, who, among = _share(N, me, parts, split)
+        lstm(xw, xw_bf_T, n0, N, Rt, K, peep, use_peep, proj, P, h_a[n0:n1], h_b[n0:n1],
+             c[n0:n1], gates[n0:n1], hfull[n0:n1], lengths, T, reverse, y, y_off, y_bf_T, acts,
+             alphas, betas, input_forget, consts, who, among, sync)  # fmt: skip
     return T % 2
 
 
@@ -55,14 +59,10 @@ def gru_op(
     N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        if split:
-            n0, n1 = N * me // parts, N * (me + 1) // parts
-            gru(xw, xw_bf_T, n0, N, Rt, K, rb, linear_before_reset, h_a[n0:n1], h_b[n0:n1],
-                gates[n0:n1], rh[n0:n1], lengths, T, reverse, y, y_off, y_bf_T, acts, alphas,
-                betas, consts, 0, 1, sync)  # fmt: skip
-        else:
-            gru(xw, xw_bf_T, 0, N, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths,
-                T, reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
+        n0, n1, who, among = _share(N, me, parts, split)
+        gru(xw, xw_bf_T, n0, N, Rt, K, rb, linear_before_reset, h_a[n0:n1], h_b[n0:n1],
+            gates[n0:n1], rh[n0:n1], lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
+            consts, who, among, sync)  # fmt: skip
     return T % 2
 
 
@@ -74,11 +74,7 @@ def rnn_op(
     N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        if split:
-            n0, n1 = N * me // parts, N * (me + 1) // parts
-            rnn(xw, xw_bf_T, n0, N, Rt, K, h_a[n0:n1], h_b[n0:n1], gates[n0:n1], lengths, T,
-                reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, 0, 1, sync)  # fmt: skip
-        else:
-            rnn(xw, xw_bf_T, 0, N, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T,
-                acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
+        n0, n1, who, among = _share(N, me, parts, split)
+        rnn(xw, xw_bf_T, n0, N, Rt, K, h_a[n0:n1], h_b[n0:n1], gates[n0:n1], lengths, T,
+            reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, who, among, sync)  # fmt: skip
     return T % 2
