@@ -257,3 +257,21 @@ def test_cli_registers_and_rerenders(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| LSTM H=512 N=1 T=100 |" in out
     assert (tmp_path / "report.md").exists()
+
+
+def test_rounds_report_the_median_process_and_never_hide_a_failure():
+    from leanrnn.bench.harness import _merge_rounds
+
+    def row(engine, median, status="ok"):
+        r = {"engine": engine, "config": {"H": 8}, "status": status}
+        return r | ({"timing": {"median_s": median}} if status == "ok" else {})
+
+    rows = []
+    for m in (3.0, 1.0, 2.0):  # rounds arrive one at a time, merged after each
+        rows = _merge_rounds([*rows, row("a", m)])
+    (merged,) = rows
+    assert merged["timing"]["median_s"] == 2.0
+    assert merged["timing"]["round_medians_s"] == [3.0, 1.0, 2.0]
+
+    rows = _merge_rounds([row("a", 1.0), row("a", 0.0, status="mismatch"), row("b", 5.0)])
+    assert {r["engine"]: r["status"] for r in rows} == {"a": "mismatch", "b": "ok"}

@@ -84,6 +84,11 @@ def register(subparsers) -> None:
         type=float,
         help="seconds of sampling per row before repeats are cut (default 3)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        help="processes per row, interleaved in time; the median one is reported (default 1)",
+    )
     p.add_argument("--timeout", type=float, help="seconds before a row's child is killed")
     p.add_argument("--no-memray", action="store_true", help="skip the native heap figures")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM measurement")
@@ -150,6 +155,7 @@ def options_from_args(args):
         ("warmup", "warmup"),
         ("max_time", "max_time_s"),
         ("timeout", "timeout_s"),
+        ("rounds", "rounds"),
     ):
         if getattr(args, flag) is not None:
             kw[name] = getattr(args, flag)
