@@ -137,8 +137,8 @@ def many_cores(monkeypatch):
 @pytest.mark.parametrize("spec", BARRIER_SPECS, ids=repr)
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_meeting_every_step_match_reference(spec, threads, many_cores):
-    """Batch <= PARALLEL_MAX_BATCH: the threads split every step's blocks and meet at each
-    phase through atomics (kernels._sync), on real threads."""
+    """The threads split every step's blocks and meet at each phase through atomics
+    (kernels._sync), on real threads."""
     _check(spec, 7, np.float64, 3, 9, True, True, threads=threads)
     if not spec.proj_size:  # (random weights at this scale drive a float32 LSTMP chaotic)
         _check(spec, 7, np.float32, 3, 9, True, True, threads=threads)

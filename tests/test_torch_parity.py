@@ -93,8 +93,8 @@ def test_matches_torch(case, dtype, with_lengths, with_state):
 @pytest.mark.parametrize("N", [4, 9, 33])
 @pytest.mark.parametrize("H", [64, 200])
 def test_threaded_paths(H, N):
-    """Sizes that take the threaded paths on 2 threads: unit blocks split per step (N <= 8)
-    and batch slices on worker threads (N > 8)."""
+    """Sizes that take the threaded path on 2 threads (unit blocks split per step, the threads
+    meeting through atomics), small and large batches."""
     torch.manual_seed(0)
     m = torch.nn.LSTM(H, H)
     model = leanrnn.from_torch(m)

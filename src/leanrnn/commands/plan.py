@@ -77,7 +77,7 @@ def run(args) -> int:
         )
         print(f"{name}: {spec.cell.upper()} C={spec.input_size} H={spec.hidden_size} "
               f"layers={spec.num_layers} directions={D}  N={args.batch} T={args.steps} "
-              f"chunk={s.chunk or 'none'} (planned steps {s._T})")  # fmt: skip
+              f"chunk={s.chunk or 'auto'} (planned steps {s._T})")  # fmt: skip
         print(f"{'buffer':<12}{'bytes':>12}{'offset':>12}{'first':>7}{'last':>6}")
         for row in p.table():
             print(f"{row['name']:<12}{row['bytes']:>12,}{row['offset']:>12,}"

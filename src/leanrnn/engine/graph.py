@@ -41,7 +41,7 @@ from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
 from ..formats.packing import pack
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
-from .session import DEFAULT_CHUNK, Pool, Session
+from .session import Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -1103,17 +1103,12 @@ class GraphSession:
         g = model.graph
         # RNN nodes run one after another: their sessions share one arena (sized to the largest)
         self._pool = Pool()
-        # Time-major nodes run in chunks of steps: their scratch (the input projection above
-        # all) is O(chunk), not O(T); y is still written whole, in place. The Session ignores
-        # the chunk for reverse and bidirectional nodes, which need the whole sequence.
-        layouts = {n.name: n.attrs.get("layout", 0) for n in model.rnn_nodes}
+        # Forward nodes run in chunks of steps (the Session's automatic chunk): their scratch
+        # (the input projection above all) is O(chunk), not O(T), and the recurrence reads it
+        # from cache; y is still written whole, in place. Reverse and bidirectional nodes run
+        # whole: they need the whole sequence.
         self._sessions = {
-            name: Session(
-                pw,
-                threads=model.threads,
-                pool=self._pool,
-                chunk=DEFAULT_CHUNK if layouts[name] == 0 else None,
-            )
+            name: Session(pw, threads=model.threads, pool=self._pool)
             for name, pw in g.packed.items()
         }
         self._ctx = _Ctx(g, self._sessions, model.threads)

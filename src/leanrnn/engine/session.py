@@ -27,9 +27,8 @@ last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
 Threads: each op (the input projection, then the recurrence) is one launch of numba's pool
-(kernels.ops): its threads hand out projection tasks by ticket and, at batch <=
-PARALLEL_MAX_BATCH, split every step's unit blocks, meeting through atomics rather than a
-fork/join per step (kernels._sync). Larger batches give each thread its own samples.
+(kernels.ops): its threads hand out projection tasks by ticket, then split every step's unit
+blocks, meeting through atomics rather than a fork/join per step (kernels._sync).
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
@@ -57,8 +56,6 @@ _log = logging.getLogger("leanrnn")
 
 # Below this many multiply-adds per step, threads wait on each other longer than they work.
 PARALLEL_MIN_MACS = 1 << 15
-# Above this batch, threads take batch slices instead of splitting each step (see _execute).
-PARALLEL_MAX_BATCH = 8
 # Steps per chunk when a run keeps only final states and no chunk was set: small enough that
 # scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
 DEFAULT_CHUNK = 32
@@ -437,12 +434,9 @@ class Session:
         D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
         threads = self._threads()
         macs = N * w.Gp * w.Kp  # per step
-        # Threads (one job per thread per op, see _op): below PARALLEL_MIN_MACS per step they
-        # would wait on each other longer than they work. Up to PARALLEL_MAX_BATCH samples the
-        # threads split every step's unit blocks (a weight-streaming GEMV worth splitting);
-        # above it they take disjoint batch slices, which never wait on each other at all.
+        # Threads (one pool launch per op, see _op): below PARALLEL_MIN_MACS per step they
+        # would wait on each other longer than they work.
         parts = threads if macs >= PARALLEL_MIN_MACS else 1
-        batch_split = N > PARALLEL_MAX_BATCH
         lens = v["lengths"]
         if lengths is None:
             lens[:] = T
@@ -494,15 +488,14 @@ class Session:
                 else:
                     rec = (pl.Rt, K, ha, hb, gates, lens, T, rev, yout, off, y_bf, acts, al, be,
                            consts)  # fmt: skip
-                parity = self._op(xin, xin_bf, pl, Cin, xw, rec, N, parts, batch_split)
+                parity = self._op(xin, xin_bf, pl, Cin, xw, rec, N, parts)
                 if spec.cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
 
-    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, N: int, parts: int,
-            split: bool) -> int:  # fmt: skip
+    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, N: int, parts: int) -> int:
         """One (layer, direction): the input projection, then the recurrence (its arguments
         past the sample range: ``rec``). On several threads it is one launch of numba's pool
         for the whole op (kernels.ops); returns the recurrence's parity."""
@@ -512,7 +505,7 @@ class Session:
             gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
             return _KERNELS[self.spec.cell](xw, xin_bf, 0, N, *rec, 0, 1, sync)
         numba.set_num_threads(_pool_threads(parts))
-        return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts, split)
+        return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""

@@ -10,9 +10,9 @@ projection (needs the whole unprojected h) and the GRU n gate with linear_before
 
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
 ``parts``; each phase (step, or half-step) is cut into ``parts`` slices of unit blocks that the
-threads claim and finish before any of them moves on. parts == 1 is the plain serial loop. For
-large batches the engine instead runs disjoint batch slices (n0, N below), each with parts == 1,
-so those threads never meet at all.
+threads claim and finish before any of them moves on. parts == 1 is the plain serial loop.
+(Disjoint batch slices, n0/Nall below, need no meeting at all; the engine runs every sample in
+one call, because splitting the blocks measured faster — see ops.py.)
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
