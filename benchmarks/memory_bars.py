@@ -6,7 +6,8 @@
 2. LSTM H=512, N=1, return_sequences=False: peak RSS of a T=10,000 run vs a T=100 run, and the
    arena of a single step (weights excluded).
 3. N=64, T=1,000, 2-layer LSTM H=512: peak memory beyond weights and the returned output, and
-   time, for leanrnn (chunk=32) vs torch vs onnxruntime.
+   time, for leanrnn (its automatic chunk: xw of a chunk within 2 MiB, here 4 steps) vs torch
+   vs onnxruntime.
 Peak RSS is VmHWM after resetting it through /proc/self/clear_refs, minus RSS just before the
 measured call: it counts everything the process touched (allocator caches included).
 """
@@ -68,7 +69,7 @@ BIG_LEANRNN = """
 import leanrnn
 leanrnn.set_num_threads({threads})
 m = leanrnn.LSTM(512, 512, num_layers=2, seed=0)
-s = leanrnn.Session(m.weights, chunk=32)
+s = leanrnn.Session(m.weights)
 x = np.random.default_rng(0).standard_normal((1000, 64, 512)).astype(np.float32)
 y = np.empty((1000, 64, 512), np.float32); y.fill(1.0); h = np.empty((2, 64, 512), np.float32); c = h.copy()
 s.run(x[:64], out=(y[:64], h, c))
