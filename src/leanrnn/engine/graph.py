@@ -32,14 +32,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from .. import config
 from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, UnsupportedOpError
 from ..formats.native import Graph, Node
 from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
-from ..formats.packing import pack
-from ..memory.arena import Arena
+from ..formats.packing import pack, to_panels
+from ..kernels import _sync, gemm, ops
+from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
 from .session import Pool, Session
 
@@ -71,13 +73,17 @@ class OpDef:
 
 
 class _Ctx:
-    """What ops may consult: opset, packed RNN weights, per-node engine sessions."""
+    """What ops may consult: opset, packed RNN weights, per-node engine sessions, packed
+    MatMul/Gemm weights."""
 
-    def __init__(self, graph: Graph, sessions: dict[str, Session], threads: int | None) -> None:
+    def __init__(self, graph: Graph, sessions: dict[str, Session], threads: int | None,
+                 matmuls: dict | None = None) -> None:  # fmt: skip
         self.opset = graph.opset
         self.packed = graph.packed
         self.sessions = sessions
         self.threads = threads
+        self.matmuls: dict[str, PackedMatmul] = matmuls or {}
+        self.sync = np.zeros(_sync.sync_size(1), np.int64)
         self.needed: set[str] = set()
 
 
@@ -319,10 +325,77 @@ def _row_parallel_matmul(ctx, a, b, out) -> None:
         j.result()
 
 
+@dataclass(frozen=True)
+class PackedMatmul:
+    """A constant right-hand matrix [K, M] of MatMul/Gemm as the engine's gate panels: the
+    product then runs on the engine's GEMM tiles (~2x numpy's OpenBLAS here) and threads.
+
+    W: [U, K, 64] panels of B's columns (zero-padded to U*64); b: [U*64] zeros (the tile's
+    bias slot); M: real columns."""
+
+    W: np.ndarray
+    b: np.ndarray
+    M: int
+
+    @classmethod
+    def of(cls, B: np.ndarray) -> PackedMatmul:
+        K, M = B.shape
+        U = -(-M // PANEL)
+        dense = np.zeros((U * PANEL, K), B.dtype)
+        dense[:M] = B.T
+        W = aligned_empty(U * K * PANEL * B.dtype.itemsize).view(B.dtype).reshape(U, K, PANEL)
+        to_panels(dense, W)
+        return cls(W, np.zeros(U * PANEL, B.dtype), M)
+
+    @property
+    def width(self) -> int:
+        return self.W.shape[0] * PANEL
+
+
+PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
+PACKED_MATMUL_PARALLEL_MACS = 1 << 20
+
+
+def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
+    """out [R, M] = a [R, K] @ B through ``pm``; ``wide`` [R, U*64] takes the padded columns
+    when M is not a multiple of 64 (None otherwise)."""
+    R, K = a.shape
+    dst = out if wide is None else wide
+    threads = min(ctx.threads or config.get_num_threads(), config.max_threads())
+    sync = ctx.sync
+    sync[:] = 0
+    if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS:
+        numba.set_num_threads(min(threads, int(numba.config.NUMBA_NUM_THREADS)))
+        ops.matmul_op(a, pm.W, pm.b, K, dst, sync, threads)
+    else:
+        gemm.input_projection(a, pm.W, pm.b, K, dst, sync)
+    if wide is not None:
+        out[:] = wide[:, : pm.M]
+
+
+def _packed_operands(ctx, node, a, o):
+    """(pm, a2d, out2d) when the node's product can run packed, else None."""
+    pm = ctx.matmuls.get(node.name)
+    if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous:
+        return None
+    return pm, a.reshape(-1, a.shape[-1]), o.reshape(-1, pm.M)
+
+
+def _matmul_scratch(ctx, node, ins, metas, needed):
+    pm = ctx.matmuls.get(node.name)
+    if pm is None or pm.M % PANEL == 0 or len(metas[0].shape) < 1:
+        return {}
+    rows = math.prod(metas[0].shape[:-1])
+    return {"wide": ((rows, pm.width), metas[0].dtype)}
+
+
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
     a, b = ins
     o = outs[0]
-    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
+    packed = _packed_operands(ctx, node, a, o)
+    if packed is not None:
+        _packed_product(ctx, packed[0], packed[1], packed[2], tmp.get("wide"))
+    elif b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
         # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
         _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
@@ -349,7 +422,11 @@ def _gemm_run(ctx, node, ins, outs, metas, tmp):
     a = ins[0].T if node.attrs.get("transA", 0) else ins[0]
     b = ins[1].T if node.attrs.get("transB", 0) else ins[1]
     o = outs[0]
-    _row_parallel_matmul(ctx, a, b, o)
+    packed = _packed_operands(ctx, node, a, o)
+    if packed is not None:
+        _packed_product(ctx, packed[0], packed[1], packed[2], tmp.get("wide"))
+    else:
+        _row_parallel_matmul(ctx, a, b, o)
     alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
     if alpha != 1.0:
         o *= o.dtype.type(alpha)
@@ -810,8 +887,8 @@ OPS: dict[str, OpDef] = {
     **{k: OpDef(_binary_infer, _binary(f)) for k, f in _BINARY.items()},
     "Softmax": OpDef(_softmax_infer, _softmax_run, _softmax_scratch),
     "LogSoftmax": OpDef(_softmax_infer, _softmax_run, _softmax_scratch),
-    "MatMul": OpDef(_matmul_infer, _matmul_run),
-    "Gemm": OpDef(_gemm_infer, _gemm_run),
+    "MatMul": OpDef(_matmul_infer, _matmul_run, _matmul_scratch),
+    "Gemm": OpDef(_gemm_infer, _gemm_run, _matmul_scratch),
     "Gather": OpDef(_gather_infer, _gather_run),
     "Transpose": OpDef(_transpose_infer, _transpose_run),
     "Squeeze": OpDef(_squeeze_infer, _view_run),
@@ -897,6 +974,7 @@ class GraphModel:
         if self._fuse():
             self._prune()
         self._classify()
+        self._matmuls = self._pack_matmuls()
         self._lock = threading.Lock()
         self._session: GraphSession | None = None
 
@@ -1053,6 +1131,25 @@ class GraphModel:
         g.nodes = [n for n in g.nodes if n.name not in dropped]
         return bool(dropped)
 
+    def _pack_matmuls(self) -> dict[str, PackedMatmul]:
+        """Pack the constant right-hand matrix of every MatMul [.., K] @ [K, M] and Gemm
+        (transA = 0) whose left side is computed: the classifier head of a sequence model."""
+        g, out = self.graph, {}
+        for node in g.nodes:
+            if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+                continue
+            B = g.constants.get(node.inputs[1])
+            if B is None or B.ndim != 2 or B.dtype not in (np.float32, np.float64):
+                continue
+            if node.op == "Gemm":
+                if node.attrs.get("transA", 0):
+                    continue
+                if node.attrs.get("transB", 0):
+                    B = B.T
+            if self._kind.get(node.inputs[0]) == "data":
+                out[node.name] = PackedMatmul.of(np.ascontiguousarray(B))
+        return out
+
     def _classify(self) -> None:
         """Which tensors depend only on input shapes ("shape": evaluated at resize) and which on
         input values ("data": planned in the arena, computed at run)."""
@@ -1111,7 +1208,7 @@ class GraphSession:
             name: Session(pw, threads=model.threads, pool=self._pool)
             for name, pw in g.packed.items()
         }
-        self._ctx = _Ctx(g, self._sessions, model.threads)
+        self._ctx = _Ctx(g, self._sessions, model.threads, model._matmuls)
         self._ctx.needed = model._needed
         self._lock = threading.Lock()
         # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's

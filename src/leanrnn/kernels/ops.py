@@ -68,3 +68,10 @@ def rnn_op(
         rnn(xw, xw_bf_T, 0, N, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T,
             acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
     return T % 2
+
+
+@_op
+def matmul_op(x, W, b, K, y, sync, parts):
+    """y = x W^T + b (gemm.input_projection) on ``parts`` threads sharing the tasks."""
+    for _ in prange(parts):
+        input_projection(x, W, b, K, y, sync)

@@ -1,0 +1,82 @@
+"""MatMul / Gemm with a constant right-hand matrix run on the engine's packed GEMM tiles (the
+classifier head of a sequence model): compared with onnxruntime on the same file, over column
+counts on and off the 64-wide panel, Gemm's transB / alpha / beta / C, float32 and threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+import leanrnn  # noqa: E402
+from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
+
+pytestmark = pytest.mark.onnx
+C, H = 24, 40
+
+
+def _model(op: str, M: int, rng, trans_b: int = 0, alpha: float = 1.0, beta: float = 1.0):
+    """x [T, N, C] -> LSTM(H) -> Y [T, N, H] (squeezed) -> MatMul with B [H, M], or
+    Reshape [T*N, H] -> Gemm(B, C bias)."""
+    W = (rng.standard_normal((1, 4 * H, C)) * 0.3).astype(np.float32)
+    R = (rng.standard_normal((1, 4 * H, H)) * 0.3).astype(np.float32)
+    B = rng.standard_normal((M, H) if trans_b else (H, M)).astype(np.float32)
+    bias = rng.standard_normal(M).astype(np.float32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((W, "W"), (R, "R"), (B, "B"))]
+    inits += [numpy_helper.from_array(np.array([1], np.int64), "ax"),
+              numpy_helper.from_array(np.array([-1, H], np.int64), "shape"),
+              numpy_helper.from_array(bias, "bias")]  # fmt: skip
+    nodes = [
+        helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=H),
+        helper.make_node("Squeeze", ["Y", "ax"], ["S"]),
+    ]
+    if op == "MatMul":
+        nodes.append(helper.make_node("MatMul", ["S", "B"], ["out"]))
+    else:
+        nodes.append(helper.make_node("Reshape", ["S", "shape"], ["S2"]))
+        gemm = helper.make_node(
+            "Gemm", ["S2", "B", "bias"], ["out"], transB=trans_b, alpha=alpha, beta=beta
+        )
+        nodes.append(gemm)
+    g = helper.make_graph(
+        nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, C])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("M", [64, 70, 1, 200])
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_head_matches_onnxruntime(op, M, threads):
+    rng = np.random.default_rng(M)
+    blob = _model(op, M, rng, trans_b=int(op == "Gemm" and M % 2 == 0), alpha=0.5, beta=2.0)
+    x = rng.standard_normal((30, 50, C)).astype(np.float32)  # 1500 rows: big enough to thread
+    expected = ort.InferenceSession(blob, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    model = GraphModel(read_onnx(blob), threads=threads)
+    assert next(n for n in model.graph.nodes if n.op == op).name in model._matmuls  # packed
+    got = model(x)
+    assert got.shape == expected[0].shape
+    np.testing.assert_allclose(got, expected[0], rtol=1e-4, atol=1e-4)
+    again = model(x[:7])  # another shape re-plans, still right
+    np.testing.assert_allclose(again, got.reshape(30, 50, M)[:7].reshape(again.shape), atol=1e-4)
+
+
+def test_heads_on_inputs_stay_on_numpy():
+    """A right-hand side that is a graph input (not a constant) is not packed."""
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["out"])], "mm",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [None, 8]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [8, 5])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    blob = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    model = GraphModel(read_onnx(blob))
+    assert model._matmuls == {}
+    a, b = np.ones((3, 8), np.float32), np.arange(40, dtype=np.float32).reshape(8, 5)
+    np.testing.assert_allclose(model(a, b), a @ b)
+    assert leanrnn.get_num_threads() >= 1
