@@ -10,10 +10,11 @@ of 16 columns,
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. There are four of them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
-more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays
-near (L1/L2; the tile needs 256 B of weights per 12 cycles, which L2 sustains); a single row
-(GEMV) streams the whole panel once instead. KC and ROWS were swept on this machine (Zen 5):
-KC 64 -> 256 and ROWS 96 -> 192 took the H=1024 projection from 195 to 234 GFLOP/s.
+more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
+L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
+matter); a single row (GEMV) streams the whole panel once instead. KC and ROWS were swept on
+this machine (Zen 5): KC 64 -> 256 and ROWS 96 -> 192 took the H=1024 projection from 195 to
+234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024) gained another 1-3% at H=1024.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ._jit import inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
 
-KC = 256  # inputs per K slice: a [256, 64] float32 panel slice is 64 KiB
+KC = 1024  # inputs per K slice: a [1024, 64] float32 panel slice is 256 KiB
 ROWS = 192  # input rows per task in the input projection (a multiple of 6 and 3)
 
 
