@@ -153,3 +153,37 @@ def test_one_thread_running_every_job_loses_nothing(spec, many_cores, monkeypatc
 
     monkeypatch.setattr(session_mod, "_pool_threads", lambda parts: 1)
     _check(spec, 5, np.float64, 2, 6, True, True, threads=3)
+
+
+def test_sessions_on_two_python_threads_with_threads_each(many_cores):
+    """Two multi-threaded sessions run from two Python threads at once: launches take turns
+    (engine.session.POOL_LAUNCH), results stay right, nothing hangs."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    specs = [RNNSpec("lstm", 32, 96), RNNSpec("gru", 32, 96)]
+    models, xs, want = [], [], []
+    for spec in specs:
+        layers = random_layers(spec, rng, np.float64, scale=0.2)
+        m = leanrnn.Model(pack(spec, layers, np.float64))
+        m.session.threads = 2
+        x = rng.standard_normal((20, 4, 32))
+        models.append(m)
+        xs.append(x)
+        want.append(reference_forward(spec, layers, x, None, None, None)[0])
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(15):
+                np.testing.assert_allclose(models[i].session.run(xs[i])[0], want[i], atol=1e-10)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors

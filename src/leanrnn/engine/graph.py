@@ -43,7 +43,7 @@ from ..formats.packing import pack, to_panels
 from ..kernels import _sync, gemm, ops
 from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
-from .session import Pool, Session
+from .session import POOL_LAUNCH, Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -365,8 +365,9 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
     sync = ctx.sync
     sync[:] = 0
     if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS:
-        numba.set_num_threads(min(threads, int(numba.config.NUMBA_NUM_THREADS)))
-        ops.matmul_op(a, pm.W, pm.b, K, dst, sync, threads)
+        with POOL_LAUNCH:
+            numba.set_num_threads(min(threads, int(numba.config.NUMBA_NUM_THREADS)))
+            ops.matmul_op(a, pm.W, pm.b, K, dst, sync, threads)
     else:
         gemm.input_projection(a, pm.W, pm.b, K, dst, sync)
     if wide is not None:

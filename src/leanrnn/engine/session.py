@@ -70,6 +70,13 @@ _KERNELS = {"lstm": recurrent.lstm, "gru": recurrent.gru, "rnn": recurrent.rnn}
 _OPS = {"lstm": ops.lstm_op, "gru": ops.gru_op, "rnn": ops.rnn_op}
 
 
+# One multi-threaded op at a time in the process: two at once would oversubscribe the cores
+# (threads that spin-wait for each other every step then wait on descheduled ones), and
+# numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) aborts the
+# process on concurrent launches. Sessions on different Python threads take turns here.
+POOL_LAUNCH = threading.Lock()
+
+
 def _pool_threads(parts: int) -> int:
     """Threads numba's pool may use for ``parts`` jobs (it has no more than it started with;
     fewer just run some jobs after others, see kernels.ops)."""
@@ -504,8 +511,9 @@ class Session:
         if parts == 1:
             gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
             return _KERNELS[self.spec.cell](xw, xin_bf, 0, N, *rec, 0, 1, sync)
-        numba.set_num_threads(_pool_threads(parts))
-        return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts)
+        with POOL_LAUNCH:
+            numba.set_num_threads(_pool_threads(parts))
+            return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""
