@@ -92,17 +92,27 @@ def _codegen(nvec: int):
                     step(builder.add(k, const(s)), s)
             with cgutils.for_range_slice(builder, kmain, K, const(1)) as (k, _):
                 step(k, 0)
-            for r in range(nrows):
-                base = builder.add(coff, builder.mul(builder.add(i, const(r)), ldc))
-                for v in range(nv):
-                    tot = builder.load(acc[r * nsplit][v])
-                    for s in range(1, nsplit):
-                        tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
-                    ptr = builder.bitcast(
-                        builder.gep(ca, [builder.add(base, const(v * lanes))]), vt.as_pointer()
-                    )
-                    init = builder.select(add_old, builder.load(ptr, align=4), builder.load(bvec[v]))
-                    builder.store(builder.fadd(tot, init), ptr, align=4)
+            def store_rows(with_old):
+                for r in range(nrows):
+                    base = builder.add(coff, builder.mul(builder.add(i, const(r)), ldc))
+                    for v in range(nv):
+                        tot = builder.load(acc[r * nsplit][v])
+                        for s in range(1, nsplit):
+                            tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
+                        ptr = builder.bitcast(
+                            builder.gep(ca, [builder.add(base, const(v * lanes))]),
+                            vt.as_pointer(),
+                        )
+                        init = builder.load(ptr, align=4) if with_old else builder.load(bvec[v])
+                        builder.store(builder.fadd(tot, init), ptr, align=4)
+
+            # Two store paths, so modes 0 and 2 never read C: a load of a line not yet in
+            # cache (a fresh xw row) would stall the tile for nothing.
+            with builder.if_else(add_old) as (then, otherwise):
+                with then:
+                    store_rows(True)
+                with otherwise:
+                    store_rows(False)
 
         # mode 2's bias vectors, loaded once per call (zero otherwise: boff may not be valid then)
         bvec = [cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
