@@ -19,8 +19,8 @@ Buffers (per op k = layer*D + direction unless noted):
 Chunked runs (``chunk=K``, unidirectional stacks): the plan is made for K steps and the whole
 stack advances K steps at a time, layer after layer, carrying every layer's state — so xw and
 the buffers between layers are O(K), not O(T). ``chunk=None`` (the default) picks K so that xw
-fits XW_BUDGET: chunking is also faster, because the recurrence then reads the projection it
-needs while it is still in cache. With ``return_sequences=False`` the outputs of a
+fits XW_BUDGET for time-major input: chunking is also faster, because the recurrence then reads
+the projection it needs while it is still in cache (batch-first input runs whole by default). With ``return_sequences=False`` the outputs of a
 chunk are dropped once the next layer has consumed them, and peak memory does not depend on T.
 Reverse and bidirectional stacks cannot be chunked: a reverse direction starts at each sample's
 last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*K] for the whole
@@ -225,8 +225,12 @@ class Session:
         self._make_views()
         return p
 
-    def auto_chunk(self, batch: int) -> int:
-        """The chunk ``chunk=None`` means: steps whose input projection fits XW_BUDGET."""
+    def auto_chunk(self, batch: int) -> int | None:
+        """The chunk ``chunk=None`` means: steps whose input projection fits XW_BUDGET, for
+        time-major input; None (whole sequences) for batch-first input, whose chunks would be
+        staged through copies (H=128, N=64, 2 threads: 4.9 ms whole vs 5.7 ms chunked)."""
+        if self.spec.batch_first:
+            return None
         step_bytes = batch * self.weights.Gp * self.dtype.itemsize
         return max(MIN_AUTO_CHUNK, XW_BUDGET // step_bytes)
 
@@ -235,8 +239,8 @@ class Session:
         chunk = self.chunk
         if chunk is None:
             chunk = self.auto_chunk(batch)
-            if not return_sequences:
-                chunk = min(chunk, DEFAULT_CHUNK)
+        if not return_sequences:
+            chunk = min(chunk or DEFAULT_CHUNK, DEFAULT_CHUNK) if self.chunk is None else chunk
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
