@@ -199,3 +199,31 @@ def test_pool_shares_one_arena_and_is_thread_safe():
     # A member planning something bigger grows the pool; the other re-makes its views.
     sb.run(np.zeros((300, 5, 6), np.float32))
     np.testing.assert_allclose(sa.run(x)[0], ya, rtol=0, atol=1e-5)
+
+
+def test_automatic_chunk_keeps_the_projection_within_budget_and_changes_nothing():
+    """chunk=None: time-major runs go in chunks whose input projection fits XW_BUDGET (at least
+    MIN_AUTO_CHUNK steps); batch-first runs stay whole; results equal an unchunked run."""
+    from leanrnn.engine import session as session_mod
+
+    for bf in (False, True):
+        model = _model("lstm", 2, bf=bf)
+        s = model.session
+        N, T = 8, 40
+        step_bytes = N * model.weights.Gp * 4
+        budget_steps = max(session_mod.MIN_AUTO_CHUNK, session_mod.XW_BUDGET // step_bytes)
+        x = np.random.default_rng(2).standard_normal((N, T, 6) if bf else (T, N, 6))
+        x = x.astype(np.float32)
+        old = session_mod.XW_BUDGET
+        try:
+            session_mod.XW_BUDGET = 7 * step_bytes  # force chunks of 7 steps at this size
+            y, h, c = s.run(x)
+            planned = s._T
+        finally:
+            session_mod.XW_BUDGET = old
+        assert planned == (T if bf else 7)
+        whole = Session(model.weights, chunk=T)
+        yw, hw, cw = whole.run(x)
+        np.testing.assert_allclose(y, yw, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(h, hw, rtol=0, atol=1e-5)
+        assert s.auto_chunk(N) == (None if bf else budget_steps)
