@@ -3,8 +3,8 @@
 Per step, each unit block u (B units; all gates of those units are one panel, see
 formats.packing) is one task: it computes its gate pre-activations with the register-tiled panel
 GEMM (gemm.py), then finishes the fused, in-place cell/hidden update for its units without
-waiting for the other blocks — one vector pass for the default activations, per-gate passes with
-the ONNX activation switch otherwise. Only two things need a barrier inside a step: the LSTM
+waiting for the other blocks — one vector pass for the default activations (_cells: explicit
+vector IR), per-gate passes with the ONNX activation switch otherwise. Only two things need a barrier inside a step: the LSTM
 projection (needs the whole unprojected h) and the GRU n gate with linear_before_reset = 0
 (needs r*h of all units).
 
