@@ -522,7 +522,7 @@ class Session:
         sync[:] = 0
         if parts == 1:
             gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
-            return _KERNELS[self.spec.cell](xw, xin_bf, 0, N, *rec, 0, 1, sync)
+            return _KERNELS[self.spec.cell](xw, xin_bf, *rec, 0, 1, sync)
         with POOL_LAUNCH:
             numba.set_num_threads(_pool_threads(parts))
             return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts)

@@ -108,11 +108,13 @@ def cpu_relax(typingctx):
 
 
 @inline
-def claim(sync, parts, part, g):
-    """Take slice ``part`` of phase ``g``; True if it is ours to compute."""
-    if parts == 1:
-        return True
-    return atomic_cas(sync, (CLAIM0 + part) * LINE, g, g + 1)
+def claim(sync, me, q, parts, g, n):
+    """Thread ``me``'s q-th try at phase ``g``'s slices of range(n) (its own slice first):
+    the slice's (lo, hi) if this call took it, (0, -1) if another thread has."""
+    part = (me + q) % parts
+    if parts > 1 and not atomic_cas(sync, (CLAIM0 + part) * LINE, g, g + 1):
+        return 0, -1
+    return n * part // parts, n * (part + 1) // parts
 
 
 @inline
@@ -123,11 +125,12 @@ def finish(sync, parts):
 
 
 @inline
-def wait_phase(sync, parts, g):
-    """Return once every slice of phase ``g`` is done."""
+def end_phase(sync, parts, g):
+    """Return the next phase once every slice of phase ``g`` is done."""
     if parts > 1:
         while atomic_load(sync, STEP_DONE * LINE) < (g + 1) * parts:
             cpu_relax()
+    return g + 1
 
 
 @inline

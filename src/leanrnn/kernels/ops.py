@@ -9,7 +9,7 @@ correct either way, only slower. Splitting the blocks rather than the batch also
 faster on 2 threads (H=1024: 258 vs 283 ms): each thread streams half the weights, and its GEMM
 tiles cover all 64 rows instead of 32 (5 tiles of 6 and a 2-row remainder).
 
-Arguments are the recurrent kernel's (recurrent.py) from xw_bf_T on, without n0/Nall and with
+Arguments are the recurrent kernel's (recurrent.py) from xw_bf_T on, with
 the projection's x [M, >=C], W, b, C (gemm.input_projection) in front, and sync, parts at the
 end. Returns the recurrent kernel's parity (T % 2).
 """
@@ -35,10 +35,9 @@ def lstm_op(
     x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
     reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, sync, parts,
 ):  # fmt: skip
-    N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        lstm(xw, xw_bf_T, 0, N, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull,
+        lstm(xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull,
              lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me,
              parts, sync)  # fmt: skip
     return T % 2
@@ -49,10 +48,9 @@ def gru_op(
     x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
     reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts,
 ):  # fmt: skip
-    N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        gru(xw, xw_bf_T, 0, N, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
+        gru(xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
             reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
     return T % 2
 
@@ -62,10 +60,9 @@ def rnn_op(
     x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
     alphas, betas, consts, sync, parts,
 ):  # fmt: skip
-    N = h_a.shape[0]
     for me in prange(parts):
         input_projection(x, W, b, C, xw, sync)
-        rnn(xw, xw_bf_T, 0, N, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T,
+        rnn(xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T,
             acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
     return T % 2
 

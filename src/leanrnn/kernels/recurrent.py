@@ -11,8 +11,7 @@ projection (needs the whole unprojected h) and the GRU n gate with linear_before
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
 ``parts``; each phase (step, or half-step) is cut into ``parts`` slices of unit blocks that the
 threads claim and finish before any of them moves on. parts == 1 is the plain serial loop.
-(Disjoint batch slices, n0/Nall below, need no meeting at all; the engine runs every sample in
-one call, because splitting the blocks measured faster — see ops.py.)
+(Splitting the blocks rather than the batch measured faster even at N=64 — see ops.py.)
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
@@ -23,10 +22,7 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
                      write h_next, so h cannot be updated in place; c can, and is.
   c:       [N, Hp]   LSTM cell state, in/out
   gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
-  lengths: [Nall] int64 valid steps per sample (<= T); a sample's state freezes after it
-  n0, Nall: the samples this call runs are n0..n0+N of Nall (N = h_a.shape[0]); h_a, h_b, c,
-           gates and the scratch hold just those rows, xw, y and lengths hold all Nall — so
-           threads can run disjoint batch slices of one recurrence with no barrier at all
+  lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it
   y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
@@ -41,7 +37,7 @@ from ..formats.packing import B
 from ._cells import gru_update, lstm_update, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
-from ._sync import claim, finish, wait_phase
+from ._sync import claim, end_phase, finish
 from .gemm import panel1, panel2, panel3, panel4
 
 
@@ -51,10 +47,10 @@ def _yrow(t, n, N, y_bf_T):
 
 
 @inline
-def _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero):
-    for n in range(n0, n0 + N):
+def _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero):
+    for n in range(N):
         for t in range(lengths[n], T):
-            r = _yrow(t, n, Nall, y_bf_T)
+            r = _yrow(t, n, N, y_bf_T)
             for j in range(K):
                 y[r, y_off + j] = zero
 
@@ -89,7 +85,7 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 def _lstm(
-    xw, xw_bf_T, n0, Nall, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
+    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
@@ -106,7 +102,7 @@ def _lstm(
     fast = af == SIGMOID and ag == TANH and ah == TANH and not use_peep
     fast = fast and not input_forget and not clip > zero
     if me == 0:  # one thread zeroes the steps past each length
-        _zero_tails(y, y_off, Kout, lengths, T, n0, N, Nall, y_bf_T, zero)
+        _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
@@ -114,27 +110,27 @@ def _lstm(
     for s in range(T):
         dst = hn if P == 0 else hfull
         for q in range(parts):
-            part = (me + q) % parts
-            if not claim(sync, parts, part, g):
-                continue
-            for u in range(U * part // parts, U * (part + 1) // parts):
+            lo, hi = claim(sync, me, q, parts, g, U)
+            if hi < 0:
+                continue  # another thread has this slice
+            for u in range(lo, hi):
                 r0 = u * 4 * B
                 ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
                 c0 = u * B
                 panel4(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n0 + n]
+                    L = lengths[n]
                     if s >= L:
                         if P == 0:
                             for j in range(c0, c0 + B):
                                 hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                    xr = _yrow(t, n, N, xw_bf_T)
                     if fast:
                         lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
                         if P == 0:
-                            _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                            _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue
                     _add_span(gates, n, r0, xw, xr, 4 * B)
                     if use_peep:
@@ -166,43 +162,41 @@ def _lstm(
                     if P == 0:
                         for j in range(B):
                             hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
-                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                     else:
                         for j in range(B):
                             hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
             finish(sync, parts)
-        wait_phase(sync, parts, g)
-        g += 1
+        g = end_phase(sync, parts, g)
         if P > 0:
             for q in range(parts):
-                part = (me + q) % parts
-                if not claim(sync, parts, part, g):
-                    continue
-                for pb in range(NP * part // parts, NP * (part + 1) // parts):
+                lo, hi = claim(sync, me, q, parts, g, NP)
+                if hi < 0:
+                    continue  # another thread has this slice
+                for pb in range(lo, hi):
                     p0 = pb * B
                     panel1(proj, pb, 0, hfull, 0, N, H, hn, p0, consts, -1)
                     for n in range(N):
-                        L = lengths[n0 + n]
+                        L = lengths[n]
                         if s >= L:
                             for p in range(p0, p0 + B):
                                 hn[n, p] = hp[n, p]
                             continue
                         t = L - 1 - s if reverse else s
-                        yr = _yrow(t, n0 + n, Nall, y_bf_T)
+                        yr = _yrow(t, n, N, y_bf_T)
                         for p in range(p0, min(p0 + B, P)):
                             v = flush(hn[n, p], tiny, zero)
                             hn[n, p] = v
                             y[yr, y_off + p] = v
                 finish(sync, parts)
-            wait_phase(sync, parts, g)
-            g += 1
+            g = end_phase(sync, parts, g)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
 
 
 def _gru(
-    xw, xw_bf_T, n0, Nall, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
+    xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
     y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
@@ -213,17 +207,17 @@ def _gru(
     bef, beg = betas[0], betas[1]
     fast = af == SIGMOID and ag == TANH and not clip > zero and linear_before_reset
     if me == 0:  # one thread zeroes the steps past each length
-        _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
+        _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
     for s in range(T):
         for q in range(parts):
-            part = (me + q) % parts
-            if not claim(sync, parts, part, g):
-                continue
-            for u in range(U * part // parts, U * (part + 1) // parts):
+            lo, hi = claim(sync, me, q, parts, g, U)
+            if hi < 0:
+                continue  # another thread has this slice
+            for u in range(lo, hi):
                 r0 = u * 3 * B
                 rz, rr, rn = r0, r0 + B, r0 + 2 * B
                 c0 = u * B
@@ -232,17 +226,17 @@ def _gru(
                 else:
                     panel2(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n0 + n]
+                    L = lengths[n]
                     if s >= L:
                         if linear_before_reset:
                             for j in range(c0, c0 + B):
                                 hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                    xr = _yrow(t, n, N, xw_bf_T)
                     if fast:  # PyTorch's GRU in one fused pass
                         gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
-                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue
                     _add_span(gates, n, rz, xw, xr, 2 * B)
                     if clip > zero:
@@ -254,44 +248,42 @@ def _gru(
                                 gates[n, rn + j] + rb[rn + j]
                             )
                         _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                     else:
                         for j in range(B):
                             rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
             finish(sync, parts)
-        wait_phase(sync, parts, g)
-        g += 1
+        g = end_phase(sync, parts, g)
         if not linear_before_reset:
             for q in range(parts):
-                part = (me + q) % parts
-                if not claim(sync, parts, part, g):
-                    continue
-                for u in range(U * part // parts, U * (part + 1) // parts):
+                lo, hi = claim(sync, me, q, parts, g, U)
+                if hi < 0:
+                    continue  # another thread has this slice
+                for u in range(lo, hi):
                     r0 = u * 3 * B
                     rz, rn = r0, r0 + 2 * B
                     c0 = u * B
                     panel1(Rt, u, 2, rh, 0, N, K, gates, rn, consts, -1)
                     for n in range(N):
-                        L = lengths[n0 + n]
+                        L = lengths[n]
                         if s >= L:
                             for j in range(c0, c0 + B):
                                 hn[n, j] = hp[n, j]
                             continue
                         t = L - 1 - s if reverse else s
-                        xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                        xr = _yrow(t, n, N, xw_bf_T)
                         _add_span(gates, n, rn, xw, xr, B)
                         _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
-                        _emit(hn, n, c0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                 finish(sync, parts)
-            wait_phase(sync, parts, g)
-            g += 1
+            g = end_phase(sync, parts, g)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
 
 
 def _rnn(
-    xw, xw_bf_T, n0, Nall, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
+    xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
     consts, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
@@ -299,30 +291,30 @@ def _rnn(
     U = Rt.shape[0]
     af, alf, bef = acts[0], alphas[0], betas[0]
     if me == 0:  # one thread zeroes the steps past each length
-        _zero_tails(y, y_off, K, lengths, T, n0, N, Nall, y_bf_T, zero)
+        _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
     for s in range(T):
         for q in range(parts):
-            part = (me + q) % parts
-            if not claim(sync, parts, part, g):
-                continue
-            for u in range(U * part // parts, U * (part + 1) // parts):
+            lo, hi = claim(sync, me, q, parts, g, U)
+            if hi < 0:
+                continue  # another thread has this slice
+            for u in range(lo, hi):
                 r0 = u * B
                 panel1(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n0 + n]
+                    L = lengths[n]
                     if s >= L:
                         for j in range(r0, r0 + B):
                             hn[n, j] = hp[n, j]
                         continue
                     t = L - 1 - s if reverse else s
-                    xr = _yrow(t, n0 + n, Nall, xw_bf_T)
+                    xr = _yrow(t, n, N, xw_bf_T)
                     if af == TANH and not clip > zero:  # the common case, fused
                         rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
-                        _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                        _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue
                     _add_span(gates, n, r0, xw, xr, B)
                     if clip > zero:
@@ -330,10 +322,9 @@ def _rnn(
                     act_span(af, alf, bef, zero, one, gates, n, r0, B)
                     for j in range(B):
                         hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
-                    _emit(hn, n, r0, y, _yrow(t, n0 + n, Nall, y_bf_T), y_off, K)
+                    _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
             finish(sync, parts)
-        wait_phase(sync, parts, g)
-        g += 1
+        g = end_phase(sync, parts, g)
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
