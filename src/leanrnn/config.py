@@ -46,6 +46,12 @@ def max_threads() -> int:
     return int(numba.config.NUMBA_NUM_THREADS)
 
 
+def threads_for(requested: int | None) -> int:
+    """Threads to run with: ``requested`` (a session's own setting) or else the global one,
+    at most max_threads()."""
+    return min(requested or _threads, max_threads())
+
+
 def get_num_threads() -> int:
     """Threads leanrnn kernels (and BLAS, through threadpoolctl) use."""
     return _threads

@@ -32,7 +32,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from .. import config
@@ -43,7 +42,7 @@ from ..formats.packing import pack, to_panels
 from ..kernels import _sync, gemm, ops
 from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
-from .session import POOL_LAUNCH, Pool, Session
+from .session import Pool, Session, on_pool
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -361,13 +360,11 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
     when M is not a multiple of 64 (None otherwise)."""
     R, K = a.shape
     dst = out if wide is None else wide
-    threads = min(ctx.threads or config.get_num_threads(), config.max_threads())
+    threads = config.threads_for(ctx.threads)
     sync = ctx.sync
     sync[:] = 0
     if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS:
-        with POOL_LAUNCH:
-            numba.set_num_threads(min(threads, int(numba.config.NUMBA_NUM_THREADS)))
-            ops.matmul_op(a, pm.W, pm.b, K, dst, sync, threads)
+        on_pool(ops.matmul_op, threads, a, pm.W, pm.b, K, dst, sync, threads)
     else:
         gemm.input_projection(a, pm.W, pm.b, K, dst, sync)
     if wide is not None:

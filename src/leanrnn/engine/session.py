@@ -83,6 +83,14 @@ def _pool_threads(parts: int) -> int:
     return min(parts, int(numba.config.NUMBA_NUM_THREADS))
 
 
+def on_pool(op, parts: int, *args):
+    """``op(*args)``, a kernels.ops function whose ``parts`` jobs run on numba's pool, one
+    launch at a time (POOL_LAUNCH)."""
+    with POOL_LAUNCH:
+        numba.set_num_threads(_pool_threads(parts))
+        return op(*args)
+
+
 def _positive_or_none(op: str, name: str, v) -> int | None:
     if v is None:
         return None
@@ -239,8 +247,8 @@ class Session:
         chunk = self.chunk
         if chunk is None:
             chunk = self.auto_chunk(batch)
-        if not return_sequences:
-            chunk = min(chunk or DEFAULT_CHUNK, DEFAULT_CHUNK) if self.chunk is None else chunk
+            if not return_sequences:  # only final states: chunked, so memory ignores T
+                chunk = min(chunk or DEFAULT_CHUNK, DEFAULT_CHUNK)
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
@@ -321,7 +329,7 @@ class Session:
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:
-        return min(self.threads or config.get_num_threads(), config.max_threads())
+        return config.threads_for(self.threads)
 
     def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True,
             _trusted: bool = False):  # fmt: skip
@@ -523,9 +531,8 @@ class Session:
         if parts == 1:
             gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
             return _KERNELS[self.spec.cell](xw, xin_bf, *rec, 0, 1, sync)
-        with POOL_LAUNCH:
-            numba.set_num_threads(_pool_threads(parts))
-            return _OPS[self.spec.cell](xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts)
+        return on_pool(_OPS[self.spec.cell], parts, xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync,
+                       parts)  # fmt: skip
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""
