@@ -134,9 +134,16 @@ def many_cores(monkeypatch):
     monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
 
 
+@pytest.fixture(params=["native", "jit"])
+def backend(request, monkeypatch):
+    """Each kernel backend (kernels.runner): the ahead-of-time module and numba's JIT."""
+    monkeypatch.setattr(leanrnn.config, "_backend", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("spec", BARRIER_SPECS, ids=repr)
 @pytest.mark.parametrize("threads", [2, 3])
-def test_threads_meeting_every_step_match_reference(spec, threads, many_cores):
+def test_threads_meeting_every_step_match_reference(spec, threads, many_cores, backend):
     """The threads split every step's blocks and meet at each phase through atomics
     (kernels._sync), on real threads."""
     _check(spec, 7, np.float64, 3, 9, True, True, threads=threads)
@@ -145,19 +152,19 @@ def test_threads_meeting_every_step_match_reference(spec, threads, many_cores):
 
 
 @pytest.mark.parametrize("spec", BARRIER_SPECS[:2] + BARRIER_SPECS[3:4], ids=repr)
-def test_one_thread_running_every_job_loses_nothing(spec, many_cores, monkeypatch):
-    """numba's pool may run several of an op's jobs one after another on one thread: the
+def test_one_thread_running_every_job_loses_nothing(spec, many_cores, monkeypatch, backend):
+    """A pool may run several of an op's jobs one after another on one thread: the
     first then does every slice alone and the later ones find them done — nobody waits for a
     particular thread, so the result is the same."""
-    from leanrnn.engine import session as session_mod
+    from leanrnn.kernels import runner
 
-    monkeypatch.setattr(session_mod, "_pool_threads", lambda parts: 1)
+    monkeypatch.setattr(runner, "pool_threads", lambda parts: 1)
     _check(spec, 5, np.float64, 2, 6, True, True, threads=3)
 
 
-def test_sessions_on_two_python_threads_with_threads_each(many_cores):
+def test_sessions_on_two_python_threads_with_threads_each(many_cores, backend):
     """Two multi-threaded sessions run from two Python threads at once: launches take turns
-    (engine.session.POOL_LAUNCH), results stay right, nothing hangs."""
+    (kernels.runner.POOL_LAUNCH), results stay right, nothing hangs."""
     import threading
 
     rng = np.random.default_rng(3)

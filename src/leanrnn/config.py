@@ -2,9 +2,15 @@
 
 Environment variables (read once at import; the setters below change them at run time):
 
-- ``LEANRNN_NUM_THREADS``: threads for leanrnn kernels and BLAS (default: all cores numba sees).
+- ``LEANRNN_NUM_THREADS``: threads for leanrnn kernels and BLAS (default: all cores).
+- ``LEANRNN_BACKEND``: ``auto`` (default), ``native`` or ``jit``: which compiled kernels run
+  (kernels.runner).
+- ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native).
 - ``LEANRNN_LOG``: comma-separated log topics; ``memory`` logs every arena acquire and release.
-- ``NUMBA_CACHE_DIR``: where compiled kernels are cached (numba's own variable; we only report it).
+- ``NUMBA_CACHE_DIR``: where numba caches its JIT kernels (numba's own variable; we only report
+  it). ``NUMBA_NUM_THREADS`` caps the cores leanrnn uses, as it caps numba's pool.
+
+Nothing here imports numba: a process running the native kernels never loads it.
 """
 
 from __future__ import annotations
@@ -13,37 +19,67 @@ import logging
 import os
 import sys
 
-import numba
+import numpy as np
 
 from .errors import LeanRNNError
 
 _log = logging.getLogger("leanrnn")
 
 
+def _cores() -> int:
+    """The cores this process may run on, as numba counts them for its pool (its
+    NUMBA_NUM_THREADS overrides), so both backends use the same number."""
+    raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_CORES = _cores()
+
+
 def _env_threads() -> int:
     raw = os.environ.get("LEANRNN_NUM_THREADS", "").strip()
     if not raw:
-        return int(numba.config.NUMBA_NUM_THREADS)
+        return _CORES
     try:
         n = int(raw)
     except ValueError:
         raise LeanRNNError(
-            f"[config] LEANRNN_NUM_THREADS={raw!r} is not an integer; expected 1..."
-            f"{numba.config.NUMBA_NUM_THREADS}"
+            f"[config] LEANRNN_NUM_THREADS={raw!r} is not an integer; expected 1...{_CORES}"
         ) from None
-    return max(1, min(n, int(numba.config.NUMBA_NUM_THREADS)))
+    return max(1, min(n, _CORES))
+
+
+BACKENDS = ("auto", "native", "jit")
+
+
+def _env_backend() -> str:
+    raw = os.environ.get("LEANRNN_BACKEND", "auto").strip().lower() or "auto"
+    if raw not in BACKENDS:
+        raise LeanRNNError(f"[config] LEANRNN_BACKEND={raw!r}; expected one of {BACKENDS}")
+    return raw
 
 
 _threads = _env_threads()
+_backend = _env_backend()
 _log_topics = frozenset(
     t.strip().lower() for t in os.environ.get("LEANRNN_LOG", "").split(",") if t.strip()
 )
 
 
+def cores() -> int:
+    """The cores seen at start-up: no launch runs more threads than this."""
+    return _CORES
+
+
 def max_threads() -> int:
-    """The most threads leanrnn runs: the cores numba saw at start-up. More would make the
+    """The most threads a session splits its work into: the cores. More would make the
     recurrence's threads, which spin-wait for each other every step, wait on descheduled ones."""
-    return int(numba.config.NUMBA_NUM_THREADS)
+    return _CORES
 
 
 def threads_for(requested: int | None) -> int:
@@ -60,16 +96,28 @@ def get_num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Set the threads for leanrnn kernels and for BLAS libraries loaded in this process.
 
-    ``n`` is clamped to ``1..numba.config.NUMBA_NUM_THREADS`` (the cores numba saw at start-up).
+    ``n`` is clamped to ``1..cores()``.
     """
     global _threads
-    if not isinstance(n, int | numba.np.numpy_support.np.integer) or isinstance(n, bool):
+    if not isinstance(n, int | np.integer) or isinstance(n, bool):
         raise LeanRNNError(f"[set_num_threads] n={n!r}; expected a positive int")
     if n < 1:
         raise LeanRNNError(f"[set_num_threads] n={n}; expected >= 1")
-    _threads = min(int(n), int(numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(_threads)
+    _threads = min(int(n), _CORES)
     _limit_blas(_threads)
+
+
+def backend() -> str:
+    """The kernel backend asked for: ``auto``, ``native`` or ``jit`` (kernels.runner)."""
+    return _backend
+
+
+def set_backend(name: str) -> None:
+    """Choose the kernel backend (as ``LEANRNN_BACKEND``); takes effect at the next kernel call."""
+    global _backend
+    if name not in BACKENDS:
+        raise LeanRNNError(f"[set_backend] {name!r}; expected one of {BACKENDS}")
+    _backend = name
 
 
 _blas_limiter = None
@@ -103,7 +151,7 @@ def set_log(*topics: str) -> None:
 
 
 def numba_cache_dir() -> str:
-    d = numba.config.CACHE_DIR
+    d = os.environ.get("NUMBA_CACHE_DIR", "")
     return d if d else "(next to the package sources, in __pycache__)"
 
 

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="measure the one-time compile cost on a cold numba cache (takes ~1 minute)",
+        help="measure the one-time compile cost with cold caches (takes ~1 minute)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
@@ -45,8 +45,9 @@ def _time_first_run(cache_dir: str | None) -> float:
         "print(time.perf_counter()-t)"
     )
     env = dict(os.environ)
-    if cache_dir:
-        env["NUMBA_CACHE_DIR"] = cache_dir
+    if cache_dir:  # both caches cold: numba's JIT cache and the native build
+        env["NUMBA_CACHE_DIR"] = os.path.join(cache_dir, "numba")
+        env["LEANRNN_CACHE_DIR"] = os.path.join(cache_dir, "leanrnn")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
@@ -68,9 +69,11 @@ def collect(measure_compile: bool) -> dict:
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_features": _cpu_features(),
-        "cores_seen_by_numba": int(numba.config.NUMBA_NUM_THREADS),
+        "cores": config.cores(),
         "threads": config.get_num_threads(),
-        "threading_layer": _threading_layer(),
+        "kernel_backend": config.backend(),
+        "native_kernels": _native_kernels(),
+        "jit_threading_layer": _threading_layer(),
         "blas": [
             {k: d.get(k) for k in ("internal_api", "version", "num_threads", "architecture")}
             for d in threadpool_info()
@@ -85,6 +88,22 @@ def collect(measure_compile: bool) -> dict:
             info["cold_compile_seconds"] = round(_time_first_run(d), 1)
             info["cold_compile_wall_seconds"] = round(time.perf_counter() - t0, 1)
     return info
+
+
+def _native_kernels() -> str:
+    """Where the ahead-of-time compiled kernels are, or why there are none (no build here)."""
+    from leanrnn.kernels import native, runner
+
+    try:
+        mod = runner.native_module(build=False)
+    except (ImportError, OSError) as e:
+        return f"broken: {e}"
+    if mod is not None:
+        return mod.__file__
+    failed = native.build_dir() / "FAILED"
+    if failed.exists():
+        return "build failed: " + failed.read_text().strip().splitlines()[0]
+    return "not built yet (built on first use)"
 
 
 def _threading_layer() -> str:

@@ -39,10 +39,10 @@ from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, Uns
 from ..formats.native import Graph, Node
 from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
 from ..formats.packing import pack, to_panels
-from ..kernels import _sync, gemm, ops
+from ..kernels import abi, runner
 from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
-from .session import Pool, Session, on_pool
+from .session import Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of the largest weight:
 # a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -82,7 +82,7 @@ class _Ctx:
         self.sessions = sessions
         self.threads = threads
         self.matmuls: dict[str, PackedMatmul] = matmuls or {}
-        self.sync = np.zeros(_sync.sync_size(1), np.int64)
+        self.sync = np.zeros(abi.sync_size(1), np.int64)
         self.needed: set[str] = set()
 
 
@@ -363,10 +363,8 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
     threads = config.threads_for(ctx.threads)
     sync = ctx.sync
     sync[:] = 0
-    if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS:
-        on_pool(ops.matmul_op, threads, a, pm.W, pm.b, K, dst, sync, threads)
-    else:
-        gemm.input_projection(a, pm.W, pm.b, K, dst, sync)
+    parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
+    runner.run("matmul", (a, pm.W, pm.b, K, dst, sync, parts), parts)
     if wide is not None:
         out[:] = wide[:, : pm.M]
 
@@ -1210,7 +1208,7 @@ class GraphSession:
         self._ctx.needed = model._needed
         self._lock = threading.Lock()
         # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
-        # spinning workers and numba's spinning OpenMP workers otherwise starve each other on
+        # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
         # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
         ops = {n.op for n in g.nodes}
         self._blas_alone = (

@@ -26,9 +26,10 @@ Reverse and bidirectional stacks cannot be chunked: a reverse direction starts a
 last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*K] for the whole
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
-Threads: each op (the input projection, then the recurrence) is one launch of numba's pool
-(kernels.ops): its threads hand out projection tasks by ticket, then split every step's unit
-blocks, meeting through atomics rather than a fork/join per step (kernels._sync).
+Threads: each op (the input projection, then the recurrence) is one launch of a thread team
+(kernels.runner: the native module's OpenMP team, or numba's pool): its threads hand out
+projection tasks by ticket, then split every step's unit blocks, meeting through atomics rather
+than a fork/join per step (kernels._sync).
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;
@@ -40,13 +41,12 @@ from __future__ import annotations
 import logging
 import threading
 
-import numba
 import numpy as np
 
 from .. import config
 from ..errors import PlanError, ShapeError
 from ..formats.packing import PackedWeights
-from ..kernels import _sync, gemm, ops, recurrent
+from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
@@ -64,31 +64,6 @@ DEFAULT_CHUNK = 32
 # at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
 XW_BUDGET = 2 << 20
 MIN_AUTO_CHUNK = 4
-
-
-_KERNELS = {"lstm": recurrent.lstm, "gru": recurrent.gru, "rnn": recurrent.rnn}
-_OPS = {"lstm": ops.lstm_op, "gru": ops.gru_op, "rnn": ops.rnn_op}
-
-
-# One multi-threaded op at a time in the process: two at once would oversubscribe the cores
-# (threads that spin-wait for each other every step then wait on descheduled ones), and
-# numba's fallback threading layer (workqueue, when neither OpenMP nor TBB loads) aborts the
-# process on concurrent launches. Sessions on different Python threads take turns here.
-POOL_LAUNCH = threading.Lock()
-
-
-def _pool_threads(parts: int) -> int:
-    """Threads numba's pool may use for ``parts`` jobs (it has no more than it started with;
-    fewer just run some jobs after others, see kernels.ops)."""
-    return min(parts, int(numba.config.NUMBA_NUM_THREADS))
-
-
-def on_pool(op, parts: int, *args):
-    """``op(*args)``, a kernels.ops function whose ``parts`` jobs run on numba's pool, one
-    launch at a time (POOL_LAUNCH)."""
-    with POOL_LAUNCH:
-        numba.set_num_threads(_pool_threads(parts))
-        return op(*args)
 
 
 def _positive_or_none(op: str, name: str, v) -> int | None:
@@ -150,7 +125,7 @@ class Session:
         self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
         self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
         self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
-        self._sync = np.zeros(_sync.sync_size(config.max_threads()), np.int64)
+        self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
 
     # ---------------------------------------------------------------- planning
     @property
@@ -515,24 +490,20 @@ class Session:
                 else:
                     rec = (pl.Rt, K, ha, hb, gates, lens, T, rev, yout, off, y_bf, acts, al, be,
                            consts)  # fmt: skip
-                parity = self._op(xin, xin_bf, pl, Cin, xw, rec, N, parts)
+                self._op(xin, xin_bf, pl, Cin, xw, rec, parts)
+                parity = T % 2  # which state buffer the last step wrote
                 if spec.cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
 
-    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, N: int, parts: int) -> int:
+    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, parts: int) -> None:
         """One (layer, direction): the input projection, then the recurrence (its arguments
-        past the sample range: ``rec``). On several threads it is one launch of numba's pool
-        for the whole op (kernels.ops); returns the recurrence's parity."""
+        past the sample range: ``rec``), as one job per thread (kernels.runner)."""
         sync = self._sync
         sync[:] = 0
-        if parts == 1:
-            gemm.input_projection(xin, pl.Wt, pl.b, Cin, xw, sync)
-            return _KERNELS[self.spec.cell](xw, xin_bf, *rec, 0, 1, sync)
-        return on_pool(_OPS[self.spec.cell], parts, xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync,
-                       parts)  # fmt: skip
+        runner.run(self.spec.cell, (xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts), parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""

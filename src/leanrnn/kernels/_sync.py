@@ -31,16 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._jit import inline
-
-LINE = 16  # int64 slots per cache-line pair: slot r lives at index r*LINE, alone in its line
-# Slot rows of a sync array.
-PROJ_TICKET, PROJ_DONE, STEP_DONE, CLAIM0 = 0, 1, 2, 3
-
-
-def sync_size(parts: int) -> int:
-    """Length of the int64 sync array for ``parts`` slices."""
-    return (CLAIM0 + parts) * LINE
-
+from .abi import CLAIM0, LINE, PROJ_DONE, PROJ_TICKET, STEP_DONE
 
 def _slot_ptr(context, builder, sig, args):
     arr = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])

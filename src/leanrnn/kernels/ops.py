@@ -9,17 +9,21 @@ correct either way, only slower. Splitting the blocks rather than the batch also
 faster on 2 threads (H=1024: 258 vs 283 ms): each thread streams half the weights, and its GEMM
 tiles cover all 64 rows instead of 32 (5 tiles of 6 and a 2-row remainder).
 
-Arguments are the recurrent kernel's (recurrent.py) from xw_bf_T on, with
-the projection's x [M, >=C], W, b, C (gemm.input_projection) in front, and sync, parts at the
-end. Returns the recurrent kernel's parity (T % 2).
+The *jobs* are what one thread runs (abi.ARGS lists their arguments: the recurrent kernel's,
+recurrent.py, from xw_bf_T on, with the projection's x [M, >=C], W, b, C in front, then sync,
+parts and the thread's index me). The *ops* start ``parts`` jobs on numba's pool and return the
+recurrence's parity (T % 2). kernels.aot compiles the same jobs ahead of time.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import numba
 from numba import prange
 
-from ._jit import FASTMATH
+from . import abi
+from ._jit import FASTMATH, kernel
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
 
@@ -30,17 +34,59 @@ def _op(fn):
     )(fn)
 
 
+@kernel
+def lstm_job(
+    x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
+    reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, sync, parts, me,
+):  # fmt: skip
+    input_projection(x, W, b, C, xw, sync)
+    lstm(xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
+         reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me, parts,
+         sync)  # fmt: skip
+
+
+@kernel
+def gru_job(
+    x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
+    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts, me,
+):  # fmt: skip
+    input_projection(x, W, b, C, xw, sync)
+    gru(xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
+        y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
+
+
+@kernel
+def rnn_job(
+    x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
+    alphas, betas, consts, sync, parts, me,
+):  # fmt: skip
+    input_projection(x, W, b, C, xw, sync)
+    rnn(xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
+        alphas, betas, consts, me, parts, sync)  # fmt: skip
+
+
+@kernel
+def matmul_job(x, W, b, K, y, sync, parts, me):
+    """y = x W^T + b (gemm.input_projection); any number of threads share the tasks."""
+    input_projection(x, W, b, K, y, sync)
+
+
+JOBS = {"lstm": lstm_job, "gru": gru_job, "rnn": rnn_job, "matmul": matmul_job}
+for _name, _job in JOBS.items():
+    _have = list(inspect.signature(_job.py_func).parameters)
+    _want = [n for n, _ in abi.params(_name)] + ["me"]
+    assert _have == _want, f"ops.{_name}_job parameters {_have} differ from abi.ARGS {_want}"
+
+
 @_op
 def lstm_op(
     x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
     reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, sync, parts,
 ):  # fmt: skip
     for me in prange(parts):
-        input_projection(x, W, b, C, xw, sync)
-        lstm(xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull,
-             lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me,
-             parts, sync)  # fmt: skip
-    return T % 2
+        lstm_job(x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates,
+                 hfull, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget,
+                 consts, sync, parts, me)  # fmt: skip
 
 
 @_op
@@ -49,10 +95,9 @@ def gru_op(
     reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts,
 ):  # fmt: skip
     for me in prange(parts):
-        input_projection(x, W, b, C, xw, sync)
-        gru(xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
-            reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
-    return T % 2
+        gru_job(x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh,
+                lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts,
+                me)  # fmt: skip
 
 
 @_op
@@ -61,14 +106,14 @@ def rnn_op(
     alphas, betas, consts, sync, parts,
 ):  # fmt: skip
     for me in prange(parts):
-        input_projection(x, W, b, C, xw, sync)
-        rnn(xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T,
-            acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
-    return T % 2
+        rnn_job(x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off,
+                y_bf_T, acts, alphas, betas, consts, sync, parts, me)  # fmt: skip
 
 
 @_op
 def matmul_op(x, W, b, K, y, sync, parts):
-    """y = x W^T + b (gemm.input_projection) on ``parts`` threads sharing the tasks."""
-    for _ in prange(parts):
-        input_projection(x, W, b, K, y, sync)
+    for me in prange(parts):
+        matmul_job(x, W, b, K, y, sync, parts, me)
+
+
+OPS = {"lstm": lstm_op, "gru": gru_op, "rnn": rnn_op, "matmul": matmul_op}

@@ -1,0 +1,193 @@
+"""Compiles the jobs (abi.ARGS) ahead of time into one CPython extension, with numba.
+
+Why: numba and LLVM cost a process ~120 MiB of memory and ~0.3 s before the first kernel runs
+(importing numba maps LLVM, about 60 MiB; the first dispatch builds numba's typing registries
+and imports ~330 modules, about 57 MiB more). A model then weighs twice what it does in
+onnxruntime. Compiled ahead of time, the same kernels load as a ~200 KiB shared library.
+
+How, per (job, dtype):
+1. an entry ``entry(slots, me)`` is generated from abi.ARGS: it turns the int64 slots back
+   into arrays (``numba.carray`` over the address and dimensions) and calls the numba job;
+2. numba compiles it without its CPython/cfunc wrappers (those would need the Python C API
+   and numba's helper library), so the object code needs only libm and one NRT stub;
+3. a two-line LLVM wrapper gives it a C name and signature (numba's calling convention puts a
+   return slot and an exception slot in front);
+4. the module is emitted as position-independent object code for this CPU (numba's own CPU
+   name and features, so the code is what the JIT would run);
+then native.c, the marshaller and thread team, is compiled and linked with them by the C
+compiler Python was built with, with OpenMP.
+
+The result lands in native.build_dir(); ``python -m leanrnn.kernels.aot`` builds it (the
+engine starts that in a subprocess on first use; see kernels.runner).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from numba import carray, types
+from numba.extending import intrinsic
+
+from . import abi, native
+from ._jit import FASTMATH
+from .ops import JOBS
+
+_NUMBA_TYPES = {"float32": types.float32, "float64": types.float64}
+
+
+def _address_of(dtype):
+    """An intrinsic turning an int64 address into a pointer to ``dtype``."""
+
+    @intrinsic
+    def address(typingctx, addr):
+        def gen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+        return types.CPointer(dtype)(types.int64), gen
+
+    return address
+
+
+_PTR = {"f": _address_of(types.float32), "d": _address_of(types.float64),
+        "q": _address_of(types.int64)}  # fmt: skip
+
+
+def entry_source(job: str, dtype: str) -> str:
+    """Python source of the entry: slots -> arrays and scalars -> the job."""
+    lines, names, s = [], [], 0
+    for (name, _), i in zip(abi.params(job), range(0, 999), strict=False):
+        t, nd = abi.entry_kinds(job, dtype)[2 * i : 2 * i + 2]
+        nd = int(nd)
+        if nd == 0:
+            value = f"a[{s}] != 0" if t == "b" else f"a[{s}]"
+            s += 1
+        else:
+            dims = "".join(f"a[{s + 1 + d}], " for d in range(nd))
+            value = f"carray(ptr_{t}(a[{s}]), ({dims}))"
+            s += 1 + nd
+        lines.append(f"    {name} = {value}")
+        names.append(name)
+    call = f"    job({', '.join(names)}, me)"
+    return "def entry(a, me):\n" + "\n".join(lines) + "\n" + call + "\n"
+
+
+def _compile_entry(job: str, dtype: str, tm) -> llvm.ModuleRef:
+    ns = {"carray": carray, "job": JOBS[job], **{f"ptr_{k}": v for k, v in _PTR.items()}}
+    exec(entry_source(job, dtype), ns)  # a generated function, from abi.ARGS only
+    disp = numba.njit(
+        fastmath=set(FASTMATH), error_model="numpy", nogil=True,
+        no_cpython_wrapper=True, no_cfunc_wrapper=True,
+    )(ns["entry"])  # fmt: skip
+    sig = (types.CPointer(types.int64), types.int64)
+    disp.compile(sig)
+    cres = disp.overloads[sig]
+    mod = llvm.parse_assembly(str(cres.library._final_module))
+    # numba's convention: i32 status fn(ret*, excinfo**, args...); the C name hides it.
+    wrapper = llvm.parse_assembly(
+        f'declare i32 @"{cres.fndesc.mangled_name}"(ptr, ptr, ptr, i64)\n'
+        f"define i32 @{abi.entry_name(job, dtype)}(ptr %a, i64 %me) {{\n"
+        "  %ret = alloca ptr\n  %exc = alloca ptr\n"
+        f'  %s = call i32 @"{cres.fndesc.mangled_name}"(ptr %ret, ptr %exc, ptr %a, i64 %me)\n'
+        "  ret i32 %s\n}\n"
+    )
+    wrapper.triple, wrapper.data_layout = mod.triple, mod.data_layout
+    mod.link_in(wrapper)
+    return mod
+
+
+def _target_machine(codegen):
+    """numba's own CPU and features, but position-independent code for a shared library."""
+    return llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(
+        cpu=codegen._get_host_cpu_name(), features=codegen._tm_features, opt=3, reloc="pic",
+        codemodel="default",
+    )  # fmt: skip
+
+
+def _compiler() -> list[str]:
+    """``CC`` if set (and then only it), else the compiler Python was built with, else cc, gcc
+    or clang."""
+    if os.environ.get("CC"):
+        cmd = shlex.split(os.environ["CC"])
+        if not shutil.which(cmd[0]):
+            raise RuntimeError(f"CC={os.environ['CC']!r} is not an executable")
+        return cmd
+    cmd = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    for cand in (cmd, ["cc"], ["gcc"], ["clang"]):
+        if shutil.which(cand[0]):
+            return cand
+    raise RuntimeError(f"no C compiler found (tried {cmd[0]!r}, cc, gcc, clang; set CC)")
+
+
+def build(directory: Path | None = None, *, verbose: bool = False) -> Path:
+    """Compile every (job, dtype) entry and the module; returns the module's path."""
+    t0 = time.perf_counter()
+    fp = native.fingerprint()
+    directory = Path(directory) if directory else native.build_dir(fp)
+    cc = _compiler()  # fail before the long part
+    from numba.core.registry import cpu_target
+
+    codegen = cpu_target.target_context.codegen()
+    tm = _target_machine(codegen)
+    objects, table = [], []
+    with tempfile.TemporaryDirectory(prefix="leanrnn-aot-") as tmp:
+        for job in abi.ARGS:
+            for dtype in abi.DTYPES:
+                t = time.perf_counter()
+                mod = _compile_entry(job, dtype, tm)
+                obj = Path(tmp) / f"{abi.entry_name(job, dtype)}.o"
+                obj.write_bytes(tm.emit_object(mod))
+                objects.append(str(obj))
+                table.append(f'X({abi.entry_name(job, dtype)}, "{abi.entry_kinds(job, dtype)}")')
+                if verbose:
+                    print(f"  {abi.entry_name(job, dtype)}: {time.perf_counter() - t:.1f} s")
+        (Path(tmp) / "entries.h").write_text(
+            "#define LEANRNN_ENTRIES(X) \\\n  " + " \\\n  ".join(table) + "\n"
+        )
+        out = Path(tmp) / native.module_path(Path(tmp)).name
+        cmd = [
+            *cc, "-O2", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
+            f"-DLEANRNN_FINGERPRINT=\"{fp}\"",
+            f"-I{tmp}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}",
+            str(Path(__file__).with_name("native.c")), *objects, "-o", str(out), "-lm",
+        ]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode:
+            raise RuntimeError(f"C compiler failed ({shlex.join(cmd)}):\n{res.stderr[-3000:]}")
+        # Publish atomically: a concurrent build or loader sees the old state or the whole new one.
+        directory.mkdir(parents=True, exist_ok=True)
+        final = native.module_path(directory)
+        staged = directory / (final.name + f".{os.getpid()}.tmp")
+        shutil.copyfile(out, staged)
+        os.replace(staged, final)
+        (directory / "FAILED").unlink(missing_ok=True)
+    if verbose:
+        print(f"built {final} in {time.perf_counter() - t0:.1f} s")
+    return final
+
+
+def main() -> int:
+    directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    try:
+        build(directory, verbose=True)
+    except Exception as e:  # reported to the parent, which falls back to the jit kernels
+        d = directory or native.build_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "FAILED").write_text(f"{type(e).__name__}: {e}\n")
+        print(f"leanrnn: native build failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+/* The native kernels' CPython module: marshals a job's arguments into int64 slots and runs the
+ * job's entry on `threads` OpenMP threads (kernels/abi.py has the calling convention).
+ *
+ * The entries themselves are numba code compiled ahead of time (kernels/aot.py emits their
+ * object file and a generated entries.h listing them). This file is only the glue: argument
+ * checks that cost nanoseconds (every kernel call passes ~30 arguments; a ctypes marshaller in
+ * Python cost ~45 us per call), the GIL released around the work, and the thread team.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "entries.h" /* LEANRNN_ENTRIES(X): X(symbol, kinds) for every entry */
+
+typedef int32_t (*entry_fn)(int64_t *slots, int64_t me);
+
+#define DECLARE(sym, kinds) extern int32_t sym(int64_t *slots, int64_t me);
+LEANRNN_ENTRIES(DECLARE)
+
+typedef struct {
+    const char *name;
+    entry_fn fn;
+    const char *kinds;
+} Entry;
+
+#define ROW(sym, kinds) {#sym, sym, kinds},
+static const Entry ENTRIES[] = {LEANRNN_ENTRIES(ROW)};
+#define N_ENTRIES ((Py_ssize_t)(sizeof(ENTRIES) / sizeof(ENTRIES[0])))
+#define MAX_SLOTS 256
+
+/* numba links its reference-count helpers in with the kernels; they are never reached,
+ * because every array a kernel sees wraps engine memory and has no meminfo. */
+void NRT_MemInfo_call_dtor(void *mi) {
+    (void)mi;
+    abort();
+}
+
+static int type_of(char t) {
+    return t == 'f' ? NPY_FLOAT32 : t == 'd' ? NPY_FLOAT64 : NPY_INT64;
+}
+
+/* slots <- args as the entry's kinds say; 0, or -1 with a Python error set. */
+static int marshal(const Entry *e, PyObject *args, int64_t *slots) {
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args), want = (Py_ssize_t)strlen(e->kinds) / 2, s = 0;
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", e->name, want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < nargs; k++) {
+        char t = e->kinds[2 * k];
+        int nd = e->kinds[2 * k + 1] - '0';
+        PyObject *o = PyTuple_GET_ITEM(args, k);
+        if (s + 1 + nd > MAX_SLOTS) {
+            PyErr_Format(PyExc_TypeError, "%s: more than %d slots", e->name, MAX_SLOTS);
+            return -1;
+        }
+        if (nd == 0) {
+            long long v = t == 'b' ? PyObject_IsTrue(o) : PyLong_AsLongLong(o);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            slots[s++] = (int64_t)v;
+            continue;
+        }
+        PyArrayObject *a = (PyArrayObject *)o;
+        if (!PyArray_Check(o) || PyArray_NDIM(a) != nd || PyArray_TYPE(a) != type_of(t) ||
+            !PyArray_IS_C_CONTIGUOUS(a)) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s argument %zd: expected a C-contiguous %d-d array of type '%c', got %R",
+                         e->name, k, nd, t, PyArray_Check(o) ? (PyObject *)PyArray_DESCR(a) : o);
+            return -1;
+        }
+        slots[s++] = (int64_t)(intptr_t)PyArray_DATA(a);
+        for (int d = 0; d < nd; d++) slots[s++] = (int64_t)PyArray_DIM(a, d);
+    }
+    return 0;
+}
+
+/* run(entry, args, parts, threads): jobs me = 0..parts-1 of one op, on `threads` threads (jobs
+ * beyond the team run after others: correct, see kernels/_sync.py). */
+static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    (void)self;
+    if (argc != 4 || !PyTuple_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "run(entry: int, args: tuple, parts: int, threads: int)");
+        return NULL;
+    }
+    Py_ssize_t index = PyLong_AsSsize_t(argv[0]);
+    long long parts = PyLong_AsLongLong(argv[2]), threads = PyLong_AsLongLong(argv[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (index < 0 || index >= N_ENTRIES || parts < 1 || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "run: entry %zd of %zd, parts %lld, threads %lld", index,
+                     N_ENTRIES, parts, threads);
+        return NULL;
+    }
+    const Entry *e = &ENTRIES[index];
+    int64_t slots[MAX_SLOTS];
+    if (marshal(e, argv[1], slots) < 0) return NULL;
+    int32_t status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (threads == 1) {
+        for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
+    } else {
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : status)
+        for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
+    }
+    Py_END_ALLOW_THREADS
+    if (status) {
+        PyErr_Format(PyExc_RuntimeError, "native kernel %s stopped with numba status %d", e->name,
+                     (int)status);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *entries(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    PyObject *out = PyTuple_New(N_ENTRIES);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < N_ENTRIES; i++) {
+        PyObject *row = Py_BuildValue("(ss)", ENTRIES[i].name, ENTRIES[i].kinds);
+        if (!row) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
+static PyMethodDef METHODS[] = {
+    {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
+     "run(entry, args, parts, threads): one op's jobs on `threads` threads"},
+    {"entries", entries, METH_NOARGS, "((symbol, kinds), ...) in entry order"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_leanrnn_native", NULL, -1, METHODS};
+
+PyMODINIT_FUNC PyInit__leanrnn_native(void) {
+    import_array();
+    PyObject *m = PyModule_Create(&MODULE);
+    if (m && PyModule_AddStringConstant(m, "fingerprint", LEANRNN_FINGERPRINT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
