@@ -15,7 +15,7 @@ How, per (job, dtype):
 4. the module is emitted as position-independent object code for this CPU (numba's own CPU
    name and features, so the code is what the JIT would run);
 then native.c, the marshaller and thread team, is compiled and linked with them by the C
-compiler Python was built with, with OpenMP.
+compiler Python was built with.
 
 The result lands in native.build_dir(); ``python -m leanrnn.kernels.aot`` builds it (the
 engine starts that in a subprocess on first use; see kernels.runner).
@@ -156,7 +156,7 @@ def build(directory: Path | None = None, *, verbose: bool = False) -> Path:
         )
         out = Path(tmp) / native.module_path(Path(tmp)).name
         cmd = [
-            *cc, "-O2", "-fPIC", "-shared", "-fopenmp", "-fvisibility=hidden",
+            *cc, "-O2", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
             f"-DLEANRNN_FINGERPRINT=\"{fp}\"",
             f"-I{tmp}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}",
             str(Path(__file__).with_name("native.c")), *objects, "-o", str(out), "-lm",

@@ -1,15 +1,23 @@
 /* The native kernels' CPython module: marshals a job's arguments into int64 slots and runs the
- * job's entry on `threads` OpenMP threads (kernels/abi.py has the calling convention).
+ * jobs of one op on a team of threads (kernels/abi.py has the calling convention).
  *
  * The entries themselves are numba code compiled ahead of time (kernels/aot.py emits their
  * object file and a generated entries.h listing them). This file is only the glue: argument
  * checks that cost nanoseconds (every kernel call passes ~30 arguments; a ctypes marshaller in
  * Python cost ~45 us per call), the GIL released around the work, and the thread team.
+ *
+ * The team is a few pthreads of our own rather than OpenMP: GNU OpenMP cannot survive fork()
+ * (a child's first parallel region hangs, measured), and servers fork workers. Here the child
+ * simply starts new threads. Workers spin briefly after each op, because the next op (the next
+ * layer or chunk) usually follows within microseconds, then sleep on a condition variable.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -31,11 +39,144 @@ static const Entry ENTRIES[] = {LEANRNN_ENTRIES(ROW)};
 #define N_ENTRIES ((Py_ssize_t)(sizeof(ENTRIES) / sizeof(ENTRIES[0])))
 #define MAX_SLOTS 256
 
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause() /* a spin-wait hint */
+#else
+#define cpu_relax() ((void)0)
+#endif
+
 /* numba links its reference-count helpers in with the kernels; they are never reached,
  * because every array a kernel sees wraps engine memory and has no meminfo. */
 void NRT_MemInfo_call_dtor(void *mi) {
     (void)mi;
     abort();
+}
+
+
+/* ------------------------------------------------------------------------------ the team */
+#define MAX_WORKERS 255
+#define SPIN 20000 /* polls of the launch counter (~100 us) before a worker sleeps */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    int started;                 /* workers running */
+    uint64_t launch;             /* bumped per op (atomic) */
+    const Entry *entry;          /* the current op ... */
+    int64_t *slots;
+    int64_t parts, team;         /* ... its jobs and how many threads take part */
+    int64_t next;                /* next job to take (atomic) */
+    int64_t busy;                /* workers not done with this op (atomic) */
+    int32_t status;              /* OR of the jobs' numba statuses (atomic) */
+} T = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0, 0};
+
+static void take_jobs(void) {
+    int64_t me;
+    while ((me = __atomic_fetch_add(&T.next, 1, __ATOMIC_SEQ_CST)) < T.parts) {
+        int32_t s = T.entry->fn(T.slots, me);
+        if (s) __atomic_fetch_or(&T.status, s, __ATOMIC_SEQ_CST);
+    }
+}
+
+typedef struct {
+    int64_t w;    /* 1.. (the caller's thread is 0) */
+    uint64_t seen; /* the launch counter when it was started: it waits for the next one */
+} WorkerArg;
+
+static void *worker(void *arg) {
+    int64_t w = ((WorkerArg *)arg)->w;
+    uint64_t seen = ((WorkerArg *)arg)->seen;
+    free(arg);
+    for (;;) {
+        uint64_t now;
+        int spins = 0;
+        while ((now = __atomic_load_n(&T.launch, __ATOMIC_ACQUIRE)) == seen && spins < SPIN) {
+            cpu_relax();
+            spins++;
+        }
+        if (now == seen) {
+            pthread_mutex_lock(&T.mu);
+            while ((now = __atomic_load_n(&T.launch, __ATOMIC_ACQUIRE)) == seen)
+                pthread_cond_wait(&T.wake, &T.mu);
+            pthread_mutex_unlock(&T.mu);
+        }
+        seen = now;
+        if (w < T.team) {
+            take_jobs();
+            __atomic_fetch_sub(&T.busy, 1, __ATOMIC_RELEASE);
+        }
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's workers: start afresh (the parent may have forked
+ * between two ops only: launches hold Python's POOL_LAUNCH lock and the GIL is released
+ * only inside one, on this thread). */
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&T.mu, NULL);
+    pthread_cond_init(&T.wake, NULL);
+    T.started = 0;
+}
+
+/* 0, or -1 if threads could not be started (the caller then runs every job itself). */
+static int start_workers(int64_t want) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, after_fork_in_child);
+        registered = 1;
+    }
+    sigset_t all, old;
+    sigfillset(&all); /* signals stay with Python's main thread */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = 0;
+    while (T.started < want && T.started < MAX_WORKERS) {
+        pthread_t t;
+        pthread_attr_t attr;
+        WorkerArg *arg = malloc(sizeof(WorkerArg));
+        if (!arg) {
+            rc = -1;
+            break;
+        }
+        arg->w = T.started + 1;
+        arg->seen = __atomic_load_n(&T.launch, __ATOMIC_ACQUIRE);
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        rc = pthread_create(&t, &attr, worker, arg);
+        pthread_attr_destroy(&attr);
+        if (rc) {
+            free(arg);
+            break;
+        }
+        T.started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc ? -1 : 0;
+}
+
+/* Jobs 0..parts-1 of one op on `threads` threads, this one included. Jobs beyond the team run
+ * after others: correct, see kernels/_sync.py. Called without the GIL, one op at a time. */
+static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
+    if (threads > parts) threads = parts;
+    if (threads > 1 && start_workers(threads - 1) < 0) threads = 1 + T.started;
+    T.entry = e;
+    T.slots = slots;
+    T.parts = parts;
+    T.team = threads;
+    T.next = 0;
+    T.status = 0;
+    T.busy = threads - 1;
+    if (threads > 1) {
+        pthread_mutex_lock(&T.mu);
+        __atomic_fetch_add(&T.launch, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&T.wake);
+        pthread_mutex_unlock(&T.mu);
+    }
+    take_jobs();
+    for (int spins = 0; __atomic_load_n(&T.busy, __ATOMIC_ACQUIRE) > 0; spins++) {
+        if (spins > SPIN) sched_yield(); /* a worker was descheduled: let it run */
+        else cpu_relax();
+    }
+    return T.status;
 }
 
 static int type_of(char t) {
@@ -77,8 +218,7 @@ static int marshal(const Entry *e, PyObject *args, int64_t *slots) {
     return 0;
 }
 
-/* run(entry, args, parts, threads): jobs me = 0..parts-1 of one op, on `threads` threads (jobs
- * beyond the team run after others: correct, see kernels/_sync.py). */
+/* run(entry, args, parts, threads): jobs me = 0..parts-1 of one op, on `threads` threads. */
 static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     (void)self;
     if (argc != 4 || !PyTuple_Check(argv[1])) {
@@ -101,8 +241,7 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     if (threads == 1) {
         for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
     } else {
-#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : status)
-        for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
+        status = launch(e, slots, parts, threads);
     }
     Py_END_ALLOW_THREADS
     if (status) {
