@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=_ints, default=(128, 512, 1024))
     ap.add_argument("--threads", type=_ints, default=(1, 2))
     ap.add_argument("--max-time", type=float, default=1.5, help="sampling seconds per row")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="processes per row, interleaved in time; the median one is reported")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="processes per row, interleaved in time; the median one is reported",
+    )
     args = ap.parse_args(argv)
 
     opts = Options(

@@ -245,4 +245,3 @@ def _rnn_ov(gates, gr, gc, xw, xr, xc, hn, nr, nc, tiny):
             hn[nr, nc + j] = flush(tanh_(gates[gr, gc + j] + xw[xr, xc + j]), tiny, zero)
 
     return loop
-

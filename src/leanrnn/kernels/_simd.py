@@ -92,6 +92,7 @@ def _codegen(nvec: int):
                     step(builder.add(k, const(s)), s)
             with cgutils.for_range_slice(builder, kmain, K, const(1)) as (k, _):
                 step(k, 0)
+
             def store_rows(with_old):
                 for r in range(nrows):
                     base = builder.add(coff, builder.mul(builder.add(i, const(r)), ldc))

@@ -33,6 +33,7 @@ from numba.extending import intrinsic
 from ._jit import inline
 from .abi import CLAIM0, LINE, PROJ_DONE, PROJ_TICKET, STEP_DONE
 
+
 def _slot_ptr(context, builder, sig, args):
     arr = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
     return builder.gep(arr.data, [args[1]])

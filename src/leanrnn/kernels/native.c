@@ -275,7 +275,8 @@ static PyMethodDef METHODS[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_leanrnn_native", NULL, -1, METHODS};
+static struct PyModuleDef MODULE = {
+    PyModuleDef_HEAD_INIT, .m_name = "_leanrnn_native", .m_size = -1, .m_methods = METHODS};
 
 PyMODINIT_FUNC PyInit__leanrnn_native(void) {
     import_array();

@@ -26,7 +26,12 @@ from pathlib import Path
 MODULE = "_leanrnn_native"
 _HERE = Path(__file__).parent
 # Everything the compiled code depends on: the kernels, their block size, the glue.
-_SOURCES = sorted(_HERE.glob("*.py")) + [_HERE / "native.c", _HERE.parent / "formats" / "packing.py"]
+_SOURCES = [
+    *sorted(_HERE.glob("*.py")),
+    _HERE / "native.c",
+    _HERE.parent / "formats" / "packing.py",
+]
+_NOT_COMPILED = ("native.py", "runner.py", "reference.py")  # never reach the compiled code
 
 
 def cache_root() -> Path:
@@ -50,7 +55,7 @@ def _cpu() -> str:
 def fingerprint() -> str:
     h = hashlib.sha256()
     for p in _SOURCES:
-        if p.name in ("native.py",):  # this loader does not reach the compiled code
+        if p.name in _NOT_COMPILED:
             continue
         h.update(p.name.encode())
         h.update(p.read_bytes())

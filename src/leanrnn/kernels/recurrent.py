@@ -247,7 +247,9 @@ def _gru(
                             gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
                                 gates[n, rn + j] + rb[rn + j]
                             )
-                        _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                        _gru_finish(
+                            gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
+                        )
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                     else:
                         for j in range(B):
@@ -273,7 +275,9 @@ def _gru(
                         t = L - 1 - s if reverse else s
                         xr = _yrow(t, n, N, xw_bf_T)
                         _add_span(gates, n, rn, xw, xr, B)
-                        _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+                        _gru_finish(
+                            gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
+                        )
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                 finish(sync, parts)
             g = end_phase(sync, parts, g)

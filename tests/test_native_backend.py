@@ -1,0 +1,167 @@
+"""The ahead-of-time kernels (kernels.aot/native/runner): the same results as numba's JIT and
+the float64 oracle, a process that never loads numba, and clear fallbacks when a build fails."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import leanrnn
+from leanrnn import config
+from leanrnn.formats.packing import pack
+from leanrnn.kernels import abi, runner
+from leanrnn.kernels.reference import reference_forward
+from leanrnn.spec import RNNSpec
+from test_properties import random_layers
+from tolerances import atol
+
+
+def _run(backend, monkeypatch, model, *args):
+    monkeypatch.setattr(config, "_backend", backend)
+    return model.session.run(*args)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cell=st.sampled_from(["lstm", "gru", "rnn"]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    H=st.integers(1, 70),
+    N=st.integers(1, 9),
+    T=st.integers(1, 12),
+    threads=st.sampled_from([1, 2]),
+    options=st.sampled_from(["plain", "bidirectional", "clip", "peep/lbr"]),
+)
+def test_native_equals_jit_and_oracle(cell, dtype, H, N, T, threads, options):
+    spec = RNNSpec(cell, 11, H, num_layers=2,
+                   direction="bidirectional" if options == "bidirectional" else "forward",
+                   clip=1.5 if options == "clip" else None,
+                   peepholes=cell == "lstm" and options == "peep/lbr",
+                   linear_before_reset=options != "peep/lbr")  # fmt: skip
+    rng = np.random.default_rng(H * 100 + N * 10 + T)
+    layers = random_layers(spec, rng, dtype, scale=0.3)
+    model = leanrnn.Model(pack(spec, layers, dtype))
+    model.session.threads = threads
+    x = rng.standard_normal((T, N, 11)).astype(dtype)
+    lengths = rng.integers(0, T + 1, N)
+    with pytest.MonkeyPatch.context() as mp_:
+        native = [
+            a.copy() for a in _run("native", mp_, model, x, None, None, lengths) if a is not None
+        ]
+        jit = [a.copy() for a in _run("jit", mp_, model, x, None, None, lengths) if a is not None]
+    want = [a for a in reference_forward(spec, layers, x, None, None, lengths) if a is not None]
+    for n, j, w in zip(native, jit, want, strict=True):
+        # The same numba code compiled twice: equal to rounding (it was bit-equal when written).
+        np.testing.assert_allclose(n, j, rtol=0, atol=1e-6 if dtype == np.float32 else 1e-13)
+        np.testing.assert_allclose(n, w, atol=atol(dtype), rtol=atol(dtype))
+
+
+def test_marshaller_rejects_arguments_that_break_the_abi(monkeypatch):
+    """The extension checks every argument against abi.ARGS before any kernel runs."""
+    monkeypatch.setattr(config, "_backend", "native")
+    b = runner.backend()
+    assert b.name == "native"
+    x = np.zeros((4, 8), np.float32)
+    W = np.zeros((1, 8, 64), np.float32)
+    bias = np.zeros(64, np.float32)
+    y = np.zeros((4, 64), np.float32)
+    sync = np.zeros(abi.sync_size(1), np.int64)
+    b.serial("matmul", (x, W, bias, 8, y, sync, 1))  # the right arguments run
+    with pytest.raises(
+        TypeError, match=r"argument 4: expected a C-contiguous 2-d array of type 'f'"
+    ):
+        b.serial(
+            "matmul", (x, W, bias, 8, y.astype(np.float64).astype(np.float32)[:, ::2], sync, 1)
+        )
+    with pytest.raises(TypeError, match=r"argument 5: .*'q'"):
+        b.serial("matmul", (x, W, bias, 8, y, sync.astype(np.int32), 1))
+    with pytest.raises(TypeError, match=r"takes 7 arguments, got 6"):
+        b.serial("matmul", (x, W, bias, 8, y, sync))
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+RUN_ONE = """
+    import sys, numpy as np, leanrnn
+    from leanrnn.kernels import runner
+    m = leanrnn.LSTM(8, 16, num_layers=2, seed=0)
+    y = m(np.ones((5, 2, 8), np.float32))[0]
+    print(runner.backend().name, float(y.sum()), "numba" in sys.modules, "llvmlite" in sys.modules)
+"""
+
+
+def test_a_native_process_never_loads_numba_or_llvm():
+    """What the native backend is for: numba and LLVM (~120 MiB) stay out of the process."""
+    out = _python(RUN_ONE, LEANRNN_BACKEND="native")
+    assert out.returncode == 0, out.stderr
+    name, total, numba_loaded, llvm_loaded = out.stdout.split()
+    assert (name, numba_loaded, llvm_loaded) == ("native", "False", "False")
+    jit = _python(RUN_ONE, LEANRNN_BACKEND="jit")
+    assert jit.returncode == 0, jit.stderr
+    assert jit.stdout.split()[:1] == ["jit"]
+    assert float(jit.stdout.split()[1]) == pytest.approx(float(total), rel=1e-6)
+
+
+def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
+    cache = str(tmp_path / "cache")
+    auto = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, CC="/nonexistent/cc")
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout.split()[0] == "jit"
+    assert "native ones are not available" in auto.stderr and "/nonexistent/cc" in auto.stderr
+    failed = list((tmp_path / "cache" / "native").glob("*/FAILED"))
+    assert len(failed) == 1 and "is not an executable" in failed[0].read_text()
+    # A recorded failure is not retried by every process; asking for native says why.
+    strict = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, LEANRNN_BACKEND="native")
+    assert strict.returncode != 0
+    assert "LEANRNN_BACKEND=native, but the native kernels are not available" in strict.stderr
+    assert "/nonexistent/cc" in strict.stderr
+
+
+def test_a_corrupt_build_is_never_run(tmp_path):
+    from leanrnn.kernels import native
+
+    d = tmp_path / "native" / native.fingerprint()
+    d.mkdir(parents=True)
+    native.module_path(d).write_bytes(b"\x7fELF not really a shared library")
+    out = _python(RUN_ONE, LEANRNN_CACHE_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "jit"
+    assert "ImportError" in out.stderr
+
+
+def _child_forward(model, x, q):
+    q.put(model.session.run(x)[0])
+
+
+def test_a_forked_child_runs_multithreaded_ops(monkeypatch):
+    """Servers fork workers after loading a model: the child must start its own threads (GNU
+    OpenMP, which the first version used, hangs here)."""
+    monkeypatch.setattr(config, "_backend", "native")
+    monkeypatch.setattr(config, "max_threads", lambda: 2)
+    spec = RNNSpec("lstm", 16, 128)
+    rng = np.random.default_rng(0)
+    layers = random_layers(spec, rng, np.float64, scale=0.2)
+    model = leanrnn.Model(pack(spec, layers, np.float64))
+    model.session.threads = 2
+    x = rng.standard_normal((12, 8, 16))
+    want = model.session.run(x)[0].copy()  # the parent's team is running now
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_forward, args=(model, x, q))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(10)
+    np.testing.assert_array_equal(got, want)
