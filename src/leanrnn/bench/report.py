@@ -190,7 +190,7 @@ def memory_table(results: dict) -> str:
             )
     legend = (
         f"{tmin} thread(s). cold = peak RSS increase over model load + first forward (imports "
-        "excluded; for leanrnn this includes loading numba's compiled kernels). warm = peak RSS "
+        "excluded; for leanrnn this includes loading its compiled kernels). warm = peak RSS "
         "increase over the warm timed forwards (engines with memory pools show ~0: they took it "
         "cold). heap = memray's peak of live native allocations in one warm forward (one step "
         "when streaming); memory reused from pools is not counted. growth = over the streaming "
