@@ -118,7 +118,12 @@ class Session:
         self._plan: Plan | None = None
         self._N = self._T = -1
         self._key_now: tuple = ()
+        self._keys: dict[tuple, tuple] = {}  # (N, T, return_sequences, chunk) -> _key(...)
         spec, dt = self.spec, self.dtype
+        # Per-call constants of the spec, read once (a streaming step is ~10 µs of which every
+        # property lookup is a visible part).
+        self._LDKH = (spec.num_layers, spec.num_directions, spec.output_size, spec.hidden_size)
+        self._rev = tuple(spec.reversed_direction(d) for d in range(spec.num_directions))
         tiny = np.finfo(dt).tiny
         clip = spec.clip if spec.clip is not None else 0.0
         self._consts = np.array([0.0, 1.0, tiny, clip], dtype=dt)
@@ -333,7 +338,8 @@ class Session:
             T, N = x.shape[0], x.shape[1]
         if N == 0 or T == 0:
             raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
-        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        L, D, K, H = self._LDKH
+        LD = L * D
         # A Stream passes its own state buffers as h0/c0: validated when it made them.
         if h0 is not None and not _trusted:
             h0 = _check.array(op, "h0", h0, dt, (LD, N, K), ("L*D", "N", "K"))
@@ -349,7 +355,13 @@ class Session:
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
         with self._lock:
             stale = self.pool is not None and self._gen != self.pool.generation
-            if stale or self._key(N, T, return_sequences) != self._key_now:
+            memo = (N, T, return_sequences, self.chunk)
+            key = self._keys.get(memo)
+            if key is None:
+                if len(self._keys) > 64:  # many distinct lengths: keep the memo small
+                    self._keys.clear()
+                key = self._keys[memo] = self._key(N, T, return_sequences)
+            if stale or key != self._key_now:
                 self.resize(N, T, return_sequences=return_sequences)
             if self._T >= T:
                 self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
@@ -397,8 +409,8 @@ class Session:
         h_n/c_n are a Stream's own state arrays (checked when it made them; a streaming step
         should not pay ~1.5 us to check them again) — y is checked all the same."""
         spec, dt, op = self.spec, self.dtype, "Session.run"
-        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
-        DK = spec.num_directions * K
+        L, D, K, H = self._LDKH
+        LD, DK = L * D, D * K
         yshape = (N, T, DK) if spec.batch_first else (T, N, DK)
         is_lstm = spec.cell == "lstm"
         if out is None:
@@ -433,7 +445,8 @@ class Session:
 
     def _execute(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int) -> None:
         spec, w, v = self.spec, self.weights, self._views
-        D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
+        L, D, K, H = self._LDKH
+        cell = spec.cell
         threads = self._threads()
         macs = N * w.Gp * w.Kp  # per step
         # Threads (one pool launch per op, see _op): below PARALLEL_MIN_MACS per step they
@@ -473,18 +486,22 @@ class Session:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
                     ha[:] = 0
-                rev = spec.reversed_direction(d)
+                rev = self._rev[d]
                 acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
-                if spec.cell == "lstm":
-                    c[:] = 0  # padding units too: the projection reads every column of h(c)
-                    if c0 is not None:
+                if cell == "lstm":
+                    if c0 is None:
+                        c[:] = 0  # padding units too: the projection reads every column of h(c)
+                    elif c.shape[1] == H:
+                        c[:] = c0[k]
+                    else:
+                        c[:, H:] = 0
                         c[:, :H] = c0[k]
                 off = d * K
-                if spec.cell == "lstm":
+                if cell == "lstm":
                     rec = (pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb, c,
                            gates, aux, lens, T, rev, yout, off, y_bf, acts, al, be,
                            spec.input_forget, consts)  # fmt: skip
-                elif spec.cell == "gru":
+                elif cell == "gru":
                     rec = (pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens, T,
                            rev, yout, off, y_bf, acts, al, be, consts)  # fmt: skip
                 else:
@@ -492,7 +509,7 @@ class Session:
                            consts)  # fmt: skip
                 self._op(xin, xin_bf, pl, Cin, xw, rec, parts)
                 parity = T % 2  # which state buffer the last step wrote
-                if spec.cell == "lstm":
+                if cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
