@@ -38,7 +38,7 @@ from .. import config
 from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, UnsupportedOpError
 from ..formats.native import Graph, Node
 from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
-from ..formats.packing import pack, to_panels
+from ..formats.packing import pack, rows_to_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
@@ -340,10 +340,9 @@ class PackedMatmul:
     def of(cls, B: np.ndarray) -> PackedMatmul:
         K, M = B.shape
         U = -(-M // PANEL)
-        dense = np.zeros((U * PANEL, K), B.dtype)
-        dense[:M] = B.T
         W = aligned_empty(U * K * PANEL * B.dtype.itemsize).view(B.dtype).reshape(U, K, PANEL)
-        to_panels(dense, W)
+        cols = np.arange(U * PANEL)
+        rows_to_panels(B.T, np.where(cols < M, cols, -1), W)  # output column j = row j of B^T
         return cls(W, np.zeros(U * PANEL, B.dtype), M)
 
     @property

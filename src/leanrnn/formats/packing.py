@@ -179,10 +179,22 @@ def _chunks(seq: list, n: int) -> list[list]:
     return [seq[i : i + n] for i in range(0, len(seq), n)]
 
 
-def to_panels(dense: np.ndarray, panels: np.ndarray) -> None:
-    """Dense rows [U*Wd, X] (packed row order) -> panels [U, X, Wd], in place."""
+def rows_to_panels(src: np.ndarray, perm: np.ndarray, panels: np.ndarray) -> None:
+    """panels [U, X, Wd] <- the rows of src [R, C] (C <= X) in packed order: row j of block u
+    is src[perm[u*Wd + j]] (zeros where perm < 0 and in columns C..X-1). One block at a time:
+    a [U*Wd, X] dense staging copy made a load's peak 1.5x its weights."""
     U, X, Wd = panels.shape
-    panels[:] = dense.reshape(U, Wd, X).transpose(0, 2, 1)
+    C = src.shape[1]
+    for u in range(U):
+        p = perm[u * Wd : (u + 1) * Wd]
+        dst = panels[u]  # [X, Wd]
+        if (p >= 0).all():
+            dst[:C] = src[p].T
+        else:
+            ok = p >= 0
+            dst[:C] = 0
+            dst[:C, ok] = src[p[ok]].T
+        dst[C:] = 0
 
 
 def from_panels(panels: np.ndarray) -> np.ndarray:
@@ -221,12 +233,8 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             bW = _check(f"{tag} bW", lw.bW, (G,))
             bR = _check(f"{tag} bR", lw.bR, (G,))
             pl = pw.layers[li][di]
-            dense = np.zeros((pw.Gp, pl.Wt.shape[1]), pw.dtype)
-            dense[valid, :C] = W[rows]
-            to_panels(dense, pl.Wt)
-            dense = np.zeros((pw.Gp, pw.Kp), pw.dtype)
-            dense[valid, :K] = R[rows]
-            to_panels(dense, pl.Rt)
+            rows_to_panels(W, pw.perm, pl.Wt)
+            rows_to_panels(R, pw.perm, pl.Rt)
             pl.bW[valid] = bW[rows]
             pl.bR[valid] = bR[rows]
             # Fold in the working precision, so b == bW + bR exactly as the kernels would add them.
@@ -242,9 +250,9 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             if P:
                 if lw.proj is None:
                     raise WeightsError(f"[pack] {tag}: spec has proj_size={P} but proj is None")
-                dense = np.zeros((pw.Pp, pw.Hp), pw.dtype)
-                dense[:P, :H] = _check(f"{tag} proj", lw.proj, (P, H))
-                to_panels(dense, pl.proj)
+                prow = np.arange(pw.Pp)
+                rows_to_panels(_check(f"{tag} proj", lw.proj, (P, H)),
+                               np.where(prow < P, prow, -1), pl.proj)  # fmt: skip
     return pw
 
 

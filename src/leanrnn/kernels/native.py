@@ -59,6 +59,9 @@ def fingerprint() -> str:
             continue
         h.update(p.name.encode())
         h.update(p.read_bytes())
+    from ..formats.packing import B
+
+    h.update(f"B={B}".encode())
     for dist in ("numba", "llvmlite", "numpy"):
         try:
             h.update(f"{dist}={metadata.version(dist)}".encode())
