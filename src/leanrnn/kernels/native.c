@@ -70,6 +70,10 @@ static struct {
     int32_t status;              /* OR of the jobs' numba statuses (atomic) */
 } T = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0, 0};
 
+/* One op at a time uses the team: kernels/runner.py already serializes launches
+ * (POOL_LAUNCH), this makes the module safe on its own. */
+static pthread_mutex_t LAUNCH = PTHREAD_MUTEX_INITIALIZER;
+
 static void take_jobs(void) {
     int64_t me;
     while ((me = __atomic_fetch_add(&T.next, 1, __ATOMIC_SEQ_CST)) < T.parts) {
@@ -113,6 +117,7 @@ static void *worker(void *arg) {
  * between two ops only: launches hold Python's POOL_LAUNCH lock and the GIL is released
  * only inside one, on this thread). */
 static void after_fork_in_child(void) {
+    pthread_mutex_init(&LAUNCH, NULL);
     pthread_mutex_init(&T.mu, NULL);
     pthread_cond_init(&T.wake, NULL);
     T.started = 0;
@@ -154,8 +159,8 @@ static int start_workers(int64_t want) {
 }
 
 /* Jobs 0..parts-1 of one op on `threads` threads, this one included. Jobs beyond the team run
- * after others: correct, see kernels/_sync.py. Called without the GIL, one op at a time. */
-static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
+ * after others: correct, see kernels/_sync.py. Called without the GIL, holding LAUNCH. */
+static int32_t launch_locked(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
     if (threads > parts) threads = parts;
     if (threads > 1 && start_workers(threads - 1) < 0) threads = 1 + T.started;
     T.entry = e;
@@ -177,6 +182,13 @@ static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t thr
         else cpu_relax();
     }
     return T.status;
+}
+
+static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
+    pthread_mutex_lock(&LAUNCH);
+    int32_t status = launch_locked(e, slots, parts, threads);
+    pthread_mutex_unlock(&LAUNCH);
+    return status;
 }
 
 static int type_of(char t) {
