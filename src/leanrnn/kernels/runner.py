@@ -16,7 +16,7 @@ on concurrent launches. Sessions on different Python threads take turns.
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import logging
 import subprocess
 import sys
@@ -130,6 +130,22 @@ def _failure() -> str:
     return p.read_text() if p.exists() else "not built"
 
 
+@contextlib.contextmanager
+def _exclusive(f):
+    """Hold an exclusive lock on file ``f``: another process may be building right now (where
+    there is no fcntl, concurrent builds just both publish, atomically)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def native_module(build: bool):
     """The native module for this machine, building it first (in a subprocess, one process at
     a time) if ``build`` and no earlier build failed; None if there is none."""
@@ -139,8 +155,7 @@ def native_module(build: bool):
     if mod is not None or not build or (d / "FAILED").exists():
         return mod
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it right now
+    with open(d / ".lock", "w") as lock, _exclusive(lock):
         mod = native.load(d, fp)
         if mod is None and not (d / "FAILED").exists():
             _log.warning("leanrnn: compiling the kernels for this machine (once, ~15-60 s) ...")
