@@ -1,4 +1,4 @@
-"""Every environment knob in one place: threads, logging, numba cache.
+"""Every environment knob in one place: threads, kernel backend, caches, logging.
 
 Environment variables (read once at import; the setters below change them at run time):
 

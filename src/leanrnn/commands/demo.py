@@ -53,15 +53,18 @@ def run(args) -> int:
     med = float(np.median(times))
     print(f"model      {model}")
     print(f"input      [T={T}, N={N}, C={H}] float32, threads={leanrnn.get_num_threads()}")
-    print(f"first run  {first * 1e3:.1f} ms (includes planning; kernels come from numba's cache)")
+    from leanrnn.kernels import runner
+
+    print(f"first run  {first * 1e3:.1f} ms (includes planning and loading the "
+          f"{runner.backend().name} kernels)")  # fmt: skip
     print(f"latency    {med * 1e3:.3f} ms per forward (median of {args.repeat}), "
           f"{med / T * 1e6:.2f} us/step")  # fmt: skip
     print(f"weights    {model.weights.nbytes / 2**20:.2f} MiB packed")
     print(f"arena      {s.arena_bytes / 2**10:.1f} KiB planned "
           f"(without reuse: {s.plan.naive_total / 2**10:.1f} KiB)")  # fmt: skip
     print(f"outputs    {y.nbytes / 2**10:.1f} KiB")
-    print(f"RSS        +{(rss_first - rss0) / 1024:.2f} MiB at the first run (numba loads the "
-          f"compiled kernels), +{(rss_warm - rss_first) / 1024:.2f} MiB over "
+    print(f"RSS        +{(rss_first - rss0) / 1024:.2f} MiB at the first run (the kernels load "
+          f"and the arena is planned), +{(rss_warm - rss_first) / 1024:.2f} MiB over "
           f"{args.repeat + 1} more runs")  # fmt: skip
     print(f"checksum   y.sum() = {float(y.sum()):.6f}")
     return 0

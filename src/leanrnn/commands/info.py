@@ -1,4 +1,5 @@
-"""``leanrnn info``: version, threads, BLAS, CPU features, numba cache, first-compile cost."""
+"""``leanrnn info``: version, threads, kernel backend and build, BLAS, CPU features, caches,
+first-compile cost."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
 Threads: each op (the input projection, then the recurrence) is one launch of a thread team
-(kernels.runner: the native module's OpenMP team, or numba's pool): its threads hand out
+(kernels.runner: the native module's thread team, or numba's pool): its threads hand out
 projection tasks by ticket, then split every step's unit blocks, meeting through atomics rather
 than a fork/join per step (kernels._sync).
 
