@@ -72,16 +72,14 @@ def test_marshaller_rejects_arguments_that_break_the_abi(monkeypatch):
     y = np.zeros((4, 64), np.float32)
     sync = np.zeros(abi.sync_size(1), np.int64)
     b.serial("matmul", (x, W, bias, 8, y, sync, 1))  # the right arguments run
-    with pytest.raises(
-        TypeError, match=r"argument 4: expected a C-contiguous 2-d array of type 'f'"
-    ):
-        b.serial(
-            "matmul", (x, W, bias, 8, y.astype(np.float64).astype(np.float32)[:, ::2], sync, 1)
-        )
+    with pytest.raises(TypeError, match=r"argument 4: expected a C-contiguous, aligned"):
+        b.serial("matmul", (x, W, bias, 8, y[:, ::2], sync, 1))
     with pytest.raises(TypeError, match=r"argument 5: .*'q'"):
         b.serial("matmul", (x, W, bias, 8, y, sync.astype(np.int32), 1))
     with pytest.raises(TypeError, match=r"takes 7 arguments, got 6"):
         b.serial("matmul", (x, W, bias, 8, y, sync))
+    with pytest.raises(TypeError, match=r"argument 0: .*native-byte-order"):
+        b.serial("matmul", (x.astype(">f4"), W, bias, 8, y, sync, 1))
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
@@ -123,6 +121,7 @@ def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
     assert "native ones are not available" in auto.stderr and "/nonexistent/cc" in auto.stderr
     failed = list((tmp_path / "cache" / "native").glob("*/FAILED"))
     assert len(failed) == 1 and "is not an executable" in failed[0].read_text()
+    assert failed[0].read_text().startswith("permanent")
     # A recorded failure is not retried by every process; asking for native says why.
     strict = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, LEANRNN_BACKEND="native")
     assert strict.returncode != 0
@@ -130,16 +129,33 @@ def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
     assert "/nonexistent/cc" in strict.stderr
 
 
-def test_a_corrupt_build_is_never_run(tmp_path):
+def test_a_corrupt_build_is_never_run_but_rebuilt(tmp_path):
+    """A truncated or foreign module is refused and rebuilt (here the rebuild cannot find a
+    compiler, so the process runs on the JIT and says why)."""
     from leanrnn.kernels import native
 
     d = tmp_path / "native" / native.fingerprint()
     d.mkdir(parents=True)
     native.module_path(d).write_bytes(b"\x7fELF not really a shared library")
-    out = _python(RUN_ONE, LEANRNN_CACHE_DIR=str(tmp_path))
+    out = _python(RUN_ONE, LEANRNN_CACHE_DIR=str(tmp_path), CC="/nonexistent/cc")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "jit"
-    assert "ImportError" in out.stderr
+    assert "rebuilding a broken native module" in out.stderr
+    assert not native.module_path(d).exists()
+    assert "/nonexistent/cc" in (d / "FAILED").read_text()
+
+
+def test_transient_failures_are_retried_later(tmp_path, monkeypatch):
+    from leanrnn.kernels import native
+
+    native.record_failure(tmp_path, "MemoryError: out of memory", transient=True)
+    assert native.failure(tmp_path) == "MemoryError: out of memory"
+    old = (tmp_path / "FAILED").stat().st_mtime - native.RETRY_AFTER - 1
+    os.utime(tmp_path / "FAILED", (old, old))
+    assert native.failure(tmp_path) is None  # stale: the next process tries again
+    native.record_failure(tmp_path, "BuildError: no C compiler found", transient=False)
+    os.utime(tmp_path / "FAILED", (old, old))
+    assert native.failure(tmp_path) == "BuildError: no C compiler found"  # until deleted
 
 
 def _child_forward(model, x, q):
@@ -165,3 +181,47 @@ def test_a_forked_child_runs_multithreaded_ops(monkeypatch):
     got = q.get(timeout=60)
     p.join(10)
     np.testing.assert_array_equal(got, want)
+    # Forked while another thread holds the launch lock mid-op: the child renews its locks.
+    with runner.POOL_LAUNCH:
+        p = ctx.Process(target=_child_forward, args=(model, x, q))
+        p.start()
+        got = q.get(timeout=60)
+    p.join(10)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_teams_of_changing_size_finish_every_job(monkeypatch):
+    """Launches alternate between small and large teams (a session's recurrence on 2 threads,
+    a graph's head on more): each op's jobs all finish before run() returns, whatever the
+    workers left over from the op before do."""
+    monkeypatch.setattr(config, "_backend", "native")
+    b = runner.backend()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((61, 40)).astype(np.float32)
+    W = np.zeros((5, 40, 64), np.float32)
+    W[:] = rng.standard_normal(W.shape)
+    bias = rng.standard_normal(5 * 64).astype(np.float32)
+    want = x @ W.transpose(0, 2, 1).reshape(-1, 40).T + bias
+    sync = np.zeros(abi.sync_size(8), np.int64)
+    for i in range(300):
+        parts, threads = (2, 2) if i % 2 else (8, 1 + i % 8)
+        y = np.full((61, 5 * 64), np.nan, np.float32)
+        sync[:] = 0
+        b.parallel("matmul", (x, W, bias, 40, y, sync, parts), parts, threads)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_more_threads_than_the_team_can_start_still_finishes():
+    """Asking for more threads than the module starts (255 workers) runs on those it has."""
+    code = """
+        import numpy as np
+        from leanrnn.kernels import abi, runner
+        b = runner.backend()
+        x = np.ones((4, 8), np.float32); W = np.ones((1, 8, 64), np.float32)
+        y = np.zeros((4, 64), np.float32); sync = np.zeros(abi.sync_size(300), np.int64)
+        b.parallel("matmul", (x, W, np.zeros(64, np.float32), 8, y, sync, 300), 300, 300)
+        print(float(y.sum()))
+    """
+    out = _python(code, LEANRNN_BACKEND="native")
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) == 4 * 64 * 8

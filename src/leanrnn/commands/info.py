@@ -101,9 +101,9 @@ def _native_kernels() -> str:
         return f"broken: {e}"
     if mod is not None:
         return mod.__file__
-    failed = native.build_dir() / "FAILED"
-    if failed.exists():
-        return "build failed: " + failed.read_text().strip().splitlines()[0]
+    why = native.failure(native.build_dir())
+    if why:
+        return "build failed: " + why.splitlines()[0]
     return "not built yet (built on first use)"
 
 

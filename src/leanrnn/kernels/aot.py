@@ -117,19 +117,23 @@ def _target_machine(codegen):
     )  # fmt: skip
 
 
+class BuildError(RuntimeError):
+    """A build failure that will happen again on this machine (no compiler, a compile error)."""
+
+
 def _compiler() -> list[str]:
     """``CC`` if set (and then only it), else the compiler Python was built with, else cc, gcc
     or clang."""
     if os.environ.get("CC"):
         cmd = shlex.split(os.environ["CC"])
         if not shutil.which(cmd[0]):
-            raise RuntimeError(f"CC={os.environ['CC']!r} is not an executable")
+            raise BuildError(f"CC={os.environ['CC']!r} is not an executable")
         return cmd
     cmd = shlex.split(sysconfig.get_config_var("CC") or "cc")
     for cand in (cmd, ["cc"], ["gcc"], ["clang"]):
         if shutil.which(cand[0]):
             return cand
-    raise RuntimeError(f"no C compiler found (tried {cmd[0]!r}, cc, gcc, clang; set CC)")
+    raise BuildError(f"no C compiler found (tried {cmd[0]!r}, cc, gcc, clang; set CC)")
 
 
 def _objects(dtype: str) -> list[tuple[str, str, bytes, float]]:
@@ -146,10 +150,14 @@ def _objects(dtype: str) -> list[tuple[str, str, bytes, float]]:
     return out
 
 
-def build(directory: Path | None = None, *, verbose: bool = False) -> Path:
-    """Compile every (job, dtype) entry and the module; returns the module's path."""
+def build(directory: Path | None = None, *, expect: str | None = None,
+          verbose: bool = False) -> Path:  # fmt: skip
+    """Compile every (job, dtype) entry and the module; returns the module's path. ``expect``:
+    the fingerprint the caller computed (the sources must not have changed since)."""
     t0 = time.perf_counter()
     fp = native.fingerprint()
+    if expect and fp != expect:
+        raise RuntimeError(f"the kernel sources changed during the build ({expect} -> {fp})")
     directory = Path(directory) if directory else native.build_dir(fp)
     cc = _compiler()  # fail before the long part
     # One process per dtype when there are cores for it: their kernels share no compiled code,
@@ -182,12 +190,14 @@ def build(directory: Path | None = None, *, verbose: bool = False) -> Path:
         ]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode:
-            raise RuntimeError(f"C compiler failed ({shlex.join(cmd)}):\n{res.stderr[-3000:]}")
+            raise BuildError(f"C compiler failed ({shlex.join(cmd)}):\n{res.stderr[-3000:]}")
         # Publish atomically: a concurrent build or loader sees the old state or the whole new one.
         directory.mkdir(parents=True, exist_ok=True)
         final = native.module_path(directory)
         staged = directory / (final.name + f".{os.getpid()}.tmp")
         shutil.copyfile(out, staged)
+        with open(staged, "rb") as f:  # on disk before it has the final name (a crash then
+            os.fsync(f.fileno())  # leaves a stray .tmp, never a truncated module)
         os.replace(staged, final)
         (directory / "FAILED").unlink(missing_ok=True)
     if verbose:
@@ -196,13 +206,19 @@ def build(directory: Path | None = None, *, verbose: bool = False) -> Path:
 
 
 def main() -> int:
+    """``python -m leanrnn.kernels.aot [DIR [FINGERPRINT]]``: build, or record why not."""
     directory = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    expect = sys.argv[2] if len(sys.argv) > 2 else None
     try:
-        build(directory, verbose=True)
+        build(directory, expect=expect, verbose=True)
     except Exception as e:  # reported to the parent, which falls back to the jit kernels
-        d = directory or native.build_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "FAILED").write_text(f"{type(e).__name__}: {e}\n")
+        from numba.core.errors import NumbaError
+
+        # Compiler and numba errors recur on every try; anything else (memory, disk, a
+        # killed worker, edited sources) may not.
+        transient = not isinstance(e, BuildError | NumbaError)
+        native.record_failure(directory or native.build_dir(), f"{type(e).__name__}: {e}",
+                              transient)  # fmt: skip
         print(f"leanrnn: native build failed: {e}", file=sys.stderr)
         return 1
     return 0

@@ -54,21 +54,27 @@ void NRT_MemInfo_call_dtor(void *mi) {
 
 
 /* ------------------------------------------------------------------------------ the team */
-#define MAX_WORKERS 255
+#define MAX_WORKERS 255 /* < 1 << TEAM_BITS */
 #define SPIN 20000 /* polls of the launch counter (~100 us) before a worker sleeps */
+
+/* The launch word: (launch number << TEAM_BITS) | team size, published in one atomic store, so a
+ * worker decides whether it takes part from the very value it saw change. (Read as two fields,
+ * a worker that sat out one op could read the next op's larger team, take part in it, and then
+ * count itself again when it noticed that op's launch.) */
+#define TEAM_BITS 16
 
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t wake;
     int started;                 /* workers running */
-    uint64_t launch;             /* bumped per op (atomic) */
-    const Entry *entry;          /* the current op ... */
+    uint64_t launch;             /* the launch word (atomic) */
+    const Entry *entry;          /* the current op: written before its launch word ... */
     int64_t *slots;
-    int64_t parts, team;         /* ... its jobs and how many threads take part */
+    int64_t parts;               /* ... its jobs */
     int64_t next;                /* next job to take (atomic) */
     int64_t busy;                /* workers not done with this op (atomic) */
     int32_t status;              /* OR of the jobs' numba statuses (atomic) */
-} T = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0, 0};
+} T = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL, NULL, 0, 0, 0, 0};
 
 /* One op at a time uses the team: kernels/runner.py already serializes launches
  * (POOL_LAUNCH), this makes the module safe on its own. */
@@ -83,8 +89,8 @@ static void take_jobs(void) {
 }
 
 typedef struct {
-    int64_t w;    /* 1.. (the caller's thread is 0) */
-    uint64_t seen; /* the launch counter when it was started: it waits for the next one */
+    int64_t w;     /* 1.. (the caller's thread is 0) */
+    uint64_t seen; /* the launch word when it was started: it waits for the next one */
 } WorkerArg;
 
 static void *worker(void *arg) {
@@ -105,7 +111,7 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&T.mu);
         }
         seen = now;
-        if (w < T.team) {
+        if (w < (int64_t)(now & ((1u << TEAM_BITS) - 1))) { /* this op's team includes it */
             take_jobs();
             __atomic_fetch_sub(&T.busy, 1, __ATOMIC_RELEASE);
         }
@@ -113,9 +119,9 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* A forked child has none of the parent's workers: start afresh (the parent may have forked
- * between two ops only: launches hold Python's POOL_LAUNCH lock and the GIL is released
- * only inside one, on this thread). */
+/* A forked child has none of the parent's workers: start afresh. (Another Python thread may
+ * fork while an op runs here without the GIL: the child then has no op in flight, and
+ * kernels/runner.py renews its Python locks after a fork too.) */
 static void after_fork_in_child(void) {
     pthread_mutex_init(&LAUNCH, NULL);
     pthread_mutex_init(&T.mu, NULL);
@@ -123,8 +129,8 @@ static void after_fork_in_child(void) {
     T.started = 0;
 }
 
-/* 0, or -1 if threads could not be started (the caller then runs every job itself). */
-static int start_workers(int64_t want) {
+/* Start workers until `want` run (at most MAX_WORKERS); the caller uses as many as started. */
+static void start_workers(int64_t want) {
     static int registered = 0;
     if (!registered) {
         pthread_atfork(NULL, NULL, after_fork_in_child);
@@ -155,24 +161,26 @@ static int start_workers(int64_t want) {
         T.started++;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    return rc ? -1 : 0;
 }
 
 /* Jobs 0..parts-1 of one op on `threads` threads, this one included. Jobs beyond the team run
  * after others: correct, see kernels/_sync.py. Called without the GIL, holding LAUNCH. */
 static int32_t launch_locked(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
     if (threads > parts) threads = parts;
-    if (threads > 1 && start_workers(threads - 1) < 0) threads = 1 + T.started;
+    if (threads > 1) {
+        start_workers(threads - 1);
+        if (threads > 1 + T.started) threads = 1 + T.started; /* as many as could start */
+    }
     T.entry = e;
     T.slots = slots;
     T.parts = parts;
-    T.team = threads;
     T.next = 0;
     T.status = 0;
     T.busy = threads - 1;
     if (threads > 1) {
+        uint64_t number = (__atomic_load_n(&T.launch, __ATOMIC_RELAXED) >> TEAM_BITS) + 1;
         pthread_mutex_lock(&T.mu);
-        __atomic_fetch_add(&T.launch, 1, __ATOMIC_RELEASE);
+        __atomic_store_n(&T.launch, (number << TEAM_BITS) | (uint64_t)threads, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&T.wake);
         pthread_mutex_unlock(&T.mu);
     }
@@ -218,9 +226,10 @@ static int marshal(const Entry *e, PyObject *args, int64_t *slots) {
         }
         PyArrayObject *a = (PyArrayObject *)o;
         if (!PyArray_Check(o) || PyArray_NDIM(a) != nd || PyArray_TYPE(a) != type_of(t) ||
-            !PyArray_IS_C_CONTIGUOUS(a)) {
+            !PyArray_IS_C_CONTIGUOUS(a) || !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a)) {
             PyErr_Format(PyExc_TypeError,
-                         "%s argument %zd: expected a C-contiguous %d-d array of type '%c', got %R",
+                         "%s argument %zd: expected a C-contiguous, aligned, native-byte-order "
+                         "%d-d array of type '%c', got %R",
                          e->name, k, nd, t, PyArray_Check(o) ? (PyObject *)PyArray_DESCR(a) : o);
             return -1;
         }
@@ -238,8 +247,11 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         return NULL;
     }
     Py_ssize_t index = PyLong_AsSsize_t(argv[0]);
-    long long parts = PyLong_AsLongLong(argv[2]), threads = PyLong_AsLongLong(argv[3]);
-    if (PyErr_Occurred()) return NULL;
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    long long parts = PyLong_AsLongLong(argv[2]);
+    if (parts == -1 && PyErr_Occurred()) return NULL;
+    long long threads = PyLong_AsLongLong(argv[3]);
+    if (threads == -1 && PyErr_Occurred()) return NULL;
     if (index < 0 || index >= N_ENTRIES || parts < 1 || threads < 1) {
         PyErr_Format(PyExc_ValueError, "run: entry %zd of %zd, parts %lld, threads %lld", index,
                      N_ENTRIES, parts, threads);

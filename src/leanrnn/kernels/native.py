@@ -8,6 +8,10 @@ output). A different fingerprint is a different directory, so a stale build is n
     <cache>/native/<fingerprint>/_leanrnn_native<EXT_SUFFIX>   the module
     <cache>/native/<fingerprint>/FAILED                        why the last build failed
 
+A failure that will recur (no C compiler, a compile error) is kept until the file is deleted,
+so processes do not retry a doomed build; one that may not (killed, out of memory or disk,
+sources edited mid-build) is retried after RETRY_AFTER seconds.
+
 ``<cache>`` is ``LEANRNN_CACHE_DIR``, else ``$XDG_CACHE_HOME/leanrnn``, else ``~/.cache/leanrnn``.
 """
 
@@ -20,10 +24,12 @@ import os
 import platform
 import sys
 import sysconfig
+import time
 from importlib import metadata
 from pathlib import Path
 
 MODULE = "_leanrnn_native"
+RETRY_AFTER = 600.0  # seconds before a transient build failure is retried
 _HERE = Path(__file__).parent
 # Everything the compiled code depends on: the kernels, their block size, the glue.
 _SOURCES = [
@@ -94,3 +100,21 @@ def load(directory: Path, fp: str):
     if getattr(mod, "fingerprint", None) != fp:
         raise ImportError(f"{path} was built for {getattr(mod, 'fingerprint', '?')}, not {fp}")
     return mod
+
+
+def record_failure(directory: Path, why: str, transient: bool) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    kind = "transient" if transient else "permanent"
+    (directory / "FAILED").write_text(f"{kind}: {why.strip()}\n")
+
+
+def failure(directory: Path) -> str | None:
+    """Why the build in ``directory`` failed, if that still stands (see the module docstring)."""
+    p = directory / "FAILED"
+    try:
+        text, age = p.read_text(), time.time() - p.stat().st_mtime
+    except OSError:
+        return None
+    if text.startswith("transient") and age > RETRY_AFTER:
+        return None
+    return text.split(":", 1)[-1].strip() or text

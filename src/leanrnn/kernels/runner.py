@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -29,6 +30,17 @@ from . import abi, native
 _log = logging.getLogger("leanrnn")
 POOL_LAUNCH = threading.Lock()
 _RESOLVE = threading.Lock()
+
+
+def _renew_locks() -> None:
+    """In a forked child: another thread of the parent may have held a lock mid-op (the GIL is
+    released while kernels run), and no thread of the child will ever release it."""
+    global POOL_LAUNCH, _RESOLVE
+    POOL_LAUNCH, _RESOLVE = threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_locks)
 
 
 def pool_threads(parts: int) -> int:
@@ -126,8 +138,7 @@ def _resolve(choice: str) -> _Native | _Jit:
 
 
 def _failure() -> str:
-    p = native.build_dir() / "FAILED"
-    return p.read_text() if p.exists() else "not built"
+    return native.failure(native.build_dir()) or "not built"
 
 
 @contextlib.contextmanager
@@ -148,20 +159,31 @@ def _exclusive(f):
 
 def native_module(build: bool):
     """The native module for this machine, building it first (in a subprocess, one process at
-    a time) if ``build`` and no earlier build failed; None if there is none."""
+    a time) if ``build`` and no failure stands (native.failure); None if there is none. A
+    broken or foreign module is never run: ImportError, or with ``build`` it is rebuilt."""
     fp = native.fingerprint()
     d = native.build_dir(fp)
-    mod = native.load(d, fp)
-    if mod is not None or not build or (d / "FAILED").exists():
+    try:
+        mod = native.load(d, fp)
+    except ImportError:
+        if not build:
+            raise
+        mod = None
+    if mod is not None or not build or native.failure(d):
         return mod
     d.mkdir(parents=True, exist_ok=True)
     with open(d / ".lock", "w") as lock, _exclusive(lock):
-        mod = native.load(d, fp)
-        if mod is None and not (d / "FAILED").exists():
-            _log.warning("leanrnn: compiling the kernels for this machine (once, ~15-60 s) ...")
-            res = subprocess.run([sys.executable, "-m", "leanrnn.kernels.aot", str(d)],
+        try:
+            mod = native.load(d, fp)  # another process may have built it meanwhile
+        except ImportError as e:
+            _log.warning("leanrnn: rebuilding a broken native module: %s", e)
+            native.module_path(d).unlink(missing_ok=True)
+            mod = None
+        if mod is None and not native.failure(d):
+            _log.warning("leanrnn: compiling the kernels for this machine (once, ~30-60 s) ...")
+            res = subprocess.run([sys.executable, "-m", "leanrnn.kernels.aot", str(d), fp],
                                  capture_output=True, text=True, check=False)  # fmt: skip
-            if res.returncode and not (d / "FAILED").exists():  # it died before reporting
-                (d / "FAILED").write_text(f"exit {res.returncode}: {res.stderr[-2000:]}")
+            if res.returncode and not native.failure(d):  # it died before saying why
+                native.record_failure(d, f"exit {res.returncode}: {res.stderr[-2000:]}", True)
             mod = native.load(d, fp)
     return mod
