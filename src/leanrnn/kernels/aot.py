@@ -3,7 +3,7 @@
 Why: numba and LLVM cost a process ~120 MiB of memory and ~0.3 s before the first kernel runs
 (importing numba maps LLVM, about 60 MiB; the first dispatch builds numba's typing registries
 and imports ~330 modules, about 57 MiB more). A model then weighs twice what it does in
-onnxruntime. Compiled ahead of time, the same kernels load as a ~200 KiB shared library.
+onnxruntime. Compiled ahead of time, the same kernels load as a ~0.5 MB shared library.
 
 How, per (job, dtype):
 1. an entry ``entry(slots, me)`` is generated from abi.ARGS: it turns the int64 slots back
@@ -19,6 +19,11 @@ compiler Python was built with.
 
 The result lands in native.build_dir(); ``python -m leanrnn.kernels.aot`` builds it (the
 engine starts that in a subprocess on first use; see kernels.runner).
+
+It leans on numba internals (a CodeLibrary's final LLVM module, the codegen's host CPU name
+and features, the no_cpython_wrapper/no_cfunc_wrapper flags). The fingerprint includes numba's
+version, so a numba upgrade means a new build; should one break these, the build fails, says
+why in FAILED, and the JIT runs the same kernels.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ machine has one (kernels.native), else on numba's JIT (kernels.ops) — same cod
 
 Backend (``LEANRNN_BACKEND``, or config.set_backend):
 - ``auto`` (default): the native module; built on first use in a subprocess (``python -m
-  leanrnn.kernels.aot``, ~15 s with a warm numba cache, ~1 min cold) so this process never
-  loads numba at all. If it cannot be built (no C compiler), the reason is kept in
-  the build directory's FAILED file, logged once, and the JIT runs instead.
+  leanrnn.kernels.aot``, ~15 s with a warm numba cache, ~30 s cold on 2 cores) so this process
+  never loads numba at all. If it cannot be built (no C compiler), the reason is kept in the
+  build directory's FAILED file (native.failure), logged, and the JIT runs instead.
 - ``native``: the native module or an error; ``jit``: numba's JIT only.
 
 One multi-threaded launch runs at a time in the process (POOL_LAUNCH): two at once would
