@@ -225,3 +225,18 @@ def test_more_threads_than_the_team_can_start_still_finishes():
     out = _python(code, LEANRNN_BACKEND="native")
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) == 4 * 64 * 8
+
+
+def test_compile_command_reports_the_build_or_why_not(tmp_path, capsys, monkeypatch):
+    from leanrnn import cli
+
+    # The suite's own build is in place: compile finds it.
+    runner.native_module(build=True)
+    assert cli.main(["compile"]) == 0
+    assert "_leanrnn_native" in capsys.readouterr().out
+    # Elsewhere, without a compiler: the reason, and a non-zero exit.
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("LEANRNN_CACHE_DIR", str(tmp_path))
+    assert cli.main(["compile", "--cache-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "could not build the native kernels" in out and "/nonexistent/cc" in out

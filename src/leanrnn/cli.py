@@ -17,6 +17,7 @@ from .errors import LeanRNNError
 # tree) are skipped rather than breaking every other command.
 COMMANDS = (
     "leanrnn.commands.info",
+    "leanrnn.commands.compile",
     "leanrnn.commands.demo",
     "leanrnn.commands.model",
     "leanrnn.commands.plan",
