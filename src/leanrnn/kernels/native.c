@@ -52,10 +52,9 @@ void NRT_MemInfo_call_dtor(void *mi) {
     abort();
 }
 
-
 /* ------------------------------------------------------------------------------ the team */
 #define MAX_WORKERS 255 /* < 1 << TEAM_BITS */
-#define SPIN 20000 /* polls of the launch counter (~100 us) before a worker sleeps */
+#define SPIN 20000 /* polls of the launch word (a fraction of a millisecond) before a worker sleeps */
 
 /* The launch word: (launch number << TEAM_BITS) | team size, published in one atomic store, so a
  * worker decides whether it takes part from the very value it saw change. (Read as two fields,
