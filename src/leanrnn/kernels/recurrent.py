@@ -47,6 +47,19 @@ def _yrow(t, n, N, y_bf_T):
 
 
 @inline
+def _time_of(s, n, lengths, reverse, carry, hp, hn, j0):
+    """Sample n's time index at step s of the loop, or -1 once s is past its length: its state
+    then freezes, so (if ``carry``) block j0..j0+B of h is carried from hp to hn."""
+    L = lengths[n]
+    if s >= L:
+        if carry:
+            for j in range(j0, j0 + B):
+                hn[n, j] = hp[n, j]
+        return -1
+    return L - 1 - s if reverse else s
+
+
+@inline
 def _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero):
     for n in range(N):
         for t in range(lengths[n], T):
@@ -119,13 +132,9 @@ def _lstm(
                 c0 = u * B
                 panel4(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n]
-                    if s >= L:
-                        if P == 0:
-                            for j in range(c0, c0 + B):
-                                hn[n, j] = hp[n, j]
+                    t = _time_of(s, n, lengths, reverse, P == 0, hp, hn, c0)
+                    if t < 0:
                         continue
-                    t = L - 1 - s if reverse else s
                     xr = _yrow(t, n, N, xw_bf_T)
                     if fast:
                         lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
@@ -177,12 +186,9 @@ def _lstm(
                     p0 = pb * B
                     panel1(proj, pb, 0, hfull, 0, N, H, hn, p0, consts, -1)
                     for n in range(N):
-                        L = lengths[n]
-                        if s >= L:
-                            for p in range(p0, p0 + B):
-                                hn[n, p] = hp[n, p]
+                        t = _time_of(s, n, lengths, reverse, True, hp, hn, p0)
+                        if t < 0:
                             continue
-                        t = L - 1 - s if reverse else s
                         yr = _yrow(t, n, N, y_bf_T)
                         for p in range(p0, min(p0 + B, P)):
                             v = flush(hn[n, p], tiny, zero)
@@ -226,13 +232,9 @@ def _gru(
                 else:
                     panel2(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n]
-                    if s >= L:
-                        if linear_before_reset:
-                            for j in range(c0, c0 + B):
-                                hn[n, j] = hp[n, j]
+                    t = _time_of(s, n, lengths, reverse, linear_before_reset, hp, hn, c0)
+                    if t < 0:
                         continue
-                    t = L - 1 - s if reverse else s
                     xr = _yrow(t, n, N, xw_bf_T)
                     if fast:  # PyTorch's GRU in one fused pass
                         gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
@@ -267,12 +269,9 @@ def _gru(
                     c0 = u * B
                     panel1(Rt, u, 2, rh, 0, N, K, gates, rn, consts, -1)
                     for n in range(N):
-                        L = lengths[n]
-                        if s >= L:
-                            for j in range(c0, c0 + B):
-                                hn[n, j] = hp[n, j]
+                        t = _time_of(s, n, lengths, reverse, True, hp, hn, c0)
+                        if t < 0:
                             continue
-                        t = L - 1 - s if reverse else s
                         xr = _yrow(t, n, N, xw_bf_T)
                         _add_span(gates, n, rn, xw, xr, B)
                         _gru_finish(
@@ -309,12 +308,9 @@ def _rnn(
                 r0 = u * B
                 panel1(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
-                    L = lengths[n]
-                    if s >= L:
-                        for j in range(r0, r0 + B):
-                            hn[n, j] = hp[n, j]
+                    t = _time_of(s, n, lengths, reverse, True, hp, hn, r0)
+                    if t < 0:
                         continue
-                    t = L - 1 - s if reverse else s
                     xr = _yrow(t, n, N, xw_bf_T)
                     if af == TANH and not clip > zero:  # the common case, fused
                         rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
