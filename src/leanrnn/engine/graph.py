@@ -368,12 +368,14 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
         out[:] = wide[:, : pm.M]
 
 
-def _packed_operands(ctx, node, a, o):
-    """(pm, a2d, out2d) when the node's product can run packed, else None."""
+def _ran_packed(ctx, node, a, o, tmp) -> bool:
+    """o = a @ B on the node's packed B (MatMul and Gemm alike), if it has one and ``a`` fits
+    it; False when the caller must multiply another way."""
     pm = ctx.matmuls.get(node.name)
     if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous:
-        return None
-    return pm, a.reshape(-1, a.shape[-1]), o.reshape(-1, pm.M)
+        return False
+    _packed_product(ctx, pm, a.reshape(-1, a.shape[-1]), o.reshape(-1, pm.M), tmp.get("wide"))
+    return True
 
 
 def _matmul_scratch(ctx, node, ins, metas, needed):
@@ -387,10 +389,9 @@ def _matmul_scratch(ctx, node, ins, metas, needed):
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
     a, b = ins
     o = outs[0]
-    packed = _packed_operands(ctx, node, a, o)
-    if packed is not None:
-        _packed_product(ctx, packed[0], packed[1], packed[2], tmp.get("wide"))
-    elif b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
+    if _ran_packed(ctx, node, a, o, tmp):
+        return outs
+    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
         # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
         _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
@@ -417,10 +418,7 @@ def _gemm_run(ctx, node, ins, outs, metas, tmp):
     a = ins[0].T if node.attrs.get("transA", 0) else ins[0]
     b = ins[1].T if node.attrs.get("transB", 0) else ins[1]
     o = outs[0]
-    packed = _packed_operands(ctx, node, a, o)
-    if packed is not None:
-        _packed_product(ctx, packed[0], packed[1], packed[2], tmp.get("wide"))
-    else:
+    if not _ran_packed(ctx, node, a, o, tmp):
         _row_parallel_matmul(ctx, a, b, o)
     alpha, beta = float(node.attrs.get("alpha", 1.0)), float(node.attrs.get("beta", 1.0))
     if alpha != 1.0:

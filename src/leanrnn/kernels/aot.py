@@ -74,9 +74,9 @@ _PTR = {"f": _address_of(types.float32), "d": _address_of(types.float64),
 def entry_source(job: str, dtype: str) -> str:
     """Python source of the entry: slots -> arrays and scalars -> the job."""
     lines, names, s = [], [], 0
-    for (name, _), i in zip(abi.params(job), range(0, 999), strict=False):
-        t, nd = abi.entry_kinds(job, dtype)[2 * i : 2 * i + 2]
-        nd = int(nd)
+    kinds = abi.entry_kinds(job, dtype)
+    for i, (name, _) in enumerate(abi.params(job)):
+        t, nd = kinds[2 * i], int(kinds[2 * i + 1])
         if nd == 0:
             value = f"a[{s}] != 0" if t == "b" else f"a[{s}]"
             s += 1

@@ -56,22 +56,19 @@ class _Native:
         self._run = mod.run
         self.path = mod.__file__
         # (job, dtype char) -> entry index; checked against abi so a stale build cannot run.
+        rows = {symbol: (i, kinds) for i, (symbol, kinds) in enumerate(mod.entries())}
         self._index = {}
-        for i, (symbol, kinds) in enumerate(mod.entries()):
-            for job in abi.ARGS:
-                for dtype, letter in abi.DTYPES.items():
-                    if symbol == abi.entry_name(job, dtype):
-                        if kinds != abi.entry_kinds(job, dtype):
-                            raise ImportError(f"{self.path}: {symbol} has kinds {kinds}")
-                        self._index[job, letter] = i
-        missing = {(j, t) for j in abi.ARGS for t in abi.DTYPES.values()} - set(self._index)
-        if missing:
-            raise ImportError(f"{self.path} lacks entries {sorted(missing)}")
+        for job in abi.ARGS:
+            for dtype, letter in abi.DTYPES.items():
+                symbol = abi.entry_name(job, dtype)
+                if symbol not in rows:
+                    raise ImportError(f"{self.path} lacks entry {symbol}")
+                i, kinds = rows[symbol]
+                if kinds != abi.entry_kinds(job, dtype):
+                    raise ImportError(f"{self.path}: {symbol} has kinds {kinds}")
+                self._index[job, letter] = i
 
-    def serial(self, job: str, args: tuple) -> None:
-        self._run(self._index[job, args[0].dtype.char], args, 1, 1)
-
-    def parallel(self, job: str, args: tuple, parts: int, threads: int) -> None:
+    def run(self, job: str, args: tuple, parts: int, threads: int) -> None:
         self._run(self._index[job, args[0].dtype.char], args, parts, threads)
 
 
@@ -86,10 +83,10 @@ class _Jit:
 
         self._numba, self._jobs, self._ops = numba, ops.JOBS, ops.OPS
 
-    def serial(self, job: str, args: tuple) -> None:
-        self._jobs[job](*args, 0)
-
-    def parallel(self, job: str, args: tuple, parts: int, threads: int) -> None:
+    def run(self, job: str, args: tuple, parts: int, threads: int) -> None:
+        if parts == 1:  # no pool launch: the job itself, on this thread
+            self._jobs[job](*args, 0)
+            return
         self._numba.set_num_threads(threads)
         self._ops[job](*args)
 
@@ -102,10 +99,10 @@ def run(job: str, args: tuple, parts: int) -> None:
     """Job ``job`` (abi.ARGS; ``args`` ends with sync, parts) as ``parts`` jobs."""
     b = _backend if _choice == config.backend() else backend()
     if parts == 1:
-        b.serial(job, args)
+        b.run(job, args, 1, 1)
         return
     with POOL_LAUNCH:
-        b.parallel(job, args, parts, pool_threads(parts))
+        b.run(job, args, parts, pool_threads(parts))
 
 
 def backend() -> _Native | _Jit:
