@@ -50,7 +50,7 @@ from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
-from . import _check
+from . import _check, _fork
 
 _log = logging.getLogger("leanrnn")
 
@@ -87,6 +87,13 @@ class Pool:
         self.arena: Arena | None = None
         self.generation = 0
         self.lock = threading.RLock()
+        _fork.in_child(self, Pool._after_fork)
+
+    def _after_fork(self) -> None:
+        # A thread of the parent may have held the lock (it does not exist here) or been
+        # swapping the arena: a fresh lock, and members re-plan (Session._after_fork).
+        self.lock = threading.RLock()
+        self.generation += 1
 
     def acquire(self, nbytes: int, name: str) -> Arena:
         if self.arena is None or self.arena.nbytes < nbytes:
@@ -112,7 +119,8 @@ class Session:
         self.threads = threads
         self.chunk = _positive_or_none("Session", "chunk", chunk)
         self.pool = pool
-        self._lock = pool.lock if pool is not None else threading.RLock()
+        # Members of a pool take its lock, read at each run: a forked child renews it.
+        self._lock = threading.RLock() if pool is None else None
         self._gen = -1
         self._arena: Arena | None = None
         self._plan: Plan | None = None
@@ -131,6 +139,16 @@ class Session:
         self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
         self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
+        _fork.in_child(self, Session._after_fork)
+
+    def _after_fork(self) -> None:
+        """In a forked child: another thread of the parent may have been inside a run (holding
+        the lock, which nobody here will release) or a resize (views half made): a fresh lock,
+        and the next run plans again."""
+        if self.pool is None:
+            self._lock = threading.RLock()
+        self._key_now = ()
+        self._gen = -1
 
     # ---------------------------------------------------------------- planning
     @property
@@ -353,7 +371,7 @@ class Session:
         return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
 
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
-        with self._lock:
+        with self._lock if self.pool is None else self.pool.lock:
             stale = self.pool is not None and self._gen != self.pool.generation
             memo = (N, T, return_sequences, self.chunk)
             key = self._keys.get(memo)
