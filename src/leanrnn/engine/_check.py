@@ -56,6 +56,61 @@ def writable(op: str, name: str, a: np.ndarray) -> None:
         raise LayoutError(f"[{op}] {name} is read-only; expected a writable output array")
 
 
+# Work allowed to np.shares_memory once two arrays' byte ranges overlap: enough to tell apart
+# interleaved strided views; past it, the arrays are treated as overlapping (bounded time).
+OVERLAP_WORK = 10_000
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    if not np.may_share_memory(a, b):  # byte ranges apart: the common case, a bounds check
+        return False
+    try:
+        return np.shares_memory(a, b, max_work=OVERLAP_WORK)
+    except np.exceptions.TooHardError:
+        return True
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """The very same elements at the very same addresses (strides of length-1 axes aside)."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.__array_interface__["data"][0] != b.__array_interface__["data"][0]:
+        return False
+    return all(n < 2 or sa == sb for n, sa, sb in zip(a.shape, a.strides, b.strides, strict=True))
+
+
+def disjoint(op: str, outs: tuple, ins: tuple, in_place: tuple = ()) -> None:
+    """Outputs must share no memory with each other nor with an input: the engine writes an
+    output while it still reads the others (a bidirectional layer reads x once per direction,
+    h_n written as h0 is read...). ``outs``/``ins``: (name, array or None) pairs; ``in_place``:
+    (out, in) name pairs that may be the very same array — h_n/h0, c_n/c0: op k reads its own
+    slot of the state before it writes it — but not another view of the same memory."""
+    for i, (na, a) in enumerate(outs):
+        if a is None:
+            continue
+        for nb, b in outs[i + 1 :]:
+            if b is not None and _overlap(a, b):
+                raise LayoutError(
+                    f"[{op}] out {na} and out {nb} share memory; expected a separate array for "
+                    f"each output (the run writes both); pass distinct arrays, e.g. "
+                    f"np.empty_like({nb})"
+                )
+        for nb, b in ins:
+            if not isinstance(b, np.ndarray) or not _overlap(a, b):
+                continue
+            if (na, nb) in in_place:
+                if _same(a, b):
+                    continue
+                allowed = f" ({na} may be {nb} itself, for an in-place update, but no other view)"
+            else:
+                allowed = ""
+            raise LayoutError(
+                f"[{op}] out {na} shares memory with {nb}; expected outputs apart from the "
+                f"inputs{allowed}: the run still reads {nb} after it starts writing {na}; pass "
+                f"a separate array for {na}, e.g. np.empty_like({na})"
+            )
+
+
 def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
     arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
     if arr.dtype.kind not in "iu":

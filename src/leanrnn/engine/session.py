@@ -64,6 +64,8 @@ DEFAULT_CHUNK = 32
 # at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
 XW_BUDGET = 2 << 20
 MIN_AUTO_CHUNK = 4
+# Outputs that may be the very same arrays as inputs: op k reads its state slot, then writes it.
+IN_PLACE = (("h_n", "h0"), ("c_n", "c0"))
 
 
 def _positive_or_none(op: str, name: str, v) -> int | None:
@@ -338,12 +340,15 @@ class Session:
         c0:      [L*D, N, H] initial LSTM cell state, or None = 0
         lengths: [N] ints in 0..T, or None = all T (PyTorch packed-sequence semantics)
         out:     None, or a tuple (y, h_n[, c_n]) of preallocated C-contiguous outputs
-                 (y is omitted from the tuple when return_sequences=False)
+                 (y is omitted from the tuple when return_sequences=False), sharing no
+                 memory with each other or with an input (LayoutError), but:
         return_sequences: False keeps only the final states; y is then None and, with
                  ``chunk`` set, peak memory does not depend on T
         returns  (y [T, N, D*K] (batch-first: [N, T, D*K]), h_n [L*D, N, K], c_n [L*D, N, H] or
                  None for GRU/RNN). NaN/Inf in inputs propagate to the outputs.
         h0/c0 may be the same arrays as the h_n/c_n outputs (state updated in place).
+        Unaligned arrays (np.frombuffer at an odd offset) are copied for the kernels: x in, y
+        out through a staging copy; aligned ones (numpy's own allocations) never are.
         """
         spec, dt, op = self.spec, self.dtype, "Session.run"
         C = spec.input_size
@@ -368,7 +373,25 @@ class Session:
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted)
-        return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
+        if out is not None:
+            if _trusted:  # h_n/c_n are the Stream's own state arrays, passed as h0/c0 too
+                _check.disjoint(op, (("y", y),), (("x", x), ("lengths", lengths)))
+            else:
+                ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
+                _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
+        # The kernels take aligned arrays only (h0, c0, lengths, h_n and c_n are copied by
+        # numpy, which does not care); numpy allocates aligned, so this copies only arrays
+        # made over foreign buffers.
+        if not x.flags.aligned:
+            x = x.copy()
+        if y is None or y.flags.aligned:
+            return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
+        y_out = y
+        y, h_n, c_n = self._run_locked(
+            x, h0, c0, lengths, np.empty_like(y), h_n, c_n, T, N, return_sequences
+        )
+        y_out[...] = y
+        return y_out, h_n, c_n
 
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
         with self._lock if self.pool is None else self.pool.lock:
