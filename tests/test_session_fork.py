@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from leanrnn.engine import Pool, Session
+from leanrnn.engine import Pool, Session, _fork
 from leanrnn.kernels.reference import reference_forward
 from tolerances import atol
 
@@ -127,3 +127,20 @@ def test_fork_while_another_thread_runs():
     finally:
         stop.set()
         t.join()
+
+
+def test_renew_lock_serves_any_engine_object():
+    """engine._fork.renew_lock: what another engine object (a graph session) registers with."""
+
+    class Holder:
+        pass
+
+    obj = Holder()
+    obj._lock = threading.Lock()
+    _fork.renew_lock(obj)
+
+    def run():
+        with obj._lock:
+            return np.ones(3, np.float32)
+
+    _fork_while_held(obj._lock, run, np.ones(3))
