@@ -373,12 +373,9 @@ class Session:
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted)
-        if out is not None:
-            if _trusted:  # h_n/c_n are the Stream's own state arrays, passed as h0/c0 too
-                _check.disjoint(op, (("y", y),), (("x", x), ("lengths", lengths)))
-            else:
-                ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
-                _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
+        if out is not None and not _trusted:  # a Stream checks the y it passes itself
+            ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
+            _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
         # The kernels take aligned arrays only (h0, c0, lengths, h_n and c_n are copied by
         # numpy, which does not care); numpy allocates aligned, so this copies only arrays
         # made over foreign buffers.
