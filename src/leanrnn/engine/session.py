@@ -340,13 +340,14 @@ class Session:
         c0:      [L*D, N, H] initial LSTM cell state, or None = 0
         lengths: [N] ints in 0..T, or None = all T (PyTorch packed-sequence semantics)
         out:     None, or a tuple (y, h_n[, c_n]) of preallocated C-contiguous outputs
-                 (y is omitted from the tuple when return_sequences=False), sharing no
-                 memory with each other or with an input (LayoutError), but:
+                 (y is omitted from the tuple when return_sequences=False). They share no
+                 memory with each other or with an input (else LayoutError: a bidirectional
+                 layer reads x again after the other direction wrote y), except that
+                 h_n/c_n may be h0/c0 themselves (the state updated in place).
         return_sequences: False keeps only the final states; y is then None and, with
                  ``chunk`` set, peak memory does not depend on T
         returns  (y [T, N, D*K] (batch-first: [N, T, D*K]), h_n [L*D, N, K], c_n [L*D, N, H] or
                  None for GRU/RNN). NaN/Inf in inputs propagate to the outputs.
-        h0/c0 may be the same arrays as the h_n/c_n outputs (state updated in place).
         Unaligned arrays (np.frombuffer at an odd offset) are copied for the kernels: x in, y
         out through a staging copy; aligned ones (numpy's own allocations) never are.
         """
