@@ -130,3 +130,24 @@ def test_unbatched_input_like_torch():
     assert y.shape == (7, 8) and h.shape == (1, 8)
     np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(h, ht.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[6]], ids=lambda c: "-".join(map(str, c)))
+def test_batch_first_module_via_state_dict_and_from_torch(case):
+    """A state dict holds neither batch_first nor nonlinearity: from_state_dict takes them as
+    arguments, from_torch reads them off the module; both then match torch on [N, T, C]."""
+    cell, C, H, L, bi, proj, bf, nonlin = case
+    seed = zlib.crc32(repr(case).encode())
+    torch.manual_seed(seed)
+    m = _torch_module(cell, C, H, L, bi, proj, bf, nonlin, np.float32)
+    x = np.random.default_rng(seed).standard_normal((3, 6, C)).astype(np.float32)  # [N, T, C]
+    want, _ = _run_torch(m, x, None, None, 6)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    via_sd = leanrnn.from_state_dict(sd, batch_first=True, nonlinearity=nonlin)
+    via_torch = leanrnn.from_torch(m)
+    for model in (via_sd, via_torch):
+        assert model.spec.batch_first
+        assert type(model).__name__ == cell
+        np.testing.assert_allclose(model(x)[0], want, rtol=0, atol=atol(np.float32))
+    # The flag is what a state dict cannot say: left out, the same weights read x time-major.
+    assert not leanrnn.from_state_dict(sd, nonlinearity=nonlin).spec.batch_first

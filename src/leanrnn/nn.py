@@ -98,8 +98,16 @@ class Model:
                         dtype=None) -> Model:  # fmt: skip
         """Build from a PyTorch-named dict of arrays (numpy or torch tensors on the CPU).
 
-        The cell and sizes are read off the weight shapes; ``dtype`` defaults to the weights'
-        float dtype (float32 or float64)."""
+        The cell, sizes, layers, directions, bias and proj_size are read off the weights; what
+        they cannot say must be passed as the module was built: ``batch_first`` (a module made
+        with batch_first=True needs it here, or [N, T, C] input is read as [T, N, C]) and, for
+        an RNN, ``nonlinearity``. ``dtype`` defaults to the weights' float dtype (float32 or
+        float64). ``from_torch(module)`` reads all of it off the module instead.
+
+        >>> gru = torch.nn.GRU(32, 64, batch_first=True)  # doctest: +SKIP
+        >>> sd = {k: v.numpy() for k, v in gru.state_dict().items()}  # doctest: +SKIP
+        >>> m = leanrnn.from_state_dict(sd, batch_first=True)  # doctest: +SKIP
+        """
         sd = {k: _to_numpy(v) for k, v in state_dict.items()}
         cell = cell or getattr(cls, "_cell", None)
         spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)
@@ -116,7 +124,8 @@ class Model:
 
     @classmethod
     def from_torch(cls, module, dtype=None) -> Model:
-        """Copy a torch.nn.LSTM/GRU/RNN (imports torch only here)."""
+        """Copy a torch.nn.LSTM/GRU/RNN, its batch_first and nonlinearity included (imports
+        torch only here)."""
         spec, sd = torch_format.from_torch_module(module)
         dtype = dtype or sd["weight_ih_l0"].dtype
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)

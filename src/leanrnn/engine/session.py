@@ -50,7 +50,7 @@ from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
-from . import _check
+from . import _check, _fork
 
 _log = logging.getLogger("leanrnn")
 
@@ -64,6 +64,8 @@ DEFAULT_CHUNK = 32
 # at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
 XW_BUDGET = 2 << 20
 MIN_AUTO_CHUNK = 4
+# Outputs that may be the very same arrays as inputs: op k reads its state slot, then writes it.
+IN_PLACE = (("h_n", "h0"), ("c_n", "c0"))
 
 
 def _positive_or_none(op: str, name: str, v) -> int | None:
@@ -87,6 +89,13 @@ class Pool:
         self.arena: Arena | None = None
         self.generation = 0
         self.lock = threading.RLock()
+        _fork.in_child(self, Pool._after_fork)
+
+    def _after_fork(self) -> None:
+        # A thread of the parent may have held the lock (it does not exist here) or been
+        # swapping the arena: a fresh lock, and members re-plan (Session._after_fork).
+        self.lock = threading.RLock()
+        self.generation += 1
 
     def acquire(self, nbytes: int, name: str) -> Arena:
         if self.arena is None or self.arena.nbytes < nbytes:
@@ -112,7 +121,8 @@ class Session:
         self.threads = threads
         self.chunk = _positive_or_none("Session", "chunk", chunk)
         self.pool = pool
-        self._lock = pool.lock if pool is not None else threading.RLock()
+        # Members of a pool take its lock, read at each run: a forked child renews it.
+        self._lock = threading.RLock() if pool is None else None
         self._gen = -1
         self._arena: Arena | None = None
         self._plan: Plan | None = None
@@ -131,6 +141,16 @@ class Session:
         self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
         self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
+        _fork.in_child(self, Session._after_fork)
+
+    def _after_fork(self) -> None:
+        """In a forked child: another thread of the parent may have been inside a run (holding
+        the lock, which nobody here will release) or a resize (views half made): a fresh lock,
+        and the next run plans again."""
+        if self.pool is None:
+            self._lock = threading.RLock()
+        self._key_now = ()
+        self._gen = -1
 
     # ---------------------------------------------------------------- planning
     @property
@@ -320,12 +340,16 @@ class Session:
         c0:      [L*D, N, H] initial LSTM cell state, or None = 0
         lengths: [N] ints in 0..T, or None = all T (PyTorch packed-sequence semantics)
         out:     None, or a tuple (y, h_n[, c_n]) of preallocated C-contiguous outputs
-                 (y is omitted from the tuple when return_sequences=False)
+                 (y is omitted from the tuple when return_sequences=False). They share no
+                 memory with each other or with an input (else LayoutError: a bidirectional
+                 layer reads x again after the other direction wrote y), except that
+                 h_n/c_n may be h0/c0 themselves (the state updated in place).
         return_sequences: False keeps only the final states; y is then None and, with
                  ``chunk`` set, peak memory does not depend on T
         returns  (y [T, N, D*K] (batch-first: [N, T, D*K]), h_n [L*D, N, K], c_n [L*D, N, H] or
                  None for GRU/RNN). NaN/Inf in inputs propagate to the outputs.
-        h0/c0 may be the same arrays as the h_n/c_n outputs (state updated in place).
+        Unaligned arrays (np.frombuffer at an odd offset) are copied for the kernels: x in, y
+        out through a staging copy; aligned ones (numpy's own allocations) never are.
         """
         spec, dt, op = self.spec, self.dtype, "Session.run"
         C = spec.input_size
@@ -350,10 +374,25 @@ class Session:
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted)
-        return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
+        if out is not None and not _trusted:  # a Stream checks the y it passes itself
+            ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
+            _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
+        # The kernels take aligned arrays only (h0, c0, lengths, h_n and c_n are copied by
+        # numpy, which does not care); numpy allocates aligned, so this copies only arrays
+        # made over foreign buffers.
+        if not x.flags.aligned:
+            x = x.copy()
+        if y is None or y.flags.aligned:
+            return self._run_locked(x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences)
+        y_out = y
+        y, h_n, c_n = self._run_locked(
+            x, h0, c0, lengths, np.empty_like(y), h_n, c_n, T, N, return_sequences
+        )
+        y_out[...] = y
+        return y_out, h_n, c_n
 
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
-        with self._lock:
+        with self._lock if self.pool is None else self.pool.lock:
             stale = self.pool is not None and self._gen != self.pool.generation
             memo = (N, T, return_sequences, self.chunk)
             key = self._keys.get(memo)

@@ -47,8 +47,11 @@ class Stream:
                 raise ShapeError(
                     f"[Stream.feed] x has batch {n}; this stream was opened for batch={self.batch}"
                 )
-        if single and out is not None:
-            out = out[None] if not self.session.spec.batch_first else out[:, None]
+        if out is not None:
+            # run() trusts what a Stream passes: the state arrays are its own, y is checked here
+            _check.disjoint("Stream.feed", (("y", out),), (("x", x), ("lengths", lengths)))
+            if single:
+                out = out[None] if not self.session.spec.batch_first else out[:, None]
         if out is None and isinstance(x, np.ndarray) and x.ndim == 3:
             spec = self.session.spec
             out = np.empty((*x.shape[:2], spec.num_directions * spec.output_size), self._h.dtype)
