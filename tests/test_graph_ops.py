@@ -856,6 +856,132 @@ def test_exporter_shape_chain(tmp):
     )
 
 
+X234 = np.arange(24, dtype=F32).reshape(2, 3, 4) / 10
+N = node
+FEW_NODE = {
+    # name: (nodes, feeds, consts, outputs (None: the last node's))
+    "shape_slice_concat_reshape": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Slice", ["s", "a", "b"], ["t"], "n2"),
+         N("Concat", ["m1", "t"], ["u"], "n3", axis=0), N("Reshape", ["x", "u"], ["y"], "n4")],
+        {"x": X234}, {"a": ints(-1), "b": ints(1000), "m1": ints(-1)}, None,
+    ),
+    "shape_cast_mul_cast_constantofshape": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Cast", ["s"], ["sf"], "n2", to=TensorProto.FLOAT),
+         N("Mul", ["sf", "h"], ["m"], "n3"), N("Cast", ["m"], ["si"], "n4", to=TensorProto.INT64),
+         N("ConstantOfShape", ["si"], ["y"], "n5")],
+        {"x": X234}, {"h": np.array(0.5, F32)}, None,
+    ),
+    "shape_div_gather_unsqueeze_reshape": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Div", ["s", "two"], ["d"], "n2"),
+         N("Gather", ["d", "i0"], ["g"], "n3"), N("Unsqueeze", ["g", "ax"], ["gu"], "n4"),
+         N("Concat", ["gu", "m1"], ["u"], "n5", axis=0), N("Reshape", ["x", "u"], ["y"], "n6")],
+        {"x": X234}, {"two": np.array(2), "i0": np.array(0), "ax": ints(0), "m1": ints(-1)}, None,
+    ),
+    "shape_gather_perm_reshape": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Gather", ["s", "p"], ["t"], "n2"),
+         N("Reshape", ["x", "t"], ["y"], "n3")],
+        {"x": X234}, {"p": ints(2, -2, 0)}, None,
+    ),
+    "shape_expand_constant": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Expand", ["c", "s"], ["y"], "n2")],
+        {"x": X234}, {"c": np.array(1.5, F32)}, None,
+    ),
+    "shape_value_added_to_data": (
+        [N("Shape", ["x"], ["s"], "n1"), N("Cast", ["s"], ["sf"], "n2", to=TensorProto.FLOAT),
+         N("Add", ["sf", "v"], ["y"], "n3")],
+        {"x": X234, "v": np.ones(3, F32)}, {}, None,
+    ),
+    "split_one_output_used": (
+        [N("Split", ["x", "sp"], ["y0", "y1"], "n1", axis=2)], {"x": X234}, {"sp": ints(1, 3)},
+        ["y1"],
+    ),
+    "split_then_concat": (
+        [N("Exp", ["x"], ["e"], "n0"), N("Split", ["e", "sp"], ["y0", "y1"], "n1", axis=2),
+         N("Neg", ["y0"], ["a"], "n2"), N("Concat", ["y1", "a", "y0"], ["y"], "n3", axis=2)],
+        {"x": X234}, {"sp": ints(1, 3)}, None,
+    ),
+    "outputs_input_and_initializer": (
+        [N("Relu", ["x"], ["y"], "n1")], {"x": X234}, {"c": np.ones(2, F32)}, ["y", "x", "c"],
+    ),
+    "view_of_computed_and_its_source": (
+        [N("Exp", ["x"], ["e"], "n1"), N("Expand", ["e", "sh"], ["y"], "n2"),
+         N("Cast", ["e"], ["z"], "n3", to=TensorProto.FLOAT)],
+        {"x": X234}, {"sh": ints(2, 3, 4)}, ["y", "e", "z"],
+    ),
+    "in_place_op_on_a_view": (
+        [N("Exp", ["x"], ["e"], "n1"), N("Reshape", ["e", "sh"], ["r"], "n2"),
+         N("Neg", ["r"], ["z"], "n3"), N("Add", ["e", "e"], ["w"], "n4")],
+        {"x": X234}, {"sh": ints(-1)}, ["z", "w"],
+    ),
+    "softmax_input_read_after": (
+        [N("Exp", ["x"], ["e"], "n1"), N("Softmax", ["e"], ["s"], "n2"),
+         N("Sub", ["e", "s"], ["y"], "n3")],
+        {"x": X234}, {}, None,
+    ),
+    "gemm_packed_transb_then_relu": (
+        [N("Exp", ["x"], ["e"], "n0"), N("Gemm", ["e", "w", "b"], ["g"], "n1", transB=1),
+         N("Relu", ["g"], ["y"], "n2")],
+        {"x": X234.reshape(6, 4)}, {"w": arr((70, 4), seed=40), "b": arr((70,), seed=41)}, None,
+    ),
+    "matmul_packed_then_in_place_add": (
+        [N("Exp", ["x"], ["e"], "n0"), N("MatMul", ["e", "w"], ["g"], "n1"),
+         N("Add", ["g", "g"], ["y"], "n2")],
+        {"x": X234}, {"w": arr((4, 65), seed=42)}, None,
+    ),
+    "embedding_then_matmul": (
+        [N("Gather", ["t", "ids"], ["e"], "n0"), N("MatMul", ["e", "w"], ["y"], "n1")],
+        {"ids": ints(0, 2, 1, -1).reshape(2, 2)}, {"t": arr((3, 4), seed=43), "w": arr((4, 3))},
+        None,
+    ),
+    "transpose_then_packed_matmul": (
+        [N("Transpose", ["x"], ["t"], "n0", perm=[0, 2, 1]), N("MatMul", ["t", "w"], ["y"], "n1")],
+        {"x": X234}, {"w": arr((3, 5), seed=44)}, None,
+    ),
+    "slice_then_packed_matmul": (
+        [N("Slice", ["x", "a", "b", "c"], ["t"], "n0"), N("MatMul", ["t", "w"], ["y"], "n1")],
+        {"x": X234}, {"a": ints(1), "b": ints(3), "c": ints(2), "w": arr((2, 5), seed=45)}, None,
+    ),
+    "1d_into_packed_matmul": (
+        [N("Relu", ["v"], ["r"], "n0"), N("MatMul", ["r", "w"], ["y"], "n1")],
+        {"v": arr((4,), seed=46)}, {"w": arr((4, 70), seed=47)}, None,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FEW_NODE))
+def test_few_node_graphs(case, tmp):
+    """Shape arithmetic evaluated at plan time, outputs that are inputs, constants or views of
+    one another, ops that overwrite their input in place, packed products fed by view ops."""
+    nodes, feeds, consts, outputs = FEW_NODE[case]
+    check(model(nodes, feeds, consts, outputs=outputs), feeds, tmp)
+
+
+@pytest.mark.parametrize(
+    "op,ins,attrs,consts",
+    [
+        ("Identity", ["x"], {}, {}),
+        ("Dropout", ["x"], {}, {}),
+        ("Reshape", ["x", "s"], {}, {"s": ints(-1)}),
+        ("Flatten", ["x"], {}, {}),
+        ("Squeeze", ["x", "a"], {}, {"a": ints(0)}),
+        ("Unsqueeze", ["x", "a"], {}, {"a": ints(0)}),
+        ("Transpose", ["x"], {"perm": [1, 0, 2]}, {}),  # moves a size-1 axis only: a view
+        ("Cast", ["x"], {"to": TensorProto.FLOAT}, {}),  # to its own dtype: a view
+        ("Expand", ["x", "s"], {}, {"s": ints(1, 3)}),  # to its own shape: a view
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_view_outputs_never_alias_inputs(op, ins, attrs, consts, tmp):
+    """Ops that move no data still hand the caller its own array, not the caller's input."""
+    x = arr((1, 2, 3), F32, seed=48)
+    keep = x.copy()
+    g = load(model([node(op, ins, **attrs)], {"x": x}, consts), tmp)
+    (y,) = g.run({"x": x})
+    assert not np.shares_memory(y, x)
+    y[...] = 7
+    np.testing.assert_array_equal(x, keep)
+
+
 def test_elementwise_chain_in_place(tmp):
     """Elementwise ops may overwrite an input nothing reads later; one read later must not be."""
     x, b = arr((2, 3), F32, seed=33), arr((3,), F32, seed=34)
