@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LeanRNNError, ModelFormatError
-from ..memory.arena import aligned_empty
+from ..memory.arena import aligned_empty, round_up
 from ..spec import RNNSpec
-from .packing import SUPPORTED_DTYPES, PackedWeights
+from .packing import SUPPORTED_DTYPES, PackedLayer, PackedWeights
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -174,6 +174,12 @@ class _Container:
                 f"[{op}] {path!r}: tensors cover {cursor} bytes but the data section holds "
                 f"{self.data_size} (truncated, or trailing bytes)"
             )
+        # Entries by prefix ("" for a plain stack, "rnn:<node>:" for a graph's RNN node), in
+        # file order: grouped once, so reading k packed nodes costs O(entries), not O(k*entries).
+        self.groups: dict[str, list[_Entry]] = {}
+        for begin, end, name in spans:
+            prefix = name.rpartition(":")[0] + ":" if ":" in name else ""
+            self.groups.setdefault(prefix, []).append(self.entries[name])
 
     def _entry(self, name: str, e) -> _Entry:
         op, path = self.op, self.path
@@ -280,10 +286,11 @@ def read_metadata(path: str, op: str = "load") -> dict[str, str]:
 # ------------------------------------------------------------------------- packed layouts
 def _weight_floor(spec: RNNSpec, dtype: np.dtype) -> int:
     """A lower bound of ``PackedWeights(spec, dtype).nbytes`` from the spec alone: the unpadded
-    W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it;
-    padding makes the real size at most ~4x this plus a few KiB per layer."""
-    G, K = spec.gate_width, spec.output_size
-    per = sum(G * (spec.layer_input_size(layer) + K) for layer in range(spec.num_layers))
+    W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it.
+    Closed form (layer 0 reads C, every later layer D*K): a loop over the declared layers would
+    itself be the work a lying ``num_layers`` buys."""
+    G, K, L = spec.gate_width, spec.output_size, spec.num_layers
+    per = G * (spec.input_size + K) + (L - 1) * G * (spec.num_directions * K + K)
     return per * spec.num_directions * dtype.itemsize
 
 
@@ -504,36 +511,57 @@ def _dtype(name, op, path) -> np.dtype:
     return dt
 
 
+def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> tuple[dict, int]:
+    """({name: (shape, byte offset or -1 if empty)}, total bytes) of ``PackedWeights(spec,
+    dtype)``, computed from ``PackedWeights.layout`` with Python ints, nothing allocated. The
+    caller bounds ``spec.num_layers`` by the tensors present first: this loops per tensor."""
+    fields = len(PackedLayer.__dataclass_fields__)
+    per_layer = fields * spec.num_directions
+    out, off = {}, 0
+    for i, (name, shape) in enumerate(PackedWeights.layout(spec)):
+        n = math.prod(shape) * dtype.itemsize
+        key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
+        out[key] = (tuple(shape), off if n else -1)
+        off += round_up(n, 64)
+    return out, off
+
+
 def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
     op, path = c.op, c.path
-    mine = sorted(
-        (e for k, e in c.entries.items() if k.startswith(prefix) and (prefix or ":" not in k)),
-        key=lambda e: (e.begin, e.end),
-    )
+    what = prefix or "the model"
+    mine = c.groups.get(prefix, [])
     if not mine:
-        raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {prefix or 'the model'}")
+        raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {what}")
     begin, end = mine[0].begin, mine[-1].end
+    # Every declared count is checked against what the file holds before work proportional to
+    # it: first the tensor count (bounds the layers), then the unpadded weight bytes (bound H
+    # and C), then the exact layout (computed, not allocated).
+    want_n = len(PackedLayer.__dataclass_fields__) * spec.num_layers * spec.num_directions
     floor = _weight_floor(spec, dtype)
-    if floor > end - begin:
+    if want_n != len(mine) or floor > end - begin:
         raise ModelFormatError(
             f"[{op}] {path!r}: the spec ({spec.cell.upper()} C={spec.input_size} "
-            f"H={spec.hidden_size} layers={spec.num_layers}) needs at least {floor} bytes of "
-            f"weights but the file holds {end - begin} for {prefix or 'the model'}"
+            f"H={spec.hidden_size} layers={spec.num_layers} {spec.direction}) needs "
+            f"{want_n} packed tensors of at least {floor} bytes in all, but the file holds "
+            f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt"
         )
-    # Bounded: the file holds at least the unpadded weights. No zero-fill: read_into below
-    # fills the whole buffer, padding included.
-    pw = PackedWeights(spec, dtype, zero=False)
-    items = _region(pw)
-    want = {prefix + k: (v.shape, off) for k, v, off in items}
-    got = {e.name: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine}
-    if pw.nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
+    want, nbytes = _packed_layout(spec, dtype)
+    got = {
+        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1)
+        for e in mine
+    }
+    if nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
         missing = sorted(set(want) - set(got))[:4]
         raise ModelFormatError(
-            f"[{op}] {path!r}: stored packed tensors of {prefix or 'the model'} ({end - begin} "
-            f"bytes) do not match this leanrnn's packing of the spec ({pw.nbytes} bytes"
+            f"[{op}] {path!r}: stored packed tensors of {what} ({end - begin} "
+            f"bytes) do not match this leanrnn's packing of the spec ({nbytes} bytes"
             + (f"; missing {missing}" if missing else "")
             + "); the file is corrupt, or was written by another version: re-convert it"
         )
+    # Bounded: exactly the bytes the file holds. No zero-fill: read_into fills the whole
+    # buffer, padding included.
+    pw = PackedWeights(spec, dtype, zero=False)
+    assert pw.nbytes == nbytes, (pw.nbytes, nbytes)  # _packed_layout mirrors PackedWeights
     c.read_into(f, begin, pw.buffer)
     return pw
 
