@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import LeanRNNError, ModelFormatError
 from ..memory.arena import aligned_empty, round_up
-from ..spec import RNNSpec
+from ..spec import USES_ALPHA, USES_BETA, RNNSpec
 from .packing import SUPPORTED_DTYPES, PackedLayer, PackedWeights
 
 FORMAT = "leanrnn"
@@ -70,6 +70,11 @@ class TensorInfo:
     @staticmethod
     def from_dict(d: dict) -> TensorInfo:
         shape = d.get("shape")
+        if shape is not None and not all(
+            s is None or isinstance(s, str) or _is_count(s) for s in shape
+        ):
+            raise ValueError(f"tensor {d['name']!r} has shape {shape!r}; expected ints >= 0, "
+                             "names or null")  # fmt: skip
         return TensorInfo(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
 
 
@@ -130,6 +135,21 @@ class Graph:
             "outputs": [t.to_dict() for t in self.outputs],
             "nodes": [n.to_dict() for n in self.nodes],
         }
+
+
+MAX_OPSET = 10_000  # far beyond any ONNX opset; a larger number is a corrupt field, not a version
+
+
+def check_opset(opset, where: str) -> int:
+    """``opset`` if it is a plausible ONNX default-domain opset, else a ModelFormatError. The
+    one check for every way a graph comes in (ONNX files, graph ``.lrnn`` files); ``where`` is
+    "[op] what", e.g. "[load] 'model.lrnn'"."""
+    if isinstance(opset, bool) or not isinstance(opset, int) or not 1 <= opset <= MAX_OPSET:
+        raise ModelFormatError(
+            f"{where} declares default-domain opset {opset!r}; expected one version in "
+            f"1..{MAX_OPSET}"
+        )
+    return opset
 
 
 # ------------------------------------------------------------------- safetensors: the container
@@ -526,7 +546,9 @@ def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> tuple[dict, int]:
     return out, off
 
 
-def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) -> int:
+    """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
+    that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
     what = prefix or "the model"
     mine = c.groups.get(prefix, [])
@@ -558,12 +580,97 @@ def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) 
             + (f"; missing {missing}" if missing else "")
             + "); the file is corrupt, or was written by another version: re-convert it"
         )
-    # Bounded: exactly the bytes the file holds. No zero-fill: read_into fills the whole
-    # buffer, padding included.
+    return begin
+
+
+def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+    begin = _check_packed(c, prefix, spec, dtype)
+    # Bounded: exactly the bytes the file holds (checked above). No zero-fill: read_into fills
+    # the whole buffer, padding included.
     pw = PackedWeights(spec, dtype, zero=False)
-    assert pw.nbytes == nbytes, (pw.nbytes, nbytes)  # _packed_layout mirrors PackedWeights
     c.read_into(f, begin, pw.buffer)
     return pw
+
+
+def _is_rnn_op(op: str) -> bool:
+    from .onnx_import import RNN_OPS  # imported here: onnx_import imports this module
+
+    return op in RNN_OPS
+
+
+def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str) -> None:
+    """Check a graph file's RNN node with the ONNX importer's own functions: its attributes
+    as ``rnn_attrs`` validates them, and (``spec`` given) the spec ``rnn_from_onnx`` builds
+    from them equal to the packed spec. Costs O(G): the weights it is handed are broadcast
+    zeros in internal gate order, so nothing is copied."""
+    from .onnx_import import rnn_attrs, rnn_from_onnx
+
+    where = f"node {node.name!r} ({node.op})"
+    a = node.attrs
+    try:
+        try:
+            acts = [(str(n), float(al), float(be)) for n, al, be in a["activations"]]
+            raw = {
+                "hidden_size": a["hidden_size"],
+                "direction": a["direction"],
+                "activations": [n for n, _, _ in acts],
+                "activation_alpha": [al for n, al, _ in acts if n in USES_ALPHA],
+                "activation_beta": [be for n, _, be in acts if n in USES_BETA],
+                "clip": a["clip"],
+                "input_forget": int(a["input_forget"]),
+                "linear_before_reset": int(a["linear_before_reset"]),
+                "layout": a["layout"],
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{where} has malformed attributes ({e!r})") from None
+        attrs = rnn_attrs(node.op, raw, where)
+        if any(a[k] != v for k, v in attrs.items()):
+            raise ModelFormatError(
+                f"{where} has attributes {a}; expected them as the ONNX importer normalizes "
+                f"them: {attrs}"
+            )
+        if spec is None:
+            return
+        D, G, H = spec.num_directions, spec.gate_width, spec.hidden_size
+        zero = np.zeros((), dtype)
+        try:
+            implied, _ = rnn_from_onnx(
+                node.op,
+                attrs,
+                np.broadcast_to(zero, (D, G, spec.input_size)),
+                np.broadcast_to(zero, (D, G, H)),
+                np.broadcast_to(zero, (D, 2 * G)) if spec.bias else None,
+                np.broadcast_to(zero, (D, 3 * H)) if spec.peepholes else None,
+                where,
+                gates_in_onnx_order=False,
+            )
+        except LeanRNNError as e:
+            raise ModelFormatError(
+                f"{where}: its attributes (hidden_size={attrs['hidden_size']}, "
+                f"{attrs['direction']}) contradict its packed weights ({spec.cell.upper()} "
+                f"C={spec.input_size} H={H} {spec.direction}): {_bare(e, where)}"
+            ) from None
+        if implied != spec:
+            diff = {
+                k: (getattr(implied, k), getattr(spec, k))
+                for k in RNNSpec.__dataclass_fields__
+                if getattr(implied, k) != getattr(spec, k)
+            }
+            raise ModelFormatError(
+                f"{where}: its attributes and its packed spec disagree on "
+                + ", ".join(f"{k} ({x!r} vs {y!r})" for k, (x, y) in diff.items())
+            )
+    except LeanRNNError as e:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: {_bare(e)}; the file is corrupt or was edited (re-convert the "
+            "model)"
+        ) from None
+
+
+def _bare(e: Exception, where: str = "") -> str:
+    """An error's message without its "[op] " and ``where`` prefixes, to nest in another."""
+    msg = str(e).split("] ", 1)[-1] if str(e).startswith("[") else str(e)
+    return msg[len(where) + 2 :] if where and msg.startswith(where + ": ") else msg
 
 
 def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
@@ -576,7 +683,7 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
             inputs=[TensorInfo.from_dict(d) for d in g["inputs"]],
             outputs=[TensorInfo.from_dict(d) for d in g["outputs"]],
             nodes=[Node.from_dict(d) for d in g["nodes"]],
-            opset=int(g.get("opset", 17)),
+            opset=g.get("opset", 17),
             name=str(g.get("name", "graph")),
         )
         packed_meta = g.get("packed") or {}
@@ -591,14 +698,27 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
         RecursionError,
     ) as e:
         raise ModelFormatError(f"[{op}] {path!r}: malformed graph in header: {e!r}") from None
+    check_opset(graph.opset, f"[{op}] {path!r}")
+    rnn_nodes = {n.name: n for n in graph.nodes if _is_rnn_op(n.op)}
+    for node in rnn_nodes.values():
+        _check_rnn_node(node, None, None, op, path)
     regions = []
     used = set()
     for node_name, pm in packed_meta.items():
         if not isinstance(pm, dict):
             raise ModelFormatError(f"[{op}] {path!r}: packed entry {node_name!r} is malformed")
+        if node_name not in rnn_nodes:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: packed weights for {node_name!r}, which is no LSTM/GRU/RNN "
+                "node of the graph; the file is corrupt"
+            )
         spec = _spec(pm.get("spec"), op, path)
         dtype = _dtype(pm.get("dtype"), op, path)
         prefix = f"rnn:{node_name}:"
+        # sizes first (against the file), then the node's attributes against the spec, then
+        # the weights are read
+        _check_packed(c, prefix, spec, dtype)
+        _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
         pw = _read_packed(c, f, prefix, spec, dtype)
         graph.packed[str(node_name)] = pw
         regions.append(pw.buffer)
