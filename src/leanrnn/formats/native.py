@@ -550,7 +550,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
     """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
     that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
-    what = prefix or "the model"
+    what = f"node {prefix[4:-1]!r}" if prefix else "the model"
     mine = c.groups.get(prefix, [])
     if not mine:
         raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {what}")
