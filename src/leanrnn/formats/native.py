@@ -197,7 +197,7 @@ class _Container:
         # Entries by prefix ("" for a plain stack, "rnn:<node>:" for a graph's RNN node), in
         # file order: grouped once, so reading k packed nodes costs O(entries), not O(k*entries).
         self.groups: dict[str, list[_Entry]] = {}
-        for begin, end, name in spans:
+        for *_, name in spans:
             prefix = name.rpartition(":")[0] + ":" if ":" in name else ""
             self.groups.setdefault(prefix, []).append(self.entries[name])
 
@@ -569,8 +569,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
         )
     want, nbytes = _packed_layout(spec, dtype)
     got = {
-        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1)
-        for e in mine
+        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine
     }
     if nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
         missing = sorted(set(want) - set(got))[:4]
@@ -662,8 +661,7 @@ def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str)
             )
     except LeanRNNError as e:
         raise ModelFormatError(
-            f"[{op}] {path!r}: {_bare(e)}; the file is corrupt or was edited (re-convert the "
-            "model)"
+            f"[{op}] {path!r}: {_bare(e)}; the file is corrupt or was edited (re-convert the model)"
         ) from None
 
 
