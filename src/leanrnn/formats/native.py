@@ -493,7 +493,8 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
         if kind == "rnn":
             spec = _spec(meta.get("spec"), op, path)
             dtype = _dtype(meta.get("dtype"), op, path)
-            result: PackedWeights | Graph = _read_packed(c, f, "", spec, dtype)
+            begin = _check_packed(c, "", spec, dtype)
+            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype)
             regions = [result.buffer]
             extra = sorted(set(c.entries) - set(result.tensors()))
             if extra:
@@ -582,9 +583,9 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
     return begin
 
 
-def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
-    begin = _check_packed(c, prefix, spec, dtype)
-    # Bounded: exactly the bytes the file holds (checked above). No zero-fill: read_into fills
+def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+    """The packed weights at ``begin``, which ``_check_packed`` returned for this spec."""
+    # Bounded: exactly the bytes the file holds (checked there). No zero-fill: read_into fills
     # the whole buffer, padding included.
     pw = PackedWeights(spec, dtype, zero=False)
     c.read_into(f, begin, pw.buffer)
@@ -699,7 +700,8 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
     check_opset(graph.opset, f"[{op}] {path!r}")
     rnn_nodes = {n.name: n for n in graph.nodes if _is_rnn_op(n.op)}
     for node in rnn_nodes.values():
-        _check_rnn_node(node, None, None, op, path)
+        if node.name not in packed_meta:  # packed ones are checked against their spec below
+            _check_rnn_node(node, None, None, op, path)
     regions = []
     used = set()
     for node_name, pm in packed_meta.items():
@@ -715,9 +717,9 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
         prefix = f"rnn:{node_name}:"
         # sizes first (against the file), then the node's attributes against the spec, then
         # the weights are read
-        _check_packed(c, prefix, spec, dtype)
+        begin = _check_packed(c, prefix, spec, dtype)
         _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
-        pw = _read_packed(c, f, prefix, spec, dtype)
+        pw = _read_packed(c, f, begin, spec, dtype)
         graph.packed[str(node_name)] = pw
         regions.append(pw.buffer)
         used |= {prefix + k for k in pw.tensors()}
