@@ -713,3 +713,13 @@ def test_packed_weights_of_a_non_rnn_node_are_refused(files, tmp_path):
     bad = _rechecksummed(files["graph"], graph=edit)
     msg = _expect_error(tmp_path, bad, "head.lrnn", ModelFormatError)
     assert "'head'" in msg and "no LSTM/GRU/RNN node" in msg
+
+
+@pytest.mark.parametrize("name", [5, None, ["tanh"]])
+def test_spec_with_a_non_string_activation_name_is_a_format_error(files, tmp_path, name):
+    def edit(spec):
+        spec["activations"] = [[{"name": name}, {"name": "tanh"}]]
+
+    bad = _rechecksummed(files["stack"], spec=edit)
+    msg = _expect_error(tmp_path, bad, "act.lrnn", ModelFormatError)
+    assert "unknown activation" in msg
