@@ -4,8 +4,10 @@ message that says what is wrong — never a crash, a hang, code execution or a g
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
+import signal
 import struct
 import sys
 import tracemalloc
@@ -16,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from leanrnn.errors import LeanRNNError, ModelFormatError, UnsupportedOpError, WeightsError
+from leanrnn.formats import native
 from leanrnn.loading import load, save
 from leanrnn.nn import GRU, LSTM
 
@@ -385,3 +388,338 @@ def test_fuzzed_files_fail_cleanly(files, tmp_path_factory, kind):
         assert peak < 256 * MiB
 
     fuzz()
+
+
+# ------------------------------------------------ declared counts bounded by what a file holds
+@contextlib.contextmanager
+def _no_hang(seconds: int = 20):
+    """Fail (not hang the suite) if the body runs for minutes: a regression of a check that
+    bounds work by the file makes these loads loop 2**31 times. Not a timing assertion: the
+    bound is orders of magnitude above the milliseconds a refusal takes."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: work proportional to a declared size")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _rechecksummed(data: bytes, spec=None, graph=None) -> bytes:
+    """``data`` (a .lrnn file) with its spec (kind "rnn") or graph JSON (kind "graph") edited by
+    the given function and the checksum recomputed as the writer computes it: one region per
+    packed RNN, in header order, then one for all constants. A hostile file that passes the
+    integrity check, so only the size and consistency checks stand in its way."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
+    meta = header["__metadata__"]
+    for key, edit in (("spec", spec), ("graph", graph)):
+        if edit is not None:
+            value = json.loads(meta[key])
+            edit(value)
+            meta[key] = json.dumps(value)
+    offsets = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    if meta["kind"] == "graph":
+        prefixes = [f"rnn:{k}:" for k in json.loads(meta["graph"]).get("packed", {})] + ["const:"]
+    else:
+        prefixes = [""]
+    regions = []
+    for prefix in prefixes:
+        spans = [o for k, o in offsets.items() if k.startswith(prefix)]
+        lo, hi = min((o[0] for o in spans), default=0), max((o[1] for o in spans), default=0)
+        if hi > lo:
+            regions.append(np.frombuffer(body[lo:hi], np.uint8))
+    del meta["checksum"]
+    meta["checksum"] = native._checksum(meta, regions, int(meta["version"]))
+    text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    return struct.pack("<Q", len(text)) + text + body
+
+
+def _set(**kv):
+    return lambda d: d.update(kv)
+
+
+def _set_packed(**kv):
+    return lambda g: g["packed"]["lstm"]["spec"].update(kv)
+
+
+def _set_lstm_attrs(**kv):
+    return lambda g: next(n for n in g["nodes"] if n["name"] == "lstm")["attrs"].update(kv)
+
+
+def test_rechecksummed_file_is_valid(files, tmp_path):
+    # the helper's checksum is the writer's: without an edit, the rewritten files load
+    for kind in ("stack", "graph"):
+        _load_bytes(tmp_path, _rechecksummed(files[kind]), f"same.{kind}.lrnn")
+
+
+_HUGE_SPECS = {
+    "layers": _set(num_layers=1 << 31),
+    "layers_bidirectional": _set(num_layers=1 << 31, direction="bidirectional", activations=None),
+    "hidden": _set(hidden_size=1 << 40),
+    "input": _set(input_size=1 << 40),
+    "all": _set(num_layers=1 << 31, hidden_size=1 << 40, input_size=1 << 40),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HUGE_SPECS))
+def test_checksum_valid_stack_with_huge_declared_sizes(files, tmp_path, case):
+    bad = _rechecksummed(files["stack"], spec=_HUGE_SPECS[case])
+    tracemalloc.start()
+    try:
+        with _no_hang():
+            msg = _expect_error(tmp_path, bad, f"{case}.lrnn", ModelFormatError)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "the file holds 16 tensors" in msg and "checksum mismatch" not in msg, msg
+    assert peak < 16 * MiB
+
+
+@pytest.mark.parametrize("case", ["layers", "hidden", "hidden_and_attr"])
+def test_checksum_valid_graph_with_huge_declared_sizes(files, tmp_path, case):
+    if case == "layers":
+        edit = _set_packed(num_layers=1 << 31)
+    elif case == "hidden":
+        edit = _set_packed(hidden_size=1 << 40)
+    else:  # the node agrees with its packed spec: only the file's bytes can refuse it
+
+        def edit(g):
+            _set_packed(hidden_size=1 << 40)(g)
+            _set_lstm_attrs(hidden_size=1 << 40)(g)
+
+    bad = _rechecksummed(files["graph"], graph=edit)
+    tracemalloc.start()
+    try:
+        with _no_hang():
+            msg = _expect_error(tmp_path, bad, f"g_{case}.lrnn", ModelFormatError)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "the file holds 8 tensors" in msg and "'lstm'" in msg, msg
+    assert peak < 16 * MiB
+
+
+def test_inspect_of_a_huge_declared_stack_ends_in_an_error(files, tmp_path, capsys):
+    from leanrnn.cli import main
+
+    p = tmp_path / "layers.lrnn"
+    p.write_bytes(_rechecksummed(files["stack"], spec=_set(num_layers=1 << 31)))
+    with _no_hang():
+        assert main(["inspect", str(p)]) == 1
+    assert "layers=2147483648" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dims", [[-1, "N", 3], [1.5, "N", 3], [{"a": 1}, "N", 3]])
+def test_graph_input_dims_must_be_counts_names_or_unknown(files, tmp_path, dims):
+    bad = _rechecksummed(files["graph"], graph=lambda g: g["inputs"][0].update(shape=dims))
+    msg = _expect_error(tmp_path, bad, "dims.lrnn", ModelFormatError)
+    assert "shape" in msg and "expected ints >= 0" in msg
+
+
+def test_state_dict_layer_index_is_bounded_by_the_layers_present(tmp_path):
+    sd = LSTM(3, 5, seed=1).state_dict()
+    sd["weight_ih_l536870912"] = sd["weight_ih_l0"]
+    with _no_hang():
+        msg = _expect_error(tmp_path, _npz_bytes(sd), "layers.npz", WeightsError)
+    assert "layer 536870912" in msg and "2 distinct layers" in msg
+    sd = LSTM(3, 5, seed=1).state_dict()
+    sd["weight_ih_l" + "9" * 5000] = sd["weight_ih_l0"]  # int() of it alone would refuse
+    msg = _expect_error(tmp_path, _npz_bytes(sd), "digits.npz", WeightsError)
+    assert "unexpected keys ['weight_ih_l999" in msg
+
+
+# ------------------------------------------------------------------------------- zip bombs
+def _deflated_zeros_member(z, name: str, nbytes: int, head: bytes = b"") -> None:
+    """A deflated member: ``head`` then ``nbytes`` zero bytes (a multiple of 1 MiB)."""
+    import zipfile
+
+    info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_DEFLATED
+    chunk = bytes(1 << 20)
+    with z.open(info, "w", force_zip64=True) as f:
+        f.write(head)
+        for _ in range(nbytes >> 20):
+            f.write(chunk)
+
+
+def _torch_bomb(path, inflate: int) -> None:
+    """A real torch.save zip checkpoint, re-written with deflate, whose storage record
+    declares (and inflates to) ``inflate`` bytes of zeros."""
+    import io
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save({"weight_ih_l0": torch.zeros(4)}, buf)
+    src = zipfile.ZipFile(buf)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            if info.filename.endswith("/data/0"):
+                _deflated_zeros_member(out, info.filename, inflate)
+            else:
+                out.writestr(info.filename, src.read(info), zipfile.ZIP_DEFLATED)
+
+
+_PEAK_RSS = """
+import sys
+import torch
+from leanrnn.errors import ModelFormatError
+from leanrnn.loading import load
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(key))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+before = status("VmRSS:")
+try:
+    load(sys.argv[1])
+    print("loaded")
+except ModelFormatError as e:
+    print(e)
+print(status("VmHWM:") - before)
+"""
+
+
+def test_deflated_torch_checkpoint_is_refused_before_it_inflates(tmp_path):
+    # torch.load's reader inflates a whole record before checking it, in C++ (tracemalloc
+    # cannot see it): measure the peak RSS of a fresh process, after its imports
+    import os
+    import subprocess
+
+    p = tmp_path / "bomb.pt"
+    _torch_bomb(p, 64 * MiB)
+    assert p.stat().st_size < MiB
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, str(p)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
+    assert "claims to inflate" in out[0] and "zip bomb" in out[0], out
+    assert int(out[-1]) < 16 * MiB, out
+
+
+def test_zip_members_together_may_not_inflate_past_the_cap(tmp_path):
+    # each member an honest .npy of 1 MiB of zeros, within its own cap (1 MiB of slack); 48
+    # of them inflate far beyond the archive's cap
+    import io
+    import zipfile
+
+    npy = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        npy, {"descr": "<f4", "fortran_order": False, "shape": (MiB // 4,)}
+    )
+    p = tmp_path / "many.npz"
+    with zipfile.ZipFile(p, "w") as z:
+        for i in range(48):
+            _deflated_zeros_member(z, f"weight_ih_l{i}.npy", MiB, npy.getvalue())
+    tracemalloc.start()
+    try:
+        msg = _expect_error(tmp_path, p.read_bytes(), "many.npz", ModelFormatError)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "in all" in msg and "zip bomb" in msg and peak < 8 * MiB
+
+
+def test_stored_zip_member_lying_about_its_size_is_refused(files, tmp_path):
+    # a stored (uncompressed) member's size is its stored size; the central directory's
+    # file_size field says otherwise here
+    import io
+    import zipfile
+
+    data = bytearray(files["pt"])
+    z = zipfile.ZipFile(io.BytesIO(bytes(data)))
+    info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    cd = data.index(info.filename.encode(), z.start_dir) - 46  # its central directory record
+    assert data[cd : cd + 4] == b"PK\x01\x02"
+    data[cd + 24 : cd + 28] = struct.pack("<I", 1 << 31)  # uncompressed size
+    msg = _expect_error(tmp_path, bytes(data), "lying.pt", ModelFormatError)
+    assert "claims to inflate" in msg
+
+
+def test_torch_tensor_larger_than_its_storage_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "expand.pt"
+    torch.save({"weight_ih_l0": torch.zeros(1).expand(1 << 24)}, p)  # 64 MiB over 4 bytes
+    msg = _expect_error(tmp_path, p.read_bytes(), "expand.pt", ModelFormatError)
+    assert "larger than its storage" in msg and "[16777216]" in msg
+
+
+def test_torch_views_within_their_storage_still_load(tmp_path):
+    torch = pytest.importorskip("torch")
+    from leanrnn.formats.checkpoint import read_torch
+
+    m = torch.nn.GRU(3, 4, num_layers=2, bidirectional=True)
+    sd = dict(m.state_dict())
+    sd["transposed"] = sd["weight_ih_l0"].t()  # non-contiguous, within its storage
+    torch.save(sd, tmp_path / "views.pt")
+    got = read_torch(str(tmp_path / "views.pt"))
+    assert sorted(got) == sorted(sd)
+    for k, v in sd.items():
+        np.testing.assert_array_equal(got[k], v.numpy())
+
+
+# ------------------------------------------ graph .lrnn: the ONNX importer's checks, same file
+@pytest.mark.parametrize(
+    "case",
+    ["hidden_size", "activation", "clip", "input_forget", "direction", "layout", "activations"],
+)
+def test_graph_node_contradicting_its_packed_spec_is_refused(files, tmp_path, case):
+    edit, want = {
+        "hidden_size": (_set_lstm_attrs(hidden_size=7), "hidden_size 7"),
+        "activation": (
+            _set_lstm_attrs(activations=[["sigmoid", 0, 0], ["relu", 0, 0], ["tanh", 0, 0]]),
+            "disagree on activations",
+        ),
+        "clip": (_set_lstm_attrs(clip=3.0), "disagree on clip"),
+        "input_forget": (_set_lstm_attrs(input_forget=True), "disagree on input_forget"),
+        "direction": (_set_lstm_attrs(direction="sideways"), "direction='sideways'"),
+        "layout": (_set_lstm_attrs(layout=2), "layout=2"),
+        "activations": (_set_lstm_attrs(activations=[["sigmoid", 0, 0]]), "1 activations"),
+    }[case]
+    bad = _rechecksummed(files["graph"], graph=edit)
+    msg = _expect_error(tmp_path, bad, f"{case}.lrnn", ModelFormatError)
+    assert want in msg and "'lstm'" in msg and "checksum mismatch" not in msg, msg
+
+
+@pytest.mark.parametrize("opset", [0, -3, 10**6, "17", 17.0, None])
+def test_graph_with_an_invalid_opset_is_refused_like_onnx(files, tmp_path, opset):
+    bad = _rechecksummed(files["graph"], graph=_set(opset=opset))
+    msg = _expect_error(tmp_path, bad, "opset.lrnn", ModelFormatError)
+    assert f"declares default-domain opset {opset!r}" in msg
+    if isinstance(opset, int):  # the ONNX path refuses the same opset with the same check
+        m = _lstm_onnx()
+        m.opset_import[0].version = opset
+        msg = _expect_error(tmp_path, m.SerializeToString(), "opset.onnx", ModelFormatError)
+        assert f"declares default-domain opset {opset!r}" in msg
+
+
+def test_packed_weights_of_a_non_rnn_node_are_refused(files, tmp_path):
+    def edit(g):
+        g["packed"]["head"] = g["packed"].pop("lstm")
+
+    bad = _rechecksummed(files["graph"], graph=edit)
+    msg = _expect_error(tmp_path, bad, "head.lrnn", ModelFormatError)
+    assert "'head'" in msg and "no LSTM/GRU/RNN node" in msg
+
+
+@pytest.mark.parametrize("name", [5, None, ["tanh"]])
+def test_spec_with_a_non_string_activation_name_is_a_format_error(files, tmp_path, name):
+    def edit(spec):
+        spec["activations"] = [[{"name": name}, {"name": "tanh"}]]
+
+    bad = _rechecksummed(files["stack"], spec=edit)
+    msg = _expect_error(tmp_path, bad, "act.lrnn", ModelFormatError)
+    assert "unknown activation" in msg

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from leanrnn.errors import ModelFormatError
 from leanrnn.formats import native
+from leanrnn.formats.packing import PackedWeights
 from leanrnn.loading import load, save
 from leanrnn.nn import GRU, LSTM
+from leanrnn.spec import RNNSpec
 
 BLOCK = 4096  # bytes per block of the version-2 digest
 
@@ -121,3 +123,39 @@ def test_is_native_tells_lrnn_from_plain_safetensors(tmp_path):
     (tmp_path / "junk").write_bytes(struct.pack("<Q", 5) + b"{nope")
     assert not native.is_native(tmp_path / "junk")
     assert not native.is_native(tmp_path / "missing")
+
+
+# ----------------------------------------- what the reader computes from a spec, before reading
+_specs = st.builds(
+    lambda cell, C, H, L, direction, proj: RNNSpec(
+        cell,
+        C,
+        H,
+        num_layers=L,
+        direction=direction,
+        proj_size=proj % H if cell == "lstm" else 0,
+    ),
+    st.sampled_from(["lstm", "gru", "rnn"]),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.integers(1, 4),
+    st.sampled_from(["forward", "reverse", "bidirectional"]),
+    st.integers(0, 39),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_specs, st.sampled_from([np.float32, np.float64]))
+def test_weight_floor_and_layout_match_the_packed_weights(spec, dtype):
+    """The closed-form floor equals the per-layer sum of unpadded W and R, and bounds the real
+    buffer from below; the computed layout is exactly the buffer PackedWeights allocates."""
+    dtype = np.dtype(dtype)
+    G, K, D = spec.gate_width, spec.output_size, spec.num_directions
+    per_layer = sum(G * (spec.layer_input_size(i) + K) for i in range(spec.num_layers))
+    floor = native._weight_floor(spec, dtype)
+    assert floor == per_layer * D * dtype.itemsize
+    pw = PackedWeights(spec, dtype)
+    assert floor <= pw.nbytes
+    want, nbytes = native._packed_layout(spec, dtype)
+    assert nbytes == pw.nbytes
+    assert want == {k: (v.shape, off) for k, v, off in native._region(pw)}

@@ -72,7 +72,7 @@ class Activation:
 
     @staticmethod
     def make(name: str, alpha: float | None = None, beta: float | None = None) -> Activation:
-        key = name.lower()
+        key = name.lower() if isinstance(name, str) else None
         if key not in ACTIVATIONS:
             raise SpecError(
                 f"[Activation] unknown activation {name!r}; expected one of "

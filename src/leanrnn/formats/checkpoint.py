@@ -34,9 +34,11 @@ _ZIP_ERRORS = (
     KeyError,
 )
 
-# An .npz member may decompress to at most this many times its stored size (plus 1 MiB):
-# weights barely compress, a zip bomb compresses enormously.
-MAX_NPZ_RATIO = 64
+# A zip member (of an .npz or a PyTorch zip checkpoint) may decompress to at most this many
+# times its stored size (plus 1 MiB), and all members together to this many times the archive
+# (plus 1 MiB): weights barely compress, a zip bomb compresses enormously.
+MAX_ZIP_RATIO = 64
+_ZIP_SLACK = 1 << 20
 
 _RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$")
 
@@ -66,6 +68,37 @@ def sniff(path: str) -> str:
     return "unknown"
 
 
+def check_zip_sizes(z: zipfile.ZipFile, path: str, op: str = "load") -> None:
+    """Refuse an archive whose central directory (read without decompressing anything)
+    declares more than its bytes can honestly hold: a stored member whose size is not its
+    stored size, a compressed member inflating more than ``MAX_ZIP_RATIO`` times, or members
+    that together inflate more than ``MAX_ZIP_RATIO`` times the archive. The one check for
+    every zip leanrnn opens (.npz here, PyTorch checkpoints before ``torch.load``, whose reader
+    inflates whole records before it checks them)."""
+    archive = os.path.getsize(path)
+    total = 0
+    for info in z.infolist():
+        n, packed = info.file_size, info.compress_size
+        if info.compress_type == zipfile.ZIP_STORED:
+            bad = n != packed or packed > archive
+        else:
+            bad = packed > archive or n > MAX_ZIP_RATIO * packed + _ZIP_SLACK
+        if bad:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: member {info.filename!r} claims to inflate {packed} stored "
+                f"bytes to {n} (the archive is {archive} bytes); expected at most "
+                f"{MAX_ZIP_RATIO}x its stored size; refusing (zip bomb?). Re-save the "
+                "weights uncompressed"
+            )
+        total += n
+    if total > MAX_ZIP_RATIO * archive + _ZIP_SLACK:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: its {len(z.infolist())} members inflate to {total} bytes in "
+            f"all from a {archive}-byte archive; expected at most {MAX_ZIP_RATIO}x; refusing "
+            "(zip bomb?). Re-save the weights uncompressed"
+        )
+
+
 def read_npz(path: str) -> dict[str, np.ndarray]:
     """Arrays of an .npz without pickles; each member's declared shape is checked against its
     stored size before it is read."""
@@ -73,17 +106,11 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     out = {}
     try:
         with zipfile.ZipFile(path) as z:
+            check_zip_sizes(z, path, op)
             for info in z.infolist():
                 name = info.filename
                 if not name.endswith(".npy"):
                     raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is not a .npy array")
-                if info.compress_type != zipfile.ZIP_STORED and info.file_size > (
-                    MAX_NPZ_RATIO * info.compress_size + (1 << 20)
-                ):
-                    raise ModelFormatError(
-                        f"[{op}] {path!r}: member {name!r} claims to inflate {info.compress_size}"
-                        f" bytes to {info.file_size}; refusing (zip bomb?)"
-                    )
                 with z.open(info) as f:
                     version = np.lib.format.read_magic(f)
                     if version == (1, 0):
@@ -112,6 +139,8 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                         raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is truncated")
                 arr = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
                 out[name[: -len(".npy")]] = np.asarray(arr, order="C")
+    except ModelFormatError:
+        raise
     except _ZIP_ERRORS as e:
         raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
     return out
@@ -128,6 +157,15 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             "torch (torch.load with weights_only=True). Install torch, or re-save the state dict "
             "as .safetensors or .npz"
         ) from None
+    if zipfile.is_zipfile(path):  # the zip format (torch >= 1.6); the legacy one is a pickle
+        try:
+            z = zipfile.ZipFile(path)
+        except _ZIP_ERRORS as e:
+            raise ModelFormatError(
+                f"[{op}] {path!r} is not a readable PyTorch zip checkpoint: {e}"
+            ) from None
+        with z:
+            check_zip_sizes(z, path, op)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
@@ -143,7 +181,12 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"[{op}] {path!r} holds a {type(obj).__name__}; expected a state "
             "dict (save module.state_dict(), not the module)"
         )
-    out = {}
+    # A tensor's shape and strides are declared in the pickle: a stride-0 view of one stored
+    # float can declare 2**30 of them. Contiguous tensors become numpy views of the storage
+    # torch already read (bounded by check_zip_sizes); only other views are copied, and those
+    # copies may not exceed what the file stores.
+    stored: dict[int, int] = {}
+    copies = 0
     for k, v in obj.items():
         if not isinstance(v, torch.Tensor):
             raise ModelFormatError(
@@ -151,8 +194,22 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             )
         if v.dtype == torch.bfloat16:
             raise WeightsError(f"[{op}] {path!r}: {k!r} is bfloat16; convert to float32 first")
-        out[str(k)] = v.detach().cpu().contiguous().numpy()
-    return out
+        storage = v.untyped_storage()
+        stored[storage.data_ptr()] = storage.nbytes()
+        n = v.numel() * v.element_size()
+        if n > storage.nbytes():
+            raise ModelFormatError(
+                f"[{op}] {path!r}: entry {k!r} declares {list(v.shape)} ({n} bytes) over "
+                f"{storage.nbytes()} stored bytes (strides {list(v.stride())}); refusing a "
+                "tensor larger than its storage. Save contiguous tensors (.contiguous())"
+            )
+        copies += 0 if v.is_contiguous() else n
+    if copies > sum(stored.values()):
+        raise ModelFormatError(
+            f"[{op}] {path!r}: its non-contiguous tensors would copy {copies} bytes out of "
+            f"{sum(stored.values())} stored; refusing. Save contiguous tensors (.contiguous())"
+        )
+    return {str(k): v.detach().cpu().contiguous().numpy() for k, v in obj.items()}
 
 
 def read_state_dict(path: str, kind: str | None = None) -> dict[str, np.ndarray]:

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import LeanRNNError, ModelFormatError
-from ..memory.arena import aligned_empty
-from ..spec import RNNSpec
-from .packing import SUPPORTED_DTYPES, PackedWeights
+from ..memory.arena import aligned_empty, round_up
+from ..spec import USES_ALPHA, USES_BETA, RNNSpec
+from .packing import SUPPORTED_DTYPES, PackedLayer, PackedWeights
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -70,6 +70,11 @@ class TensorInfo:
     @staticmethod
     def from_dict(d: dict) -> TensorInfo:
         shape = d.get("shape")
+        if shape is not None and not all(
+            s is None or isinstance(s, str) or _is_count(s) for s in shape
+        ):
+            raise ValueError(f"tensor {d['name']!r} has shape {shape!r}; expected ints >= 0, "
+                             "names or null")  # fmt: skip
         return TensorInfo(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
 
 
@@ -132,6 +137,21 @@ class Graph:
         }
 
 
+MAX_OPSET = 10_000  # far beyond any ONNX opset; a larger number is a corrupt field, not a version
+
+
+def check_opset(opset, where: str) -> int:
+    """``opset`` if it is a plausible ONNX default-domain opset, else a ModelFormatError. The
+    one check for every way a graph comes in (ONNX files, graph ``.lrnn`` files); ``where`` is
+    "[op] what", e.g. "[load] 'model.lrnn'"."""
+    if isinstance(opset, bool) or not isinstance(opset, int) or not 1 <= opset <= MAX_OPSET:
+        raise ModelFormatError(
+            f"{where} declares default-domain opset {opset!r}; expected one version in "
+            f"1..{MAX_OPSET}"
+        )
+    return opset
+
+
 # ------------------------------------------------------------------- safetensors: the container
 @dataclass(frozen=True)
 class _Entry:
@@ -174,6 +194,12 @@ class _Container:
                 f"[{op}] {path!r}: tensors cover {cursor} bytes but the data section holds "
                 f"{self.data_size} (truncated, or trailing bytes)"
             )
+        # Entries by prefix ("" for a plain stack, "rnn:<node>:" for a graph's RNN node), in
+        # file order: grouped once, so reading k packed nodes costs O(entries), not O(k*entries).
+        self.groups: dict[str, list[_Entry]] = {}
+        for *_, name in spans:
+            prefix = name.rpartition(":")[0] + ":" if ":" in name else ""
+            self.groups.setdefault(prefix, []).append(self.entries[name])
 
     def _entry(self, name: str, e) -> _Entry:
         op, path = self.op, self.path
@@ -280,10 +306,11 @@ def read_metadata(path: str, op: str = "load") -> dict[str, str]:
 # ------------------------------------------------------------------------- packed layouts
 def _weight_floor(spec: RNNSpec, dtype: np.dtype) -> int:
     """A lower bound of ``PackedWeights(spec, dtype).nbytes`` from the spec alone: the unpadded
-    W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it;
-    padding makes the real size at most ~4x this plus a few KiB per layer."""
-    G, K = spec.gate_width, spec.output_size
-    per = sum(G * (spec.layer_input_size(layer) + K) for layer in range(spec.num_layers))
+    W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it.
+    Closed form (layer 0 reads C, every later layer D*K): a loop over the declared layers would
+    itself be the work a lying ``num_layers`` buys."""
+    G, K, L = spec.gate_width, spec.output_size, spec.num_layers
+    per = G * (spec.input_size + K) + (L - 1) * G * (spec.num_directions * K + K)
     return per * spec.num_directions * dtype.itemsize
 
 
@@ -466,7 +493,8 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
         if kind == "rnn":
             spec = _spec(meta.get("spec"), op, path)
             dtype = _dtype(meta.get("dtype"), op, path)
-            result: PackedWeights | Graph = _read_packed(c, f, "", spec, dtype)
+            begin = _check_packed(c, "", spec, dtype)
+            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype)
             regions = [result.buffer]
             extra = sorted(set(c.entries) - set(result.tensors()))
             if extra:
@@ -504,38 +532,144 @@ def _dtype(name, op, path) -> np.dtype:
     return dt
 
 
-def _read_packed(c: _Container, f, prefix: str, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> tuple[dict, int]:
+    """({name: (shape, byte offset or -1 if empty)}, total bytes) of ``PackedWeights(spec,
+    dtype)``, computed from ``PackedWeights.layout`` with Python ints, nothing allocated. The
+    caller bounds ``spec.num_layers`` by the tensors present first: this loops per tensor."""
+    fields = len(PackedLayer.__dataclass_fields__)
+    per_layer = fields * spec.num_directions
+    out, off = {}, 0
+    for i, (name, shape) in enumerate(PackedWeights.layout(spec)):
+        n = math.prod(shape) * dtype.itemsize
+        key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
+        out[key] = (tuple(shape), off if n else -1)
+        off += round_up(n, 64)
+    return out, off
+
+
+def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) -> int:
+    """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
+    that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
-    mine = sorted(
-        (e for k, e in c.entries.items() if k.startswith(prefix) and (prefix or ":" not in k)),
-        key=lambda e: (e.begin, e.end),
-    )
+    what = f"node {prefix[4:-1]!r}" if prefix else "the model"
+    mine = c.groups.get(prefix, [])
     if not mine:
-        raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {prefix or 'the model'}")
+        raise ModelFormatError(f"[{op}] {path!r}: no packed tensors for {what}")
     begin, end = mine[0].begin, mine[-1].end
+    # Every declared count is checked against what the file holds before work proportional to
+    # it: first the tensor count (bounds the layers), then the unpadded weight bytes (bound H
+    # and C), then the exact layout (computed, not allocated).
+    want_n = len(PackedLayer.__dataclass_fields__) * spec.num_layers * spec.num_directions
     floor = _weight_floor(spec, dtype)
-    if floor > end - begin:
+    if want_n != len(mine) or floor > end - begin:
         raise ModelFormatError(
             f"[{op}] {path!r}: the spec ({spec.cell.upper()} C={spec.input_size} "
-            f"H={spec.hidden_size} layers={spec.num_layers}) needs at least {floor} bytes of "
-            f"weights but the file holds {end - begin} for {prefix or 'the model'}"
+            f"H={spec.hidden_size} layers={spec.num_layers} {spec.direction}) needs "
+            f"{want_n} packed tensors of at least {floor} bytes in all, but the file holds "
+            f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt"
         )
-    # Bounded: the file holds at least the unpadded weights. No zero-fill: read_into below
-    # fills the whole buffer, padding included.
-    pw = PackedWeights(spec, dtype, zero=False)
-    items = _region(pw)
-    want = {prefix + k: (v.shape, off) for k, v, off in items}
-    got = {e.name: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine}
-    if pw.nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
+    want, nbytes = _packed_layout(spec, dtype)
+    got = {
+        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine
+    }
+    if nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
         missing = sorted(set(want) - set(got))[:4]
         raise ModelFormatError(
-            f"[{op}] {path!r}: stored packed tensors of {prefix or 'the model'} ({end - begin} "
-            f"bytes) do not match this leanrnn's packing of the spec ({pw.nbytes} bytes"
+            f"[{op}] {path!r}: stored packed tensors of {what} ({end - begin} "
+            f"bytes) do not match this leanrnn's packing of the spec ({nbytes} bytes"
             + (f"; missing {missing}" if missing else "")
             + "); the file is corrupt, or was written by another version: re-convert it"
         )
+    return begin
+
+
+def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+    """The packed weights at ``begin``, which ``_check_packed`` returned for this spec."""
+    # Bounded: exactly the bytes the file holds (checked there). No zero-fill: read_into fills
+    # the whole buffer, padding included.
+    pw = PackedWeights(spec, dtype, zero=False)
     c.read_into(f, begin, pw.buffer)
     return pw
+
+
+def _is_rnn_op(op: str) -> bool:
+    from .onnx_import import RNN_OPS  # imported here: onnx_import imports this module
+
+    return op in RNN_OPS
+
+
+def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str) -> None:
+    """Check a graph file's RNN node with the ONNX importer's own functions: its attributes
+    as ``rnn_attrs`` validates them, and (``spec`` given) the spec ``rnn_from_onnx`` builds
+    from them equal to the packed spec. Costs O(G): the weights it is handed are broadcast
+    zeros in internal gate order, so nothing is copied."""
+    from .onnx_import import rnn_attrs, rnn_from_onnx
+
+    where = f"node {node.name!r} ({node.op})"
+    a = node.attrs
+    try:
+        try:
+            acts = [(str(n), float(al), float(be)) for n, al, be in a["activations"]]
+            raw = {
+                "hidden_size": a["hidden_size"],
+                "direction": a["direction"],
+                "activations": [n for n, _, _ in acts],
+                "activation_alpha": [al for n, al, _ in acts if n in USES_ALPHA],
+                "activation_beta": [be for n, _, be in acts if n in USES_BETA],
+                "clip": a["clip"],
+                "input_forget": int(a["input_forget"]),
+                "linear_before_reset": int(a["linear_before_reset"]),
+                "layout": a["layout"],
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFormatError(f"{where} has malformed attributes ({e!r})") from None
+        attrs = rnn_attrs(node.op, raw, where)
+        if any(a[k] != v for k, v in attrs.items()):
+            raise ModelFormatError(
+                f"{where} has attributes {a}; expected them as the ONNX importer normalizes "
+                f"them: {attrs}"
+            )
+        if spec is None:
+            return
+        D, G, H = spec.num_directions, spec.gate_width, spec.hidden_size
+        zero = np.zeros((), dtype)
+        try:
+            implied, _ = rnn_from_onnx(
+                node.op,
+                attrs,
+                np.broadcast_to(zero, (D, G, spec.input_size)),
+                np.broadcast_to(zero, (D, G, H)),
+                np.broadcast_to(zero, (D, 2 * G)) if spec.bias else None,
+                np.broadcast_to(zero, (D, 3 * H)) if spec.peepholes else None,
+                where,
+                gates_in_onnx_order=False,
+            )
+        except LeanRNNError as e:
+            raise ModelFormatError(
+                f"{where}: its attributes (hidden_size={attrs['hidden_size']}, "
+                f"{attrs['direction']}) contradict its packed weights ({spec.cell.upper()} "
+                f"C={spec.input_size} H={H} {spec.direction}): {_bare(e, where)}"
+            ) from None
+        if implied != spec:
+            diff = {
+                k: (getattr(implied, k), getattr(spec, k))
+                for k in RNNSpec.__dataclass_fields__
+                if getattr(implied, k) != getattr(spec, k)
+            }
+            raise ModelFormatError(
+                f"{where}: its attributes and its packed spec disagree on "
+                + ", ".join(f"{k} ({x!r} vs {y!r})" for k, (x, y) in diff.items())
+            )
+    except LeanRNNError as e:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: {_bare(e)}; the file is corrupt or was edited (re-convert the model)"
+        ) from None
+
+
+def _bare(e: Exception, where: str = "") -> str:
+    """An error's message without its "[op] " and ``where`` prefixes, to nest in another."""
+    msg = str(e).split("] ", 1)[-1] if str(e).startswith("[") else str(e)
+    return msg[len(where) + 2 :] if where and msg.startswith(where + ": ") else msg
 
 
 def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
@@ -548,7 +682,7 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
             inputs=[TensorInfo.from_dict(d) for d in g["inputs"]],
             outputs=[TensorInfo.from_dict(d) for d in g["outputs"]],
             nodes=[Node.from_dict(d) for d in g["nodes"]],
-            opset=int(g.get("opset", 17)),
+            opset=g.get("opset", 17),
             name=str(g.get("name", "graph")),
         )
         packed_meta = g.get("packed") or {}
@@ -563,15 +697,29 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
         RecursionError,
     ) as e:
         raise ModelFormatError(f"[{op}] {path!r}: malformed graph in header: {e!r}") from None
+    check_opset(graph.opset, f"[{op}] {path!r}")
+    rnn_nodes = {n.name: n for n in graph.nodes if _is_rnn_op(n.op)}
+    for node in rnn_nodes.values():
+        if node.name not in packed_meta:  # packed ones are checked against their spec below
+            _check_rnn_node(node, None, None, op, path)
     regions = []
     used = set()
     for node_name, pm in packed_meta.items():
         if not isinstance(pm, dict):
             raise ModelFormatError(f"[{op}] {path!r}: packed entry {node_name!r} is malformed")
+        if node_name not in rnn_nodes:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: packed weights for {node_name!r}, which is no LSTM/GRU/RNN "
+                "node of the graph; the file is corrupt"
+            )
         spec = _spec(pm.get("spec"), op, path)
         dtype = _dtype(pm.get("dtype"), op, path)
         prefix = f"rnn:{node_name}:"
-        pw = _read_packed(c, f, prefix, spec, dtype)
+        # sizes first (against the file), then the node's attributes against the spec, then
+        # the weights are read
+        begin = _check_packed(c, prefix, spec, dtype)
+        _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
+        pw = _read_packed(c, f, begin, spec, dtype)
         graph.packed[str(node_name)] = pw
         regions.append(pw.buffer)
         used |= {prefix + k for k in pw.tensors()}

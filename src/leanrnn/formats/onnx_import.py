@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import DTypeError, LeanRNNError, ModelFormatError, SpecError, WeightsError
 from ..spec import DEFAULT_ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
-from .native import Graph, Node, TensorInfo
+from .native import Graph, Node, TensorInfo, check_opset
 from .packing import (
     ONNX_ORDER,
     ONNX_PEEP_ORDER,
@@ -589,10 +589,7 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
             "(not an ONNX model, or truncated)"
         )
     opset = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    if not opset or not 1 <= opset[0] <= 10_000:
-        raise ModelFormatError(
-            f"[load_onnx] {label!r} declares default-domain opset {opset}; expected one version"
-        )
+    check_opset(opset[0] if opset else None, f"[load_onnx] {label!r}")
     try:
         return _convert(model.graph, opset[0], reader, pack_dtype)
     except LeanRNNError:

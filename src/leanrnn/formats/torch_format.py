@@ -16,7 +16,9 @@ from ..errors import WeightsError
 from ..spec import Activation, RNNSpec
 from .packing import TORCH_ORDER, LayerWeights, reorder_gates
 
-_KEY = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)_l(\d+)(_reverse)?$")
+# At most 9 digits: a longer layer index is no real layer (and int() of a huge digit string is
+# itself slow); such a key stays unmatched and is reported as unexpected.
+_KEY = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)_l(\d{1,9})(_reverse)?$")
 
 
 def _suffix(d: int) -> str:
@@ -53,7 +55,17 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
                 f"[from_state_dict] weight_ih_l0 has {G} rows; a {cell.upper()} needs a multiple of {ng}"
             )
         H = G // ng
-    layers = 1 + max(int(m.group(2)) for k in sd if (m := _KEY.match(k)))
+    # The highest layer index is a declared count: the keys present must back it up before
+    # anything loops over it (a key "weight_ih_l2147483647" must not buy 2**31 iterations).
+    seen = {int(m.group(2)) for k in sd if (m := _KEY.match(k))}
+    layers = 1 + max(seen)
+    if layers != len(seen):
+        gaps = [i for i in range(len(seen) + 1) if i not in seen][:1]
+        raise WeightsError(
+            f"[from_state_dict] keys name layer {layers - 1} but only {len(seen)} distinct "
+            f"layers have keys (none for layer {gaps[0]}); a state dict holds layers 0..L-1 "
+            "without gaps: drop the stray keys"
+        )
     bidir = "weight_ih_l0_reverse" in sd
     acts = None
     if cell == "rnn":
