@@ -39,7 +39,6 @@ def run(args) -> int:
     import numpy as np
 
     import leanrnn
-
     from leanrnn.memory.arena import check_fits
 
     from .plan import random_model

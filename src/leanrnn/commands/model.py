@@ -205,9 +205,9 @@ def _mib(n: int) -> str:
 def run_cmd(args) -> int:
     import numpy as np
 
+    from ..cli import output_file
     from ..engine.graph import GraphModel
     from ..errors import ShapeError
-    from ..cli import output_file
     from ..loading import load
 
     output = None
