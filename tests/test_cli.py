@@ -141,8 +141,15 @@ def _with_func(parser, func):
         (["demo", "--hidden", "100000"], ["H=100000", "bytes", "this machine has"]),
         (["demo", "--batch", str(10**9), "--steps", str(10**6)], ["N=1000000000", "bytes"]),
     ],
-    ids=["hidden-2^31", "layers-2^31", "5000-digits", "weights-past-memory", "batch-10^12",
-         "demo-hidden", "demo-inputs"],  # fmt: skip
+    ids=[
+        "hidden-2^31",
+        "layers-2^31",
+        "5000-digits",
+        "weights-past-memory",
+        "batch-10^12",
+        "demo-hidden",
+        "demo-inputs",
+    ],
 )
 def test_huge_sizes_are_refused_up_front(argv, words, capsys):
     fails_in_one_line(capsys, argv, *words)
