@@ -275,3 +275,49 @@ def test_rounds_report_the_median_process_and_never_hide_a_failure():
 
     rows = _merge_rounds([row("a", 1.0), row("a", 0.0, status="mismatch"), row("b", 5.0)])
     assert {r["engine"]: r["status"] for r in rows} == {"a": "mismatch", "b": "ok"}
+
+
+# ------------------------------------------------------------- progress and the memory plot
+def test_progress_off_a_terminal_is_one_plain_line_per_finished_row(tmp_path, monkeypatch, capsys):
+    """Redirected to a file, a redrawn bar left only its last truncated frame: each finished
+    row must be its own line (stderr under capsys is not a terminal)."""
+    from leanrnn.bench import harness
+
+    def fake_row(opts, cfg, name, files, unavailable):
+        return {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "status": "ok",
+                "timing": {"median_s": 0.0015}}  # fmt: skip
+
+    monkeypatch.setattr(harness, "_row", fake_row)
+    monkeypatch.setattr(harness, "machine_info", lambda: {})
+    opts = tiny(tmp_path, ["numpy-naive"])  # 2 cells x (one shape + streaming) = 4 rows
+    harness.run_suite(opts, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 4, lines
+    for i, line in enumerate(lines, 1):
+        assert line.startswith(f"[{i}/4] numpy-naive") and line.endswith("ok, median 1.5 ms")
+    assert "\r" not in "".join(lines) and "\x1b" not in "".join(lines)
+
+
+def test_memory_plot_draws_no_stub_for_zero(tmp_path, monkeypatch):
+    """A measured 0 (no heap, no growth) used to be drawn as a 1 KiB bar, which reads like a
+    real value; now it has no bar and a '0' label at the axis floor."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    res = fake_results()  # onnxruntime: heap_peak 0; everyone: warm_peak 0
+    report.plot(res, tmp_path)
+    cold, warm, heap = figs[1].axes
+    kib = 1024 / (1 << 20)
+
+    def bars(ax):
+        return [r.get_height() for r in ax.patches if r is not ax.patch]
+
+    def zeros(ax):
+        return [t for t in ax.texts if t.get_text() == "0"]
+
+    measured = [r for r in res["rows"] if r["status"] in ("ok", "mismatch")]
+    assert len(bars(cold)) == len(measured) and not zeros(cold)
+    assert bars(warm) == [] and len(zeros(warm)) == len(measured)
+    assert kib not in bars(heap) and len(zeros(heap)) == 2  # onnxruntime, in both configs

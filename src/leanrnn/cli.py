@@ -2,13 +2,18 @@
 
 A subcommand module exposes ``register(subparsers)`` which adds its parser and sets
 ``func=run(args) -> int``. Modules import heavy things (torch, onnx, matplotlib) inside ``run``
-so ``leanrnn --help`` stays fast.
+so ``leanrnn --help`` stays fast. This module also holds what every subcommand shares: argparse
+types for counts, and the check that an output path can be written before any work starts.
+
+Errors from bad input (a leanrnn error, or an OSError/ValueError/MemoryError on the way) print
+one line, ``leanrnn: error: ...``, and exit 1; ``LEANRNN_DEBUG=1`` shows their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import LeanRNNError
@@ -23,6 +28,77 @@ COMMANDS = (
     "leanrnn.commands.plan",
     "leanrnn.bench.cli",
 )
+
+# Counts past int64 would overflow the moment numpy sees them; nothing real comes near.
+INT_MAX = (1 << 63) - 1
+
+# Errors a bad argument, file or environment raises on its way through the library or the OS:
+# one line for the user. Anything else (TypeError, AttributeError, ...) is a bug in leanrnn and
+# keeps its traceback. LEANRNN_DEBUG=1 shows the traceback of these too.
+USER_ERRORS = (LeanRNNError, OSError, MemoryError, ValueError, EOFError)
+
+
+def _count(s: str, least: int) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if not least <= v <= INT_MAX:
+        raise argparse.ArgumentTypeError(f"{v}: expected an integer in {least}..{INT_MAX:,}")
+    return v
+
+
+def positive_int(s: str) -> int:
+    """argparse type: an integer >= 1 (threads, batch, steps, chunk, bytes, ...)."""
+    return _count(s, 1)
+
+
+def nonnegative_int(s: str) -> int:
+    """argparse type: an integer >= 0 (counts where 0 means 'none')."""
+    return _count(s, 0)
+
+
+def positive_float(s: str) -> float:
+    """argparse type: a finite number > 0 (seconds)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{s}: expected a number > 0")
+    return v
+
+
+def output_file(path: str, flag: str, suffix: str = "") -> str:
+    """``path`` if a file can be written there: its directory exists and it is not itself a
+    directory. Checked before the work that would produce the file, so a typo costs nothing."""
+    if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise LeanRNNError(
+            f"[{flag}] {path!r} is a directory; expected a file path inside it, e.g. "
+            f"{os.path.join(path or '.', 'out' + suffix)!r}"
+        )
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise LeanRNNError(
+            f"[{flag}] cannot write {path!r}: {parent!r} {what}; create the directory first "
+            "or pick another path"
+        )
+    if not os.access(parent, os.W_OK):
+        raise LeanRNNError(f"[{flag}] cannot write {path!r}: {parent!r} is not writable")
+    return path
+
+
+def output_dir(path: str, flag: str) -> str:
+    """``path`` if it is, or can be created as, a directory: it is not a file and its nearest
+    existing ancestor is a directory."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == os.path.abspath(path) else f"is under the file {probe!r}"
+        raise LeanRNNError(f"[{flag}] {path!r} {where}; expected a directory")
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, LeanRNNError):
+        msg = str(e)
+    elif isinstance(e, MemoryError):
+        msg = f"out of memory{': ' + str(e) if str(e) else ''}; try smaller sizes"
+    else:  # the OS's or numpy's words: say which kind it was
+        msg = f"{type(e).__name__}: {e}"
+    return " ".join(msg.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -52,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except LeanRNNError as e:
-        print(f"leanrnn: error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:
+        if os.environ.get("LEANRNN_DEBUG", "").strip() not in ("", "0"):
+            raise
+        print(f"leanrnn: error: {_one_line(e)}", file=sys.stderr)
         return 1
 
 

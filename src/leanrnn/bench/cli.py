@@ -36,6 +36,8 @@ def _names(s: str) -> tuple[str, ...]:
 
 
 def register(subparsers) -> None:
+    from ..cli import nonnegative_int, positive_float, positive_int
+
     p = subparsers.add_parser(
         "bench",
         help="speed and memory side by side with numpy, torch, onnxruntime and MNN",
@@ -67,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=_ints, help="sequence lengths T for the full-sequence runs")
     p.add_argument(
         "--stream-steps",
-        type=int,
+        type=nonnegative_int,
         help="steps of the streaming config (default 100; 0 = no streaming rows)",
     )
     p.add_argument("--threads", type=_ints, help="thread counts, e.g. 1,2")
@@ -77,23 +79,27 @@ def register(subparsers) -> None:
         default=Path("bench-out"),
         help="output directory (default: ./bench-out)",
     )
-    p.add_argument("--repeats", type=int, help="max timed samples per row (default 15)")
-    p.add_argument("--warmup", type=int, help="warm-up runs per row (default 3)")
+    p.add_argument("--repeats", type=positive_int, help="max timed samples per row (default 15)")
+    p.add_argument("--warmup", type=nonnegative_int, help="warm-up runs per row (default 3)")
     p.add_argument(
         "--max-time",
-        type=float,
+        type=positive_float,
         help="seconds of sampling per row before repeats are cut (default 3)",
     )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         help="processes per row, interleaved in time; the median one is reported (default 1)",
     )
-    p.add_argument("--timeout", type=float, help="seconds before a row's child is killed")
+    p.add_argument("--timeout", type=positive_float, help="seconds before a row's child is killed")
     p.add_argument("--no-memray", action="store_true", help="skip the native heap figures")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM measurement")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (default: a live bar on a terminal, else one line per finished row)",
+    )
     p.add_argument(
         "--from-json",
         type=Path,
@@ -180,8 +186,10 @@ def run(args) -> int:
         results = json.loads(args.from_json.read_text())
         out = args.out if args.out != Path("bench-out") else args.from_json.parent
     else:
+        from ..cli import output_dir
         from .harness import run_suite
 
+        output_dir(str(args.out), "bench --out")
         opts = options_from_args(args)
         results = run_suite(opts, progress=not args.no_progress)
         out = opts.out

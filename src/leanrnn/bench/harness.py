@@ -464,9 +464,16 @@ class Options:
         return d
 
 
-def _progress(total: int):
-    """A live progress bar: rich if installed, else tqdm, else one line per job."""
+def _progress(total: int, stream=None):
+    """(describe, advance, stop) for ``total`` jobs. On a terminal, a live bar (rich if
+    installed, else tqdm); otherwise (a file, a pipe, CI logs) one plain line per finished job,
+    since a bar redrawn in place leaves only its last, truncated frame in a file.
+    ``advance(note)`` ends the current job; ``note`` (e.g. its status) goes on its line."""
+    stream = sys.stderr if stream is None else stream
+    if not _is_tty(stream):
+        return _plain_progress(total, stream)
     try:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -485,12 +492,13 @@ def _progress(total: int):
             TimeRemainingColumn(),
             TextColumn("{task.description}"),
             transient=False,
+            console=Console(file=stream),
         )
         prog.start()
         task = prog.add_task("", total=total)
         return (
             lambda desc: prog.update(task, description=desc),
-            lambda: prog.advance(task),
+            lambda note="": prog.advance(task),
             prog.stop,
         )
     except ImportError:
@@ -498,15 +506,39 @@ def _progress(total: int):
     try:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="job", dynamic_ncols=True)
-        return bar.set_description_str, lambda: bar.update(1), bar.close
+        bar = tqdm(total=total, unit="job", dynamic_ncols=True, file=stream)
+        return bar.set_description_str, lambda note="": bar.update(1), bar.close
     except ImportError:
-        done = [0]
+        return _plain_progress(total, stream)
 
-        def step() -> None:
-            done[0] += 1
 
-        return (lambda d: print(f"[{done[0]}/{total}] {d}", file=sys.stderr), step, lambda: None)
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _plain_progress(total: int, stream):
+    state = {"done": 0, "desc": "", "t0": time.perf_counter()}
+
+    def describe(desc: str) -> None:
+        state["desc"], state["t0"] = desc, time.perf_counter()
+
+    def advance(note: str = "") -> None:
+        state["done"] += 1
+        took = time.perf_counter() - state["t0"]
+        tail = f"  {note}" if note else ""
+        print(f"[{state['done']}/{total}] {state['desc']}  {took:.1f} s{tail}", file=stream,
+              flush=True)  # fmt: skip
+
+    return describe, advance, lambda: None
+
+
+def _note(row: dict) -> str:
+    """A finished row in a few words: its status and, when measured, its median time."""
+    med = (row.get("timing") or {}).get("median_s")
+    return row.get("status", "?") + (f", median {med * 1e3:.3g} ms" if med is not None else "")
 
 
 def machine_info() -> dict:
@@ -602,7 +634,9 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
     jobs = [(cfg, name) for _ in range(opts.rounds) for cfg in configs for name in opts.engines]
     n_bw = len(opts.threads) if opts.bandwidth else 0
     describe, advance, stop = (
-        _progress(len(jobs) + n_bw) if progress else (lambda d: None, lambda: None, lambda: None)
+        _progress(len(jobs) + n_bw)
+        if progress
+        else (lambda d: None, lambda n="": None, lambda: None)
     )
     results: dict = {
         "schema": SCHEMA,
@@ -636,11 +670,12 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
                 files = {k: made[k] for k in needs[name]}
                 bad = [v for v in files.values() if v.startswith("error")]
                 reason = bad[0][len("error: ") :] if bad else None
-            results["rows"].append(_row(opts, cfg, name, files, reason))
+            row = _row(opts, cfg, name, files, reason)
+            results["rows"].append(row)
             results["rows"] = _merge_rounds(results["rows"])
             # Saved after every row: an interrupted run keeps what it measured.
             (out / "results.json").write_text(dumps(results, indent=1))
-            advance()
+            advance(_note(row))
     finally:
         stop()
     for r in results["rows"]:

@@ -499,22 +499,29 @@ def plot(results: dict, out: Path) -> list[Path]:
     )
     for ax, (field, title) in zip(axes[:, 0], metrics, strict=True):
         width = 0.8 / max(1, len(all_engines))
+        nothing = []  # (x, label, engine): measured, but 0 (or less) has no bar on a log axis
         for j, e in enumerate(all_engines):
             xs, ys = [], []
             for i, k in enumerate(keys):
                 r = groups[k].get(e)
                 if r and r.get("status") in ("ok", "mismatch"):
                     v = r["memory"].get(field)
-                    if v is not None:
-                        xs.append(i + (j - (len(all_engines) - 1) / 2) * width)
+                    x = i + (j - (len(all_engines) - 1) / 2) * width
+                    if v is not None and v <= 0:
+                        nothing.append((x, "0" if v == 0 else "<0", e))
+                    elif v is not None:
+                        xs.append(x)
                         ys.append(max(v, 1024) / (1 << 20))  # floor at 1 KiB for the log axis
             ax.bar(xs, ys, width, label=e, color=color[e])
         ax.set_yscale("log")
         log_axis(ax, "")
+        for x, label, e in nothing:  # written at the axis floor, in the engine's colour
+            ax.text(x, 0.01, label, transform=ax.get_xaxis_transform(), ha="center",
+                    va="bottom", fontsize=7, color=color[e])  # fmt: skip
         ax.set_xticks(
             range(len(keys)), [config_label(k) for k in keys], rotation=30, ha="right", fontsize=8
         )
-        ax.set_ylabel("MiB (log; floored at 1 KiB)")
+        ax.set_ylabel("MiB (log; under 1 KiB drawn at 1 KiB; '0' = none)")
         ax.set_title(f"{title}, {tmin} thread(s)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args) -> int:
     if args.cache_dir:
+        from leanrnn.cli import output_dir
+
+        output_dir(args.cache_dir, "compile --cache-dir")
         os.environ["LEANRNN_CACHE_DIR"] = os.path.abspath(args.cache_dir)
     from leanrnn.kernels import native, runner
 

@@ -7,13 +7,20 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import positive_int
+    from .plan import MAX_HIDDEN, MAX_LAYERS
+
     p = sub.add_parser("demo", help="run a default LSTM and print latency and memory")
-    p.add_argument("--cell", choices=["lstm", "gru", "rnn"], default="lstm")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--cell", choices=["lstm", "gru", "rnn"], default="lstm",
+                   help="recurrent cell (default lstm)")  # fmt: skip
+    p.add_argument("--hidden", type=positive_int, default=256,
+                   help=f"H, hidden size = input size, at most {MAX_HIDDEN} (default 256)")  # fmt: skip
+    p.add_argument("--layers", type=positive_int, default=2,
+                   help=f"stacked layers, at most {MAX_LAYERS} (default 2)")  # fmt: skip
+    p.add_argument("--batch", type=positive_int, default=1, help="N, sequences (default 1)")
+    p.add_argument("--steps", type=positive_int, default=100, help="T, timesteps (default 100)")
+    p.add_argument("--repeat", type=positive_int, default=20,
+                   help="timed runs after the first; the median is reported (default 20)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -32,10 +39,16 @@ def run(args) -> int:
     import numpy as np
 
     import leanrnn
+    from leanrnn.memory.arena import check_fits
 
-    cls = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[args.cell]
+    from .plan import random_model
+
     H, N, T = args.hidden, args.batch, args.steps
-    model = cls(H, H, num_layers=args.layers, seed=0)
+    # x is drawn in float64 then cast, and y comes back twice (the first run and out=): the
+    # arena is checked when it is planned, these are checked here, before anything is built.
+    check_fits(T * N * H * (8 + 4 + 2 * 4), f"demo inputs and outputs for T={T}, N={N}, H={H}",
+               "demo")  # fmt: skip
+    model = random_model("demo", args.cell, H, args.layers)
     x = np.random.default_rng(0).standard_normal((T, N, H)).astype(np.float32)
     rss0 = _rss_kib()
     t0 = time.perf_counter()

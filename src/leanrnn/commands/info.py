@@ -49,8 +49,12 @@ def _time_first_run(cache_dir: str | None) -> float:
     if cache_dir:  # both caches cold: numba's JIT cache and the native build
         env["NUMBA_CACHE_DIR"] = os.path.join(cache_dir, "numba")
         env["LEANRNN_CACHE_DIR"] = os.path.join(cache_dir, "leanrnn")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        from leanrnn.errors import LeanRNNError
+
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise LeanRNNError(f"[info] timing a fresh process failed: {last}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -117,6 +121,12 @@ def _threading_layer() -> str:
 
 
 def run(args) -> int:
+    from leanrnn import config
+
+    # This process read the environment when leanrnn was imported; the fresh processes timed
+    # below read it again: a bad value must be an error here, not a traceback from a child.
+    config._env_threads()
+    config._env_backend()
     info = collect(args.compile)
     if args.json:
         print(json.dumps(info, indent=2))

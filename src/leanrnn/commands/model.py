@@ -10,26 +10,38 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import positive_int
+
     p = sub.add_parser("run", help="run a model file on inputs from .npy/.npz files")
     p.add_argument("model", help="model file: .lrnn, .onnx, PyTorch checkpoint, .safetensors, .npz")
     p.add_argument(
         "--input", required=True, help="x.npy (the first input) or inputs.npz (inputs by name)"
     )
     p.add_argument("--lengths", help="l.npy: per-sample lengths [N] (integers)")
-    p.add_argument("--output", help="write every output to this .npz (default: print a summary)")
-    p.add_argument("--threads", type=int, help="kernel threads (default: all)")
+    p.add_argument(
+        "--output",
+        help="write every output to this .npz file (.npz is added if missing; default: print "
+        "a summary)",
+    )
+    p.add_argument("--threads", type=positive_int, help="kernel threads, >= 1 (default: all)")
     p.set_defaults(func=run_cmd)
 
     p = sub.add_parser("inspect", help="describe a model file: layers, parameters, planned memory")
-    p.add_argument("model")
-    p.add_argument("--batch", type=int, default=1, help="N for the planned arena (default 1)")
-    p.add_argument("--steps", type=int, default=100, help="T for the planned arena (default 100)")
+    p.add_argument("model", help="model file: .lrnn, .onnx, PyTorch checkpoint, .safetensors, .npz")
+    p.add_argument(
+        "--batch", type=positive_int, default=1, help="N for the planned arena (default 1)"
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=100, help="T for the planned arena (default 100)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=inspect_cmd)
 
     p = sub.add_parser("convert", help="convert any supported model file to the native .lrnn")
-    p.add_argument("src")
-    p.add_argument("dst", help="output path, ending in .lrnn")
+    p.add_argument(
+        "src", help="model file to read: .onnx, PyTorch checkpoint, .safetensors, .npz, .lrnn"
+    )
+    p.add_argument("dst", help="output path, ending in .lrnn (its directory must exist)")
     p.set_defaults(func=convert_cmd)
 
 
@@ -41,7 +53,7 @@ def _load_array(path: str, what: str):
 
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
         raise ModelFormatError(f"[run] cannot read {what} {path!r}: {e}") from None
 
 
@@ -193,10 +205,16 @@ def _mib(n: int) -> str:
 def run_cmd(args) -> int:
     import numpy as np
 
+    from ..cli import output_file
     from ..engine.graph import GraphModel
     from ..errors import ShapeError
     from ..loading import load
 
+    output = None
+    if args.output:  # np.savez adds .npz to any other name; say (and check) the real one
+        output = args.output if args.output.endswith(".npz") else args.output + ".npz"
+        for path in {args.output, output}:
+            output_file(path, "run --output", ".npz")
     model = load(args.model, threads=args.threads)
     lengths = None if args.lengths is None else _load_array(args.lengths, "--lengths")
     inp = _load_array(args.input, "--input")
@@ -222,9 +240,9 @@ def run_cmd(args) -> int:
         outs = {"y": y, "h_n": h_n}
         if c_n is not None:
             outs["c_n"] = c_n
-    if args.output:
-        np.savez(args.output, **outs)
-        print(f"wrote {', '.join(outs)} to {args.output}")
+    if output:
+        np.savez(output, **outs)
+        print(f"wrote {', '.join(outs)} to {output}")
     else:
         for k, v in outs.items():
             print(
@@ -292,8 +310,9 @@ def inspect_cmd(args) -> int:
 def convert_cmd(args) -> int:
     import os
 
+    from ..cli import output_file
     from ..loading import convert
 
-    convert(args.src, args.dst)
+    convert(args.src, output_file(args.dst, "convert", ".lrnn"))
     print(f"wrote {args.dst} ({os.path.getsize(args.dst):,} bytes)")
     return 0

@@ -9,34 +9,79 @@ import re
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import positive_int
+
     p = sub.add_parser(
         "plan",
         help="show the memory plan of a model for a batch and length",
         description="MODEL is a model file (.lrnn, .onnx, state dict) or a shorthand such as "
-        "lstm:512 or gru:256x2 (cell:hidden[xlayers], input = hidden).",
+        f"lstm:512 or gru:256x2 (cell:hidden[xlayers], input = hidden, hidden <= {MAX_HIDDEN}, "
+        f"layers <= {MAX_LAYERS}). Sizes that cannot fit this machine's memory are refused "
+        "before anything is built.",
     )
-    p.add_argument("model")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--chunk", type=int, default=None, help="timesteps per chunk")
-    p.add_argument("--memory-limit", type=int, default=None, help="arena bytes; picks the chunk")
+    p.add_argument(
+        "model", help="model file (.lrnn, .onnx, state dict) or cell:hidden[xlayers], e.g. lstm:512"
+    )
+    p.add_argument("--batch", type=positive_int, default=1, help="N, sequences (default 1)")
+    p.add_argument("--steps", type=positive_int, default=100, help="T, timesteps (default 100)")
+    p.add_argument(
+        "--chunk", type=positive_int, default=None, help="timesteps per chunk (default: auto)"
+    )
+    p.add_argument(
+        "--memory-limit", type=positive_int, default=None, help="arena bytes; picks the chunk"
+    )
     p.add_argument("--png", default=None, help="draw the arena timeline to this PNG file")
     p.set_defaults(func=run)
 
 
+# The shorthand builds random weights: bounded so that a typo is an error, not a build that
+# runs out of memory (the memory check below refuses what the bounds let through but the
+# machine cannot hold). The planner is O(layers^2): 256 layers plan in ~0.3 s.
+MAX_HIDDEN = 1 << 20
+MAX_LAYERS = 256
 _SHORT = re.compile(r"^(lstm|gru|rnn):(\d+)(?:x(\d+))?$", re.IGNORECASE)
+
+
+def _bounded(op: str, name: str, text: str, hi: int) -> int:
+    from leanrnn.errors import SpecError
+
+    v = int(text) if len(text) <= 20 else hi + 1  # no int() of a 10,000-digit string
+    if not 1 <= v <= hi:
+        shown = text if len(text) <= 20 else f"{text[:8]}...({len(text)} digits)"
+        raise SpecError(f"[{op}] {name}={shown}; expected 1..{hi:,}")
+    return v
+
+
+def random_model(op: str, cell: str, hidden: int, layers: int):
+    """``cell`` with input = ``hidden`` and random weights, after checking by arithmetic that
+    the weights fit this machine's memory (building them takes about 3x the packed bytes:
+    float64 draws, the float32 state dict, the packed copy)."""
+    import math
+
+    import leanrnn
+    from leanrnn.formats.packing import PackedWeights
+    from leanrnn.memory.arena import check_fits, round_up
+    from leanrnn.spec import RNNSpec
+
+    hidden = _bounded(op, "hidden", str(hidden), MAX_HIDDEN)
+    layers = _bounded(op, "layers", str(layers), MAX_LAYERS)
+    spec = RNNSpec(cell, hidden, hidden, num_layers=layers)
+    weight_bytes = sum(round_up(math.prod(s) * 4, 64) for _, s in PackedWeights.layout(spec))
+    check_fits(3 * weight_bytes, f"building {cell.upper()} H={hidden} layers={layers} "
+               f"({weight_bytes:,} bytes of packed weights, about 3x that while built)", op)  # fmt: skip
+    cls = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[cell]
+    return cls(hidden, hidden, num_layers=layers, seed=0)
 
 
 def load_model(ref: str):
     """A model from a file, or from the ``cell:hidden[xlayers]`` shorthand (random weights)."""
-    import leanrnn
     from leanrnn.errors import ModelFormatError
 
     m = _SHORT.match(ref)
     if m and not os.path.exists(ref):
-        cls = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[m.group(1).lower()]
-        H = int(m.group(2))
-        return cls(H, H, num_layers=int(m.group(3) or 1), seed=0)
+        H = _bounded("plan", "hidden", m.group(2), MAX_HIDDEN)
+        L = _bounded("plan", "layers", m.group(3) or "1", MAX_LAYERS)
+        return random_model("plan", m.group(1).lower(), H, L)
     try:
         from leanrnn.loading import load
     except ImportError:  # pragma: no cover - loading ships with the package
@@ -54,8 +99,12 @@ def _sessions(model):
 
 
 def run(args) -> int:
+    from leanrnn.cli import output_file
     from leanrnn.engine import Session
+    from leanrnn.memory.arena import machine_memory
 
+    if args.png:
+        output_file(args.png, "plan --png", ".png")
     model = load_model(args.model)
     pairs = _sessions(model)
     if not pairs:
@@ -86,6 +135,9 @@ def run(args) -> int:
         print(f"arena     {p.total:>12,} B (without reuse {p.naive_total:,} B, "
               f"{p.naive_total / max(p.total, 1):.2f}x)")  # fmt: skip
         print(f"outputs   {out_bytes:>12,} B y + {state_bytes:,} B final states (returned arrays)")
+        if out_bytes > machine_memory():
+            print("          (y is more than this machine's memory: such a run must keep only "
+                  "final states, return_sequences=False)")  # fmt: skip
         if args.png:
             draw(p, args.png, f"{name}: {spec.cell.upper()} H={spec.hidden_size} N={args.batch} "
                  f"T={args.steps}")  # fmt: skip
@@ -109,9 +161,11 @@ def draw(plan, path: str, title: str) -> None:
     kinds = sorted({p.buffer.name.split(".")[0] for p in plan.placements})
     for pl in plan.placements:
         b = pl.buffer
+        if b.nbytes == 0:  # nothing to draw: a stub would read like a real (small) buffer
+            continue
         color = cmap(kinds.index(b.name.split(".")[0]) % 20)
         ax.add_patch(plt.Rectangle((b.first - 0.45, pl.offset / 1024), b.last - b.first + 0.9,
-                                   max(b.nbytes, 1) / 1024, color=color, alpha=0.8, ec="k",
+                                   b.nbytes / 1024, color=color, alpha=0.8, ec="k",
                                    lw=0.5))  # fmt: skip
         if b.nbytes > plan.total * 0.04:
             ax.text(b.first, (pl.offset + b.nbytes / 2) / 1024, b.name, fontsize=7, va="center")

@@ -6,19 +6,50 @@ MNN's ``onAcquireBuffer``/``onReleaseBuffer`` in Python: ``resize`` plans offset
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
+import os
 
 import numpy as np
 
 from .. import config
+from ..errors import PlanError
 
 ALIGN = 64  # bytes: one cache line, and a whole AVX-512 register
 HUGE = 2 << 20  # a transparent huge page
 _log = logging.getLogger("leanrnn")
 
 
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+@functools.cache
+def machine_memory() -> int:
+    """Bytes of RAM this process can have: the machine's physical memory, or its cgroup's
+    limit (a container) when that is lower. Read once, at the first large allocation."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
+
+
+def check_fits(nbytes: int, what: str, op: str = "allocate") -> None:
+    """``PlanError`` if ``nbytes`` cannot fit in this machine's memory: refused up front, by
+    arithmetic, rather than by the OS (an OSError deep in mmap) or by swapping for minutes."""
+    limit = machine_memory()
+    if nbytes > limit:
+        raise PlanError(
+            f"[{op}] {what} needs {nbytes:,} bytes ({nbytes / 2**30:,.1f} GiB); this machine has "
+            f"{limit:,} bytes ({limit / 2**30:,.1f} GiB) of memory; use smaller sizes "
+            "(batch, steps, hidden, layers) or a chunk / memory limit"
+        )
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN, what: str = "a buffer") -> np.ndarray:
     """A uint8 array of ``nbytes`` whose data pointer is a multiple of ``align``.
 
     From 4 MiB up (weights, big arenas) the buffer is its own anonymous mapping, started on a
@@ -26,15 +57,25 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     4 KiB pages cost ~1.5 us each on this VM (a 16 MiB .lrnn read: 3.0 -> 1.4 ms), and fewer
     TLB entries cover the weights the kernels stream every step. A partial last chunk keeps
     small pages, so no request grows by up to 2 MiB of memory.
+
+    More than the machine's memory is a ``PlanError`` before asking the OS; an OS refusal of
+    a smaller request (memory in use elsewhere) is one too, naming the size.
     """
     n = max(int(nbytes), 1)
-    if n >= 2 * HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        raw = np.frombuffer(mm, np.uint8)  # keeps the mapping alive as long as the array
-        skip = (-raw.ctypes.data) % HUGE
-        mm.madvise(mmap.MADV_HUGEPAGE, skip, n // HUGE * HUGE)
-        return raw[skip : skip + n]
-    raw = np.empty(n + align, dtype=np.uint8)
+    check_fits(n, what)
+    try:
+        if n >= 2 * HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            mm = mmap.mmap(-1, n + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            raw = np.frombuffer(mm, np.uint8)  # keeps the mapping alive as long as the array
+            skip = (-raw.ctypes.data) % HUGE
+            mm.madvise(mmap.MADV_HUGEPAGE, skip, n // HUGE * HUGE)
+            return raw[skip : skip + n]
+        raw = np.empty(n + align, dtype=np.uint8)
+    except (OSError, MemoryError) as e:
+        raise PlanError(
+            f"[allocate] {what} of {n:,} bytes ({n / 2**30:,.2f} GiB): the OS refused ({e}); "
+            f"free memory or use smaller sizes"
+        ) from None
     skip = (-raw.ctypes.data) % align
     return raw[skip : skip + n]
 
@@ -49,7 +90,7 @@ class Arena:
     def __init__(self, nbytes: int, name: str = "arena") -> None:
         self.name = name
         self.nbytes = int(nbytes)
-        self.buffer = aligned_empty(self.nbytes)
+        self.buffer = aligned_empty(self.nbytes, what=name)
         if config.log_enabled("memory"):
             _log.info("%s: allocate %d bytes at 0x%x", name, self.nbytes, self.buffer.ctypes.data)
 
