@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
+
 from tolerances import atol
 
 onnx = pytest.importorskip("onnx")
