@@ -260,3 +260,38 @@ def test_tagger_hidden_128_matches_torch(tmp_path, dynamo):
     got = model(tokens)
     assert got.shape == want.shape
     assert np.max(np.abs(got - want)) <= atol(np.float32)
+
+
+def test_folding_frees_each_intermediate_constant():
+    """A weight rearranged by a chain of constant ops holds about one copy at a time while
+    folding, not one per op (dynamo exports hold W three times: Slices, Concat, Unsqueeze)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(3)
+    K, M, steps = 512, 512, 6
+    nodes = [
+        helper.make_node("Transpose", [f"w{k}"], [f"w{k + 1}"], perm=[1, 0]) for k in range(steps)
+    ]
+    nodes.append(helper.make_node("MatMul", ["x", f"w{steps}"], ["y"]))
+    w0 = (rng.standard_normal((K, M)) / np.sqrt(K)).astype(np.float32)
+    g = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w0, "w0")],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    graph = read_onnx(m.SerializeToString())
+    tracemalloc.start()
+    try:
+        model = GraphModel(graph)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    _assert_folded(model)
+    assert peak < 3 * w0.nbytes, (peak, w0.nbytes)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    want = x.astype(np.float64) @ w0.astype(np.float64)
+    assert np.max(np.abs(model(x) - want)) <= atol(np.float32)

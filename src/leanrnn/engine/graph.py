@@ -44,8 +44,8 @@ from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
 from .session import Pool, Session
 
-# Bytes any single folded constant may take at load, beyond the size of the largest weight:
-# a hostile file cannot make loading allocate more than the model plausibly needs.
+# Bytes any single folded constant may take at load, beyond the size of all the constants the
+# file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
 FOLD_SLACK_BYTES = 64 << 20
 
 
@@ -1057,10 +1057,20 @@ class GraphModel:
             )
 
     def _fold(self) -> None:
-        """Evaluate every non-RNN node whose inputs are all constants, once, at load."""
+        """Evaluate every non-RNN node whose inputs are all constants, once, at load: the
+        constant subgraphs exporters put in front of weights (torch's dynamo exporter builds an
+        LSTM's W and R with Slice/Concat/Unsqueeze of the initializers) become constants, which
+        ``pack_constant_rnns`` and ``_pack_matmuls`` then pack. A constant goes as soon as the
+        last node reading it is folded, so the weights are not held three times over."""
         g = self.graph
-        limit = FOLD_SLACK_BYTES + max((c.nbytes for c in g.constants.values()), default=0)
+        # A folded value is at most a rearrangement of the constants plus slack (Expand and
+        # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
+        limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
         ctx = _Ctx(g, {}, self.threads)
+        readers: dict[str, int] = {t.name: 1 for t in g.outputs}
+        for node in g.nodes:
+            for i in node.inputs:
+                readers[i] = readers.get(i, 0) + 1
         keep = []
         for node in g.nodes:
             if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
@@ -1077,9 +1087,14 @@ class GraphModel:
                         f"more than {limit} bytes"
                     )
             res = _guard(node, _eval, ctx, node, vals, metas)
+            del vals
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     g.constants[name] = np.asarray(arr, order="C")
+            for i in node.inputs:
+                readers[i] -= 1
+                if i and not readers[i]:
+                    del g.constants[i]
         g.nodes = keep
 
     def _prune(self) -> None:
