@@ -44,8 +44,8 @@ from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
 from .session import Pool, Session
 
-# Bytes any single folded constant may take at load, beyond the size of the largest weight:
-# a hostile file cannot make loading allocate more than the model plausibly needs.
+# Bytes any single folded constant may take at load, beyond the size of all the constants the
+# file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
 FOLD_SLACK_BYTES = 64 << 20
 
 
@@ -1057,10 +1057,20 @@ class GraphModel:
             )
 
     def _fold(self) -> None:
-        """Evaluate every non-RNN node whose inputs are all constants, once, at load."""
+        """Evaluate every non-RNN node whose inputs are all constants, once, at load: the
+        constant subgraphs exporters put in front of weights (torch's dynamo exporter builds an
+        LSTM's W and R with Slice/Concat/Unsqueeze of the initializers) become constants, which
+        ``pack_constant_rnns`` and ``_pack_matmuls`` then pack. A constant goes as soon as the
+        last node reading it is folded, so the weights are not held three times over."""
         g = self.graph
-        limit = FOLD_SLACK_BYTES + max((c.nbytes for c in g.constants.values()), default=0)
+        # A folded value is at most a rearrangement of the constants plus slack (Expand and
+        # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
+        limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
         ctx = _Ctx(g, {}, self.threads)
+        readers: dict[str, int] = {t.name: 1 for t in g.outputs}
+        for node in g.nodes:
+            for i in node.inputs:
+                readers[i] = readers.get(i, 0) + 1
         keep = []
         for node in g.nodes:
             if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
@@ -1077,9 +1087,14 @@ class GraphModel:
                         f"more than {limit} bytes"
                     )
             res = _guard(node, _eval, ctx, node, vals, metas)
+            del vals
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     g.constants[name] = np.asarray(arr, order="C")
+            for i in node.inputs:
+                readers[i] -= 1
+                if i and not readers[i]:
+                    del g.constants[i]
         g.nodes = keep
 
     def _prune(self) -> None:
@@ -1094,7 +1109,8 @@ class GraphModel:
         self._needed = needed
         for k in [k for k in g.constants if k not in needed]:
             del g.constants[k]
-        for k in [k for k in g.packed if k not in {n.name for n in g.nodes}]:
+        names = {n.name for n in g.nodes}
+        for k in [k for k in g.packed if k not in names]:
             del g.packed[k]
 
     def _fuse(self) -> bool:
@@ -1324,6 +1340,11 @@ class GraphSession:
         family: dict[str, list[str]] = {}
         first: dict[str, int] = {}
         inplace: dict[str, str] = {}
+        # Per family, kept as members join: the last step reading any member, and whether a
+        # member is a graph output. The in-place test then costs O(1), not O(family): a chain
+        # of n elementwise ops is one family, and rescanning it made planning O(n^2).
+        fam_last: dict[str, int] = {}
+        fam_output: dict[str, bool] = {}
         for k, (node, outs, _) in enumerate(steps):
             for name, m in zip(node.outputs, outs, strict=False):
                 if not name or (node.op in RNN_OPS and name not in self.model._needed):
@@ -1331,9 +1352,7 @@ class GraphSession:
                 src = (
                     node.inputs[0]
                     if m.view
-                    else self._inplace_source(
-                        node, m, k, root, first, family, last_read, metas, outputs
-                    )
+                    else self._inplace_source(node, m, k, root, first, fam_last, fam_output, metas)
                 )
                 if src is not None and (m.view or src in root):
                     r = root.get(src, src)
@@ -1344,16 +1363,17 @@ class GraphSession:
                     first[name] = k
                 root[name] = r
                 family.setdefault(r, []).append(name)
+                fam_last[r] = max(fam_last.get(r, -1), last_read.get(name, -1))
+                fam_output[r] = fam_output.get(r, False) or name in outputs
         buffers = []
         self._fresh: set[str] = set()  # roots allocated per run
-        for r, members in family.items():
+        for r in family:
             if r not in first:
                 continue  # a view of a graph input, constant or shape value
-            if any(m in outputs for m in members):
+            if fam_output[r]:
                 self._fresh.add(r)
                 continue
-            last = max([first[r], *(last_read.get(m, first[r]) for m in members)])
-            buffers.append(Buffer(r, metas[r].nbytes, first[r], last))
+            buffers.append(Buffer(r, metas[r].nbytes, first[r], max(first[r], fam_last[r])))
         for k, (node, _, tmp) in enumerate(steps):
             for key, (shape, dt) in tmp.items():
                 nbytes = math.prod(shape) * np.dtype(dt).itemsize
@@ -1374,16 +1394,17 @@ class GraphSession:
         return p, views
 
     @staticmethod
-    def _inplace_source(node, m, k, root, first, family, last_read, metas, outputs) -> str | None:
-        """The input an elementwise op may overwrite with its output, if any."""
+    def _inplace_source(node, m, k, root, first, fam_last, fam_output, metas) -> str | None:
+        """The input an elementwise op may overwrite with its output, if any: one produced here
+        with the output's layout whose family nobody reads after step ``k`` and that holds no
+        graph output."""
         if node.op not in INPLACE_OPS:
             return None
         for i in node.inputs:
             r = root.get(i)
             if r not in first or metas[i].shape != m.shape or metas[i].dtype != m.dtype:
                 continue  # not produced here (input, constant), or not the output's layout
-            members = family[r]
-            if all(last_read.get(x, -1) <= k and x not in outputs for x in members):
+            if fam_last[r] <= k and not fam_output[r]:
                 return i
         return None
 

@@ -669,9 +669,13 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
     graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph")
     pack_constant_rnns(graph, pack_dtype, lazy)
-    unpacked = sorted(k for k in lazy if k in {i for n in graph.nodes for i in n.inputs})
-    if unpacked:  # pragma: no cover - lazy names only feed RNN weight slots, which get packed
-        raise ModelFormatError(f"[load_onnx] initializers {unpacked} were not packed")
+    # A node left unpacked has a weight computed by other nodes: a constant subgraph (torch's
+    # dynamo exporter builds W and R with Slice/Concat of initializers from H=48 on, while B
+    # stays an initializer) that GraphModel folds at load before packing, or a graph input.
+    # Its initializer weights become ordinary constants for that later packing.
+    read = {i for n in graph.nodes for i in n.inputs}
+    for k in sorted(k for k in lazy if k in read):
+        graph.constants[k] = lazy[k].read()
     return graph
 
 
