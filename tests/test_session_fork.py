@@ -144,3 +144,30 @@ def test_renew_lock_serves_any_engine_object():
             return np.ones(3, np.float32)
 
     _fork_while_held(obj._lock, run, np.ones(3))
+
+
+@pytest.mark.parametrize("which", ["model", "session"])
+def test_child_runs_a_graph_whose_lock_another_thread_holds(tmp_path, which):
+    """An ONNX graph's model and graph-session locks are renewed in the child too (a fork while
+    another thread ran ``m(x)`` left them held: the child blocked forever)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    C, H = 5, 8
+    rng = np.random.default_rng(3)
+    W, R, B = (rng.standard_normal(s).astype(np.float32) * 0.3
+               for s in ((1, 3 * H, C), (1, 3 * H, H), (1, 6 * H)))  # fmt: skip
+    node = helper.make_node("GRU", ["x", "W", "R", "B"], ["", "h"], hidden_size=H)
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 2, C])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 2, H])],
+        [numpy_helper.from_array(a, n) for a, n in ((W, "W"), (R, "R"), (B, "B"))],
+    )  # fmt: skip
+    path = tmp_path / "gru.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)]), path)
+    m = leanrnn.load(path)
+    x = rng.standard_normal((4, 2, C)).astype(np.float32)
+    want = m.run({"x": x})[0]
+    lock = m._lock if which == "model" else m.session._lock
+    _fork_while_held(lock, lambda: m.run({"x": x})[0], want)

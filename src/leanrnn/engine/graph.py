@@ -42,6 +42,7 @@ from ..formats.packing import pack, rows_to_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena, aligned_empty
 from ..memory.planner import Buffer, Plan, plan
+from . import _fork
 from .session import Pool, Session
 
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
@@ -969,6 +970,7 @@ class GraphModel:
         self._classify()
         self._matmuls = self._pack_matmuls()
         self._lock = threading.Lock()
+        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
         self._session: GraphSession | None = None
 
     # -- description
@@ -1220,6 +1222,7 @@ class GraphSession:
         self._ctx = _Ctx(g, self._sessions, model.threads, model._matmuls)
         self._ctx.needed = model._needed
         self._lock = threading.Lock()
+        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
         # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
         # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
         # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
