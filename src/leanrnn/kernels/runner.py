@@ -32,8 +32,11 @@ from ..errors import LeanRNNError
 from . import abi, native
 
 _log = logging.getLogger("leanrnn")
-# What a cold build (numba's cache cold too) costs, as told to whoever waits for one: measured
-# with `leanrnn compile` into empty caches on the 2-core machine the README's figures come from.
+# What a cold build (numba's cache cold too) costs, as told to whoever waits for one. `leanrnn
+# compile` into empty caches, on the README's 2-core VM: ~120 s of CPU (121 s and 127 s, in 216 s
+# and 499 s of wall time while other jobs loaded it), split over the 2 cores with float32 the
+# larger half; a first `leanrnn demo` on an idle new machine took 82 s. The help texts of
+# commands/compile.py and info.py state the same figure.
 BUILD_TIME = "about 80 s on 2 cores"
 _BUILD = [sys.executable, "-m", "leanrnn.kernels.aot"]  # + directory, fingerprint
 POOL_LAUNCH = threading.Lock()
