@@ -5,10 +5,14 @@ Environment variables (read once at import; the setters below change them at run
 - ``LEANRNN_NUM_THREADS``: threads for leanrnn kernels and BLAS (default: all cores).
 - ``LEANRNN_BACKEND``: ``auto`` (default), ``native`` or ``jit``: which compiled kernels run
   (kernels.runner).
-- ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native).
+- ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native); else
+  ``$XDG_CACHE_HOME/leanrnn``, else ``~/.cache/leanrnn``. If it cannot be written, a build goes
+  to a private directory in the temp dir instead (temp_cache_dir), with a warning.
 - ``LEANRNN_LOG``: comma-separated log topics; ``memory`` logs every arena acquire and release.
-- ``NUMBA_CACHE_DIR``: where numba caches its JIT kernels (numba's own variable; we only report
-  it). ``NUMBA_NUM_THREADS`` caps the cores leanrnn uses, as it caps numba's pool.
+- ``NUMBA_CACHE_DIR``: where numba caches its JIT kernels (numba's own variable). Left unset,
+  numba caches next to the package sources or in ~/.cache/numba; where it can write neither,
+  leanrnn sets it to ``<cache>/numba`` (kernels._jit) rather than let every kernel fail.
+  ``NUMBA_NUM_THREADS`` caps the cores leanrnn uses, as it caps numba's pool.
 
 Nothing here imports numba: a process running the native kernels never loads it.
 """
@@ -17,7 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -148,6 +155,46 @@ def set_log(*topics: str) -> None:
         h.setFormatter(logging.Formatter("leanrnn %(message)s"))
         _log.addHandler(h)
         _log.setLevel(logging.INFO)
+
+
+def cache_dir() -> Path:
+    """Where leanrnn keeps what it builds (LEANRNN_CACHE_DIR, see the module docstring)."""
+    d = os.environ.get("LEANRNN_CACHE_DIR")
+    if d:
+        return Path(d)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg) / "leanrnn" if xdg else Path.home() / ".cache" / "leanrnn"
+
+
+def writable(directory: Path) -> bool:
+    """Whether files can be created in ``directory`` (made if missing). Tried, not inferred from
+    the mode bits: those say nothing on a read-only file system, nor to root."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError:
+        return False
+    return True
+
+
+def temp_cache_dir(create: bool = True) -> Path | None:
+    """The fallback when cache_dir() cannot be written: ``<tmp>/leanrnn-<uid>``, private to this
+    user, as code is loaded from it (a directory someone else made or can write is refused).
+    None if there is none (or, with ``create`` False, none yet)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    d = Path(tempfile.gettempdir()) / f"leanrnn-{uid if uid is not None else 'user'}"
+    try:
+        if create:
+            d.mkdir(mode=0o700, exist_ok=True)
+        st = d.lstat()
+    except OSError:
+        return None
+    mine = uid is None or st.st_uid == uid
+    if not stat.S_ISDIR(st.st_mode) or not mine or st.st_mode & 0o077:
+        _log.warning("leanrnn: not using %s as a cache: it is not a private directory of this "
+                     "user; set LEANRNN_CACHE_DIR to a writable directory", d)  # fmt: skip
+        return None
+    return d
 
 
 def numba_cache_dir() -> str:

@@ -10,7 +10,9 @@ import time
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "compile", help="build the native kernels for this machine now (normally: on first use)"
+        "compile",
+        help="build the native kernels for this machine now (normally: on first use; "
+        "about 80 s on 2 cores)",
     )
     p.add_argument("--cache-dir", help="where to put them (default: LEANRNN_CACHE_DIR or "
                    "~/.cache/leanrnn; set the same LEANRNN_CACHE_DIR when running)")  # fmt: skip
@@ -29,16 +31,17 @@ def run(args) -> int:
 
     d = native.build_dir()
     if args.force:
-        native.module_path(d).unlink(missing_ok=True)
+        native.discard(d)
         (d / "FAILED").unlink(missing_ok=True)
     t0 = time.perf_counter()
     try:
         mod = runner.native_module(build=True)
     except ImportError as e:
-        print(f"leanrnn: the native kernels in {d} are broken: {e}")
+        print(f"leanrnn: the native kernels in {runner.where()} are broken: {e}")
         return 1
     if mod is None:
-        print(f"leanrnn: could not build the native kernels: {native.failure(d) or 'unknown'}")
+        why = native.failure(runner.where()) or "unknown"
+        print(f"leanrnn: could not build the native kernels: {why}")
         print("(leanrnn still runs, on numba's JIT; fix the cause and run `leanrnn compile "
               "--force`)")  # fmt: skip
         return 1

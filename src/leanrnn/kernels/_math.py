@@ -9,19 +9,12 @@ float64 path stays within 1e-10 of PyTorch's double path.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 from numba import types
-from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import overload
 
 from ._jit import inline, jit
-
-# numba's SSA pass reports an internal "variable not in scope" check about the inlined float32
-# tanh below while compiling; it is harmless (numba asks for a bug report, nothing is wrong with
-# the code) and would otherwise greet every user on the first run. Only those messages are hidden.
-warnings.filterwarnings("ignore", message=r"(?s).*_tanh_ov", category=NumbaIRAssumptionWarning)
 
 # Activation codes (spec.ACTIVATIONS order).
 SIGMOID, TANH, RELU, AFFINE, LEAKYRELU, THRESHOLDEDRELU = 0, 1, 2, 3, 4, 5
@@ -54,9 +47,11 @@ def _tanh_ov(x):
     if x == types.float32:
 
         def impl(x):
-            # Clamp with comparisons (not min/max) so NaN passes through untouched.
-            a = _HI if x > _HI else x
-            v = _LO if a < _LO else a
+            # Clamp without a branch: a branch in an IR-inlined overload trips numba's SSA scope
+            # check (NumbaIRAssumptionWarning on every first compile). numba's min/max are one
+            # compare and a select (min(x, HI) = HI if HI < x else x), false for NaN, so NaN
+            # passes through untouched, as with the comparisons this replaced (bit-identical).
+            v = max(min(x, _HI), _LO)
             x2 = v * v
             p = _P[0]
             p = p * x2 + _P[1]

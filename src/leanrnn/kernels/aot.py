@@ -141,17 +141,28 @@ def _compiler() -> list[str]:
     raise BuildError(f"no C compiler found (tried {cmd[0]!r}, cc, gcc, clang; set CC)")
 
 
-def _objects(dtype: str) -> list[tuple[str, str, bytes, float]]:
+def _say(message: str) -> None:
+    """One line of progress on stdout, which kernels.runner shows as it comes (one write per
+    line, so the lines of parallel workers never interleave)."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def _objects(dtype: str, verbose: bool = False) -> list[tuple[str, str, bytes, float]]:
     """(symbol, kinds, object code, seconds) of every job's entry for one working dtype."""
     from numba.core.registry import cpu_target
 
+    if verbose:
+        _say(f"building {dtype} kernels ({', '.join(abi.ARGS)})")
     tm = _target_machine(cpu_target.target_context.codegen())
     out = []
     for job in abi.ARGS:
         t = time.perf_counter()
         obj = tm.emit_object(_compile_entry(job, dtype, tm))
-        out.append((abi.entry_name(job, dtype), abi.entry_kinds(job, dtype), obj,
-                    time.perf_counter() - t))  # fmt: skip
+        seconds = time.perf_counter() - t
+        out.append((abi.entry_name(job, dtype), abi.entry_kinds(job, dtype), obj, seconds))
+        if verbose:
+            _say(f"built the {dtype} {job} kernel in {seconds:.0f} s")
     return out
 
 
@@ -166,23 +177,22 @@ def build(directory: Path | None = None, *, expect: str | None = None,
     directory = Path(directory) if directory else native.build_dir(fp)
     cc = _compiler()  # fail before the long part
     # One process per dtype when there are cores for it: their kernels share no compiled code,
-    # so the build takes about half the time (a cold build: 50 -> 28 s on 2 cores).
+    # so the build takes about half the time (a cold build is ~120 s of CPU, float32 a bit more
+    # than half of it: about 80 s on 2 idle cores, runner.BUILD_TIME).
     dtypes = list(abi.DTYPES)
     if config.cores() > 1:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(len(dtypes), mp_context=ctx) as ex:
-            parts = list(ex.map(_objects, dtypes))
+            parts = list(ex.map(_objects, dtypes, [verbose] * len(dtypes)))
     else:
-        parts = [_objects(d) for d in dtypes]
+        parts = [_objects(d, verbose) for d in dtypes]
     objects, table = [], []
     with tempfile.TemporaryDirectory(prefix="leanrnn-aot-") as tmp:
-        for symbol, kinds, code, seconds in (e for part in parts for e in part):
+        for symbol, kinds, code, _ in (e for part in parts for e in part):
             obj = Path(tmp) / f"{symbol}.o"
             obj.write_bytes(code)
             objects.append(str(obj))
             table.append(f'X({symbol}, "{kinds}")')
-            if verbose:
-                print(f"  {symbol}: {seconds:.1f} s")
         (Path(tmp) / "entries.h").write_text(
             "#define LEANRNN_ENTRIES(X) \\\n  " + " \\\n  ".join(table) + "\n"
         )
@@ -193,20 +203,16 @@ def build(directory: Path | None = None, *, expect: str | None = None,
             f"-I{tmp}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}",
             str(Path(__file__).with_name("native.c")), *objects, "-o", str(out), "-lm",
         ]  # fmt: skip
+        if verbose:
+            _say(f"linking the module ({cc[0]})")
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode:
             raise BuildError(f"C compiler failed ({shlex.join(cmd)}):\n{res.stderr[-3000:]}")
-        # Publish atomically: a concurrent build or loader sees the old state or the whole new one.
-        directory.mkdir(parents=True, exist_ok=True)
-        final = native.module_path(directory)
-        staged = directory / (final.name + f".{os.getpid()}.tmp")
-        shutil.copyfile(out, staged)
-        with open(staged, "rb") as f:  # on disk before it has the final name (a crash then
-            os.fsync(f.fileno())  # leaves a stray .tmp, never a truncated module)
-        os.replace(staged, final)
+        # Published whole, with the size and hash every loader checks (native.verify).
+        final = native.publish(directory, out, fp)
         (directory / "FAILED").unlink(missing_ok=True)
     if verbose:
-        print(f"built {final} in {time.perf_counter() - t0:.1f} s")
+        _say(f"built {final} in {time.perf_counter() - t0:.0f} s")
     return final
 
 

@@ -23,14 +23,14 @@ import numba
 from numba import prange
 
 from . import abi
-from ._jit import FASTMATH, kernel
+from ._jit import CACHE, FASTMATH, kernel
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
 
 
 def _op(fn):
     return numba.njit(
-        cache=True, fastmath=set(FASTMATH), error_model="numpy", parallel=True, nogil=True
+        cache=CACHE, fastmath=set(FASTMATH), error_model="numpy", parallel=True, nogil=True
     )(fn)
 
 

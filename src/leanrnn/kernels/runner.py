@@ -3,9 +3,10 @@ machine has one (kernels.native), else on numba's JIT (kernels.ops) — same cod
 
 Backend (``LEANRNN_BACKEND``, or config.set_backend):
 - ``auto`` (default): the native module; built on first use in a subprocess (``python -m
-  leanrnn.kernels.aot``, ~15 s with a warm numba cache, ~30 s cold on 2 cores) so this process
-  never loads numba at all. If it cannot be built (no C compiler), the reason is kept in the
-  build directory's FAILED file (native.failure), logged, and the JIT runs instead.
+  leanrnn.kernels.aot``, BUILD_TIME, its progress shown on stderr) so this process never loads
+  numba at all. If it cannot be built (no C compiler), the reason is kept in the build
+  directory's FAILED file (native.failure), logged, and the JIT runs instead. If the cache
+  cannot be written, the build goes to config.temp_cache_dir(), with a warning.
 - ``native``: the native module or an error; ``jit``: numba's JIT only.
 
 One multi-threaded launch runs at a time in the process (POOL_LAUNCH): two at once would
@@ -19,15 +20,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 from .. import config
 from ..errors import LeanRNNError
 from . import abi, native
 
 _log = logging.getLogger("leanrnn")
+# What a cold build (numba's cache cold too) costs, as told to whoever waits for one. `leanrnn
+# compile` into empty caches, on the README's 2-core VM: ~120 s of CPU (121 s and 127 s, in 216 s
+# and 499 s of wall time while other jobs loaded it), split over the 2 cores with float32 the
+# larger half; a first `leanrnn demo` on an idle new machine took 82 s. The help texts of
+# commands/compile.py and info.py state the same figure.
+BUILD_TIME = "about 80 s on 2 cores"
+_BUILD = [sys.executable, "-m", "leanrnn.kernels.aot"]  # + directory, fingerprint
 POOL_LAUNCH = threading.Lock()
 _RESOLVE = threading.Lock()
 
@@ -135,7 +146,16 @@ def _resolve(choice: str) -> _Native | _Jit:
 
 
 def _failure() -> str:
-    return native.failure(native.build_dir()) or "not built"
+    return native.failure(where()) or "not built"
+
+
+_where: Path | None = None  # the build directory native_module last used
+
+
+def where() -> Path:
+    """The build directory this process uses: the cache's (native.build_dir), or the private
+    temp one when the cache could not be written."""
+    return _where or native.build_dir()
 
 
 @contextlib.contextmanager
@@ -157,30 +177,144 @@ def _exclusive(f):
 def native_module(build: bool):
     """The native module for this machine, building it first (in a subprocess, one process at
     a time) if ``build`` and no failure stands (native.failure); None if there is none. A
-    broken or foreign module is never run: ImportError, or with ``build`` it is rebuilt."""
+    broken or foreign module is never run: ImportError, or with ``build`` it is rebuilt.
+    Where the cache cannot be written, builds go to config.temp_cache_dir() (a warning says
+    so; OSError if that cannot be written either)."""
+    global _where
     fp = native.fingerprint()
-    d = native.build_dir(fp)
+    d = _where = native.build_dir(fp)
     try:
         mod = native.load(d, fp)
     except ImportError:
         if not build:
             raise
         mod = None
-    if mod is not None or not build or native.failure(d):
+    if mod is not None:
         return mod
-    d.mkdir(parents=True, exist_ok=True)
+    if not build:  # a build made in the temp dir by an earlier process, if any
+        tmp = config.temp_cache_dir(create=False)
+        if tmp is None or not native.build_dir(fp, tmp).is_dir():
+            return None
+        _where = native.build_dir(fp, tmp)
+        return native.load(_where, fp)
+    if not config.writable(d):
+        d = _where = _temp_build_dir(fp)
+        try:
+            mod = native.load(d, fp)
+        except ImportError:
+            mod = None
+        if mod is not None:
+            return mod
+    if native.failure(d):
+        return None
     with open(d / ".lock", "w") as lock, _exclusive(lock):
         try:
             mod = native.load(d, fp)  # another process may have built it meanwhile
         except ImportError as e:
             _log.warning("leanrnn: rebuilding a broken native module: %s", e)
-            native.module_path(d).unlink(missing_ok=True)
+            native.discard(d)
             mod = None
         if mod is None and not native.failure(d):
-            _log.warning("leanrnn: compiling the kernels for this machine (once, ~30-60 s) ...")
-            res = subprocess.run([sys.executable, "-m", "leanrnn.kernels.aot", str(d), fp],
-                                 capture_output=True, text=True, check=False)  # fmt: skip
-            if res.returncode and not native.failure(d):  # it died before saying why
-                native.record_failure(d, f"exit {res.returncode}: {res.stderr[-2000:]}", True)
+            _build(d, fp)
             mod = native.load(d, fp)
     return mod
+
+
+def _temp_build_dir(fp: str) -> Path:
+    root = config.temp_cache_dir()
+    d = native.build_dir(fp, root) if root else None
+    if d is None or not config.writable(d):
+        raise OSError(f"[native] cannot write the kernel cache {native.cache_root()} nor a "
+                      f"private temp dir ({d}); set LEANRNN_CACHE_DIR to a writable directory")  # fmt: skip
+    _log.warning("leanrnn: cannot write the kernel cache %s (LEANRNN_CACHE_DIR); using %s "
+                 "instead, which the OS may clear: set LEANRNN_CACHE_DIR to a writable directory "
+                 "to keep the build", native.cache_root(), root)  # fmt: skip
+    return d
+
+
+def _build(d: Path, fp: str) -> None:
+    """Build into ``d`` in a subprocess (kernels.aot), showing its progress on stderr; a death
+    without a reason (killed, out of memory) is recorded as a transient failure."""
+    shown = Progress(sys.stderr, f"compiling the kernels for this machine, once ({BUILD_TIME})")
+    proc = subprocess.Popen([*_BUILD, str(d), fp], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    errors: list[str] = []
+
+    def pump_out() -> None:  # the build's progress lines, one per event
+        for line in proc.stdout:
+            lines.put(line.strip())
+        lines.put(None)
+
+    def pump_err() -> None:  # both pipes drain, so neither can fill and stall the build
+        errors.append(proc.stderr.read())
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (pump_out, pump_err)]
+    for t in threads:
+        t.start()
+    try:
+        while (line := _next(lines, shown)) is not None:
+            if line:
+                shown.event(line)
+        code = proc.wait()
+    finally:  # interrupted (Ctrl-C, an exception): the build stops with us
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for t in threads:
+        t.join()
+    shown.close("done" if code == 0 else f"failed (exit {code})")
+    if code and not native.failure(d):  # it died before saying why
+        native.record_failure(d, f"exit {code}: {''.join(errors)[-2000:]}", True)
+
+
+def _next(lines: queue.Queue, shown: Progress) -> str | None:
+    """The build's next line (None: it closed its output), ticking the clock while it waits."""
+    while True:
+        try:
+            return lines.get(timeout=1.0)
+        except queue.Empty:
+            shown.tick()
+
+
+class Progress:
+    """A long step's progress on ``stream``: a title line, then its events, each with the seconds
+    since the start. On a terminal the event line is rewritten in place, every second; otherwise
+    each event is a plain line, plus one after every ``quiet`` seconds without any, so a log
+    never goes silent for minutes."""
+
+    def __init__(self, stream, title: str, quiet: float = 30.0, clock=time.monotonic) -> None:
+        self._stream, self._quiet, self._clock = stream, quiet, clock
+        try:
+            self._tty = stream.isatty()
+        except (AttributeError, ValueError):  # a closed or file-less stream
+            self._tty = False
+        self._t0 = self._said = clock()
+        self._status = "starting"
+        self._write(f"leanrnn: {title}\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (AttributeError, OSError, ValueError):  # nowhere to show it (no or a closed
+            pass  # stream): the work goes on regardless
+
+    def _show(self, status: str, end: str = "") -> None:
+        line = f"leanrnn: {status} ... {self._clock() - self._t0:.0f} s"
+        self._write(f"\r\033[K{line}{end}" if self._tty else line + "\n")
+
+    def event(self, status: str) -> None:
+        self._status, self._said = status, self._clock()
+        self._show(status)
+
+    def tick(self) -> None:
+        """Called about every second while nothing happens."""
+        if self._tty:
+            self._show(self._status)
+        elif self._clock() - self._said >= self._quiet:
+            self._said = self._clock()
+            self._show("still running")
+
+    def close(self, status: str) -> None:
+        self._show(status, end="\n")
