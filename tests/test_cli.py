@@ -203,3 +203,42 @@ def test_plan_timeline_draws_no_stub_for_an_empty_buffer(tmp_path, monkeypatch):
     (ax,) = figs[0].axes
     heights = sorted(r.get_height() for r in ax.patches if r is not ax.patch)
     assert heights == [1.0, 4.0]  # KiB: the two real buffers only
+
+
+@pytest.mark.parametrize(
+    "var, value", [("LEANRNN_BACKEND", "bogus"), ("LEANRNN_NUM_THREADS", "many")]
+)
+def test_bad_environment_from_a_shell_is_one_line(var, value):
+    """`import leanrnn` read the bad value before cli.main could catch anything: a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: value}
+    res = subprocess.run([sys.executable, "-m", "leanrnn", "info"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("leanrnn: error:"), res.stderr
+    assert var in lines[0] and value in lines[0]
+
+
+def test_bad_environment_fails_the_first_kernel_call_not_the_import():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, leanrnn\n"
+        "m = leanrnn.LSTM(2, 3, seed=0)\n"
+        "try:\n"
+        "    m(np.zeros((1, 1, 2), np.float32))\n"
+        "except leanrnn.errors.LeanRNNError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {**os.environ, "LEANRNN_BACKEND": "bogus"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "refused:" in res.stdout and "LEANRNN_BACKEND='bogus'" in res.stdout

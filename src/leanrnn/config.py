@@ -71,8 +71,32 @@ def _env_backend() -> str:
     return raw
 
 
-_threads = _env_threads()
-_backend = _env_backend()
+def _read_env() -> tuple[int, str, str]:
+    """(threads, backend, error): a bad value must not break ``import leanrnn`` (the CLI could
+    not then print a one-line error), so it is recorded and raised by check_env(), which
+    the first kernel call and ``leanrnn info`` run; defaults stand in until then."""
+    errors = []
+    try:
+        threads = _env_threads()
+    except LeanRNNError as e:
+        threads, errors = _CORES, [*errors, str(e)]
+    try:
+        backend = _env_backend()
+    except LeanRNNError as e:
+        backend, errors = "auto", [*errors, str(e)]
+    return threads, backend, "; ".join(errors)
+
+
+_threads, _backend, _env_error = _read_env()
+
+
+def check_env(reread: bool = False) -> None:
+    """Raise the error of a bad ``LEANRNN_*`` variable read at import, if there was one
+    (``reread``: of the environment as it is now, which child processes will read)."""
+    error = _read_env()[2] if reread else _env_error
+    if error:
+        raise LeanRNNError(error)
+
 _log_topics = frozenset(
     t.strip().lower() for t in os.environ.get("LEANRNN_LOG", "").split(",") if t.strip()
 )

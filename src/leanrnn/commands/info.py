@@ -128,8 +128,7 @@ def run(args) -> int:
 
     # This process read the environment when leanrnn was imported; the fresh processes timed
     # below read it again: a bad value must be an error here, not a traceback from a child.
-    config._env_threads()
-    config._env_backend()
+    config.check_env(reread=True)
     info = collect(args.compile)
     if args.json:
         print(json.dumps(info, indent=2))

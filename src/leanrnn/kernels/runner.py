@@ -127,6 +127,7 @@ def backend() -> _Native | _Jit:
 
 
 def _resolve(choice: str) -> _Native | _Jit:
+    config.check_env()  # a bad LEANRNN_* variable fails the first kernel call, not the import
     if choice == "jit":
         return _Jit()
     try:
