@@ -97,6 +97,7 @@ def check_env(reread: bool = False) -> None:
     if error:
         raise LeanRNNError(error)
 
+
 _log_topics = frozenset(
     t.strip().lower() for t in os.environ.get("LEANRNN_LOG", "").split(",") if t.strip()
 )
