@@ -93,6 +93,7 @@ def entry_source(job: str, dtype: str) -> str:
 def _compile_entry(job: str, dtype: str, tm) -> llvm.ModuleRef:
     ns = {"carray": carray, "job": JOBS[job], **{f"ptr_{k}": v for k, v in _PTR.items()}}
     exec(entry_source(job, dtype), ns)  # a generated function, from abi.ARGS only
+    ns["entry"].__qualname__ = f"entry_{job}_{dtype}"  # unique symbol across build processes
     disp = numba.njit(
         fastmath=set(FASTMATH), error_model="numpy", nogil=True,
         no_cpython_wrapper=True, no_cfunc_wrapper=True,
