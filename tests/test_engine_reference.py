@@ -95,9 +95,9 @@ def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads
 def test_engine_matches_reference(spec, seed, dtype, N, T, with_lengths, with_state):
     # Unbounded activations grow states polynomially per step (an all-Affine LSTM is cubic),
     # which turns float32 rounding into errors no fixed tolerance bounds; float64 checks the
-    # same kernel logic for them at 1e-10, and float32 covers the bounded activations.
-    # Their chaotic growth still amplifies float64 rounding past 1e-10 now and then, so they get
-    # 1e-7 relative: a logic error shows up as O(1), far beyond it.
+    # same kernel logic for them at ATOL, and float32 covers the bounded activations.
+    # Their chaotic growth still amplifies float64 rounding past that now and then, so they get
+    # RTOL_UNBOUNDED (tolerances.py): a logic error shows up as O(1), far beyond it.
     loose = any(a.name in UNBOUNDED for d in spec.activations for a in d)
     if loose:
         dtype = np.float64
