@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tolerances import ATOL_FLOAT64_TWINS, ATOL_ORT, RTOL, RTOL_ORT
+
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
@@ -170,7 +172,10 @@ def _compare(op: str, seed: int) -> None:
     for name, g, e in zip(names, got, expected, strict=True):
         assert g.shape == e.shape, (name, g.shape, e.shape, case)
         assert g.dtype == np.float32
-        np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5, err_msg=f"{name}: {_describe(case)}")
+        np.testing.assert_allclose(
+            g, e, rtol=RTOL_ORT[np.float32], atol=ATOL_ORT[np.float32],
+            err_msg=f"{name}: {_describe(case)}",
+        )  # fmt: skip
 
 
 def _describe(case: dict) -> str:
@@ -269,7 +274,7 @@ def test_float64_nodes_match_the_float64_reference(op):
             w[:, t["seq"] == 0] = 0
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.float64
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g, w, rtol=RTOL[np.float64], atol=ATOL_FLOAT64_TWINS[np.float64])
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
@@ -312,4 +317,6 @@ def test_long_sequences_match_onnxruntime(direction, outputs, layout):
         _feeds(case, tensors)
     )
     for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5, err_msg=_describe(case))
+        np.testing.assert_allclose(
+            g, e, rtol=RTOL_ORT[np.float32], atol=ATOL_ORT[np.float32], err_msg=_describe(case)
+        )
