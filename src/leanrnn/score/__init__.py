@@ -153,9 +153,10 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     try:
         window, held = [], 0
         for piece in src.pieces(max(1, tb.window_bytes // PIECES_PER_WINDOW)):
+            held += piece.nbytes
             for s in piece.seqs:
                 window.append(s)
-                held += s.nbytes + final_bytes + len(s) * step_out
+                held += final_bytes + len(s) * step_out
             if held >= tb.window_bytes:
                 out.write(scorer.score(window))
                 bar.update(len(window))

@@ -37,6 +37,7 @@ class Piece:
     seqs: list[np.ndarray]
     where: str
     first_row: int
+    nbytes: int = 0  # bytes the piece holds (the buffer the seqs view, padding included)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ class _ParquetReader:
                         b.column(self.column), lengths, self.src.C, self.src.dtype, where,
                         self.column, self.length_column, start, self.src.opts.allow_nonfinite,
                     )  # fmt: skip
-                    yield Piece(seqs, where, start)
+                    yield Piece(seqs, where, start, b.nbytes + sum(x.nbytes for x in seqs))
                     start += b.num_rows
             except (OSError, pa.ArrowException) as e:
                 raise DataError(
@@ -511,7 +512,7 @@ class _NpyReader:
                     else:
                         for i, s in enumerate(seqs):
                             check_values(s, self.name, "x", r0 + i)
-                yield Piece(seqs, self.name, r0)
+                yield Piece(seqs, self.name, r0, a.nbytes)
         except (OSError, zipfile.BadZipFile, EOFError) as e:
             raise DataError(f"[score] {self.name}: cannot read ({e})") from None
         finally:
