@@ -214,8 +214,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = progress
-    ds = ray.data.read_parquet(files, columns=[c for c in (column, length_column) if c],
-                               num_cpus=READ_CPUS)  # fmt: skip
+    ds = ray.data.read_parquet(files, num_cpus=READ_CPUS)
+    ds = ds.select_columns([c for c in (column, length_column) if c])
     ds = ds.map_batches(
         Predictor, batch_format="pyarrow", batch_size=batch_size and max(batch_size, 64)
         or RAY_BATCH_ROWS, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
