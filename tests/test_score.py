@@ -8,11 +8,11 @@ import sys
 
 import numpy as np
 import pytest
-from tolerances import SCORE_ATOL
 
 import leanrnn
 from leanrnn import tuning
 from leanrnn.errors import DTypeError, LeanRNNError, LengthsError, PlanError, ShapeError, SpecError
+from tolerances import SCORE_ATOL
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -248,7 +248,7 @@ def test_tuning_respects_the_memory_limit(lstm):
 def test_tuning_reads_this_machine():
     hw = tuning.hardware()
     assert hw.cores >= 1 and hw.l2 >= 64 << 10 and hw.l3 >= hw.l2
-    assert tuning.MIN_MEMORY_LIMIT <= tuning.default_memory_limit(hw) <= 1 << 30
+    assert tuning.MIN_MEMORY_LIMIT <= tuning.default_memory_limit(hw) <= 256 << 20
 
 
 # ---------------------------------------------------------------------------- bad input

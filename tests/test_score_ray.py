@@ -5,10 +5,10 @@ import os
 
 import numpy as np
 import pytest
-from test_score import _check, _seqs, write_parquet
-from tolerances import SCORE_ATOL
 
 import leanrnn
+from test_score import _check, _seqs, write_parquet
+from tolerances import SCORE_ATOL
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")

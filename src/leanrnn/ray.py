@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from .score.batching import Scorer
+from .score.batching import Counters, Scorer
 from .score.data import DataError, Options, arrow_to_seqs
 from .score.writers import to_arrow
 
@@ -33,6 +33,8 @@ from .score.writers import to_arrow
 READ_CPUS = 0.1
 # Rows per batch handed to an actor: enough for length-sorting to find similar lengths.
 RAY_BATCH_ROWS = 1024
+# Bytes per block read (the unit Ray hands between tasks and actors).
+BLOCK_BYTES = 4 << 20
 
 __all__ = ["Predictor", "score_on_ray"]
 
@@ -82,7 +84,7 @@ class Predictor:
         import numpy as np
 
         self.scorer.score([np.zeros((1, self.scorer.C), self.scorer.dtype)])
-        self.scorer.counters.__init__()
+        self.scorer.counters = Counters()  # the warm-up run is not part of the job
 
     def kernel_info(self) -> dict:
         """Which kernels this process runs and whether it ever imported numba (it must not
@@ -163,10 +165,12 @@ def _parquet_files(dataset: str) -> list[str]:
 def score_on_ray(model, dataset, output, *, outputs: str = "final",
                  memory_limit: int | None = None, batch_size: int | None = None,
                  options: Options | None = None, address: str = "auto",
-                 actors: int | None = None, progress: bool = False):  # fmt: skip
+                 actors: int | None = None, progress: bool = False,
+                 threads: int | None = None):  # fmt: skip
     """``leanrnn.score(..., ray=address)``: the same job as a Ray Data pipeline. ``output``: a
     ``.parquet`` file (Ray writes a directory next to it, merged in order and removed) or a
-    directory (Ray's files, kept). Returns a ScoreSummary."""
+    directory (Ray's files, kept). ``threads``: kernel threads per actor. Returns a
+    ScoreSummary."""
     import numpy as np
 
     from . import config, save
@@ -184,16 +188,13 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     reader = src._readers[0]
     column, length_column = reader.column, reader.length_column
     # Build (or find) the native kernels here, once, so no worker compiles anything.
-    Scorer(m, outputs, memory_limit, 1, batch_size).score(
-        [np.zeros((1, m.spec.input_size), m.dtype)]
-    )
+    probe = Scorer(m, outputs, memory_limit, 1, batch_size)
+    probe.score([np.zeros((1, m.spec.input_size), m.dtype)])
     try:
         import ray
         import ray.data
     except ImportError:
-        raise DataError(
-            "[score --ray] Ray is not installed; pip install 'leanrnn[ray]'"
-        ) from None
+        raise DataError("[score --ray] Ray is not installed; pip install 'leanrnn[ray]'") from None
     t0 = time.perf_counter()
     _init(address)
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -202,7 +203,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     # own tasks (listing files, reading, writing; each asks for READ_CPUS). The actors still
     # use every core: slots are bookkeeping, threads are real.
     per_actor = max(0.1, (cpus - 1) / n) if cpus > 1 else 0.5 / n
-    threads = max(1, config.cores() // n) if cpus <= config.cores() else 1
+    if threads is None:  # actors share this machine's cores (on a cluster: one thread each)
+        threads = max(1, config.cores() // n) if cpus <= config.cores() else 1
     with tempfile.NamedTemporaryFile(suffix=".lrnn", delete=False) as f:
         tmp_model = f.name
     try:
@@ -214,22 +216,28 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = progress
+    # Small blocks, so every actor has work (a file would otherwise be one block for one
+    # actor) and blocks in flight stay a few MiB each.
+    ctx.target_max_block_size = BLOCK_BYTES
     ds = ray.data.read_parquet(files, num_cpus=READ_CPUS)
     ds = ds.select_columns([c for c in (column, length_column) if c])
     ds = ds.map_batches(
-        Predictor, batch_format="pyarrow", batch_size=batch_size and max(batch_size, 64)
-        or RAY_BATCH_ROWS, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
+        Predictor, batch_format="pyarrow", batch_size=RAY_BATCH_ROWS, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
         fn_constructor_kwargs=dict(model=blob, outputs=outputs, column=column,
                                    length_column=length_column, threads=threads,
                                    memory_limit=memory_limit, batch_size=batch_size,
                                    allow_nonfinite=opts.allow_nonfinite),
     )  # fmt: skip
     single = output.lower().endswith((".parquet", ".pq"))
-    target = tempfile.mkdtemp(prefix=".leanrnn-ray-", dir=os.path.dirname(os.path.abspath(output))) if single else output
+    target = (
+        tempfile.mkdtemp(prefix=".leanrnn-ray-", dir=os.path.dirname(os.path.abspath(output)))
+        if single
+        else output
+    )
     try:
         ds.write_parquet(target, ray_remote_args={"num_cpus": READ_CPUS})
         if single:
-            _merge(target, output, Scorer(m, outputs, memory_limit, 1, batch_size).empty())
+            _merge(target, output, probe.empty())
     finally:
         if single:
             import shutil
@@ -241,8 +249,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     return ScoreSummary(
         output=output, sequences=total, steps=steps, seconds=time.perf_counter() - t0,
         padding=float("nan"), padding_in_order=float("nan"), peak_rss=peak_rss(),
-        batch=batch_size or 0, chunk=None, threads=threads,
-        memory_limit=memory_limit or 0, workers=n,
+        batch=probe.tuning.batch, chunk=probe.tuning.chunk, threads=threads,
+        memory_limit=probe.tuning.memory_limit, workers=n,
     )  # fmt: skip
 
 
@@ -287,5 +295,5 @@ def _lengths(path: str):
 
     try:
         return np.asarray(pq.read_table(path, columns=["length"]).column("length"))
-    except Exception:  # noqa: BLE001 - the summary's step count is informative only
+    except Exception:
         return None

@@ -24,7 +24,7 @@ from .errors import PlanError
 _DEFAULT_CACHES = {1: 32 << 10, 2: 1 << 20, 3: 16 << 20}
 # The memory limit when none is given: this much of the available memory, at most _MAX_DEFAULT.
 _DEFAULT_SHARE = 4
-_MAX_DEFAULT = 1 << 30
+_MAX_DEFAULT = 256 << 20
 MIN_MEMORY_LIMIT = 1 << 20
 # Shares of the memory limit (the rest is slack for Python objects and file-reader buffers).
 ARENA_SHARE = 1 / 8

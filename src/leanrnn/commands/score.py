@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outputs", choices=("final", "steps", "both"), default="final",
                    help="final states (h_n, c_n), per-step outputs (y), or both")  # fmt: skip
     p.add_argument("--memory-limit", type=parse_bytes, default=None,
-                   help="bytes for buffers, e.g. 512M (default: 1/4 of available, <= 1G)")  # fmt: skip
+                   help="bytes for buffers, e.g. 512M (default: 1/4 of available, <= 256M)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=None, help="fixed sequences per batch")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-bucket", action="store_true",

@@ -51,11 +51,14 @@ class ScoreSummary:
         if self.padding_in_order > 0:
             saved = f" (in input order: {self.padding_in_order:.1%})"
         chunk = self.chunk if self.chunk is not None else "whole"
+        pad = f"padding {self.padding:.1%} of steps run{saved}"
+        if self.padding != self.padding:  # NaN: the Ray path's actors keep their own counts
+            pad = "padding counted in the Ray actors"
         where = f"{self.workers} Ray actors" if self.workers > 1 else f"{self.threads} threads"
         return (
             f"scored {self.sequences:,} sequences ({self.steps:,} steps) in {self.seconds:.2f} s: "
             f"{self.sequences_per_s:,.0f} sequences/s on {where}\n"
-            f"padding {self.padding:.1%} of steps run{saved}; batch {self.batch}, chunk {chunk}\n"
+            f"{pad}; batch {self.batch}, chunk {chunk}\n"
             f"peak memory {self.peak_rss / 2**20:.1f} MiB (limit for buffers "
             f"{self.memory_limit / 2**20:.0f} MiB) -> {self.output}"
         )
@@ -82,9 +85,7 @@ class _Progress:
             frac = self.done / self.total if self.total else 1.0
             bar = "#" * int(30 * frac)
             rate = self.done / max(now - self.t0, 1e-9)
-            sys.stderr.write(
-                f"\r[{bar:<30}] {self.done:,}/{self.total:,} sequences  {rate:,.0f}/s"
-            )
+            sys.stderr.write(f"\r[{bar:<30}] {self.done:,}/{self.total:,} sequences  {rate:,.0f}/s")
             sys.stderr.flush()
 
     def close(self) -> None:
@@ -119,7 +120,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
              ('final'), ``y`` [T_i, D*K] ('steps') or all ('both'); written to a temporary
              name and renamed when complete
     memory_limit: bytes for the job's buffers (engine arena, padded batches, read-ahead);
-             default a quarter of the available memory, at most 1 GiB
+             default a quarter of the available memory, at most 256 MiB
     bucket:  sort each read-ahead window by length before batching (False: input order)
     ray:     None (this process), 'auto' (a local Ray, or the one RAY_ADDRESS names) or an
              address: the same job as a Ray Data pipeline (needs leanrnn[ray]); ``ray_actors``
@@ -140,7 +141,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
 
         return score_on_ray(model, dataset, output, outputs=outputs, memory_limit=memory_limit,
                             batch_size=batch_size, options=opts, address=ray,
-                            actors=ray_actors, progress=progress)  # fmt: skip
+                            actors=ray_actors, progress=progress, threads=threads)  # fmt: skip
     t0 = time.perf_counter()
     scorer = Scorer(model, outputs, memory_limit, threads, batch_size, bucket)
     src = Source(os.fspath(dataset), scorer.C, scorer.dtype, opts)

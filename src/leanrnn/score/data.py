@@ -350,7 +350,7 @@ class _Member:
     def open(self):
         """(file object positioned at the data, closer)."""
         if self.key is None:
-            f = open(self.path, "rb")  # noqa: SIM115 - closed by the caller
+            f = open(self.path, "rb")
             _read_header(f, self.path, None)
             return f, f.close
         z = zipfile.ZipFile(self.path)
@@ -453,8 +453,7 @@ class _NpyReader:
             )
         if len(x.shape) != 3 or x.shape[2] != C:
             raise ShapeError(
-                f"[score] {name} has shape {x.shape}; expected [N, T, C={C}] (padded, "
-                "batch-first)"
+                f"[score] {name} has shape {x.shape}; expected [N, T, C={C}] (padded, batch-first)"
             )
         need = int(np.prod(x.shape)) * x.dtype.itemsize
         if need > x.data_bytes:

@@ -89,7 +89,7 @@ class ParquetOut:
         if self._w is not None:
             try:
                 self._w.close()
-            except Exception:  # noqa: BLE001 - already failing; the temp file goes anyway
+            except Exception:
                 pass
         _remove(self.tmp)
 
@@ -112,7 +112,7 @@ class NpzOut:
     def _spool(self, name: str, a: np.ndarray) -> None:
         f = self._files.get(name)
         if f is None:
-            f = self._files[name] = open(os.path.join(self._dir, name), "wb")  # noqa: SIM115
+            f = self._files[name] = open(os.path.join(self._dir, name), "wb")
             self._meta[name] = (a.shape[1:], a.dtype)
         f.write(np.ascontiguousarray(a).data)
 
@@ -138,7 +138,10 @@ class NpzOut:
                     if name == "y":
                         self._write_y(z, src, row, dt)
                     else:
-                        with open(src, "rb") as f, z.open(name + ".npy", "w", force_zip64=True) as o:
+                        with (
+                            open(src, "rb") as f,
+                            z.open(name + ".npy", "w", force_zip64=True) as o,
+                        ):
                             _header(o, (self._n, *row), dt)
                             shutil.copyfileobj(f, o, self.PIECE)
             os.replace(self.tmp, self.path)
