@@ -19,6 +19,8 @@ from ..errors import SpecError
 from .writers import Results
 
 OUTPUTS = ("final", "steps", "both")
+# Most padding a length-sorted batch may carry before it is cut short (see Scorer.batches).
+MAX_PADDING = 0.15
 
 
 def engine_model(model, op: str = "score"):
@@ -116,6 +118,14 @@ class Scorer:
                 if fit >= len(idx):
                     break
                 n = fit
+            if self.bucket and len(idx) > 1:
+                # Log-normal tails: the last batches of a window span wide length ranges;
+                # cut a batch where it would pad more than MAX_PADDING (a smaller batch wastes
+                # less than padding does).
+                lens = lengths[idx]
+                k = np.arange(1, len(idx) + 1)
+                pad = 1.0 - np.cumsum(lens) / (k * lens)
+                idx = idx[: int(np.nonzero(pad <= MAX_PADDING)[0][-1]) + 1]
             out.append(idx)
             i += len(idx)
         return out
