@@ -392,3 +392,18 @@ def test_cli_scores_and_reports(tmp_path, lstm):
     )  # fmt: skip
     assert r.returncode == 1 and "in.parquet" in r.stderr and "'nope'" in r.stderr
     assert not os.path.exists(tmp_path / "x.parquet")
+
+
+def test_sorted_batches_cut_wide_length_ranges(lstm):
+    """A log-normal window sorted and cut into batches of 126: the last batches would span
+    lengths from ~100 to ~1000 (60% padding); they are cut where padding passes MAX_PADDING."""
+    from leanrnn.score.batching import MAX_PADDING, Scorer
+
+    lengths = np.random.default_rng(0).lognormal(3.7, 0.8, 2000).astype(np.int64) + 1
+    sc = Scorer(lstm, batch_size=126)
+    batches = sc.batches(lengths)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for b in batches:
+        lens = lengths[b]
+        assert 1 - lens.sum() / (len(b) * lens.max()) <= MAX_PADDING
+    assert max(len(b) for b in batches) == 126
