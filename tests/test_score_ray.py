@@ -87,3 +87,20 @@ def test_ray_path_refuses_npz_and_bad_columns(ray_local, model, tmp_path):
     with pytest.raises(LeanRNNError, match="'nope'"):
         leanrnn.score(model, src, str(tmp_path / "o.parquet"), ray="auto", column="nope")
     assert not os.path.exists(tmp_path / "o.parquet")
+
+
+def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, model, tmp_path):
+    from leanrnn.errors import LeanRNNError
+
+    seqs = _seqs("uniform", 30)
+    seqs[20] = np.full((4, 5), np.nan, np.float32)
+    d = tmp_path / "data"
+    d.mkdir()
+    write_parquet(str(d / "a.parquet"), seqs)
+    out = tmp_path / "o.parquet"
+    with pytest.raises(LeanRNNError, match="NaN"):
+        leanrnn.score(model, str(d), str(out), ray="auto")
+    write_parquet(str(d / "b.parquet"), seqs[:3], "flat")
+    with pytest.raises(LeanRNNError, match="one schema"):
+        leanrnn.score(model, str(d), str(out), ray="auto")
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".")]

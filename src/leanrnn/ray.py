@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from .errors import LeanRNNError
 from .score.batching import Counters, Scorer
 from .score.data import DataError, Options, arrow_to_seqs
 from .score.writers import to_arrow
@@ -187,6 +188,15 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     total = src.count()
     reader = src._readers[0]
     column, length_column = reader.column, reader.length_column
+    for r in src._readers[1:]:  # Ray reads all files as one table: one schema
+        if (r.column, r.length_column) != (column, length_column) or not r.pf.schema_arrow.field(
+            r.column
+        ).type.equals(reader.pf.schema_arrow.field(column).type):
+            raise DataError(
+                f"[score --ray] {r.path!r} has columns ({r.column!r}, {r.length_column!r}) of "
+                f"another layout than {reader.path!r}; the Ray path reads every file with one "
+                "schema: convert them alike, or score locally (without --ray)"
+            )
     # Build (or find) the native kernels here, once, so no worker compiles anything.
     probe = Scorer(m, outputs, memory_limit, 1, batch_size)
     probe.score([np.zeros((1, m.spec.input_size), m.dtype)])
@@ -214,6 +224,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     finally:
         os.remove(tmp_model)
     ctx = ray.data.DataContext.get_current()
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars,
+             ctx.target_max_block_size)  # fmt: skip
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = progress
     # Small blocks, so every actor has work (a file would otherwise be one block for one
@@ -238,12 +250,18 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         ds.write_parquet(target, ray_remote_args={"num_cpus": READ_CPUS})
         if single:
             _merge(target, output, probe.empty())
+    except ray.exceptions.RayTaskError as e:
+        cause = _leanrnn_cause(e)
+        if cause is not None:  # bad data found by an actor: leanrnn's own error
+            raise cause from None
+        raise
     finally:
+        (ctx.execution_options.preserve_order, ctx.enable_progress_bars,
+         ctx.target_max_block_size) = saved  # fmt: skip
         if single:
             import shutil
 
-            if not os.environ.get("LEANRNN_KEEP_RAY"):
-                shutil.rmtree(target, ignore_errors=True)
+            shutil.rmtree(target, ignore_errors=True)
     lengths = _lengths(output if single else target)
     steps = int(lengths.sum()) if lengths is not None else 0
     return ScoreSummary(
@@ -252,6 +270,22 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         batch=probe.tuning.batch, chunk=probe.tuning.chunk, threads=threads,
         memory_limit=probe.tuning.memory_limit, workers=n,
     )  # fmt: skip
+
+
+def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
+    """The LeanRNNError an actor raised, from inside Ray's wrappers (cause / __cause__)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, LeanRNNError):
+            return e
+        seen.add(id(e))
+        nxt = getattr(e, "cause", None) or e.__cause__ or e.__context__
+        if nxt is None:  # Ray may keep only the text: rebuild from the actor's "[op] ..." line
+            lines = [ln for ln in str(e).splitlines() if "Error: [" in ln]
+            if lines:
+                return DataError(lines[-1].split("Error: ", 1)[1].strip())
+        e = nxt
+    return None
 
 
 def _ordered(directory: str) -> list[str]:
