@@ -273,18 +273,17 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
 
 
 def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
-    """The LeanRNNError an actor raised, from inside Ray's wrappers (cause / __cause__)."""
-    seen = set()
+    """The LeanRNNError an actor raised, from inside Ray's wrappers (cause / __cause__), or
+    rebuilt from its "...Error: [op] ..." line when Ray kept only the text."""
+    top, seen = e, set()
     while e is not None and id(e) not in seen:
         if isinstance(e, LeanRNNError):
             return e
         seen.add(id(e))
-        nxt = getattr(e, "cause", None) or e.__cause__ or e.__context__
-        if nxt is None:  # Ray may keep only the text: rebuild from the actor's "[op] ..." line
-            lines = [ln for ln in str(e).splitlines() if "Error: [" in ln]
-            if lines:
-                return DataError(lines[-1].split("Error: ", 1)[1].strip())
-        e = nxt
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    lines = [ln for ln in str(top).splitlines() if "Error: [" in ln]
+    if lines:
+        return DataError(lines[-1].split("Error: ", 1)[1].strip())
     return None
 
 
