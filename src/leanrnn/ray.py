@@ -231,7 +231,14 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     # Small blocks, so every actor has work (a file would otherwise be one block for one
     # actor) and blocks in flight stay a few MiB each.
     ctx.target_max_block_size = BLOCK_BYTES
-    ds = ray.data.read_parquet(files, num_cpus=READ_CPUS)
+    # Local paths get pyarrow's local filesystem explicitly: Ray otherwise probes fsspec's
+    # optional filesystems (seen failing here when aiohttp was missing).
+    import pyarrow.fs
+
+    local = pyarrow.fs.LocalFileSystem()
+    fs_in = local if all("://" not in f for f in files) else None
+    fs_out = local if "://" not in output else None
+    ds = ray.data.read_parquet(files, num_cpus=READ_CPUS, filesystem=fs_in)
     ds = ds.select_columns([c for c in (column, length_column) if c])
     ds = ds.map_batches(
         Predictor, batch_format="pyarrow", batch_size=RAY_BATCH_ROWS, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
@@ -247,7 +254,7 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         else output
     )
     try:
-        ds.write_parquet(target, ray_remote_args={"num_cpus": READ_CPUS})
+        ds.write_parquet(target, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
         if single:
             _merge(target, output, probe.empty())
     except ray.exceptions.RayTaskError as e:
