@@ -12,6 +12,7 @@ from .engine.graph import GraphModel
 from .formats.packing import LayerWeights, PackedWeights, pack
 from .loading import convert, load, save
 from .nn import GRU, LSTM, RNN, Model, from_state_dict, from_torch
+from .score import score
 from .spec import Activation, RNNSpec
 
 __version__ = "0.1.0"
@@ -38,5 +39,6 @@ __all__ = [
     "load",
     "pack",
     "save",
+    "score",
     "set_num_threads",
 ]
