@@ -244,6 +244,13 @@ def _offsets(arr) -> np.ndarray:
     return off - off[0]
 
 
+def _check_lengths(lens: np.ndarray, limit, message) -> None:
+    """LengthsError(message(row)) for the first row whose length is outside 0..limit[row]."""
+    bad = (lens < 0) | (lens > limit)
+    if bad.any():
+        raise LengthsError(message(int(np.argmax(bad))))
+
+
 def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
                   length_column: str | None, first_row: int = 0,
                   allow_nonfinite: bool = False) -> list[np.ndarray]:  # fmt: skip
@@ -316,14 +323,10 @@ def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
                 "an integer per row"
             )
         lens = lengths.to_numpy(zero_copy_only=False).astype(np.int64)
-        bad = (lens < 0) | (lens > steps)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise LengthsError(
-                f"[score] {where}, length column {length_column!r}, row {first_row + row}: "
-                f"length {int(lens[row])} but the row holds {int(steps[row])} steps; expected "
-                "0 <= length <= steps in the data"
-            )
+        _check_lengths(lens, steps, lambda row: (
+            f"[score] {where}, length column {length_column!r}, row {first_row + row}: "
+            f"length {int(lens[row])} but the row holds {int(steps[row])} steps; expected "
+            "0 <= length <= steps in the data"))  # fmt: skip
     else:
         lens = steps
     seqs = [flat[outer[i] : outer[i] + lens[i]] for i in range(n)]
@@ -476,13 +479,9 @@ class _NpyReader:
                 lens = np.frombuffer(f.read(N * lm.dtype.itemsize), lm.dtype).astype(np.int64)
             finally:
                 close()
-            bad = (lens < 0) | (lens > T)
-            if bad.any():
-                row = int(np.argmax(bad))
-                raise LengthsError(
-                    f"[score] {lname}, row {row}: length {int(lens[row])}; expected "
-                    f"0 <= length <= T={T}"
-                )
+            _check_lengths(lens, T, lambda row: (
+                f"[score] {lname}, row {row}: length {int(lens[row])}; expected "
+                f"0 <= length <= T={T}"))  # fmt: skip
             self.lengths = lens
 
     def count(self) -> int:
