@@ -193,7 +193,10 @@ def _div(a, b, out):
         np.divide(a, b, out=out)
         return
     if np.any(b == 0):
-        raise ShapeError("[graph] integer Div by zero")
+        raise ShapeError(
+            "integer Div by zero: the divisor holds 0 (ONNX leaves the result undefined); "
+            "check the divisor's values, or Cast both inputs to float"
+        )
     # ONNX integer division truncates toward zero; numpy's // floors
     q = np.floor_divide(a, b)
     q += (np.remainder(a, b) != 0) & ((a < 0) ^ (b < 0))
@@ -241,6 +244,8 @@ def _softmax_scratch(ctx, node, ins, metas, needed):
 
 
 def _softmax_run(ctx, node, ins, outs, metas, tmp):
+    if outs[0].size == 0:  # an empty axis or batch: nothing to normalize (x.max would raise)
+        return outs
     work, ax = _softmax_axes(ctx, node, ins[0].shape)
     x, o = ins[0].reshape(work), outs[0].reshape(work)
     np.subtract(x, x.max(axis=ax, keepdims=True), out=o)
@@ -351,7 +356,7 @@ def _ran_packed(ctx, node, a, o, tmp) -> bool:
     """o = a @ B on the node's packed B (MatMul and Gemm alike), if it has one and ``a`` fits
     it; False when the caller must multiply another way."""
     pm = ctx.matmuls.get(node.name)
-    if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous:
+    if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous or not a.size:
         return False
     _packed_product(ctx, pm, a.reshape(-1, a.shape[-1]), o.reshape(-1, pm.M), tmp.get("wide"))
     return True
@@ -370,8 +375,9 @@ def _matmul_run(ctx, node, ins, outs, metas, tmp):
     o = outs[0]
     if _ran_packed(ctx, node, a, o, tmp):
         return outs
-    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
+    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous and b.size:
         # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
+        # (K or M of 0 goes to np.matmul: reshape(-1, 0) cannot infer the rows)
         _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
         np.matmul(a, b, out=o)
@@ -885,12 +891,15 @@ SUPPORTED_OPS = tuple(sorted([*OPS, "Constant"]))
 
 
 def _guard(node: Node, fn, *args):
-    """Call an op function; anything but a leanrnn error (a malformed attribute in a hostile
-    file, say) becomes a ModelFormatError that names the node."""
+    """Call an op function (at load, plan or run time) so that every error names the node: a
+    leanrnn error that does not yet gets the node in front, anything else (a malformed
+    attribute in a hostile file, say) becomes a ModelFormatError that names it."""
     try:
         return fn(*args)
-    except LeanRNNError:
-        raise
+    except LeanRNNError as e:
+        if str(e).startswith(f"[graph] node {node.name!r}"):
+            raise
+        raise type(e)(f"[graph] node {node.name!r} ({node.op}): {e}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
         raise ModelFormatError(
             f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: {e}"

@@ -295,7 +295,7 @@ def pack_matmuls(g: Graph, kind: dict[str, str]) -> dict[str, PackedMatmul]:
         if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
             continue
         B = g.constants.get(node.inputs[1])
-        if B is None or B.ndim != 2 or B.dtype not in (np.float32, np.float64):
+        if B is None or B.ndim != 2 or not B.size or B.dtype not in (np.float32, np.float64):
             continue
         if node.op == "Gemm":
             if node.attrs.get("transA", 0):

@@ -319,7 +319,7 @@ class GraphSession:
                     outs.append(views[name])
             tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
             ins = [env[i] if i else None for i in node.inputs]
-            res = OPS[node.op].run(ctx, node, ins, outs, metas, tmp)
+            res = _guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     env[name] = arr
