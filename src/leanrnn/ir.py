@@ -37,6 +37,21 @@ if TYPE_CHECKING:
 RNN_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN": "rnn"}
 
 
+def check_node_io(where: str, inputs, outputs, defined: set[str]) -> None:
+    """A ModelFormatError unless every named input of a node is in ``defined`` (graph inputs,
+    constants, earlier nodes' outputs) and no output redefines one. The one check for the
+    importers and the engine's load-time pass; ``where`` is "[op] node 'name' (Op)"."""
+    for i in inputs:
+        if i and i not in defined:
+            raise ModelFormatError(
+                f"{where} reads {i!r}, which no graph input, constant or earlier node defines "
+                "(nodes not in topological order, or a dangling name)"
+            )
+    for o in outputs:
+        if o and o in defined:
+            raise ModelFormatError(f"{where} redefines tensor {o!r}")
+
+
 def is_count(v) -> bool:
     """Whether ``v`` is a plausible dimension or byte count: an int (not a bool) in 0..2**62."""
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..engine.graph.passes import pack_constant_rnns
 from ..errors import LeanRNNError, ModelFormatError, WeightsError
-from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, rnn_attrs
+from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_node_io, check_opset, rnn_attrs
 from .packing import reorder_gates
 
 MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message
@@ -477,15 +477,7 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
             name = f"{name}_{i}"
         seen_names.add(name)
         where = f"node {name!r} ({op})"
-        for inp in n.input:
-            if inp and inp not in defined:
-                raise ModelFormatError(
-                    f"[load_onnx] {where} reads {inp!r}, which no graph input, initializer or "
-                    "earlier node defines (graph not topologically sorted, or dangling)"
-                )
-        for out in n.output:
-            if out and out in defined:
-                raise ModelFormatError(f"[load_onnx] {where} redefines tensor {out!r}")
+        check_node_io(f"[load_onnx] {where}", n.input, n.output, defined)
         attrs = _attrs(n, reader, where)
         if op == "Constant":
             if len(n.output) != 1 or not n.output[0]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import ModelFormatError, UnsupportedOpError
 from ...formats.packing import ONNX_ORDER, pack
-from ...ir import RNN_OPS, Graph, Node, rnn_from_node
+from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
 from .ops import OPS, SUPPORTED_OPS, Out, PackedMatmul, _Ctx, _eval, _guard
 
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
@@ -68,15 +68,7 @@ def check(g: Graph) -> None:
         if node.name in names:
             raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
         names.add(node.name)
-        for i in node.inputs:
-            if i and i not in defined:
-                raise ModelFormatError(
-                    f"[load] node {node.name!r} ({node.op}) reads {i!r}, "
-                    "which nothing defines before it"
-                )
-        for o in node.outputs:
-            if o in defined:
-                raise ModelFormatError(f"[load] node {node.name!r} redefines tensor {o!r}")
+        check_node_io(f"[load] node {node.name!r} ({node.op})", node.inputs, node.outputs, defined)
         defined |= {o for o in node.outputs if o}
         if node.op in RNN_OPS:
             _check_rnn(g, node)
