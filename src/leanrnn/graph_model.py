@@ -35,10 +35,18 @@ class GraphModel:
     def __init__(self, graph: Graph, threads: int | None = None) -> None:
         self._loaded = LoadedGraph(graph, threads)
         self.graph = graph
-        self.threads = threads
         self._lock = threading.Lock()
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
         self._session: GraphSession | None = None
+
+    @property
+    def threads(self) -> int | None:
+        """Kernel threads (None: all); set before the first run, which plans the session."""
+        return self._loaded.threads
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        self._loaded.threads = value
 
     # -- description
     @property
