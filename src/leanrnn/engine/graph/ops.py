@@ -50,7 +50,7 @@ class OpDef:
     scratch: Callable | None = None  # (ctx, node, ins, metas, needed) -> {name: (shape, dtype)}
 
 
-class _Ctx:
+class Ctx:
     """What ops may consult: opset, packed RNN weights, per-node engine sessions, packed
     MatMul/Gemm weights."""
 
@@ -794,7 +794,7 @@ def _y_direct(node, D: int) -> bool:
     return D == 1 or layout == 1 or bool(node.attrs.get("y_tndh"))
 
 
-def _engine_y(ctx, node) -> bool:
+def rnn_computes_y(ctx, node) -> bool:
     """Whether the engine computes y: when Y is needed. Without Y the engine keeps only final
     states (``return_sequences=False``), chunked for forward stacks; reverse and bidirectional
     ones run whole (the Session decides, see ``Session.chunkable``)."""
@@ -807,7 +807,7 @@ def _rnn_scratch(ctx, node, ins, metas, needed):
     T, N = (X[0], X[1]) if layout == 0 else (X[1], X[0])
     H, dt = metas[0].shape[-1], metas[0].dtype  # Y is [.., H] in both layouts
     tmp = {}
-    if _engine_y(ctx, node) and not (_rnn_need(ctx, node, 0) and _y_direct(node, D)):
+    if rnn_computes_y(ctx, node) and not (_rnn_need(ctx, node, 0) and _y_direct(node, D)):
         tmp["y"] = ((T, N, D * H) if layout == 0 else (N, T, D * H), dt)
     if not (_rnn_need(ctx, node, 1) and layout == 0):
         tmp["h"] = ((D, N, H), dt)
@@ -834,7 +834,7 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
         h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
         c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
     T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
-    engine_y = _engine_y(ctx, node)
+    engine_y = rnn_computes_y(ctx, node)
     y = None
     if engine_y:
         y = (
@@ -890,7 +890,7 @@ INPLACE_OPS = frozenset([*_UNARY, *_BINARY, "Softmax", "LogSoftmax"])
 SUPPORTED_OPS = tuple(sorted([*OPS, "Constant"]))
 
 
-def _guard(node: Node, fn, *args):
+def guard(node: Node, fn, *args):
     """Call an op function (at load, plan or run time) so that every error names the node: a
     leanrnn error that does not yet gets the node in front, anything else (a malformed
     attribute in a hostile file, say) becomes a ModelFormatError that names it."""
@@ -906,7 +906,7 @@ def _guard(node: Node, fn, *args):
         ) from None
 
 
-def _eval(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
+def evaluate(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
     """Run one node on concrete arrays, allocating its outputs (folding and shape math)."""
     if all(m.value is not None for m in metas):
         return [m.value for m in metas]

@@ -13,7 +13,7 @@ import numpy as np
 from ...errors import ModelFormatError, UnsupportedOpError
 from ...formats.packing import ONNX_ORDER, pack
 from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
-from .ops import OPS, SUPPORTED_OPS, Out, PackedMatmul, _Ctx, _eval, _guard
+from .ops import OPS, SUPPORTED_OPS, Ctx, Out, PackedMatmul, evaluate, guard
 
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
 # file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
@@ -118,7 +118,7 @@ def fold(g: Graph, threads: int | None = None) -> None:
     # A folded value is at most a rearrangement of the constants plus slack (Expand and
     # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
     limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
-    ctx = _Ctx(g, {}, threads)
+    ctx = Ctx(g, {}, threads)
     readers: dict[str, int] = {t.name: 1 for t in g.outputs}
     for node in g.nodes:
         for i in node.inputs:
@@ -130,7 +130,7 @@ def fold(g: Graph, threads: int | None = None) -> None:
             continue
         vals = [g.constants[i] if i else None for i in node.inputs]
         ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
-        metas = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+        metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
         for m in metas:
             if m.nbytes > limit:
                 raise ModelFormatError(
@@ -138,7 +138,7 @@ def fold(g: Graph, threads: int | None = None) -> None:
                     f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
                     f"more than {limit} bytes"
                 )
-        res = _guard(node, _eval, ctx, node, vals, metas)
+        res = guard(node, evaluate, ctx, node, vals, metas)
         del vals
         for name, arr in zip(node.outputs, res, strict=False):
             if name:

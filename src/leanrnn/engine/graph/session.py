@@ -28,7 +28,7 @@ from ...memory.arena import Arena
 from ...memory.planner import Buffer, Plan, plan
 from .. import _fork
 from ..session import Pool, Session
-from .ops import INPLACE_OPS, OPS, Out, _Ctx, _engine_y, _eval, _guard
+from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
 from .passes import LoadedGraph
 
 _controller = None
@@ -60,7 +60,7 @@ class GraphSession:
             name: Session(pw, threads=loaded.threads, pool=self._pool)
             for name, pw in g.packed.items()
         }
-        self._ctx = _Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
+        self._ctx = Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
         self._ctx.needed = loaded.needed
         self._lock = threading.Lock()
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
@@ -133,7 +133,7 @@ class GraphSession:
         for node in g.nodes:
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
-            outs = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
             for m in outs:
                 if limit is not None and m.nbytes > limit:
                     raise ShapeError(
@@ -145,7 +145,7 @@ class GraphSession:
                 if name:
                     metas[name] = m
             if node.name in loaded.shape_nodes:
-                res = _guard(node, _eval, ctx, node, vals, outs)
+                res = guard(node, evaluate, ctx, node, vals, outs)
                 for name, arr in zip(node.outputs, res, strict=False):
                     if name:
                         values[name] = np.asarray(arr, order="C")
@@ -153,7 +153,7 @@ class GraphSession:
                 continue
             tmp = {}
             if OPS[node.op].scratch is not None:
-                tmp = _guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
+                tmp = guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
             steps.append((node, outs, tmp))
         p, views = self._plan_arena(steps, metas, limit)
         for node, _, _ in steps:
@@ -161,7 +161,7 @@ class GraphSession:
             if sess is not None:
                 x = metas[node.inputs[0]].shape
                 T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
-                sess.resize(N, T, return_sequences=_engine_y(ctx, node))
+                sess.resize(N, T, return_sequences=rnn_computes_y(ctx, node))
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra
@@ -319,7 +319,7 @@ class GraphSession:
                     outs.append(views[name])
             tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
             ins = [env[i] if i else None for i in node.inputs]
-            res = _guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
+            res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     env[name] = arr
