@@ -337,7 +337,7 @@ def _mutate(data: bytes, mutations) -> bytes:
 
 def _try_to_use(model) -> None:
     """Run what loaded, on a small input, if its declared input is small."""
-    if hasattr(model, "input_names"):
+    if hasattr(model, "graph"):  # both kinds have input_names now (one model protocol)
         feeds = {}
         for t in model.graph.inputs:
             dims = [d if isinstance(d, int) else 2 for d in (t.shape or ())]

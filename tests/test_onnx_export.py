@@ -16,7 +16,7 @@ from tolerances import atol
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
 from leanrnn.loading import convert, load, save  # noqa: E402
 from leanrnn.nn import GRU, LSTM  # noqa: E402
 

@@ -19,8 +19,9 @@ from tolerances import atol
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
-from leanrnn.formats.onnx_import import RNN_OPS, read_onnx  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
+from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
+from leanrnn.ir import RNN_OPS  # noqa: E402
 from leanrnn.loading import load  # noqa: E402
 
 pytestmark = pytest.mark.onnx

@@ -18,7 +18,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
 from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
 
 pytestmark = pytest.mark.onnx
@@ -244,7 +244,7 @@ def test_cases_cover_every_attribute():
 def test_float64_nodes_match_the_float64_reference(op):
     """float64 RNN nodes run in float64 (onnxruntime has no double LSTM/GRU/RNN kernels, so the
     oracle here is leanrnn's NumPy reference)."""
-    from leanrnn.formats.onnx_import import rnn_attrs, rnn_from_onnx
+    from leanrnn.ir import rnn_attrs, rnn_from_node
     from leanrnn.kernels.reference import reference_forward
 
     case = _case(op, 7)
@@ -262,7 +262,7 @@ def test_float64_nodes_match_the_float64_reference(op):
     attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
     attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
     attrs["activations"] = [a.decode() for a in attrs.get("activations", [])]
-    spec, layers = rnn_from_onnx(
+    spec, layers = rnn_from_node(
         op, rnn_attrs(op, attrs, op), t["W"], t["R"], t.get("B"), t.get("P")
     )
     y, h, c = reference_forward(spec, layers, t["X"], t.get("h0"), t.get("c0"), t.get("seq"))

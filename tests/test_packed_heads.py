@@ -14,7 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import leanrnn  # noqa: E402
-from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
 from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
 
 pytestmark = pytest.mark.onnx

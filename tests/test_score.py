@@ -356,7 +356,7 @@ def test_error_mid_file_removes_the_partial_output(tmp_path, lstm):
 
 def test_graph_model_and_bad_options_are_refused_clearly(tmp_path, lstm):
     src = write_parquet(str(tmp_path / "in.parquet"), _seqs("uniform", 3))
-    from leanrnn.engine.graph import GraphModel
+    from leanrnn import GraphModel
 
     g = GraphModel.__new__(GraphModel)
     with pytest.raises(SpecError, match="GraphModel"):

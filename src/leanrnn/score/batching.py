@@ -25,7 +25,7 @@ MAX_PADDING = 0.15
 
 def engine_model(model, op: str = "score"):
     """The recurrent Model inside ``model`` (a leanrnn LSTM/GRU/RNN/Model), or a clear error."""
-    from ..engine.graph import GraphModel
+    from ..graph_model import GraphModel
     from ..nn import Model
 
     if isinstance(model, Model):
