@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from ..cli import positive_int
+
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
 
 
@@ -35,8 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="final states (h_n, c_n), per-step outputs (y), or both")  # fmt: skip
     p.add_argument("--memory-limit", type=parse_bytes, default=None,
                    help="bytes for buffers, e.g. 512M (default: 1/4 of available, <= 256M)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=None, help="fixed sequences per batch")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="fixed sequences per batch (default: chosen from the hardware)")  # fmt: skip
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="kernel threads (default: leanrnn.get_num_threads())")  # fmt: skip
     p.add_argument("--no-bucket", action="store_true",
                    help="batch in input order (padding each batch to its longest)")  # fmt: skip
     p.add_argument("--column", default=None, help="Parquet feature column")
