@@ -50,12 +50,11 @@ from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
+from ..threads import PARALLEL_MIN_MACS
 from . import _check, _fork
 
 _log = logging.getLogger("leanrnn")
 
-# Below this many multiply-adds per step, threads wait on each other longer than they work.
-PARALLEL_MIN_MACS = 1 << 15
 # Steps per chunk when a run keeps only final states and no chunk was set: small enough that
 # scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
 DEFAULT_CHUNK = 32
