@@ -19,10 +19,10 @@ this machine (Zen 5): KC 64 -> 256 and ROWS 96 -> 192 took the H=1024 projection
 
 from __future__ import annotations
 
-from ..formats.packing import B
 from ._jit import inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
+from .abi import B
 
 KC = 1024  # inputs per K slice: a [1024, 64] float32 panel slice is 256 KiB
 ROWS = 192  # input rows per task in the input projection (a multiple of 6 and 3)
