@@ -436,6 +436,9 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--part", choices=["load", "run", "all"], default="all")
     args = p.parse_args()
+    from leanrnn.bench.report import cpu_line
+
+    print(cpu_line())
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("load", "all"):

@@ -143,6 +143,9 @@ def main() -> None:
         json.dump(res, f, indent=2)
     mib = 2**20
     s, l1, l2 = res["stream"], res["long_T100"], res["long_T10000"]
+    from leanrnn.bench.report import cpu_line
+
+    print(cpu_line() + f"; {a.threads} thread(s)\n")
     print("| bar | measured | target |\n|---|---|---|")
     print(
         f"| stream 100 steps, N=1, H=512: tracemalloc growth | {s.get('tracemalloc_growth')} B | 0 |"

@@ -557,8 +557,11 @@ def machine_info() -> dict:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
+    from ..kernels._cpu import describe  # the ISA and caches the kernels were tiled for
+
     return {
         "cpu": cpu,
+        "cpu_detail": describe(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -139,6 +139,8 @@ def latency_table(results: dict) -> str:
         "reference (timed anyway); n/a = unavailable; error = the child failed (reasons below). "
         "† = other processes kept more cores busy than the row had to spare (noisy)."
     )
+    cpu = results.get("machine", {}).get("cpu_detail")
+    legend += f"\nCPU: {cpu}" if cpu else ""
     return _table(["config", "threads", *engines], rows) + "\n\n" + legend + _reasons(results)
 
 
@@ -361,9 +363,11 @@ def bars_table(results: dict) -> str | None:
     if not rows:
         return None
     header = ["H", "N", "T", "threads", BASE, *BAR_PEERS, "leanrnn / faster peer", "bar ≤ 1"]
+    m = results.get("machine", {})
     return _table(header, rows) + (
         "\n\nSingle-layer LSTM, input = hidden; median time per forward. The bar (engine issue): "
         "leanrnn / faster peer ≤ 1 in every row. † = the machine was busy during leanrnn's row."
+        f"\nCPU: {m.get('cpu_detail') or m.get('cpu', '?')}"
     )
 
 
@@ -533,12 +537,21 @@ def plot(results: dict, out: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------- the report
+def cpu_line() -> str:
+    """This machine's CPU, vector ISA and caches (what the kernels' tiles were derived from),
+    for the benchmarks to print beside their tables: speed ratios differ between CPUs."""
+    from ..kernels._cpu import describe
+
+    return f"CPU: {describe()}"
+
+
 def machine_line(results: dict) -> str:
     m = results.get("machine", {})
     vers = ", ".join(f"{k} {x}" for k, x in m.get("versions", {}).items() if x)
     load = [f"{(m.get(k) or [math.nan])[0]:.2f}" for k in ("loadavg", "loadavg_end")]
+    cpu = m.get("cpu_detail") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
     return (
-        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores; Python {m.get('python', '?')}; "
+        f"{cpu}; Python {m.get('python', '?')}; "
         f"{vers}. Load average {load[0]} at start, {load[1]} at end."
     )
 

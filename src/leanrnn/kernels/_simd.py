@@ -16,10 +16,15 @@ One intrinsic per panel width (nvec = 1..4 groups of 16 outputs) computes a whol
     to the first);  2 → bias[boff + j], the same for every row (the input projection's folded
     bias, added in the tile's final store rather than in a second pass over C).
 
-Rows go MR at a time (6 for float32, 3 for float64: MR*nvec accumulators stay within the 32
-vector registers); the 1..MR-1 leftover rows go as one shorter tile, and a single row (N=1, a
-GEMV) splits its k loop S ways into independent accumulator sets — with one set it would wait
-on FMA latency instead of streaming weights.
+The tile's shape comes from the CPU (``_cpu.tile_for``: its register count and width): MR rows
+x NG groups of 16 columns of accumulators, e.g. 6 x 64 float32 on AVX-512 (24 zmm of 32), 6 x 16
+on AVX2 (12 ymm of 16). A panel slice wider than NG groups is done NG groups at a time within
+each row block, so the accumulators stay in registers (6 x 64 on AVX2 needs 48 ymm: LLVM spilled
+them, and the step GEMM at H=512, N=64 ran at 12-19 GFLOP/s instead of 70-89 on a Zen 3). The
+1..MR-1 leftover rows go as one shorter tile. A single row (N=1, a GEMV) takes the widest slice
+whose accumulators fit, splitting its k loop S ways into independent accumulator sets when
+registers are left — with too few FMA chains it would wait on FMA latency instead of streaming
+weights.
 """
 
 from __future__ import annotations
@@ -29,18 +34,35 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-TILE_ROWS = {types.float32: 6, types.float64: 3}
-_LANES = {types.float32: 16, types.float64: 8}
-_SPLIT = {types.float32: 4, types.float64: 2}
+from . import _cpu
+
+_DTYPES = {types.float32: 4, types.float64: 8}
 
 
-def _codegen(nvec: int):
+def tiles(isa: _cpu.Isa | None = None) -> dict:
+    """{numba dtype: _cpu.Tile} for ``isa`` (default: the one the kernels are compiled for)."""
+    isa = isa or _cpu.isa()
+    return {dt: _cpu.tile_for(isa, size) for dt, size in _DTYPES.items()}
+
+
+TILES = tiles()
+
+
+def _codegen(nvec: int, tiles_: dict):
     def gen(context, builder, signature, args):
         P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
         dt = signature.args[0].dtype
-        lanes = _LANES[dt]
-        nv = nvec * (16 // lanes)  # vectors per row of output
-        MR, S = TILE_ROWS[dt], _SPLIT[dt]
+        tile = tiles_[dt]
+        lanes = 16 // tile.vecs
+        MR, S = tile.rows, tile.split
+
+        def chunks_of(ng):
+            """The slice's column chunks of ng groups, in vectors: (first vector, vectors)."""
+            ng = min(ng, nvec)
+            return [(g * tile.vecs, min(ng, nvec - g) * tile.vecs) for g in range(0, nvec, ng)]
+
+        chunks, gemv_chunks = chunks_of(tile.groups), chunks_of(tile.gemv_groups)
+        nvmax = max(nv for _, nv in chunks + gemv_chunks)
         pa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_).data
         aa = cgutils.create_struct_proxy(signature.args[3])(context, builder, value=A_).data
         ca = cgutils.create_struct_proxy(signature.args[9])(context, builder, value=C_).data
@@ -58,24 +80,30 @@ def _codegen(nvec: int):
         undef = ir.Constant(vt, ir.Undefined)
         zero = ir.Constant(vt, [0.0] * lanes)
         # Accumulators as entry-block allocas: mem2reg/SROA turn them into registers.
-        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nv)] for _ in range(MR * S)]
+        acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvmax)]
+               for _ in range(max(MR, S))]  # fmt: skip
 
         def const(v):
             return ir.Constant(i64, v)
 
         def rows_block(i, nrows, nsplit):
-            """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row."""
+            """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
+            after another (the rows of A stay in L1 across the chunks)."""
+            arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
+                    for r in range(nrows)]  # fmt: skip
+            for v0, nv in gemv_chunks if nrows == 1 else chunks:
+                chunk(i, nrows, nsplit, arow, v0, nv)
+
+        def chunk(i, nrows, nsplit, arow, v0, nv):
             for a in acc[: nrows * nsplit]:
                 for v in range(nv):
                     builder.store(zero, a[v])
-            arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
-                    for r in range(nrows)]  # fmt: skip
 
             def step(k, s):
                 krow = builder.add(poff, builder.mul(k, kstride))
                 ws = []
                 for v in range(nv):
-                    ptr = builder.gep(pa, [builder.add(krow, const(v * lanes))])
+                    ptr = builder.gep(pa, [builder.add(krow, const((v0 + v) * lanes))])
                     ws.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4))
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
@@ -93,7 +121,7 @@ def _codegen(nvec: int):
             with cgutils.for_range_slice(builder, kmain, K, const(1)) as (k, _):
                 step(k, 0)
 
-            def store_rows(with_old):
+            def store_rows(init_of):
                 for r in range(nrows):
                     base = builder.add(coff, builder.mul(builder.add(i, const(r)), ldc))
                     for v in range(nv):
@@ -101,30 +129,35 @@ def _codegen(nvec: int):
                         for s in range(1, nsplit):
                             tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
                         ptr = builder.bitcast(
-                            builder.gep(ca, [builder.add(base, const(v * lanes))]),
+                            builder.gep(ca, [builder.add(base, const((v0 + v) * lanes))]),
                             vt.as_pointer(),
                         )
-                        init = builder.load(ptr, align=4) if with_old else builder.load(bvec[v])
-                        builder.store(builder.fadd(tot, init), ptr, align=4)
+                        builder.store(builder.fadd(tot, init_of(ptr, v)), ptr, align=4)
 
-            # Two store paths, so modes 0 and 2 never read C: a load of a line not yet in
-            # cache (a fresh xw row) would stall the tile for nothing.
+            def old(ptr, v):
+                return builder.load(ptr, align=4)
+
+            def bias(ptr, v):
+                bp = builder.gep(ba, [builder.add(boff, const((v0 + v) * lanes))])
+                return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
+
+            # Three store paths, so modes 0 and 2 never read C: a load of a line not yet in
+            # cache (a fresh xw row) would stall the tile for nothing; mode 0 never reads the
+            # bias either (boff may not be valid then).
             with builder.if_else(add_old) as (then, otherwise):
                 with then:
-                    store_rows(True)
+                    store_rows(old)
                 with otherwise:
-                    store_rows(False)
+                    with builder.if_else(add_bias) as (then2, otherwise2):
+                        with then2:
+                            store_rows(bias)
+                        with otherwise2:
+                            store_rows(lambda ptr, v: zero)
 
-        # mode 2's bias vectors, loaded once per call (zero otherwise: boff may not be valid then)
-        bvec = [cgutils.alloca_once_value(builder, zero) for _ in range(nv)]
-        with builder.if_then(add_bias):
-            for v in range(nv):
-                ptr = builder.gep(ba, [builder.add(boff, const(v * lanes))])
-                builder.store(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4), bvec[v])
         n = builder.sub(i1, i0)
         full_end = builder.add(i0, builder.mul(builder.sdiv(n, const(MR)), const(MR)))
         with cgutils.for_range_slice(builder, i0, full_end, const(MR)) as (i, _):
-            rows_block(i, MR, 1)
+            rows_block(i, MR, S if MR == 1 else 1)  # a 1-row tile: every row is a GEMV
         # The 1..MR-1 leftover rows as one shorter tile (its own straight-line body per count):
         # at N=64, 4 rows one at a time ran at half the speed of a 4-row tile.
         rem = builder.sub(i1, full_end)
@@ -136,15 +169,19 @@ def _codegen(nvec: int):
     return gen
 
 
-def _make(nvec: int):
+def make(nvec: int, tiles_: dict | None = None):
+    """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
+    (default TILES; the tests pass others to run every ISA's tile on any machine)."""
+    tiles_ = tiles_ or TILES
+
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
-        if not isinstance(P, types.Array) or P.dtype not in _LANES:
+        if not isinstance(P, types.Array) or P.dtype not in _DTYPES:
             return None
         i = types.intp
-        return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), _codegen(nvec)
+        return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), _codegen(nvec, tiles_)
 
     typer.__name__ = f"panel_gemm{nvec}"
     return intrinsic(typer)
 
 
-panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4 = (_make(n) for n in (1, 2, 3, 4))
+panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4 = (make(n) for n in (1, 2, 3, 4))

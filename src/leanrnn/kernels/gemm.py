@@ -12,20 +12,27 @@ not alias A or P. There are four of them, not one taking N, because each must na
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
 more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
 L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
-matter); a single row (GEMV) streams the whole panel once instead. KC and ROWS were swept on
-this machine (Zen 5): KC 64 -> 256 and ROWS 96 -> 192 took the H=1024 projection from 195 to
-234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024) gained another 1-3% at H=1024.
+matter); a single row (GEMV) streams the whole panel once instead. KC and ROWS come from this
+CPU's L2 (_cpu.kc, _cpu.row_chunk: the panel slice a quarter of it, the chunk of x the rest);
+the rule reproduces what a sweep found on a Zen 5 (1 MiB L2): KC 64 -> 256 and ROWS 96 -> 192
+took the H=1024 projection from 195 to 234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024)
+gained another 1-3% at H=1024.
 """
 
 from __future__ import annotations
 
+import math
+
+from . import _cpu
 from ._jit import inline, kernel
-from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
+from ._simd import TILES, panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
 from .abi import B
 
-KC = 1024  # inputs per K slice: a [1024, 64] float32 panel slice is 256 KiB
-ROWS = 192  # input rows per task in the input projection (a multiple of 6 and 3)
+# Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers.
+ALIGN = math.lcm(*(t.rows for t in TILES.values()))
+KC = _cpu.kc(_cpu.caches()["L2"])  # inputs per K slice of the multi-row panel GEMM
+ROWS = _cpu.row_chunk(_cpu.caches()["L2"], KC, ALIGN)  # input rows per projection task
 
 
 @inline
@@ -89,9 +96,9 @@ def input_projection(x, W, b, K, xw, sync):
     """
     M = x.shape[0]
     U, _, Wd = W.shape
-    # Even row chunks, a multiple of 6 rows (the tile height).
+    # Even row chunks, a multiple of the tile heights.
     nm = (M + ROWS - 1) // ROWS
-    rows = ((M + nm - 1) // nm + 5) // 6 * 6
+    rows = ((M + nm - 1) // nm + ALIGN - 1) // ALIGN * ALIGN
     ntasks = U * nm
     while True:
         task = take(sync)

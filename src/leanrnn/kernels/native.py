@@ -78,6 +78,9 @@ def fingerprint() -> str:
     h.update(sys.implementation.cache_tag.encode())
     h.update(str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
     h.update(_cpu().encode())
+    from ._cpu import signature  # the register tile and cache blocking compiled in
+
+    h.update(signature().encode())
     return h.hexdigest()[:24]
 
 

@@ -1,0 +1,212 @@
+"""What the kernels assume of the CPU they are compiled for: its vector ISA (register count and
+width) and cache sizes, read at run time, and the register tile and cache blocking derived from
+them by one rule — not one machine's constants.
+
+Pure Python (no numba): kernels.native hashes ``signature()`` into the build's fingerprint, and
+the bench reports print ``describe()`` beside their tables.
+
+``LEANRNN_ISA=avx512|avx2|sse|neon`` forces the tile of that ISA (the code stays correct on any
+CPU — LLVM splits or spills what the hardware lacks — so each tile path can be tested anywhere).
+It changes the native build's fingerprint; numba's on-disk JIT cache does not see it, so with
+the JIT backend it takes effect only for kernels compiled after it is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..formats.packing import B
+
+ENV_ISA = "LEANRNN_ISA"
+# Widest a tile's columns may be, in groups of B: the LSTM's 4-gate block panel. Chunks divide
+# it, so an LSTM panel is never cut into unequal chunks.
+MAX_GROUPS = 4
+_GROUP_CHOICES = (1, 2, 4)
+# Independent accumulator sets a single row (GEMV) splits its k loop into, per element size:
+# enough FMAs in flight to cover FMA latency x ports on current x86 and Arm cores.
+_GEMV_SPLIT = {4: 4, 8: 2}
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    regs: int  # architectural vector registers
+    width: int  # bytes per vector register
+
+
+ISAS = {
+    "avx512": Isa("avx512", 32, 64),
+    "avx2": Isa("avx2", 16, 32),
+    "sse": Isa("sse", 16, 16),
+    "neon": Isa("neon", 32, 16),
+}
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A register tile: ``rows`` rows of A x ``groups`` groups of B columns of C held in
+    registers (``vecs`` registers per group); a single row (GEMV) instead takes
+    ``gemv_groups`` groups at once with ``split`` accumulator sets."""
+
+    rows: int
+    groups: int
+    split: int
+    vecs: int
+    gemv_groups: int
+
+    def registers(self) -> int:
+        """Vector registers the k loop keeps live: the accumulators, one broadcast input, and
+        (with several rows) the row of weights they share — a lone row uses each weight
+        vector once, straight from memory."""
+        nv = self.groups * self.vecs
+        rows = self.rows * nv + (nv if self.rows > 1 else 0) + 1
+        return max(rows, self.split * self.gemv_groups * self.vecs + 1)
+
+
+def isa_of(flags: set[str], machine: str = "x86_64") -> str:
+    """The ISA name for a set of /proc/cpuinfo flags (pure: the tests feed it sets)."""
+    if machine.lower() in ("aarch64", "arm64"):
+        return "neon"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags and "fma" in flags:
+        return "avx2"
+    return "sse"
+
+
+def tile_for(isa: Isa, itemsize: int) -> Tile:
+    """The register tile for ``isa`` and an element size (4: float32, 8: float64).
+
+    Per k step a tile of r rows x nv vectors loads nv weight vectors and r broadcast inputs for
+    r*nv FMAs; the rule minimises loads per FMA, (r + nv) / (r*nv), over tiles whose live
+    registers (Tile.registers) fit the register file, with
+    columns in whole groups of B dividing the 4-group LSTM panel; ties go to the wider tile
+    (fewer passes over A). AVX-512 float32 gives 6 rows x 64 columns (24 zmm accumulators),
+    AVX2 float32 6 x 16 (12 ymm), the classic sgemm shapes.
+    """
+    vecs = max(1, B * itemsize // isa.width)
+    best = None
+    for g in _GROUP_CHOICES:
+        nv = g * vecs
+        r = (isa.regs - nv - 1) // nv
+        if r < 2:  # one row holds no weights in registers
+            r = 1 if nv + 1 <= isa.regs else 0
+        if r < 1:
+            continue
+        cost = (r + nv) / (r * nv)
+        if best is None or cost < best[0] - 1e-12 or (abs(cost - best[0]) <= 1e-12 and g > best[2]):
+            best = (cost, r, g)
+    if best is None:  # not even one row of one group fits: one row, and let LLVM spill
+        r, g = 1, 1
+    else:
+        _, r, g = best
+    # A single row is bound by streaming the weights, not by registers: it takes the widest
+    # slice whose accumulators fit (whole 256-byte panel rows stream best — 16 columns at a
+    # time at stride 256 B ran the H=512 GEMV at 40% of the speed on a Zen 3), split S ways if
+    # registers are left, for enough independent FMA chains.
+    gv = next((g for g in sorted(_GROUP_CHOICES, reverse=True) if g * vecs + 1 <= isa.regs), 1)
+    split = max(1, min(_GEMV_SPLIT[itemsize], (isa.regs - 1) // (gv * vecs)))
+    return Tile(r, g, split, vecs, gv)
+
+
+def _flags() -> tuple[set[str], str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split()), platform.machine()
+    except OSError:
+        pass
+    return set(), platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def host_isa() -> str:
+    """This CPU's ISA, from its feature flags."""
+    return isa_of(*_flags())
+
+
+def isa() -> Isa:
+    """The ISA the kernels are compiled for: ``LEANRNN_ISA`` if set, else this CPU's."""
+    forced = os.environ.get(ENV_ISA, "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            from ..errors import LeanRNNError
+
+            raise LeanRNNError(f"[{ENV_ISA}] {forced!r} is not an ISA leanrnn knows; expected "
+                               f"one of {', '.join(ISAS)}; unset it to use this CPU's")  # fmt: skip
+        return ISAS[forced]
+    return ISAS[host_isa()]
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG")) * mult
+
+
+@functools.lru_cache(maxsize=1)
+def caches() -> dict[str, int]:
+    """Per-core data cache sizes in bytes {L1d, L2, L3} (L3: the whole shared cache), from
+    sysfs; a typical current core's sizes where the OS does not say."""
+    out = {"L1d": 32 << 10, "L2": 1 << 20, "L3": 32 << 20}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for d in sorted(root.glob("index*")):
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            if kind == "Instruction":
+                continue
+            name = "L1d" if level == 1 else f"L{level}"
+            if name in out:
+                out[name] = _size((d / "size").read_text())
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def kc(l2: int) -> int:
+    """Inputs per K slice of the multi-row panel GEMM: the [KC, 4*B] float32 panel slice the
+    row tiles share takes a quarter of L2 (the rest holds the rows of A and C passing through).
+    1 MiB of L2 (Zen 5) gives 1024; 512 KiB (Zen 3) 512; 2 MiB (Sapphire Rapids) 2048."""
+    k = l2 // (4 * MAX_GROUPS * B * 4)
+    return max(128, 1 << (k.bit_length() - 1))  # a power of two: whole cache lines per row
+
+
+def row_chunk(l2: int, kc_: int, align: int) -> int:
+    """Input rows per input-projection task: the [rows, KC] float32 chunk of x takes the other
+    three quarters of L2 — 192 rows whenever KC comes from the same L2 (as Zen 5's sweep found),
+    rounded down to a multiple of the tile heights."""
+    rows = 3 * l2 // (4 * kc_ * 4)
+    return max(align, rows // align * align)
+
+
+def describe() -> str:
+    """One line naming the CPU, its vector ISA and caches, for the bench reports."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    c = caches()
+    a = isa()
+    forced = f" (forced by {ENV_ISA})" if os.environ.get(ENV_ISA) else ""
+    t = tile_for(a, 4)
+    return (f"{model}, {os.cpu_count()} logical CPUs; {a.name}{forced}: {a.regs} x "
+            f"{a.width * 8}-bit vector registers, float32 tile {t.rows}x{t.groups * B}; "
+            f"L1d {c['L1d'] >> 10} KiB, L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
+
+
+def signature() -> str:
+    """Everything here that compiled code depends on (for the native build's fingerprint)."""
+    a = isa()
+    return f"isa={a.name} caches={sorted(caches().items())}"

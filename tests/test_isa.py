@@ -1,0 +1,105 @@
+"""The register tile comes from the CPU's ISA (kernels._cpu), and every ISA's tile computes the
+same GEMM on any machine: the tile intrinsics compiled for each ISA against a float64 reference."""
+
+import numba
+import numpy as np
+import pytest
+
+from leanrnn.errors import LeanRNNError
+from leanrnn.formats.packing import B
+from leanrnn.kernels import _cpu, _simd
+from tolerances import atol
+
+
+@pytest.mark.parametrize("flags, name", [
+    ({"sse2", "avx", "avx2", "fma", "avx512f"}, "avx512"),
+    ({"sse2", "avx", "avx2", "fma"}, "avx2"),
+    ({"sse2", "sse4_2"}, "sse"),
+])  # fmt: skip
+def test_isa_of_flags(flags, name):
+    assert _cpu.isa_of(flags) == name
+    assert _cpu.isa_of(set(), "aarch64") == "neon"
+
+
+@pytest.mark.parametrize("name", sorted(_cpu.ISAS))
+@pytest.mark.parametrize("itemsize", [4, 8])
+def test_tile_fits_the_register_file(name, itemsize):
+    isa = _cpu.ISAS[name]
+    t = _cpu.tile_for(isa, itemsize)
+    assert t.registers() <= isa.regs, (name, itemsize, t)
+    assert t.vecs * isa.width == B * itemsize  # a group of B columns is whole registers
+    assert _cpu.MAX_GROUPS % t.groups == 0 and t.rows >= 1 and t.split >= 1
+
+
+def test_tile_rule_reproduces_the_known_shapes():
+    # AVX-512 float32: 6 rows x 64 columns (what leanrnn was tuned with on Zen 5);
+    # AVX2: the classic 6 x 16 sgemm tile (6 x 64 needed 48 of 16 ymm registers)
+    avx512 = _cpu.tile_for(_cpu.ISAS["avx512"], 4)
+    avx2 = _cpu.tile_for(_cpu.ISAS["avx2"], 4)
+    assert (avx512.rows, avx512.groups * B) == (6, 64)
+    assert (avx512.gemv_groups, avx512.split) == (4, 4)  # a lone row: 4 x 4 zmm, as on Zen 5
+    assert (avx2.rows, avx2.groups * B) == (6, 16)
+    assert avx2.gemv_groups * B == 64  # a lone row streams whole 256-byte panel rows
+
+
+def test_cache_rule():
+    # Zen 5 (1 MiB L2): KC 1024 and 192 rows, as swept there; scales with L2
+    assert _cpu.kc(1 << 20) == 1024 and _cpu.row_chunk(1 << 20, 1024, 6) == 192
+    assert _cpu.kc(512 << 10) == 512 and _cpu.kc(2 << 20) == 2048
+
+
+def test_forced_isa(monkeypatch):
+    monkeypatch.setenv(_cpu.ENV_ISA, "avx512")
+    assert _cpu.isa().name == "avx512" and "forced" in _cpu.describe()
+    sig = _cpu.signature()
+    monkeypatch.setenv(_cpu.ENV_ISA, "sse")
+    assert _cpu.signature() != sig  # a different native build
+    monkeypatch.setenv(_cpu.ENV_ISA, "avx9")
+    with pytest.raises(LeanRNNError, match="LEANRNN_ISA"):
+        _cpu.isa()
+
+
+def _tile_gemm(name):
+    """panel_gemm1, 3 and 4 compiled for ISA ``name``'s tiles, behind one jit function."""
+    tiles = _simd.tiles(_cpu.ISAS[name])
+    g1, g3, g4 = (_simd.make(n, tiles) for n in (1, 3, 4))
+
+    @numba.njit
+    def run(nvec, P, poff, A, acol, i0, i1, K, C, coff, mode, bias, boff):
+        ks, lda, ldc = P.shape[1], A.shape[1], C.shape[1]
+        if nvec == 1:
+            g1(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+        elif nvec == 3:
+            g3(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+        else:
+            g4(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(_cpu.ISAS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_isa_tile_matches_reference(name, dtype):
+    """Each ISA's tile (row counts cover full tiles, leftover rows and the lone-row GEMV;
+    slice widths 1, 3, 4 groups whole and cut into chunks with a remainder;
+    K 7 and 9 a k loop with and without a remainder; all three init modes)."""
+    run = _tile_gemm(name)
+    rng = np.random.default_rng(1)
+    W = 4 * B
+    for nvec in (1, 3, 4):
+        for M in (1, 5, 6, 13):
+            for K in (7, 9):
+                P = rng.standard_normal((K + 1, W)).astype(dtype)  # row 0 skipped via poff
+                A = rng.standard_normal((M, K + 2)).astype(dtype)
+                bias = rng.standard_normal(W + 3).astype(dtype)
+                C0 = rng.standard_normal((M, W + 2)).astype(dtype)
+                cols = nvec * B
+                prod = A[:, 1 : K + 1].astype(np.float64) @ P[1:, :cols].astype(np.float64)
+                for mode, init in ((0, 0.0), (1, C0[:, 1 : cols + 1]), (2, bias[3 : cols + 3])):
+                    C = C0.copy()
+                    run(nvec, P, W, A, 1, 0, M, K, C, 1, mode, bias, 3 if mode == 2 else -1)
+                    np.testing.assert_allclose(C[:, 1 : cols + 1], prod + init, rtol=0,
+                                               atol=atol(dtype) * 10 * K)  # fmt: skip
+                    # nothing outside the slice is written
+                    np.testing.assert_array_equal(C[:, 0], C0[:, 0])
+                    np.testing.assert_array_equal(C[:, cols + 1 :], C0[:, cols + 1 :])
