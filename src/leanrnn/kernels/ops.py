@@ -21,7 +21,7 @@ import inspect
 from pathlib import Path
 
 import numba
-from numba import prange
+from numba import prange  # noqa: F401 - the generated ops use it (defined in this module)
 
 from . import abi
 from ._jit import CACHE, FASTMATH, kernel
@@ -52,10 +52,11 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
-def _define(name: str, source: str, ns: dict):
-    # Compiled as if from this file, so numba can cache it (it needs a source file on disk).
-    exec(compile(source, __file__, "exec"), ns)
-    return ns[name]
+def _define(name: str, source: str):
+    # Defined in this module, as if written in this file: numba caches a function only if it
+    # has a source file, and its cached code refers to its module by name.
+    exec(compile(source, __file__, "exec"), globals())
+    return globals()[name]
 
 
 def _generate() -> tuple[dict, dict]:
@@ -63,12 +64,10 @@ def _generate() -> tuple[dict, dict]:
     salt = _sources_digest()
     jobs, ops = {}, {}
     for job in abi.JOBS:
-        ns = {**KERNELS, "prange": prange}
         name, src = abi.job_source(job, sigs, salt)
-        jobs[job] = kernel(_define(name, src, ns))
-        ns[name] = jobs[job]
+        jobs[job] = globals()[name] = kernel(_define(name, src))
         op_name, op_src = abi.op_source(job, name)
-        ops[job] = _op(_define(op_name, op_src, ns))
+        ops[job] = _op(_define(op_name, op_src))
     return jobs, ops
 
 
