@@ -4,6 +4,9 @@ the native entries and the engine's argument assembly all follow that declaratio
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -99,3 +102,20 @@ def test_a_call_names_each_argument_exactly_once():
         abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, C=8, sync=sync)
     with pytest.raises(TypeError, match="per call"):
         c.bind(x=x, y=y)
+
+
+def test_the_native_build_never_compiles_from_numbas_cache():
+    """numba's cache does not notice a changed callee: a build from it could put old code in a
+    module whose fingerprint says new (it did: an edit of gemm.py alone left the cached lstm's)."""
+    code = """
+        from numba.core.caching import NullCache
+        from numba.core.dispatcher import Dispatcher
+        from leanrnn.kernels import _math, aot, ops
+        aot._without_cache()
+        ds = [*ops.KERNELS.values(), *ops.JOBS.values(), _math.act]
+        assert all(isinstance(d, Dispatcher) and isinstance(d._cache, NullCache) for d in ds)
+        print("ok")
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=600, check=False)  # fmt: skip
+    assert out.stdout.strip() == "ok", out.stderr

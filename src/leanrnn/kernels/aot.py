@@ -135,9 +135,26 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
+def _without_cache() -> None:
+    """Compile every kernel anew in this (build) process, never from numba's cache: the cache
+    cannot tell that a callee changed (recurrent.py's cached lstm kept gemm.py's code from
+    before an edit of gemm.py alone), and the module would carry stale code under a fingerprint
+    that says otherwise."""
+    from numba.core.caching import NullCache
+    from numba.core.dispatcher import Dispatcher
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(__package__ + ".") and mod is not None:
+            for v in list(vars(mod).values()):
+                if isinstance(v, Dispatcher):
+                    v._cache = NullCache()
+
+
 def _objects(dtype: str, verbose: bool = False) -> list[tuple[str, str, bytes, float]]:
     """(symbol, kinds, object code, seconds) of every job's entry for one working dtype."""
     from numba.core.registry import cpu_target
+
+    _without_cache()
 
     if verbose:
         _say(f"building {dtype} kernels ({', '.join(abi.ARGS)})")
