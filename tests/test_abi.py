@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import random_layers
 from leanrnn.formats.packing import pack
 from leanrnn.kernels import abi
 from leanrnn.spec import RNNSpec
-from test_properties import random_layers
 
 
 def test_every_declaration_matches_its_kernels_parameters():

@@ -13,6 +13,7 @@ import pytest
 from leanrnn.bench import report
 from leanrnn.bench.harness import Options, run_suite
 from leanrnn.bench.problem import Config, compare, make_problem, reference, reference_file
+from tolerances import ATOL_FLOAT64_TWINS
 
 HAVE = {m: importlib.util.find_spec(m) is not None for m in ("torch", "onnxruntime", "onnx")}
 HAVE_MEMRAY = importlib.util.find_spec("memray") is not None
@@ -54,7 +55,7 @@ def test_bench_reference_matches_leanrnn_oracle(cell):
         if w is None:
             assert g is None
         else:
-            np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
+            np.testing.assert_allclose(g, w, rtol=0, atol=ATOL_FLOAT64_TWINS[np.float64])
 
 
 @pytest.mark.torch
@@ -70,7 +71,9 @@ def test_bench_reference_matches_torch(cell):
     hx = (h0, torch.from_numpy(p.c0.astype(np.float64))) if cell == "lstm" else h0
     with torch.no_grad():
         y, _ = mod(torch.from_numpy(p.x.astype(np.float64)), hx)
-    np.testing.assert_allclose(reference(p)[0], y.numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        reference(p)[0], y.numpy(), rtol=0, atol=ATOL_FLOAT64_TWINS[np.float64]
+    )
 
 
 def test_compare_flags_wrong_and_nan(tmp_path):

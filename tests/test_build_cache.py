@@ -230,6 +230,6 @@ def test_numba_with_nowhere_to_cache_gets_a_cache_dir_instead_of_failing(tmp_pat
     assert "no locator available" not in res.stderr
     assert "NUMBA_CACHE_DIR" in res.stderr and str(fallback / "numba") in res.stderr
     y, where = res.stdout.split()
-    assert where == str(fallback / "numba")
+    assert Path(where).parent == fallback / "numba"  # keyed by the fingerprint below it
     assert any((fallback / "numba").rglob("_math.act-*.nbi"))  # numba did cache there
     np.testing.assert_allclose(float(y), np.tanh(0.5), atol=atol(np.float32), rtol=0)

@@ -806,30 +806,9 @@ ZERO_SIZE = {
     "logsoftmax_empty_axis": (node("LogSoftmax", ["a"], axis=0), {"a": _z(0, 3)}, {}, 13),
     "softmax11_empty_rows": (node("Softmax", ["a"]), {"a": _z(3, 0)}, {}, 11),
 }
-ZERO_SIZE_XFAIL = {
-    "matmul_K0": "MatMul [2, 0] @ [0, 3]: _matmul_run reshapes a to (-1, 0), ValueError "
-    "'cannot reshape array of size 0 into shape (0)' escapes (onnxruntime: zeros [2, 3])",
-    "matmul_N0": "MatMul [2, 3] @ [3, 0]: _matmul_run reshapes out to (-1, 0), ValueError "
-    "escapes (onnxruntime: an empty [2, 0])",
-    "matmul_K0_const_b": "MatMul [2, 0] @ constant [0, 2]: packing the empty B fails with "
-    "ValueError 'When changing to a larger dtype...' (onnxruntime: zeros [2, 2])",
-    "softmax_empty_axis": "Softmax over an axis of size 0: x.max(axis) raises ValueError "
-    "'zero-size array to reduction operation maximum' (onnxruntime: an empty [0, 3])",
-    "logsoftmax_empty_axis": "LogSoftmax over an axis of size 0: same ValueError as Softmax",
-    "softmax11_empty_rows": "Softmax-11 of [3, 0] (rows of 0 values): same ValueError "
-    "(onnxruntime: an empty [3, 0])",
-}
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=ZERO_SIZE_XFAIL[k]))
-        if k in ZERO_SIZE_XFAIL
-        else k
-        for k in ZERO_SIZE
-    ],
-)
+@pytest.mark.parametrize("case", list(ZERO_SIZE))
 def test_zero_size(case, tmp):
     """Tensors with a 0 dim (an empty batch, a zero-length slice) give empty or zero outputs,
     as in onnxruntime."""
@@ -1247,21 +1226,7 @@ BAD = {
 }
 
 
-BAD_XFAIL = {
-    "int_div_by_zero": "integer Div by zero raises ShapeError('[graph] integer Div by zero'), "
-    "which names neither the node nor what to do",
-}
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=BAD_XFAIL[k]))
-        if k in BAD_XFAIL
-        else k
-        for k in sorted(BAD)
-    ],
-)
+@pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_graph_fails_naming_node(case, tmp):
     """Shapes that do not fit fail with a leanrnn error naming the node, at run (the shapes
     are symbolic, so nothing is known at load), and the next good run works."""

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from leanrnn.engine.graph import GraphModel
+from leanrnn import GraphModel
 from leanrnn.formats.onnx_import import read_onnx
 from leanrnn.memory.arena import ALIGN, round_up
 from leanrnn.memory.planner import Buffer, plan

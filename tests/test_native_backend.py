@@ -13,13 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leanrnn
+from helpers import random_layers
 from leanrnn import config, threads
 from leanrnn.formats.packing import pack
 from leanrnn.kernels import abi, runner
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
-from test_properties import random_layers
-from tolerances import atol
+from tolerances import (
+    ATOL_MATMUL,
+    ATOL_SAME_ARITHMETIC,
+    RTOL,
+    RTOL_MATMUL,
+    RTOL_SAME_ARITHMETIC,
+    atol,
+)
 
 
 def _run(backend, monkeypatch, model, *args):
@@ -57,8 +64,8 @@ def test_native_equals_jit_and_oracle(cell, dtype, H, N, T, threads, options):
     want = [a for a in reference_forward(spec, layers, x, None, None, lengths) if a is not None]
     for n, j, w in zip(native, jit, want, strict=True):
         # The same numba code compiled twice: equal to rounding (it was bit-equal when written).
-        np.testing.assert_allclose(n, j, rtol=0, atol=1e-6 if dtype == np.float32 else 1e-13)
-        np.testing.assert_allclose(n, w, atol=atol(dtype), rtol=atol(dtype))
+        np.testing.assert_allclose(n, j, rtol=0, atol=ATOL_SAME_ARITHMETIC[dtype])
+        np.testing.assert_allclose(n, w, atol=atol(dtype), rtol=RTOL[dtype])
 
 
 def test_marshaller_rejects_arguments_that_break_the_abi(monkeypatch):
@@ -110,7 +117,9 @@ def test_a_native_process_never_loads_numba_or_llvm():
     jit = _python(RUN_ONE, LEANRNN_BACKEND="jit")
     assert jit.returncode == 0, jit.stderr
     assert jit.stdout.split()[:1] == ["jit"]
-    assert float(jit.stdout.split()[1]) == pytest.approx(float(total), rel=1e-6)
+    assert float(jit.stdout.split()[1]) == pytest.approx(
+        float(total), rel=RTOL_SAME_ARITHMETIC[np.float32]
+    )
 
 
 def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
@@ -208,7 +217,9 @@ def test_teams_of_changing_size_finish_every_job(monkeypatch):
         y = np.full((61, 5 * 64), np.nan, np.float32)
         sync[:] = 0
         b.run("matmul", (x, W, bias, 40, y, sync, parts), parts, threads)
-        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            y, want, rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32]
+        )
 
 
 def test_more_threads_than_the_team_can_start_still_finishes():

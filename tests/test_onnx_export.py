@@ -10,31 +10,18 @@ import warnings
 import numpy as np
 import pytest
 
+from helpers import max_err, torch_export, torch_tagger
 from tolerances import atol
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
 from leanrnn.loading import convert, load, save  # noqa: E402
 from leanrnn.nn import GRU, LSTM  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.onnx]
 TOL = atol(np.float32)  # float32 leanrnn vs float32 torch
-
-
-class Tagger(torch.nn.Module):
-    """embedding -> 2-layer LSTM -> linear: the sequence model exporters are asked for most."""
-
-    def __init__(self, vocab=53, emb=24, hidden=40, classes=7):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, emb)
-        self.lstm = torch.nn.LSTM(emb, hidden, num_layers=2)
-        self.head = torch.nn.Linear(hidden, classes)
-
-    def forward(self, tokens):
-        y, _ = self.lstm(self.emb(tokens))
-        return self.head(y)
 
 
 class BiGRU(torch.nn.Module):
@@ -47,22 +34,10 @@ class BiGRU(torch.nn.Module):
         return y, h
 
 
-def _export(module, args, path, dynamo: bool, names, dynamic=None):
-    kw = {"dynamo": dynamo, "input_names": names[0], "output_names": names[1]}
-    if dynamo:
-        kw["external_data"] = False
-    elif dynamic:
-        kw["dynamic_axes"] = dynamic
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), **kw)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tagger():
     torch.manual_seed(0)
-    return Tagger().eval()
+    return torch_tagger(vocab=53, emb=24, hidden=40, classes=7)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +46,8 @@ def bigru():
     return BiGRU().eval()
 
 
-def _max_err(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
 def test_tagger_torchscript_export_matches_torch(tagger, tmp_path):
-    path = _export(
+    path = torch_export(
         tagger,
         (torch.zeros(5, 3, dtype=torch.long),),
         tmp_path / "tagger.onnx",
@@ -94,12 +65,12 @@ def test_tagger_torchscript_export_matches_torch(tagger, tmp_path):
             want = tagger(torch.from_numpy(tokens)).numpy()
         got = model(tokens)
         assert got.shape == want.shape == (T, N, 7)
-        assert _max_err(got, want) <= TOL
+        assert max_err(got, want) <= TOL
 
 
 def test_tagger_dynamo_export_matches_torch(tagger, tmp_path):
     tokens = np.random.default_rng(1).integers(0, 53, (6, 4))
-    path = _export(
+    path = torch_export(
         tagger,
         (torch.from_numpy(tokens),),
         tmp_path / "tagger_dynamo.onnx",
@@ -109,13 +80,13 @@ def test_tagger_dynamo_export_matches_torch(tagger, tmp_path):
     model = load(path)
     with torch.no_grad():
         want = tagger(torch.from_numpy(tokens)).numpy()
-    assert _max_err(model(tokens), want) <= TOL
+    assert max_err(model(tokens), want) <= TOL
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_bidirectional_gru_export_matches_torch(bigru, tmp_path, dynamo):
     x = np.random.default_rng(2).standard_normal((3, 9, 12)).astype(np.float32)
-    path = _export(
+    path = torch_export(
         bigru,
         (torch.from_numpy(x),),
         tmp_path / "bigru.onnx",
@@ -127,8 +98,8 @@ def test_bidirectional_gru_export_matches_torch(bigru, tmp_path, dynamo):
         want_y, want_h = (t.numpy() for t in bigru(torch.from_numpy(x)))
     y, h = model(x)
     assert y.shape == want_y.shape == (3, 9, 40) and h.shape == want_h.shape == (2, 3, 20)
-    assert _max_err(y, want_y) <= TOL
-    assert _max_err(h, want_h) <= TOL
+    assert max_err(y, want_y) <= TOL
+    assert max_err(h, want_h) <= TOL
 
 
 def test_onnx_to_lrnn_gives_identical_outputs(tagger, bigru, tmp_path):
@@ -136,7 +107,7 @@ def test_onnx_to_lrnn_gives_identical_outputs(tagger, bigru, tmp_path):
     x = np.random.default_rng(4).standard_normal((2, 5, 12)).astype(np.float32)
     cases = [
         (
-            _export(
+            torch_export(
                 tagger,
                 (torch.from_numpy(tokens),),
                 tmp_path / "t.onnx",
@@ -147,7 +118,7 @@ def test_onnx_to_lrnn_gives_identical_outputs(tagger, bigru, tmp_path):
             tokens,
         ),
         (
-            _export(
+            torch_export(
                 bigru,
                 (torch.from_numpy(x),),
                 tmp_path / "g.onnx",
@@ -203,7 +174,7 @@ def _check_against_torch(model, module, batch_first=False):
     with torch.no_grad():
         want, _ = module(torch.from_numpy(x))
     got = model(x)[0]
-    assert _max_err(got, want.numpy()) <= TOL
+    assert max_err(got, want.numpy()) <= TOL
 
 
 @pytest.mark.parametrize("fmt", ["pt", "pt_legacy", "safetensors", "npz", "prefixed"])
@@ -255,14 +226,14 @@ def test_dynamo_export_with_external_data(bigru, tmp_path):
     assert any(p.name != "ext.onnx" for p in tmp_path.iterdir())  # the side file exists
     with torch.no_grad():
         want_y, _ = bigru(torch.from_numpy(x))
-    assert _max_err(load(path)(x)[0], want_y.numpy()) <= TOL
+    assert max_err(load(path)(x)[0], want_y.numpy()) <= TOL
 
 
 # ------------------------------------------------------------------------------------- CLI
 def test_cli_convert_inspect_run(tagger, tmp_path, capsys):
     from leanrnn.cli import main
 
-    onnx_path = _export(
+    onnx_path = torch_export(
         tagger,
         (torch.zeros(5, 3, dtype=torch.long),),
         tmp_path / "t.onnx",
@@ -290,7 +261,7 @@ def test_cli_convert_inspect_run(tagger, tmp_path, capsys):
     assert main(["run", str(lrnn), "--input", str(tmp_path / "x.npy"), "--output", str(out)]) == 0
     with torch.no_grad():
         want = tagger(torch.from_numpy(tokens)).numpy()
-    assert _max_err(np.load(out)["logits"], want) <= TOL
+    assert max_err(np.load(out)["logits"], want) <= TOL
 
 
 def test_cli_run_stack_with_lengths(tmp_path, capsys):
@@ -339,14 +310,14 @@ def test_streamed_import_equals_in_memory_import(tagger, bigru, tmp_path):
 
     x = np.zeros((2, 3, 12), np.float32)
     paths = [
-        _export(
+        torch_export(
             tagger,
             (torch.zeros(3, 2, dtype=torch.long),),
             tmp_path / "a.onnx",
             dynamo=False,
             names=(["tokens"], ["logits"]),
         ),
-        _export(
+        torch_export(
             bigru,
             (torch.from_numpy(x),),
             tmp_path / "b.onnx",

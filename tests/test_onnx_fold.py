@@ -10,20 +10,18 @@ has every RNN node packed and every MatMul/Gemm weight a constant, and matches t
 
 from __future__ import annotations
 
-import contextlib
-import io
-import warnings
-
 import numpy as np
 import pytest
 
+from helpers import max_err, torch_export, torch_tagger, traced_peak
 from tolerances import atol
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
-from leanrnn.formats.onnx_import import RNN_OPS, read_onnx  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
+from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
+from leanrnn.ir import RNN_OPS  # noqa: E402
 from leanrnn.loading import load  # noqa: E402
 
 pytestmark = pytest.mark.onnx
@@ -123,7 +121,7 @@ def test_constant_subgraphs_feeding_rnn_and_matmul_fold_and_match_onnxruntime():
     _assert_folded(model)
     got = model.run(feeds)[0]
     assert got.shape == want.shape
-    assert np.max(np.abs(got - want)) <= atol(np.float32)
+    assert max_err(got, want) <= atol(np.float32)
 
 
 def test_initializer_bias_with_weights_as_graph_inputs():
@@ -152,7 +150,7 @@ def test_initializer_bias_with_weights_as_graph_inputs():
     data = data.SerializeToString()
     want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, tensors)[0]
     got = GraphModel(read_onnx(data)).run(tensors)[0]
-    assert np.max(np.abs(got - want)) <= atol(np.float32)
+    assert max_err(got, want) <= atol(np.float32)
 
 
 # ------------------------------------------------------------------- torch exporters, vs torch
@@ -195,27 +193,6 @@ class _Many(torch.nn.Module):
         return tuple(rnn(x)[0] for rnn, x in zip(self.rnns, xs, strict=True))
 
 
-class _Tagger(torch.nn.Module):
-    """The issue's model: embedding -> 2 x LSTM(128) -> linear."""
-
-    def __init__(self, vocab=50, emb=32, hidden=128, classes=9):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, emb)
-        self.lstm = torch.nn.LSTM(emb, hidden, num_layers=2)
-        self.head = torch.nn.Linear(hidden, classes)
-
-    def forward(self, tokens):
-        return self.head(self.lstm(self.emb(tokens))[0])
-
-
-def _export(module, args, path, dynamo: bool):
-    kw = {"external_data": False} if dynamo else {}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), dynamo=dynamo, **kw)
-    return path
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["torchscript", "dynamo"])
 def many(request, tmp_path_factory):
     """(torch outputs, leanrnn outputs, loaded model) of ``_Many`` for one exporter."""
@@ -226,7 +203,7 @@ def many(request, tmp_path_factory):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((T, N, c or h)).astype(np.float32) for _, h, _, _, c in CASES]
     path = tmp_path_factory.mktemp("fold") / f"many_{request.param}.onnx"
-    _export(module, tuple(map(torch.from_numpy, xs)), path, request.param)
+    torch_export(module, tuple(map(torch.from_numpy, xs)), path, request.param)
     model = load(path)
     with torch.no_grad():
         want = [t.numpy() for t in module(*map(torch.from_numpy, xs))]
@@ -242,7 +219,7 @@ def test_exported_rnn_matches_torch(many, case):
     want, got, _ = many
     k = CASES.index(case)
     assert got[k].shape == want[k].shape
-    assert np.max(np.abs(got[k] - want[k])) <= atol(np.float32)
+    assert max_err(got[k], want[k]) <= atol(np.float32)
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
@@ -250,23 +227,21 @@ def test_tagger_hidden_128_matches_torch(tmp_path, dynamo):
     if dynamo:
         pytest.importorskip("onnxscript")
     torch.manual_seed(1)
-    tagger = _Tagger().eval()
+    tagger = torch_tagger(vocab=50, emb=32, hidden=128, classes=9)  # the issue's model
     tokens = np.random.default_rng(1).integers(0, 50, (5, 2))
-    path = _export(tagger, (torch.from_numpy(tokens),), tmp_path / "tagger.onnx", dynamo)
+    path = torch_export(tagger, (torch.from_numpy(tokens),), tmp_path / "tagger.onnx", dynamo)
     model = load(path)
     _assert_folded(model)
     with torch.no_grad():
         want = tagger(torch.from_numpy(tokens)).numpy()
     got = model(tokens)
     assert got.shape == want.shape
-    assert np.max(np.abs(got - want)) <= atol(np.float32)
+    assert max_err(got, want) <= atol(np.float32)
 
 
 def test_folding_frees_each_intermediate_constant():
     """A weight rearranged by a chain of constant ops holds about one copy at a time while
     folding, not one per op (dynamo exports hold W three times: Slices, Concat, Unsqueeze)."""
-    import tracemalloc
-
     rng = np.random.default_rng(3)
     K, M, steps = 512, 512, 6
     nodes = [
@@ -284,14 +259,10 @@ def test_folding_frees_each_intermediate_constant():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
     m.ir_version = 8
     graph = read_onnx(m.SerializeToString())
-    tracemalloc.start()
-    try:
+    with traced_peak() as mem:
         model = GraphModel(graph)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
     _assert_folded(model)
-    assert peak < 3 * w0.nbytes, (peak, w0.nbytes)
+    assert mem.peak < 3 * w0.nbytes, (mem.peak, w0.nbytes)
     x = rng.standard_normal((2, K)).astype(np.float32)
     want = x.astype(np.float64) @ w0.astype(np.float64)
-    assert np.max(np.abs(model(x) - want)) <= atol(np.float32)
+    assert max_err(model(x), want) <= atol(np.float32)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tolerances import ATOL_FLOAT64_TWINS, ATOL_ORT, RTOL, RTOL_ORT
+
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from leanrnn.engine.graph import GraphModel  # noqa: E402
+from leanrnn import GraphModel  # noqa: E402
 from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
 
 pytestmark = pytest.mark.onnx
@@ -170,7 +172,10 @@ def _compare(op: str, seed: int) -> None:
     for name, g, e in zip(names, got, expected, strict=True):
         assert g.shape == e.shape, (name, g.shape, e.shape, case)
         assert g.dtype == np.float32
-        np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5, err_msg=f"{name}: {_describe(case)}")
+        np.testing.assert_allclose(
+            g, e, rtol=RTOL_ORT[np.float32], atol=ATOL_ORT[np.float32],
+            err_msg=f"{name}: {_describe(case)}",
+        )  # fmt: skip
 
 
 def _describe(case: dict) -> str:
@@ -239,7 +244,7 @@ def test_cases_cover_every_attribute():
 def test_float64_nodes_match_the_float64_reference(op):
     """float64 RNN nodes run in float64 (onnxruntime has no double LSTM/GRU/RNN kernels, so the
     oracle here is leanrnn's NumPy reference)."""
-    from leanrnn.formats.onnx_import import rnn_attrs, rnn_from_onnx
+    from leanrnn.ir import rnn_attrs, rnn_from_node
     from leanrnn.kernels.reference import reference_forward
 
     case = _case(op, 7)
@@ -257,7 +262,7 @@ def test_float64_nodes_match_the_float64_reference(op):
     attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[0].attribute}
     attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
     attrs["activations"] = [a.decode() for a in attrs.get("activations", [])]
-    spec, layers = rnn_from_onnx(
+    spec, layers = rnn_from_node(
         op, rnn_attrs(op, attrs, op), t["W"], t["R"], t.get("B"), t.get("P")
     )
     y, h, c = reference_forward(spec, layers, t["X"], t.get("h0"), t.get("c0"), t.get("seq"))
@@ -269,7 +274,7 @@ def test_float64_nodes_match_the_float64_reference(op):
             w[:, t["seq"] == 0] = 0
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.float64
-        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(g, w, rtol=RTOL[np.float64], atol=ATOL_FLOAT64_TWINS[np.float64])
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
@@ -312,4 +317,6 @@ def test_long_sequences_match_onnxruntime(direction, outputs, layout):
         _feeds(case, tensors)
     )
     for g, e in zip(got, expected, strict=True):
-        np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-5, err_msg=_describe(case))
+        np.testing.assert_allclose(
+            g, e, rtol=RTOL_ORT[np.float32], atol=ATOL_ORT[np.float32], err_msg=_describe(case)
+        )

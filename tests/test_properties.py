@@ -5,10 +5,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leanrnn
-from leanrnn.formats.packing import LayerWeights, pack
+from helpers import random_layers
+from leanrnn.formats.packing import pack
 from leanrnn.memory.arena import ALIGN
 from leanrnn.memory.planner import Buffer, plan
 from leanrnn.spec import RNNSpec
+from tolerances import atol
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -30,31 +32,6 @@ def specs(draw):
         linear_before_reset=draw(st.booleans()),
         peepholes=cell == "lstm" and not proj and draw(st.booleans()),
     )
-
-
-def random_layers(spec, rng, dtype=np.float32, scale=0.5):
-    out = []
-    G, H, K, P = spec.gate_width, spec.hidden_size, spec.output_size, spec.proj_size
-    for layer in range(spec.num_layers):
-        C = spec.layer_input_size(layer)
-        dirs = []
-        for _ in range(spec.num_directions):
-
-            def r(*shape):
-                return (rng.standard_normal(shape) * scale).astype(dtype)
-
-            dirs.append(
-                LayerWeights(
-                    r(G, C),
-                    r(G, K),
-                    r(G),
-                    r(G),
-                    r(3, H) if spec.peepholes else None,
-                    r(P, H) if P else None,
-                )
-            )
-        out.append(dirs)
-    return out
 
 
 @SETTINGS
@@ -122,9 +99,9 @@ def test_batch_equals_separate_runs(spec, seed, N, T):
         yn, hn, cn = model.session.run(np.ascontiguousarray(xn))
         got = y[n, :L] if spec.batch_first else y[:L, n]
         want = yn[0] if spec.batch_first else yn[:, 0]
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol(np.float32))
         tail = y[n, L:] if spec.batch_first else y[L:, n]
         assert not tail.any()
-        np.testing.assert_allclose(h_n[:, n], hn[:, 0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(h_n[:, n], hn[:, 0], rtol=0, atol=atol(np.float32))
         if c_n is not None:
-            np.testing.assert_allclose(c_n[:, n], cn[:, 0], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(c_n[:, n], cn[:, 0], rtol=0, atol=atol(np.float32))

@@ -9,19 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import max_err, random_layers
 from leanrnn.errors import LengthsError, ShapeError
 from leanrnn.formats.packing import ONNX_ORDER, ONNX_PEEP_ORDER, LayerWeights, reorder_gates
 from leanrnn.kernels.reference import activation, layers_from_torch, reference_forward
 from leanrnn.spec import ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
+from tolerances import ATOL_ORT, MIN_WRONG, RTOL_ELEMENTWISE, atol
 
-TORCH_TOL = 1e-10
-ORT_TOL = 2e-5
-
-
-def _max_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.max(np.abs(a - b))) if a.size else 0.0
+TORCH_TOL = atol(np.float64)  # the oracle vs torch, both float64
+ORT_TOL = ATOL_ORT[np.float32]  # onnxruntime computes float32
 
 
 def _lengths(rng, N: int, T: int, min_len: int = 1) -> np.ndarray:
@@ -103,10 +99,10 @@ def _run_torch_case(
     assert spec.num_directions == D and spec.batch_first == batch_first and spec.bias == bias
     y, h_n, c_n = reference_forward(spec, layers, x, h0, c0, lens)
     assert y.dtype == np.float64 and h_n.dtype == np.float64
-    assert _max_err(y, out.numpy()) <= TORCH_TOL
-    assert _max_err(h_n, t_h) <= TORCH_TOL
+    assert max_err(y, out.numpy()) <= TORCH_TOL
+    assert max_err(h_n, t_h) <= TORCH_TOL
     if cell == "lstm":
-        assert c_n is not None and _max_err(c_n, t_c) <= TORCH_TOL
+        assert c_n is not None and max_err(c_n, t_c) <= TORCH_TOL
     else:
         assert c_n is None
     return spec
@@ -176,13 +172,13 @@ def test_torch_comparison_is_sensitive():
     with torch.no_grad():
         out, _ = m(torch.from_numpy(x))
     spec, layers = layers_from_torch(m)
-    assert _max_err(reference_forward(spec, layers, x)[0], out.numpy()) <= TORCH_TOL
+    assert max_err(reference_forward(spec, layers, x)[0], out.numpy()) <= TORCH_TOL
     y_onnx_gru = reference_forward(spec.with_(linear_before_reset=False), layers, x)[0]
-    assert _max_err(y_onnx_gru, out.numpy()) > 1e-4
+    assert max_err(y_onnx_gru, out.numpy()) > MIN_WRONG[np.float64]
     swapped = [
         [dataclasses.replace(lw, W=reorder_gates(lw.W, (1, 0, 2), 4)) for lw in d] for d in layers
     ]
-    assert _max_err(reference_forward(spec, swapped, x)[0], out.numpy()) > 1e-4
+    assert max_err(reference_forward(spec, swapped, x)[0], out.numpy()) > MIN_WRONG[np.float64]
 
 
 # ------------------------------------------------------------------ onnxruntime (float32)
@@ -340,11 +336,11 @@ def _compare_with_ort(spec, layers, feeds, attrs, tol=ORT_TOL):
     # the initial state, so those final states are not compared (Y is, everywhere).
     keep = feeds["seq"] > 0 if "seq" in feeds else np.ones(N, bool)
     errs = [
-        _max_err(y_onnx.astype(np.float32), got[0]),
-        _max_err(h_n[:, keep].astype(np.float32), got[1][:, keep]),
+        max_err(y_onnx.astype(np.float32), got[0]),
+        max_err(h_n[:, keep].astype(np.float32), got[1][:, keep]),
     ]
     if spec.cell == "lstm":
-        errs.append(_max_err(c_n[:, keep].astype(np.float32), got[2][:, keep]))
+        errs.append(max_err(c_n[:, keep].astype(np.float32), got[2][:, keep]))
     return max(errs)
 
 
@@ -495,7 +491,7 @@ def test_onnxruntime_comparison_is_sensitive(control):
     name, change = NEGATIVE_CONTROLS[control]
     spec, layers, feeds, attrs = _onnx_case(seed=_onnx_seed(name), **ONNX_CASES[name])
     assert _compare_with_ort(spec, layers, feeds, attrs) <= ORT_TOL
-    assert _compare_with_ort(spec.with_(**change), layers, feeds, attrs) > 1e-3
+    assert _compare_with_ort(spec.with_(**change), layers, feeds, attrs) > MIN_WRONG[np.float32]
 
 
 @pytest.mark.onnx
@@ -505,31 +501,10 @@ def test_onnxruntime_peephole_placement_is_checked():
     assert _compare_with_ort(spec, layers, feeds, attrs) <= ORT_TOL
     for perm in ((1, 0, 2), (0, 2, 1)):
         wrong = [[dataclasses.replace(lw, peep=lw.peep[list(perm)]) for lw in layers[0]]]
-        assert _compare_with_ort(spec, wrong, feeds, attrs) > 1e-3
+        assert _compare_with_ort(spec, wrong, feeds, attrs) > MIN_WRONG[np.float32]
 
 
 # ------------------------------------------------------------------ NumPy-only properties
-
-
-def _random_layers(spec: RNNSpec, rng) -> list[list[LayerWeights]]:
-    G, H, K, P = spec.gate_width, spec.hidden_size, spec.output_size, spec.proj_size
-    out = []
-    for layer in range(spec.num_layers):
-        C = spec.layer_input_size(layer)
-        out.append(
-            [
-                LayerWeights(
-                    W=rng.uniform(-0.7, 0.7, (G, C)),
-                    R=rng.uniform(-0.7, 0.7, (G, K)),
-                    bW=rng.uniform(-0.5, 0.5, G),
-                    bR=rng.uniform(-0.5, 0.5, G),
-                    peep=rng.uniform(-0.5, 0.5, (3, H)) if spec.peepholes else None,
-                    proj=rng.uniform(-0.7, 0.7, (P, H)) if P else None,
-                )
-                for _ in range(spec.num_directions)
-            ]
-        )
-    return out
 
 
 PROPERTY_SPECS = [
@@ -547,7 +522,7 @@ def test_lengths_equal_separate_truncated_runs(spec):
     rng = np.random.default_rng(11)
     T, N = 6, 5
     L, D, H, K = spec.num_layers, spec.num_directions, spec.hidden_size, spec.output_size
-    layers = _random_layers(spec, rng)
+    layers = random_layers(spec, rng, np.float64)
     x = rng.standard_normal((T, N, spec.input_size))
     h0 = rng.standard_normal((L * D, N, K))
     c0 = rng.standard_normal((L * D, N, H)) if spec.cell == "lstm" else None
@@ -568,7 +543,7 @@ def test_lengths_equal_separate_truncated_runs(spec):
 def test_batch_first_is_a_transpose():
     spec = RNNSpec("gru", 3, 4, num_layers=2, direction="bidirectional")
     rng = np.random.default_rng(5)
-    layers = _random_layers(spec, rng)
+    layers = random_layers(spec, rng, np.float64)
     x = rng.standard_normal((5, 3, 3))
     y, h, _ = reference_forward(spec, layers, x, lengths=np.array([5, 2, 4]))
     yb, hb, _ = reference_forward(
@@ -584,9 +559,10 @@ def test_activation_edge_values():
         s = activation("Sigmoid", big)
         sp = activation("Softplus", big)
         e = activation("Elu", big, 1.0)
-    np.testing.assert_allclose(s, [0.0, np.exp(-50.0), 0.5, 1.0, 1.0], rtol=1e-12)
-    np.testing.assert_allclose(sp, [0.0, np.exp(-50.0), np.log(2.0), 50.0, 1000.0], rtol=1e-12)
-    np.testing.assert_allclose(e, [-1.0, np.expm1(-50.0), 0.0, 50.0, 1000.0], rtol=1e-12)
+    rtol = RTOL_ELEMENTWISE[np.float64]
+    np.testing.assert_allclose(s, [0.0, np.exp(-50.0), 0.5, 1.0, 1.0], rtol=rtol)
+    np.testing.assert_allclose(sp, [0.0, np.exp(-50.0), np.log(2.0), 50.0, 1000.0], rtol=rtol)
+    np.testing.assert_allclose(e, [-1.0, np.expm1(-50.0), 0.0, 50.0, 1000.0], rtol=rtol)
     assert activation("relu", np.float32(2.0)).dtype == np.float64
     np.testing.assert_array_equal(activation("HardSigmoid", big, 0.2, 0.5), [0, 0, 0.5, 1, 1])
     np.testing.assert_array_equal(activation("LeakyRelu", [-2.0, 3.0], 0.25), [-0.5, 3.0])
@@ -597,7 +573,7 @@ def test_activation_edge_values():
 
 def test_rejects_bad_inputs():
     spec = RNNSpec("lstm", 3, 4)
-    layers = _random_layers(spec, np.random.default_rng(0))
+    layers = random_layers(spec, np.random.default_rng(0), np.float64)
     x = np.zeros((5, 2, 3))
     with pytest.raises(ShapeError):
         reference_forward(spec, layers, np.zeros((5, 2, 4)))

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import random_layers
 from leanrnn import errors
 from leanrnn.formats.packing import pack
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
-from test_properties import random_layers
 from tolerances import atol
 
 T, N, H = 3, 2, 4

@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import leanrnn
+from helpers import random_layers
 from leanrnn import errors
 from leanrnn.engine import Pool, Session
 from leanrnn.formats.packing import pack
 from leanrnn.spec import RNNSpec
-from test_properties import random_layers
-from tolerances import atol
+from tolerances import ATOL_SAME_ARITHMETIC, atol
 
 
 def _model(cell, layers=2, H=20, C=6, proj=0, bf=False, seed=0, dtype=np.float32,
@@ -48,11 +48,11 @@ def test_any_chunking_equals_one_run(cell, layers, bf, cuts, seed):
         parts.append(stream.feed(xs))
         t += c
     ys = np.concatenate(parts, axis=1 if bf else 0)
-    np.testing.assert_allclose(ys, y, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ys, y, rtol=0, atol=atol(np.float32))
     h, c = stream.state
-    np.testing.assert_allclose(h, h_n, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(h, h_n, rtol=0, atol=atol(np.float32))
     if c_n is not None:
-        np.testing.assert_allclose(c, c_n, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(c, c_n, rtol=0, atol=atol(np.float32))
 
 
 def test_single_step_feed_reset_and_restore():
@@ -61,18 +61,18 @@ def test_single_step_feed_reset_and_restore():
     y, _, _ = model.session.run(x)
     s = model.session.stream(batch=2)
     for t in range(4):
-        np.testing.assert_allclose(s.feed(x[t]), y[t], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(s.feed(x[t]), y[t], atol=atol(np.float32), rtol=0)
     saved = s.state
     s.reset(1)
     assert not s.state[0][:, 1].any() and s.state[0][:, 0].any()
     s.state = saved
     for t in range(4, 8):
-        np.testing.assert_allclose(s.feed(x[t]), y[t], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(s.feed(x[t]), y[t], atol=atol(np.float32), rtol=0)
     # reset(i) starts a fresh sequence in slot i: it now matches a run from t=0 for that sample
     s.reset(1)
     y1, _, _ = model.session.run(np.ascontiguousarray(x[:3, 1:2]))
     for t in range(3):
-        np.testing.assert_allclose(s.feed(x[t])[1], y1[t, 0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(s.feed(x[t])[1], y1[t, 0], atol=atol(np.float32), rtol=0)
     with pytest.raises(errors.ShapeError, match="batch=2"):
         s.feed(x[0, :1])
 
@@ -96,9 +96,9 @@ def test_reverse_stacks_ignore_chunking(cell):
     y, h, _ = model.session.run(x, lengths=lengths)
     s = Session(model.weights, chunk=32)
     yc, hc, _ = s.run(x, lengths=lengths)
-    np.testing.assert_allclose(yc, y, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(yc, y, rtol=0, atol=ATOL_SAME_ARITHMETIC[np.float32])
     _, hl, _ = Session(model.weights).run(x, lengths=lengths, return_sequences=False)
-    np.testing.assert_allclose(hl, h, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(hl, h, rtol=0, atol=ATOL_SAME_ARITHMETIC[np.float32])
 
 
 def test_streaming_steps_do_not_grow_memory():
@@ -132,11 +132,11 @@ def test_chunked_run_equals_full_run(cell, bf):
     y, h, c = model.session.run(x, lengths=lengths)
     chunked = Session(model.weights, chunk=5)
     yc, hc, cc = chunked.run(x, lengths=lengths)
-    np.testing.assert_allclose(yc, y, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(hc, h, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(yc, y, rtol=0, atol=atol(np.float32))
+    np.testing.assert_allclose(hc, h, rtol=0, atol=atol(np.float32))
     assert chunked.plan.total < model.session.plan.total / 2
     _, hl, cl = chunked.run(x, lengths=lengths, return_sequences=False)
-    np.testing.assert_allclose(hl, h, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(hl, h, rtol=0, atol=atol(np.float32))
 
 
 def test_return_sequences_false_memory_does_not_depend_on_T():
@@ -149,7 +149,7 @@ def test_return_sequences_false_memory_does_not_depend_on_T():
     _, h2, _ = s.run(x_long, return_sequences=False)
     assert s.plan.total == a1
     y, h_full, _ = s.run(x_long)
-    np.testing.assert_allclose(h2, h_full, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(h2, h_full, rtol=0, atol=atol(np.float32))
 
 
 def test_memory_limit_picks_the_largest_chunk_that_fits():
@@ -162,7 +162,7 @@ def test_memory_limit_picks_the_largest_chunk_that_fits():
     bigger.chunk = s.chunk + 1
     assert bigger.resize(8, 200).total > full // 4  # one step more would not fit
     x = np.random.default_rng(0).standard_normal((200, 8, 16)).astype(np.float32)
-    np.testing.assert_allclose(s.run(x)[0], model.session.run(x)[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(s.run(x)[0], model.session.run(x)[0], rtol=0, atol=atol(np.float32))
     with pytest.raises(errors.PlanError, match="even one step needs"):
         Session(model.weights).resize(8, 200, memory_limit=1000)
     bi = leanrnn.LSTM(16, 16, bidirectional=True, seed=0)
@@ -198,7 +198,7 @@ def test_pool_shares_one_arena_and_is_thread_safe():
     assert not errs
     # A member planning something bigger grows the pool; the other re-makes its views.
     sb.run(np.zeros((300, 5, 6), np.float32))
-    np.testing.assert_allclose(sa.run(x)[0], ya, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(sa.run(x)[0], ya, rtol=0, atol=atol(np.float32))
 
 
 def test_automatic_chunk_keeps_the_projection_within_budget_and_changes_nothing():
@@ -224,6 +224,6 @@ def test_automatic_chunk_keeps_the_projection_within_budget_and_changes_nothing(
         assert planned == (T if bf else 7)
         whole = Session(model.weights, chunk=T)
         yw, hw, cw = whole.run(x)
-        np.testing.assert_allclose(y, yw, rtol=0, atol=1e-5)
-        np.testing.assert_allclose(h, hw, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(y, yw, rtol=0, atol=atol(np.float32))
+        np.testing.assert_allclose(h, hw, rtol=0, atol=atol(np.float32))
         assert s.auto_chunk(N) == (None if bf else budget_steps)

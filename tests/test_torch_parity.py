@@ -103,8 +103,8 @@ def test_threaded_paths(H, N):
     y, (h, c) = model(x)
     with torch.no_grad():
         yt, (ht, ct) = m(torch.from_numpy(x))
-    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(c, ct.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=atol(np.float32))
+    np.testing.assert_allclose(c, ct.numpy(), rtol=0, atol=atol(np.float32))
 
 
 def test_state_dict_roundtrip_into_torch():
@@ -116,7 +116,7 @@ def test_state_dict_roundtrip_into_torch():
     y, h = model(x)
     with torch.no_grad():
         yt, ht = m(torch.from_numpy(x))
-    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=atol(np.float32))
 
 
 def test_unbatched_input_like_torch():
@@ -128,8 +128,8 @@ def test_unbatched_input_like_torch():
     with torch.no_grad():
         yt, (ht, ct) = m(torch.from_numpy(x))
     assert y.shape == (7, 8) and h.shape == (1, 8)
-    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(h, ht.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(y, yt.numpy(), rtol=0, atol=atol(np.float32))
+    np.testing.assert_allclose(h, ht.numpy(), rtol=0, atol=atol(np.float32))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[6]], ids=lambda c: "-".join(map(str, c)))

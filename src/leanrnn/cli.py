@@ -26,6 +26,7 @@ COMMANDS = (
     "leanrnn.commands.demo",
     "leanrnn.commands.model",
     "leanrnn.commands.plan",
+    "leanrnn.commands.score",
     "leanrnn.bench.cli",
 )
 

@@ -47,10 +47,6 @@ class PlanError(LeanRNNError, ValueError):
     """A memory plan cannot be made (e.g. it does not fit the memory limit)."""
 
 
-class SessionError(LeanRNNError, RuntimeError):
-    """A session was used out of order (e.g. run before resize where resize is required)."""
-
-
 __all__ = [
     "DTypeError",
     "LayoutError",
@@ -58,7 +54,6 @@ __all__ = [
     "LengthsError",
     "ModelFormatError",
     "PlanError",
-    "SessionError",
     "ShapeError",
     "SpecError",
     "UnsupportedOpError",

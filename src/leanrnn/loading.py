@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 
-from .engine.graph import GraphModel
+from .engine.model import RunnableModel
 from .errors import ModelFormatError
 from .formats import checkpoint, native
 from .formats.onnx_import import read_onnx
 from .formats.packing import PackedWeights
+from .graph_model import GraphModel
 from .nn import GRU, LSTM, RNN, Model
 
 _CELL_MODULES = {"lstm": LSTM, "gru": GRU, "rnn": RNN}
@@ -35,7 +36,7 @@ def load(
     nonlinearity: str = "tanh",
     batch_first: bool = False,
     dtype=None,
-) -> Model | GraphModel:
+) -> RunnableModel:
     """Load a model from ``path``; returns an ``LSTM``/``GRU``/``RNN`` for a recurrent stack or a
     ``GraphModel`` for a graph (ONNX, or a ``.lrnn`` converted from one).
 
@@ -77,18 +78,13 @@ def load(
     return GraphModel(graph, threads=threads)
 
 
-def save(model: Model | GraphModel, path) -> str:
+def save(model: RunnableModel, path) -> str:
     """Write ``model`` in the native format (``.lrnn``); returns the path."""
-    path = os.fspath(path)
-    if isinstance(model, GraphModel):
-        native.save_graph(model.graph, path)
-    elif isinstance(model, Model):
-        native.save_rnn(model.weights, path)
-    else:
+    if not callable(getattr(model, "save", None)):
         raise ModelFormatError(
             f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
         )
-    return path
+    return model.save(os.fspath(path))
 
 
 def convert(src, dst, **options) -> str:

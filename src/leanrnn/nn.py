@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from .engine import Session
-from .errors import DTypeError, SpecError
-from .formats import torch_format
+from .engine.model import parameter_count, spec_line
+from .errors import DTypeError, ShapeError, SpecError
+from .formats import native, torch_format
 from .formats.packing import PackedWeights, pack
 from .spec import Activation, RNNSpec
 
@@ -75,6 +76,85 @@ class Model:
         return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
 
     __call__ = forward
+
+    # -- the model protocol (engine.model.RunnableModel), shared with GraphModel
+    _INPUTS = ("x", "h0", "c0", "lengths")
+
+    @property
+    def input_names(self) -> list[str]:
+        """The required input; ``run`` also takes the optional ``h0``, ``c0``, ``lengths``."""
+        return ["x"]
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["y", "h_n", "c_n"] if self.spec.cell == "lstm" else ["y", "h_n"]
+
+    @property
+    def lengths_input(self) -> str:
+        return "lengths"
+
+    def run(self, feeds) -> list[np.ndarray]:
+        """``[y, h_n]`` (``[y, h_n, c_n]`` for LSTM) for ``feeds``: a dict with ``x`` and
+        optionally ``h0``, ``c0``, ``lengths``, or a list in that order; see ``Session.run``."""
+        if not isinstance(feeds, dict):
+            feeds = dict(zip(self._INPUTS, feeds, strict=False))
+        unknown = sorted(set(feeds) - set(self._INPUTS))
+        if unknown or "x" not in feeds:
+            missing = [] if "x" in feeds else ["x"]
+            raise ShapeError(
+                f"[{type(self).__name__}.run] missing inputs {missing}; unexpected inputs "
+                f"{unknown}; the model takes x and optionally h0, c0, lengths"
+            )
+        y, h_n, c_n = self.session.run(
+            feeds["x"], feeds.get("h0"), feeds.get("c0"), feeds.get("lengths")
+        )
+        return [y, h_n, c_n] if self.spec.cell == "lstm" else [y, h_n]
+
+    def resize(self, shapes, dtypes=None, memory_limit: int | None = None):
+        """Plan the session for x of shape ``shapes["x"]`` (or ``shapes[0]``): [T, N, C], or
+        [N, T, C] with batch_first. ``dtypes`` is accepted for the protocol; x's dtype is the
+        weights' (checked at run)."""
+        shape = shapes.get("x") if isinstance(shapes, dict) else (list(shapes) or [None])[0]
+        if shape is None or len(shape) != 3:
+            raise ShapeError(
+                f"[{type(self).__name__}.resize] x shape {shape!r}; expected [T, N, C] "
+                "([N, T, C] with batch_first)"
+            )
+        T, N = (shape[1], shape[0]) if self.spec.batch_first else (shape[0], shape[1])
+        return self.session.resize(N, T, memory_limit)
+
+    def stream(self, batch: int = 1):
+        """A ``Stream`` over this model's session: feed chunks of steps, state carried."""
+        return self.session.stream(batch)
+
+    def describe(self, batch: int, steps: int) -> dict:
+        """Layers, parameters, weight bytes and the arena planned for ``batch`` x ``steps``."""
+        spec = self.spec
+        p = self.session.resize(batch, steps)
+        return {
+            "kind": "rnn",
+            "layers": [
+                {
+                    "layer": layer,
+                    "spec": spec_line(
+                        spec.with_(num_layers=1, input_size=(spec.layer_input_size(layer)))
+                    ),
+                }
+                for layer in range(spec.num_layers)
+            ],
+            "spec": spec.to_dict(),
+            "dtype": self.dtype.name,
+            "parameters": parameter_count(spec),
+            "weight_bytes": self.weights.nbytes,
+            "batch": batch,
+            "steps": steps,
+            "arena": {"total_bytes": p.total, "naive_bytes": p.naive_total},
+        }
+
+    def save(self, path) -> str:
+        """Write the packed weights as an ``.lrnn`` file; returns the path."""
+        native.save_rnn(self.weights, path)
+        return path
 
     # -- weights in and out
     def state_dict(self) -> dict[str, np.ndarray]:

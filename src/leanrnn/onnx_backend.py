@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 from onnx.backend.base import Backend, BackendRep
 
-from .engine.graph import SUPPORTED_OPS, GraphModel
+from .engine.graph import SUPPORTED_OPS
 from .errors import LeanRNNError
 from .formats.onnx_import import read_onnx
+from .graph_model import GraphModel
 
 __all__ = ["LeanRNNBackend", "LeanRNNRep"]
 

@@ -1,4 +1,4 @@
-"""The native format ``.lrnn`` and the op-graph IR it stores.
+"""The native format ``.lrnn``: packed recurrent stacks and the op-graph IR (``leanrnn.ir``).
 
 A ``.lrnn`` file is a safetensors file: an 8-byte little-endian header length, a JSON header, then
 the tensor bytes. Any safetensors reader opens it. The header's ``__metadata__`` holds
@@ -19,11 +19,12 @@ import math
 import os
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import LeanRNNError, ModelFormatError
+from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, is_count, rnn_attrs, rnn_from_node
 from ..memory.arena import aligned_empty, round_up
 from ..spec import USES_ALPHA, USES_BETA, RNNSpec
 from .packing import SUPPORTED_DTYPES, PackedLayer, PackedWeights
@@ -48,108 +49,6 @@ _ST_DTYPES = {
     "BOOL": np.bool_,
 }
 _ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-# ------------------------------------------------------------------------------------------ IR
-@dataclass
-class TensorInfo:
-    """A graph input or output: name, numpy dtype name, shape (ints, symbolic names or None for
-    an unknown dim; ``None`` for an unknown rank)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str | None, ...] | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": None if self.shape is None else list(self.shape),
-        }
-
-    @staticmethod
-    def from_dict(d: dict) -> TensorInfo:
-        shape = d.get("shape")
-        if shape is not None and not all(
-            s is None or isinstance(s, str) or _is_count(s) for s in shape
-        ):
-            raise ValueError(f"tensor {d['name']!r} has shape {shape!r}; expected ints >= 0, "
-                             "names or null")  # fmt: skip
-        return TensorInfo(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
-
-
-@dataclass
-class Node:
-    """One op. ``op`` is the ONNX operator name (the op vocabulary), ``inputs`` use "" for an
-    absent optional input, ``attrs`` holds JSON values only (ints, floats, strings, lists)."""
-
-    op: str
-    name: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    attrs: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {
-            "op": self.op,
-            "name": self.name,
-            "inputs": list(self.inputs),
-            "outputs": list(self.outputs),
-            "attrs": self.attrs,
-        }
-
-    @staticmethod
-    def from_dict(d: dict) -> Node:
-        return Node(
-            str(d["op"]),
-            str(d["name"]),
-            tuple(str(s) for s in d["inputs"]),
-            tuple(str(s) for s in d["outputs"]),
-            dict(d.get("attrs") or {}),
-        )
-
-
-@dataclass
-class Graph:
-    """A model as an op graph: what importers produce and ``engine.graph.GraphModel`` runs.
-
-    ``constants`` are weights and folded values by tensor name; ``packed`` maps the name of an
-    RNN node (LSTM/GRU/RNN, always one layer) to its packed weights when they are constant (the
-    node's W/R/B/P inputs are then ""). ``opset`` is the ONNX default-domain opset, which fixes
-    a few op semantics (e.g. Softmax's axis before opset 13).
-    """
-
-    inputs: list[TensorInfo]
-    outputs: list[TensorInfo]
-    nodes: list[Node]
-    constants: dict[str, np.ndarray] = field(default_factory=dict)
-    packed: dict[str, PackedWeights] = field(default_factory=dict)
-    opset: int = 17
-    name: str = "graph"
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "opset": self.opset,
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
-            "nodes": [n.to_dict() for n in self.nodes],
-        }
-
-
-MAX_OPSET = 10_000  # far beyond any ONNX opset; a larger number is a corrupt field, not a version
-
-
-def check_opset(opset, where: str) -> int:
-    """``opset`` if it is a plausible ONNX default-domain opset, else a ModelFormatError. The
-    one check for every way a graph comes in (ONNX files, graph ``.lrnn`` files); ``where`` is
-    "[op] what", e.g. "[load] 'model.lrnn'"."""
-    if isinstance(opset, bool) or not isinstance(opset, int) or not 1 <= opset <= MAX_OPSET:
-        raise ModelFormatError(
-            f"{where} declares default-domain opset {opset!r}; expected one version in "
-            f"1..{MAX_OPSET}"
-        )
-    return opset
 
 
 # ------------------------------------------------------------------- safetensors: the container
@@ -211,12 +110,12 @@ class _Container:
                 f"[{op}] {path!r}: tensor {name!r} has dtype {code!r}; expected one of "
                 f"{sorted(_ST_DTYPES)}"
             )
-        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        if not isinstance(shape, list) or not all(is_count(s) for s in shape):
             raise ModelFormatError(
                 f"[{op}] {path!r}: tensor {name!r} has shape {shape!r}; "
                 "expected a list of non-negative ints"
             )
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_count(o) for o in offs)):
+        if not (isinstance(offs, list) and len(offs) == 2 and all(is_count(o) for o in offs)):
             raise ModelFormatError(
                 f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; expected [begin, end]"
             )
@@ -281,10 +180,6 @@ def _read_header(path: str, op: str) -> tuple[int, int, dict]:
             f"[{op}] {path!r}: header is {type(header).__name__}; expected a JSON object"
         )
     return size, n, header
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
 
 
 def is_safetensors(head: bytes) -> bool:
@@ -592,19 +487,11 @@ def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype) -
     return pw
 
 
-def _is_rnn_op(op: str) -> bool:
-    from .onnx_import import RNN_OPS  # imported here: onnx_import imports this module
-
-    return op in RNN_OPS
-
-
 def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str) -> None:
-    """Check a graph file's RNN node with the ONNX importer's own functions: its attributes
-    as ``rnn_attrs`` validates them, and (``spec`` given) the spec ``rnn_from_onnx`` builds
+    """Check a graph file's RNN node with the IR's own functions: its attributes as
+    ``ir.rnn_attrs`` validates them, and (``spec`` given) the spec ``ir.rnn_from_node`` builds
     from them equal to the packed spec. Costs O(G): the weights it is handed are broadcast
     zeros in internal gate order, so nothing is copied."""
-    from .onnx_import import rnn_attrs, rnn_from_onnx
-
     where = f"node {node.name!r} ({node.op})"
     a = node.attrs
     try:
@@ -634,7 +521,7 @@ def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str)
         D, G, H = spec.num_directions, spec.gate_width, spec.hidden_size
         zero = np.zeros((), dtype)
         try:
-            implied, _ = rnn_from_onnx(
+            implied, _ = rnn_from_node(
                 node.op,
                 attrs,
                 np.broadcast_to(zero, (D, G, spec.input_size)),
@@ -698,7 +585,7 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
     ) as e:
         raise ModelFormatError(f"[{op}] {path!r}: malformed graph in header: {e!r}") from None
     check_opset(graph.opset, f"[{op}] {path!r}")
-    rnn_nodes = {n.name: n for n in graph.nodes if _is_rnn_op(n.op)}
+    rnn_nodes = {n.name: n for n in graph.nodes if n.op in RNN_OPS}
     for node in rnn_nodes.values():
         if node.name not in packed_meta:  # packed ones are checked against their spec below
             _check_rnn_node(node, None, None, op, path)

@@ -1,11 +1,8 @@
-"""ONNX files -> the op-graph IR (``native.Graph``), with LSTM/GRU/RNN nodes mapped to RNNSpec +
-packed weights. The ``onnx`` package is imported only when a file is read.
-
-ONNX stores an RNN node's weights per direction as W [D, G, C], R [D, G, H], B [D, 2G] (input
-biases then recurrent biases) and LSTM peepholes P [D, 3H], with gate rows in ONNX's order
-(LSTM i, o, f, c; GRU z, r, h; RNN h). ``rnn_from_onnx`` converts them to the internal order of
-``spec.GATES`` with ``packing.ONNX_ORDER`` / ``ONNX_PEEP_ORDER``; nothing after import knows
-the source order.
+"""ONNX files -> the graph IR (``leanrnn.ir.Graph``) + packed weights. The IR's op set is ONNX's,
+so the work here is the file: protobuf reading, external data, initializers read lazily, the
+opset import. LSTM/GRU/RNN nodes whose weights are initializers are packed with the IR's own
+pass (``engine.graph.passes.pack_constant_rnns``), reading W and R from the file straight into
+internal gate order. The ``onnx`` package is imported only when a file is read.
 
 Memory: a file is parsed without its initializers' raw bytes (``_strip_raw_data`` re-encodes the
 protobuf minus those fields, a few KiB), and each weight is read straight from the file into its
@@ -25,19 +22,11 @@ import os
 
 import numpy as np
 
-from ..errors import DTypeError, LeanRNNError, ModelFormatError, SpecError, WeightsError
-from ..spec import DEFAULT_ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
-from .native import Graph, Node, TensorInfo, check_opset
-from .packing import (
-    ONNX_ORDER,
-    ONNX_PEEP_ORDER,
-    SUPPORTED_DTYPES,
-    LayerWeights,
-    pack,
-    reorder_gates,
-)
+from ..engine.graph.passes import pack_constant_rnns
+from ..errors import LeanRNNError, ModelFormatError, WeightsError
+from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_node_io, check_opset, rnn_attrs
+from .packing import reorder_gates
 
-RNN_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN": "rnn"}
 MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message
 
 # ONNX TensorProto.DataType -> numpy (the types leanrnn computes with or passes through)
@@ -73,155 +62,6 @@ def np_dtype(code: int, where: str) -> np.dtype:
             "float32/float64/float16, integer and bool tensors"
         )
     return np.dtype(_DTYPES[code])
-
-
-# ------------------------------------------------------------------------- RNN node mapping
-def rnn_attrs(op: str, raw: dict, where: str) -> dict:
-    """Normalize an ONNX LSTM/GRU/RNN node's attributes to JSON values with defaults filled in.
-
-    ``activations`` becomes one [name, alpha, beta] triple per activation of every direction,
-    consuming ``activation_alpha`` / ``activation_beta`` the way onnxruntime does: one value per
-    activation that takes an alpha (beta), in order; missing values take the ONNX defaults.
-    """
-    cell = RNN_OPS[op]
-    direction = raw.get("direction", "forward")
-    if direction not in ("forward", "reverse", "bidirectional"):
-        raise ModelFormatError(
-            f"[load_onnx] {where}: direction={direction!r}; expected forward, "
-            "reverse or bidirectional"
-        )
-    D = 2 if direction == "bidirectional" else 1
-    per_dir = len(DEFAULT_ACTIVATIONS[cell])
-    names = list(raw.get("activations") or [])
-    if not names:
-        names = [a.capitalize() for a in DEFAULT_ACTIVATIONS[cell]] * D
-    if len(names) != per_dir * D:
-        raise ModelFormatError(
-            f"[load_onnx] {where}: {len(names)} activations {names}; expected {per_dir} per "
-            f"direction x {D} direction(s) for {op}"
-        )
-    alphas = list(raw.get("activation_alpha") or [])
-    betas = list(raw.get("activation_beta") or [])
-    acts = []
-    for name in names:
-        key = str(name).lower()
-        alpha = alphas.pop(0) if key in USES_ALPHA and alphas else None
-        beta = betas.pop(0) if key in USES_BETA and betas else None
-        try:
-            a = Activation.make(str(name), alpha, beta)
-        except SpecError as e:
-            raise ModelFormatError(f"[load_onnx] {where}: {e}") from None
-        acts.append([a.name, a.alpha, a.beta])
-    clip = raw.get("clip")
-    if clip is not None and not float(clip) > 0:
-        raise ModelFormatError(f"[load_onnx] {where}: clip={clip}; expected a positive float")
-    layout = int(raw.get("layout", 0))
-    if layout not in (0, 1):
-        raise ModelFormatError(f"[load_onnx] {where}: layout={layout}; expected 0 or 1")
-    hs = raw.get("hidden_size")
-    if hs is not None and (not isinstance(hs, int) or hs < 1):
-        raise ModelFormatError(f"[load_onnx] {where}: hidden_size={hs!r}; expected a positive int")
-    input_forget = int(raw.get("input_forget", 0))
-    if input_forget and cell != "lstm":
-        raise ModelFormatError(f"[load_onnx] {where}: input_forget is an LSTM attribute")
-    return {
-        "hidden_size": hs,
-        "direction": direction,
-        "activations": acts,
-        "clip": None if clip is None else float(clip),
-        "input_forget": bool(input_forget),
-        "linear_before_reset": bool(int(raw.get("linear_before_reset", 0))),
-        "layout": layout,
-    }
-
-
-def rnn_from_onnx(
-    op: str,
-    attrs: dict,
-    W,
-    R,
-    B=None,
-    P=None,
-    where: str = "node",
-    gates_in_onnx_order: bool = True,
-) -> tuple[RNNSpec, list[list[LayerWeights]]]:
-    """(spec, canonical weights) of one ONNX RNN node. ``attrs`` comes from ``rnn_attrs``;
-    W [D, G, C], R [D, G, H], B [D, 2G] or None, P [D, 3H] or None (LSTM), all one float dtype.
-    ``gates_in_onnx_order=False`` says W and R are already in internal gate order."""
-    cell = RNN_OPS[op]
-    D = 2 if attrs["direction"] == "bidirectional" else 1
-    ng = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
-    W, R = np.asarray(W), np.asarray(R)
-    if W.dtype not in SUPPORTED_DTYPES:
-        raise DTypeError(
-            f"[load_onnx] {where}: W has dtype {W.dtype}; leanrnn runs RNN nodes in "
-            "float32 or float64"
-        )
-    if R.ndim != 3:
-        raise WeightsError(f"[load_onnx] {where}: R has shape {R.shape}; expected [D, G, H]")
-    H = attrs["hidden_size"] or int(R.shape[2])
-    G = ng * H
-    if W.ndim != 3 or W.shape[:2] != (D, G) or W.shape[2] < 1:
-        raise WeightsError(
-            f"[load_onnx] {where}: W has shape {W.shape}; expected [D={D}, "
-            f"G={G}, C] ({ng} gates x hidden_size {H})"
-        )
-    want = {"R": (R, (D, G, H)), "B": (B, (D, 2 * G)), "P": (P, (D, 3 * H))}
-    for name, (a, shape) in want.items():
-        if a is None:
-            continue
-        a = np.asarray(a)
-        if a.shape != shape:
-            raise WeightsError(
-                f"[load_onnx] {where}: {name} has shape {a.shape}; expected {list(shape)}"
-            )
-        if a.dtype != W.dtype:
-            raise DTypeError(
-                f"[load_onnx] {where}: {name} has dtype {a.dtype}; expected {W.dtype} like W"
-            )
-    if P is not None and cell != "lstm":
-        raise WeightsError(f"[load_onnx] {where}: peepholes (P) are an LSTM input")
-    C = int(W.shape[2])
-    k = len(DEFAULT_ACTIVATIONS[cell])
-    flat = [Activation.make(n, a, b) for n, a, b in attrs["activations"]]
-    acts = tuple(tuple(flat[d * k : (d + 1) * k]) for d in range(D))
-    try:
-        spec = RNNSpec(
-            cell,
-            C,
-            H,
-            num_layers=1,
-            direction=attrs["direction"],
-            bias=B is not None,
-            batch_first=attrs["layout"] == 1,
-            activations=acts,
-            clip=attrs["clip"],
-            input_forget=attrs["input_forget"],
-            peepholes=P is not None,
-            linear_before_reset=attrs["linear_before_reset"] if cell == "gru" else True,
-        )
-    except SpecError as e:
-        raise ModelFormatError(f"[load_onnx] {where}: {e}") from None
-    order = ONNX_ORDER[cell]
-    dirs = []
-    for d in range(D):
-        Bd = np.zeros(2 * G, W.dtype) if B is None else np.asarray(B)[d]
-        peep = None
-        if P is not None:
-            peep = reorder_gates(np.asarray(P)[d], ONNX_PEEP_ORDER, H).reshape(3, H)
-        Wd, Rd = W[d], R[d]
-        if gates_in_onnx_order:
-            Wd, Rd = reorder_gates(Wd, order, H), reorder_gates(Rd, order, H)
-        dirs.append(
-            LayerWeights(
-                W=Wd,
-                R=Rd,
-                bW=reorder_gates(Bd[:G], order, H),
-                bR=reorder_gates(Bd[G:], order, H),
-                peep=peep,
-            )
-        )
-    return spec, [dirs]
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -637,15 +477,7 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
             name = f"{name}_{i}"
         seen_names.add(name)
         where = f"node {name!r} ({op})"
-        for inp in n.input:
-            if inp and inp not in defined:
-                raise ModelFormatError(
-                    f"[load_onnx] {where} reads {inp!r}, which no graph input, initializer or "
-                    "earlier node defines (graph not topologically sorted, or dangling)"
-                )
-        for out in n.output:
-            if out and out in defined:
-                raise ModelFormatError(f"[load_onnx] {where} redefines tensor {out!r}")
+        check_node_io(f"[load_onnx] {where}", n.input, n.output, defined)
         attrs = _attrs(n, reader, where)
         if op == "Constant":
             if len(n.output) != 1 or not n.output[0]:
@@ -689,62 +521,3 @@ class _Lazy:
 
     def read(self, rows=None) -> np.ndarray:
         return self.reader.initializer(self.g, self.index, rows)
-
-
-def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict[str, _Lazy] | None = None) -> None:
-    """Pack every RNN node whose W, R, B, P are constants (in ``graph.constants``, or read on
-    demand from ``lazy``) and drop those inputs from the node (and the constants nobody else
-    reads). Idempotent."""
-    lazy = lazy or {}
-
-    def get(name):
-        return graph.constants[name] if name in graph.constants else lazy[name].read()
-
-    for node in graph.nodes:
-        if node.op not in RNN_OPS or node.name in graph.packed:
-            continue
-        ins = list(node.inputs) + [""] * (8 - len(node.inputs))
-        weight_slots = (1, 2, 3, 7)  # W, R, B, P
-        if any(
-            ins[k] and ins[k] not in graph.constants and ins[k] not in lazy for k in weight_slots
-        ):
-            continue  # weights are computed at run time; the engine packs them per run
-        if not ins[1] or not ins[2]:
-            raise ModelFormatError(f"[load_onnx] node {node.name!r} ({node.op}) has no W or R")
-        # W and R of D x [G, X] in ONNX gate order; read from the file straight into internal
-        # order when the declared dims agree with the node (otherwise rnn_from_onnx reports)
-        W = R = None
-        ng = {"lstm": 4, "gru": 3, "rnn": 1}[RNN_OPS[node.op]]
-        lw, lr = lazy.get(ins[1]), lazy.get(ins[2])
-        if lw is not None and lr is not None and len(lw.dims) == 3 and len(lr.dims) == 3:
-            H = node.attrs["hidden_size"] or lr.dims[2]
-            if lw.dims[1] == lr.dims[1] == ng * H and lr.dims[2] == H and lw.dims[0] == lr.dims[0]:
-                order = ONNX_ORDER[RNN_OPS[node.op]]
-                W, R = lw.read((order, H)), lr.read((order, H))
-        in_onnx_order = W is None
-        if in_onnx_order:
-            W, R = get(ins[1]), get(ins[2])
-        B, P = (get(ins[k]) if ins[k] else None for k in (3, 7))
-        if node.op != "LSTM" and P is not None:
-            P = None  # only LSTM has input 7; others never get here with one
-        spec, layers = rnn_from_onnx(
-            node.op,
-            node.attrs,
-            W,
-            R,
-            B,
-            P,
-            f"node {node.name!r}",
-            gates_in_onnx_order=in_onnx_order,
-        )
-        wdtype = W.dtype
-        del W, R  # the unpacked weights go before the next node's are read
-        graph.packed[node.name] = pack(spec, layers, dtype or wdtype)
-        for k in weight_slots:
-            ins[k] = ""
-        while ins and ins[-1] == "":
-            ins.pop()
-        node.inputs = tuple(ins)
-    used = {i for n in graph.nodes for i in n.inputs} | {t.name for t in graph.outputs}
-    for k in [k for k in graph.constants if k not in used]:
-        del graph.constants[k]

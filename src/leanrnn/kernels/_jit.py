@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import numba
 
@@ -29,28 +30,42 @@ def _can_cache() -> bool:
 
 
 def _cache() -> bool:
-    """Whether kernels are cached. numba caches next to these sources, else in ~/.cache/numba,
-    and raises for every cached kernel when it can write neither (a read-only install, an
-    unwritable HOME); then, unless NUMBA_CACHE_DIR was set, point it at leanrnn's own cache
-    (or the private temp dir; in os.environ too, so numba's config reloads and the build
-    subprocess keep it), else compile without a cache."""
-    if _can_cache():
-        return True
-    if not os.environ.get("NUMBA_CACHE_DIR"):
-        for root in (config.cache_dir(), config.temp_cache_dir()):
-            if root is not None and config.writable(root / "numba"):
-                os.environ["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR = str(root / "numba")
-                if _can_cache():
-                    _log.warning("leanrnn: numba cannot cache the kernels next to their sources "
-                                 "or in ~/.cache/numba; caching them in %s (set NUMBA_CACHE_DIR "
-                                 "to choose)", root / "numba")  # fmt: skip
-                    return True
-                del os.environ["NUMBA_CACHE_DIR"]
-                numba.config.CACHE_DIR = ""
+    """Whether kernels are cached, and where. numba re-checks a cached kernel against its own
+    source file only, not against the files of helpers it inlined: after an edit to _simd.py
+    the recurrence cached from recurrent.py would still run the old tile. So the cache is a
+    directory named by the fingerprint of every kernel source, the CPU and the versions
+    (kernels.native, as the native build is): ``$NUMBA_CACHE_DIR/<fp>``, else
+    ``<leanrnn cache>/numba/<fp>``, else (an unwritable cache or HOME) the private temp dir's;
+    set in os.environ too, so numba's config reloads and the build subprocess keep it. If none
+    can be written, kernels compile without a cache."""
+    from .native import fingerprint
+
+    fp = fingerprint()
+    user = os.environ.get("NUMBA_CACHE_DIR", "")
+    if user and Path(user).name == fp:  # a parent process keyed it already
+        bases = [Path(user).parent]
+    elif user:
+        bases = [Path(user)]
+    else:
+        bases = [r / "numba" for r in (config.cache_dir(), config.temp_cache_dir()) if r]
+    for i, base in enumerate(bases):
+        d = base / fp
+        if not config.writable(d):
+            continue
+        os.environ["NUMBA_CACHE_DIR"] = numba.config.CACHE_DIR = str(d)
+        if _can_cache():
+            if i > 0:
+                _log.warning("leanrnn: cannot write the numba cache in %s; caching the kernels "
+                             "in %s (set NUMBA_CACHE_DIR to choose)", bases[0], d)  # fmt: skip
+            return True
+    if user:
+        os.environ["NUMBA_CACHE_DIR"] = user
+    else:
+        os.environ.pop("NUMBA_CACHE_DIR", None)
+    numba.config.CACHE_DIR = user
     _log.warning("leanrnn: numba has nowhere to cache the compiled kernels (NUMBA_CACHE_DIR=%r, "
                  "LEANRNN_CACHE_DIR=%s): every process compiles them anew; set NUMBA_CACHE_DIR to "
-                 "a writable directory", os.environ.get("NUMBA_CACHE_DIR", ""),
-                 config.cache_dir())  # fmt: skip
+                 "a writable directory", user, config.cache_dir())  # fmt: skip
     return False
 
 

@@ -45,12 +45,6 @@ class Plan:
     placements: tuple[Placement, ...]
     total: int  # arena bytes
 
-    def offset(self, name: str) -> int:
-        for p in self.placements:
-            if p.buffer.name == name:
-                return p.offset
-        raise KeyError(name)
-
     @property
     def naive_total(self) -> int:
         """Bytes without reuse: what a framework allocating each temporary separately would hold."""

@@ -1,53 +1,31 @@
-"""GraphModel / GraphSession: run the small op graph exporters put around RNN nodes.
+"""The graph op library: per ONNX op, ``infer`` (output shapes and dtypes from input shapes, and
+values known from shapes alone), ``scratch`` (arena buffers it needs) and ``run`` (compute into
+the arena views it is handed), gathered in ``OPS``. Ops read the IR (``leanrnn.ir``), never a
+file format. RNN nodes (LSTM/GRU/RNN, one layer, any direction) run through one engine
+``Session`` each; weights that are not constant are packed per run.
 
-Op vocabulary is ONNX's (see ``SUPPORTED_OPS``). A ``GraphModel`` owns the graph: at load it
-rejects unsupported ops (naming op and node), folds every node whose inputs are all constants,
-packs RNN weights that became constant, drops nodes no output needs, and fuses the
-``Transpose(perm=[0, 2, 1, 3])`` exporters put after an RNN's Y into the RNN node. A
-``GraphSession`` plans one run shape the way ``Session`` does (MNN's onResize/onExecute split):
-
-- ``resize`` walks the graph once with the input shapes. Tensors that depend only on input
-  *shapes* (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape`` chains, ``ConstantOfShape``
-  initial states) are evaluated right there. Every other tensor gets a shape, a dtype and a
-  lifetime [producing op, last reading op], and ``memory.planner`` packs them into one arena.
-  View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout; Transpose/Cast/Expand when
-  they move no data) get no memory, and elementwise ops overwrite their input when nothing
-  reads it later; both extend the lifetime of the memory they reuse.
-- ``run`` hands each op its arena views; a graph output is a fresh array per run, written in
-  place by the op that produces it.
-
-RNN nodes (LSTM/GRU/RNN, one layer, any direction) run through one engine ``Session`` each; the
-sessions share one arena (``Pool``: they run one after another) and unidirectional ones run in
-chunks of steps, so their scratch does not grow with T. The engine returns y [T, N, D*H]
-([N, T, D*H] for layout 1); ONNX wants Y [T, D, N, H] ([N, T, D, H]), which is the same memory
-when D == 1, layout == 1 or the transpose after Y was fused, so the engine writes Y in place;
-only an unfused layout-0 bidirectional Y is transposed through an arena scratch buffer.
+The engine returns y [T, N, D*H] ([N, T, D*H] for layout 1); ONNX wants Y [T, D, N, H]
+([N, T, D, H]), which is the same memory when D == 1, layout == 1 or the transpose after Y was
+fused, so the engine writes Y in place; only an unfused layout-0 bidirectional Y is transposed
+through an arena scratch buffer.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import config
-from ..errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError, UnsupportedOpError
-from ..formats.native import Graph, Node
-from ..formats.onnx_import import RNN_OPS, pack_constant_rnns, rnn_from_onnx
-from ..formats.packing import pack, rows_to_panels
-from ..kernels import abi, runner
-from ..memory.arena import Arena, aligned_empty
-from ..memory.planner import Buffer, Plan, plan
-from . import _fork
-from .session import Pool, Session
-
-# Bytes any single folded constant may take at load, beyond the size of all the constants the
-# file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
-FOLD_SLACK_BYTES = 64 << 20
+from ... import config
+from ...errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError
+from ...formats.packing import pack, rows_to_panels
+from ...ir import RNN_OPS, Graph, Node, rnn_from_node
+from ...kernels import abi, runner
+from ...memory.arena import aligned_empty
+from ..session import Session
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +50,7 @@ class OpDef:
     scratch: Callable | None = None  # (ctx, node, ins, metas, needed) -> {name: (shape, dtype)}
 
 
-class _Ctx:
+class Ctx:
     """What ops may consult: opset, packed RNN weights, per-node engine sessions, packed
     MatMul/Gemm weights."""
 
@@ -215,7 +193,10 @@ def _div(a, b, out):
         np.divide(a, b, out=out)
         return
     if np.any(b == 0):
-        raise ShapeError("[graph] integer Div by zero")
+        raise ShapeError(
+            "integer Div by zero: the divisor holds 0 (ONNX leaves the result undefined); "
+            "check the divisor's values, or Cast both inputs to float"
+        )
     # ONNX integer division truncates toward zero; numpy's // floors
     q = np.floor_divide(a, b)
     q += (np.remainder(a, b) != 0) & ((a < 0) ^ (b < 0))
@@ -263,6 +244,8 @@ def _softmax_scratch(ctx, node, ins, metas, needed):
 
 
 def _softmax_run(ctx, node, ins, outs, metas, tmp):
+    if outs[0].size == 0:  # an empty axis or batch: nothing to normalize (x.max would raise)
+        return outs
     work, ax = _softmax_axes(ctx, node, ins[0].shape)
     x, o = ins[0].reshape(work), outs[0].reshape(work)
     np.subtract(x, x.max(axis=ax, keepdims=True), out=o)
@@ -373,7 +356,7 @@ def _ran_packed(ctx, node, a, o, tmp) -> bool:
     """o = a @ B on the node's packed B (MatMul and Gemm alike), if it has one and ``a`` fits
     it; False when the caller must multiply another way."""
     pm = ctx.matmuls.get(node.name)
-    if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous:
+    if pm is None or a.dtype != pm.W.dtype or a.ndim < 2 or not a.flags.c_contiguous or not a.size:
         return False
     _packed_product(ctx, pm, a.reshape(-1, a.shape[-1]), o.reshape(-1, pm.M), tmp.get("wide"))
     return True
@@ -392,8 +375,9 @@ def _matmul_run(ctx, node, ins, outs, metas, tmp):
     o = outs[0]
     if _ran_packed(ctx, node, a, o, tmp):
         return outs
-    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous:
+    if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous and b.size:
         # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
+        # (K or M of 0 goes to np.matmul: reshape(-1, 0) cannot infer the rows)
         _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
         np.matmul(a, b, out=o)
@@ -810,7 +794,7 @@ def _y_direct(node, D: int) -> bool:
     return D == 1 or layout == 1 or bool(node.attrs.get("y_tndh"))
 
 
-def _engine_y(ctx, node) -> bool:
+def rnn_computes_y(ctx, node) -> bool:
     """Whether the engine computes y: when Y is needed. Without Y the engine keeps only final
     states (``return_sequences=False``), chunked for forward stacks; reverse and bidirectional
     ones run whole (the Session decides, see ``Session.chunkable``)."""
@@ -823,7 +807,7 @@ def _rnn_scratch(ctx, node, ins, metas, needed):
     T, N = (X[0], X[1]) if layout == 0 else (X[1], X[0])
     H, dt = metas[0].shape[-1], metas[0].dtype  # Y is [.., H] in both layouts
     tmp = {}
-    if _engine_y(ctx, node) and not (_rnn_need(ctx, node, 0) and _y_direct(node, D)):
+    if rnn_computes_y(ctx, node) and not (_rnn_need(ctx, node, 0) and _y_direct(node, D)):
         tmp["y"] = ((T, N, D * H) if layout == 0 else (N, T, D * H), dt)
     if not (_rnn_need(ctx, node, 1) and layout == 0):
         tmp["h"] = ((D, N, H), dt)
@@ -839,7 +823,7 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
     session = ctx.sessions.get(node.name)
     if session is None:  # weights are graph inputs or computed: pack them for this run
         P = ins[7] if node.op == "LSTM" else None
-        spec, layers = rnn_from_onnx(
+        spec, layers = rnn_from_node(
             node.op, node.attrs, ins[1], ins[2], ins[3], P, f"node {node.name!r}"
         )
         session = Session(pack(spec, layers, ins[1].dtype), threads=ctx.threads)
@@ -850,7 +834,7 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
         h0 = None if h0 is None else np.ascontiguousarray(h0.transpose(1, 0, 2))
         c0 = None if c0 is None else np.ascontiguousarray(c0.transpose(1, 0, 2))
     T, N = (x.shape[0], x.shape[1]) if layout == 0 else (x.shape[1], x.shape[0])
-    engine_y = _engine_y(ctx, node)
+    engine_y = rnn_computes_y(ctx, node)
     y = None
     if engine_y:
         y = (
@@ -906,32 +890,23 @@ INPLACE_OPS = frozenset([*_UNARY, *_BINARY, "Softmax", "LogSoftmax"])
 SUPPORTED_OPS = tuple(sorted([*OPS, "Constant"]))
 
 
-_controller = None
-
-
-def _blas_controller():
-    global _controller
-    if _controller is None:
-        from threadpoolctl import ThreadpoolController
-
-        _controller = ThreadpoolController()
-    return _controller
-
-
-def _guard(node: Node, fn, *args):
-    """Call an op function; anything but a leanrnn error (a malformed attribute in a hostile
-    file, say) becomes a ModelFormatError that names the node."""
+def guard(node: Node, fn, *args):
+    """Call an op function (at load, plan or run time) so that every error names the node: a
+    leanrnn error that does not yet gets the node in front, anything else (a malformed
+    attribute in a hostile file, say) becomes a ModelFormatError that names it."""
     try:
         return fn(*args)
-    except LeanRNNError:
-        raise
+    except LeanRNNError as e:
+        if str(e).startswith(f"[graph] node {node.name!r}"):
+            raise
+        raise type(e)(f"[graph] node {node.name!r} ({node.op}): {e}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
         raise ModelFormatError(
             f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: {e}"
         ) from None
 
 
-def _eval(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
+def evaluate(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
     """Run one node on concrete arrays, allocating its outputs (folding and shape math)."""
     if all(m.value is not None for m in metas):
         return [m.value for m in metas]
@@ -942,565 +917,3 @@ def _eval(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:
         for k, (shape, dt) in OPS[node.op].scratch(ctx, node, ins, metas, set()).items():
             tmp[k] = np.empty(shape, dt)
     return list(OPS[node.op].run(ctx, node, vals, outs, metas, tmp))
-
-
-# --------------------------------------------------------------------------------- the model
-class GraphModel:
-    """A runnable op graph around RNN nodes (what ``leanrnn.load`` returns for ONNX files).
-
-    ``model(*inputs)`` or ``model(**named)`` returns the graph's outputs (one array, or a tuple);
-    ``run(feeds)`` returns a list. Inputs must have the declared dtypes (nothing is converted).
-    Returned arrays belong to the caller (fresh per run). The model takes ownership of ``graph``
-    and rewrites it at load (folded constants, packed weights, pruned and fused nodes); that
-    rewritten graph is what ``leanrnn.save`` stores.
-
-        >>> m = leanrnn.load("model.onnx")                      # doctest: +SKIP
-        >>> logits = m(tokens)                                  # doctest: +SKIP
-    """
-
-    def __init__(self, graph: Graph, threads: int | None = None) -> None:
-        self.graph = graph
-        self.threads = threads
-        self._check()
-        self._fold()
-        pack_constant_rnns(graph)
-        self._prune()
-        if self._fuse():
-            self._prune()
-        self._classify()
-        self._matmuls = self._pack_matmuls()
-        self._lock = threading.Lock()
-        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
-        self._session: GraphSession | None = None
-
-    # -- description
-    @property
-    def input_names(self) -> list[str]:
-        return [t.name for t in self.graph.inputs]
-
-    @property
-    def output_names(self) -> list[str]:
-        return [t.name for t in self.graph.outputs]
-
-    @property
-    def rnn_nodes(self) -> list[Node]:
-        return [n for n in self.graph.nodes if n.op in RNN_OPS]
-
-    def __repr__(self) -> str:
-        ops = ", ".join(n.op for n in self.graph.nodes)
-        return f"GraphModel({self.graph.name!r}: {self.input_names} -> {self.output_names}; {ops})"
-
-    # -- load-time passes
-    def _check(self) -> None:
-        g = self.graph
-        for t in [*g.inputs, *g.outputs]:
-            ok = t.dtype == "" or (t.dtype in np.sctypeDict and np.dtype(t.dtype).kind in "biuf")
-            if not ok:
-                raise ModelFormatError(
-                    f"[load] graph input/output {t.name!r} has dtype "
-                    f"{t.dtype!r}; expected a numeric or bool dtype"
-                )
-        defined = set(g.constants) | {t.name for t in g.inputs}
-        names = set()
-        for node in g.nodes:
-            if node.op not in OPS:
-                raise UnsupportedOpError(
-                    f"[load] node {node.name!r} has op {node.op!r}, which leanrnn does not "
-                    f"implement; supported ops: {', '.join(SUPPORTED_OPS)}"
-                )
-            if node.name in names:
-                raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
-            names.add(node.name)
-            for i in node.inputs:
-                if i and i not in defined:
-                    raise ModelFormatError(
-                        f"[load] node {node.name!r} ({node.op}) reads {i!r}, "
-                        "which nothing defines before it"
-                    )
-            for o in node.outputs:
-                if o in defined:
-                    raise ModelFormatError(f"[load] node {node.name!r} redefines tensor {o!r}")
-            defined |= {o for o in node.outputs if o}
-            if node.op in RNN_OPS:
-                self._check_rnn(node)
-        for t in g.outputs:
-            if t.name not in defined:
-                raise ModelFormatError(f"[load] graph output {t.name!r} is never produced")
-        stray = sorted(set(g.packed) - {n.name for n in g.nodes if n.op in RNN_OPS})
-        if stray:
-            raise ModelFormatError(f"[load] packed weights for unknown RNN nodes {stray}")
-
-    def _check_rnn(self, node: Node) -> None:
-        a = node.attrs
-        if a.get("layout") not in (0, 1) or a.get("direction") not in (
-            "forward",
-            "reverse",
-            "bidirectional",
-        ):
-            raise ModelFormatError(
-                f"[load] node {node.name!r} ({node.op}) has malformed attributes {a}"
-            )
-        if a.get("y_tndh", False) not in (True, False) or (a.get("y_tndh") and a["layout"]):
-            raise ModelFormatError(f"[load] node {node.name!r}: y_tndh needs layout 0")
-        pw = self.graph.packed.get(node.name)
-        if pw is None:
-            return
-        s = pw.spec
-        if (s.cell, s.num_layers, s.direction, s.batch_first) != (
-            RNN_OPS[node.op],
-            1,
-            a["direction"],
-            a["layout"] == 1,
-        ):
-            raise ModelFormatError(
-                f"[load] node {node.name!r} ({node.op}, {a['direction']}, layout {a['layout']}) "
-                f"does not match its packed spec ({s.cell}, layers={s.num_layers}, "
-                f"{s.direction}, batch_first={s.batch_first})"
-            )
-
-    def _fold(self) -> None:
-        """Evaluate every non-RNN node whose inputs are all constants, once, at load: the
-        constant subgraphs exporters put in front of weights (torch's dynamo exporter builds an
-        LSTM's W and R with Slice/Concat/Unsqueeze of the initializers) become constants, which
-        ``pack_constant_rnns`` and ``_pack_matmuls`` then pack. A constant goes as soon as the
-        last node reading it is folded, so the weights are not held three times over."""
-        g = self.graph
-        # A folded value is at most a rearrangement of the constants plus slack (Expand and
-        # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
-        limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
-        ctx = _Ctx(g, {}, self.threads)
-        readers: dict[str, int] = {t.name: 1 for t in g.outputs}
-        for node in g.nodes:
-            for i in node.inputs:
-                readers[i] = readers.get(i, 0) + 1
-        keep = []
-        for node in g.nodes:
-            if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
-                keep.append(node)
-                continue
-            vals = [g.constants[i] if i else None for i in node.inputs]
-            ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
-            metas = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
-            for m in metas:
-                if m.nbytes > limit:
-                    raise ModelFormatError(
-                        f"[load] node {node.name!r} ({node.op}) would make a "
-                        f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
-                        f"more than {limit} bytes"
-                    )
-            res = _guard(node, _eval, ctx, node, vals, metas)
-            del vals
-            for name, arr in zip(node.outputs, res, strict=False):
-                if name:
-                    g.constants[name] = np.asarray(arr, order="C")
-            for i in node.inputs:
-                readers[i] -= 1
-                if i and not readers[i]:
-                    del g.constants[i]
-        g.nodes = keep
-
-    def _prune(self) -> None:
-        g = self.graph
-        needed = {t.name for t in g.outputs}
-        keep = []
-        for node in reversed(g.nodes):
-            if any(o in needed for o in node.outputs):
-                keep.append(node)
-                needed |= {i for i in node.inputs if i}
-        g.nodes = keep[::-1]
-        self._needed = needed
-        for k in [k for k in g.constants if k not in needed]:
-            del g.constants[k]
-        names = {n.name for n in g.nodes}
-        for k in [k for k in g.packed if k not in names]:
-            del g.packed[k]
-
-    def _fuse(self) -> bool:
-        """Fold ``Transpose(perm=[0, 2, 1, 3])`` of a layout-0 RNN's Y into the RNN node: the
-        engine writes y as [T, N, D, H] anyway, so exporters' transpose back (torch emits one
-        after every bidirectional layer) costs neither a copy nor a buffer."""
-        g = self.graph
-        consumers: dict[str, list[Node]] = {}
-        for node in g.nodes:
-            for i in node.inputs:
-                consumers.setdefault(i, []).append(node)
-        outputs = {t.name for t in g.outputs}
-        dropped = set()
-        for node in g.nodes:
-            if node.op not in RNN_OPS or node.attrs.get("layout") != 0 or not node.outputs:
-                continue
-            y = node.outputs[0]
-            users = consumers.get(y, [])
-            if not y or y in outputs or node.attrs.get("y_tndh") or len(users) != 1:
-                continue
-            t = users[0]
-            if t.op != "Transpose" or [int(p) for p in t.attrs.get("perm", ())] != [0, 2, 1, 3]:
-                continue
-            node.outputs = (t.outputs[0], *node.outputs[1:])
-            node.attrs["y_tndh"] = True
-            dropped.add(t.name)
-        g.nodes = [n for n in g.nodes if n.name not in dropped]
-        return bool(dropped)
-
-    def _pack_matmuls(self) -> dict[str, PackedMatmul]:
-        """Pack the constant right-hand matrix of every MatMul [.., K] @ [K, M] and Gemm
-        (transA = 0) whose left side is computed: the classifier head of a sequence model."""
-        g, out = self.graph, {}
-        for node in g.nodes:
-            if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
-                continue
-            B = g.constants.get(node.inputs[1])
-            if B is None or B.ndim != 2 or B.dtype not in (np.float32, np.float64):
-                continue
-            if node.op == "Gemm":
-                if node.attrs.get("transA", 0):
-                    continue
-                if node.attrs.get("transB", 0):
-                    B = B.T
-            if self._kind.get(node.inputs[0]) == "data":
-                out[node.name] = PackedMatmul.of(np.ascontiguousarray(B))
-        return out
-
-    def _classify(self) -> None:
-        """Which tensors depend only on input shapes ("shape": evaluated at resize) and which on
-        input values ("data": planned in the arena, computed at run)."""
-        kind = dict.fromkeys(self.graph.constants, "const")
-        kind.update(dict.fromkeys(self.input_names, "data"))
-        self._shape_nodes: set[str] = set()
-        for node in self.graph.nodes:
-            if node.op == "Shape" or (
-                node.op not in RNN_OPS
-                and all(kind.get(i) in ("const", "shape") for i in node.inputs if i)
-            ):
-                k = "shape"
-                self._shape_nodes.add(node.name)
-            else:
-                k = "data"
-            kind.update(dict.fromkeys((o for o in node.outputs if o), k))
-        self._kind = kind
-
-    # -- running
-    @property
-    def session(self) -> GraphSession:
-        if self._session is None:
-            self._session = GraphSession(self)
-        return self._session
-
-    def run(self, feeds) -> list[np.ndarray]:
-        """Outputs (in ``output_names`` order) for ``feeds``: a dict name -> array, or a list in
-        ``input_names`` order."""
-        return self.session.run(feeds)
-
-    def __call__(self, *args, **kwargs):
-        if args and kwargs:
-            raise ShapeError("[GraphModel] pass inputs positionally or by name, not both")
-        outs = self.run(dict(kwargs) if kwargs else list(args))
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
-        """Plan the session for input ``shapes`` (dict or list); see ``GraphSession.resize``."""
-        return self.session.resize(shapes, dtypes, memory_limit)
-
-
-class GraphSession:
-    """One planned arena for a GraphModel plus one engine Session per RNN node. Not re-entrant;
-    calls are serialized by a lock."""
-
-    def __init__(self, model: GraphModel) -> None:
-        self.model = model
-        g = model.graph
-        # RNN nodes run one after another: their sessions share one arena (sized to the largest)
-        self._pool = Pool()
-        # Forward nodes run in chunks of steps (the Session's automatic chunk): their scratch
-        # (the input projection above all) is O(chunk), not O(T), and the recurrence reads it
-        # from cache; y is still written whole, in place. Reverse and bidirectional nodes run
-        # whole: they need the whole sequence.
-        self._sessions = {
-            name: Session(pw, threads=model.threads, pool=self._pool)
-            for name, pw in g.packed.items()
-        }
-        self._ctx = _Ctx(g, self._sessions, model.threads, model._matmuls)
-        self._ctx.needed = model._needed
-        self._lock = threading.Lock()
-        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
-        # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
-        # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
-        # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
-        ops = {n.op for n in g.nodes}
-        self._blas_alone = (
-            bool(ops & set(RNN_OPS))
-            and bool(ops & {"MatMul", "Gemm"})
-            and ((model.threads or config.get_num_threads()) > 1)
-        )
-        self._key = None
-        self._arena: Arena | None = None
-        self._plan: Plan | None = None
-        self.resize_constant_bytes = 0
-
-    @property
-    def plan(self) -> Plan | None:
-        return self._plan
-
-    @property
-    def arena_bytes(self) -> int:
-        """Bytes of the graph arena (intermediate tensors), without the RNN sessions' arenas."""
-        return self._arena.nbytes if self._arena is not None else 0
-
-    @property
-    def rnn_arena_bytes(self) -> int:
-        return self._pool.nbytes
-
-    def _input_metas(self, shapes, dtypes) -> dict:
-        g = self.model.graph
-        names = self.model.input_names
-        if isinstance(shapes, dict):
-            _check_input_names("GraphSession.resize", shapes, names)
-            shapes = [shapes[n] for n in names]
-        if len(shapes) != len(names):
-            raise ShapeError(
-                f"[GraphSession.resize] got {len(shapes)} input shapes; the model "
-                f"has {len(names)} inputs {names}"
-            )
-        if dtypes is None:
-            dtypes = [t.dtype for t in g.inputs]
-        elif isinstance(dtypes, dict):
-            dtypes = [dtypes.get(n, t.dtype) for n, t in zip(names, g.inputs, strict=True)]
-        metas = {}
-        for t, shape, dt in zip(g.inputs, shapes, dtypes, strict=True):
-            if not dt:
-                raise DTypeError(
-                    f"[GraphSession.resize] input {t.name!r} has no declared dtype; pass dtypes="
-                )
-            metas[t.name] = Out(tuple(int(d) for d in shape), np.dtype(dt))
-        return metas
-
-    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
-        """Plan every intermediate tensor for inputs of ``shapes`` (and ``dtypes``, default the
-        declared ones), in one arena; plans each RNN node's Session too."""
-        metas_in = self._input_metas(shapes, dtypes)
-        with self._lock:
-            return self._resize(metas_in, memory_limit)
-
-    def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
-        model, g, ctx = self.model, self.model.graph, self._ctx
-        limit = memory_limit
-        metas: dict[str, Out] = {k: Out(v.shape, v.dtype) for k, v in g.constants.items()}
-        metas.update(metas_in)
-        values: dict[str, np.ndarray] = dict(g.constants)
-        steps = []  # (node, out metas, scratch {key: (shape, dtype)})
-        extra = 0
-        for node in g.nodes:
-            ins = [metas[i] if i else None for i in node.inputs]
-            vals = [values.get(i) if i else None for i in node.inputs]
-            outs = _guard(node, OPS[node.op].infer, ctx, node, ins, vals)
-            for m in outs:
-                if limit is not None and m.nbytes > limit:
-                    raise ShapeError(
-                        f"[GraphSession.resize] node {node.name!r} ({node.op}) "
-                        f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
-                        f" limit is {limit}"
-                    )
-            for name, m in zip(node.outputs, outs, strict=False):
-                if name:
-                    metas[name] = m
-            if node.name in model._shape_nodes:
-                res = _guard(node, _eval, ctx, node, vals, outs)
-                for name, arr in zip(node.outputs, res, strict=False):
-                    if name:
-                        values[name] = np.asarray(arr, order="C")
-                        extra += arr.nbytes
-                continue
-            tmp = {}
-            if OPS[node.op].scratch is not None:
-                tmp = _guard(node, OPS[node.op].scratch, ctx, node, ins, outs, model._needed)
-            steps.append((node, outs, tmp))
-        p, views = self._plan_arena(steps, metas, limit)
-        for node, _, _ in steps:
-            sess = self._sessions.get(node.name)
-            if sess is not None:
-                x = metas[node.inputs[0]].shape
-                T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
-                sess.resize(N, T, return_sequences=_engine_y(ctx, node))
-        self._steps, self._metas, self._values, self._views = steps, metas, values, views
-        self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
-        self.resize_constant_bytes = extra
-        self._plan = p
-        return p
-
-    def _plan_arena(self, steps, metas, limit):
-        """Lifetimes -> one arena. A tensor's memory is shared by its *family*: the views of it
-        and the elementwise ops that overwrite it in place (allowed when nothing reads the old
-        value later and no graph output is in the family). A family holding a graph output
-        lives in a fresh array per run, which the caller then owns; all others in the arena."""
-        g = self.model.graph
-        outputs = {t.name for t in g.outputs}
-        last_read: dict[str, int] = {}
-        for k, (node, _, _) in enumerate(steps):
-            for i in node.inputs:
-                if i:
-                    last_read[i] = k
-        root: dict[str, str] = {}
-        family: dict[str, list[str]] = {}
-        first: dict[str, int] = {}
-        inplace: dict[str, str] = {}
-        # Per family, kept as members join: the last step reading any member, and whether a
-        # member is a graph output. The in-place test then costs O(1), not O(family): a chain
-        # of n elementwise ops is one family, and rescanning it made planning O(n^2).
-        fam_last: dict[str, int] = {}
-        fam_output: dict[str, bool] = {}
-        for k, (node, outs, _) in enumerate(steps):
-            for name, m in zip(node.outputs, outs, strict=False):
-                if not name or (node.op in RNN_OPS and name not in self.model._needed):
-                    continue
-                src = (
-                    node.inputs[0]
-                    if m.view
-                    else self._inplace_source(node, m, k, root, first, fam_last, fam_output, metas)
-                )
-                if src is not None and (m.view or src in root):
-                    r = root.get(src, src)
-                    if not m.view:
-                        inplace[name] = src
-                else:
-                    r = name
-                    first[name] = k
-                root[name] = r
-                family.setdefault(r, []).append(name)
-                fam_last[r] = max(fam_last.get(r, -1), last_read.get(name, -1))
-                fam_output[r] = fam_output.get(r, False) or name in outputs
-        buffers = []
-        self._fresh: set[str] = set()  # roots allocated per run
-        for r in family:
-            if r not in first:
-                continue  # a view of a graph input, constant or shape value
-            if fam_output[r]:
-                self._fresh.add(r)
-                continue
-            buffers.append(Buffer(r, metas[r].nbytes, first[r], max(first[r], fam_last[r])))
-        for k, (node, _, tmp) in enumerate(steps):
-            for key, (shape, dt) in tmp.items():
-                nbytes = math.prod(shape) * np.dtype(dt).itemsize
-                buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
-        p = plan(buffers, limit=limit)
-        if self._arena is None or self._arena.nbytes < p.total:
-            self._arena = None  # drop the old arena before taking the new one
-            self._arena = Arena(p.total, name=f"graph arena[{g.name}]")
-        shapes = {r: (metas[r].shape, metas[r].dtype) for r in family}
-        for node, _, tmp in steps:
-            for key, (shape, dt) in tmp.items():
-                shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
-        views = {}
-        for pl in p.placements:
-            shape, dt = shapes[pl.buffer.name]
-            views[pl.buffer.name] = self._arena.view(pl.offset, shape, dt)
-        self._root, self._inplace = root, inplace
-        return p, views
-
-    @staticmethod
-    def _inplace_source(node, m, k, root, first, fam_last, fam_output, metas) -> str | None:
-        """The input an elementwise op may overwrite with its output, if any: one produced here
-        with the output's layout whose family nobody reads after step ``k`` and that holds no
-        graph output."""
-        if node.op not in INPLACE_OPS:
-            return None
-        for i in node.inputs:
-            r = root.get(i)
-            if r not in first or metas[i].shape != m.shape or metas[i].dtype != m.dtype:
-                continue  # not produced here (input, constant), or not the output's layout
-            if fam_last[r] <= k and not fam_output[r]:
-                return i
-        return None
-
-    def _feeds(self, feeds) -> dict[str, np.ndarray]:
-        g = self.model.graph
-        names = self.model.input_names
-        if not isinstance(feeds, dict):
-            feeds = list(feeds)
-            if len(feeds) != len(names):
-                raise ShapeError(
-                    f"[GraphModel.run] got {len(feeds)} inputs; the model takes "
-                    f"{len(names)}: {names}"
-                )
-            feeds = dict(zip(names, feeds, strict=True))
-        _check_input_names("GraphModel.run", feeds, names)
-        out = {}
-        for t in g.inputs:
-            a = feeds[t.name]
-            if not isinstance(a, np.ndarray):
-                a = np.asarray(a)
-            if t.dtype and a.dtype != np.dtype(t.dtype):
-                hint = f"; convert with .astype(np.{t.dtype})" if a.dtype.kind in "fiub" else ""
-                raise DTypeError(
-                    f"[GraphModel.run] input {t.name!r} has dtype {a.dtype}; the "
-                    f"model declares {t.dtype}{hint}"
-                )
-            if t.shape is not None:
-                bad = len(t.shape) != a.ndim or any(
-                    isinstance(d, int) and d != s for d, s in zip(t.shape, a.shape, strict=False)
-                )
-                if bad:
-                    want = ", ".join("?" if d is None else str(d) for d in t.shape)
-                    raise ShapeError(
-                        f"[GraphModel.run] input {t.name!r} has shape "
-                        f"{tuple(a.shape)}; the model declares [{want}]"
-                    )
-            out[t.name] = np.asarray(a, order="C")
-        return out
-
-    def run(self, feeds) -> list[np.ndarray]:
-        feeds = self._feeds(feeds)
-        metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
-        with self._lock:
-            key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
-            if key != self._key:
-                self._resize(metas_in, None)
-            if not self._blas_alone:
-                return self._execute(feeds)
-            with _blas_controller().limit(limits=1, user_api="blas"):
-                return self._execute(feeds)
-
-    def _execute(self, feeds: dict) -> list[np.ndarray]:
-        env = dict(self._values)
-        env.update(feeds)
-        fresh: dict[str, np.ndarray] = {}
-        views, ctx, root, inplace = self._views, self._ctx, self._root, self._inplace
-        for node, metas, tmp_spec in self._steps:
-            outs = []
-            for name, m in zip(node.outputs, metas, strict=False):
-                if not name or m.view or name not in root:
-                    outs.append(None)
-                elif name in inplace:
-                    outs.append(env[inplace[name]])
-                elif name in self._fresh:
-                    fresh[name] = np.empty(m.shape, m.dtype)
-                    outs.append(fresh[name])
-                else:
-                    outs.append(views[name])
-            tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
-            ins = [env[i] if i else None for i in node.inputs]
-            res = OPS[node.op].run(ctx, node, ins, outs, metas, tmp)
-            for name, arr in zip(node.outputs, res, strict=False):
-                if name:
-                    env[name] = arr
-        results = []
-        handed = set()
-        for t in self.model.graph.outputs:
-            arr = env[t.name]
-            r = root.get(t.name)
-            if r in fresh and r not in handed:
-                handed.add(r)
-                results.append(arr)
-            else:  # a constant, an input, or a second output of one family: the caller's copy
-                results.append(np.array(arr, copy=True))
-        return results
-
-
-def _check_input_names(op: str, given, names: list[str]) -> None:
-    """ShapeError naming every missing and unexpected input (sorted), and the model's inputs."""
-    unknown = sorted(set(given) - set(names))
-    missing = sorted(set(names) - set(given))
-    if unknown or missing:
-        raise ShapeError(
-            f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
-            f"the model's inputs are {names}"
-        )

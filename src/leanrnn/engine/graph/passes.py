@@ -1,0 +1,299 @@
+"""Load-time passes over the graph IR, in the order ``LoadedGraph`` runs them: ``check`` (ops the
+engine implements, names, definitions before use), ``fold`` (constant subgraphs become
+constants), ``pack_constant_rnns`` (RNN nodes whose weights are constant get packed weights),
+``prune`` (what no output needs), ``fuse`` (the Transpose after an RNN's Y), ``classify``
+(shape-only tensors vs data) and ``pack_matmuls`` (constant right-hand matrices of the classifier
+head). No pass knows which file format the graph came from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ModelFormatError, UnsupportedOpError
+from ...formats.packing import ONNX_ORDER, pack
+from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
+from .ops import OPS, SUPPORTED_OPS, Ctx, Out, PackedMatmul, evaluate, guard
+
+# Bytes any single folded constant may take at load, beyond the size of all the constants the
+# file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
+FOLD_SLACK_BYTES = 64 << 20
+
+
+class LoadedGraph:
+    """A graph after the load-time passes, with what planning needs to know about it: which
+    tensors some output needs (``needed``), which depend on input shapes only (``kind``,
+    ``shape_nodes``) and the packed MatMul/Gemm weights (``matmuls``). Takes ownership of
+    ``graph`` and rewrites it in place."""
+
+    def __init__(self, graph: Graph, threads: int | None = None) -> None:
+        self.graph = graph
+        self.threads = threads
+        check(graph)
+        fold(graph, threads)
+        pack_constant_rnns(graph)
+        self.needed = prune(graph)
+        if fuse(graph):
+            self.needed = prune(graph)
+        self.kind, self.shape_nodes = classify(graph, self.input_names)
+        self.matmuls = pack_matmuls(graph, self.kind)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.graph.outputs]
+
+
+def check(g: Graph) -> None:
+    """Reject what the engine cannot run, naming the node: unsupported ops, duplicate names,
+    tensors read before anything defines them, malformed RNN attributes, stray packed weights."""
+    for t in [*g.inputs, *g.outputs]:
+        ok = t.dtype == "" or (t.dtype in np.sctypeDict and np.dtype(t.dtype).kind in "biuf")
+        if not ok:
+            raise ModelFormatError(
+                f"[load] graph input/output {t.name!r} has dtype "
+                f"{t.dtype!r}; expected a numeric or bool dtype"
+            )
+    defined = set(g.constants) | {t.name for t in g.inputs}
+    names = set()
+    for node in g.nodes:
+        if node.op not in OPS:
+            raise UnsupportedOpError(
+                f"[load] node {node.name!r} has op {node.op!r}, which leanrnn does not "
+                f"implement; supported ops: {', '.join(SUPPORTED_OPS)}"
+            )
+        if node.name in names:
+            raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
+        names.add(node.name)
+        check_node_io(f"[load] node {node.name!r} ({node.op})", node.inputs, node.outputs, defined)
+        defined |= {o for o in node.outputs if o}
+        if node.op in RNN_OPS:
+            _check_rnn(g, node)
+    for t in g.outputs:
+        if t.name not in defined:
+            raise ModelFormatError(f"[load] graph output {t.name!r} is never produced")
+    stray = sorted(set(g.packed) - {n.name for n in g.nodes if n.op in RNN_OPS})
+    if stray:
+        raise ModelFormatError(f"[load] packed weights for unknown RNN nodes {stray}")
+
+
+def _check_rnn(g: Graph, node: Node) -> None:
+    a = node.attrs
+    if a.get("layout") not in (0, 1) or a.get("direction") not in (
+        "forward",
+        "reverse",
+        "bidirectional",
+    ):
+        raise ModelFormatError(
+            f"[load] node {node.name!r} ({node.op}) has malformed attributes {a}"
+        )
+    if a.get("y_tndh", False) not in (True, False) or (a.get("y_tndh") and a["layout"]):
+        raise ModelFormatError(f"[load] node {node.name!r}: y_tndh needs layout 0")
+    pw = g.packed.get(node.name)
+    if pw is None:
+        return
+    s = pw.spec
+    if (s.cell, s.num_layers, s.direction, s.batch_first) != (
+        RNN_OPS[node.op],
+        1,
+        a["direction"],
+        a["layout"] == 1,
+    ):
+        raise ModelFormatError(
+            f"[load] node {node.name!r} ({node.op}, {a['direction']}, layout {a['layout']}) "
+            f"does not match its packed spec ({s.cell}, layers={s.num_layers}, "
+            f"{s.direction}, batch_first={s.batch_first})"
+        )
+
+
+def fold(g: Graph, threads: int | None = None) -> None:
+    """Evaluate every non-RNN node whose inputs are all constants, once, at load: the
+    constant subgraphs exporters put in front of weights (torch's dynamo exporter builds an
+    LSTM's W and R with Slice/Concat/Unsqueeze of the initializers) become constants, which
+    ``pack_constant_rnns`` and ``pack_matmuls`` then pack. A constant goes as soon as the
+    last node reading it is folded, so the weights are not held three times over."""
+    # A folded value is at most a rearrangement of the constants plus slack (Expand and
+    # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
+    limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
+    ctx = Ctx(g, {}, threads)
+    readers: dict[str, int] = {t.name: 1 for t in g.outputs}
+    for node in g.nodes:
+        for i in node.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    keep = []
+    for node in g.nodes:
+        if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
+            keep.append(node)
+            continue
+        vals = [g.constants[i] if i else None for i in node.inputs]
+        ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
+        metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+        for m in metas:
+            if m.nbytes > limit:
+                raise ModelFormatError(
+                    f"[load] node {node.name!r} ({node.op}) would make a "
+                    f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
+                    f"more than {limit} bytes"
+                )
+        res = guard(node, evaluate, ctx, node, vals, metas)
+        del vals
+        for name, arr in zip(node.outputs, res, strict=False):
+            if name:
+                g.constants[name] = np.asarray(arr, order="C")
+        for i in node.inputs:
+            readers[i] -= 1
+            if i and not readers[i]:
+                del g.constants[i]
+    g.nodes = keep
+
+
+def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> None:
+    """Pack every RNN node whose W, R, B, P are constants (in ``graph.constants``, or read on
+    demand from ``lazy``) and drop those inputs from the node (and the constants nobody else
+    reads). Idempotent. Runs at import (with ``lazy``) and again after folding.
+
+    ``lazy`` maps a name to a constant an importer reads only when its node is packed: an object
+    with ``dims`` (declared shape) and ``read(rows=None)``; ``rows=(order, H)`` reads a
+    [D, G, X] weight with its H-row gate blocks taken in ``order``, i.e. straight into internal
+    gate order. Reading one node's weights at a time keeps the peak near one copy of the model."""
+    lazy = lazy or {}
+
+    def get(name):
+        return graph.constants[name] if name in graph.constants else lazy[name].read()
+
+    for node in graph.nodes:
+        if node.op not in RNN_OPS or node.name in graph.packed:
+            continue
+        ins = list(node.inputs) + [""] * (8 - len(node.inputs))
+        weight_slots = (1, 2, 3, 7)  # W, R, B, P
+        if any(
+            ins[k] and ins[k] not in graph.constants and ins[k] not in lazy for k in weight_slots
+        ):
+            continue  # weights are computed at run time; the engine packs them per run
+        if not ins[1] or not ins[2]:
+            raise ModelFormatError(f"[load_onnx] node {node.name!r} ({node.op}) has no W or R")
+        # W and R of D x [G, X] in ONNX gate order; read from the file straight into internal
+        # order when the declared dims agree with the node (otherwise rnn_from_node reports)
+        W = R = None
+        ng = {"lstm": 4, "gru": 3, "rnn": 1}[RNN_OPS[node.op]]
+        lw, lr = lazy.get(ins[1]), lazy.get(ins[2])
+        if lw is not None and lr is not None and len(lw.dims) == 3 and len(lr.dims) == 3:
+            H = node.attrs["hidden_size"] or lr.dims[2]
+            if lw.dims[1] == lr.dims[1] == ng * H and lr.dims[2] == H and lw.dims[0] == lr.dims[0]:
+                order = ONNX_ORDER[RNN_OPS[node.op]]
+                W, R = lw.read((order, H)), lr.read((order, H))
+        in_onnx_order = W is None
+        if in_onnx_order:
+            W, R = get(ins[1]), get(ins[2])
+        B, P = (get(ins[k]) if ins[k] else None for k in (3, 7))
+        if node.op != "LSTM" and P is not None:
+            P = None  # only LSTM has input 7; others never get here with one
+        spec, layers = rnn_from_node(
+            node.op,
+            node.attrs,
+            W,
+            R,
+            B,
+            P,
+            f"node {node.name!r}",
+            gates_in_onnx_order=in_onnx_order,
+        )
+        wdtype = W.dtype
+        del W, R  # the unpacked weights go before the next node's are read
+        graph.packed[node.name] = pack(spec, layers, dtype or wdtype)
+        for k in weight_slots:
+            ins[k] = ""
+        while ins and ins[-1] == "":
+            ins.pop()
+        node.inputs = tuple(ins)
+    used = {i for n in graph.nodes for i in n.inputs} | {t.name for t in graph.outputs}
+    for k in [k for k in graph.constants if k not in used]:
+        del graph.constants[k]
+
+
+def prune(g: Graph) -> set[str]:
+    """Drop nodes, constants and packed weights no graph output needs; returns the names of
+    the tensors that are needed."""
+    needed = {t.name for t in g.outputs}
+    keep = []
+    for node in reversed(g.nodes):
+        if any(o in needed for o in node.outputs):
+            keep.append(node)
+            needed |= {i for i in node.inputs if i}
+    g.nodes = keep[::-1]
+    for k in [k for k in g.constants if k not in needed]:
+        del g.constants[k]
+    names = {n.name for n in g.nodes}
+    for k in [k for k in g.packed if k not in names]:
+        del g.packed[k]
+    return needed
+
+
+def fuse(g: Graph) -> bool:
+    """Fold ``Transpose(perm=[0, 2, 1, 3])`` of a layout-0 RNN's Y into the RNN node: the
+    engine writes y as [T, N, D, H] anyway, so exporters' transpose back (torch emits one
+    after every bidirectional layer) costs neither a copy nor a buffer."""
+    consumers: dict[str, list[Node]] = {}
+    for node in g.nodes:
+        for i in node.inputs:
+            consumers.setdefault(i, []).append(node)
+    outputs = {t.name for t in g.outputs}
+    dropped = set()
+    for node in g.nodes:
+        if node.op not in RNN_OPS or node.attrs.get("layout") != 0 or not node.outputs:
+            continue
+        y = node.outputs[0]
+        users = consumers.get(y, [])
+        if not y or y in outputs or node.attrs.get("y_tndh") or len(users) != 1:
+            continue
+        t = users[0]
+        if t.op != "Transpose" or [int(p) for p in t.attrs.get("perm", ())] != [0, 2, 1, 3]:
+            continue
+        node.outputs = (t.outputs[0], *node.outputs[1:])
+        node.attrs["y_tndh"] = True
+        dropped.add(t.name)
+    g.nodes = [n for n in g.nodes if n.name not in dropped]
+    return bool(dropped)
+
+
+def classify(g: Graph, input_names: list[str]) -> tuple[dict[str, str], set[str]]:
+    """Which tensors depend only on input shapes ("shape": evaluated at resize) and which on
+    input values ("data": planned in the arena, computed at run); returns (kind by tensor, names of
+    the shape nodes)."""
+    kind = dict.fromkeys(g.constants, "const")
+    kind.update(dict.fromkeys(input_names, "data"))
+    shape_nodes: set[str] = set()
+    for node in g.nodes:
+        if node.op == "Shape" or (
+            node.op not in RNN_OPS
+            and all(kind.get(i) in ("const", "shape") for i in node.inputs if i)
+        ):
+            k = "shape"
+            shape_nodes.add(node.name)
+        else:
+            k = "data"
+        kind.update(dict.fromkeys((o for o in node.outputs if o), k))
+    return kind, shape_nodes
+
+
+def pack_matmuls(g: Graph, kind: dict[str, str]) -> dict[str, PackedMatmul]:
+    """Pack the constant right-hand matrix of every MatMul [.., K] @ [K, M] and Gemm
+    (transA = 0) whose left side is computed: the classifier head of a sequence model."""
+    out = {}
+    for node in g.nodes:
+        if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+            continue
+        B = g.constants.get(node.inputs[1])
+        if B is None or B.ndim != 2 or not B.size or B.dtype not in (np.float32, np.float64):
+            continue
+        if node.op == "Gemm":
+            if node.attrs.get("transA", 0):
+                continue
+            if node.attrs.get("transB", 0):
+                B = B.T
+        if kind.get(node.inputs[0]) == "data":
+            out[node.name] = PackedMatmul.of(np.ascontiguousarray(B))
+    return out

@@ -1,0 +1,347 @@
+"""GraphSession: plan one run shape of a loaded graph, then run it (MNN's onResize/onExecute split).
+
+- ``resize`` walks the graph once with the input shapes. Tensors that depend only on input
+  *shapes* (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape`` chains, ``ConstantOfShape``
+  initial states) are evaluated right there. Every other tensor gets a shape, a dtype and a
+  lifetime [producing op, last reading op], and ``memory.planner`` packs them into one arena.
+  View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout; Transpose/Cast/Expand when
+  they move no data) get no memory, and elementwise ops overwrite their input when nothing
+  reads it later; both extend the lifetime of the memory they reuse.
+- ``run`` hands each op its arena views; a graph output is a fresh array per run, written in
+  place by the op that produces it.
+
+RNN nodes' sessions share one arena (``Pool``: they run one after another) and unidirectional
+ones run in chunks of steps, so their scratch does not grow with T.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from ... import config
+from ...errors import DTypeError, ShapeError
+from ...ir import RNN_OPS
+from ...memory.arena import Arena
+from ...memory.planner import Buffer, Plan, plan
+from .. import _fork
+from ..session import Pool, Session
+from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
+from .passes import LoadedGraph
+
+_controller = None
+
+
+def _blas_controller():
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    return _controller
+
+
+class GraphSession:
+    """One planned arena for a loaded graph plus one engine Session per RNN node. Not re-entrant;
+    calls are serialized by a lock."""
+
+    def __init__(self, loaded: LoadedGraph) -> None:
+        self.loaded = loaded
+        g = loaded.graph
+        # RNN nodes run one after another: their sessions share one arena (sized to the largest)
+        self._pool = Pool()
+        # Forward nodes run in chunks of steps (the Session's automatic chunk): their scratch
+        # (the input projection above all) is O(chunk), not O(T), and the recurrence reads it
+        # from cache; y is still written whole, in place. Reverse and bidirectional nodes run
+        # whole: they need the whole sequence.
+        self._sessions = {
+            name: Session(pw, threads=loaded.threads, pool=self._pool)
+            for name, pw in g.packed.items()
+        }
+        self._ctx = Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
+        self._ctx.needed = loaded.needed
+        self._lock = threading.Lock()
+        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
+        # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
+        # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
+        # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
+        ops = {n.op for n in g.nodes}
+        self._blas_alone = (
+            bool(ops & set(RNN_OPS))
+            and bool(ops & {"MatMul", "Gemm"})
+            and ((loaded.threads or config.get_num_threads()) > 1)
+        )
+        self._key = None
+        self._arena: Arena | None = None
+        self._plan: Plan | None = None
+        self.resize_constant_bytes = 0
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the graph arena (intermediate tensors), without the RNN sessions' arenas."""
+        return self._arena.nbytes if self._arena is not None else 0
+
+    @property
+    def rnn_arena_bytes(self) -> int:
+        return self._pool.nbytes
+
+    def _input_metas(self, shapes, dtypes) -> dict:
+        g = self.loaded.graph
+        names = self.loaded.input_names
+        if isinstance(shapes, dict):
+            _check_input_names("GraphSession.resize", shapes, names)
+            shapes = [shapes[n] for n in names]
+        if len(shapes) != len(names):
+            raise ShapeError(
+                f"[GraphSession.resize] got {len(shapes)} input shapes; the model "
+                f"has {len(names)} inputs {names}"
+            )
+        if dtypes is None:
+            dtypes = [t.dtype for t in g.inputs]
+        elif isinstance(dtypes, dict):
+            dtypes = [dtypes.get(n, t.dtype) for n, t in zip(names, g.inputs, strict=True)]
+        metas = {}
+        for t, shape, dt in zip(g.inputs, shapes, dtypes, strict=True):
+            if not dt:
+                raise DTypeError(
+                    f"[GraphSession.resize] input {t.name!r} has no declared dtype; pass dtypes="
+                )
+            metas[t.name] = Out(tuple(int(d) for d in shape), np.dtype(dt))
+        return metas
+
+    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
+        """Plan every intermediate tensor for inputs of ``shapes`` (and ``dtypes``, default the
+        declared ones), in one arena; plans each RNN node's Session too."""
+        metas_in = self._input_metas(shapes, dtypes)
+        with self._lock:
+            return self._resize(metas_in, memory_limit)
+
+    def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
+        loaded, g, ctx = self.loaded, self.loaded.graph, self._ctx
+        limit = memory_limit
+        metas: dict[str, Out] = {k: Out(v.shape, v.dtype) for k, v in g.constants.items()}
+        metas.update(metas_in)
+        values: dict[str, np.ndarray] = dict(g.constants)
+        steps = []  # (node, out metas, scratch {key: (shape, dtype)})
+        extra = 0
+        for node in g.nodes:
+            ins = [metas[i] if i else None for i in node.inputs]
+            vals = [values.get(i) if i else None for i in node.inputs]
+            outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            for m in outs:
+                if limit is not None and m.nbytes > limit:
+                    raise ShapeError(
+                        f"[GraphSession.resize] node {node.name!r} ({node.op}) "
+                        f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
+                        f" limit is {limit}"
+                    )
+            for name, m in zip(node.outputs, outs, strict=False):
+                if name:
+                    metas[name] = m
+            if node.name in loaded.shape_nodes:
+                res = guard(node, evaluate, ctx, node, vals, outs)
+                for name, arr in zip(node.outputs, res, strict=False):
+                    if name:
+                        values[name] = np.asarray(arr, order="C")
+                        extra += arr.nbytes
+                continue
+            tmp = {}
+            if OPS[node.op].scratch is not None:
+                tmp = guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
+            steps.append((node, outs, tmp))
+        p, views = self._plan_arena(steps, metas, limit)
+        for node, _, _ in steps:
+            sess = self._sessions.get(node.name)
+            if sess is not None:
+                x = metas[node.inputs[0]].shape
+                T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
+                sess.resize(N, T, return_sequences=rnn_computes_y(ctx, node))
+        self._steps, self._metas, self._values, self._views = steps, metas, values, views
+        self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
+        self.resize_constant_bytes = extra
+        self._plan = p
+        return p
+
+    def _plan_arena(self, steps, metas, limit):
+        """Lifetimes -> one arena. A tensor's memory is shared by its *family*: the views of it
+        and the elementwise ops that overwrite it in place (allowed when nothing reads the old
+        value later and no graph output is in the family). A family holding a graph output
+        lives in a fresh array per run, which the caller then owns; all others in the arena."""
+        g = self.loaded.graph
+        outputs = {t.name for t in g.outputs}
+        last_read: dict[str, int] = {}
+        for k, (node, _, _) in enumerate(steps):
+            for i in node.inputs:
+                if i:
+                    last_read[i] = k
+        root: dict[str, str] = {}
+        family: dict[str, list[str]] = {}
+        first: dict[str, int] = {}
+        inplace: dict[str, str] = {}
+        # Per family, kept as members join: the last step reading any member, and whether a
+        # member is a graph output. The in-place test then costs O(1), not O(family): a chain
+        # of n elementwise ops is one family, and rescanning it made planning O(n^2).
+        fam_last: dict[str, int] = {}
+        fam_output: dict[str, bool] = {}
+        for k, (node, outs, _) in enumerate(steps):
+            for name, m in zip(node.outputs, outs, strict=False):
+                if not name or (node.op in RNN_OPS and name not in self.loaded.needed):
+                    continue
+                src = (
+                    node.inputs[0]
+                    if m.view
+                    else self._inplace_source(node, m, k, root, first, fam_last, fam_output, metas)
+                )
+                if src is not None and (m.view or src in root):
+                    r = root.get(src, src)
+                    if not m.view:
+                        inplace[name] = src
+                else:
+                    r = name
+                    first[name] = k
+                root[name] = r
+                family.setdefault(r, []).append(name)
+                fam_last[r] = max(fam_last.get(r, -1), last_read.get(name, -1))
+                fam_output[r] = fam_output.get(r, False) or name in outputs
+        buffers = []
+        self._fresh: set[str] = set()  # roots allocated per run
+        for r in family:
+            if r not in first:
+                continue  # a view of a graph input, constant or shape value
+            if fam_output[r]:
+                self._fresh.add(r)
+                continue
+            buffers.append(Buffer(r, metas[r].nbytes, first[r], max(first[r], fam_last[r])))
+        for k, (node, _, tmp) in enumerate(steps):
+            for key, (shape, dt) in tmp.items():
+                nbytes = math.prod(shape) * np.dtype(dt).itemsize
+                buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
+        p = plan(buffers, limit=limit)
+        if self._arena is None or self._arena.nbytes < p.total:
+            self._arena = None  # drop the old arena before taking the new one
+            self._arena = Arena(p.total, name=f"graph arena[{g.name}]")
+        shapes = {r: (metas[r].shape, metas[r].dtype) for r in family}
+        for node, _, tmp in steps:
+            for key, (shape, dt) in tmp.items():
+                shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
+        views = {}
+        for pl in p.placements:
+            shape, dt = shapes[pl.buffer.name]
+            views[pl.buffer.name] = self._arena.view(pl.offset, shape, dt)
+        self._root, self._inplace = root, inplace
+        return p, views
+
+    @staticmethod
+    def _inplace_source(node, m, k, root, first, fam_last, fam_output, metas) -> str | None:
+        """The input an elementwise op may overwrite with its output, if any: one produced here
+        with the output's layout whose family nobody reads after step ``k`` and that holds no
+        graph output."""
+        if node.op not in INPLACE_OPS:
+            return None
+        for i in node.inputs:
+            r = root.get(i)
+            if r not in first or metas[i].shape != m.shape or metas[i].dtype != m.dtype:
+                continue  # not produced here (input, constant), or not the output's layout
+            if fam_last[r] <= k and not fam_output[r]:
+                return i
+        return None
+
+    def _feeds(self, feeds) -> dict[str, np.ndarray]:
+        g = self.loaded.graph
+        names = self.loaded.input_names
+        if not isinstance(feeds, dict):
+            feeds = list(feeds)
+            if len(feeds) != len(names):
+                raise ShapeError(
+                    f"[GraphModel.run] got {len(feeds)} inputs; the model takes "
+                    f"{len(names)}: {names}"
+                )
+            feeds = dict(zip(names, feeds, strict=True))
+        _check_input_names("GraphModel.run", feeds, names)
+        out = {}
+        for t in g.inputs:
+            a = feeds[t.name]
+            if not isinstance(a, np.ndarray):
+                a = np.asarray(a)
+            if t.dtype and a.dtype != np.dtype(t.dtype):
+                hint = f"; convert with .astype(np.{t.dtype})" if a.dtype.kind in "fiub" else ""
+                raise DTypeError(
+                    f"[GraphModel.run] input {t.name!r} has dtype {a.dtype}; the "
+                    f"model declares {t.dtype}{hint}"
+                )
+            if t.shape is not None:
+                bad = len(t.shape) != a.ndim or any(
+                    isinstance(d, int) and d != s for d, s in zip(t.shape, a.shape, strict=False)
+                )
+                if bad:
+                    want = ", ".join("?" if d is None else str(d) for d in t.shape)
+                    raise ShapeError(
+                        f"[GraphModel.run] input {t.name!r} has shape "
+                        f"{tuple(a.shape)}; the model declares [{want}]"
+                    )
+            out[t.name] = np.asarray(a, order="C")
+        return out
+
+    def run(self, feeds) -> list[np.ndarray]:
+        feeds = self._feeds(feeds)
+        metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
+        with self._lock:
+            key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
+            if key != self._key:
+                self._resize(metas_in, None)
+            if not self._blas_alone:
+                return self._execute(feeds)
+            with _blas_controller().limit(limits=1, user_api="blas"):
+                return self._execute(feeds)
+
+    def _execute(self, feeds: dict) -> list[np.ndarray]:
+        env = dict(self._values)
+        env.update(feeds)
+        fresh: dict[str, np.ndarray] = {}
+        views, ctx, root, inplace = self._views, self._ctx, self._root, self._inplace
+        for node, metas, tmp_spec in self._steps:
+            outs = []
+            for name, m in zip(node.outputs, metas, strict=False):
+                if not name or m.view or name not in root:
+                    outs.append(None)
+                elif name in inplace:
+                    outs.append(env[inplace[name]])
+                elif name in self._fresh:
+                    fresh[name] = np.empty(m.shape, m.dtype)
+                    outs.append(fresh[name])
+                else:
+                    outs.append(views[name])
+            tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
+            ins = [env[i] if i else None for i in node.inputs]
+            res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
+            for name, arr in zip(node.outputs, res, strict=False):
+                if name:
+                    env[name] = arr
+        results = []
+        handed = set()
+        for t in self.loaded.graph.outputs:
+            arr = env[t.name]
+            r = root.get(t.name)
+            if r in fresh and r not in handed:
+                handed.add(r)
+                results.append(arr)
+            else:  # a constant, an input, or a second output of one family: the caller's copy
+                results.append(np.array(arr, copy=True))
+        return results
+
+
+def _check_input_names(op: str, given, names: list[str]) -> None:
+    """ShapeError naming every missing and unexpected input (sorted), and the model's inputs."""
+    unknown = sorted(set(given) - set(names))
+    missing = sorted(set(names) - set(given))
+    if unknown or missing:
+        raise ShapeError(
+            f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
+            f"the model's inputs are {names}"
+        )

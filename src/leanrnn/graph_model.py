@@ -1,0 +1,198 @@
+"""``GraphModel``: a graph model as the user holds it (what ``leanrnn.load`` returns for ONNX files
+and graph ``.lrnn`` files). It sits above the engine, like ``nn.Model``: the engine's passes
+(``LoadedGraph``) and ``GraphSession`` run it, ``formats.native`` saves it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import numpy as np
+
+from .engine import _fork
+from .engine.graph import GraphSession, LoadedGraph
+from .engine.model import parameter_count, spec_line
+from .errors import ShapeError, SpecError
+from .formats import native
+from .ir import RNN_OPS, Graph, Node
+from .memory.planner import Plan
+
+
+class GraphModel:
+    """A runnable op graph around RNN nodes (what ``leanrnn.load`` returns for ONNX files).
+
+    ``model(*inputs)`` or ``model(**named)`` returns the graph's outputs (one array, or a tuple);
+    ``run(feeds)`` returns a list. Inputs must have the declared dtypes (nothing is converted).
+    Returned arrays belong to the caller (fresh per run). The model takes ownership of ``graph``
+    and rewrites it at load (folded constants, packed weights, pruned and fused nodes); that
+    rewritten graph is what ``save`` stores.
+
+        >>> m = leanrnn.load("model.onnx")                      # doctest: +SKIP
+        >>> logits = m(tokens)                                  # doctest: +SKIP
+    """
+
+    def __init__(self, graph: Graph, threads: int | None = None) -> None:
+        self._loaded = LoadedGraph(graph, threads)
+        self.graph = graph
+        self._lock = threading.Lock()
+        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
+        self._session: GraphSession | None = None
+
+    @property
+    def threads(self) -> int | None:
+        """Kernel threads (None: all); set before the first run, which plans the session."""
+        return self._loaded.threads
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        self._loaded.threads = value
+
+    # -- description
+    @property
+    def input_names(self) -> list[str]:
+        return self._loaded.input_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return self._loaded.output_names
+
+    @property
+    def rnn_nodes(self) -> list[Node]:
+        return [n for n in self.graph.nodes if n.op in RNN_OPS]
+
+    @property
+    def _matmuls(self) -> dict:
+        return self._loaded.matmuls
+
+    @property
+    def _kind(self) -> dict[str, str]:
+        return self._loaded.kind
+
+    @property
+    def lengths_input(self) -> str | None:
+        """The graph input that feeds an RNN node's sequence_lens, if one does."""
+        names = set(self.input_names)
+        for node in self.rnn_nodes:
+            if len(node.inputs) > 4 and node.inputs[4] in names:
+                return node.inputs[4]
+        return None
+
+    def __repr__(self) -> str:
+        ops = ", ".join(n.op for n in self.graph.nodes)
+        return f"GraphModel({self.graph.name!r}: {self.input_names} -> {self.output_names}; {ops})"
+
+    def describe(self, batch: int, steps: int) -> dict:
+        """Nodes, parameters, weight bytes and the arenas planned for ``batch`` sequences of
+        ``steps`` steps (input shapes from the declared ones; see ``_input_shapes``)."""
+        g = self.graph
+        layers, params, wbytes = [], 0, 0
+        for node in g.nodes:
+            pw = g.packed.get(node.name)
+            if node.op in RNN_OPS and pw is not None:
+                layers.append(
+                    {
+                        "node": node.name,
+                        "op": node.op,
+                        "spec": spec_line(pw.spec),
+                        "weight_bytes": pw.nbytes,
+                    }
+                )
+                params += parameter_count(pw.spec)
+                wbytes += pw.nbytes
+            else:
+                layers.append({"node": node.name, "op": node.op})
+        for c in g.constants.values():
+            if c.dtype.kind == "f":
+                params += c.size
+            wbytes += c.nbytes
+        shapes = _input_shapes(self, batch, steps)
+        p = self.resize(shapes)
+        sess = self.session
+        arena = {
+            "input_shapes": {k: list(v) for k, v in shapes.items()},
+            "graph_arena_bytes": sess.arena_bytes,
+            "graph_arena_naive_bytes": p.naive_total,
+            "rnn_arena_bytes": sess.rnn_arena_bytes,
+            "shape_constant_bytes": sess.resize_constant_bytes,
+        }
+        arena["total_bytes"] = sess.arena_bytes + sess.rnn_arena_bytes + sess.resize_constant_bytes
+        return {
+            "kind": "graph",
+            "inputs": [t.to_dict() for t in g.inputs],
+            "outputs": [t.to_dict() for t in g.outputs],
+            "layers": layers,
+            "parameters": int(params),
+            "weight_bytes": int(wbytes),
+            "batch": batch,
+            "steps": steps,
+            "arena": arena,
+        }
+
+    def save(self, path) -> str:
+        """Write the (rewritten) graph as a graph ``.lrnn`` file; returns the path."""
+        native.save_graph(self.graph, path)
+        return path
+
+    def stream(self, batch: int = 1):
+        """Not supported for graphs: carrying RNN nodes' states across calls is only exact when
+        every other op is independent per time step, which leanrnn does not analyse yet."""
+        raise SpecError(
+            f"[GraphModel.stream] {self.graph.name!r} is an op graph; leanrnn streams recurrent "
+            "stacks only (LSTM/GRU/RNN models). Run the graph on the whole sequence with "
+            "run(), or load the recurrent stack alone (a .lrnn, checkpoint or state dict)"
+        )
+
+    # -- running
+    @property
+    def session(self) -> GraphSession:
+        if self._session is None:
+            with self._lock:  # two threads' first runs must not plan two sessions
+                if self._session is None:
+                    self._session = GraphSession(self._loaded)
+        return self._session
+
+    def run(self, feeds) -> list[np.ndarray]:
+        """Outputs (in ``output_names`` order) for ``feeds``: a dict name -> array, or a list in
+        ``input_names`` order."""
+        return self.session.run(feeds)
+
+    def __call__(self, *args, **kwargs):
+        if args and kwargs:
+            raise ShapeError("[GraphModel] pass inputs positionally or by name, not both")
+        outs = self.run(dict(kwargs) if kwargs else list(args))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
+        """Plan the session for input ``shapes`` (dict or list); see ``GraphSession.resize``."""
+        return self.session.resize(shapes, dtypes, memory_limit)
+
+
+_T_NAMES = re.compile(r"^(t|time|steps?|seq(uence)?(_?len(gth)?)?|sequence_length|len)$", re.I)
+_N_NAMES = re.compile(r"^(n|b|batch(_?size)?|num_seq)$", re.I)
+
+
+def _input_shapes(model: GraphModel, batch: int, steps: int) -> dict[str, tuple[int, ...]]:
+    """Concrete shapes for a graph's inputs for N=batch, T=steps: declared ints are kept;
+    symbolic dims named like batch/time take N/T; the rest follow the first RNN node's layout
+    ([T, N, ...] for layout 0, [N, T, ...] for layout 1)."""
+    layout = next((n.attrs.get("layout", 0) for n in model.rnn_nodes), 0)
+    order = (steps, batch) if layout == 0 else (batch, steps)
+    shapes = {}
+    for t in model.graph.inputs:
+        if t.shape is None:
+            raise ShapeError(f"[inspect] input {t.name!r} has no declared shape; cannot plan it")
+        dims = []
+        free = 0
+        for d in t.shape:
+            if isinstance(d, int):
+                dims.append(d)
+            elif isinstance(d, str) and _T_NAMES.match(d):
+                dims.append(steps)
+            elif isinstance(d, str) and _N_NAMES.match(d):
+                dims.append(batch)
+            else:
+                dims.append(order[free] if free < 2 else 1)
+                free += 1
+        shapes[t.name] = tuple(dims)
+    return shapes

@@ -1,0 +1,183 @@
+"""Batch scoring (``leanrnn score``): a dataset of variable-length sequences through a model, to
+a file of final states and/or per-step outputs in the input's order, streaming in pieces.
+
+Layers: data (readers) -> batching (length-aware batches on one engine Session, sized by
+leanrnn.tuning) -> writers; ``leanrnn.ray`` runs the same batching inside Ray Data actors.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+from .batching import OUTPUTS, Scorer, engine_model
+from .data import DataError, Options, Source
+from .writers import open_output
+
+__all__ = ["OUTPUTS", "DataError", "ScoreSummary", "score"]
+
+# Input read per piece, as a share of the read-ahead window (a window holds several pieces, so
+# sorting by length has sequences from more than one piece to choose from).
+PIECES_PER_WINDOW = 4
+
+
+@dataclass
+class ScoreSummary:
+    """What a score run did. padding: share of the steps run that were padding;
+    padding_in_order: the same had batches been taken in input order (same batch size)."""
+
+    output: str
+    sequences: int
+    steps: int
+    seconds: float
+    padding: float
+    padding_in_order: float
+    peak_rss: int  # bytes: the process's peak resident memory so far (ru_maxrss)
+    batch: int
+    chunk: int | None
+    threads: int
+    memory_limit: int
+    workers: int = 1  # Ray actors (1 on the local path)
+
+    @property
+    def sequences_per_s(self) -> float:
+        return self.sequences / self.seconds if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        saved = ""
+        if self.padding_in_order > 0:
+            saved = f" (in input order: {self.padding_in_order:.1%})"
+        chunk = self.chunk if self.chunk is not None else "whole"
+        pad = f"padding {self.padding:.1%} of steps run{saved}"
+        if self.padding != self.padding:  # NaN: the Ray path's actors keep their own counts
+            pad = "padding counted in the Ray actors"
+        where = f"{self.workers} Ray actors" if self.workers > 1 else f"{self.threads} threads"
+        return (
+            f"scored {self.sequences:,} sequences ({self.steps:,} steps) in {self.seconds:.2f} s: "
+            f"{self.sequences_per_s:,.0f} sequences/s on {where}\n"
+            f"{pad}; batch {self.batch}, chunk {chunk}\n"
+            f"peak memory {self.peak_rss / 2**20:.1f} MiB (limit for buffers "
+            f"{self.memory_limit / 2**20:.0f} MiB) -> {self.output}"
+        )
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux reports KiB, macOS bytes)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and (now - self.last > 0.2 or self.done >= self.total):
+            self.last = now
+            frac = self.done / self.total if self.total else 1.0
+            bar = "#" * int(30 * frac)
+            rate = self.done / max(now - self.t0, 1e-9)
+            sys.stderr.write(f"\r[{bar:<30}] {self.done:,}/{self.total:,} sequences  {rate:,.0f}/s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _load(model, threads):
+    if isinstance(model, str | os.PathLike):
+        from ..loading import load
+
+        return load(model, threads=threads)
+    return model
+
+
+def score(model, dataset, output, *, outputs: str = "final", memory_limit: int | None = None,
+          threads: int | None = None, batch_size: int | None = None, bucket: bool = True,
+          column: str | None = None, length_column: str | None = None,
+          x_key: str | None = None, lengths_key: str | None = None, lengths: str | None = None,
+          allow_nonfinite: bool = False, progress: bool = False, ray: str | None = None,
+          ray_actors: int | None = None) -> ScoreSummary:  # fmt: skip
+    """Score every sequence of ``dataset`` with ``model`` and write the scores to ``output``.
+
+    model:   a leanrnn LSTM/GRU/RNN (or a path ``leanrnn.load`` opens)
+    dataset: Parquet (a list column of feature vectors: list<list<float>>,
+             list<fixed_size_list<float>[C]> or T*C floats per row, plus an optional integer
+             length column), ``.npy`` [N, T, C] padded (``lengths``: a .npy of [N] lengths),
+             ``.npz`` with x [N, T, C] and lengths [N], or a directory of such files (by name)
+    output:  ``.parquet`` or ``.npz``: one row per input sequence, in input order, with
+             ``length`` and, by ``outputs``, ``h_n`` [L*D, K] (+ ``c_n`` [L*D, H] for LSTM)
+             ('final'), ``y`` [T_i, D*K] ('steps') or all ('both'); written to a temporary
+             name and renamed when complete
+    memory_limit: bytes for the job's buffers (engine arena, padded batches, read-ahead);
+             default a quarter of the available memory, at most 256 MiB
+    bucket:  sort each read-ahead window by length before batching (False: input order)
+    ray:     None (this process), 'auto' (a local Ray, or the one RAY_ADDRESS names) or an
+             address: the same job as a Ray Data pipeline (needs leanrnn[ray]); ``ray_actors``
+             actors (default: one per core, less one for reading when there are several)
+
+    Sequences hold finite floats (float32 or float64, converted to the model's dtype); a
+    length-0 sequence scores zero states and no steps. Errors name the file, row group,
+    column and row; no output file is left behind.
+
+    >>> s = leanrnn.score(leanrnn.load("lstm.lrnn"), "utterances.parquet", "states.parquet")  # doctest: +SKIP
+    >>> print(s)                                                                # doctest: +SKIP
+    """
+    opts = Options(column, length_column, x_key, lengths_key, lengths, allow_nonfinite)
+    model = _load(model, threads)
+    engine_model(model)
+    if ray is not None:
+        from ..ray import score_on_ray
+
+        return score_on_ray(model, dataset, output, outputs=outputs, memory_limit=memory_limit,
+                            batch_size=batch_size, options=opts, address=ray,
+                            actors=ray_actors, progress=progress, threads=threads)  # fmt: skip
+    t0 = time.perf_counter()
+    scorer = Scorer(model, outputs, memory_limit, threads, batch_size, bucket)
+    src = Source(os.fspath(dataset), scorer.C, scorer.dtype, opts)
+    bar = _Progress(src.count(), progress)
+    tb = scorer.tuning
+    it = scorer.dtype.itemsize
+    final_bytes = (scorer.LD * (scorer.K + scorer.H)) * it if scorer.final else 0
+    step_out = scorer.DK * it if scorer.steps else 0
+    out = open_output(os.fspath(output))
+    try:
+        window, held = [], 0
+        for piece in src.pieces(max(1, tb.window_bytes // PIECES_PER_WINDOW)):
+            held += piece.nbytes
+            for s in piece.seqs:
+                window.append(s)
+                held += final_bytes + len(s) * step_out
+            if held >= tb.window_bytes:
+                out.write(scorer.score(window))
+                bar.update(len(window))
+                window, held = [], 0
+        if window:
+            out.write(scorer.score(window))
+            bar.update(len(window))
+        out.close(scorer.empty())
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        bar.close()
+    c = scorer.counters
+    return ScoreSummary(
+        output=os.fspath(output), sequences=c.sequences, steps=c.steps,
+        seconds=time.perf_counter() - t0,
+        padding=(c.padded - c.steps) / c.padded if c.padded else 0.0,
+        padding_in_order=(c.padded_in_order - c.steps) / c.padded_in_order
+        if c.padded_in_order else 0.0,
+        peak_rss=peak_rss(), batch=tb.batch, chunk=tb.chunk, threads=tb.threads,
+        memory_limit=tb.memory_limit,
+    )  # fmt: skip

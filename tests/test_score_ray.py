@@ -1,0 +1,106 @@
+"""`leanrnn score --ray` and leanrnn.ray.Predictor on a local 2-CPU Ray (issue 12): the same
+outputs as the local path; actors load the native kernels instead of compiling with numba."""
+
+import os
+
+import numpy as np
+import pytest
+
+import leanrnn
+from test_score import _check, _seqs, write_parquet
+from tolerances import ATOL_SCORE
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole test session (starting one costs seconds)."""
+    started = not ray.is_initialized()
+    if started:
+        # Workers import leanrnn from wherever the tests do.
+        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in os.sys.path if p)}}
+        ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, runtime_env=env)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return leanrnn.LSTM(5, 12, num_layers=2, seed=3)
+
+
+def test_ray_path_equals_local_path(ray_local, model, tmp_path):
+    seqs = _seqs("skewed", 300, seed=11)
+    d = tmp_path / "data"
+    d.mkdir()
+    write_parquet(str(d / "a.parquet"), seqs[:150], row_group_size=40)
+    write_parquet(str(d / "b.parquet"), seqs[150:], row_group_size=40)
+    local = str(tmp_path / "local.parquet")
+    remote = str(tmp_path / "ray.parquet")
+    leanrnn.score(model, str(d), local, outputs="both")
+    s = leanrnn.score(model, str(d), remote, outputs="both", ray="auto", ray_actors=2)
+    assert s.sequences == 300 and s.workers == 2
+    a, b = pq.read_table(local), pq.read_table(remote)
+    assert a.column_names == b.column_names and a.num_rows == b.num_rows
+    assert np.asarray(a["length"]).tolist() == np.asarray(b["length"]).tolist()
+    for c in ("h_n", "c_n"):
+        np.testing.assert_allclose(np.array(a[c].to_pylist()), np.array(b[c].to_pylist()),
+                                   rtol=0, atol=ATOL_SCORE[np.float32])  # fmt: skip
+    _check(model, seqs, remote)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_predictor_actor_loads_native_kernels_once(ray_local, model, tmp_path):
+    from leanrnn.ray import Predictor
+
+    path = leanrnn.save(model, str(tmp_path / "m.lrnn"))
+    actor = ray.remote(num_cpus=0.5)(Predictor).remote(path, outputs="final")
+    info = ray.get(actor.kernel_info.remote())
+    from leanrnn.kernels import runner
+
+    if runner.backend().name == "native":  # the driver has native kernels: so must the actor
+        assert info["backend"] == "native" and not info["numba_imported"], info
+    import pyarrow as pa
+
+    seqs = _seqs("skewed", 20, seed=5)
+    table = pa.table({"x": pa.array([s.tolist() for s in seqs], pa.list_(pa.list_(pa.float32())))})
+    out = ray.get(actor.__call__.remote(table))
+    h = np.array(out["h_n"].to_pylist(), np.float32)
+    for i, x in enumerate(seqs):
+        if len(x):
+            _, (oh, _) = model(x)
+            np.testing.assert_allclose(h[i], oh, rtol=0, atol=ATOL_SCORE[np.float32])
+    ray.kill(actor)
+
+
+def test_ray_path_refuses_npz_and_bad_columns(ray_local, model, tmp_path):
+    from leanrnn.errors import LeanRNNError
+
+    np.savez(tmp_path / "in.npz", x=np.zeros((2, 3, 5), np.float32))
+    with pytest.raises(LeanRNNError, match="Parquet only"):
+        leanrnn.score(model, str(tmp_path / "in.npz"), str(tmp_path / "o.parquet"), ray="auto")
+    src = write_parquet(str(tmp_path / "in.parquet"), _seqs("uniform", 4))
+    with pytest.raises(LeanRNNError, match="'nope'"):
+        leanrnn.score(model, src, str(tmp_path / "o.parquet"), ray="auto", column="nope")
+    assert not os.path.exists(tmp_path / "o.parquet")
+
+
+def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, model, tmp_path):
+    from leanrnn.errors import LeanRNNError
+
+    seqs = _seqs("uniform", 30)
+    seqs[20] = np.full((4, 5), np.nan, np.float32)
+    d = tmp_path / "data"
+    d.mkdir()
+    write_parquet(str(d / "a.parquet"), seqs)
+    out = tmp_path / "o.parquet"
+    with pytest.raises(LeanRNNError, match="NaN"):
+        leanrnn.score(model, str(d), str(out), ray="auto")
+    write_parquet(str(d / "b.parquet"), seqs[:3], "flat")
+    with pytest.raises(LeanRNNError, match="one schema"):
+        leanrnn.score(model, str(d), str(out), ray="auto")
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
