@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import leanrnn
 from helpers import random_layers
-from leanrnn import config
+from leanrnn import config, threads
 from leanrnn.formats.packing import pack
 from leanrnn.kernels import abi, runner
 from leanrnn.kernels.reference import reference_forward
@@ -191,7 +191,7 @@ def test_a_forked_child_runs_multithreaded_ops(monkeypatch):
     p.join(10)
     np.testing.assert_array_equal(got, want)
     # Forked while another thread holds the launch lock mid-op: the child renews its locks.
-    with runner.POOL_LAUNCH:
+    with threads.POOL_LAUNCH:
         p = ctx.Process(target=_child_forward, args=(model, x, q))
         p.start()
         got = q.get(timeout=60)

@@ -136,7 +136,9 @@ def set_num_threads(n: int) -> None:
     if n < 1:
         raise LeanRNNError(f"[set_num_threads] n={n}; expected >= 1")
     _threads = min(int(n), _CORES)
-    _limit_blas(_threads)
+    from . import threads  # (it imports this module)
+
+    threads.limit_blas(_threads)
 
 
 def backend() -> str:
@@ -150,21 +152,6 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise LeanRNNError(f"[set_backend] {name!r}; expected one of {BACKENDS}")
     _backend = name
-
-
-_blas_limiter = None
-
-
-def _limit_blas(n: int) -> None:
-    # threadpoolctl keeps a handle per loaded BLAS; limiting is process-wide and cheap.
-    global _blas_limiter
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
-        return
-    if _blas_limiter is None:
-        _blas_limiter = ThreadpoolController()
-    _blas_limiter.limit(limits=n, user_api="blas")
 
 
 def log_enabled(topic: str) -> bool:

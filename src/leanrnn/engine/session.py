@@ -50,12 +50,11 @@ from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
+from ..threads import PARALLEL_MIN_MACS
 from . import _check, _fork
 
 _log = logging.getLogger("leanrnn")
 
-# Below this many multiply-adds per step, threads wait on each other longer than they work.
-PARALLEL_MIN_MACS = 1 << 15
 # Steps per chunk when a run keeps only final states and no chunk was set: small enough that
 # scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
 DEFAULT_CHUNK = 32
@@ -64,6 +63,8 @@ DEFAULT_CHUNK = 32
 # at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
 XW_BUDGET = 2 << 20
 MIN_AUTO_CHUNK = 4
+# The job arguments (abi.JOBS) an op's launch sets; Session._call fixes all others per plan.
+PER_CALL = ("x", "xw", "xw_bf_T", "T", "y", "y_bf_T", "parts")
 # Outputs that may be the very same arrays as inputs: op k reads its state slot, then writes it.
 IN_PLACE = (("h_n", "h0"), ("c_n", "c0"))
 
@@ -318,7 +319,8 @@ class Session:
         self._empty = np.zeros((N, 0), dt)
         self._views = v
         self._layer_inputs = [None] + [v[f"y.{layer}"] for layer in range(L - 1)]
-        # Per op k: its views, looked up once here rather than by name on every run.
+        # Per op k: its views, looked up once here rather than by name on every run, and its
+        # job's arguments by name (abi.Call): all but those of a run (PER_CALL) are fixed here.
         self._op_views = [
             (
                 v[f"xw.{k}"], v[f"h.{k}.a"], v[f"h.{k}.b"], v[f"gates.{k}"],
@@ -326,13 +328,31 @@ class Session:
             )
             for k in range(L * D)
         ]  # fmt: skip
+        self._calls = [self._call(k // D, k % D) for k in range(L * D)]
+
+    def _call(self, layer: int, d: int) -> abi.Call:
+        """Op (layer, d)'s job arguments (abi.JOBS[cell]) but the per-run ones, PER_CALL."""
+        spec, pl, k = self.spec, self.weights.layers[layer][d], layer * self._LDKH[1] + d
+        L, D, K, H = self._LDKH
+        _, ha, hb, gates, aux, c = self._op_views[k]
+        named = dict(
+            W=pl.Wt, b=pl.b, C=spec.input_size if layer == 0 else D * K, Rt=pl.Rt, K=K,
+            h_a=ha, h_b=hb, gates=gates, lengths=self._views["lengths"], reverse=self._rev[d],
+            y_off=d * K, acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
+            consts=self._consts, sync=self._sync,
+        )  # fmt: skip
+        if spec.cell == "lstm":
+            named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
+                         c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
+        elif spec.cell == "gru":
+            named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux)
+        return abi.Call(spec.cell, PER_CALL, **named)
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:
         return config.threads_for(self.threads)
 
-    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True,
-            _trusted: bool = False):  # fmt: skip
+    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True):
         """Run the whole stack over ``x``.
 
         x:       [T, N, C] ([N, T, C] if spec.batch_first), the model's dtype, C-contiguous
@@ -351,6 +371,11 @@ class Session:
         Unaligned arrays (np.frombuffer at an odd offset) are copied for the kernels: x in, y
         out through a staging copy; aligned ones (numpy's own allocations) never are.
         """
+        return self._run(x, h0, c0, lengths, out, return_sequences, False)
+
+    def _run(self, x, h0, c0, lengths, out, return_sequences: bool, _trusted: bool):
+        """run(); ``_trusted``: a Stream's own state arrays are h0/c0 and out's h_n/c_n
+        (validated when it made them; a streaming step should not pay to check them again)."""
         spec, dt, op = self.spec, self.dtype, "Session.run"
         C = spec.input_size
         names = ("N", "T", "C") if spec.batch_first else ("T", "N", "C")
@@ -488,7 +513,7 @@ class Session:
         cell = spec.cell
         threads = self._threads()
         macs = N * w.Gp * w.Kp  # per step
-        # Threads (one pool launch per op, see _op): below PARALLEL_MIN_MACS per step they
+        # Threads (one pool launch per op): below PARALLEL_MIN_MACS per step they
         # would wait on each other longer than they work.
         parts = threads if macs >= PARALLEL_MIN_MACS else 1
         lens = v["lengths"]
@@ -496,7 +521,8 @@ class Session:
             lens[:] = T
         else:
             lens[:] = lengths
-        consts = self._consts
+        calls, sync = self._calls, self._sync
+        ix, ixw, ixbf, iT, iy, iybf, ip = calls[0].slots  # (PER_CALL, the same for every op)
         TN = T * N  # planned views hold self._T steps; a shorter run uses their first T*N rows
         short = T < self._T
         bf_T = T if spec.batch_first else 0
@@ -504,9 +530,9 @@ class Session:
         log = config.log_enabled("memory")
         for layer in range(L):
             if layer == 0:
-                xin, xin_bf, Cin = x.reshape(-1, spec.input_size), bf_T, spec.input_size
+                xin, xin_bf = x.reshape(-1, spec.input_size), bf_T
             else:
-                xin, xin_bf, Cin = self._layer_inputs[layer], 0, D * K
+                xin, xin_bf = self._layer_inputs[layer], 0
                 xin = xin[:TN] if short else xin
             if layer == L - 1:
                 yout, y_bf = y_final, (bf_T if y is not None else 0)
@@ -517,16 +543,13 @@ class Session:
                 k = layer * D + d
                 if log:
                     self._log_events(k, "acquire")
-                pl = w.layers[layer][d]
-                xw, ha, hb, gates, aux, c = self._op_views[k]
+                xw, ha, hb, _, _, c = self._op_views[k]
                 if short:
                     xw = xw[:TN]
                 if h0 is not None:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
                     ha[:] = 0
-                rev = self._rev[d]
-                acts, al, be = self._acts[d], self._alphas[d], self._betas[d]
                 if cell == "lstm":
                     if c0 is None:
                         c[:] = 0  # padding units too: the projection reads every column of h(c)
@@ -535,31 +558,17 @@ class Session:
                     else:
                         c[:, H:] = 0
                         c[:, :H] = c0[k]
-                off = d * K
-                if cell == "lstm":
-                    rec = (pl.Rt, K, pl.peep, spec.peepholes, pl.proj, spec.proj_size, ha, hb, c,
-                           gates, aux, lens, T, rev, yout, off, y_bf, acts, al, be,
-                           spec.input_forget, consts)  # fmt: skip
-                elif cell == "gru":
-                    rec = (pl.Rt, K, pl.rb, spec.linear_before_reset, ha, hb, gates, aux, lens, T,
-                           rev, yout, off, y_bf, acts, al, be, consts)  # fmt: skip
-                else:
-                    rec = (pl.Rt, K, ha, hb, gates, lens, T, rev, yout, off, y_bf, acts, al, be,
-                           consts)  # fmt: skip
-                self._op(xin, xin_bf, pl, Cin, xw, rec, parts)
+                a = calls[k].args.copy()
+                a[ix], a[ixw], a[ixbf], a[iT], a[iy], a[iybf], a[ip] = (
+                    xin, xw, xin_bf, T, yout, y_bf, parts)  # fmt: skip
+                sync[:] = 0
+                runner.run(cell, tuple(a), parts)
                 parity = T % 2  # which state buffer the last step wrote
                 if cell == "lstm":
                     c_n[k] = c[:, :H]
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
-
-    def _op(self, xin, xin_bf: int, pl, Cin: int, xw, rec: tuple, parts: int) -> None:
-        """One (layer, direction): the input projection, then the recurrence (its arguments
-        past the sample range: ``rec``), as one job per thread (kernels.runner)."""
-        sync = self._sync
-        sync[:] = 0
-        runner.run(self.spec.cell, (xin, pl.Wt, pl.b, Cin, xw, xin_bf, *rec, sync, parts), parts)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""

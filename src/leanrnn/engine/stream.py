@@ -58,7 +58,7 @@ class Stream:
         # The carried state is both the initial state and the final-state output: run() reads
         # each layer's slot before it writes it, so the update happens in place.
         outs = (out, self._h) if self._c is None else (out, self._h, self._c)
-        y, _, _ = self.session.run(x, self._h, self._c, lengths, out=outs, _trusted=True)
+        y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True)
         self.steps += x.shape[1] if self.session.spec.batch_first else x.shape[0]
         if single:
             return y[0] if not self.session.spec.batch_first else y[:, 0]

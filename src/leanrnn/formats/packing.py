@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, WeightsError
+from ..kernels.abi import B  # units per block: the kernels' layout, defined with them
 from ..memory.arena import aligned_empty, round_up
 from ..spec import RNNSpec
 
-B = 16  # units per block; 16 float32 = one 64-byte row segment
 ROW_ALIGN = 16  # elements: row strides are multiples of this
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 

@@ -27,8 +27,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ..formats.packing import B
 from ._math import TANH_CLAMP, TANH_P, TANH_Q, flush, sigmoid_, tanh_
+from .abi import B
 
 _F32 = types.float32
 

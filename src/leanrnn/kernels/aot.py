@@ -1,4 +1,4 @@
-"""Compiles the jobs (abi.ARGS) ahead of time into one CPython extension, with numba.
+"""Compiles the jobs (abi.JOBS) ahead of time into one CPython extension, with numba.
 
 Why: numba and LLVM cost a process ~120 MiB of memory and ~0.3 s before the first kernel runs
 (importing numba maps LLVM, about 60 MiB; the first dispatch builds numba's typing registries
@@ -6,7 +6,7 @@ and imports ~330 modules, about 57 MiB more). A model then weighs twice what it 
 onnxruntime. Compiled ahead of time, the same kernels load as a ~0.5 MB shared library.
 
 How, per (job, dtype):
-1. an entry ``entry(slots, me)`` is generated from abi.ARGS: it turns the int64 slots back
+1. an entry ``entry(slots, me)`` is generated from abi.JOBS (abi.entry_source): it turns the int64 slots back
    into arrays (``numba.carray`` over the address and dimensions) and calls the numba job;
 2. numba compiles it without its CPython/cfunc wrappers (those would need the Python C API
    and numba's helper library), so the object code needs only libm and one NRT stub;
@@ -72,32 +72,18 @@ _PTR = {"f": _address_of(types.float32), "d": _address_of(types.float64),
 
 
 def entry_source(job: str, dtype: str) -> str:
-    """Python source of the entry: slots -> arrays and scalars -> the job."""
-    lines, names, s = [], [], 0
-    kinds = abi.entry_kinds(job, dtype)
-    for i, (name, _) in enumerate(abi.params(job)):
-        t, nd = kinds[2 * i], int(kinds[2 * i + 1])
-        if nd == 0:
-            value = f"a[{s}] != 0" if t == "b" else f"a[{s}]"
-            s += 1
-        else:
-            dims = "".join(f"a[{s + 1 + d}], " for d in range(nd))
-            value = f"carray(ptr_{t}(a[{s}]), ({dims}))"
-            s += 1 + nd
-        lines.append(f"    {name} = {value}")
-        names.append(name)
-    call = f"    job({', '.join(names)}, me)"
-    return "def entry(a, me):\n" + "\n".join(lines) + "\n" + call + "\n"
+    """Python source of the entry: slots -> arrays and scalars -> the job (abi.entry_source)."""
+    return abi.entry_source(job, dtype)[1]
 
 
 def _compile_entry(job: str, dtype: str, tm) -> llvm.ModuleRef:
     ns = {"carray": carray, "job": JOBS[job], **{f"ptr_{k}": v for k, v in _PTR.items()}}
-    exec(entry_source(job, dtype), ns)  # a generated function, from abi.ARGS only
-    ns["entry"].__qualname__ = f"entry_{job}_{dtype}"  # unique symbol across build processes
+    name, source = abi.entry_source(job, dtype)
+    exec(source, ns)  # a generated function, from the declaration (abi.JOBS) only
     disp = numba.njit(
         fastmath=set(FASTMATH), error_model="numpy", nogil=True,
         no_cpython_wrapper=True, no_cfunc_wrapper=True,
-    )(ns["entry"])  # fmt: skip
+    )(ns[name])  # fmt: skip
     sig = (types.CPointer(types.int64), types.int64)
     disp.compile(sig)
     cres = disp.overloads[sig]
@@ -149,9 +135,26 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
+def _without_cache() -> None:
+    """Compile every kernel anew in this (build) process, never from numba's cache: the cache
+    cannot tell that a callee changed (recurrent.py's cached lstm kept gemm.py's code from
+    before an edit of gemm.py alone), and the module would carry stale code under a fingerprint
+    that says otherwise."""
+    from numba.core.caching import NullCache
+    from numba.core.dispatcher import Dispatcher
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(__package__ + ".") and mod is not None:
+            for v in list(vars(mod).values()):
+                if isinstance(v, Dispatcher):
+                    v._cache = NullCache()
+
+
 def _objects(dtype: str, verbose: bool = False) -> list[tuple[str, str, bytes, float]]:
     """(symbol, kinds, object code, seconds) of every job's entry for one working dtype."""
     from numba.core.registry import cpu_target
+
+    _without_cache()
 
     if verbose:
         _say(f"building {dtype} kernels ({', '.join(abi.ARGS)})")

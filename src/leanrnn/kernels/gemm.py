@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 
-from ..formats.packing import B
 from . import _cpu
 from ._jit import inline, kernel
 from ._simd import TILES, panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
+from .abi import B
 
 # Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers.
 ALIGN = math.lcm(*(t.rows for t in TILES.values()))

@@ -9,23 +9,27 @@ correct either way, only slower. Splitting the blocks rather than the batch also
 faster on 2 threads (H=1024: 258 vs 283 ms): each thread streams half the weights, and its GEMM
 tiles cover all 64 rows instead of 32 (5 tiles of 6 and a 2-row remainder).
 
-The *jobs* are what one thread runs (abi.ARGS lists their arguments: the recurrent kernel's,
-recurrent.py, from xw_bf_T on, with the projection's x [M, >=C], W, b, C in front, then sync,
-parts and the thread's index me). The *ops* start ``parts`` jobs on numba's pool and return the
-recurrence's parity (T % 2). kernels.aot compiles the same jobs ahead of time.
+The *jobs* are what one thread runs and the *ops* start ``parts`` jobs on numba's pool; both
+are generated here from their declarations (abi.JOBS), each kernel called with its own
+parameters by name. kernels.aot compiles the same jobs ahead of time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+from pathlib import Path
 
 import numba
-from numba import prange
+from numba import prange  # noqa: F401 - the generated ops use it (defined in this module)
 
 from . import abi
 from ._jit import CACHE, FASTMATH, kernel
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
+
+# The kernels a job may call (abi.Job.calls), by name.
+KERNELS = {"input_projection": input_projection, "lstm": lstm, "gru": gru, "rnn": rnn}
 
 
 def _op(fn):
@@ -34,86 +38,37 @@ def _op(fn):
     )(fn)
 
 
-@kernel
-def lstm_job(
-    x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
-    reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, sync, parts, me,
-):  # fmt: skip
-    input_projection(x, W, b, C, xw, sync)
-    lstm(xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
-         reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me, parts,
-         sync)  # fmt: skip
+def signature(fn) -> list[str]:
+    """A kernel's parameter names (of its Python function)."""
+    return list(inspect.signature(getattr(fn, "py_func", fn)).parameters)
 
 
-@kernel
-def gru_job(
-    x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
-    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts, me,
-):  # fmt: skip
-    input_projection(x, W, b, C, xw, sync)
-    gru(xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
-        y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync)  # fmt: skip
+def _sources_digest() -> str:
+    """A hash of the kernel sources: in the generated functions' names, so numba's cache, which
+    does not notice when a callee changes, never serves a job compiled from older kernels."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
-@kernel
-def rnn_job(
-    x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
-    alphas, betas, consts, sync, parts, me,
-):  # fmt: skip
-    input_projection(x, W, b, C, xw, sync)
-    rnn(xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
-        alphas, betas, consts, me, parts, sync)  # fmt: skip
+def _define(name: str, source: str):
+    # Defined in this module, as if written in this file: numba caches a function only if it
+    # has a source file, and its cached code refers to its module by name.
+    exec(compile(source, __file__, "exec"), globals())
+    return globals()[name]
 
 
-@kernel
-def matmul_job(x, W, b, K, y, sync, parts, me):
-    """y = x W^T + b (gemm.input_projection); any number of threads share the tasks."""
-    input_projection(x, W, b, K, y, sync)
+def _generate() -> tuple[dict, dict]:
+    sigs = {k: signature(f) for k, f in KERNELS.items()}
+    salt = _sources_digest()
+    jobs, ops = {}, {}
+    for job in abi.JOBS:
+        name, src = abi.job_source(job, sigs, salt)
+        jobs[job] = globals()[name] = kernel(_define(name, src))
+        op_name, op_src = abi.op_source(job, name)
+        ops[job] = _op(_define(op_name, op_src))
+    return jobs, ops
 
 
-JOBS = {"lstm": lstm_job, "gru": gru_job, "rnn": rnn_job, "matmul": matmul_job}
-for _name, _job in JOBS.items():
-    _have = list(inspect.signature(_job.py_func).parameters)
-    _want = [n for n, _ in abi.params(_name)] + ["me"]
-    assert _have == _want, f"ops.{_name}_job parameters {_have} differ from abi.ARGS {_want}"
-
-
-@_op
-def lstm_op(
-    x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T,
-    reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, sync, parts,
-):  # fmt: skip
-    for me in prange(parts):
-        lstm_job(x, W, b, C, xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates,
-                 hfull, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget,
-                 consts, sync, parts, me)  # fmt: skip
-
-
-@_op
-def gru_op(
-    x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T,
-    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts,
-):  # fmt: skip
-    for me in prange(parts):
-        gru_job(x, W, b, C, xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh,
-                lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, sync, parts,
-                me)  # fmt: skip
-
-
-@_op
-def rnn_op(
-    x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
-    alphas, betas, consts, sync, parts,
-):  # fmt: skip
-    for me in prange(parts):
-        rnn_job(x, W, b, C, xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off,
-                y_bf_T, acts, alphas, betas, consts, sync, parts, me)  # fmt: skip
-
-
-@_op
-def matmul_op(x, W, b, K, y, sync, parts):
-    for me in prange(parts):
-        matmul_job(x, W, b, K, y, sync, parts, me)
-
-
-OPS = {"lstm": lstm_op, "gru": gru_op, "rnn": rnn_op, "matmul": matmul_op}
+JOBS, OPS = _generate()

@@ -33,11 +33,11 @@ No argument may alias another.
 
 from __future__ import annotations
 
-from ..formats.packing import B
 from ._cells import gru_update, lstm_update, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import claim, end_phase, finish
+from .abi import B
 from .gemm import panel1, panel2, panel3, panel4
 
 

@@ -9,10 +9,8 @@ Backend (``LEANRNN_BACKEND``, or config.set_backend):
   cannot be written, the build goes to config.temp_cache_dir(), with a warning.
 - ``native``: the native module or an error; ``jit``: numba's JIT only.
 
-One multi-threaded launch runs at a time in the process (POOL_LAUNCH): two at once would
-oversubscribe the cores, and threads that spin-wait for each other every step (kernels._sync)
-would then wait on descheduled ones; numba's fallback threading layer also aborts the process
-on concurrent launches. Sessions on different Python threads take turns.
+One multi-threaded launch runs at a time in the process (threads.POOL_LAUNCH, with the rest of
+the threading policy); sessions on different Python threads take turns.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import time
 from pathlib import Path
 
 from .. import config
+from .. import threads as _threads
 from ..errors import LeanRNNError
 from . import abi, native
 
@@ -39,25 +38,19 @@ _log = logging.getLogger("leanrnn")
 # commands/compile.py and info.py state the same figure.
 BUILD_TIME = "about 80 s on 2 cores"
 _BUILD = [sys.executable, "-m", "leanrnn.kernels.aot"]  # + directory, fingerprint
-POOL_LAUNCH = threading.Lock()
 _RESOLVE = threading.Lock()
+pool_threads = _threads.pool_threads  # looked up here at each launch (tests replace it)
 
 
-def _renew_locks() -> None:
-    """In a forked child: another thread of the parent may have held a lock mid-op (the GIL is
-    released while kernels run), and no thread of the child will ever release it."""
-    global POOL_LAUNCH, _RESOLVE
-    POOL_LAUNCH, _RESOLVE = threading.Lock(), threading.Lock()
+def _renew_lock() -> None:
+    """In a forked child: another thread of the parent may have been resolving the backend, and
+    no thread of the child will ever release its lock (threads renews POOL_LAUNCH itself)."""
+    global _RESOLVE
+    _RESOLVE = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_locks)
-
-
-def pool_threads(parts: int) -> int:
-    """Threads for ``parts`` jobs: never more than the cores (fewer just run some jobs after
-    others, see kernels._sync)."""
-    return min(parts, config.cores())
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 class _Native:
@@ -112,7 +105,7 @@ def run(job: str, args: tuple, parts: int) -> None:
     if parts == 1:
         b.run(job, args, 1, 1)
         return
-    with POOL_LAUNCH:
+    with _threads.POOL_LAUNCH:
         b.run(job, args, parts, pool_threads(parts))
 
 
