@@ -19,7 +19,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..formats.packing import B
+from .abi import B
 
 ENV_ISA = "LEANRNN_ISA"
 # Widest a tile's columns may be, in groups of B: the LSTM's 4-gate block panel. Chunks divide

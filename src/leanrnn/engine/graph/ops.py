@@ -25,6 +25,7 @@ from ...formats.packing import pack, rows_to_panels
 from ...ir import RNN_OPS, Graph, Node, rnn_from_node
 from ...kernels import abi, runner
 from ...memory.arena import aligned_empty
+from ...threads import PACKED_MATMUL_PARALLEL_MACS, PARALLEL_MATMUL_MACS, matmul_pool
 from ..session import Session
 
 
@@ -279,28 +280,18 @@ def _matmul_infer(ctx, node, ins, vals):
     return [Out(tuple(shape), dt)]
 
 
-# Below this many multiply-adds a matrix product runs on the calling thread alone.
-PARALLEL_MATMUL_MACS = 1 << 24
-_pool = None
-
-
 def _row_parallel_matmul(ctx, a, b, out) -> None:
     """out [R, M] = a [R, K] @ b [K, M], rows split over ``threads`` Python threads, each a
-    single-threaded BLAS call (numpy releases the GIL). Unlike BLAS's own pool, idle Python
-    threads sleep instead of spinning, so they never starve the RNN kernels' threads."""
-    global _pool
+    single-threaded BLAS call (numpy releases the GIL), from threads.PARALLEL_MATMUL_MACS on."""
     threads = ctx.threads or config.get_num_threads()
     rows = a.shape[0]
     if threads < 2 or rows < 2 * threads or rows * a.shape[1] * b.shape[1] < PARALLEL_MATMUL_MACS:
         np.matmul(a, b, out=out)
         return
-    if _pool is None or _pool._max_workers < threads:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="leanrnn-matmul")
+    pool = matmul_pool(threads)
     cuts = np.linspace(0, rows, threads + 1).astype(int)
     jobs = [
-        _pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
+        pool.submit(np.matmul, a[lo:hi], b, out=out[lo:hi])
         for lo, hi in itertools.pairwise(cuts)
         if hi > lo
     ]
@@ -335,7 +326,6 @@ class PackedMatmul:
 
 
 PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
-PACKED_MATMUL_PARALLEL_MACS = 1 << 20
 
 
 def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:

@@ -26,21 +26,11 @@ from ...errors import DTypeError, ShapeError
 from ...ir import RNN_OPS
 from ...memory.arena import Arena
 from ...memory.planner import Buffer, Plan, plan
+from ...threads import blas_controller
 from .. import _fork
 from ..session import Pool, Session
 from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
 from .passes import LoadedGraph
-
-_controller = None
-
-
-def _blas_controller():
-    global _controller
-    if _controller is None:
-        from threadpoolctl import ThreadpoolController
-
-        _controller = ThreadpoolController()
-    return _controller
 
 
 class GraphSession:
@@ -297,7 +287,7 @@ class GraphSession:
                 self._resize(metas_in, None)
             if not self._blas_alone:
                 return self._execute(feeds)
-            with _blas_controller().limit(limits=1, user_api="blas"):
+            with blas_controller().limit(limits=1, user_api="blas"):
                 return self._execute(feeds)
 
     def _execute(self, feeds: dict) -> list[np.ndarray]:
