@@ -337,7 +337,8 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, wide) -> None:
     sync = ctx.sync
     sync[:] = 0
     parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
-    runner.run("matmul", (a, pm.W, pm.b, K, dst, sync, parts), parts)
+    call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W, b=pm.b, K=K, sync=sync)
+    runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
     if wide is not None:
         out[:] = wide[:, : pm.M]
 
