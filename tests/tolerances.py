@@ -77,3 +77,10 @@ ATOL_SCORE = ByDtype(f32=1e-6)
 
 def atol(dtype) -> float:
     return ATOL[dtype]
+
+# Gradients of a training step against torch's own modules (or finite differences), relative to
+# the largest magnitude of the gradient tensor: float32 gradients sum T*N products in another
+# order than torch, so they sit a few 1e-6 apart; float64 are twins (summation order only).
+RTOL_GRAD = ByDtype(f32=1e-5, f64=1e-10)
+# Central finite differences in float64 (step 1e-6): truncation and rounding error ~1e-8.
+RTOL_FINITE_DIFF = ByDtype(f64=1e-6)

@@ -1,0 +1,589 @@
+"""Trainer: backpropagation through time for one model, with planned memory.
+
+Design. The training forward *is* the inference forward: the same kernels (kernels.recurrent)
+run every (layer, direction), except that the input projection ``xw`` of each and every layer
+output are kept (the *reserve*) instead of being released. Backward then works on segments of
+``segment`` steps, newest first, each (layer, direction) in reverse order:
+
+1. gate pre-activations of the segment: ``G = xw + h_prev R^T`` — one GEMM over the segment
+   (h_prev is the layer's own output shifted by one step, so nothing else was stored);
+2. the step loop (train.steps, one fused pass per step): gate gradients computed in place over
+   G, the cell state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
+3. the weight gradients as big GEMMs over the segment's rows — ``dW += X^T dG``,
+   ``dR += H_prev^T dG`` — and the input gradient ``dX = dG W``, written in the packed
+   layout of the gradient buffer (``grad``, a PackedWeights of the model's spec).
+
+**Recomputation** (``recompute=True``, forward stacks only: Chen et al. 2016): the forward keeps
+only every layer's state at segment boundaries, and backward re-runs the forward of one segment
+(all layers, the same kernels from the same states, so the same bits) before going back through
+it: memory O(T/S + S) per layer instead of O(T). ``memory_limit=`` picks the largest segment
+whose plan fits (Gruslys et al. 2016 pick segments for a memory budget the same way); both
+modes walk the same segments, so their gradients are identical to the last bit.
+
+Tapes. ``forward`` returns a Tape (the outputs and what backward needs); ``backward(tape, ...)``
+accumulates gradients into ``grad`` (so k micro-batches are k backward calls) and returns the
+gradients of the input and initial states. A tape lives in the trainer's arena unless made with
+``own_memory=True``: a newer forward, or changed weights (any optimizer step), make it stale
+and backward refuses it.
+
+Threads: the recurrences run on the kernels' thread team; the GEMMs on the BLAS, limited to
+the same number of threads (threads.limit_blas).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import config
+from ..engine import _check
+from ..errors import LeanRNNError, ShapeError, SpecError
+from ..formats.packing import PackedWeights, from_panels
+from ..kernels import abi, runner
+from ..memory.arena import Arena
+from ..memory.planner import Buffer, plan
+from ..threads import PARALLEL_MIN_MACS, limit_blas
+from . import steps
+from .params import Parameter
+
+__all__ = ["Tape", "TapeError", "Trainer", "trainable"]
+
+
+class TapeError(LeanRNNError, RuntimeError):
+    """A tape that cannot be used: backward already ran, or the weights changed since."""
+
+
+def trainable(spec) -> None:
+    """SpecError unless leanrnn can train ``spec``: PyTorch's cells (ONNX-only options refuse)."""
+    bad = []
+    if spec.peepholes:
+        bad.append("peepholes")
+    if spec.clip is not None:
+        bad.append(f"clip={spec.clip}")
+    if spec.input_forget:
+        bad.append("input_forget")
+    if spec.cell == "gru" and not spec.linear_before_reset:
+        bad.append("linear_before_reset=0")
+    allowed = {"lstm": [("sigmoid", "tanh", "tanh")], "gru": [("sigmoid", "tanh")],
+               "rnn": [("tanh",), ("relu",)]}[spec.cell]  # fmt: skip
+    for d in spec.activations:
+        names = tuple(a.name for a in d)
+        if names not in allowed:
+            bad.append(f"activations {names}")
+            break
+    if bad:
+        raise SpecError(
+            f"[Trainer] this {spec.cell.upper()} uses {', '.join(bad)}: training covers PyTorch's "
+            "cells (default activations, RNN tanh/relu, GRU with linear_before_reset); these "
+            "ONNX-only options run for inference only"
+        )
+
+
+class Tape:
+    """What one training forward produced: ``y``, ``h_n``, ``c_n`` (as ``Session.run`` returns
+    them) and, privately, what backward needs."""
+
+    def __init__(self, trainer, y, h_n, c_n, saved: dict) -> None:
+        self.y, self.h_n, self.c_n = y, h_n, c_n
+        self._trainer = trainer
+        self._saved = saved
+        self._version = trainer._version
+        self._serial = saved["serial"]
+        self.used = False
+
+
+class Trainer:
+    """Backpropagation through time over one model's packed weights (updated in place).
+
+    >>> m = leanrnn.LSTM(8, 16, seed=0); tr = Trainer(m)
+    >>> tape = tr.forward(x)                      # x [T, N, 8]
+    >>> dx, dh0, dc0 = tr.backward(tape, dy)      # dy like tape.y; grads accumulate in tr.grad
+    """
+
+    def __init__(self, model, threads: int | None = None, segment: int | None = None,
+                 recompute: bool = False, memory_limit: int | None = None,
+                 dropout: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
+        w = model if isinstance(model, PackedWeights) else model.weights
+        self.weights = w
+        self.spec = w.spec
+        self.dtype = w.dtype
+        trainable(self.spec)
+        if recompute and self.spec.direction != "forward":
+            raise SpecError(
+                f"[Trainer] recompute=True needs a forward stack; this one is "
+                f"{self.spec.direction} (a reverse direction starts at each sample's last step, "
+                "so its segments cannot be replayed from the front)"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise SpecError(f"[Trainer] dropout={dropout}; expected 0 <= dropout < 1")
+        self.threads = threads
+        self.segment = segment
+        self.recompute = bool(recompute)
+        self.memory_limit = memory_limit
+        self.dropout = float(dropout)
+        self.training = True
+        self._rng = np.random.default_rng(seed)
+        self.grad = PackedWeights(self.spec, self.dtype)
+        self._params = self._make_parameters()
+        self._version = -1
+        self._seen = None
+        self._serial = 0
+        self._arena: Arena | None = None
+        spec, dt = self.spec, self.dtype
+        self._consts = np.array([0.0, 1.0, np.finfo(dt).tiny, 0.0], dtype=dt)
+        self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
+        self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
+        self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+        self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
+        self._refresh()
+
+    # ------------------------------------------------------------------ parameters
+    def _make_parameters(self) -> list[Parameter]:
+        spec, out = self.spec, []
+        for li, (wl, gl) in enumerate(zip(self.weights.layers, self.grad.layers, strict=True)):
+            for d, (pw, pg) in enumerate(zip(wl, gl, strict=True)):
+                names = ["Wt", "Rt"] + (["bW", "bR"] if spec.bias else []) + (
+                    ["proj"] if spec.proj_size else [])  # fmt: skip
+                for n in names:
+                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}"))
+        return out
+
+    def parameters(self) -> list[Parameter]:
+        """The trainable tensors (views of the packed weights and of ``grad``), for an optimizer."""
+        return self._params
+
+    def zero_grad(self) -> None:
+        self.grad.buffer[:] = 0
+
+    def _refresh(self) -> None:
+        """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb)
+        and remake the dense copies backward's GEMMs read. Cheap next to a training step."""
+        spec, w = self.spec, self.weights
+        gru = spec.cell == "gru"
+        self._dense = []
+        for li, dirs in enumerate(w.layers):
+            Cin = spec.layer_input_size(li)
+            row = []
+            for pl in dirs:
+                if gru:
+                    n_rows = (np.arange(w.Gp) // w.B) % 3 == 2
+                    pl.b[:] = pl.bW + np.where(n_rows, 0, pl.bR)
+                    pl.rb[:] = np.where(n_rows, pl.bR, 0)
+                else:
+                    pl.b[:] = pl.bW + pl.bR
+                Wd = np.ascontiguousarray(from_panels(pl.Wt)[:, :Cin])
+                Rd = np.ascontiguousarray(from_panels(pl.Rt))
+                proj = (np.ascontiguousarray(from_panels(pl.proj)[: spec.proj_size, : spec.hidden_size])
+                        if spec.proj_size else None)  # fmt: skip
+                row.append((Wd, Rd, proj))
+            self._dense.append(row)
+        self._seen = [p.version for p in self._params]
+        self._version += 1
+
+    def _check_weights(self) -> None:
+        if [p.version for p in self._params] != self._seen:
+            self._refresh()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x, hx=None, lengths=None, own_memory: bool = False) -> Tape:
+        """The training forward: outputs as ``Model.forward`` computes them, and a Tape.
+
+        x: [T, N, C] ([N, T, C] with batch_first); hx: h0 [L*D, N, K] or (h0, c0) for LSTM;
+        lengths: [N] (PyTorch's packed-sequence semantics). ``own_memory``: the tape gets its
+        own buffers instead of the trainer's arena (several live tapes at once).
+        """
+        self._check_weights()
+        spec, dt, op = self.spec, self.dtype, "Trainer.forward"
+        L, D = spec.num_layers, spec.num_directions
+        K, H, C = spec.output_size, spec.hidden_size, spec.input_size
+        names = ("N", "T", "C") if spec.batch_first else ("T", "N", "C")
+        x = _check.array(op, "x", x, dt, (None, None, C), names)
+        if spec.batch_first:
+            N, T = x.shape[:2]
+        else:
+            T, N = x.shape[:2]
+        if N == 0 or T == 0:
+            raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
+        h0 = c0 = None
+        if hx is not None:
+            if spec.cell == "lstm":
+                if not isinstance(hx, tuple | list) or len(hx) != 2:
+                    raise ShapeError(f"[{op}] hx must be a tuple (h0, c0) for an LSTM")
+                h0, c0 = hx
+            else:
+                h0 = hx
+        if h0 is not None:
+            h0 = _check.array(op, "h0", h0, dt, (L * D, N, K), ("L*D", "N", "K"))
+        if c0 is not None:
+            c0 = _check.array(op, "c0", c0, dt, (L * D, N, H), ("L*D", "N", "H"))
+        lens = np.full(N, T, np.int64) if lengths is None else np.array(
+            _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
+        S = self._segment(T)
+        recompute = self.recompute and S < T
+        mem = self._memory(N, T, S, recompute, own_memory)
+        # time-major input: the kernels and the weight GEMMs read rows t*N + n
+        xt = mem["x"]
+        xt[:] = x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
+        masks = self._masks(T, N) if self.training and self.dropout and L > 1 else None
+        y = np.empty((T * N, D * K), dt)
+        h_n = np.empty((L * D, N, K), dt)
+        c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None
+        hs = np.zeros((L * D, N, K), dt) if h0 is None else h0.copy()
+        cs = (np.zeros((L * D, N, H), dt) if c0 is None else c0.copy()) if c_n is not None else None
+        saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks,
+                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y)  # fmt: skip
+        # Segment by segment, keeping every layer's state at each boundary: backward starts
+        # each segment from them (and, recomputing, replays the segment's forward from them).
+        nseg = (T + S - 1) // S
+        ckh = np.empty((nseg, L * D, N, K), dt)
+        ckc = np.empty((nseg, L * D, N, H), dt) if cs is not None else None
+        for j, s0 in enumerate(range(0, T, S)):
+            ckh[j] = hs
+            if ckc is not None:
+                ckc[j] = cs
+            s1 = min(T, s0 + S)
+            self._forward_segment(mem, xt, y[s0 * N : s1 * N], hs, cs, lens, s0, s1, N, masks,
+                                  0 if recompute else s0 * N)  # fmt: skip
+        saved.update(ckh=ckh, ckc=ckc)
+        h_n[:] = hs
+        if c_n is not None:
+            c_n[:] = cs
+        self._serial += 1
+        saved["serial"] = self._serial
+        yv = y.reshape(T, N, D * K)
+        yout = np.ascontiguousarray(yv.transpose(1, 0, 2)) if spec.batch_first else yv
+        return Tape(self, yout, h_n, c_n, saved)
+
+    def _segment(self, T: int) -> int:
+        if self.spec.direction != "forward":
+            return T  # a reverse direction's segments would start mid-sample (see __init__)
+        if self.segment is not None:
+            return max(1, min(T, int(self.segment)))
+        if self.recompute:
+            return max(1, round(np.sqrt(T)))
+        return T
+
+    def _masks(self, T: int, N: int) -> list[np.ndarray]:
+        spec, p = self.spec, self.dropout
+        DK = spec.num_directions * spec.output_size
+        keep = 1.0 - p
+        return [((self._rng.random((T * N, DK)) >= p) / keep).astype(self.dtype)
+                for _ in range(spec.num_layers - 1)]  # fmt: skip
+
+    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool) -> dict:
+        """Views of one planned arena for a step of N x T (segments of S): the reserve and the
+        scratch of forward and backward, placed by lifetime (memory.planner)."""
+        spec, w, it = self.spec, self.weights, self.dtype.itemsize
+        L, D, K = spec.num_layers, spec.num_directions, spec.output_size
+        LD = L * D
+        R = S if recompute else T  # rows of steps the per-layer buffers hold
+        # ops: 0 = forward, 1 = backward (the reserve lives across both)
+        bufs = [Buffer("x", T * N * spec.input_size * it, 0, 1)]
+        shapes = {"x": ((T * N, spec.input_size), self.dtype)}
+
+        def add(name, shape, first, last, dtype=None):
+            dtype = np.dtype(dtype or self.dtype)
+            bufs.append(Buffer(name, int(np.prod(shape)) * dtype.itemsize, first, last))
+            shapes[name] = (shape, dtype)
+
+        for k in range(LD):
+            add(f"xw.{k}", (R * N, w.Gp), 0, 1)
+            if spec.cell == "gru":
+                add(f"ghn.{k}", (R * N, w.Hp), 1, 1)
+        for layer in range(L - 1):
+            add(f"y.{layer}", (R * N, D * K), 0, 1)
+            add(f"dy.{layer}", (R * N, D * K), 1, 1)
+            if self.dropout:
+                add(f"xd.{layer}", (R * N, D * K), 0, 1)
+        if recompute:
+            add("ytop", (R * N, D * K), 1, 1)
+        # forward scratch (one op at a time; recomputing, backward replays the forward too)
+        fl = 1 if recompute else 0
+        add("h.a", (N, w.Kp), 0, fl)
+        add("h.b", (N, w.Kp), 0, fl)
+        add("gates", (N, w.Gp), 0, fl)
+        add("c", (N, w.Hp), 0, fl)
+        add("aux", (N, w.Hp), 0, fl)
+        # backward scratch
+        add("hprev", (R * N, K), 1, 1)
+        add("cs", (R * N, w.Hp), 1, 1)
+        add("dh", (N, w.Kp), 1, 1)
+        add("dc", (N, w.Hp), 1, 1)
+        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)
+        if spec.proj_size:
+            add("hf", (R * N, w.Hp), 1, 1)
+            add("dhs", (R * N, spec.proj_size), 1, 1)
+        p = plan(bufs)
+        if own:
+            arena = Arena(p.total, name="tape")
+        else:
+            if self._arena is None or self._arena.nbytes < p.total:
+                self._arena = None
+                self._arena = Arena(p.total, name=f"train[{spec.cell} N={N} T={T}]")
+            arena = self._arena
+        views = {}
+        for pl in p.placements:
+            shape, dtype = shapes[pl.buffer.name]
+            views[pl.buffer.name] = arena.view(pl.offset, shape, dtype)
+        views["_arena"] = arena
+        views["_plan"] = p
+        return views
+
+    def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int):
+        """The inference job of op (layer, d) with its arguments by name (abi.JOBS)."""
+        spec, pl = self.spec, self.weights.layers[layer][d]
+        K = spec.output_size
+        empty = np.zeros((N, 0), self.dtype)
+        named = dict(
+            x=xin, W=pl.Wt, b=pl.b, C=xin.shape[1], xw=xw, xw_bf_T=0, Rt=pl.Rt, K=K,
+            h_a=mem["h.a"], h_b=mem["h.b"], gates=mem["gates"], lengths=lens, T=T,
+            reverse=spec.reversed_direction(d), y=yout, y_off=d * K, y_bf_T=0,
+            acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
+            consts=self._consts, sync=self._sync,
+        )  # fmt: skip
+        if spec.cell == "lstm":
+            named.update(peep=pl.peep, use_peep=False, proj=pl.proj, P=spec.proj_size,
+                         c=mem["c"], hfull=mem["aux"] if spec.proj_size else empty,
+                         input_forget=False)  # fmt: skip
+        elif spec.cell == "gru":
+            named.update(rb=pl.rb, linear_before_reset=True, rh=empty)
+        return abi.Call(spec.cell, ("parts",), **named)
+
+    def _parts(self, N: int) -> int:
+        w = self.weights
+        threads = config.threads_for(self.threads)
+        return threads if N * w.Gp * w.Kp >= PARALLEL_MIN_MACS else 1
+
+    def _forward_segment(self, mem, xt, ytop, hs, cs, lens, s0, s1, N, masks, off) -> None:
+        """Every layer over steps s0..s1 from the states in hs/cs, which are left holding the
+        states after s1. The layer buffers' rows for the segment start at ``off`` (s0*N when
+        they hold every step, 0 when they hold one segment); the top layer writes ``ytop``."""
+        spec = self.spec
+        L, D, K = spec.num_layers, spec.num_directions, spec.output_size
+        T = s1 - s0
+        TN = T * N
+        seg_lens = np.clip(lens - s0, 0, T).astype(np.int64)
+        parts = self._parts(N)
+        for layer in range(L):
+            if layer == 0:
+                xin = xt[s0 * N : s1 * N]
+            else:
+                src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
+                xin = src[off : off + TN]
+            yout = ytop if layer == L - 1 else mem[f"y.{layer}"][off : off + TN]
+            for d in range(D):
+                k = layer * D + d
+                ha = mem["h.a"]
+                ha[:] = 0
+                ha[:, :K] = hs[k]
+                if spec.cell == "lstm":
+                    c = mem["c"]
+                    c[:] = 0
+                    c[:, : spec.hidden_size] = cs[k]
+                xw = mem[f"xw.{k}"][off : off + TN]
+                call = self._job(layer, d, mem, xin, xw, yout, seg_lens, T, N)
+                self._sync[:] = 0
+                runner.run(spec.cell, call.bind(parts=parts), parts)
+                hs[k] = (mem["h.b"] if T % 2 else ha)[:, :K]
+                if spec.cell == "lstm":
+                    cs[k] = mem["c"][:, : spec.hidden_size]
+            if masks is not None and layer < L - 1:
+                np.multiply(
+                    yout, masks[layer][s0 * N : s1 * N], out=mem[f"xd.{layer}"][off : off + TN]
+                )
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, tape: Tape, dy=None, dh_n=None, dc_n=None):
+        """Gradients of a loss through the tape's forward, given the loss's gradients ``dy``
+        (like tape.y, or None = 0), ``dh_n`` and ``dc_n`` (like h_n/c_n, or None = 0).
+        Accumulates the weight gradients into ``grad`` and returns ``(dx, dh0, dc0)`` (dc0 None
+        for GRU/RNN). A tape takes one backward."""
+        op = "Trainer.backward"
+        if not isinstance(tape, Tape) or tape._trainer is not self:
+            raise TapeError(f"[{op}] tape is not a Tape of this trainer")
+        if tape.used:
+            raise TapeError(f"[{op}] backward already ran on this tape; run forward again")
+        if tape._version != self._version or [p.version for p in self._params] != self._seen:
+            raise TapeError(f"[{op}] the weights changed since this tape's forward (an optimizer "
+                            "step?); run forward again")  # fmt: skip
+        sv = tape._saved
+        mem = sv["mem"]
+        if mem["_arena"] is self._arena and sv["serial"] != self._serial:
+            raise TapeError(f"[{op}] a newer forward reused this tape's memory; pass "
+                            "own_memory=True to forward to keep several tapes alive")  # fmt: skip
+        spec, dt = self.spec, self.dtype
+        L, D, K, H, C = (spec.num_layers, spec.num_directions, spec.output_size,
+                         spec.hidden_size, spec.input_size)  # fmt: skip
+        T, N, S = sv["T"], sv["N"], sv["S"]
+        LD = L * D
+        yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
+        dyt = np.zeros((T * N, D * K), dt)
+        if dy is not None:
+            dy = _check.array(op, "dy", dy, dt, yshape, ("N", "T", "D*K") if spec.batch_first
+                              else ("T", "N", "D*K"))  # fmt: skip
+            dyt[:] = (
+                dy.transpose(1, 0, 2).reshape(T * N, D * K)
+                if spec.batch_first
+                else dy.reshape(T * N, D * K)
+            )
+        dh = np.zeros((LD, N, K), dt)
+        dc = np.zeros((LD, N, H), dt)
+        if dh_n is not None:
+            dh[:] = _check.array(op, "dh_n", dh_n, dt, (LD, N, K), ("L*D", "N", "K"))
+        if dc_n is not None:
+            if spec.cell != "lstm":
+                raise ShapeError(
+                    f"[{op}] dc_n was given but a {spec.cell.upper()} has no cell state"
+                )
+            dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
+        tape.used = True
+        dx = np.zeros((T * N, C), dt)
+        limit_blas(config.threads_for(self.threads))
+        segs = list(range(0, T, S))
+        for s0 in reversed(segs):
+            s1 = min(T, s0 + S)
+            if sv["recompute"]:
+                j = s0 // S
+                hs = sv["ckh"][j].copy()
+                cs = sv["ckc"][j].copy() if sv["ckc"] is not None else None
+                ytop = mem["ytop"][: (s1 - s0) * N]
+                self._forward_segment(mem, mem["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
+                                      sv["masks"], 0)  # fmt: skip
+            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1)
+        dx = dx.reshape(T, N, C)
+        if spec.batch_first:
+            dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
+        return dx, dh, (dc if spec.cell == "lstm" else None)
+
+    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1) -> None:
+        spec = self.spec
+        L, D = spec.num_layers, spec.num_directions
+        N, recompute = sv["N"], sv["recompute"]
+        T = s1 - s0
+        TN = T * N
+        lens = np.clip(sv["lens"] - s0, 0, T).astype(np.int64)
+        # rows of this segment in buffers that hold every step (not recomputing) or only it
+        off = 0 if recompute else s0 * N
+        masks = sv["masks"]
+        for layer in reversed(range(L)):
+            if layer == L - 1:
+                ylay = mem["ytop"][:TN] if recompute else sv["y"][s0 * N : s1 * N]
+                dylay = dyt[s0 * N : s1 * N]
+            else:
+                ylay = mem[f"y.{layer}"][off : off + TN]
+                dylay = mem[f"dy.{layer}"][:TN]
+            if layer == 0:
+                xin = mem["x"][s0 * N : s1 * N]
+                dxin = dx[s0 * N : s1 * N]
+            else:
+                src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
+                xin = src[off : off + TN]
+                dxin = mem[f"dy.{layer - 1}"][:TN]
+                dxin[:] = 0
+            for d in range(D):
+                k = layer * D + d
+                self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc,
+                                  lens, s0, T, N, off)  # fmt: skip
+            if layer > 0 and masks is not None:
+                dxin *= masks[layer - 1][s0 * N : s1 * N]
+
+    def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc, lens,
+                     s0, T, N, off) -> None:  # fmt: skip
+        spec, w, dt = self.spec, self.weights, self.dtype
+        K, H = spec.output_size, spec.hidden_size
+        TN = T * N
+        Wd, Rd, proj = self._dense[layer][d]
+        pl, gl = w.layers[layer][d], self.grad.layers[layer][d]
+        reverse = spec.reversed_direction(d)
+        G = mem[f"xw.{k}"][off : off + TN] if not sv["recompute"] else mem[f"xw.{k}"][:TN]
+        # h_prev of every row: the layer's own output one step earlier, or the segment's h0
+        yk = ylay[:, d * K : (d + 1) * K]
+        h_start = self._segment_h0(sv, k, s0, N)
+        hprev = mem["hprev"][:TN]
+        hprev[:] = 0
+        rows = steps.step_rows(lens, T, N, reverse)
+        if not reverse:
+            hprev[N:] = yk[: TN - N]
+            hprev[:N] = h_start
+        else:
+            hprev[: TN - N] = yk[N:]
+            first = rows[0]
+            ok = first >= 0
+            hprev[first[ok]] = h_start[ok]
+        # G = xw + h_prev R^T (+ rb); for GRU the n block keeps xw and ghn gets R_n h + bR_n.
+        HR = hprev @ Rd[:, :K].T
+        HR += pl.rb
+        if spec.cell == "gru":
+            n_cols = (np.arange(w.Gp) // w.B) % 3 == 2
+            ghn = mem[f"ghn.{k}"][:TN]
+            ghn[:] = HR[:, n_cols]
+            G[:, ~n_cols] += HR[:, ~n_cols]
+        else:
+            G += HR
+        dhk = np.zeros((N, w.Kp), dt)
+        dhk[:, :K] = dh[k]
+        if spec.cell == "lstm":
+            c_start = np.zeros((N, w.Hp), dt)
+            c_start[:, :H] = self._segment_c0(sv, k, s0, N)
+            dck = np.zeros((N, w.Hp), dt)
+            dck[:, :H] = dc[k]
+            P = spec.proj_size
+            steps.lstm_backward(G, hprev, c_start, mem["cs"][:TN], dylay, d * K, dhk, dck, Rd,
+                                K, rows, proj, mem["hf"][:TN] if P else None,
+                                mem["dhs"][:TN] if P else None)  # fmt: skip
+            dc[k] = dck[:, :H]
+            if P:
+                dproj = mem["dhs"][:TN].T @ mem["hf"][:TN, :H]  # [P, H]
+                _add_proj(gl.proj, dproj)
+        elif spec.cell == "gru":
+            steps.gru_backward(G, ghn, hprev, dylay, d * K, dhk, Rd, K, rows)
+        else:
+            relu = spec.activations[d][0].name == "relu"
+            steps.rnn_backward(G, dylay, d * K, dhk, Rd, K, rows, relu)
+        dh[k] = dhk[:, :K]
+        # weight gradients: big GEMMs over the segment's rows, into the packed grad layout
+        Cin = xin.shape[1]
+        _add_panels(gl.Wt, xin.T @ G, Cin)
+        if spec.cell == "gru":
+            tmp = hprev.T @ G
+            tmp[:, n_cols] = hprev.T @ ghn
+            _add_panels(gl.Rt, tmp, K)
+            gsum = G.sum(axis=0)
+            if spec.bias:
+                gl.bW += gsum
+                gsum[n_cols] = ghn.sum(axis=0)
+                gl.bR += gsum
+            dxin += G @ Wd
+        else:
+            _add_panels(gl.Rt, hprev.T @ G, K)
+            if spec.bias:
+                gsum = G.sum(axis=0)
+                gl.bW += gsum
+                gl.bR += gsum
+            dxin += G @ Wd
+
+    def _segment_h0(self, sv, k, s0, N):
+        return sv["ckh"][s0 // sv["S"], k]
+
+    def _segment_c0(self, sv, k, s0, N):
+        return sv["ckc"][s0 // sv["S"], k]
+
+    # ------------------------------------------------------------------ views
+    def gradients(self):
+        """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
+        the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
+        return self.grad.unpack()
+
+
+def _add_panels(panels: np.ndarray, dense: np.ndarray, X: int) -> None:
+    """panels [U, Xp, Wd] += dense [X, U*Wd] (column u*Wd + j is panel u's column j)."""
+    U, _, Wd = panels.shape
+    panels[:, :X, :] += dense.reshape(X, U, Wd).transpose(1, 0, 2)
+
+
+def _add_proj(panels: np.ndarray, dproj: np.ndarray) -> None:
+    """proj panels [Pp/B, Hp, B] += dproj [P, H] (panel u column j is row u*B + j)."""
+    NP, _, B = panels.shape
+    P, H = dproj.shape
+    full = np.zeros((NP * B, H), dproj.dtype)
+    full[:P] = dproj
+    panels[:, :H, :] += full.reshape(NP, B, H).transpose(0, 2, 1)

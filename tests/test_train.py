@@ -1,0 +1,203 @@
+"""leanrnn.train: gradients of the numpy-only Trainer against torch's own modules (float32 and
+float64), against finite differences (no torch), recomputation against storing, tapes refused
+when stale."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn.errors import ShapeError, SpecError
+from leanrnn.formats import torch_format
+from leanrnn.train import TapeError, Trainer
+from tolerances import ATOL, RTOL_FINITE_DIFF, RTOL_GRAD
+
+torch = pytest.importorskip("torch")
+
+CASES = [  # cell, options
+    ("LSTM", {}),
+    ("GRU", {}),
+    ("RNN", {}),
+    ("RNN", {"nonlinearity": "relu", "num_layers": 2}),
+    ("LSTM", {"num_layers": 2, "bidirectional": True}),
+    ("GRU", {"num_layers": 3, "bidirectional": True}),
+    ("RNN", {"num_layers": 2, "bidirectional": True}),
+    ("LSTM", {"proj_size": 5}),
+    ("LSTM", {"proj_size": 5, "num_layers": 2, "bidirectional": True}),
+    ("LSTM", {"bias": False}),
+    ("GRU", {"bias": False, "batch_first": True}),
+    ("LSTM", {"num_layers": 2, "batch_first": True}),
+]
+
+
+def _torch_grads(m, x, hx, lengths, bf, seed=1):
+    """torch's outputs and every gradient for loss = <y, dy> + <h_n, dh_n> (+ <c_n, dc_n>)."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is not None:
+        pk = torch.nn.utils.rnn.pack_padded_sequence(
+            x, torch.tensor(lengths), batch_first=bf, enforce_sorted=False
+        )
+        yp, hn = m(pk, hx)
+        y, _ = torch.nn.utils.rnn.pad_packed_sequence(
+            yp, batch_first=bf, total_length=x.shape[1 if bf else 0]
+        )
+    else:
+        y, hn = m(x, hx)
+    states = list(hn) if isinstance(hn, tuple) else [hn]
+    cot = [torch.randn(t.shape, generator=g, dtype=t.dtype) for t in [y, *states]]
+    loss = sum((t * c).sum() for t, c in zip([y, *states], cot, strict=True))
+    loss.backward()
+    return y.detach().numpy(), [c.numpy() for c in cot]
+
+
+def _rel(a, b):
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(("cell", "kw"), CASES)
+@pytest.mark.parametrize("lengths", [None, [5, 2, 4]])
+def test_gradients_match_torch(cell, kw, lengths, dtype):
+    tdt = torch.float64 if dtype == np.float64 else torch.float32
+    torch.manual_seed(0)
+    T, N, C, H = 5, 3, 4, 20
+    m = getattr(torch.nn, cell)(C, H, **kw).to(tdt)
+    bf = kw.get("batch_first", False)
+    L = kw.get("num_layers", 1)
+    D = 2 if kw.get("bidirectional") else 1
+    K = kw.get("proj_size") or H
+    x = torch.randn((N, T, C) if bf else (T, N, C), dtype=tdt, requires_grad=True)
+    h0 = torch.randn(L * D, N, K, dtype=tdt, requires_grad=True)
+    c0 = torch.randn(L * D, N, H, dtype=tdt, requires_grad=True)
+    hx = (h0, c0) if cell == "LSTM" else h0
+    y_ref, cot = _torch_grads(m, x, hx, lengths, bf)
+
+    tr = Trainer(leanrnn.from_torch(m))
+    npx = x.detach().numpy()
+    hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
+    tape = tr.forward(npx, hxn, lengths=lengths)
+    assert np.abs(tape.y - y_ref).max() <= ATOL[dtype]
+    dx, dh0, dc0 = tr.backward(tape, *cot)
+    rtol = RTOL_GRAD[dtype]
+    assert _rel(dx, x.grad.numpy()) <= rtol
+    assert _rel(dh0, h0.grad.numpy()) <= rtol
+    if cell == "LSTM":
+        assert _rel(dc0, c0.grad.numpy()) <= rtol
+    grads = torch_format.to_state_dict(tr.spec, tr.gradients())
+    for name, p in m.named_parameters():
+        assert _rel(grads[name], p.grad.numpy()) <= rtol, name
+
+
+def _loss(tr, x, hx, lengths, cot):
+    tape = tr.forward(x, hx, lengths=lengths)
+    outs = [tape.y, tape.h_n] + ([tape.c_n] if tape.c_n is not None else [])
+    return sum(float((o * c).sum()) for o, c in zip(outs, cot, strict=True)), tape
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+def test_finite_differences_without_torch(cell):
+    """The numpy-only path against central differences of its own forward (float64)."""
+    rng = np.random.default_rng(3)
+    m = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[cell](
+        3, 6, num_layers=2, dtype=np.float64, seed=1)  # fmt: skip
+    tr = Trainer(m)
+    x = rng.standard_normal((4, 2, 3))
+    lengths = [4, 3]
+    tape = tr.forward(x, lengths=lengths)
+    cot = [rng.standard_normal(a.shape) for a in (tape.y, tape.h_n, tape.c_n) if a is not None]
+    dx, _, _ = tr.backward(tape, *cot)
+    eps = 1e-6
+    for idx in [(0, 0, 0), (2, 1, 2), (3, 0, 1)]:
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        fd = (_loss(tr, xp, None, lengths, cot)[0] - _loss(tr, xm, None, lengths, cot)[0]) / (
+            2 * eps
+        )
+        assert abs(fd - dx[idx]) <= RTOL_FINITE_DIFF[np.float64] * max(1.0, abs(fd))
+    # a few weights, through the parameter views
+    p = tr.parameters()[1]  # layer 0 recurrent panels
+    g = p.grad.copy()
+    nz = np.argwhere(g != 0)[:3]
+    for idx in map(tuple, nz):
+        old = p.value[idx]
+        p.value[idx] = old + eps
+        p.version += 1
+        lp = _loss(tr, x, None, lengths, cot)[0]
+        p.value[idx] = old - eps
+        p.version += 1
+        lm = _loss(tr, x, None, lengths, cot)[0]
+        p.value[idx] = old
+        p.version += 1
+        fd = (lp - lm) / (2 * eps)
+        assert abs(fd - g[idx]) <= RTOL_FINITE_DIFF[np.float64] * max(1.0, abs(fd))
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+def test_recompute_equals_storing_to_the_bit(cell):
+    rng = np.random.default_rng(0)
+    make = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[cell]
+    m = make(5, 24, num_layers=2, seed=2)
+    x = rng.standard_normal((11, 3, 5)).astype(np.float32)
+    lengths = [11, 6, 9]
+    out = []
+    for rec in (False, True):
+        tr = Trainer(m, segment=3, recompute=rec)
+        tape = tr.forward(x, lengths=lengths)
+        dy = np.ones_like(tape.y)
+        dx, dh0, _ = tr.backward(tape, dy)
+        out.append((tape.y, dx, dh0, tr.grad.buffer.copy()))
+    for a, b in zip(*out, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_accumulation_of_micro_batches_equals_one_batch():
+    rng = np.random.default_rng(1)
+    m = leanrnn.GRU(4, 16, dtype=np.float64, seed=0)
+    x = rng.standard_normal((6, 8, 4))
+    dy = rng.standard_normal((6, 8, 16))
+    whole = Trainer(m)
+    whole.backward(whole.forward(x), dy)
+    parts = Trainer(m)
+    for i in range(0, 8, 2):
+        parts.backward(
+            parts.forward(np.ascontiguousarray(x[:, i : i + 2])),
+            np.ascontiguousarray(dy[:, i : i + 2]),
+        )
+    diff = parts.grad.buffer.view(np.float64) - whole.grad.buffer.view(np.float64)
+    assert np.abs(diff).max() <= ATOL[np.float64]
+
+
+def test_stale_tapes_are_refused_and_the_trainer_survives():
+    m = leanrnn.LSTM(3, 8, seed=0)
+    tr = Trainer(m)
+    x = np.ones((4, 2, 3), np.float32)
+    tape = tr.forward(x)
+    tr.backward(tape)
+    with pytest.raises(TapeError, match="already ran"):
+        tr.backward(tape)
+    old = tr.forward(x)
+    tr.forward(x)  # reuses the arena
+    with pytest.raises(TapeError, match="newer forward"):
+        tr.backward(old)
+    kept = tr.forward(x, own_memory=True)
+    tr.forward(x)
+    tr.backward(kept)  # its own memory: still fine
+    tape = tr.forward(x)
+    tr.parameters()[0].version += 1  # what an optimizer step does
+    with pytest.raises(TapeError, match="weights changed"):
+        tr.backward(tape)
+    tape = tr.forward(x)
+    with pytest.raises(ShapeError, match="dy"):
+        tr.backward(tape, np.ones((4, 2, 9), np.float32))
+    tr.backward(tape, np.ones((4, 2, 8), np.float32))  # the same tape after a refused call
+
+
+def test_onnx_only_options_refuse_training():
+    spec = leanrnn.RNNSpec("lstm", 3, 8, peepholes=True)
+    from helpers import random_layers
+
+    w = leanrnn.pack(spec, random_layers(spec, np.random.default_rng(0)))
+    with pytest.raises(SpecError, match="peepholes"):
+        Trainer(w)
