@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from leanrnn.errors import ShapeError, SpecError
+from leanrnn.errors import PlanError, ShapeError, SpecError
 from leanrnn.formats import torch_format
 from leanrnn.train import TapeError, Trainer
 from tolerances import ATOL, RTOL_FINITE_DIFF, RTOL_GRAD
@@ -201,3 +201,21 @@ def test_onnx_only_options_refuse_training():
     w = leanrnn.pack(spec, random_layers(spec, np.random.default_rng(0)))
     with pytest.raises(SpecError, match="peepholes"):
         Trainer(w)
+
+
+def test_memory_limit_picks_recomputed_segments_that_fit():
+    m = leanrnn.LSTM(8, 32, num_layers=2, seed=0)
+    x = np.random.default_rng(0).standard_normal((200, 4, 8)).astype(np.float32)
+    full = Trainer(m).plan(4, 200)
+    assert full["segment"] == 200 and not full["recompute"]
+    limit = full["total_bytes"] // 4
+    tr = Trainer(m, memory_limit=limit)
+    p = tr.plan(4, 200)
+    assert p["recompute"] and 1 < p["segment"] < 200 and p["total_bytes"] <= limit
+    dx_limited = tr.backward(tr.forward(x), np.ones((200, 4, 32), np.float32))[0]
+    same = Trainer(m, segment=p["segment"])  # storing, the same segments
+    dx_stored = same.backward(same.forward(x), np.ones((200, 4, 32), np.float32))[0]
+    assert np.array_equal(dx_limited, dx_stored)
+    assert np.array_equal(tr.grad.buffer, same.grad.buffer)
+    with pytest.raises(PlanError, match="memory_limit"):
+        Trainer(m, memory_limit=1000).forward(x)

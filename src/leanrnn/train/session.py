@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import config
 from ..engine import _check
-from ..errors import LeanRNNError, ShapeError, SpecError
+from ..errors import LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
@@ -217,8 +217,8 @@ class Trainer:
             c0 = _check.array(op, "c0", c0, dt, (L * D, N, H), ("L*D", "N", "H"))
         lens = np.full(N, T, np.int64) if lengths is None else np.array(
             _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
-        S = self._segment(T)
-        recompute = self.recompute and S < T
+        S = self._segment(T, N)
+        recompute = (self.recompute or self.memory_limit is not None) and S < T
         mem = self._memory(N, T, S, recompute, own_memory)
         # time-major input: the kernels and the weight GEMMs read rows t*N + n
         xt = mem["x"]
@@ -253,7 +253,9 @@ class Trainer:
         yout = np.ascontiguousarray(yv.transpose(1, 0, 2)) if spec.batch_first else yv
         return Tape(self, yout, h_n, c_n, saved)
 
-    def _segment(self, T: int) -> int:
+    def _segment(self, T: int, N: int) -> int:
+        if self.memory_limit is not None:
+            return self._limited_segment(T, N)
         if self.spec.direction != "forward":
             return T  # a reverse direction's segments would start mid-sample (see __init__)
         if self.segment is not None:
@@ -269,9 +271,58 @@ class Trainer:
         return [((self._rng.random((T * N, DK)) >= p) / keep).astype(self.dtype)
                 for _ in range(spec.num_layers - 1)]  # fmt: skip
 
-    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool) -> dict:
-        """Views of one planned arena for a step of N x T (segments of S): the reserve and the
-        scratch of forward and backward, placed by lifetime (memory.planner)."""
+    def plan(self, batch: int, steps: int) -> dict:
+        """What a training step of ``batch`` x ``steps`` will use: its segment length, whether it
+        recomputes, the arena (reserve + scratch) and the boundary states, in bytes."""
+        S = self._segment(steps, batch)
+        recompute = (self.recompute or self.memory_limit is not None) and S < steps
+        arena = plan(self._buffers(batch, steps, S, recompute)[0]).total
+        return dict(segment=S, segments=-(-steps // S), recompute=recompute, arena_bytes=arena,
+                    checkpoint_bytes=self._checkpoint_bytes(batch, steps, S),
+                    total_bytes=arena + self._checkpoint_bytes(batch, steps, S))  # fmt: skip
+
+    def _checkpoint_bytes(self, N: int, T: int, S: int) -> int:
+        spec = self.spec
+        per = N * (spec.output_size + (spec.hidden_size if spec.cell == "lstm" else 0))
+        return -(-T // S) * spec.num_layers * spec.num_directions * per * self.dtype.itemsize
+
+    def _fits(self, N: int, T: int, S: int, recompute: bool, limit: int) -> bool:
+        need = plan(self._buffers(N, T, S, recompute)[0]).total
+        return need + self._checkpoint_bytes(N, T, S) <= limit
+
+    def _limited_segment(self, T: int, N: int) -> int:
+        """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
+        longest recomputed segment that fits (arena + boundary states; PlanError if none)."""
+        limit = int(self.memory_limit)
+        if self._fits(N, T, T, False, limit):
+            return T
+        if self.spec.direction != "forward":
+            need = plan(self._buffers(N, T, T, False)[0]).total
+            raise PlanError(
+                f"[Trainer] a {self.spec.direction} stack stores the whole sequence: {need} "
+                f"bytes for N={N}, T={T}; memory_limit={limit}"
+            )
+        # bytes ~ a*S + b*T/S: the segments that fit are an interval around the minimum; take
+        # its longest (fewest segments, biggest GEMMs)
+        lo = max(1, min(T, round(np.sqrt(T))))
+        if not self._fits(N, T, lo, True, limit):
+            need = plan(self._buffers(N, T, lo, True)[0]).total + self._checkpoint_bytes(N, T, lo)
+            raise PlanError(
+                f"[Trainer] even recomputing segments of {lo} steps needs {need} bytes for "
+                f"N={N}, T={T}; memory_limit={limit}: lower the batch or raise the limit"
+            )
+        hi = T
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._fits(N, T, mid, True, limit):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _buffers(self, N: int, T: int, S: int, recompute: bool):
+        """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
+        with lifetimes (op 0 = forward, op 1 = backward), and their shapes."""
         spec, w, it = self.spec, self.weights, self.dtype.itemsize
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         LD = L * D
@@ -312,6 +363,13 @@ class Trainer:
         if spec.proj_size:
             add("hf", (R * N, w.Hp), 1, 1)
             add("dhs", (R * N, spec.proj_size), 1, 1)
+        return bufs, shapes
+
+    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool) -> dict:
+        """Views of one planned arena for a step of N x T (segments of S): the reserve and the
+        scratch of forward and backward, placed by lifetime (memory.planner)."""
+        bufs, shapes = self._buffers(N, T, S, recompute)
+        spec = self.spec
         p = plan(bufs)
         if own:
             arena = Arena(p.total, name="tape")
