@@ -171,3 +171,25 @@ def test_child_runs_a_graph_whose_lock_another_thread_holds(tmp_path, which):
     want = m.run({"x": x})[0]
     lock = m._lock if which == "model" else m.session._lock
     _fork_while_held(lock, lambda: m.run({"x": x})[0], want)
+
+
+def test_resize_waits_for_a_run_on_another_thread():
+    """resize() used to plan without the session's lock: called while another thread was
+    inside run(), it swapped the views under the running kernels."""
+    import threading
+
+    m = leanrnn.LSTM(4, 8, seed=0)
+    s = m.session
+    s.resize(2, 5)
+    done = threading.Event()
+    with s._lock:  # what a run on another thread holds
+
+        def other():
+            s.resize(3, 7)
+            done.set()
+
+        t = threading.Thread(target=other)
+        t.start()
+        assert not done.wait(0.3)  # blocked behind the "run"
+    t.join(5)
+    assert done.is_set() and s.plan is not None

@@ -207,7 +207,13 @@ class Session:
         (timesteps) whose plan fits; ``PlanError`` — before anything is allocated — if not even
         one step fits, or if a bidirectional stack does not fit whole. ``return_sequences=False``
         plans for runs that keep only final states (chunked by default, see DEFAULT_CHUNK).
+        Takes the session's (or its pool's) lock: a run on another thread finishes first.
         """
+        with self._lock if self.pool is None else self.pool.lock:
+            return self._resize(batch, steps, memory_limit, return_sequences)
+
+    def _resize(self, batch: int, steps: int, memory_limit: int | None,
+                return_sequences: bool) -> Plan:  # fmt: skip
         for name, v in (("batch", batch), ("steps", steps)):
             if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
                 raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
@@ -426,7 +432,7 @@ class Session:
                     self._keys.clear()
                 key = self._keys[memo] = self._key(N, T, return_sequences)
             if stale or key != self._key_now:
-                self.resize(N, T, return_sequences=return_sequences)
+                self._resize(N, T, None, return_sequences)
             if self._T >= T:
                 self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
             else:
