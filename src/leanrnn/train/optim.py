@@ -289,9 +289,10 @@ def clip_grad_norm(
             "to scale by the non-finite norm anyway (as torch does)"
         )
     coef = np.minimum(max_norm / (total + dtype.type(1e-6)), dtype.type(1.0))
-    for g in grads:
-        # torch multiplies a float32 gradient by the coefficient cast to float32.
-        np.multiply(g, g.dtype.type(coef), out=g)
+    with np.errstate(invalid="ignore"):  # inf * 0 = NaN, silently as in torch
+        for g in grads:
+            # torch multiplies a float32 gradient by the coefficient cast to float32.
+            np.multiply(g, g.dtype.type(coef), out=g)
     return float(total)
 
 
