@@ -78,6 +78,7 @@ ATOL_SCORE = ByDtype(f32=1e-6)
 def atol(dtype) -> float:
     return ATOL[dtype]
 
+
 # An optimizer (SGD/Adam/AdamW) over ~20 steps, or gradient clipping, against torch.optim /
 # torch.nn.utils in the same dtype: the same operations in the same order, but torch's
 # vectorised kernels fuse multiply-adds (lerp, add with alpha) where numpy rounds twice, and
