@@ -10,7 +10,18 @@ needs, backward through time, gradient clipping and optimizers updating the pack
 The design (reserve, segments, recomputation, threads) is written in train/session.py.
 """
 
-from .params import Parameter
+from .optim import SGD, Adam, AdamW, Parameter, clip_grad_norm, clip_grad_value
 from .session import Tape, TapeError, Trainer, trainable
 
-__all__ = ["Parameter", "Tape", "TapeError", "Trainer", "trainable"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Parameter",
+    "Tape",
+    "TapeError",
+    "Trainer",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "trainable",
+]

@@ -43,7 +43,7 @@ from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
 from ..threads import PARALLEL_MIN_MACS, limit_blas
 from . import steps
-from .params import Parameter
+from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
