@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(session, config, items):
     global _warm
     if _warm is None and not config.option.collectonly:
         _warm = subprocess.Popen(  # the same environment, so the same numba cache
-            [sys.executable, str(Path(__file__).with_name("_warm_jit.py"))],
+            [sys.executable, str(Path(__file__).with_name("_warm_jit.py")), str(os.getpid())],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
