@@ -72,7 +72,8 @@ def _oracle() -> np.ndarray:
     return reference_forward(m.weights.spec, m.weights.unpack(), x, None, None, None)[0]
 
 
-def test_a_truncated_build_is_refused_and_the_model_still_runs(tmp_path, good_build):
+def test_a_truncated_build_is_refused_and_the_model_still_runs(tmp_path, good_build,
+                                                              jit_compiled):  # fmt: skip
     """The issue's case: the module cut short (full disk, interrupted copy). It must not be
     mapped (SIGBUS); it is refused and rebuilt, and here the rebuild cannot find a compiler, so
     the JIT runs the model and says why."""
@@ -80,8 +81,9 @@ def test_a_truncated_build_is_refused_and_the_model_still_runs(tmp_path, good_bu
     path = native.module_path(d)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
+    # (numba's cache: the suite's, compiled already; which one is no matter here)
     res, y = _run_model(tmp_path, _env(LEANRNN_CACHE_DIR=str(tmp_path / "cache"),
-                                       CC="/nonexistent/cc"))  # fmt: skip
+                                       CC="/nonexistent/cc", NUMBA_CACHE_DIR=jit_compiled))  # fmt: skip
     assert res.stdout.split() == ["jit"]
     assert "rebuilding a broken native module" in res.stderr
     assert "does not match its MANIFEST: size" in res.stderr
@@ -198,9 +200,10 @@ def test_an_unwritable_cache_uses_a_private_temp_dir_and_says_so(tmp_path, good_
     np.testing.assert_allclose(y, _oracle(), atol=atol(np.float32), rtol=atol(np.float32))
 
 
-def test_a_temp_dir_someone_else_can_write_is_not_used(tmp_path, good_build):
+def test_a_temp_dir_someone_else_can_write_is_not_used(tmp_path, good_build, jit_compiled):
     """Code is loaded from the fallback dir: one open to others is refused (JIT instead)."""
-    env, fallback = _unwritable_env(tmp_path, CC="/nonexistent/cc")
+    # (numba's cache: the suite's, compiled already; the native build's fallback is the point)
+    env, fallback = _unwritable_env(tmp_path, CC="/nonexistent/cc", NUMBA_CACHE_DIR=jit_compiled)
     fallback.mkdir()
     fallback.chmod(0o777)
     _copy_build(good_build, fallback)

@@ -138,6 +138,8 @@ def many_cores(monkeypatch):
 @pytest.fixture(params=["native", "jit"])
 def backend(request, monkeypatch):
     """Each kernel backend (kernels.runner): the ahead-of-time module and numba's JIT."""
+    if request.param == "jit":
+        request.getfixturevalue("jit_compiled")  # (conftest: compiled aside, meanwhile)
     monkeypatch.setattr(leanrnn.config, "_backend", request.param)
     return request.param
 

@@ -44,7 +44,7 @@ def _run(backend, monkeypatch, model, *args):
     threads=st.sampled_from([1, 2]),
     options=st.sampled_from(["plain", "bidirectional", "clip", "peep/lbr"]),
 )
-def test_native_equals_jit_and_oracle(cell, dtype, H, N, T, threads, options):
+def test_native_equals_jit_and_oracle(jit_compiled, cell, dtype, H, N, T, threads, options):
     spec = RNNSpec(cell, 11, H, num_layers=2,
                    direction="bidirectional" if options == "bidirectional" else "forward",
                    clip=1.5 if options == "clip" else None,
@@ -108,7 +108,7 @@ RUN_ONE = """
 """
 
 
-def test_a_native_process_never_loads_numba_or_llvm():
+def test_a_native_process_never_loads_numba_or_llvm(jit_compiled):
     """What the native backend is for: numba and LLVM (~120 MiB) stay out of the process."""
     out = _python(RUN_ONE, LEANRNN_BACKEND="native")
     assert out.returncode == 0, out.stderr
@@ -122,9 +122,11 @@ def test_a_native_process_never_loads_numba_or_llvm():
     )
 
 
-def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
+def test_failed_build_falls_back_to_jit_and_says_why(tmp_path, jit_compiled):
     cache = str(tmp_path / "cache")
-    auto = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, CC="/nonexistent/cc")
+    # (numba's cache: the suite's, compiled already; which one is no matter here)
+    auto = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, CC="/nonexistent/cc",
+                   NUMBA_CACHE_DIR=jit_compiled)  # fmt: skip
     assert auto.returncode == 0, auto.stderr
     assert auto.stdout.split()[0] == "jit"
     assert "native ones are not available" in auto.stderr and "/nonexistent/cc" in auto.stderr
@@ -138,7 +140,7 @@ def test_failed_build_falls_back_to_jit_and_says_why(tmp_path):
     assert "/nonexistent/cc" in strict.stderr
 
 
-def test_a_corrupt_build_is_never_run_but_rebuilt(tmp_path):
+def test_a_corrupt_build_is_never_run_but_rebuilt(tmp_path, jit_compiled):
     """A truncated or foreign module is refused and rebuilt (here the rebuild cannot find a
     compiler, so the process runs on the JIT and says why)."""
     from leanrnn.kernels import native
@@ -146,7 +148,8 @@ def test_a_corrupt_build_is_never_run_but_rebuilt(tmp_path):
     d = tmp_path / "native" / native.fingerprint()
     d.mkdir(parents=True)
     native.module_path(d).write_bytes(b"\x7fELF not really a shared library")
-    out = _python(RUN_ONE, LEANRNN_CACHE_DIR=str(tmp_path), CC="/nonexistent/cc")
+    out = _python(RUN_ONE, LEANRNN_CACHE_DIR=str(tmp_path), CC="/nonexistent/cc",
+                  NUMBA_CACHE_DIR=jit_compiled)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == "jit"
     assert "rebuilding a broken native module" in out.stderr

@@ -1,0 +1,55 @@
+"""Compiles numba's JIT jobs and ops into numba's cache, in a process of its own, while the suite
+runs other tests (conftest.py starts it; the JIT tests wait for it, then load what it cached).
+
+Why: the tests of the JIT backend need every job (lstm, gru, rnn) for both dtypes, called
+directly (one part) and from its op (several parts): ~2 min of compiling on one core, which the
+suite's own process used to do with the machine's other core idle. The code they run is the same
+either way: numba's cache (kernels._jit: keyed by the fingerprint of every kernel source) holds
+what this process compiled, and a signature it missed is compiled by the test as before.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from leanrnn import config
+from leanrnn.kernels import _jit
+
+
+def _exit_with_parent(parent: int) -> None:
+    """The suite killed outright (no pytest_sessionfinish): stop compiling for nobody."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def main() -> int:
+    if len(sys.argv) > 1:  # the suite's pid (conftest.py)
+        threading.Thread(target=_exit_with_parent, args=(int(sys.argv[1]),), daemon=True).start()
+    if not _jit.CACHE:  # nothing would be kept for the suite
+        return 0
+    import leanrnn
+    from helpers import random_layers
+    from leanrnn.formats.packing import pack
+    from leanrnn.spec import RNNSpec
+
+    config.set_backend("jit")
+    config.max_threads = lambda: 2  # the ops on two parts, even on a 1-core machine
+    for dtype in (np.float32, np.float64):
+        for cell in ("lstm", "gru", "rnn"):
+            # Big enough for several parts (threads.PARALLEL_MIN_MACS), small enough to run fast.
+            spec = RNNSpec(cell, 40, 100)
+            rng = np.random.default_rng(0)
+            model = leanrnn.Model(pack(spec, random_layers(spec, rng, dtype), dtype))
+            x = rng.standard_normal((2, 3, 40)).astype(dtype)
+            for threads in (1, 2):
+                model.session.threads = threads
+                model.session.run(x)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
