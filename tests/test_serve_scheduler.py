@@ -4,6 +4,7 @@ while streams join and leave, and an engine failure fails only its own requests.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import tracemalloc
 
@@ -82,7 +83,7 @@ def test_pipelined_chunks_of_many_streams_equal_offline(model):
         cuts = sorted({0, T, *rng.integers(1, T, size=3).tolist()}) if T > 1 else [0, T]
         reqs = [
             w.submit(sched, "m", ("i", s), a == 0, b == T, x[a:b])
-            for a, b in zip(cuts, cuts[1:], strict=False)
+            for a, b in itertools.pairwise(cuts)
         ]
         streams[s] = (x, reqs)
     w.wait()
