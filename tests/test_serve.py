@@ -166,6 +166,14 @@ def test_stateless_infer_equals_offline(server, protocol, model):
         np.testing.assert_allclose(r.as_numpy("y"), want["y"], rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_http_compressed_request(server, algorithm):
+    mod, c = client(server, "http")
+    x = rand(np.random.default_rng(12), 5)
+    r = infer(mod, c, "gru", x, request_compression_algorithm=algorithm)
+    np.testing.assert_allclose(r.as_numpy("y"), offline(server, "gru", x)["y"], rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_sequences_int_and_string_ids_with_chunks(server, protocol):
     """Chunks of one sequence carry the state; 17 and "17" are two sequences; start/end flags."""

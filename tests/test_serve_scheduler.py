@@ -13,6 +13,7 @@ import pytest
 
 import leanrnn
 from leanrnn.engine.session import Pool
+from leanrnn.errors import SpecError
 from leanrnn.serve.errors import Exhausted, SequenceError
 from leanrnn.serve.scheduler import Lane, Scheduler, bucket
 from tolerances import ATOL_SAME_ARITHMETIC
@@ -185,3 +186,24 @@ def test_cap_refuses_new_streams_only():
     w.submit(sched, "m", ("i", 3), True, True, x)
     w.wait()
     sched.stop()
+
+
+def test_models_that_cannot_stream_are_refused_by_name():
+    bi = leanrnn.LSTM(3, 4, bidirectional=True, seed=1)
+    with pytest.raises(SpecError, match=r"model 'bi' is bidirectional.*serve a forward stack"):
+        Lane("bi", bi, Pool(), threads=1, max_streams=2, max_batch=2, max_chunk=2,
+             idle_timeout=1.0)  # fmt: skip
+
+    class NotAStack:
+        pass
+
+    with pytest.raises(SpecError, match="model 'g' is a NotAStack; expected a recurrent stack"):
+        Lane("g", NotAStack(), Pool(), threads=1, max_streams=2, max_batch=2, max_chunk=2,
+             idle_timeout=1.0)  # fmt: skip
+
+
+def test_cli_refuses_two_models_of_one_name(capsys):
+    from leanrnn.cli import main
+
+    assert main(["serve", "a=x.lrnn", "a=y.lrnn"]) == 1
+    assert "two models named ['a']" in capsys.readouterr().err

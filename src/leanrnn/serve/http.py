@@ -19,6 +19,9 @@ from .errors import InvalidRequest, ServeError, TooLarge
 from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes, from_list
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# The JSON part of a request becomes Python objects (~30 bytes a number): larger tensors come as
+# binary data (the extension every Triton client has), so memory stays near the body's size.
+MAX_JSON = 8 << 20
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -68,6 +71,11 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         head, blob = body[:split], memoryview(body)[split:]
     else:
         head, blob = body, memoryview(b"")
+    if len(head) > MAX_JSON:
+        raise TooLarge(
+            f"[infer] {len(head)} bytes of JSON; at most {MAX_JSON} (tensors this large go as "
+            "binary data: tritonclient's set_data_from_numpy(..., binary_data=True))"
+        )
     try:
         req = json.loads(head)
     except (ValueError, UnicodeDecodeError) as e:

@@ -24,6 +24,10 @@ class Metrics:
                              registry=r)  # fmt: skip
         self._steps = Counter(p + "steps", "Stream-steps computed", ["model"], registry=r)
         self._calls = Counter(p + "engine_calls", "Batched engine calls", ["model"], registry=r)
+        self._busy = Counter(
+            p + "engine_seconds", "Seconds the engine spent in calls (utilization = rate)",
+            ["model"], registry=r,
+        )  # fmt: skip
         self._batch = Histogram(p + "batch_size", "Streams per engine call", ["model"],
                                 buckets=_BATCH, registry=r)  # fmt: skip
         self._call_steps = Histogram(p + "call_steps", "Steps per engine call", ["model"],
@@ -46,6 +50,7 @@ class Metrics:
     def call(self, model: str, streams: int, T: int, seconds: float, steps: int, done,
              live: int) -> None:  # fmt: skip
         self._calls.labels(model).inc()
+        self._busy.labels(model).inc(seconds)
         self._steps.labels(model).inc(steps)
         self._batch.labels(model).observe(streams)
         self._call_steps.labels(model).observe(T)
