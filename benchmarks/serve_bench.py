@@ -38,8 +38,8 @@ import numpy as np
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def launch(model_path: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    """``leanrnn serve`` on free ports; (process, grpc address)."""
+def launch(model_path: str, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    """``leanrnn serve`` on free ports; (process, grpc address, http address)."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "leanrnn", "serve", f"m={model_path}", "--http-port", "0",
            "--grpc-port", "0", *extra]  # fmt: skip
@@ -49,7 +49,23 @@ def launch(model_path: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
     line = lines.get(timeout=120)
     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
-    return proc, fields["grpc"]
+    return proc, fields["grpc"], fields["http"]
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the server process has used: what a request costs it, which
+    other processes on a shared machine inflate far less than they inflate latency."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_seconds(http: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines()
+               if ln.startswith("leanrnn_serve_engine_seconds_total"))  # fmt: skip
 
 
 def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
@@ -163,19 +179,25 @@ def main(argv=None) -> int:
           f"{args.period * 1000:.0f} ms per stream; {args.seconds:g} s per point; "
           f"{args.clients} client processes; server --threads {args.threads}")  # fmt: skip
     print(f"{'server':<22}{'streams':>8}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'late':>6}"
-          f"{'errors':>7}")  # fmt: skip
+          f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}")  # fmt: skip
     base = 1
     for name, extra in variants.items():
-        proc, url = launch(path, ["--threads", str(args.threads), *extra])
+        proc, url, http = launch(path, ["--threads", str(args.threads), *extra])
         rows = results[name] = []
         try:
             for n in args.streams:
+                cpu0, eng0 = server_cpu(proc.pid), engine_seconds(http)
                 r = measure(url, n, args.clients, args.input, args.steps, args.period,
                             args.seconds, base)  # fmt: skip
+                req = max(r["requests"], 1)
+                r["server_cpu_ms_per_request"] = (server_cpu(proc.pid) - cpu0) * 1000 / req
+                r["engine_ms_per_request"] = (engine_seconds(http) - eng0) * 1000 / req
                 base += n
                 rows.append(r)
                 print(f"{name:<22}{n:>8}{r['requests']:>10}{r['p50_ms']:>9.1f}"
-                      f"{r['p99_ms']:>9.1f}{r['late']:>6}{r['errors']:>7}", flush=True)  # fmt: skip
+                      f"{r['p99_ms']:>9.1f}{r['late']:>6}{r['errors']:>7}"
+                      f"{r['server_cpu_ms_per_request']:>11.2f}"
+                      f"{r['engine_ms_per_request']:>14.2f}", flush=True)  # fmt: skip
                 if r["p99_ms"] > 10 * args.target:
                     break  # far past the bar: larger loads say nothing more
         finally:

@@ -207,3 +207,35 @@ def test_cli_refuses_two_models_of_one_name(capsys):
 
     assert main(["serve", "a=x.lrnn", "a=y.lrnn"]) == 1
     assert "two models named ['a']" in capsys.readouterr().err
+
+
+def test_http_connections_send_without_nagle():
+    """Responses leave at once: accepted connections have TCP_NODELAY (a regression: with a
+    socket made as proto 0, asyncio left Nagle on and every HTTP response waited ~40 ms)."""
+    import asyncio
+    import socket
+
+    pytest.importorskip("prometheus_client")
+    pytest.importorskip("starlette")
+    from leanrnn.serve.server import _listen
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        sock = _listen("127.0.0.1", 0)
+        got = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await loop.create_server(Probe, sock=sock)
+        _, w = await asyncio.open_connection(*sock.getsockname())
+        value = await got
+        w.close()
+        server.close()
+        await server.wait_closed()
+        return value
+
+    assert asyncio.run(main()) != 0

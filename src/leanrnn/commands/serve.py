@@ -74,8 +74,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-wait-ms",
         type=_wait_ms,
         default=2.0,
-        help="longest the engine, when idle, waits for more streams to batch; "
-        "also about the longest one call runs (default 2)",
+        help="longest the engine, when idle, waits for more streams to batch (default 2)",
+    )
+    p.add_argument(
+        "--max-call-ms",
+        type=_wait_ms,
+        default=10.0,
+        help="about the longest one engine call runs: a stream's chunk is split into calls of "
+        "this many ms, so streams that join wait at most about that long (default 10)",
     )
     p.add_argument(
         "--max-streams",
@@ -128,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         models=dict(args.models), host=args.host, http_port=args.http_port,
         grpc_port=None if args.no_grpc else args.grpc_port, threads=threads,
         max_batch=args.max_batch, max_chunk=args.max_chunk, max_wait=args.max_wait_ms / 1000,
+        max_call=max(args.max_call_ms, 0.01) / 1000,
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
     )  # fmt: skip

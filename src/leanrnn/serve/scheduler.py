@@ -28,8 +28,9 @@ now, and everything that arrives during a call is batched into the next one, so 
 with the load by itself. Only when the engine was idle does it wait for company, for at most
 ``max_wait`` seconds, and only while the running estimate of the gap between arrivals says the
 next request should come before that budget ends (at low load it does not wait at all). T, the
-steps per call, is chosen so that a call takes about ``max_wait`` (at least one step): a stream
-that joins never waits behind a long chunk of another.
+steps per call, is chosen from the running per-step time so that a call takes about
+``max_call`` seconds (at least one step): a stream that joins waits behind at most that much
+of other streams' chunks, while short calls do not multiply the per-call overhead.
 
 Next step, reading states by slot inside the kernels: the gather/scatter copies go away if the
 recurrent kernels take the slot table (an int64 [N] array, one more job argument in
@@ -377,9 +378,11 @@ class Scheduler:
     """One thread that runs the batched calls of every lane (the models share one pool, whose
     arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe."""
 
-    def __init__(self, lanes: dict[str, Lane], *, max_wait: float, metrics=None) -> None:
+    def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
+                 metrics=None) -> None:  # fmt: skip
         self.lanes = lanes
         self.max_wait = max_wait
+        self.max_call = max_call
         self.metrics = metrics
         self.cond = threading.Condition()
         self._order = list(lanes.values())
@@ -500,10 +503,9 @@ class Scheduler:
                 picked = lane.take()
                 self._inflight += len(picked)
             idle = False
-            budget = self.max_wait if self.max_wait > 0 else 1e-3
             t_cap = lane.max_chunk
             if lane.step_seconds > 0:
-                t_cap = max(1, min(lane.max_chunk, int(budget / lane.step_seconds)))
+                t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
             t0 = time.monotonic()
             try:
                 T, steps = lane.run(picked, t_cap, t0)

@@ -32,6 +32,7 @@ class ServeConfig:
     max_batch: int = 64
     max_chunk: int = 16
     max_wait: float = 0.002
+    max_call: float = 0.01
     max_streams: int = 1024
     idle_timeout: float = 60.0
     max_request_bytes: int = 64 << 20
@@ -74,7 +75,8 @@ def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Schedu
         lane.warm_up()
         lanes[name] = lane
     metrics = Metrics()
-    scheduler = Scheduler(lanes, max_wait=config.max_wait, metrics=metrics)
+    scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
+                          metrics=metrics)  # fmt: skip
     core = Core(scheduler, token=config.token, max_request_bytes=config.max_request_bytes,
                 metrics=metrics)  # fmt: skip
     return core, scheduler, metrics
@@ -82,7 +84,10 @@ def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Schedu
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say they are TCP; with
+    # proto 0 every response (headers, then body) waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)
