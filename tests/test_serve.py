@@ -367,6 +367,14 @@ def test_bad_input_clear_errors_other_streams_unaffected(server):
         feed_live()
     code, data = raw_post(server, path, b"x" * (1 << 20 | 1))
     assert code == 413 and "--max-request-bytes" in json.loads(data)["error"]
+    # a body under the limit whose output would be over it (y has 4 columns, x 3)
+    big = np.zeros((70000, 3), np.float32).tobytes()
+    head = {"inputs": [{"name": "x", "shape": [70000, 3], "datatype": "FP32",
+                        "parameters": {"binary_data_size": len(big)}}]}  # fmt: skip
+    hb = json.dumps(head).encode()
+    code, data = raw_post(server, path, hb + big, {"Inference-Header-Content-Length": str(len(hb))})
+    assert code == 413 and "y for 70000 steps would be 1120000 bytes" in json.loads(data)["error"]
+    feed_live()
     code, data = raw_post(server, "/v2/models/nope/infer", json.dumps({"inputs": [good]}).encode())
     assert code == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     feed_live()

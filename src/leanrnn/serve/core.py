@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .errors import Internal, NotFound, ServeError, Unauthenticated, Unavailable
+from .errors import Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
 from .protocol import ModelInfo, Parsed, check_version
 from .scheduler import Request, Scheduler
 
@@ -79,6 +79,13 @@ class Core:
         """Run ``p`` through the scheduler; the requested outputs by name."""
         if self.draining:
             raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
+        info = self.infos[p.model]
+        y_bytes = p.x.shape[0] * info.outputs["y"].shape[1] * info.dtype.itemsize
+        if y_bytes > self.max_request_bytes:  # the limit holds for what comes back too
+            raise TooLarge(
+                f"[infer] y for {p.x.shape[0]} steps would be {y_bytes} bytes; the limit is "
+                f"{self.max_request_bytes} (--max-request-bytes); send fewer steps per request"
+            )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         t0 = time.monotonic()
