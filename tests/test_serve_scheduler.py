@@ -96,8 +96,13 @@ def test_pipelined_chunks_of_many_streams_equal_offline(model):
         got = np.concatenate([r.y for r in reqs])
         # each stream's rows see the same arithmetic in a batch as alone
         np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_SAME_ARITHMETIC[dt])
-    assert not sched.lanes["m"].seqs  # every stream ended: every slot is free again
-    assert len(sched.lanes["m"].free) == 256
+    lane = sched.lanes["m"]
+    assert not lane.seqs  # every stream ended: every slot is free again
+    assert len(lane.free) == 256
+    # every call had one of the shapes planned at start-up (none planned while serving)
+    assert set(lane._calls) == set(lane.shapes)
+    assert all(s.plan is not None and s._N == nb and s._T <= T
+               for (nb, T), (s, *_) in lane._calls.items())  # fmt: skip
 
 
 def test_memory_flat_while_streams_join_and_leave():

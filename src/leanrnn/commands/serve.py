@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-chunk",
         type=positive_int,
         default=16,
-        help="most steps of one stream in one engine call",
+        help="most steps of one stream in one engine call (rounded down to a power of two)",
     )
     p.add_argument(
         "--max-wait-ms",

@@ -19,9 +19,11 @@ Per model (``Lane``):
   [L, N, K] rows (``np.take(..., out=)`` per layer into preallocated buffers), the engine updates
   them in place (``Session.run`` may write h_n over h0), and they are scattered back. No array
   is allocated per call; the copies are O(N*L*(K+H)) per call, against O(N*T*G*K) of compute.
-- **Shapes.** N is rounded up to a bucket (4 per octave, <= 25% padding rows, lengths 0) and
-  each (bucket, T) keeps its own ``Session`` on the model's weights and the server's shared
-  ``Pool``, so a call never re-plans (``Session.run`` plans again whenever N or T change).
+- **Shapes.** ``Session.run`` plans again whenever N or T change (~1-20 ms), so calls come in
+  few shapes, each with its own ``Session`` (on the model's weights and the server's shared
+  ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
+  rows, lengths 0), and T down to a power of two (steps left over go in the next call; rounding
+  up would pad, and the recurrence's GEMM runs every row of every step).
 
 Adaptive batching (``Scheduler``): whenever the engine is free and streams are ready, they run
 now, and everything that arrives during a call is batched into the next one, so the batch grows
@@ -63,6 +65,11 @@ _log = logging.getLogger("leanrnn.serve")
 # Evicted sequence ids remembered to tell their next request why (bounded: old ones fall off and
 # are then reported as unknown).
 EVICTED_MEMORY = 65536
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
 
 
 def bucket(n: int) -> int:
@@ -144,7 +151,8 @@ class Lane:
         L, K, H, C = spec.num_layers, spec.output_size, spec.hidden_size, spec.input_size
         self.L, self.K, self.H, self.C, self.DK = L, K, H, C, K
         S = self.max_streams = max_streams
-        self.max_batch, self.max_chunk, self.idle_timeout = max_batch, max_chunk, idle_timeout
+        self.max_batch, self.idle_timeout = max_batch, idle_timeout
+        self.max_chunk = max_chunk = pow2_floor(max_chunk)
         # The state slots: one array, h then c.
         store = np.zeros(L * S * (K + (H if self.lstm else 0)), self.dtype)
         self.h_store = store[: L * S * K].reshape(L, S, K)
@@ -191,9 +199,18 @@ class Lane:
             )
         return c
 
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, steps) a call can have, largest first."""
+        rows = sorted({bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
+        steps = [self.max_chunk >> i for i in range(self.max_chunk.bit_length())]
+        return [(nb, T) for nb in rows for T in steps]
+
     def warm_up(self) -> None:
-        """Plan the largest call first (the shared arena then never grows while serving) and run
-        it once (the kernels load)."""
+        """Plan every call shape, the largest first (the shared arena then never grows while
+        serving), and run the largest once (the kernels load)."""
+        for nb, T in self.shapes:
+            self._call(nb, T)[0].resize(nb, T)
         nb = bucket(self.max_batch)
         session, x, y, h, c, lens = self._call(nb, self.max_chunk)
         lens[:] = self.max_chunk
@@ -306,7 +323,7 @@ class Lane:
         of in-flight sequences are touched, which no other thread changes."""
         n = len(picked)
         heads = [s.queue[0] for s in picked]
-        T = min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk)
+        T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
         session, x, y, h, c, lens = self._call(bucket(n), T)
         idx = self._idx[:n]
         for i, (s, r) in enumerate(zip(picked, heads, strict=True)):
