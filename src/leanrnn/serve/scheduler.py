@@ -34,15 +34,20 @@ steps per call, is chosen from the running per-step time so that a call takes ab
 ``max_call`` seconds (at least one step): a stream that joins waits behind at most that much
 of other streams' chunks, while short calls do not multiply the per-call overhead.
 
-Next step, reading states by slot inside the kernels: the gather/scatter copies go away if the
-recurrent kernels take the slot table (an int64 [N] array, one more job argument in
-``kernels.abi.JOBS``) and read h_{t-1}/c_{t-1} of row i from ``h_store[l, slot[i]]`` on the first
-step of a call and write the last step's state back there, instead of the double-buffered
-[N, Kp] arena rows ``Session._execute`` fills from h0 now. That needs (1) the state store laid
-out with the kernels' padded row width Kp/Hp (today [L, S, K] unpadded), (2) the first and last
-steps of ``kernels.recurrent`` to index through the table (the middle steps keep their
-contiguous double buffer, so the GEMM on R stays dense), and (3) ``Session.run`` to accept a
-slot table and the store in place of h0/c0 (and to skip its h_n copy).
+Next step, reading states by slot inside the kernels. Today a call copies each state four
+times: slots -> contiguous rows (here), rows -> the arena's double buffer h.{k}.a and c.{k}
+(``Session._execute``), and back out the same way. With a slot table (int64 [N], one more job
+argument in ``kernels.abi.JOBS``) the kernels could work on the store itself:
+
+1. the store laid out with the kernels' padded widths, h [L, S, Kp] and c [L, S, Hp] (today
+   [L, S, K] / [L, S, H]), 64-byte aligned rows, in the planned arena rather than beside it;
+2. ``kernels.recurrent``: the first step's GEMM on R (``panel4`` over rows 0..N of h_{t-1})
+   reads row n from ``h_store[l, slot[n]]``, and row n's last valid step (``lengths[n]``)
+   writes its h there; the steps in between keep the dense double buffer, so the GEMM stays on
+   contiguous rows, and frozen rows need no carry copy. c, updated element-wise per row, can
+   live in the store for the whole call (row n -> slot[n]);
+3. ``Session.run`` taking (store, slot table) in place of h0/c0/h_n/c_n and skipping its copies.
+
 """
 
 from __future__ import annotations
