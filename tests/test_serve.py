@@ -166,6 +166,25 @@ def test_stateless_infer_equals_offline(server, protocol, model):
         np.testing.assert_allclose(r.as_numpy("y"), want["y"], rtol=0, atol=ATOL)
 
 
+def test_grpc_typed_contents_instead_of_raw(server):
+    """A KServe client may send InferTensorContents (fp32_contents) instead of raw bytes."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    x = rand(np.random.default_rng(13), 4)
+    req = service_pb2.ModelInferRequest(model_name="gru")
+    t = req.inputs.add(name="x", datatype="FP32", shape=[4, 3])
+    t.contents.fp32_contents.extend(x.reshape(-1).tolist())
+    with grpc.insecure_channel(server["grpc"]) as ch:
+        res = service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
+        names = [o.name for o in res.outputs]
+        y = np.frombuffer(res.raw_output_contents[names.index("y")], np.float32).reshape(4, 6)
+        np.testing.assert_allclose(y, offline(server, "gru", x)["y"], rtol=0, atol=ATOL)
+        del t.contents.fp32_contents[-1]
+        with pytest.raises(grpc.RpcError, match="needs 12 values; got 11"):
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_http_compressed_request(server, algorithm):
     mod, c = client(server, "http")
