@@ -356,6 +356,7 @@ def test_bad_input_clear_errors_other_streams_unaffected(server):
     cases = [
         (b"{not json", 400, "not valid JSON"),
         (b"[1, 2]", 400, '"inputs"'),
+        (b"[" * 100000, 400, "not valid JSON"),
         (json.dumps({"inputs": [{**good, "name": "X"}]}).encode(), 400, "unexpected input 'X'"),
         (json.dumps({"inputs": [{**good, "shape": [2, 4]}]}).encode(), 400, "expects [-1, 3]"),
         (json.dumps({"inputs": [{**good, "shape": [0, 3], "data": []}]}).encode(), 400, "0 steps"),

@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -78,7 +78,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         )
     try:
         req = json.loads(head)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise InvalidRequest(f"[infer] the request is not valid JSON: {e}") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise InvalidRequest(
@@ -177,6 +177,8 @@ def make_app(core: Core, metrics=None) -> Starlette:
                 return await handler(request)
             except ServeError as e:
                 return _error(core, e)
+            except ClientDisconnect:  # gone mid-body: nobody to answer, nothing was queued
+                return Response(status_code=400)
 
         return endpoint
 
