@@ -155,6 +155,21 @@ def test_idle_eviction_names_the_sequence(server):
     np.testing.assert_allclose(y0, want[:2], rtol=0, atol=ATOL)
 
 
+def test_taken_ports_are_one_line_errors(server, tmp_path):
+    path = str(tmp_path / "m.lrnn")
+    server["model"].save(path)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for flag, taken, other in (("--http-port", server["http"], "--grpc-port"),
+                               ("--grpc-port", server["grpc"], "--http-port")):  # fmt: skip
+        port = taken.rsplit(":", 1)[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "leanrnn", "serve", path, flag, port, other, "0"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 1
+        assert f"pick another {flag}" in r.stderr.splitlines()[-1], r.stderr
+
+
 def test_sigterm_finishes_accepted_work_then_exits(server):
     """Runs last: a long request in flight when SIGTERM comes still gets its full answer; new
     work is refused; the process exits 0."""

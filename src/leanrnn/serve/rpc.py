@@ -195,12 +195,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 async def start(core: Core, host: str, port: int, max_bytes: int):
     """A running grpc.aio server on host:port (0: any free port); returns (server, port)."""
     server = grpc.aio.server(options=[
+        # gRPC's default SO_REUSEPORT lets a second server share a taken port and take half
+        # its connections (and so half of some sequences' requests): refuse instead
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_bytes),
         ("grpc.max_send_message_length", max(max_bytes, 64 << 20)),
     ])  # fmt: skip
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(core), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"[serve] cannot bind gRPC to {host}:{port}")
+        raise OSError(
+            f"[serve] cannot bind gRPC to {host}:{port} (in use, or not an address of this "
+            "machine); pick another --grpc-port"
+        )
     await server.start()
     return server, bound

@@ -102,8 +102,15 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
 
     _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
     t0 = time.monotonic()
+    try:  # the port first: a taken one should fail before the models load
+        sock = _listen(config.host, config.http_port)
+    except OSError as e:
+        raise OSError(
+            f"[serve] cannot listen for HTTP on {config.host}:{config.http_port}: {e.strerror}; "
+            "pick another --http-port"
+        ) from None
+    http_port = sock.getsockname()[1]
     core, scheduler, metrics = build(config, loaded)
-    scheduler.start()
     loop = asyncio.get_running_loop()
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
@@ -111,8 +118,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
 
         grpc_server, grpc_port = await rpc.start(core, config.host, config.grpc_port,
                                                  config.max_request_bytes)  # fmt: skip
-    sock = _listen(config.host, config.http_port)
-    http_port = sock.getsockname()[1]
+    scheduler.start()
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
