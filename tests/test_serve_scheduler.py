@@ -244,3 +244,24 @@ def test_http_connections_send_without_nagle():
         return value
 
     assert asyncio.run(main()) != 0
+
+
+def test_transport_libraries_are_imported_by_the_server_only():
+    """import leanrnn, the CLI's parser (with the serve command) and the scheduler load none
+    of grpc, starlette, uvicorn, prometheus_client, tritonclient (the serve extra)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, leanrnn, leanrnn.cli, leanrnn.serve.scheduler\n"
+        "leanrnn.cli.build_parser()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('grpc', 'starlette', 'uvicorn', 'prometheus_client', 'tritonclient'))\n"
+        "print(bad)\n"
+    )
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]"
