@@ -4,6 +4,7 @@ streams, batched (the default) vs ``--max-batch 1`` (one stream per engine call)
     python benchmarks/serve_bench.py                                  # H=512, 2 layers
     python benchmarks/serve_bench.py --hidden 128 --streams 8 16 32   # a quick look
     python benchmarks/serve_bench.py --plot serve.png --json serve.json
+    python benchmarks/serve_bench.py --engine-only 20 --streams 1 8 64   # no transport
 
 Load: every stream sends ``--steps`` steps (frames of C features) every ``--period`` seconds
 through gRPC (tritonclient.grpc.aio) as one sequence (sequence_start on its first request,
@@ -151,6 +152,40 @@ def measure(url: str, streams: int, clients: int, C: int, steps: int, period: fl
     }
 
 
+def engine_only(model, streams: list[int], steps: int, rounds: int, threads: int) -> None:
+    """The scheduler and engine without a transport, in this process: every stream has one
+    request of ``steps`` steps pending at once (the engine never idles), ``rounds`` times.
+    Reports the scheduler thread's CPU microseconds per stream-step, which other processes on
+    a shared machine do not inflate the way they inflate wall-clock latency."""
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    C = model.spec.input_size
+    x = np.random.default_rng(0).standard_normal((steps, C)).astype(np.float32)
+    print(f"{'scheduler':<22}{'streams':>8}{'cpu us/step':>13}{'wall us/step':>14}")
+    for name, max_batch in (("batched (64)", 64), ("--max-batch 1", 1)):
+        for n in streams:
+            lane = Lane("m", model, Pool(), threads=threads, max_streams=max(n, 1),
+                        max_batch=max_batch, max_chunk=16, idle_timeout=600)  # fmt: skip
+            lane.warm_up()
+            sched = Scheduler({"m": lane}, max_wait=0)
+            sched.start()
+            clock = time.pthread_getcpuclockid(sched._thread.ident)
+            done = threading.Semaphore(0)
+            cpu0, t0 = time.clock_gettime(clock), time.perf_counter()
+            for r in range(rounds):
+                for sid in range(n):
+                    sched.submit("m", ("i", sid), r == 0, r == rounds - 1, x,
+                                 on_done=lambda _, d=done: d.release())  # fmt: skip
+                for _ in range(n):
+                    done.acquire()
+            cpu = time.clock_gettime(clock) - cpu0
+            wall = time.perf_counter() - t0
+            sched.stop()
+            k = n * rounds * steps
+            print(f"{name:<22}{n:>8}{cpu / k * 1e6:>13.1f}{wall / k * 1e6:>14.1f}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -165,6 +200,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=100.0, help="p99 bar in ms")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a p50/p99 plot here (matplotlib)")
+    ap.add_argument(
+        "--engine-only",
+        type=int,
+        metavar="ROUNDS",
+        help="measure the scheduler and engine in process instead (no transport)",
+    )
     args = ap.parse_args(argv)
 
     sys.path.insert(0, SRC)
@@ -172,7 +213,11 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="serve_bench_")
     path = os.path.join(tmp, "m.lrnn")
-    leanrnn.LSTM(args.input, args.hidden, num_layers=args.layers, seed=0).save(path)
+    model = leanrnn.LSTM(args.input, args.hidden, num_layers=args.layers, seed=0)
+    if args.engine_only:
+        engine_only(model, args.streams, args.steps, args.engine_only, args.threads)
+        return 0
+    model.save(path)
     variants = {"leanrnn serve": [], "serve --max-batch 1": ["--max-batch", "1"]}
     results: dict[str, list[dict]] = {}
     print(f"LSTM C={args.input} H={args.hidden} L={args.layers}; {args.steps} steps every "
