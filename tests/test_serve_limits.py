@@ -1,6 +1,6 @@
 """leanrnn serve's limits through tritonclient: the bearer token, the cap on live streams (429 /
 RESOURCE_EXHAUSTED), idle eviction with an error naming the sequence, and SIGTERM finishing
-accepted work. One server subprocess for the module (3 streams, 0.6 s idle timeout)."""
+accepted work. One server subprocess for the module (3 streams, 1.5 s idle timeout)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve_limits")
     model = leanrnn.GRU(3, 4, num_layers=2, seed=3)
     model.save(str(d / "gru.lrnn"))
-    args = ["--max-streams", "3", "--idle-timeout", "0.6", "--token", TOKEN]
+    args = ["--max-streams", "3", "--idle-timeout", "1.5", "--token", TOKEN]
     proc, http_url, grpc_url = launch([f"gru={d}/gru.lrnn", *args])
     yield {"model": model, "http": http_url, "grpc": grpc_url, "proc": proc}
     if proc.poll() is None:
@@ -139,12 +139,12 @@ def test_idle_eviction_names_the_sequence(server):
     before = metric(server, "leanrnn_serve_evictions_total")
     y0 = infer(hm, hc, x[:2], sequence_id=77, sequence_start=True).as_numpy("y")
     infer(hm, hc, x[:1], sequence_id="busy", sequence_start=True)
-    for _ in range(8):  # 1.6 s: "busy" sends a step every 0.2 s and stays, 77 is idle
-        time.sleep(0.2)
+    for _ in range(12):  # 3 s: "busy" sends a step every 0.25 s and stays, 77 is idle
+        time.sleep(0.25)
         infer(gm, gc, x[:1], sequence_id="busy")
     for mod, c in ((hm, hc), (gm, gc)):
         with pytest.raises(InferenceServerException, match=r"sequence 77 of model 'gru' was "
-                           r"evicted .* s idle \(idle timeout 0.6 s\).*sequence_start=true"):  # fmt: skip
+                           r"evicted .* s idle \(idle timeout 1.5 s\).*sequence_start=true"):  # fmt: skip
             infer(mod, c, x[2:], sequence_id=77)
     assert metric(server, "leanrnn_serve_evictions_total") >= before + 1
     infer(gm, gc, x[:1], sequence_id="busy", sequence_end=True)
