@@ -324,23 +324,24 @@ class Lane:
         return picked
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
-        """Outside the lock: one engine call over ``picked``; returns (T, stream-steps). Only the head requests
-        of in-flight sequences are touched, which no other thread changes."""
+        """Outside the lock: one engine call over ``picked``; returns (T, stream-steps). Only
+        the head requests of in-flight sequences are touched, which no other thread changes."""
         n = len(picked)
         heads = [s.queue[0] for s in picked]
         T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
         session, x, y, h, c, lens = self._call(bucket(n), T)
+        ks = [min(r.T - r.pos, T) for r in heads]
         idx = self._idx[:n]
-        for i, (s, r) in enumerate(zip(picked, heads, strict=True)):
-            k = min(r.T - r.pos, T)
-            lens[i] = k
-            idx[i] = s.slot
-            x[:k, i] = r.x[r.pos : r.pos + k]
+        idx[:] = [s.slot for s in picked]
+        lens[:n] = ks
+        lens[n:] = 0  # padding rows (bucket): never advanced, never read back
+        for i, r in enumerate(heads):
+            k, p = ks[i], r.pos
+            x[:k, i] = r.x[p : p + k]
             if k < T:
                 x[k:, i] = 0  # frozen rows still pass through the input projection
             if r.t_first is None:
                 r.t_first = now
-        lens[n:] = 0  # padding rows (bucket): never advanced, never read back
         hs, cs = self.h_store, self.c_store
         for layer in range(self.L):
             np.take(hs[layer], idx, axis=0, out=h[layer, :n], mode="clip")
@@ -352,11 +353,11 @@ class Lane:
             if cs is not None:
                 cs[layer, idx] = c[layer, :n]
         for i, r in enumerate(heads):
-            k = int(lens[i])
-            r.y[r.pos : r.pos + k] = y[:k, i]
-            r.pos += k
+            k, p = ks[i], r.pos
+            r.y[p : p + k] = y[:k, i]
+            r.pos = p + k
         self.calls += 1
-        return T, int(lens[:n].sum())
+        return T, sum(ks)
 
     def finish(self, picked: list[Sequence], now: float) -> tuple[list[Request], int]:
         """Under the lock, after ``run``: complete finished requests, free ended slots, requeue
