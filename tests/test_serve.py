@@ -40,23 +40,26 @@ SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 
 def launch(args: list[str], timeout: float = 60.0):
-    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url)."""
+    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
+    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
+    logs: list[str] = []
     threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
     try:
         line = lines.get(timeout=timeout)
     except queue.Empty:
-        proc.kill()
-        raise AssertionError(f"server did not start: {proc.stderr.read()}") from None
+        line = ""
     if "ready" not in line:
         proc.kill()
-        raise AssertionError(f"server said {line!r}: {proc.stderr.read()}")
+        proc.wait()
+        time.sleep(0.5)  # the reader thread takes the last lines
+        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
-    return proc, fields["http"], fields["grpc"]
+    return proc, fields["http"], fields["grpc"], logs
 
 
 def stop(proc) -> int:
@@ -78,10 +81,10 @@ def server(tmp_path_factory):
     for name, m in models.items():
         m.save(str(d / f"{name}.lrnn"))
     args = [f"{n}={d / n}.lrnn" for n in models]
-    proc, http_url, grpc_url = launch(
+    proc, http_url, grpc_url, logs = launch(
         [*args, "--max-batch", "16", "--max-chunk", "4", "--max-request-bytes", "1M"]
     )
-    yield {"models": models, "http": http_url, "grpc": grpc_url, "proc": proc}
+    yield {"models": models, "http": http_url, "grpc": grpc_url, "proc": proc, "logs": logs}
     assert stop(proc) == 0  # SIGTERM: drained and exited cleanly
 
 
@@ -414,6 +417,11 @@ def test_bad_input_clear_errors_other_streams_unaffected(server):
     for t in step:
         ys.append(infer(hmod, hc, "lstm", x[t : t + 1], sequence_id="live",
                         sequence_end=t == 39).as_numpy("y"))  # fmt: skip
+    # each refusal is a structured log line saying what and why
+    events = [json.loads(s) for s in list(server["logs"]) if s.startswith("{")]
+    refused = {(e["protocol"], e["kind"]) for e in events if e["event"] == "refused"}
+    assert {("http", "invalid"), ("grpc", "invalid"), ("http", "too_large"),
+            ("http", "not_found"), ("grpc", "sequence")} <= refused  # fmt: skip
     np.testing.assert_allclose(np.concatenate(ys), offline(server, "lstm", x)["y"], rtol=0,
                                atol=ATOL)  # fmt: skip
 

@@ -5,6 +5,7 @@ accepted work. One server subprocess for the module (3 streams, 1.5 s idle timeo
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import queue
 import signal
@@ -33,22 +34,26 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
 def launch(args: list[str], timeout: float = 60.0):
-    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url)."""
+    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
+    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
+    logs: list[str] = []
     threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
     try:
         line = lines.get(timeout=timeout)
     except queue.Empty:
-        proc.kill()
-        raise AssertionError(f"server did not start: {proc.stderr.read()}") from None
+        line = ""
     if "ready" not in line:
         proc.kill()
-        raise AssertionError(f"server said {line!r}: {proc.stderr.read()}")
+        proc.wait()
+        time.sleep(0.5)  # the reader thread takes the last lines
+        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
     fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
-    return proc, fields["http"], fields["grpc"]
+    return proc, fields["http"], fields["grpc"], logs
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +62,8 @@ def server(tmp_path_factory):
     model = leanrnn.GRU(3, 4, num_layers=2, seed=3)
     model.save(str(d / "gru.lrnn"))
     args = ["--max-streams", "3", "--idle-timeout", "1.5", "--token", TOKEN]
-    proc, http_url, grpc_url = launch([f"gru={d}/gru.lrnn", *args])
-    yield {"model": model, "http": http_url, "grpc": grpc_url, "proc": proc}
+    proc, http_url, grpc_url, logs = launch([f"gru={d}/gru.lrnn", *args])
+    yield {"model": model, "http": http_url, "grpc": grpc_url, "proc": proc, "logs": logs}
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -147,6 +152,9 @@ def test_idle_eviction_names_the_sequence(server):
                            r"evicted .* s idle \(idle timeout 1.5 s\).*sequence_start=true"):  # fmt: skip
             infer(mod, c, x[2:], sequence_id=77)
     assert metric(server, "leanrnn_serve_evictions_total") >= before + 1
+    events = [json.loads(s) for s in list(server["logs"]) if s.startswith("{")]
+    evicted = [e for e in events if e["event"] == "evict" and e["sequence"] == "77"]
+    assert evicted and evicted[0]["model"] == "gru" and evicted[0]["idle_s"] > 1.5
     infer(gm, gc, x[:1], sequence_id="busy", sequence_end=True)
     # started again, it runs from a zero state
     y = infer(gm, gc, x, sequence_id=77, sequence_start=True, sequence_end=True).as_numpy("y")
@@ -191,5 +199,9 @@ def test_sigterm_finishes_accepted_work_then_exits(server):
     t.join(timeout=60)
     assert server["proc"].wait(timeout=60) == 0
     np.testing.assert_allclose(out["y"], server["model"](x)[0], rtol=0, atol=ATOL)
+    time.sleep(0.5)  # the log reader takes the last lines
+    lines = [s for s in list(server["logs"]) if s.startswith("{")]  # grpc's own logs are not
+    events = {e["event"]: e for e in map(json.loads, lines)}
+    assert events["shutdown"]["signal"] == "SIGTERM" and events["drained"]["all_finished"]
     with pytest.raises(Exception):  # noqa: B017 (refused or connection closed: either is fine)
         infer(hm, th.InferenceServerClient(server["http"]), x[:1])
