@@ -126,10 +126,11 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         for o in req["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidRequest('[infer] each requested output needs a "name"')
-            op = o.get("parameters") or {}
+            op = o.get("parameters")
+            if not isinstance(op, dict):
+                op = {}
             outputs.append(o["name"])
-            binary[o["name"]] = bool(op.get("binary_data", binary_all)) if isinstance(
-                op, dict) else binary_all  # fmt: skip
+            binary[o["name"]] = op.get("binary_data", binary_all) is True
     rid = req.get("id", "")
     if not isinstance(rid, str):
         raise InvalidRequest(f'[infer] "id" must be a string; got {rid!r}')
