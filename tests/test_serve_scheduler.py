@@ -99,6 +99,7 @@ def test_pipelined_chunks_of_many_streams_equal_offline(model):
     lane = sched.lanes["m"]
     assert not lane.seqs  # every stream ended: every slot is free again
     assert len(lane.free) == 256
+    assert lane.rows > 2 * lane.calls  # streams were batched (all were pending at once)
     # every call had one of the shapes planned at start-up (none planned while serving)
     assert set(lane._calls) == set(lane.shapes)
     assert all(s.plan is not None and s._N == nb and s._T <= T

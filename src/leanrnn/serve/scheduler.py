@@ -176,7 +176,7 @@ class Lane:
         self._idx = np.zeros(nb, np.int64)
         self._calls: dict[tuple[int, int], tuple] = {}
         self.step_seconds = 0.0  # running mean of one call's seconds per step
-        self.steps = self.calls = 0
+        self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
 
     # ------------------------------------------------------------ the model's tensors
     @property
@@ -357,6 +357,7 @@ class Lane:
             r.y[p : p + k] = y[:k, i]
             r.pos = p + k
         self.calls += 1
+        self.rows += n
         return T, sum(ks)
 
     def finish(self, picked: list[Sequence], now: float) -> tuple[list[Request], int]:
