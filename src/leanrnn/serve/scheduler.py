@@ -136,8 +136,9 @@ class Lane:
         session = getattr(model, "session", None)
         if not isinstance(session, Session):
             raise SpecError(
-                f"[serve] model {name!r} is a {type(model).__name__}; expected a recurrent stack "
-                "(LSTM/GRU/RNN: .lrnn, a state dict, or an ONNX file of one LSTM/GRU/RNN)"
+                f"[serve] model {name!r} is a {type(model).__name__}; serve batches recurrent "
+                "stacks (leanrnn.LSTM/GRU/RNN: a .lrnn saved from one, or a PyTorch, "
+                ".safetensors or .npz state dict); graphs (ONNX) are not served yet"
             )
         weights = session.weights
         spec = weights.spec
