@@ -203,7 +203,7 @@ def test_models_that_cannot_stream_are_refused_by_name():
     class NotAStack:
         pass
 
-    with pytest.raises(SpecError, match="model 'g' is a NotAStack; expected a recurrent stack"):
+    with pytest.raises(SpecError, match="model 'g' is a NotAStack; serve batches recurrent stacks"):
         Lane("g", NotAStack(), Pool(), threads=1, max_streams=2, max_batch=2, max_chunk=2,
              idle_timeout=1.0)  # fmt: skip
 
