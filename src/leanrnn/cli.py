@@ -27,6 +27,7 @@ COMMANDS = (
     "leanrnn.commands.model",
     "leanrnn.commands.plan",
     "leanrnn.commands.score",
+    "leanrnn.commands.serve",
     "leanrnn.bench.cli",
 )
 

@@ -1,0 +1,141 @@
+"""``leanrnn serve MODEL [MODEL...]``: a KServe v2 / Triton-protocol server (HTTP and gRPC) with
+continuous batching across streams (leanrnn.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..cli import nonnegative_int, positive_float, positive_int
+from ..errors import LeanRNNError
+from .score import parse_bytes
+
+
+def _model(text: str) -> tuple[str, str]:
+    """'NAME=PATH' or 'PATH' (named after the file, without its extension)."""
+    name, sep, path = text.partition("=")
+    if not sep:
+        path = text
+        name = os.path.splitext(os.path.basename(text))[0]
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: model names use letters, digits, '-', '_' and '.'; pass NAME=PATH"
+        )
+    return name, path
+
+
+def _wait_ms(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 <= v < 60_000:
+        raise argparse.ArgumentTypeError(f"{s}: expected milliseconds in 0..60000")
+    return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve models over the KServe v2 / Triton protocol (HTTP and gRPC), batched",
+        description="Serves recurrent models (any file leanrnn.load takes) over the KServe v2 "
+        "inference protocol with Triton's sequence extension, on HTTP/REST and gRPC, so "
+        "tritonclient and other KServe clients work unchanged. The steps of all live streams "
+        "run as batched engine calls. Needs `pip install leanrnn[serve]`.",
+    )
+    p.add_argument("models", nargs="+", type=_model, metavar="MODEL",
+                   help="a model file, or NAME=PATH to choose the name clients use")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
+                   "for every interface)")  # fmt: skip
+    p.add_argument("--http-port", type=nonnegative_int, default=8000, help="0: any free port")
+    p.add_argument("--grpc-port", type=nonnegative_int, default=8001,
+                   help="0: any free port")  # fmt: skip
+    p.add_argument("--no-grpc", action="store_true", help="HTTP only")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="engine threads (default: all cores but one, left to the transport)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=64,
+        help="most streams in one engine call (1: no batching across streams)",
+    )
+    p.add_argument(
+        "--max-chunk",
+        type=positive_int,
+        default=16,
+        help="most steps of one stream in one engine call (rounded down to a power of two)",
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=_wait_ms,
+        default=2.0,
+        help="longest the engine, when idle, waits for more streams to batch (default 2)",
+    )
+    p.add_argument(
+        "--max-call-ms",
+        type=_wait_ms,
+        default=10.0,
+        help="about the longest one engine call runs: a stream's chunk is split into calls of "
+        "this many ms, so streams that join wait at most about that long (default 10)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=positive_int,
+        default=1024,
+        help="live sequences per model; beyond it new ones get HTTP 429 / RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds without a request before a sequence is evicted",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=64 << 20,
+        help="largest request body (default 64M)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("LEANRNN_SERVE_TOKEN"),
+        help="require 'Authorization: Bearer TOKEN' (default: $LEANRNN_SERVE_TOKEN; "
+        "health endpoints stay open)",
+    )
+    p.add_argument(
+        "--grace",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish accepted work before exiting",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from ..serve.server import ServeConfig, serve
+    except ModuleNotFoundError as e:
+        raise LeanRNNError(
+            f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]'"
+        ) from None
+    from .. import config as _config
+
+    names = [n for n, _ in args.models]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise LeanRNNError(f"[serve] two models named {dup}; pass NAME=PATH to tell them apart")
+    threads = args.threads or max(1, _config.max_threads() - 1)
+    cfg = ServeConfig(
+        models=dict(args.models), host=args.host, http_port=args.http_port,
+        grpc_port=None if args.no_grpc else args.grpc_port, threads=threads,
+        max_batch=args.max_batch, max_chunk=args.max_chunk, max_wait=args.max_wait_ms / 1000,
+        max_call=max(args.max_call_ms, 0.01) / 1000,
+        max_streams=args.max_streams, idle_timeout=args.idle_timeout,
+        max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
+    )  # fmt: skip
+    return serve(cfg)

@@ -1,0 +1,109 @@
+"""What the HTTP and gRPC front ends share: the models, authorization, and one ``infer`` that
+hands a checked request to the scheduler and awaits its outputs on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+import numpy as np
+
+from .errors import Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
+from .protocol import ModelInfo, Parsed, check_version
+from .scheduler import Request, Scheduler
+
+_log = logging.getLogger("leanrnn.serve")
+
+
+def _resolve(fut: asyncio.Future, r: Request) -> None:
+    if not fut.done():  # the client may have gone (the task was cancelled)
+        fut.set_result(r)
+
+
+class Core:
+    def __init__(self, scheduler: Scheduler, *, token: str | None, max_request_bytes: int,
+                 metrics=None) -> None:  # fmt: skip
+        self.scheduler = scheduler
+        self.infos = {name: ModelInfo.of(lane) for name, lane in scheduler.lanes.items()}
+        self.token = token
+        self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        # Triton's statistics extension: per model [count, total ns, queue ns, last ms]
+        self._stats = {name: [0, 0, 0, 0] for name in self.infos}
+
+    def info(self, model: str, version: str | None = None) -> ModelInfo:
+        info = self.infos.get(model)
+        if info is None:
+            raise NotFound(f"[infer] unknown model {model!r}; this server has {sorted(self.infos)}")
+        check_version(model, version)
+        return info
+
+    def authorize(self, header: str | None) -> None:
+        """Bearer token check (constant time); no token configured: everyone may call."""
+        if self.token is None:
+            return
+        want = f"Bearer {self.token}".encode()
+        if header is None or not hmac.compare_digest(header.encode(), want):
+            raise Unauthenticated(
+                "[auth] missing or wrong bearer token; send the header "
+                "'Authorization: Bearer <token>' given to leanrnn serve --token"
+            )
+
+    def error(self, e: ServeError, protocol: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error(e.kind, protocol)
+        _log.info("refused", extra={"fields": {"protocol": protocol, "kind": e.kind,
+                                                "error": str(e)}})  # fmt: skip
+
+    def stats(self, model: str) -> dict:
+        """Triton's statistics for ``model`` (the JSON form of ModelStatistics)."""
+        count, ns, queue_ns, last = self._stats[model]
+        lane = self.scheduler.lanes[model]
+        return {
+            "name": model,
+            "version": "1",
+            "last_inference": last,
+            "inference_count": count,
+            "execution_count": lane.calls,
+            "inference_stats": {
+                "success": {"count": count, "ns": ns},
+                "queue": {"count": count, "ns": queue_ns},
+            },
+        }
+
+    async def infer(self, p: Parsed, protocol: str) -> dict[str, np.ndarray]:
+        """Run ``p`` through the scheduler; the requested outputs by name."""
+        if self.draining:
+            raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
+        info = self.infos[p.model]
+        y_bytes = p.x.shape[0] * info.outputs["y"].shape[1] * info.dtype.itemsize
+        if y_bytes > self.max_request_bytes:  # the limit holds for what comes back too
+            raise TooLarge(
+                f"[infer] y for {p.x.shape[0]} steps would be {y_bytes} bytes; the limit is "
+                f"{self.max_request_bytes} (--max-request-bytes); send fewer steps per request"
+            )
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        t0 = time.monotonic()
+        want_state = any(name != "y" for name in p.outputs)
+        self.scheduler.submit(
+            p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
+            lambda r: loop.call_soon_threadsafe(_resolve, fut, r),
+        )  # fmt: skip
+        r: Request = await fut
+        if r.error is not None:
+            raise Internal(f"[infer] the engine failed on this request: {r.error}")
+        seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit
+        st = self._stats[p.model]
+        st[0] += 1
+        st[1] += int(seconds * 1e9)
+        st[2] += int(queued * 1e9)
+        st[3] = int(time.time() * 1000)
+        if self.metrics is not None:
+            self.metrics.request(p.model, protocol, seconds, queued)
+        values = {"y": r.y, "h_n": r.h_out, "c_n": r.c_out}
+        return {name: values[name] for name in p.outputs}

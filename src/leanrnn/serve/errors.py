@@ -1,0 +1,54 @@
+"""What a request can get wrong, each kind with the HTTP status and gRPC code it answers with."""
+
+from __future__ import annotations
+
+from ..errors import LeanRNNError
+
+
+class ServeError(LeanRNNError):
+    """A request the server refuses; ``http`` and ``grpc`` (a grpc.StatusCode name) say how."""
+
+    http = 400
+    grpc = "INVALID_ARGUMENT"
+    kind = "invalid"
+
+
+class InvalidRequest(ServeError, ValueError):
+    """Malformed body, wrong tensor names, shapes, dtypes or lengths."""
+
+
+class NotFound(ServeError):
+    http, grpc, kind = 404, "NOT_FOUND", "not_found"
+
+
+class SequenceError(ServeError):
+    """A step for a sequence that is not live (never started, ended, or evicted), or a second
+    sequence_start on a live one."""
+
+    kind = "sequence"
+
+
+class Exhausted(ServeError):
+    """The cap on concurrent streams is reached."""
+
+    http, grpc, kind = 429, "RESOURCE_EXHAUSTED", "exhausted"
+
+
+class TooLarge(ServeError):
+    http, grpc, kind = 413, "RESOURCE_EXHAUSTED", "too_large"
+
+
+class Unavailable(ServeError):
+    """The server is shutting down."""
+
+    http, grpc, kind = 503, "UNAVAILABLE", "unavailable"
+
+
+class Unauthenticated(ServeError):
+    http, grpc, kind = 401, "UNAUTHENTICATED", "unauthenticated"
+
+
+class Internal(ServeError):
+    """The engine failed on a batch (a bug): its requests fail, the server goes on."""
+
+    http, grpc, kind = 500, "INTERNAL", "internal"

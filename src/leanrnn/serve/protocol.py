@@ -1,0 +1,219 @@
+"""The KServe v2 protocol's content, independent of the transport: a model's metadata and config,
+the sequence parameters (Triton's sequence extension), and tensors checked against the model.
+
+A served recurrent stack takes, per request, ``x`` [T, C] (T steps of one stream; T >= 1) and
+at ``sequence_start`` optionally ``h0`` [L, K] and ``c0`` [L, H] (a restored snapshot); it
+returns ``y`` [T, K] and the state after the request, ``h_n`` [L, K] and ``c_n`` [L, H] (LSTM),
+which a later ``sequence_start`` can take back as h0/c0. ``max_batch_size`` is 0: clients send
+one stream per request and the server batches across streams itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InvalidRequest, NotFound
+
+VERSION = "1"
+PLATFORM = "leanrnn"
+EXTENSIONS = ["binary_tensor_data", "sequence", "model_configuration", "statistics"]
+DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
+CONFIG_TYPES = {"FP32": "TYPE_FP32", "FP64": "TYPE_FP64"}
+_anonymous = itertools.count(1)
+
+
+@dataclass
+class Tensor:
+    """A model input or output as the protocol describes it; -1 is a free dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass
+class ModelInfo:
+    """What the protocol says about one served model (built from its ``Lane``)."""
+
+    name: str
+    datatype: str
+    dtype: np.dtype
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    idle_timeout: float
+    max_batch: int
+    cell: str
+
+    @classmethod
+    def of(cls, lane) -> ModelInfo:
+        L, K, H, C = lane.L, lane.K, lane.H, lane.C
+        ins = {"x": Tensor("x", (-1, C)), "h0": Tensor("h0", (L, K), optional=True)}
+        outs = {"y": Tensor("y", (-1, K)), "h_n": Tensor("h_n", (L, K))}
+        if lane.lstm:
+            ins["c0"] = Tensor("c0", (L, H), optional=True)
+            outs["c_n"] = Tensor("c_n", (L, H))
+        return cls(lane.name, DATATYPES[lane.dtype], lane.dtype, ins, outs, lane.idle_timeout,
+                   lane.max_batch, lane.spec.cell)  # fmt: skip
+
+    def metadata(self) -> dict:
+        def t(x: Tensor) -> dict:
+            return {"name": x.name, "datatype": self.datatype, "shape": list(x.shape)}
+
+        return {
+            "name": self.name,
+            "versions": [VERSION],
+            "platform": PLATFORM,
+            "inputs": [t(x) for x in self.inputs.values()],
+            "outputs": [t(x) for x in self.outputs.values()],
+        }
+
+    def config(self) -> dict:
+        """Triton's model configuration (model_config.proto's JSON form): the same dict fills
+        the gRPC ModelConfig message through json_format.ParseDict."""
+        dt = CONFIG_TYPES[self.datatype]
+        return {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": PLATFORM,
+            "max_batch_size": 0,
+            "input": [
+                {"name": x.name, "data_type": dt, "dims": list(x.shape), "optional": x.optional}
+                for x in self.inputs.values()
+            ],
+            "output": [
+                {"name": x.name, "data_type": dt, "dims": list(x.shape)}
+                for x in self.outputs.values()
+            ],
+            "sequence_batching": {
+                "max_sequence_idle_microseconds": int(self.idle_timeout * 1e6),
+                "oldest": {"max_candidate_sequences": self.max_batch},
+            },
+            "parameters": {"cell": {"string_value": self.cell}},
+        }
+
+
+@dataclass
+class Parsed:
+    """One inference request, decoded and checked against its model."""
+
+    model: str
+    id: str
+    key: tuple
+    start: bool
+    end: bool
+    x: np.ndarray
+    h0: np.ndarray | None = None
+    c0: np.ndarray | None = None
+    outputs: list[str] = field(default_factory=list)
+    binary: dict[str, bool] = field(default_factory=dict)
+
+
+def check_version(model: str, version: str | None) -> None:
+    if version not in (None, "", VERSION):
+        raise NotFound(
+            f"[infer] model {model!r} has no version {version!r}; it has version {VERSION} only"
+        )
+
+
+def sequence(params: dict) -> tuple[tuple, bool, bool]:
+    """(key, start, end) from the request parameters. A request without a sequence_id (or with
+    0 or "", as Triton) is a sequence of its own: it starts and ends with this request."""
+    sid = params.get("sequence_id")
+    start, end = params.get("sequence_start", False), params.get("sequence_end", False)
+    for name, v in (("sequence_start", start), ("sequence_end", end)):
+        if not isinstance(v, bool):
+            raise InvalidRequest(f"[infer] parameter {name}={v!r}; expected true or false")
+    if sid is None or sid == 0 or sid == "":
+        return ("", next(_anonymous)), True, True
+    if isinstance(sid, bool) or not isinstance(sid, int | str):
+        raise InvalidRequest(
+            f"[infer] parameter sequence_id={sid!r}; expected an unsigned integer or a string"
+        )
+    if isinstance(sid, int) and not 0 < sid < 1 << 64:
+        raise InvalidRequest(f"[infer] sequence_id={sid}; expected an integer in 1..2**64-1")
+    if isinstance(sid, str) and len(sid) > 256:
+        raise InvalidRequest(f"[infer] sequence_id is a {len(sid)}-character string; at most 256")
+    return ("i" if isinstance(sid, int) else "s", sid), start, end
+
+
+def check_input(info: ModelInfo, name: str, datatype: str, shape) -> tuple[int, ...]:
+    """The shape of input ``name`` if its datatype and shape are what the model takes."""
+    t = info.inputs.get(name)
+    if t is None:
+        raise InvalidRequest(
+            f"[infer] unexpected input {name!r} for model {info.name!r}; it takes "
+            f"{sorted(info.inputs)} (x required; the others only with sequence_start)"
+        )
+    if datatype != info.datatype:
+        raise InvalidRequest(
+            f"[infer] input {name!r} has datatype {datatype!r}; model {info.name!r} takes "
+            f"{info.datatype}; convert the data"
+        )
+    if (
+        not isinstance(shape, list | tuple)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or len(shape) != len(t.shape)
+        or any(want != -1 and d != want for d, want in zip(shape, t.shape, strict=False))
+    ):
+        raise InvalidRequest(
+            f"[infer] input {name!r} has shape {shape!r}; model {info.name!r} expects "
+            f"{list(t.shape)} (-1: any number of steps)"
+        )
+    if name == "x" and shape[0] == 0:
+        raise InvalidRequest(f"[infer] input 'x' has 0 steps (shape {list(shape)}); send >= 1")
+    if any(d > 1 << 40 for d in shape):
+        raise InvalidRequest(f"[infer] input {name!r} has shape {list(shape)}: too large")
+    return tuple(shape)
+
+
+def from_bytes(info: ModelInfo, name: str, shape: tuple, data: bytes | memoryview) -> np.ndarray:
+    """A tensor from its raw little-endian bytes; their count must match the shape exactly."""
+    want = int(np.prod(shape)) * info.dtype.itemsize
+    if len(data) != want:
+        raise InvalidRequest(
+            f"[infer] input {name!r} of shape {list(shape)} {info.datatype} needs {want} bytes "
+            f"of data; got {len(data)}"
+        )
+    return np.frombuffer(data, info.dtype.newbyteorder("<")).astype(info.dtype).reshape(shape)
+
+
+def from_list(info: ModelInfo, name: str, shape: tuple, data) -> np.ndarray:
+    """A tensor from JSON data: a flat or nested list of numbers, as many as the shape holds."""
+    try:
+        a = np.asarray(data)
+    except ValueError:
+        a = None
+    if a is None or a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+        raise InvalidRequest(
+            f"[infer] input {name!r}: data must be a (flat or nested) list of numbers"
+        )
+    n = int(np.prod(shape))
+    if a.size != n:
+        raise InvalidRequest(
+            f"[infer] input {name!r} of shape {list(shape)} needs {n} values; got {a.size}"
+        )
+    return np.ascontiguousarray(a.reshape(shape), dtype=info.dtype)
+
+
+def assemble(info: ModelInfo, request_id: str, params: dict, tensors: dict,
+             outputs: list[str] | None, binary: dict[str, bool]) -> Parsed:  # fmt: skip
+    """Check the set of inputs and requested outputs; decode the sequence parameters."""
+    if "x" not in tensors:
+        raise InvalidRequest(
+            f"[infer] no input 'x' in the request for model {info.name!r}; it takes "
+            f"x {list(info.inputs['x'].shape)} {info.datatype}"
+        )
+    key, start, end = sequence(params)
+    if outputs is None:
+        outputs = list(info.outputs)
+    for name in outputs:
+        if name not in info.outputs:
+            raise InvalidRequest(
+                f"[infer] unknown output {name!r} requested from model {info.name!r}; it has "
+                f"{list(info.outputs)}"
+            )
+    return Parsed(info.name, request_id, key, start, end, tensors["x"], tensors.get("h0"),
+                  tensors.get("c0"), outputs, binary)  # fmt: skip

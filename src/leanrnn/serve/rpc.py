@@ -1,0 +1,215 @@
+"""KServe v2 over gRPC (``grpc.aio``), service ``inference.GRPCInferenceService``: health, server
+and model metadata, model config and statistics, the repository index, ``ModelInfer`` and the
+bidirectional ``ModelStreamInfer``.
+
+The message and service definitions are Triton's published ``grpc_service.proto`` and
+``model_config.proto``, as compiled by NVIDIA into the ``tritonclient[grpc]`` package (its
+``service_pb2``/``service_pb2_grpc``/``model_config_pb2``): the server and its clients then speak
+from one copy of the definitions, nothing is generated at build or import time, and no copy of
+the .proto files (nor generated code pinned to one protobuf release) lives in this repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from .core import Core
+from .errors import InvalidRequest, ServeError
+from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes
+
+pb = service_pb2
+_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def _params(m) -> dict:
+    out = {}
+    for key, v in m.items():
+        which = v.WhichOneof("parameter_choice")
+        out[key] = getattr(v, which) if which else None
+    return out
+
+
+def parse(core: Core, req) -> tuple:
+    info = core.info(req.model_name, req.model_version)
+    raw = req.raw_input_contents
+    if raw and len(raw) != len(req.inputs):
+        raise InvalidRequest(
+            f"[infer] {len(req.inputs)} inputs but {len(raw)} raw_input_contents; expected one "
+            "raw buffer per input, in order (or none, with contents)"
+        )
+    tensors = {}
+    for i, t in enumerate(req.inputs):
+        if t.name in tensors:
+            raise InvalidRequest(f"[infer] input {t.name!r} appears twice")
+        shape = check_input(info, t.name, t.datatype, list(t.shape))
+        if raw:
+            tensors[t.name] = from_bytes(info, t.name, shape, raw[i])
+        else:
+            values = getattr(t.contents, _CONTENTS[info.datatype])
+            a = np.asarray(values, info.dtype)
+            if a.size != int(np.prod(shape)):
+                raise InvalidRequest(
+                    f"[infer] input {t.name!r} of shape {list(shape)} needs "
+                    f"{int(np.prod(shape))} values; got {a.size} in contents"
+                )
+            tensors[t.name] = a.reshape(shape)
+    outputs = [o.name for o in req.outputs] or None
+    return info, assemble(info, req.id, _params(req.parameters), tensors, outputs, {})
+
+
+def encode(info, p, values: dict[str, np.ndarray]):
+    res = pb.ModelInferResponse(model_name=info.name, model_version=VERSION, id=p.id)
+    for name, a in values.items():
+        res.outputs.add(name=name, datatype=info.datatype, shape=list(a.shape))
+        res.raw_output_contents.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
+    return res
+
+
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def _guard(self, context, fn):
+        """Run ``fn()`` after the token check; a ServeError aborts the call with its code."""
+        try:
+            md = dict(context.invocation_metadata() or ())
+            self.core.authorize(md.get("authorization"))
+            return await fn() if asyncio.iscoroutinefunction(fn) else fn()
+        except ServeError as e:
+            self.core.error(e, "grpc")
+            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.core.ready and not self.core.draining)
+
+    async def ModelReady(self, request, context):
+        def fn():
+            self.core.info(request.name, request.version)
+            return pb.ModelReadyResponse(ready=self.core.ready and not self.core.draining)
+
+        return await self._guard(context, fn)
+
+    async def ServerMetadata(self, request, context):
+        return await self._guard(context, lambda: pb.ServerMetadataResponse(
+            name="leanrnn", version=VERSION, extensions=EXTENSIONS))  # fmt: skip
+
+    async def ModelMetadata(self, request, context):
+        def fn():
+            md = self.core.info(request.name, request.version).metadata()
+            return json_format.ParseDict(md, pb.ModelMetadataResponse())
+
+        return await self._guard(context, fn)
+
+    async def ModelConfig(self, request, context):
+        def fn():
+            cfg = self.core.info(request.name, request.version).config()
+            return pb.ModelConfigResponse(
+                config=json_format.ParseDict(cfg, model_config_pb2.ModelConfig())
+            )
+
+        return await self._guard(context, fn)
+
+    async def ModelStatistics(self, request, context):
+        def fn():
+            names = [self.core.info(request.name, request.version).name] if request.name else (
+                list(self.core.infos))  # fmt: skip
+            res = {"model_stats": [self.core.stats(n) for n in names]}
+            return json_format.ParseDict(res, pb.ModelStatisticsResponse())
+
+        return await self._guard(context, fn)
+
+    async def RepositoryIndex(self, request, context):
+        def fn():
+            return pb.RepositoryIndexResponse(models=[
+                pb.RepositoryIndexResponse.ModelIndex(name=n, version=VERSION, state="READY")
+                for n in self.core.infos])  # fmt: skip
+
+        return await self._guard(context, fn)
+
+    async def ModelInfer(self, request, context):
+        async def fn():
+            info, p = parse(self.core, request)
+            return encode(info, p, await self.core.infer(p, "grpc"))
+
+        return await self._guard(context, fn)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Requests are handed to the scheduler in the order they arrive (so one sequence's
+        requests keep their order); responses go back as they complete. An error answers that
+        request only (error_message), and the stream goes on."""
+        try:
+            md = dict(context.invocation_metadata() or ())
+            self.core.authorize(md.get("authorization"))
+        except ServeError as e:
+            self.core.error(e, "grpc")
+            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def one(request, fut_or_error):
+            try:
+                if isinstance(fut_or_error, ServeError):
+                    raise fut_or_error
+                info, p, fut = fut_or_error
+                res = encode(info, p, await fut)
+                await out.put(pb.ModelStreamInferResponse(infer_response=res))
+            except ServeError as e:
+                self.core.error(e, "grpc")
+                await out.put(pb.ModelStreamInferResponse(
+                    error_message=str(e),
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name, id=request.id)))  # fmt: skip
+
+        async def pump():
+            tasks = []
+            try:
+                async for request in request_iterator:
+                    try:
+                        info, p = parse(self.core, request)
+                        # submitted here, in arrival order; awaited in its own task
+                        fut = asyncio.ensure_future(self.core.infer(p, "grpc"))
+                        await asyncio.sleep(0)  # let it submit before the next request
+                        item = (info, p, fut)
+                    except ServeError as e:
+                        item = e
+                    tasks.append(asyncio.ensure_future(one(request, item)))
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                await out.put(None)
+
+        reader = asyncio.ensure_future(pump())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+
+
+async def start(core: Core, host: str, port: int, max_bytes: int):
+    """A running grpc.aio server on host:port (0: any free port); returns (server, port)."""
+    server = grpc.aio.server(options=[
+        # gRPC's default SO_REUSEPORT lets a second server share a taken port and take half
+        # its connections (and so half of some sequences' requests): refuse instead
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", max_bytes),
+        ("grpc.max_send_message_length", max(max_bytes, 64 << 20)),
+    ])  # fmt: skip
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(core), server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+        bound = 0
+    if bound == 0:
+        raise OSError(
+            f"[serve] cannot bind gRPC to {host}:{port} (in use, or not an address of this "
+            "machine); pick another --grpc-port"
+        )
+    await server.start()
+    return server, bound

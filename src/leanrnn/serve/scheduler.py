@@ -1,0 +1,561 @@
+"""Continuous batching across streams: the pending steps of every live stream of a model run as
+one batched engine call; streams join and leave between calls; states live in fixed slots.
+
+Per model (``Lane``):
+
+- **Slots.** One preallocated state array holds h [L, S, K] and (LSTM) c [L, S, H] for
+  S = ``max_streams`` streams; a stream owns slot s from ``sequence_start`` until its
+  ``sequence_end`` (freed at once) or its eviction after ``idle_timeout`` seconds without a
+  request. Beyond S live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
+  live ones are unaffected. An idle stream costs its slot's bytes and nothing else: only
+  streams with a pending request are in the ready queue.
+- **A call.** Up to ``max_batch`` ready streams (first come, first served; a stream that still
+  has work goes to the back) run together: each contributes the next k_i <= T steps of its
+  oldest request, time-major into x [T, N, C]; ``lengths`` = k_i freezes a stream's state after
+  its own steps, so streams with fewer pending steps ride along without being advanced. A
+  chunk of steps is thus fed step by step in lockstep with the other streams, and one stream's
+  steps are never reordered nor put side by side in one batch (it has one row per call).
+- **Gather and scatter.** The batch's states are gathered from their slots into contiguous
+  [L, N, K] rows (``np.take(..., out=)`` per layer into preallocated buffers), the engine updates
+  them in place (``Session.run`` may write h_n over h0), and they are scattered back. No array
+  is allocated per call; the copies are O(N*L*(K+H)) per call, against O(N*T*G*K) of compute.
+- **Shapes.** ``Session.run`` plans again whenever N or T change (~1-20 ms), so calls come in
+  few shapes, each with its own ``Session`` (on the model's weights and the server's shared
+  ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
+  rows, lengths 0), and T down to a power of two (steps left over go in the next call; rounding
+  up would pad, and the recurrence's GEMM runs every row of every step).
+
+Adaptive batching (``Scheduler``): whenever the engine is free and streams are ready, they run
+now, and everything that arrives during a call is batched into the next one, so the batch grows
+with the load by itself. Only when the engine was idle does it wait for company, for at most
+``max_wait`` seconds, and only while the running estimate of the gap between arrivals says the
+next request should come before that budget ends (at low load it does not wait at all). T, the
+steps per call, is chosen from the running per-step time so that a call takes about
+``max_call`` seconds (at least one step): a stream that joins waits behind at most that much
+of other streams' chunks, while short calls do not multiply the per-call overhead.
+
+Next step, reading states by slot inside the kernels. Today a call copies each state four
+times: slots -> contiguous rows (here), rows -> the arena's double buffer h.{k}.a and c.{k}
+(``Session._execute``), and back out the same way. With a slot table (int64 [N], one more job
+argument in ``kernels.abi.JOBS``) the kernels could work on the store itself:
+
+1. the store laid out with the kernels' padded widths, h [L, S, Kp] and c [L, S, Hp] (today
+   [L, S, K] / [L, S, H]), 64-byte aligned rows, in the planned arena rather than beside it;
+2. ``kernels.recurrent``: the first step's GEMM on R (``panel4`` over rows 0..N of h_{t-1})
+   reads row n from ``h_store[l, slot[n]]``, and row n's last valid step (``lengths[n]``)
+   writes its h there; the steps in between keep the dense double buffer, so the GEMM stays on
+   contiguous rows, and frozen rows need no carry copy. c, updated element-wise per row, can
+   live in the store for the whole call (row n -> slot[n]);
+3. ``Session.run`` taking (store, slot table) in place of h0/c0/h_n/c_n and skipping its copies.
+
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+import time
+
+import numpy as np
+
+from ..engine.session import Pool, Session
+from ..errors import SpecError
+from .errors import Exhausted, InvalidRequest, SequenceError, Unavailable
+
+_log = logging.getLogger("leanrnn.serve")
+
+# Evicted sequence ids remembered to tell their next request why (bounded: old ones fall off and
+# are then reported as unknown).
+EVICTED_MEMORY = 65536
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (n.bit_length() - 1)
+
+
+def bucket(n: int) -> int:
+    """n rounded up to 1..8, then 4 values per octave (10, 12, 14, 16, 20, 24, ...)."""
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+class Request:
+    """One inference request of one stream: x [T, C] in, y [T, D*K] out, filled step by step."""
+
+    __slots__ = (
+        "T",
+        "c_out",
+        "end",
+        "error",
+        "h_out",
+        "on_done",
+        "pos",
+        "seq",
+        "t_first",
+        "t_submit",
+        "want_state",
+        "x",
+        "y",
+    )  # fmt: skip
+
+    def __init__(self, x, y, end, want_state, on_done) -> None:
+        self.x, self.y, self.T, self.pos = x, y, x.shape[0], 0
+        self.end, self.want_state, self.on_done = end, want_state, on_done
+        self.h_out = self.c_out = self.error = None
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None
+        self.seq = None
+
+
+class Sequence:
+    __slots__ = ("ending", "inflight", "key", "last", "queue", "slot", "started", "steps")
+
+    def __init__(self, key, slot: int, now: float) -> None:
+        self.key, self.slot, self.last, self.started = key, slot, now, now
+        self.queue: collections.deque[Request] = collections.deque()
+        self.ending = self.inflight = False
+        self.steps = 0
+
+
+def describe(key) -> str:
+    """A sequence id as the user sent it: 42 or 'abc'."""
+    return repr(key[1]) if isinstance(key, tuple) else repr(key)
+
+
+class Lane:
+    """One model: its state slots, live sequences, ready queue and batched calls."""
+
+    def __init__(self, name: str, model, pool: Pool, *, threads: int | None, max_streams: int,
+                 max_batch: int, max_chunk: int, idle_timeout: float) -> None:  # fmt: skip
+        session = getattr(model, "session", None)
+        if not isinstance(session, Session):
+            raise SpecError(
+                f"[serve] model {name!r} is a {type(model).__name__}; serve batches recurrent "
+                "stacks (leanrnn.LSTM/GRU/RNN: a .lrnn saved from one, or a PyTorch, "
+                ".safetensors or .npz state dict); graphs (ONNX) are not served yet"
+            )
+        weights = session.weights
+        spec = weights.spec
+        if spec.direction != "forward":
+            raise SpecError(
+                f"[serve] model {name!r} is {spec.direction}: its reverse direction starts from "
+                "the last step of the whole sequence, so it cannot stream; serve a forward stack"
+            )
+        if spec.batch_first:  # the server lays batches out time-major; the weights do not care
+            weights = copy.copy(weights)
+            weights.spec = dataclasses.replace(spec, batch_first=False)
+        self.name, self.weights, self.spec, self.pool = name, weights, weights.spec, pool
+        self.dtype = weights.dtype
+        self.threads = threads
+        self.lstm = spec.cell == "lstm"
+        L, K, H, C = spec.num_layers, spec.output_size, spec.hidden_size, spec.input_size
+        self.L, self.K, self.H, self.C, self.DK = L, K, H, C, K
+        S = self.max_streams = max_streams
+        self.max_batch, self.idle_timeout = max_batch, idle_timeout
+        self.max_chunk = max_chunk = pow2_floor(max_chunk)
+        # The state slots: one array, h then c.
+        store = np.zeros(L * S * (K + (H if self.lstm else 0)), self.dtype)
+        self.h_store = store[: L * S * K].reshape(L, S, K)
+        self.c_store = store[L * S * K :].reshape(L, S, H) if self.lstm else None
+        self.free = list(range(S - 1, -1, -1))
+        self.seqs: dict = {}
+        self.ready: collections.deque[Sequence] = collections.deque()
+        self.evicted: collections.OrderedDict = collections.OrderedDict()
+        # Call buffers for the largest call; each call uses contiguous leading parts of them.
+        nb, T = bucket(max_batch), max_chunk
+        self._x = np.zeros(T * nb * C, self.dtype)
+        self._y = np.zeros(T * nb * K, self.dtype)
+        self._h = np.zeros(L * nb * K, self.dtype)
+        self._c = np.zeros(L * nb * H, self.dtype) if self.lstm else None
+        self._lens = np.zeros(nb, np.int64)
+        self._idx = np.zeros(nb, np.int64)
+        self._calls: dict[tuple[int, int], tuple] = {}
+        self.step_seconds = 0.0  # running mean of one call's seconds per step
+        self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
+
+    # ------------------------------------------------------------ the model's tensors
+    @property
+    def state_shapes(self) -> dict[str, tuple[int, int]]:
+        out = {"h": (self.L, self.K)}
+        if self.lstm:
+            out["c"] = (self.L, self.H)
+        return out
+
+    def _call(self, nb: int, T: int) -> tuple:
+        """(session, x [T, nb, C], y [T, nb, K], h [L, nb, K], c [L, nb, H] | None, lengths [nb])
+        for a call of nb rows and T steps: views of the call buffers, and a session of its own
+        so its plan stays made."""
+        c = self._calls.get((nb, T))
+        if c is None:
+            L, K, H, C = self.L, self.K, self.H, self.C
+            session = Session(self.weights, threads=self.threads, pool=self.pool)
+            c = self._calls[(nb, T)] = (
+                session,
+                self._x[: T * nb * C].reshape(T, nb, C),
+                self._y[: T * nb * K].reshape(T, nb, K),
+                self._h[: L * nb * K].reshape(L, nb, K),
+                self._c[: L * nb * H].reshape(L, nb, H) if self.lstm else None,
+                self._lens[:nb],
+            )
+        return c
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, steps) a call can have, largest first."""
+        rows = sorted({bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
+        steps = [self.max_chunk >> i for i in range(self.max_chunk.bit_length())]
+        return [(nb, T) for nb in rows for T in steps]
+
+    def warm_up(self) -> None:
+        """Plan every call shape, the largest first (the shared arena then never grows while
+        serving), and run the largest once (the kernels load)."""
+        for nb, T in self.shapes:
+            self._call(nb, T)[0].resize(nb, T)
+        nb = bucket(self.max_batch)
+        session, x, y, h, c, lens = self._call(nb, self.max_chunk)
+        lens[:] = self.max_chunk
+        session.run(x, h, c, lens, out=(y, h, c) if self.lstm else (y, h))
+        h[:] = 0
+        if c is not None:
+            c[:] = 0
+
+    # ------------------------------------------------------------ requests (under the lock)
+    def submit(self, key, start: bool, end: bool, x, h0, c0, want_state: bool, on_done,
+               now: float) -> Request:  # fmt: skip
+        """Queue ``x`` [T, C] for sequence ``key``; raises (and changes nothing) if it cannot."""
+        s = self.seqs.get(key)
+        name = self.name
+        if start:
+            if s is not None:
+                raise SequenceError(
+                    f"[infer] sequence_start for sequence {describe(key)} of model {name!r}, "
+                    f"which is live ({s.steps} steps so far); expected a new sequence_id; end "
+                    "that sequence first (sequence_end) or start another id"
+                )
+            if not self.free:
+                raise Exhausted(
+                    f"[infer] model {name!r} holds {self.max_streams} live streams, the most it "
+                    f"takes (--max-streams); sequence {describe(key)} was not started; retry "
+                    "later, end idle sequences, or raise --max-streams"
+                )
+            self._check_state(h0, c0)
+            slot = self.free.pop()
+            s = self.seqs[key] = Sequence(key, slot, now)
+            self.evicted.pop(key, None)
+            if h0 is None:
+                self.h_store[:, slot] = 0
+            else:
+                self.h_store[:, slot] = h0
+            if self.lstm:
+                self.c_store[:, slot] = 0 if c0 is None else c0
+        else:
+            if s is None:
+                ev = self.evicted.get(key)
+                if ev is not None:
+                    idle, when = ev
+                    raise SequenceError(
+                        f"[infer] sequence {describe(key)} of model {name!r} was evicted "
+                        f"{now - when:.1f} s ago after {idle:.1f} s idle (idle timeout "
+                        f"{self.idle_timeout:g} s); its state is gone: start it again with "
+                        "sequence_start=true"
+                    )
+                raise SequenceError(
+                    f"[infer] sequence {describe(key)} is not live on model {name!r} (never "
+                    "started, or already ended); send sequence_start=true on its first request"
+                )
+            if s.ending:
+                raise SequenceError(
+                    f"[infer] sequence {describe(key)} of model {name!r} already has a "
+                    "sequence_end queued; start a new sequence for more steps"
+                )
+            if h0 is not None or c0 is not None:
+                raise InvalidRequest(
+                    f"[infer] initial states (h0/c0) for sequence {describe(key)}, which is "
+                    "already live; send them only with sequence_start=true"
+                )
+        y = np.empty((x.shape[0], self.DK), self.dtype)
+        r = Request(x, y, end, want_state, on_done)
+        r.seq = s
+        s.queue.append(r)
+        s.last = now
+        if end:
+            s.ending = True
+        if len(s.queue) == 1 and not s.inflight:
+            self.ready.append(s)
+        return r
+
+    def _check_state(self, h0, c0) -> None:
+        if c0 is not None and not self.lstm:
+            raise InvalidRequest(
+                f"[infer] c0 was given but model {self.name!r} is a {self.spec.cell.upper()}, "
+                "which has no cell state; send h0 only"
+            )
+
+    def reap(self, now: float) -> list[tuple]:
+        """Evict sequences idle longer than the timeout; returns [(key, idle seconds)]."""
+        out = []
+        limit = self.idle_timeout
+        for key, s in list(self.seqs.items()):
+            if not s.queue and not s.inflight and now - s.last > limit:
+                idle = now - s.last
+                self._release(s)
+                self.evicted[key] = (idle, now)
+                if len(self.evicted) > EVICTED_MEMORY:
+                    self.evicted.popitem(last=False)
+                out.append((key, idle))
+        return out
+
+    def _release(self, s: Sequence) -> None:
+        del self.seqs[s.key]
+        self.free.append(s.slot)
+
+    # ------------------------------------------------------------ a batched call
+    def take(self) -> list[Sequence]:
+        """Under the lock: the next batch of ready streams, marked in flight."""
+        n = min(len(self.ready), self.max_batch)
+        picked = [self.ready.popleft() for _ in range(n)]
+        for s in picked:
+            s.inflight = True
+        return picked
+
+    def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
+        """Outside the lock: one engine call over ``picked``; returns (T, stream-steps). Only
+        the head requests of in-flight sequences are touched, which no other thread changes."""
+        n = len(picked)
+        heads = [s.queue[0] for s in picked]
+        T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
+        session, x, y, h, c, lens = self._call(bucket(n), T)
+        ks = [min(r.T - r.pos, T) for r in heads]
+        idx = self._idx[:n]
+        idx[:] = [s.slot for s in picked]
+        lens[:n] = ks
+        lens[n:] = 0  # padding rows (bucket): never advanced, never read back
+        for i, r in enumerate(heads):
+            k, p = ks[i], r.pos
+            x[:k, i] = r.x[p : p + k]
+            if k < T:
+                x[k:, i] = 0  # frozen rows still pass through the input projection
+            if r.t_first is None:
+                r.t_first = now
+        hs, cs = self.h_store, self.c_store
+        for layer in range(self.L):
+            np.take(hs[layer], idx, axis=0, out=h[layer, :n], mode="clip")
+            if cs is not None:
+                np.take(cs[layer], idx, axis=0, out=c[layer, :n], mode="clip")
+        session.run(x, h, c, lens, out=(y, h, c) if self.lstm else (y, h))
+        for layer in range(self.L):
+            hs[layer, idx] = h[layer, :n]
+            if cs is not None:
+                cs[layer, idx] = c[layer, :n]
+        for i, r in enumerate(heads):
+            k, p = ks[i], r.pos
+            r.y[p : p + k] = y[:k, i]
+            r.pos = p + k
+        self.calls += 1
+        self.rows += n
+        return T, sum(ks)
+
+    def finish(self, picked: list[Sequence], now: float) -> tuple[list[Request], int]:
+        """Under the lock, after ``run``: complete finished requests, free ended slots, requeue
+        streams with more work. Returns the completed requests."""
+        done = []
+        for s in picked:
+            s.inflight = False
+            s.last = now
+            r = s.queue[0]
+            if r.pos == r.T:
+                s.queue.popleft()
+                s.steps += r.T
+                if r.want_state:
+                    r.h_out = self.h_store[:, s.slot].copy()
+                    if self.lstm:
+                        r.c_out = self.c_store[:, s.slot].copy()
+                done.append(r)
+                if r.end:
+                    self._release(s)
+                    continue
+            if s.queue:
+                self.ready.append(s)
+        return done
+
+    def fail(self, picked: list[Sequence], error: BaseException) -> list[Request]:
+        """Under the lock: an engine call raised; every request of those streams fails and the
+        streams end (their state is unknown)."""
+        done = []
+        for s in picked:
+            s.inflight = False
+            for r in s.queue:
+                r.error = error
+                done.append(r)
+            s.queue.clear()
+            if s.key in self.seqs:
+                self._release(s)
+        return done
+
+
+class Scheduler:
+    """One thread that runs the batched calls of every lane (the models share one pool, whose
+    arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe."""
+
+    def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
+                 metrics=None) -> None:  # fmt: skip
+        self.lanes = lanes
+        self.max_wait = max_wait
+        self.max_call = max_call
+        self.metrics = metrics
+        self.cond = threading.Condition()
+        self._order = list(lanes.values())
+        self._rr = 0
+        self._gap = float("inf")  # running mean of the seconds between arrivals
+        self._last_arrival: float | None = None
+        self._accepting = True
+        self._stop = False
+        self._inflight = 0
+        self._reap_every = min(1.0, max(0.01, min(ln.idle_timeout for ln in self._order) / 4))
+        self._next_reap = time.monotonic() + self._reap_every
+        self._thread = threading.Thread(target=self._loop, name="leanrnn-scheduler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---------------------------------------------------------------- submitting
+    def submit(self, model: str, key, start: bool, end: bool, x, h0=None, c0=None,
+               want_state: bool = False, on_done=None) -> Request:  # fmt: skip
+        lane = self.lanes[model]
+        with self.cond:
+            if not self._accepting:
+                raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
+            now = time.monotonic()
+            r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now)
+            if self._last_arrival is not None:
+                gap = now - self._last_arrival
+                self._gap = gap if self._gap == float("inf") else 0.9 * self._gap + 0.1 * gap
+            self._last_arrival = now
+            if self.metrics is not None:
+                self.metrics.active(lane.name, len(lane.seqs))
+            self.cond.notify()
+        return r
+
+    def live(self, model: str) -> int:
+        with self.cond:
+            return len(self.lanes[model].seqs)
+
+    def pending(self) -> int:
+        with self.cond:
+            return self._pending()
+
+    def _pending(self) -> int:
+        return self._inflight + sum(len(ln.ready) for ln in self._order)
+
+    # ---------------------------------------------------------------- stopping
+    def drain(self, timeout: float) -> bool:
+        """Refuse new work, finish what was accepted (up to ``timeout`` s). True if all done."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            self._accepting = False
+            self.cond.notify_all()
+            while self._pending():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # ---------------------------------------------------------------- the loop
+    def _ready_count(self) -> int:
+        return sum(len(ln.ready) for ln in self._order)
+
+    def _reap(self, now: float) -> None:
+        if now < self._next_reap:
+            return
+        self._next_reap = now + self._reap_every
+        for lane in self._order:
+            gone = lane.reap(now)
+            for key, idle in gone:
+                fields = {"model": lane.name, "sequence": describe(key), "idle_s": round(idle, 3)}
+                _log.info("evict", extra={"fields": fields})
+            if gone and self.metrics is not None:
+                self.metrics.evicted(lane.name, len(gone))
+                self.metrics.active(lane.name, len(lane.seqs))
+
+    def _next_lane(self) -> Lane | None:
+        k = len(self._order)
+        for i in range(k):
+            lane = self._order[(self._rr + i) % k]
+            if lane.ready:
+                self._rr = (self._rr + i + 1) % k
+                return lane
+        return None
+
+    def _loop(self) -> None:
+        cond = self.cond
+        idle = True
+        while True:
+            with cond:
+                while not self._ready_count():
+                    if self._stop:
+                        return
+                    idle = True
+                    cond.wait(self._reap_every)
+                    self._reap(time.monotonic())
+                self._reap(time.monotonic())
+                if idle and self.max_wait > 0:
+                    # The engine was idle: wait for company while the next arrival is expected
+                    # within the budget (never at low load, where the gap is long).
+                    deadline = time.monotonic() + self.max_wait
+                    while True:
+                        left = deadline - time.monotonic()
+                        ready = max(len(ln.ready) for ln in self._order)
+                        full = ready >= min(ln.max_batch for ln in self._order)
+                        if full or left <= 0 or self._gap > left or self._stop:
+                            break
+                        cond.wait(left)
+                lane = self._next_lane()
+                if lane is None:
+                    continue
+                picked = lane.take()
+                self._inflight += len(picked)
+            idle = False
+            t_cap = lane.max_chunk
+            if lane.step_seconds > 0:
+                t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
+            t0 = time.monotonic()
+            try:
+                T, steps = lane.run(picked, t_cap, t0)
+                error = None
+            except Exception as e:  # an engine failure: those requests fail, the server lives
+                _log.exception("engine call failed", extra={"fields": {"model": lane.name}})
+                error = e
+            t1 = time.monotonic()
+            with cond:
+                self._inflight -= len(picked)
+                if error is None:
+                    done = lane.finish(picked, t1)
+                else:
+                    done = lane.fail(picked, error)
+                if not self._pending():
+                    cond.notify_all()  # drain() waits for this
+                live = len(lane.seqs)
+            if error is None:
+                per_step = (t1 - t0) / T
+                lane.step_seconds = (
+                    per_step if lane.step_seconds == 0 else 0.8 * lane.step_seconds + 0.2 * per_step
+                )
+                lane.steps += steps
+                if self.metrics is not None:
+                    self.metrics.call(lane.name, len(picked), T, t1 - t0, steps, done, live)
+            for r in done:
+                if r.on_done is not None:
+                    r.on_done(r)

@@ -1,0 +1,170 @@
+"""The server process: models loaded into one pool, the scheduler thread, the HTTP (uvicorn) and
+gRPC (grpc.aio) front ends on one asyncio loop, JSON-lines logs, and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..engine.session import Pool
+from .core import Core
+from .metrics import Metrics
+from .scheduler import Lane, Scheduler
+
+_log = logging.getLogger("leanrnn.serve")
+
+
+@dataclass
+class ServeConfig:
+    models: dict[str, str] = field(default_factory=dict)  # name -> path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int | None = 8001  # None: no gRPC
+    threads: int | None = None
+    max_batch: int = 64
+    max_chunk: int = 16
+    max_wait: float = 0.002
+    max_call: float = 0.01
+    max_streams: int = 1024
+    idle_timeout: float = 60.0
+    max_request_bytes: int = 64 << 20
+    token: str | None = None
+    grace: float = 30.0
+
+
+class _JSONLines(logging.Formatter):
+    """One JSON object per line: ts, level, event, and the record's ``fields``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        d = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+             "event": record.getMessage()}  # fmt: skip
+        d.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            d["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(d, default=str)
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(_JSONLines())
+    _log.handlers[:] = [h]
+    _log.setLevel(level)
+    _log.propagate = False
+
+
+def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Scheduler, Metrics]:
+    """Load the models (or take ``loaded``: name -> model), make their lanes on one pool and
+    warm them up; the scheduler is not started yet."""
+    from ..loading import load
+
+    pool = Pool()
+    lanes = {}
+    models = loaded or {name: load(path) for name, path in config.models.items()}
+    for name, model in models.items():
+        lane = Lane(name, model, pool, threads=config.threads, max_streams=config.max_streams,
+                    max_batch=config.max_batch, max_chunk=config.max_chunk,
+                    idle_timeout=config.idle_timeout)  # fmt: skip
+        lane.warm_up()
+        lanes[name] = lane
+    metrics = Metrics()
+    scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
+                          metrics=metrics)  # fmt: skip
+    core = Core(scheduler, token=config.token, max_request_bytes=config.max_request_bytes,
+                metrics=metrics)  # fmt: skip
+    return core, scheduler, metrics
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say they are TCP; with
+    # proto 0 every response (headers, then body) waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print) -> None:
+    import uvicorn
+
+    from .http import make_app
+
+    _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
+    t0 = time.monotonic()
+    try:  # the port first: a taken one should fail before the models load
+        sock = _listen(config.host, config.http_port)
+    except OSError as e:
+        raise OSError(
+            f"[serve] cannot listen for HTTP on {config.host}:{config.http_port}: {e.strerror}; "
+            "pick another --http-port"
+        ) from None
+    http_port = sock.getsockname()[1]
+    core, scheduler, metrics = build(config, loaded)
+    loop = asyncio.get_running_loop()
+    grpc_server, grpc_port = None, None
+    if config.grpc_port is not None:
+        from . import rpc
+
+        grpc_server, grpc_port = await rpc.start(core, config.host, config.grpc_port,
+                                                 config.max_request_bytes)  # fmt: skip
+    scheduler.start()
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # ours below: drain first, then stop the transports
+            yield
+
+    ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
+                          lifespan="off", log_level="warning",
+                          timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
+    http_server = _Server(ucfg)
+    stopping = asyncio.Event()
+
+    async def shutdown(signame: str) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
+        core.draining = True
+        finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
+        await asyncio.sleep(0.05)  # let the last responses leave
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+        http_server.should_exit = True
+        _log.info("drained", extra={"fields": {"all_finished": finished}})
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(shutdown(s.name)))
+    serving = asyncio.ensure_future(http_server.serve(sockets=[sock]))
+    while not http_server.started and not serving.done():
+        await asyncio.sleep(0.01)
+    core.ready = True
+    fields = {"http": f"{config.host}:{http_port}",
+              "grpc": f"{config.host}:{grpc_port}" if grpc_port else None,
+              "models": sorted(core.infos), "startup_s": round(time.monotonic() - t0, 2)}  # fmt: skip
+    _log.info("ready", extra={"fields": fields})
+    ready_line(f"leanrnn serve: ready http={config.host}:{http_port}"
+               + (f" grpc={config.host}:{grpc_port}" if grpc_port else ""))  # fmt: skip
+    try:
+        await serving
+    finally:
+        scheduler.stop()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=None)
+
+
+def serve(config: ServeConfig) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the exit status."""
+    asyncio.run(serve_async(config, ready_line=lambda s: print(s, flush=True)))
+    return 0

@@ -1,0 +1,207 @@
+"""leanrnn serve's limits through tritonclient: the bearer token, the cap on live streams (429 /
+RESOURCE_EXHAUSTED), idle eviction with an error naming the sequence, and SIGTERM finishing
+accepted work. One server subprocess for the module (3 streams, 1.5 s idle timeout)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import leanrnn
+from tolerances import ATOL_SCORE
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+th = pytest.importorskip("tritonclient.http")
+tg = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+ATOL = ATOL_SCORE[np.float32]  # as in test_serve.py: batching only regroups rows
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+TOKEN = "s3cret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def launch(args: list[str], timeout: float = 60.0):
+    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
+    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    logs: list[str] = []
+    threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        line = ""
+    if "ready" not in line:
+        proc.kill()
+        proc.wait()
+        time.sleep(0.5)  # the reader thread takes the last lines
+        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
+    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+    return proc, fields["http"], fields["grpc"], logs
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve_limits")
+    model = leanrnn.GRU(3, 4, num_layers=2, seed=3)
+    model.save(str(d / "gru.lrnn"))
+    args = ["--max-streams", "3", "--idle-timeout", "1.5", "--token", TOKEN]
+    proc, http_url, grpc_url, logs = launch([f"gru={d}/gru.lrnn", *args])
+    yield {"model": model, "http": http_url, "grpc": grpc_url, "proc": proc, "logs": logs}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def clients(server):
+    return [
+        (th, th.InferenceServerClient(server["http"])),
+        (tg, tg.InferenceServerClient(server["grpc"])),
+    ]
+
+
+def infer(mod, c, x, headers=AUTH, **kw):
+    i = mod.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    # a copy: tritonclient's HTTP client writes its own headers into the dict it is given
+    return c.infer("gru", [i], headers=dict(headers) if headers else None, **kw)
+
+
+def rand(rng, T):
+    return rng.standard_normal((T, 3)).astype(np.float32)
+
+
+def test_bearer_token(server):
+    x = rand(np.random.default_rng(0), 2)
+    for mod, c in clients(server):
+        assert c.is_server_live() and c.is_server_ready()  # health stays open
+        for headers in (None, {"authorization": "Bearer wrong"}):
+            with pytest.raises(InferenceServerException, match="bearer token") as e:
+                infer(mod, c, x, headers=headers)
+            assert e.value.status() in ("401", "StatusCode.UNAUTHENTICATED")
+        with pytest.raises(InferenceServerException, match="bearer token"):
+            c.get_model_metadata("gru")
+        assert c.get_model_metadata("gru", headers=dict(AUTH))
+        want = server["model"](x)[0]
+        np.testing.assert_allclose(infer(mod, c, x).as_numpy("y"), want, rtol=0, atol=ATOL)
+
+
+def test_stream_cap_429_and_end_frees_the_slot(server):
+    rng = np.random.default_rng(1)
+    xs = {sid: rand(rng, 4) for sid in ("a", "b", "c", "d")}
+    (hm, hc), (gm, gc) = clients(server)
+    ys = {sid: [] for sid in xs}
+    for sid in "abc":
+        ys[sid].append(infer(hm, hc, xs[sid][:2], sequence_id=sid, sequence_start=True)
+                       .as_numpy("y"))  # fmt: skip
+    for mod, c in ((hm, hc), (gm, gc)):
+        with pytest.raises(InferenceServerException, match="holds 3 live streams") as e:
+            infer(mod, c, xs["d"][:2], sequence_id="d", sequence_start=True)
+        assert e.value.status() in ("429", "StatusCode.RESOURCE_EXHAUSTED")
+        with pytest.raises(InferenceServerException, match="holds 3 live streams"):
+            infer(mod, c, xs["d"][:2])  # a stateless request needs a slot too
+    # the live ones are unaffected; ending one frees its slot at once
+    for sid in "abc":
+        ys[sid].append(infer(gm, gc, xs[sid][2:], sequence_id=sid, sequence_end=sid == "a")
+                       .as_numpy("y"))  # fmt: skip
+    ys["d"].append(infer(gm, gc, xs["d"], sequence_id="d", sequence_start=True,
+                         sequence_end=True).as_numpy("y"))  # fmt: skip
+    for sid in "bc":
+        infer(hm, hc, xs[sid][:1], sequence_id=sid, sequence_end=True)
+    for sid in "ad":
+        want = server["model"](xs[sid])[0]
+        np.testing.assert_allclose(np.concatenate(ys[sid]), want, rtol=0, atol=ATOL)
+
+
+def metric(server, name: str) -> float:
+    host, port = server["http"].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/metrics", headers=AUTH)
+    text = conn.getresponse().read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+def test_idle_eviction_names_the_sequence(server):
+    rng = np.random.default_rng(2)
+    x = rand(rng, 6)
+    (hm, hc), (gm, gc) = clients(server)
+    before = metric(server, "leanrnn_serve_evictions_total")
+    y0 = infer(hm, hc, x[:2], sequence_id=77, sequence_start=True).as_numpy("y")
+    infer(hm, hc, x[:1], sequence_id="busy", sequence_start=True)
+    for _ in range(12):  # 3 s: "busy" sends a step every 0.25 s and stays, 77 is idle
+        time.sleep(0.25)
+        infer(gm, gc, x[:1], sequence_id="busy")
+    for mod, c in ((hm, hc), (gm, gc)):
+        with pytest.raises(InferenceServerException, match=r"sequence 77 of model 'gru' was "
+                           r"evicted .* s idle \(idle timeout 1.5 s\).*sequence_start=true"):  # fmt: skip
+            infer(mod, c, x[2:], sequence_id=77)
+    assert metric(server, "leanrnn_serve_evictions_total") >= before + 1
+    events = [json.loads(s) for s in list(server["logs"]) if s.startswith("{")]
+    evicted = [e for e in events if e["event"] == "evict" and e["sequence"] == "77"]
+    assert evicted and evicted[0]["model"] == "gru" and evicted[0]["idle_s"] > 1.5
+    infer(gm, gc, x[:1], sequence_id="busy", sequence_end=True)
+    # started again, it runs from a zero state
+    y = infer(gm, gc, x, sequence_id=77, sequence_start=True, sequence_end=True).as_numpy("y")
+    want = server["model"](x)[0]
+    np.testing.assert_allclose(y, want, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(y0, want[:2], rtol=0, atol=ATOL)
+
+
+def test_taken_ports_are_one_line_errors(server, tmp_path):
+    path = str(tmp_path / "m.lrnn")
+    server["model"].save(path)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for flag, taken, other in (("--http-port", server["http"], "--grpc-port"),
+                               ("--grpc-port", server["grpc"], "--http-port")):  # fmt: skip
+        port = taken.rsplit(":", 1)[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "leanrnn", "serve", path, flag, port, other, "0"],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 1
+        assert f"pick another {flag}" in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_sigterm_finishes_accepted_work_then_exits(server):
+    """Runs last: a long request in flight when SIGTERM comes still gets its full answer; new
+    work is refused; the process exits 0."""
+    x = rand(np.random.default_rng(4), 60000)
+    hm, hc = clients(server)[0]
+    out = {}
+
+    def long_request():
+        out["y"] = infer(hm, hc, x).as_numpy("y")
+
+    t = threading.Thread(target=long_request)
+    t0 = time.monotonic()
+    t.start()
+    while metric(server, 'leanrnn_serve_active_streams{model="gru"}') < 1:  # accepted
+        assert time.monotonic() - t0 < 30 and t.is_alive()
+        time.sleep(0.01)
+    assert t.is_alive()  # and still running when the signal comes
+    server["proc"].send_signal(signal.SIGTERM)
+    t.join(timeout=60)
+    assert server["proc"].wait(timeout=60) == 0
+    np.testing.assert_allclose(out["y"], server["model"](x)[0], rtol=0, atol=ATOL)
+    time.sleep(0.5)  # the log reader takes the last lines
+    lines = [s for s in list(server["logs"]) if s.startswith("{")]  # grpc's own logs are not
+    events = {e["event"]: e for e in map(json.loads, lines)}
+    assert events["shutdown"]["signal"] == "SIGTERM" and events["drained"]["all_finished"]
+    with pytest.raises(Exception):  # noqa: B017 (refused or connection closed: either is fine)
+        infer(hm, th.InferenceServerClient(server["http"]), x[:1])
