@@ -227,7 +227,9 @@ def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
         T, N = xn.shape[:2]
         mk = [m.reshape(T * N, -1) for m in _np(masks)]
     if tape or mk is not None:
-        tp = tr.forward(xn, hx, lengths=lens, own_memory=True, masks=mk)
+        # own memory for a tape that autograd keeps; the trainer's arena for a forward that
+        # only needs the dropout masks (training mode without gradients)
+        tp = tr.forward(xn, hx, lengths=lens, own_memory=bool(tape), masks=mk)
         # y is the tape's own top-layer output (backward reads it): hand torch a copy
         y, h_n, c_n = tp.y.copy(), tp.h_n, tp.c_n
         handle = _handle(eng, tp if tape else None, weights)
@@ -379,7 +381,9 @@ class _RNNBase(torch.nn.Module):
                               ("input_size", input_size, int),
                               ("hidden_size", hidden_size, int)):  # fmt: skip
             if not isinstance(v, kind):
-                raise TypeError(f"{name} should be of type {kind.__name__}, got: {type(v).__name__}")
+                raise TypeError(
+                    f"{name} should be of type {kind.__name__}, got: {type(v).__name__}"
+                )
         if input_size <= 0:
             raise ValueError("input_size must be greater than zero")
         if hidden_size <= 0:
@@ -387,7 +391,9 @@ class _RNNBase(torch.nn.Module):
         if num_layers <= 0:
             raise ValueError("num_layers must be greater than zero")
         if proj_size < 0:
-            raise ValueError("proj_size should be a positive integer or zero to disable projections")
+            raise ValueError(
+                "proj_size should be a positive integer or zero to disable projections"
+            )
         if proj_size >= hidden_size:
             raise ValueError("proj_size has to be smaller than hidden_size")
         dev = torch.device("cpu") if device is None else torch.device(device)
