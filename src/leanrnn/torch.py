@@ -274,12 +274,12 @@ def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec):
             f"[{op}] a parameter was modified in place after this forward (an optimizer step "
             "between forward and backward?); as torch would, refuse: run the forward again"
         )
-    tr = eng.tr
+    tr = tape._trainer  # the engine may have made another since (dtype, dropout buffers)
     if tape._version != tr._version:
         # the packed weights were repacked since (another forward saw other values, e.g.
         # gradcheck's perturbations through .data): pack the current values, replay
-        if eng.sync(weights, bool(tr.dropout)) is not tape._trainer:
-            raise TapeError(f"[{op}] the module changed dtype since this forward; run it again")
+        if eng.tr is not tr or eng.sync(weights, bool(tr.dropout)) is not tr:
+            raise TapeError(f"[{op}] the module was rebuilt (dtype or dropout changed) since this forward; run it again")
         tape = entry[1] = _replay(tr, tape)
     elif tape.used:
         tape = entry[1] = _replay(tr, tape)
