@@ -4,6 +4,7 @@ word-language-model loop, torch.compile, torch.export, autocast, no_grad and DDP
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
@@ -450,7 +451,11 @@ def _ddp_worker(index, world, port, path):
     """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients."""
     rank = world - 1 - index  # spawned children take the high ranks; this process is rank 0
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),  # a rank that died must not hang the suite
     )
     try:
         _, net = _twin_nets(num_layers=2, bidirectional=True)

@@ -280,7 +280,10 @@ def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec):
         # the packed weights were repacked since (another forward saw other values, e.g.
         # gradcheck's perturbations through .data): pack the current values, replay
         if eng.tr is not tr or eng.sync(weights, bool(tr.dropout)) is not tr:
-            raise TapeError(f"[{op}] the module was rebuilt (dtype or dropout changed) since this forward; run it again")
+            raise TapeError(
+                f"[{op}] the module's weights changed and its engine was rebuilt (dtype or "
+                "dropout changed) since this forward; run the forward again"
+            )
         tape = entry[1] = _replay(tr, tape)
     elif tape.used:
         tape = entry[1] = _replay(tr, tape)
