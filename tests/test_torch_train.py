@@ -16,6 +16,7 @@ import pytest
 
 from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_GRAD
 
+pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 lt = pytest.importorskip("leanrnn.torch")
 
@@ -468,6 +469,7 @@ def _ddp_worker(index, world, port, path):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # a second interpreter imports torch and leanrnn: ~10 s of start-up
 def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
     """gloo on 127.0.0.1: this process is rank 0 and one spawned process is rank 1 (a second
     spawned interpreter would only add its start-up, ~10 s of imports on 2 busy cores)."""
