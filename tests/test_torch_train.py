@@ -436,7 +436,7 @@ def test_word_language_model_loop_gives_torchs_losses():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-lr)
-            out.append(float(loss))
+            out.append(loss.item())
         losses.append(out)
     assert losses[0][0] != losses[0][-1]
     np.testing.assert_allclose(losses[1], losses[0], rtol=RTOL_GRAD[np.float64], atol=0)
