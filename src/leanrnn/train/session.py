@@ -367,9 +367,10 @@ class Trainer:
         add("dh", (N, w.Kp), 1, 1)
         add("dc", (N, w.Hp), 1, 1)
         add("dgs", (N, w.Gp), 1, 1)
+        add("hr", (min(R * N, _HR_ROWS), w.Gp), 1, 1)
         add("cb", (N, w.Hp), 1, 1)
         add("dhn", (N, w.Kp), 1, 1)
-        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)
+        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)  # direction 1's dx part
         if spec.proj_size:
             add("hf", (R * N, w.Hp), 1, 1)
             add("dhs", (R * N, spec.proj_size), 1, 1)
@@ -504,7 +505,7 @@ class Trainer:
                 )
             dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
         tape.used = True
-        dx = np.zeros((T * N, C), dt)
+        dx = np.empty((T * N, C), dt)  # every row is written (direction 0 of layer 0)
         limit_blas(config.threads_for(self.threads))
         segs = list(range(0, T, S))
         for s0 in reversed(segs):
@@ -546,7 +547,6 @@ class Trainer:
                 src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
                 xin = src[off : off + TN]
                 dxin = mem[f"dy.{layer - 1}"][:TN]
-                dxin[:] = 0
             for d in range(D):
                 k = layer * D + d
                 self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc,
@@ -577,15 +577,23 @@ class Trainer:
             ok = lens > 0
             hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
         # G = xw + h_prev R^T (+ rb); for GRU the n block keeps xw and ghn gets R_n h + bR_n.
-        HR = hprev @ Rd[:, :K].T
-        HR += pl.rb
-        if spec.cell == "gru":
-            n_cols = (np.arange(w.Gp) // w.B) % 3 == 2
-            ghn = mem[f"ghn.{k}"][:TN]
-            ghn[:] = HR[:, n_cols]
-            G[:, ~n_cols] += HR[:, ~n_cols]
-        else:
-            G += HR
+        # In chunks of rows through a planned scratch (a whole [T*N, Gp] temporary would be
+        # allocated, page-faulted and freed at every op).
+        gru = spec.cell == "gru"
+        ghn = mem[f"ghn.{k}"][:TN] if gru else None
+        hr = mem["hr"]
+        RdT = Rd[:, :K].T
+        for a in range(0, TN, hr.shape[0]):
+            b = min(TN, a + hr.shape[0])
+            c = hr[: b - a]
+            np.matmul(hprev[a:b], RdT, out=c)
+            c += pl.rb
+            if gru:
+                c4 = c.reshape(b - a, -1, 3, w.B)
+                G[a:b].reshape(b - a, -1, 3, w.B)[:, :, :2] += c4[:, :, :2]
+                ghn[a:b].reshape(b - a, -1, w.B)[:] = c4[:, :, 2]
+            else:
+                G[a:b] += c
         dhk = mem["dh"]
         dhk[:, K:] = 0
         dhk[:, :K] = dh[k]
@@ -623,23 +631,23 @@ class Trainer:
         # weight gradients: big GEMMs over the segment's rows, into the packed grad layout
         Cin = xin.shape[1]
         _add_panels(gl.Wt, xin.T @ G, Cin)
-        if spec.cell == "gru":
-            tmp = hprev.T @ G
-            tmp[:, n_cols] = hprev.T @ ghn
-            _add_panels(gl.Rt, tmp, K)
+        dR = hprev.T @ G
+        if gru:  # R_n's gradient comes from d(R_n h + bR_n), which ghn holds
+            dR.reshape(K, -1, 3, w.B)[:, :, 2] = (hprev.T @ ghn).reshape(K, -1, w.B)
+        _add_panels(gl.Rt, dR, K)
+        if spec.bias:
             gsum = G.sum(axis=0)
-            if spec.bias:
-                gl.bW += gsum
-                gsum[n_cols] = ghn.sum(axis=0)
-                gl.bR += gsum
-            dxin += G @ Wd
+            gl.bW += gsum
+            if gru:
+                gsum.reshape(-1, 3, w.B)[:, 2] = ghn.sum(axis=0).reshape(-1, w.B)
+            gl.bR += gsum
+        # dx: direction 0 writes it, direction 1 adds its part (through a planned scratch)
+        if d == 0:
+            np.matmul(G, Wd, out=dxin)
         else:
-            _add_panels(gl.Rt, hprev.T @ G, K)
-            if spec.bias:
-                gsum = G.sum(axis=0)
-                gl.bW += gsum
-                gl.bR += gsum
-            dxin += G @ Wd
+            part = mem["dxd"].reshape(-1)[: TN * Cin].reshape(TN, Cin)
+            np.matmul(G, Wd, out=part)
+            dxin += part
 
     def _segment_h0(self, sv, k, s0, N):
         return sv["ckh"][s0 // sv["S"], k]
@@ -652,6 +660,9 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+_HR_ROWS = 1024  # rows per chunk of the pre-activation GEMM in backward (scratch "hr")
 
 
 def _add_panels(panels: np.ndarray, dense: np.ndarray, X: int) -> None:
