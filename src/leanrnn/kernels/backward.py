@@ -32,11 +32,247 @@ No argument may alias another.
 
 from __future__ import annotations
 
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+from ._cells import _Vec
 from ._jit import inline, kernel
 from ._math import sigmoid_, tanh_
 from ._sync import claim, end_phase, finish
 from .abi import B
 from .gemm import panel1
+
+# ---------------------------------------------------------------- the cells' backward, per block
+# float32 as explicit 16-lane vector IR (_cells._Vec), as the forward's cells: LLVM left these
+# loops scalar (it cannot tell the arrays apart), 5 scalar divides per unit and step. float64
+# as plain loops over libm. Each names B consecutive elements of a row as (array, row, col).
+
+
+def _f32(*arrays) -> bool:
+    return all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2
+               for a in arrays)  # fmt: skip
+
+
+def lstm_c(G, gr, gc, cp, pr, pc, cs, sr, sc):  # pragma: no cover
+    """cs[sr, sc:+B] = sig(f)*cp[pr, pc:+B] + sig(i)*tanh(g), gates from G[gr, gc:+4B]."""
+    raise NotImplementedError("numba-only")
+
+
+@intrinsic
+def _lstm_c_f32(typingctx, G, gr, gc, cp, pr, pc, cs, sr, sc):
+    if not _f32(G, cp, cs):
+        return None
+    i = types.intp
+
+    def gen(context, builder, sig, args):
+        v = _Vec(context, builder, sig, args)
+        ig, fg, gg = v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)), v.tanh(v.load(0, 2))
+        v.store(v.fma(fg, v.load(3), v.mul(ig, gg)), 6)
+        return context.get_dummy_value()
+
+    return types.void(G, i, i, cp, i, i, cs, i, i), gen
+
+
+@overload(lstm_c, inline="always")
+def _lstm_c_ov(G, gr, gc, cp, pr, pc, cs, sr, sc):
+    if _f32(G, cp, cs):
+        return lambda G, gr, gc, cp, pr, pc, cs, sr, sc: _lstm_c_f32(G, gr, gc, cp, pr, pc, cs,
+                                                                      sr, sc)  # fmt: skip
+
+    def loop(G, gr, gc, cp, pr, pc, cs, sr, sc):
+        for j in range(B):
+            i = sigmoid_(G[gr, gc + j])
+            f = sigmoid_(G[gr, gc + B + j])
+            g = tanh_(G[gr, gc + 2 * B + j])
+            cs[sr, sc + j] = f * cp[pr, pc + j] + i * g
+
+    return loop
+
+
+def lstm_cell_back(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc,
+                   keep):  # pragma: no cover  # fmt: skip
+    """One block's LSTM backward: G[gr, gc:+4B] pre-activations -> gate gradients (also into
+    dgs[dr, dcol:+4B], whose o slot holds dh of the block's units on entry); c from cs, the
+    previous c from cp; dc[cr, cc:+B] in/out; keep: hf[hr, hc:+B] = o*tanh(c)."""
+    raise NotImplementedError("numba-only")
+
+
+@intrinsic
+def _lstm_back_f32(typingctx, G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf,
+                   hr, hc, keep):  # fmt: skip
+    if not _f32(G, cs, cp, dgs, dc, hf):
+        return None
+    i = types.intp
+
+    def gen(context, builder, sig, args):
+        v = _Vec(context, builder, sig, args)
+        one = v.const(1.0)
+        ig, fg, gg, og = (v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)),
+                          v.tanh(v.load(0, 2)), v.sigmoid(v.load(0, 3)))  # fmt: skip
+        tc = v.tanh(v.load(3))
+        dhu = v.load(9, 3)
+        dct = v.fma(v.mul(dhu, og), v.b.fsub(one, v.mul(tc, tc)), v.load(12))
+        v.store(v.mul(dct, fg), 12)
+        di = v.mul(v.mul(dct, gg), v.mul(ig, v.b.fsub(one, ig)))
+        df = v.mul(v.mul(dct, v.load(6)), v.mul(fg, v.b.fsub(one, fg)))
+        dg = v.mul(v.mul(dct, ig), v.b.fsub(one, v.mul(gg, gg)))
+        do = v.mul(v.mul(dhu, tc), v.mul(og, v.b.fsub(one, og)))
+        i64 = ir.IntType(64)
+        for k, d in enumerate((di, df, dg, do)):
+            for a in (0, 9):
+                p = v.b.gep(v.ptr(a), [ir.Constant(i64, k)])
+                v.b.store(d, p, align=4)
+        with builder.if_then(builder.icmp_signed("!=", args[18], ir.Constant(args[18].type, 0))):
+            v.store(v.mul(og, tc), 15)
+        return context.get_dummy_value()
+
+    return types.void(G, i, i, cs, i, i, cp, i, i, dgs, i, i, dc, i, i, hf, i, i, keep), gen
+
+
+@overload(lstm_cell_back, inline="always")
+def _lstm_back_ov(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc, keep):
+    if _f32(G, cs, cp, dgs, dc, hf):
+        return lambda G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc, \
+            keep: _lstm_back_f32(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc,
+                                 hf, hr, hc, keep)  # fmt: skip
+
+    def loop(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc, keep):
+        for j in range(B):
+            i = sigmoid_(G[gr, gc + j])
+            f = sigmoid_(G[gr, gc + B + j])
+            gg = tanh_(G[gr, gc + 2 * B + j])
+            o = sigmoid_(G[gr, gc + 3 * B + j])
+            tc = tanh_(cs[sr, sc + j])
+            dhu = dgs[dr, dcol + 3 * B + j]
+            dct = dc[cr, cc + j] + dhu * o * (1 - tc * tc)
+            dc[cr, cc + j] = dct * f
+            di = dct * gg * i * (1 - i)
+            df = dct * cp[pr, pc + j] * f * (1 - f)
+            dg = dct * i * (1 - gg * gg)
+            do = dhu * tc * o * (1 - o)
+            G[gr, gc + j] = di
+            G[gr, gc + B + j] = df
+            G[gr, gc + 2 * B + j] = dg
+            G[gr, gc + 3 * B + j] = do
+            dgs[dr, dcol + j] = di
+            dgs[dr, dcol + B + j] = df
+            dgs[dr, dcol + 2 * B + j] = dg
+            dgs[dr, dcol + 3 * B + j] = do
+            if keep:
+                hf[hr, hc + j] = o * tc
+
+    return loop
+
+
+def gru_cell_back(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):  # pragma: no cover
+    """One block's GRU backward: G[gr, gc:+3B] (z, r pre-activations, W_n x + bW_n) -> their
+    gradients, also into dgs[dr, dcol:+3B] (the n slot with d(pre_n)*r), whose z slot holds
+    h_prev and n slot dh on entry; ghn[hr, hc:+B] R_n h + bR_n -> d(pre_n)*r; dh = dh*z."""
+    raise NotImplementedError("numba-only")
+
+
+@intrinsic
+def _gru_back_f32(typingctx, G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):
+    if not _f32(G, ghn, dgs, dh):
+        return None
+    i = types.intp
+
+    def gen(context, builder, sig, args):
+        v = _Vec(context, builder, sig, args)
+        one = v.const(1.0)
+        dht, h0 = v.load(6, 2), v.load(6, 0)
+        z, r, gh = v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)), v.load(3)
+        nn = v.tanh(v.fma(r, gh, v.load(0, 2)))
+        dnp = v.mul(v.mul(dht, v.b.fsub(one, z)), v.b.fsub(one, v.mul(nn, nn)))
+        dzp = v.mul(v.mul(dht, v.b.fsub(h0, nn)), v.mul(z, v.b.fsub(one, z)))
+        drp = v.mul(v.mul(dnp, gh), v.mul(r, v.b.fsub(one, r)))
+        dnr = v.mul(dnp, r)
+        i64 = ir.IntType(64)
+        for a, vals in ((0, (dzp, drp, dnp)), (6, (dzp, drp, dnr))):
+            for k, d in enumerate(vals):
+                v.b.store(d, v.b.gep(v.ptr(a), [ir.Constant(i64, k)]), align=4)
+        v.store(dnr, 3)
+        v.store(v.mul(dht, z), 9)
+        return context.get_dummy_value()
+
+    return types.void(G, i, i, ghn, i, i, dgs, i, i, dh, i, i), gen
+
+
+@overload(gru_cell_back, inline="always")
+def _gru_back_ov(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):
+    if _f32(G, ghn, dgs, dh):
+        return lambda G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc: _gru_back_f32(
+            G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc)  # fmt: skip
+
+    def loop(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):
+        for j in range(B):
+            dht = dgs[dr, dcol + 2 * B + j]
+            h0 = dgs[dr, dcol + j]
+            z = sigmoid_(G[gr, gc + j])
+            r = sigmoid_(G[gr, gc + B + j])
+            gh = ghn[hr, hc + j]
+            nn = tanh_(G[gr, gc + 2 * B + j] + r * gh)
+            dnp = dht * (1 - z) * (1 - nn * nn)
+            dzp = dht * (h0 - nn) * z * (1 - z)
+            drp = dnp * gh * r * (1 - r)
+            G[gr, gc + j] = dzp
+            G[gr, gc + B + j] = drp
+            G[gr, gc + 2 * B + j] = dnp
+            ghn[hr, hc + j] = dnp * r
+            dgs[dr, dcol + j] = dzp
+            dgs[dr, dcol + B + j] = drp
+            dgs[dr, dcol + 2 * B + j] = dnp * r
+            dh[nr, nc + j] = dht * z
+
+    return loop
+
+
+def rnn_cell_back(G, gr, gc, dgs, dr, dcol, relu):  # pragma: no cover
+    """One block's RNN backward: G[gr, gc:+B] pre-activations -> gradients, also into
+    dgs[dr, dcol:+B], which holds dh on entry; tanh, or relu if ``relu``."""
+    raise NotImplementedError("numba-only")
+
+
+@intrinsic
+def _rnn_back_f32(typingctx, G, gr, gc, dgs, dr, dcol, relu):
+    if not _f32(G, dgs):
+        return None
+    i = types.intp
+
+    def gen(context, builder, sig, args):
+        v = _Vec(context, builder, sig, args)
+        pre, dht = v.load(0), v.load(3)
+        h = v.tanh(pre)
+        dtanh = v.mul(dht, v.b.fsub(v.const(1.0), v.mul(h, h)))
+        drelu = v.b.select(v.b.fcmp_ordered(">", pre, v.const(0.0)), dht, v.const(0.0))
+        is_relu = builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))
+        d = builder.select(is_relu, drelu, dtanh)
+        v.store(d, 0)
+        v.store(d, 3)
+        return context.get_dummy_value()
+
+    return types.void(G, i, i, dgs, i, i, relu), gen
+
+
+@overload(rnn_cell_back, inline="always")
+def _rnn_back_ov(G, gr, gc, dgs, dr, dcol, relu):
+    if _f32(G, dgs):
+        return lambda G, gr, gc, dgs, dr, dcol, relu: _rnn_back_f32(G, gr, gc, dgs, dr, dcol,
+                                                                    relu)  # fmt: skip
+
+    def loop(G, gr, gc, dgs, dr, dcol, relu):
+        for j in range(B):
+            pre = G[gr, gc + j]
+            if relu:
+                d = dgs[dr, dcol + j] if pre > 0 else 0.0
+            else:
+                h = tanh_(pre)
+                d = dgs[dr, dcol + j] * (1 - h * h)
+            G[gr, gc + j] = d
+            dgs[dr, dcol + j] = d
+
+    return loop
 
 
 @inline
@@ -93,7 +329,7 @@ def _lstm_back(
     G, c0, cs, dy, y_off, dh, dc, RT, K, projd, P, hf, dhs, dgs, dhn, lengths, T, reverse,
     consts, me, parts, sync,
 ):  # fmt: skip
-    zero, one = consts[0], consts[1]
+    zero = consts[0]
     N = dh.shape[0]
     Hp = c0.shape[1]
     U = Hp // B
@@ -109,19 +345,14 @@ def _lstm_back(
             r0 = u * 4 * B
             cb = u * B
             for n in range(N):
-                for j in range(B):
-                    dgs[n, r0 + j] = c0[n, cb + j]  # the running c, in this block's scratch
                 for s in range(T):
                     row = _row(s, n, N, lengths, reverse)
                     if row < 0:
                         break
-                    for j in range(B):
-                        i = sigmoid_(G[row, r0 + j])
-                        f = sigmoid_(G[row, r0 + B + j])
-                        gg = tanh_(G[row, r0 + 2 * B + j])
-                        c = f * dgs[n, r0 + j] + i * gg
-                        dgs[n, r0 + j] = c
-                        cs[row, cb + j] = c
+                    if s == 0:
+                        lstm_c(G, row, r0, c0, n, cb, cs, row, cb)
+                    else:
+                        lstm_c(G, row, r0, cs, row + N if reverse else row - N, cb, cs, row, cb)
         finish(sync, parts)
     g = end_phase(sync, parts, g)
     for s in range(T - 1, -1, -1):
@@ -148,7 +379,7 @@ def _lstm_back(
                 continue
             for u in range(lo, hi):
                 r0 = u * 4 * B
-                ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
+                ro = r0 + 3 * B
                 cb = u * B
                 for n in range(N):
                     row = _row(s, n, N, lengths, reverse)
@@ -173,29 +404,8 @@ def _lstm_back(
                     else:
                         prow = n
                         cp = c0
-                    for j in range(B):
-                        i = sigmoid_(G[row, ri + j])
-                        f = sigmoid_(G[row, rf + j])
-                        gg = tanh_(G[row, rg + j])
-                        o = sigmoid_(G[row, ro + j])
-                        tc = tanh_(cs[row, cb + j])
-                        dhu = dgs[n, ro + j]
-                        dct = dc[n, cb + j] + dhu * o * (one - tc * tc)
-                        dc[n, cb + j] = dct * f
-                        di = dct * gg * i * (one - i)
-                        df = dct * cp[prow, cb + j] * f * (one - f)
-                        dg = dct * i * (one - gg * gg)
-                        do = dhu * tc * o * (one - o)
-                        G[row, ri + j] = di
-                        G[row, rf + j] = df
-                        G[row, rg + j] = dg
-                        G[row, ro + j] = do
-                        dgs[n, ri + j] = di
-                        dgs[n, rf + j] = df
-                        dgs[n, rg + j] = dg
-                        dgs[n, ro + j] = do
-                        if P > 0:
-                            hf[row, cb + j] = o * tc
+                    lstm_cell_back(G, row, r0, cs, row, cb, cp, prow, cb, dgs, n, r0, dc, n, cb,
+                                   hf, row if P > 0 else 0, cb, P > 0)  # fmt: skip
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
@@ -206,7 +416,7 @@ def _lstm_back(
 def _gru_back(
     G, ghn, hprev, dy, y_off, dh, RT, K, dgs, dhn, lengths, T, reverse, consts, me, parts, sync,
 ):  # fmt: skip
-    zero, one = consts[0], consts[1]
+    zero = consts[0]
     N = dh.shape[0]
     Hp = ghn.shape[1]
     U = Hp // B
@@ -219,7 +429,7 @@ def _gru_back(
                 continue
             for u in range(lo, hi):
                 r0 = u * 3 * B
-                rz, rr, rn = r0, r0 + B, r0 + 2 * B
+                rz, rn = r0, r0 + 2 * B
                 cb = u * B
                 for n in range(N):
                     row = _row(s, n, N, lengths, reverse)
@@ -236,24 +446,7 @@ def _gru_back(
                     else:
                         for j in range(B):
                             dgs[n, rz + j] = hprev[row, cb + j] if cb + j < K else zero
-                    for j in range(B):
-                        dht = dgs[n, rn + j]
-                        h0 = dgs[n, rz + j]
-                        z = sigmoid_(G[row, rz + j])
-                        r = sigmoid_(G[row, rr + j])
-                        gh = ghn[row, cb + j]
-                        nn = tanh_(G[row, rn + j] + r * gh)
-                        dnp = dht * (one - z) * (one - nn * nn)
-                        dzp = dht * (h0 - nn) * z * (one - z)
-                        drp = dnp * gh * r * (one - r)
-                        G[row, rz + j] = dzp
-                        G[row, rr + j] = drp
-                        G[row, rn + j] = dnp
-                        ghn[row, cb + j] = dnp * r
-                        dgs[n, rz + j] = dzp
-                        dgs[n, rr + j] = drp
-                        dgs[n, rn + j] = dnp * r
-                        dh[n, cb + j] = dht * z  # phase B adds the R part
+                    gru_cell_back(G, row, r0, ghn, row, cb, dgs, n, r0, dh, n, cb)  # dh = dh*z
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, True, me, parts, sync, g,
@@ -264,7 +457,7 @@ def _gru_back(
 def _rnn_back(
     G, dy, y_off, dh, RT, K, dgs, dhn, lengths, T, reverse, relu, consts, me, parts, sync,
 ):  # fmt: skip
-    zero, one = consts[0], consts[1]
+    zero = consts[0]
     N = dh.shape[0]
     Gp = G.shape[1]
     U = Gp // B
@@ -283,17 +476,7 @@ def _rnn_back(
                         _zero(dgs, n, cb, B, zero)
                         continue
                     _dh_in(dgs, n, cb, dh, dy, row, y_off, cb, K, zero)
-                    if relu:
-                        for j in range(B):
-                            d = dgs[n, cb + j] if G[row, cb + j] > zero else zero
-                            G[row, cb + j] = d
-                            dgs[n, cb + j] = d
-                    else:
-                        for j in range(B):
-                            h = tanh_(G[row, cb + j])
-                            d = dgs[n, cb + j] * (one - h * h)
-                            G[row, cb + j] = d
-                            dgs[n, cb + j] = d
+                    rnn_cell_back(G, row, cb, dgs, n, cb, relu)
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
