@@ -556,7 +556,7 @@ class Trainer:
 
     def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc, lens,
                      s0, T, N, off) -> None:  # fmt: skip
-        spec, w, dt = self.spec, self.weights, self.dtype
+        spec, w = self.spec, self.weights
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
         Wd, Rd, proj, RT, projd = self._dense[layer][d]
