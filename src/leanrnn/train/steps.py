@@ -2,8 +2,9 @@
 
 One function per cell runs the backward loop of one (layer, direction) over ``T`` steps, newest
 first, for the whole batch. The GEMMs over all steps (weight gradients, the input gradient)
-are not here: train.session does them once per segment. These loops are the slow path (a few
-NumPy calls per step) and the oracle the numba kernels are tested against.
+are not here: train.session does them once per segment. These loops (a few NumPy calls per
+step) are the oracle the backward kernels (kernels.backward, which train.session runs) are
+tested against in tests/test_train_kernels.py.
 
 Arrays (packed column order, see formats.packing; ``Gp`` gate columns, ``Hp``/``Kp`` padded):
   G:     [T*N, Gp]  in: gate pre-activations of every step, rows t*N + n (time-major);
