@@ -320,9 +320,10 @@ def spawn(job: dict, threads: int, timeout: float = 7200.0) -> dict:
 
 
 def run_speed(cells, hidden, batch, threads, rounds: int, max_time: float, T: int = SPEED_T,
-              min_reps: int = MIN_REPS, engines=ENGINES, log=print) -> dict:  # fmt: skip
+              min_reps: int = MIN_REPS, engines=ENGINES, log=print, save=None) -> dict:  # fmt: skip
     """Every round: one fresh process per thread count (their order alternating between rounds),
-    each running all rows with the engines interleaved. Returns {"rows": [...], "rounds": [...]}."""
+    each running all rows with the engines interleaved. Returns {"rows": [...], "rounds": [...]};
+    ``save(partial)`` is called after every child (a long run interrupted keeps what it did)."""
     per_round = []
     for r in range(rounds):
         order = list(threads) if r % 2 == 0 else list(reversed(threads))
@@ -336,6 +337,8 @@ def run_speed(cells, hidden, batch, threads, rounds: int, max_time: float, T: in
             per_round.append(res)
             if "error" in res:
                 log(f"  error: {res['error']}")
+            if save is not None:
+                save({"rows": merge_speed(per_round), "rounds": per_round})
     return {"rows": merge_speed(per_round), "rounds": per_round}
 
 
@@ -522,10 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    def save(partial: dict) -> None:
+        res["speed"] = partial
+        (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
+
     if a.only != "memory":
-        res["speed"] = run_speed(
-            a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time, T=a.speed_steps
-        )
+        res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
+                                 T=a.speed_steps, save=save)  # fmt: skip
     if a.only != "speed":
         res["memory"] = run_memory(max(a.hidden), max(a.batch), a.steps, max(a.threads),
                                    a.mem_rounds)  # fmt: skip
