@@ -1,7 +1,8 @@
 """The kernels' entry points and their calling convention, declared once, without numba.
 
 The engine calls four *jobs*: ``lstm``, ``gru``, ``rnn`` (an input projection, then the
-recurrence of one layer direction) and ``matmul`` (a projection alone). Every thread of an op
+recurrence of one layer direction) and ``matmul`` (a projection alone); train.session three
+more, ``lstm_back``, ``gru_back``, ``rnn_back`` (a backward step loop, kernels.backward). Every thread of an op
 calls the same job with its index ``me`` (see _sync). A job is one declaration in JOBS: its
 arguments in order, each ``name:kind``, and the kernels it runs. Everything else is derived
 from it, so adding a job means writing its kernel and one declaration:
@@ -46,6 +47,8 @@ class Job:
 
 
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
+_BACK = "RT:F3 K:i"  # a backward job's recurrent weights (transposed panels) and their width
+_BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
 _OUTPUT = "lengths:L1 T:i reverse:b y:F2 y_off:i y_bf_T:i acts:L1 alphas:F1 betas:F1"
 JOBS = {j.name: j for j in (
     Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i h_a:F2 "
@@ -58,6 +61,12 @@ JOBS = {j.name: j for j in (
         "sync:L1 parts:i", ("input_projection K=C", "rnn")),
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
     Job("matmul", "x:F2 W:F3 b:F1 K:i y:F2 sync:L1 parts:i", ("input_projection xw=y",)),
+    # The backward step loops of one (layer, direction) over a segment (kernels.backward).
+    Job("lstm_back", f"G:F2 c0:F2 cs:F2 dy:F2 y_off:i dh:F2 dc:F2 {_BACK} projd:F2 P:i hf:F2 "
+        f"dhs:F2 {_BACK_TAIL}", ("lstm_back",)),
+    Job("gru_back", f"G:F2 ghn:F2 hprev:F2 dy:F2 y_off:i dh:F2 {_BACK} {_BACK_TAIL}",
+        ("gru_back",)),
+    Job("rnn_back", f"G:F2 dy:F2 y_off:i dh:F2 {_BACK} relu:b {_BACK_TAIL}", ("rnn_back",)),
 )}  # fmt: skip
 ARGS = {name: j.args for name, j in JOBS.items()}  # job -> its argument declaration
 DTYPES = {"float32": "f", "float64": "d"}  # working dtype -> its letter in entry names and kinds

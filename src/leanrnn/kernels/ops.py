@@ -25,11 +25,13 @@ from numba import prange  # noqa: F401 - the generated ops use it (defined in th
 
 from . import abi
 from ._jit import CACHE, FASTMATH, kernel
+from .backward import gru_back, lstm_back, rnn_back
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
 
 # The kernels a job may call (abi.Job.calls), by name.
-KERNELS = {"input_projection": input_projection, "lstm": lstm, "gru": gru, "rnn": rnn}
+KERNELS = {"input_projection": input_projection, "lstm": lstm, "gru": gru, "rnn": rnn,
+           "lstm_back": lstm_back, "gru_back": gru_back, "rnn_back": rnn_back}  # fmt: skip
 
 
 def _op(fn):

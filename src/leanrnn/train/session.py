@@ -7,8 +7,9 @@ output are kept (the *reserve*) instead of being released. Backward then works o
 
 1. gate pre-activations of the segment: ``G = xw + h_prev R^T`` — one GEMM over the segment
    (h_prev is the layer's own output shifted by one step, so nothing else was stored);
-2. the step loop (train.steps, one fused pass per step): gate gradients computed in place over
-   G, the cell state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
+2. the step loop (kernels.backward: jobs lstm_back, gru_back, rnn_back on the kernels' thread
+   team; train.steps is their NumPy twin): gate gradients computed in place over G, the cell
+   state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
 3. the weight gradients as big GEMMs over the segment's rows — ``dW += X^T dG``,
    ``dR += H_prev^T dG`` — and the input gradient ``dX = dG W``, written in the packed
    layout of the gradient buffer (``grad``, a PackedWeights of the model's spec).
@@ -42,7 +43,6 @@ from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
 from ..threads import PARALLEL_MIN_MACS, limit_blas
-from . import steps
 from .params import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -172,9 +172,16 @@ class Trainer:
                     pl.b[:] = pl.bW + pl.bR
                 Wd = np.ascontiguousarray(from_panels(pl.Wt)[:, :Cin])
                 Rd = np.ascontiguousarray(from_panels(pl.Rt))
-                proj = (np.ascontiguousarray(from_panels(pl.proj)[: spec.proj_size, : spec.hidden_size])
-                        if spec.proj_size else None)  # fmt: skip
-                row.append((Wd, Rd, proj))
+                # the backward step's dh_prev = dG_t R, on panels of R's columns (gemm.panel1):
+                # RT[v, g, j] = Rd[g, v*B + j]
+                RT = np.ascontiguousarray(Rd.reshape(w.Gp, w.Kp // w.B, w.B).transpose(1, 0, 2))
+                P, H = spec.proj_size, spec.hidden_size
+                projd = np.zeros((P, w.Hp), self.dtype)  # [P, Hp] (P = 0: none)
+                proj = None
+                if P:
+                    proj = np.ascontiguousarray(from_panels(pl.proj)[:P, :H])
+                    projd[:, :H] = proj
+                row.append((Wd, Rd, proj, RT, projd))
             self._dense.append(row)
         self._seen = [p.version for p in self._params]
         self._version += 1
@@ -359,7 +366,11 @@ class Trainer:
         add("cs", (R * N, w.Hp), 1, 1)
         add("dh", (N, w.Kp), 1, 1)
         add("dc", (N, w.Hp), 1, 1)
-        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)
+        add("dgs", (N, w.Gp), 1, 1)
+        add("hr", (min(R * N, _HR_ROWS), w.Gp), 1, 1)
+        add("cb", (N, w.Hp), 1, 1)
+        add("dhn", (N, w.Kp), 1, 1)
+        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)  # direction 1's dx part
         if spec.proj_size:
             add("hf", (R * N, w.Hp), 1, 1)
             add("dhs", (R * N, spec.proj_size), 1, 1)
@@ -494,7 +505,7 @@ class Trainer:
                 )
             dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
         tape.used = True
-        dx = np.zeros((T * N, C), dt)
+        dx = np.empty((T * N, C), dt)  # every row is written (direction 0 of layer 0)
         limit_blas(config.threads_for(self.threads))
         segs = list(range(0, T, S))
         for s0 in reversed(segs):
@@ -536,7 +547,6 @@ class Trainer:
                 src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
                 xin = src[off : off + TN]
                 dxin = mem[f"dy.{layer - 1}"][:TN]
-                dxin[:] = 0
             for d in range(D):
                 k = layer * D + d
                 self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc,
@@ -549,7 +559,7 @@ class Trainer:
         spec, w, dt = self.spec, self.weights, self.dtype
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
-        Wd, Rd, proj = self._dense[layer][d]
+        Wd, Rd, proj, RT, projd = self._dense[layer][d]
         pl, gl = w.layers[layer][d], self.grad.layers[layer][d]
         reverse = spec.reversed_direction(d)
         G = mem[f"xw.{k}"][off : off + TN] if not sv["recompute"] else mem[f"xw.{k}"][:TN]
@@ -557,67 +567,87 @@ class Trainer:
         yk = ylay[:, d * K : (d + 1) * K]
         h_start = self._segment_h0(sv, k, s0, N)
         hprev = mem["hprev"][:TN]
-        hprev[:] = 0
-        rows = steps.step_rows(lens, T, N, reverse)
         if not reverse:
             hprev[N:] = yk[: TN - N]
             hprev[:N] = h_start
         else:
+            # a reverse sample starts at its last valid step t = L-1 (rows past it: zero)
             hprev[: TN - N] = yk[N:]
-            first = rows[0]
-            ok = first >= 0
-            hprev[first[ok]] = h_start[ok]
+            hprev[TN - N :] = 0
+            ok = lens > 0
+            hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
         # G = xw + h_prev R^T (+ rb); for GRU the n block keeps xw and ghn gets R_n h + bR_n.
-        HR = hprev @ Rd[:, :K].T
-        HR += pl.rb
-        if spec.cell == "gru":
-            n_cols = (np.arange(w.Gp) // w.B) % 3 == 2
-            ghn = mem[f"ghn.{k}"][:TN]
-            ghn[:] = HR[:, n_cols]
-            G[:, ~n_cols] += HR[:, ~n_cols]
-        else:
-            G += HR
-        dhk = np.zeros((N, w.Kp), dt)
+        # In chunks of rows through a planned scratch (a whole [T*N, Gp] temporary would be
+        # allocated, page-faulted and freed at every op).
+        gru = spec.cell == "gru"
+        ghn = mem[f"ghn.{k}"][:TN] if gru else None
+        hr = mem["hr"]
+        RdT = Rd[:, :K].T
+        for a in range(0, TN, hr.shape[0]):
+            b = min(TN, a + hr.shape[0])
+            c = hr[: b - a]
+            np.matmul(hprev[a:b], RdT, out=c)
+            c += pl.rb
+            if gru:
+                c4 = c.reshape(b - a, -1, 3, w.B)
+                G[a:b].reshape(b - a, -1, 3, w.B)[:, :, :2] += c4[:, :, :2]
+                ghn[a:b].reshape(b - a, -1, w.B)[:] = c4[:, :, 2]
+            else:
+                G[a:b] += c
+        dhk = mem["dh"]
+        dhk[:, K:] = 0
         dhk[:, :K] = dh[k]
+        parts = self._parts(N)
+        named = dict(G=G, dy=dylay, y_off=d * K, dh=dhk, RT=RT, K=K, dgs=mem["dgs"],
+                     dhn=mem["dhn"], lengths=lens, T=T, reverse=reverse, consts=self._consts,
+                     sync=self._sync, parts=parts)  # fmt: skip
         if spec.cell == "lstm":
-            c_start = np.zeros((N, w.Hp), dt)
+            c_start = mem["cb"]
+            c_start[:, H:] = 0
             c_start[:, :H] = self._segment_c0(sv, k, s0, N)
-            dck = np.zeros((N, w.Hp), dt)
+            dck = mem["dc"]
+            dck[:, H:] = 0
             dck[:, :H] = dc[k]
             P = spec.proj_size
-            steps.lstm_backward(G, hprev, c_start, mem["cs"][:TN], dylay, d * K, dhk, dck, Rd,
-                                K, rows, proj, mem["hf"][:TN] if P else None,
-                                mem["dhs"][:TN] if P else None)  # fmt: skip
+            empty = mem["dgs"][:0]
+            job = "lstm_back"
+            named.update(c0=c_start, cs=mem["cs"][:TN], dc=dck, projd=projd, P=P,
+                         hf=mem["hf"][:TN] if P else empty,
+                         dhs=mem["dhs"][:TN] if P else empty[:, :0])  # fmt: skip
+        elif spec.cell == "gru":
+            job = "gru_back"
+            named.update(ghn=ghn, hprev=hprev)
+        else:
+            job = "rnn_back"
+            named.update(relu=spec.activations[d][0].name == "relu")
+        self._sync[:] = 0
+        runner.run(job, tuple(abi.Call(job, (), **named).args), parts)
+        if spec.cell == "lstm":
             dc[k] = dck[:, :H]
             if P:
                 dproj = mem["dhs"][:TN].T @ mem["hf"][:TN, :H]  # [P, H]
                 _add_proj(gl.proj, dproj)
-        elif spec.cell == "gru":
-            steps.gru_backward(G, ghn, hprev, dylay, d * K, dhk, Rd, K, rows)
-        else:
-            relu = spec.activations[d][0].name == "relu"
-            steps.rnn_backward(G, dylay, d * K, dhk, Rd, K, rows, relu)
         dh[k] = dhk[:, :K]
         # weight gradients: big GEMMs over the segment's rows, into the packed grad layout
         Cin = xin.shape[1]
         _add_panels(gl.Wt, xin.T @ G, Cin)
-        if spec.cell == "gru":
-            tmp = hprev.T @ G
-            tmp[:, n_cols] = hprev.T @ ghn
-            _add_panels(gl.Rt, tmp, K)
+        dR = hprev.T @ G
+        if gru:  # R_n's gradient comes from d(R_n h + bR_n), which ghn holds
+            dR.reshape(K, -1, 3, w.B)[:, :, 2] = (hprev.T @ ghn).reshape(K, -1, w.B)
+        _add_panels(gl.Rt, dR, K)
+        if spec.bias:
             gsum = G.sum(axis=0)
-            if spec.bias:
-                gl.bW += gsum
-                gsum[n_cols] = ghn.sum(axis=0)
-                gl.bR += gsum
-            dxin += G @ Wd
+            gl.bW += gsum
+            if gru:
+                gsum.reshape(-1, 3, w.B)[:, 2] = ghn.sum(axis=0).reshape(-1, w.B)
+            gl.bR += gsum
+        # dx: direction 0 writes it, direction 1 adds its part (through a planned scratch)
+        if d == 0:
+            np.matmul(G, Wd, out=dxin)
         else:
-            _add_panels(gl.Rt, hprev.T @ G, K)
-            if spec.bias:
-                gsum = G.sum(axis=0)
-                gl.bW += gsum
-                gl.bR += gsum
-            dxin += G @ Wd
+            part = mem["dxd"].reshape(-1)[: TN * Cin].reshape(TN, Cin)
+            np.matmul(G, Wd, out=part)
+            dxin += part
 
     def _segment_h0(self, sv, k, s0, N):
         return sv["ckh"][s0 // sv["S"], k]
@@ -630,6 +660,9 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+_HR_ROWS = 1024  # rows per chunk of the pre-activation GEMM in backward (scratch "hr")
 
 
 def _add_panels(panels: np.ndarray, dense: np.ndarray, X: int) -> None:
