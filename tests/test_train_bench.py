@@ -29,7 +29,8 @@ tb = _load()
 
 def _row(cell, H, times, N=2, threads=1):
     samples = {k: [v] * 3 for k, v in times.items()}
-    return dict(cell=cell, H=H, N=N, T=5, threads=threads, samples=samples,
+    cpu = {k: [v / 2] * 3 for k, v in times.items()}
+    return dict(cell=cell, H=H, N=N, T=5, threads=threads, samples=samples, cpu_samples=cpu,
                 grad_rel_error={k: 0.0 for k in times}, grad_reference="torch-nodnnl")  # fmt: skip
 
 
@@ -43,6 +44,7 @@ def test_merge_takes_faster_torch_and_applies_the_bar_per_hidden_size():
     assert small["ratio"] == pytest.approx(1.5) and small["bar"] == 1.3 and small["passed"]
     assert big["ratio"] == pytest.approx(1.05) and big["bar"] == 1.1 and not big["passed"]
     assert big["speedup_needed"] == pytest.approx(1.1 / 1.05)
+    assert small["cpu_ratio"] == pytest.approx(1.5)  # CPU seconds of the same (wall) peer
     assert "miss: leanrnn needs 1.05x" in tb.speed_table([small, big])
 
 
@@ -73,6 +75,7 @@ def test_toy_run_writes_rows_ratios_and_json(tmp_path):
         assert set(r["median_s"]) == set(tb.ENGINES)
         assert all(n >= tb.MIN_REPS for n in r["reps"].values())
         assert r["ratio"] > 0 and r["peer"] in tb.TORCHES and r["bar"] == 1.3
+        assert r["cpu_ratio"] > 0
         assert r["grads_ok"], r["grad_rel_error"]
     mem = res["memory"]
     assert (mem["H"], mem["N"], mem["T"], mem["layers"]) == (16, 2, 5, 2)
