@@ -219,3 +219,30 @@ def test_memory_limit_picks_recomputed_segments_that_fit():
     assert np.array_equal(tr.grad.buffer, same.grad.buffer)
     with pytest.raises(PlanError, match="memory_limit"):
         Trainer(m, memory_limit=1000).forward(x)
+
+
+def test_without_input_grad_the_weight_gradients_are_the_same():
+    m = leanrnn.LSTM(4, 16, num_layers=2, seed=0)
+    x = np.random.default_rng(0).standard_normal((6, 3, 4)).astype(np.float32)
+    a, b = Trainer(m), Trainer(m)
+    dx, dh0, _ = a.backward(a.forward(x), np.ones((6, 3, 16), np.float32))
+    none, dh0b, _ = b.backward(b.forward(x), np.ones((6, 3, 16), np.float32), input_grad=False)
+    assert dx is not None and none is None
+    assert np.array_equal(dh0, dh0b) and np.array_equal(a.grad.buffer, b.grad.buffer)
+
+
+def test_plan_train_command(capsys):
+    from leanrnn import cli
+
+    assert cli.main(["plan", "lstm:32x2", "--train", "--batch", "4", "--steps", "100"]) == 0
+    stored = capsys.readouterr().out
+    assert "store, segments of 100 steps" in stored and "xw.0" in stored and "reserve" in stored
+    assert cli.main(["plan", "lstm:32x2", "--train", "--recompute", "--batch", "4",
+                     "--steps", "100"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "recompute, segments of 10 steps (10)" in out
+
+    def total(text):
+        return int(text.split("total")[1].split("B")[0].replace(",", ""))
+
+    assert total(out) < total(stored) / 3

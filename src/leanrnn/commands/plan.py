@@ -31,6 +31,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--memory-limit", type=positive_int, default=None, help="arena bytes; picks the chunk"
     )
     p.add_argument("--png", default=None, help="draw the arena timeline to this PNG file")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="plan a training step (forward + backward) instead: the reserve backward needs, "
+        "its scratch, the segments and the boundary states; --memory-limit picks the segments",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="with --train: keep only the states at segment boundaries and recompute each "
+        "segment's forward during backward (O(sqrt(T)) memory; --chunk sets the segment)",
+    )
     p.set_defaults(func=run)
 
 
@@ -110,6 +122,12 @@ def run(args) -> int:
     if not pairs:
         print("this model has no recurrent sessions to plan")
         return 1
+    if args.train:
+        return _run_train(args, pairs)
+    if args.recompute:
+        from leanrnn.errors import LeanRNNError
+
+        raise LeanRNNError("[plan] --recompute plans a training step: add --train")
     for name, base in pairs:
         s = Session(base.weights, chunk=args.chunk)
         p = s.resize(args.batch, args.steps, memory_limit=args.memory_limit)
@@ -142,6 +160,37 @@ def run(args) -> int:
             draw(p, args.png, f"{name}: {spec.cell.upper()} H={spec.hidden_size} N={args.batch} "
                  f"T={args.steps}")  # fmt: skip
             print(f"timeline  {args.png}")
+    return 0
+
+
+def _run_train(args, pairs) -> int:
+    from leanrnn.train import Trainer
+
+    for name, base in pairs:
+        tr = Trainer(base.weights, segment=args.chunk, recompute=args.recompute,
+                     memory_limit=args.memory_limit)  # fmt: skip
+        info = tr.plan(args.batch, args.steps)
+        p, spec = info["plan"], tr.spec
+        mode = "recompute" if info["recompute"] else "store"
+        print(f"{name}: training step, {spec.cell.upper()} C={spec.input_size} "
+              f"H={spec.hidden_size} layers={spec.num_layers} "
+              f"directions={spec.num_directions}  N={args.batch} T={args.steps}  "
+              f"{mode}, segments of {info['segment']} steps ({info['segments']})")  # fmt: skip
+        print(f"{'buffer':<12}{'bytes':>14}{'offset':>14}  lifetime")
+        for row in p.table():
+            life = {(0, 0): "forward", (1, 1): "backward"}.get((row["first"], row["last"]),
+                                                              "reserve")  # fmt: skip
+            print(f"{row['name']:<12}{row['bytes']:>14,}{row['offset']:>14,}  {life}")
+        print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients)")
+        print(f"arena       {p.total:>14,} B (without reuse {p.naive_total:,} B)")
+        print(f"boundaries  {info['checkpoint_bytes']:>14,} B (every layer's state at each "
+              "segment start)")  # fmt: skip
+        print(f"total       {info['total_bytes']:>14,} B beyond weights, gradients, inputs and "
+              "outputs")  # fmt: skip
+        if args.png:
+            draw(p, args.png, f"{name}: training {spec.cell.upper()} H={spec.hidden_size} "
+                 f"N={args.batch} T={args.steps}")  # fmt: skip
+            print(f"timeline    {args.png}")
     return 0
 
 

@@ -219,17 +219,24 @@ class Trainer:
             _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
         S = self._segment(T, N)
         recompute = (self.recompute or self.memory_limit is not None) and S < T
-        mem = self._memory(N, T, S, recompute, own_memory)
-        # time-major input: the kernels and the weight GEMMs read rows t*N + n
-        xt = mem["x"]
-        xt[:] = x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
+        # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
+        # is read in place when it is already laid out so (the tape keeps a reference)
+        stage = spec.batch_first or not x.flags.c_contiguous
+        mem = self._memory(N, T, S, recompute, own_memory, stage)
+        if stage:
+            xt = mem["x"]
+            xt[:] = (
+                x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
+            )
+        else:
+            xt = x.reshape(T * N, C)
         masks = self._masks(T, N) if self.training and self.dropout and L > 1 else None
         y = np.empty((T * N, D * K), dt)
         h_n = np.empty((L * D, N, K), dt)
         c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None
         hs = np.zeros((L * D, N, K), dt) if h0 is None else h0.copy()
         cs = (np.zeros((L * D, N, H), dt) if c0 is None else c0.copy()) if c_n is not None else None
-        saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks,
+        saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks, x=xt,
                      h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
@@ -273,11 +280,14 @@ class Trainer:
 
     def plan(self, batch: int, steps: int) -> dict:
         """What a training step of ``batch`` x ``steps`` will use: its segment length, whether it
-        recomputes, the arena (reserve + scratch) and the boundary states, in bytes."""
+        recomputes, the arena (reserve + scratch; ``plan``: the planner's placements, op 0 the
+        forward, op 1 the backward) and the boundary states, in bytes."""
         S = self._segment(steps, batch)
         recompute = (self.recompute or self.memory_limit is not None) and S < steps
-        arena = plan(self._buffers(batch, steps, S, recompute)[0]).total
+        p = plan(self._buffers(batch, steps, S, recompute, self.spec.batch_first)[0])
+        arena = p.total
         return dict(segment=S, segments=-(-steps // S), recompute=recompute, arena_bytes=arena,
+                    plan=p,
                     checkpoint_bytes=self._checkpoint_bytes(batch, steps, S),
                     total_bytes=arena + self._checkpoint_bytes(batch, steps, S))  # fmt: skip
 
@@ -287,7 +297,7 @@ class Trainer:
         return -(-T // S) * spec.num_layers * spec.num_directions * per * self.dtype.itemsize
 
     def _fits(self, N: int, T: int, S: int, recompute: bool, limit: int) -> bool:
-        need = plan(self._buffers(N, T, S, recompute)[0]).total
+        need = plan(self._buffers(N, T, S, recompute, self.spec.batch_first)[0]).total
         return need + self._checkpoint_bytes(N, T, S) <= limit
 
     def _limited_segment(self, T: int, N: int) -> int:
@@ -320,22 +330,25 @@ class Trainer:
                 hi = mid - 1
         return lo
 
-    def _buffers(self, N: int, T: int, S: int, recompute: bool):
+    def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True):
         """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
-        with lifetimes (op 0 = forward, op 1 = backward), and their shapes."""
-        spec, w, it = self.spec, self.weights, self.dtype.itemsize
+        with lifetimes (op 0 = forward, op 1 = backward), and their shapes. ``stage_x``: a
+        time-major copy of x (batch-first or non-contiguous input)."""
+        spec, w = self.spec, self.weights
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         LD = L * D
         R = S if recompute else T  # rows of steps the per-layer buffers hold
         # ops: 0 = forward, 1 = backward (the reserve lives across both)
-        bufs = [Buffer("x", T * N * spec.input_size * it, 0, 1)]
-        shapes = {"x": ((T * N, spec.input_size), self.dtype)}
+        bufs: list[Buffer] = []
+        shapes: dict = {}
 
         def add(name, shape, first, last, dtype=None):
             dtype = np.dtype(dtype or self.dtype)
             bufs.append(Buffer(name, int(np.prod(shape)) * dtype.itemsize, first, last))
             shapes[name] = (shape, dtype)
 
+        if stage_x:
+            add("x", (T * N, spec.input_size), 0, 1)
         for k in range(LD):
             add(f"xw.{k}", (R * N, w.Gp), 0, 1)
             if spec.cell == "gru":
@@ -357,18 +370,15 @@ class Trainer:
         # backward scratch
         add("hprev", (R * N, K), 1, 1)
         add("cs", (R * N, w.Hp), 1, 1)
-        add("dh", (N, w.Kp), 1, 1)
-        add("dc", (N, w.Hp), 1, 1)
-        add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)
         if spec.proj_size:
             add("hf", (R * N, w.Hp), 1, 1)
             add("dhs", (R * N, spec.proj_size), 1, 1)
         return bufs, shapes
 
-    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool) -> dict:
+    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
         scratch of forward and backward, placed by lifetime (memory.planner)."""
-        bufs, shapes = self._buffers(N, T, S, recompute)
+        bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
         spec = self.spec
         p = plan(bufs)
         if own:
@@ -450,11 +460,12 @@ class Trainer:
                 )
 
     # ------------------------------------------------------------------ backward
-    def backward(self, tape: Tape, dy=None, dh_n=None, dc_n=None):
+    def backward(self, tape: Tape, dy=None, dh_n=None, dc_n=None, input_grad: bool = True):
         """Gradients of a loss through the tape's forward, given the loss's gradients ``dy``
         (like tape.y, or None = 0), ``dh_n`` and ``dc_n`` (like h_n/c_n, or None = 0).
         Accumulates the weight gradients into ``grad`` and returns ``(dx, dh0, dc0)`` (dc0 None
-        for GRU/RNN). A tape takes one backward."""
+        for GRU/RNN). ``input_grad=False``: dx is not computed (None; saves a GEMM, as torch
+        does for an input that does not require grad). A tape takes one backward."""
         op = "Trainer.backward"
         if not isinstance(tape, Tape) or tape._trainer is not self:
             raise TapeError(f"[{op}] tape is not a Tape of this trainer")
@@ -474,15 +485,20 @@ class Trainer:
         T, N, S = sv["T"], sv["N"], sv["S"]
         LD = L * D
         yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
-        dyt = np.zeros((T * N, D * K), dt)
-        if dy is not None:
+        if dy is None:
+            dyt = np.zeros((T * N, D * K), dt)
+        else:
             dy = _check.array(op, "dy", dy, dt, yshape, ("N", "T", "D*K") if spec.batch_first
                               else ("T", "N", "D*K"))  # fmt: skip
-            dyt[:] = (
-                dy.transpose(1, 0, 2).reshape(T * N, D * K)
-                if spec.batch_first
-                else dy.reshape(T * N, D * K)
-            )
+            if spec.batch_first or not dy.flags.c_contiguous:
+                dyt = np.empty((T * N, D * K), dt)
+                dyt[:] = (
+                    dy.transpose(1, 0, 2).reshape(T * N, D * K)
+                    if spec.batch_first
+                    else dy.reshape(T * N, D * K)
+                )
+            else:
+                dyt = dy.reshape(T * N, D * K)  # read only
         dh = np.zeros((LD, N, K), dt)
         dc = np.zeros((LD, N, H), dt)
         if dh_n is not None:
@@ -494,7 +510,7 @@ class Trainer:
                 )
             dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
         tape.used = True
-        dx = np.zeros((T * N, C), dt)
+        dx = np.zeros((T * N, C), dt) if input_grad else None
         limit_blas(config.threads_for(self.threads))
         segs = list(range(0, T, S))
         for s0 in reversed(segs):
@@ -504,9 +520,11 @@ class Trainer:
                 hs = sv["ckh"][j].copy()
                 cs = sv["ckc"][j].copy() if sv["ckc"] is not None else None
                 ytop = mem["ytop"][: (s1 - s0) * N]
-                self._forward_segment(mem, mem["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
+                self._forward_segment(mem, sv["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
                                       sv["masks"], 0)  # fmt: skip
             self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1)
+        if dx is None:
+            return None, dh, (dc if spec.cell == "lstm" else None)
         dx = dx.reshape(T, N, C)
         if spec.batch_first:
             dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
@@ -530,8 +548,8 @@ class Trainer:
                 ylay = mem[f"y.{layer}"][off : off + TN]
                 dylay = mem[f"dy.{layer}"][:TN]
             if layer == 0:
-                xin = mem["x"][s0 * N : s1 * N]
-                dxin = dx[s0 * N : s1 * N]
+                xin = sv["x"][s0 * N : s1 * N]
+                dxin = dx[s0 * N : s1 * N] if dx is not None else None
             else:
                 src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
                 xin = src[off : off + TN]
@@ -610,14 +628,16 @@ class Trainer:
                 gl.bW += gsum
                 gsum[n_cols] = ghn.sum(axis=0)
                 gl.bR += gsum
-            dxin += G @ Wd
+            if dxin is not None:
+                dxin += G @ Wd
         else:
             _add_panels(gl.Rt, hprev.T @ G, K)
             if spec.bias:
                 gsum = G.sum(axis=0)
                 gl.bW += gsum
                 gl.bR += gsum
-            dxin += G @ Wd
+            if dxin is not None:
+                dxin += G @ Wd
 
     def _segment_h0(self, sv, k, s0, N):
         return sv["ckh"][s0 // sv["S"], k]
