@@ -184,12 +184,15 @@ class Trainer:
             self._refresh()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x, hx=None, lengths=None, own_memory: bool = False) -> Tape:
+    def forward(self, x, hx=None, lengths=None, own_memory: bool = False, masks=None) -> Tape:
         """The training forward: outputs as ``Model.forward`` computes them, and a Tape.
 
         x: [T, N, C] ([N, T, C] with batch_first); hx: h0 [L*D, N, K] or (h0, c0) for LSTM;
         lengths: [N] (PyTorch's packed-sequence semantics). ``own_memory``: the tape gets its
-        own buffers instead of the trainer's arena (several live tapes at once).
+        own buffers instead of the trainer's arena (several live tapes at once). ``masks``:
+        L-1 dropout masks [T*N, D*K] (time-major rows, already scaled by 1/(1-p)) to use
+        instead of drawing them (leanrnn.torch draws them with torch's generator, as
+        torch.nn.LSTM does); needs a Trainer made with dropout > 0 (which plans their buffers).
         """
         self._check_weights()
         spec, dt, op = self.spec, self.dtype, "Trainer.forward"
@@ -230,7 +233,14 @@ class Trainer:
             )
         else:
             xt = x.reshape(T * N, C)
-        masks = self._masks(T, N) if self.training and self.dropout and L > 1 else None
+        if masks is not None:
+            if not self.dropout or len(masks) != L - 1:
+                raise ShapeError(f"[{op}] got {len(masks)} dropout masks for {L} layers; expected "
+                                 "L-1 of them, and a Trainer made with dropout > 0")  # fmt: skip
+            DK = D * K
+            masks = [_check.array(op, "masks", m, dt, (T * N, DK), ("T*N", "D*K")) for m in masks]
+        elif self.training and self.dropout and L > 1:
+            masks = self._masks(T, N)
         y = np.empty((T * N, D * K), dt)
         h_n = np.empty((L * D, N, K), dt)
         c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None

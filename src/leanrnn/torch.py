@@ -1,0 +1,693 @@
+"""``leanrnn.torch``: torch.nn.LSTM / GRU / RNN drop-ins whose forward and backward run on
+leanrnn's kernels (train.Trainer). Importing this module imports torch; ``import leanrnn``
+does not.
+
+>>> import torch, leanrnn.torch as lt
+>>> lstm = lt.LSTM(8, 16, num_layers=2)          # torch.nn.LSTM's constructor, names, init
+>>> y, (h, c) = lstm(torch.randn(5, 3, 8))        # torch's outputs, PackedSequence too
+>>> y.sum().backward()                            # gradients through leanrnn's BPTT
+
+Design.
+
+- **Parameters** are ordinary torch Parameters with torch's names, shapes, gate order and
+  initialisation (``weight_ih_l0``, ``bias_hh_l1_reverse``, ``weight_hr_l0``), so
+  ``state_dict``, optimizers, DDP and ``clip_grad_norm_`` see exactly what torch's module has.
+  leanrnn's kernels read a packed copy (formats.packing), kept by one Trainer per module and
+  dtype. Before each forward the op compares every parameter with the copy it was packed from:
+  a changed ``param._version`` or storage (any torch.optim step, ``.to()``, ``load_state_dict``)
+  repacks that tensor at once; otherwise its values are compared (one pass over the weights,
+  ~1-2% of a training step), because writes through ``param.data`` -- the PyTorch
+  word-language-model's SGD, gradcheck's perturbations -- bump no version counter. Only the
+  tensors that changed are repacked.
+- **Operators.** ``torch.ops.leanrnn.rnn_forward`` and ``torch.ops.leanrnn.rnn_backward`` are
+  ``torch.library.custom_op``s with fake (meta) implementations, and the forward's autograd
+  formula calls the backward op (``register_autograd``), so torch.compile traces a model
+  containing these modules into one graph (PackedSequence input graph-breaks on its
+  data-dependent indexing) and torch.export keeps the op in the exported program. The ops take
+  time-major input; batch_first, unbatched input and PackedSequence are torch ops around them.
+- **Tapes.** A tape (what backward needs) is numpy memory, not a tensor, so the forward op
+  returns an int64 *handle* tensor into a registry of live tapes, and autograd saves the
+  handle. The handle's storage is a numpy array with a finalizer: when the last tensor sharing
+  it dies -- the graph ran backward without retain_graph, or was dropped without one -- the
+  tape is freed. Each forward has its own tape (``own_memory=True``), so several graphs may be
+  alive at once (gradient accumulation, truncated BPTT). A second backward through a retained
+  graph (``retain_graph=True``, gradcheck) replays the forward from the tape's saved inputs.
+  A tape refuses backward once the weights changed after its forward (like torch's "modified
+  by an inplace operation"). The handle's key is only meaningful in the process that made it.
+- **Modes.** When no gradient is needed (``torch.no_grad``, ``inference_mode``, or nothing
+  requires grad) the op runs the inference engine (engine.Session on the same packed weights),
+  keeping no tape. ``.eval()`` only turns dropout off, as in torch: with gradients enabled a
+  module in eval mode still backpropagates. Inter-layer dropout in training mode draws its
+  masks with torch's generator in the order and shapes torch.nn.LSTM draws them (bernoulli over
+  each non-last layer's output; over the packed rows for PackedSequence input), so a module
+  seeded like torch's drops the same units, and passes them to Trainer.forward(masks=).
+- **Autocast** (``torch.autocast("cpu", torch.bfloat16)``): leanrnn has no bf16 kernels yet, so
+  it computes in the parameters' dtype (float32) and returns what torch's modules return under
+  CPU autocast: float32 outputs for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for RNN (torch
+  builds its RNN cell from autocast matmuls); gradients reach float32 parameters as in torch.
+- CPU only; float32 and float64 parameters.
+"""
+
+import itertools
+import json
+import math
+import numbers
+import warnings
+import weakref
+from functools import lru_cache
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from .errors import DTypeError, ShapeError, SpecError, WeightsError
+from .formats import torch_format
+from .formats.packing import TORCH_ORDER, PackedWeights, reorder_gates, rows_to_panels
+from .spec import Activation, RNNSpec
+from .train.session import TapeError, Trainer
+
+__all__ = ["GRU", "LSTM", "RNN", "from_module"]
+
+
+# ---------------------------------------------------------------------------- spec strings
+def _spec_string(cell: str, C: int, H: int, L: int, bidir: bool, P: int, bias: bool,
+                 nonlinearity: str) -> str:  # fmt: skip
+    return json.dumps([cell, C, H, L, bidir, P, bias, nonlinearity])
+
+
+@lru_cache(maxsize=256)
+def _spec(s: str) -> RNNSpec:
+    """The spec (always time-major: the ops take [T, N, C]) an op's spec string names."""
+    cell, C, H, L, bidir, P, bias, nonlin = json.loads(s)
+    acts = None
+    if cell == "rnn":
+        acts = ((Activation.make(nonlin),),) * (2 if bidir else 1)
+    return RNNSpec(cell, C, H, num_layers=L, direction="bidirectional" if bidir else "forward",
+                   proj_size=P, bias=bias, batch_first=False, activations=acts)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- engines
+class _Engine:
+    """One module's Trainer (per dtype) over packed weights, the inference Model on the same
+    weights, and the numpy copies of the torch parameters they were packed from."""
+
+    def __init__(self, spec: RNNSpec) -> None:
+        self.spec = spec
+        self.tr: Trainer | None = None
+        self.model = None
+        self.copies: list[np.ndarray] = []
+        self.seen: list[tuple] = []
+
+    def sync(self, weights, dropout: bool) -> Trainer:
+        """The trainer, its packed weights equal to ``weights`` (torch order and names)."""
+        dt = np.dtype(_numpy_dtype(weights[0].dtype))
+        if self.tr is None or self.tr.dtype != dt or (dropout and not self.tr.dropout):
+            from .nn import Model
+
+            pw = PackedWeights(self.spec, dt)
+            # dropout > 0 only plans the buffers of the masked layer inputs: the masks
+            # themselves come from torch (Trainer.forward(masks=)), never from the trainer
+            self.tr = Trainer(pw, dropout=0.5 if dropout else 0.0)
+            self.tr.training = False
+            self.model = Model._from_packed(pw)
+            self.copies = [np.empty(tuple(w.shape), dt) for w in weights]
+            self.seen = [None] * len(weights)
+        params = self.tr.parameters()
+        changed = False
+        for i, w in enumerate(weights):
+            a = w.detach().numpy()
+            sig = (w.data_ptr(), w._version)
+            if sig == self.seen[i] and np.array_equal(a, self.copies[i]):
+                continue
+            self.copies[i][...] = a
+            self._write(i, self.copies[i])
+            params[i].version += 1  # the trainer refolds biases and remakes its dense copies
+            self.seen[i] = sig
+            changed = True
+        if changed:
+            self.tr._check_weights()  # the inference path reads the folded biases too
+        return self.tr
+
+    def _write(self, i: int, a: np.ndarray) -> None:
+        """Pack torch parameter ``i`` (torch's order: per layer and direction w_ih, w_hh,
+        [b_ih, b_hh], [w_hr] -- the order of Trainer.parameters()) into the packed weights."""
+        spec, pw = self.spec, self.tr.weights
+        per = 2 + 2 * spec.bias + (1 if spec.proj_size else 0)
+        k, j = divmod(i, per)
+        layer, d = divmod(k, spec.num_directions)
+        pl = pw.layers[layer][d]
+        kind = (["Wt", "Rt"] + (["bW", "bR"] if spec.bias else []) + ["proj"])[j]
+        order, H = TORCH_ORDER[spec.cell], spec.hidden_size
+        if kind in ("Wt", "Rt"):
+            rows_to_panels(reorder_gates(a, order, H), pw.perm, getattr(pl, kind))
+        elif kind in ("bW", "bR"):
+            valid = pw.perm >= 0
+            getattr(pl, kind)[valid] = reorder_gates(a, order, H)[pw.perm[valid]]
+        else:
+            prow = np.arange(pw.Pp)
+            rows_to_panels(a, np.where(prow < spec.proj_size, prow, -1), pl.proj)
+
+
+_ENGINES: dict[int, _Engine] = {}
+_KEYS = itertools.count(1)
+
+
+def _engine(key: int, spec: str) -> _Engine:
+    eng = _ENGINES.get(key)
+    if eng is None or eng.spec != _spec(spec):
+        # a program exported or compiled from a module that is gone: a fresh engine
+        eng = _ENGINES[key] = _Engine(_spec(spec))
+    return eng
+
+
+def _numpy_dtype(dt: torch.dtype):
+    if dt == torch.float32:
+        return np.float32
+    if dt == torch.float64:
+        return np.float64
+    raise DTypeError(f"[leanrnn.torch] tensors of {dt}; expected float32 or float64")
+
+
+# ---------------------------------------------------------------------------- tapes
+_TAPES: dict[int, list] = {}
+_TAPE_IDS = itertools.count(1)
+
+
+def _handle(tr: Trainer | None, tape) -> torch.Tensor:
+    """An int64 [1] tensor naming a live tape; the tape is freed with the handle's storage."""
+    hid = next(_TAPE_IDS) if tape is not None else 0
+    arr = np.array([hid], np.int64)
+    if tape is not None:
+        _TAPES[hid] = [tr, tape]
+        weakref.finalize(arr, _TAPES.pop, hid, None)
+    return torch.from_numpy(arr)
+
+
+def _replay(tr: Trainer, tape):
+    """A fresh tape of the same forward, for a second backward through a retained graph."""
+    sv = tape._saved
+    T, N = sv["T"], sv["N"]
+    x = sv["mem"]["x"].reshape(T, N, -1)
+    hx = (sv["h0"], sv["c0"]) if sv["c0"] is not None else sv["h0"]
+    return tr.forward(x, hx, lengths=sv["lens"], own_memory=True, masks=sv["masks"])
+
+
+# ---------------------------------------------------------------------------- operators
+def _np(t):
+    return None if t is None else t.detach().contiguous().numpy()
+
+
+@torch.library.custom_op(
+    "leanrnn::rnn_forward",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
+    "Tensor? masks, int key, str spec, bool tape) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
+    """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
+    [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None."""
+    eng = _engine(key, spec)
+    s = eng.spec
+    tr = eng.sync(weights, masks is not None)
+    xn = _np(x)
+    hx = None
+    if h0 is not None or c0 is not None:
+        LD, N = s.num_layers * s.num_directions, xn.shape[1]
+        dt = tr.dtype
+        hn = _np(h0) if h0 is not None else np.zeros((LD, N, s.output_size), dt)
+        if s.cell == "lstm":
+            cn = _np(c0) if c0 is not None else np.zeros((LD, N, s.hidden_size), dt)
+            hx = (hn, cn)
+        else:
+            hx = hn
+    lens = None if lengths is None else _np(lengths).astype(np.int64)
+    mk = None
+    if masks is not None:
+        T, N = xn.shape[:2]
+        mk = [m.reshape(T * N, -1) for m in _np(masks)]
+    if tape or mk is not None:
+        tp = tr.forward(xn, hx, lengths=lens, own_memory=True, masks=mk)
+        # y is the tape's own top-layer output (backward reads it): hand torch a copy
+        y, h_n, c_n = tp.y.copy(), tp.h_n, tp.c_n
+        handle = _handle(tr, tp if tape else None)
+    else:
+        y, h_n, c_n = eng.model.session.run(
+            np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
+        )
+        handle = _handle(None, None)
+    c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
+    return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
+
+
+@_rnn_forward.register_fake
+def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape):
+    s = _spec(spec)
+    T, N = x.shape[0], x.shape[1]
+    LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
+    y = x.new_empty((T, N, s.num_directions * K))
+    c_n = x.new_empty((LD, N, H)) if s.cell == "lstm" else x.new_empty((0,))
+    return y, x.new_empty((LD, N, K)), c_n, x.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op(
+    "leanrnn::rnn_backward",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor handle, Tensor dy, Tensor dh_n, Tensor? dc_n, str spec) -> Tensor[]",
+)
+def _rnn_backward(handle, dy, dh_n, dc_n, spec):
+    """[dx, dh0, dc0 (LSTM; else [0]), *weight gradients in torch's names, shapes and order]."""
+    hid = int(handle[0])
+    entry = _TAPES.get(hid)
+    if entry is None:
+        raise TapeError(
+            "[leanrnn.torch backward] the tape of this forward is gone (its graph was freed, or "
+            "it was made in another process); run the forward again"
+        )
+    tr, tape = entry
+    if tape.used:
+        tape = entry[1] = _replay(tr, tape)
+    tr.zero_grad()
+    dx, dh0, dc0 = tr.backward(tape, _np(dy), _np(dh_n), _np(dc_n))
+    s = tr.spec
+    sd = torch_format.to_state_dict(s, tr.gradients())
+    out = [torch.from_numpy(dx), torch.from_numpy(dh0)]
+    out.append(torch.from_numpy(dc0) if dc0 is not None else dy.new_empty(0))
+    out += [torch.from_numpy(np.ascontiguousarray(sd[n])) for n in torch_format.expected_keys(s)]
+    return out
+
+
+@_rnn_backward.register_fake
+def _rnn_backward_fake(handle, dy, dh_n, dc_n, spec):
+    s = _spec(spec)
+    T, N = dy.shape[0], dy.shape[1]
+    LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
+    out = [dy.new_empty((T, N, s.input_size)), dy.new_empty((LD, N, K))]
+    out.append(dy.new_empty((LD, N, H)) if s.cell == "lstm" else dy.new_empty((0,)))
+    out += [dy.new_empty(_param_shape(s, n)) for n in torch_format.expected_keys(s)]
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    x, h0, c0, weights, lengths, masks, key, spec, tape = inputs
+    ctx.save_for_backward(output[3])
+    ctx.spec = spec
+    ctx.lstm = _spec(spec).cell == "lstm"
+    ctx.has = (h0 is not None, c0 is not None)
+
+
+def _backward(ctx, dy, dh_n, dc_n, _dhandle):
+    (handle,) = ctx.saved_tensors
+    grads = torch.ops.leanrnn.rnn_backward(handle, dy, dh_n, dc_n if ctx.lstm else None, ctx.spec)
+    dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
+    return (dx, dh0 if ctx.has[0] else None, dc0 if ctx.has[1] else None, dw,
+            None, None, None, None, None)  # fmt: skip
+
+
+_rnn_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- modules
+def _param_shape(spec: RNNSpec, key: str) -> tuple[int, ...]:
+    layer = int(key.split("_l")[1].split("_")[0])
+    G, H, K = spec.gate_width, spec.hidden_size, spec.output_size
+    if key.startswith("weight_ih"):
+        return (G, spec.layer_input_size(layer))
+    if key.startswith("weight_hh"):
+        return (G, K)
+    if key.startswith("weight_hr"):
+        return (spec.proj_size, H)
+    return (G,)
+
+
+def _packed_rows(batch_sizes, sorted_indices, unsorted_indices):
+    """For PackedSequence data: the time-major row t*N + n of each packed row, and each
+    sample's length in the original batch order."""
+    bs = batch_sizes.to(torch.int64)
+    T, N = bs.shape[0], int(bs[0])
+    j = torch.arange(N)
+    valid = j[None, :] < bs[:, None]  # [T, N] over sorted positions
+    t_idx, j_idx = valid.nonzero(as_tuple=True)  # row-major: the packed order
+    si = sorted_indices if sorted_indices is not None else j
+    rows = t_idx * N + si[j_idx]
+    lens_sorted = valid.sum(0)
+    lengths = lens_sorted[unsorted_indices] if unsorted_indices is not None else lens_sorted
+    return rows, lengths, T, N
+
+
+class _RNNBase(torch.nn.Module):
+    """What LSTM, GRU and RNN share: torch.nn.RNNBase's constructor, parameters and init."""
+
+    _cell = "lstm"
+
+    def __init__(self, mode: str, input_size: int, hidden_size: int, num_layers: int = 1,
+                 bias: bool = True, batch_first: bool = False, dropout: float = 0.0,
+                 bidirectional: bool = False, proj_size: int = 0, device=None,
+                 dtype=None) -> None:  # fmt: skip
+        super().__init__()
+        # torch.nn.RNNBase's checks and messages, so code that relies on them behaves the same
+        if (not isinstance(dropout, numbers.Number) or not 0 <= dropout <= 1
+                or isinstance(dropout, bool)):  # fmt: skip
+            raise ValueError(
+                "dropout should be a number in range [0, 1] representing the probability of "
+                "an element being zeroed"
+            )
+        if dropout > 0 and num_layers == 1:
+            warnings.warn(
+                "dropout option adds dropout after all but last recurrent layer, so non-zero "
+                f"dropout expects num_layers greater than 1, but got dropout={dropout} and "
+                f"num_layers={num_layers}",
+                stacklevel=3,
+            )
+        for name, v, kind in (("bias", bias, bool), ("batch_first", batch_first, bool),
+                              ("input_size", input_size, int),
+                              ("hidden_size", hidden_size, int)):  # fmt: skip
+            if not isinstance(v, kind):
+                raise TypeError(f"{name} should be of type {kind.__name__}, got: {type(v).__name__}")
+        if input_size <= 0:
+            raise ValueError("input_size must be greater than zero")
+        if hidden_size <= 0:
+            raise ValueError("hidden_size must be greater than zero")
+        if num_layers <= 0:
+            raise ValueError("num_layers must be greater than zero")
+        if proj_size < 0:
+            raise ValueError("proj_size should be a positive integer or zero to disable projections")
+        if proj_size >= hidden_size:
+            raise ValueError("proj_size has to be smaller than hidden_size")
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        if dev.type != "cpu":
+            raise SpecError(
+                f"[leanrnn.torch.{type(self).__name__}] device={device}; leanrnn runs on the "
+                "CPU: use torch.nn's module on other devices"
+            )
+        pdt = torch.get_default_dtype() if dtype is None else dtype
+        if pdt not in (torch.float32, torch.float64):
+            raise DTypeError(
+                f"[leanrnn.torch.{type(self).__name__}] dtype={pdt}; expected torch.float32 or "
+                "torch.float64 (bfloat16: keep float32 parameters and use torch.autocast)"
+            )
+        self.mode = mode
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.bias = bias
+        self.batch_first = batch_first
+        self.dropout = float(dropout)
+        self.bidirectional = bidirectional
+        self.proj_size = proj_size
+        D = 2 if bidirectional else 1
+        G = {"LSTM": 4, "GRU": 3}.get(mode, 1) * hidden_size
+        K = proj_size or hidden_size
+        fk = {"device": dev, "dtype": pdt}
+        self._flat_weights_names: list[str] = []
+        self._all_weights: list[list[str]] = []
+        for layer in range(num_layers):
+            for d in range(D):
+                Cin = input_size if layer == 0 else K * D
+                sfx = f"_l{layer}{'_reverse' if d else ''}"
+                shapes = [("weight_ih", (G, Cin)), ("weight_hh", (G, K))]
+                if bias:
+                    shapes += [("bias_ih", (G,)), ("bias_hh", (G,))]
+                if proj_size:
+                    shapes.append(("weight_hr", (proj_size, hidden_size)))
+                names = []
+                for n, shape in shapes:
+                    setattr(self, n + sfx, torch.nn.Parameter(torch.empty(shape, **fk)))
+                    names.append(n + sfx)
+                self._flat_weights_names += names
+                self._all_weights.append(names)
+        self._key = next(_KEYS)
+        self._finalizer = weakref.finalize(self, _ENGINES.pop, self._key, None)
+        self.reset_parameters()
+
+    # -- torch.nn.RNNBase's surface
+    def reset_parameters(self) -> None:
+        """torch's init: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)), in registration order (so
+        a seeded module equals a seeded torch module)."""
+        stdv = 1.0 / math.sqrt(self.hidden_size) if self.hidden_size > 0 else 0
+        for w in self.parameters():
+            torch.nn.init.uniform_(w, -stdv, stdv)
+
+    def flatten_parameters(self) -> None:
+        """A no-op, as on the CPU in torch: changed parameters are repacked by the next forward."""
+
+    @property
+    def all_weights(self) -> list[list[torch.nn.Parameter]]:
+        return [[getattr(self, n) for n in names] for names in self._all_weights]
+
+    def extra_repr(self) -> str:
+        s = "{input_size}, {hidden_size}"
+        if self.proj_size != 0:
+            s += ", proj_size={proj_size}"
+        if self.num_layers != 1:
+            s += ", num_layers={num_layers}"
+        if self.bias is not True:
+            s += ", bias={bias}"
+        if self.batch_first is not False:
+            s += ", batch_first={batch_first}"
+        if self.dropout != 0:
+            s += ", dropout={dropout}"
+        if self.bidirectional is not False:
+            s += ", bidirectional={bidirectional}"
+        return s.format(**self.__dict__)
+
+    def __getstate__(self):
+        # a copy (deepcopy, pickle) gets its own engine: two modules sharing one would repack
+        # each other's weights and invalidate each other's tapes
+        state = self.__dict__.copy()
+        state.pop("_key", None)
+        state.pop("_finalizer", None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._key = next(_KEYS)
+        self._finalizer = weakref.finalize(self, _ENGINES.pop, self._key, None)
+
+    # -- conversions
+    @property
+    def _nonlinearity(self) -> str:
+        return "relu" if self.mode == "RNN_RELU" else "tanh"
+
+    def _spec_string(self) -> str:
+        return _spec_string(self._cell, self.input_size, self.hidden_size, self.num_layers,
+                            self.bidirectional, self.proj_size, self.bias,
+                            self._nonlinearity)  # fmt: skip
+
+    def to_module(self) -> torch.nn.Module:
+        """The torch.nn module with these weights (and options)."""
+        w = getattr(self, self._flat_weights_names[0])
+        kw = dict(num_layers=self.num_layers, bias=self.bias, batch_first=self.batch_first,
+                  dropout=self.dropout, bidirectional=self.bidirectional, dtype=w.dtype)  # fmt: skip
+        if self._cell == "lstm":
+            m = torch.nn.LSTM(self.input_size, self.hidden_size, proj_size=self.proj_size, **kw)
+        elif self._cell == "gru":
+            m = torch.nn.GRU(self.input_size, self.hidden_size, **kw)
+        else:
+            m = torch.nn.RNN(self.input_size, self.hidden_size, nonlinearity=self._nonlinearity,
+                             **kw)  # fmt: skip
+        m.load_state_dict(self.state_dict())
+        m.train(self.training)
+        return m
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module):
+        """This class's twin of a torch.nn.LSTM/GRU/RNN (its options and weights, copied)."""
+        want = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[cls._cell]
+        ours = isinstance(module, _RNNBase) and module._cell == cls._cell
+        if not (ours or isinstance(module, want)):
+            raise WeightsError(
+                f"[leanrnn.torch.{cls.__name__}.from_module] got {type(module).__name__}; "
+                f"expected torch.nn.{cls.__name__}"
+            )
+        w = module.weight_ih_l0
+        kw = dict(num_layers=module.num_layers, bias=module.bias, batch_first=module.batch_first,
+                  dropout=module.dropout, bidirectional=module.bidirectional,
+                  dtype=w.dtype)  # fmt: skip
+        if cls._cell == "lstm":
+            kw["proj_size"] = module.proj_size
+        if cls._cell == "rnn":
+            kw["nonlinearity"] = module.nonlinearity
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the dropout/num_layers warning: torch's said it
+            m = cls(module.input_size, module.hidden_size, **kw)
+        m.load_state_dict(module.state_dict())
+        m.train(module.training)
+        return m
+
+    # -- forward
+    def forward(self, input, hx=None):
+        name = f"leanrnn.torch.{type(self).__name__}"
+        lstm = self._cell == "lstm"
+        weights = [getattr(self, n) for n in self._flat_weights_names]
+        wdt = weights[0].dtype
+        D = 2 if self.bidirectional else 1
+        LD = self.num_layers * D
+        K = self.proj_size or self.hidden_size
+        packed = isinstance(input, PackedSequence)
+        batched = True
+        if packed:
+            data, batch_sizes, sorted_indices, unsorted_indices = input
+            rows, lengths, T, N = _packed_rows(batch_sizes, sorted_indices, unsorted_indices)
+            if data.dim() != 2 or data.shape[1] != self.input_size:
+                raise ShapeError(
+                    f"[{name}] PackedSequence data has shape {tuple(data.shape)}; expected "
+                    f"[sum of lengths, {self.input_size}]"
+                )
+            x = data.new_zeros((T * N, self.input_size)).index_copy(0, rows, data)
+            x = x.view(T, N, self.input_size)
+        else:
+            if input.dim() not in (2, 3):
+                raise ShapeError(
+                    f"[{name}] input has {input.dim()} dims (shape {tuple(input.shape)}); "
+                    "expected 3-D [T, N, C] ([N, T, C] with batch_first) or 2-D unbatched [T, C]"
+                )
+            batched = input.dim() == 3
+            lengths = None
+            x = input if batched else input.unsqueeze(1)
+            if batched and self.batch_first:
+                x = x.transpose(0, 1)
+            T, N = x.shape[0], x.shape[1]
+            if x.shape[2] != self.input_size:
+                raise ShapeError(
+                    f"[{name}] input has shape {tuple(input.shape)}; expected input size "
+                    f"C={self.input_size} in the last dimension"
+                )
+        h0 = c0 = None
+        if hx is not None:
+            if lstm:
+                if not isinstance(hx, tuple | list) or len(hx) != 2:
+                    raise ShapeError(f"[{name}] hx must be a tuple (h_0, c_0) for an LSTM")
+                h0, c0 = hx
+            else:
+                h0 = hx
+            want = 2 if not batched else 3
+            for nm, t, last in (("h_0", h0, K), ("c_0", c0, self.hidden_size)):
+                if t is None:
+                    continue
+                if t.dim() != want:
+                    raise ShapeError(
+                        f"[{name}] {nm} has shape {tuple(t.shape)}; for "
+                        f"{'unbatched 2-D' if not batched else '3-D'} input it must be "
+                        f"{want}-D [L*D={LD}{', N=' + str(N) if batched else ''}, {last}]"
+                    )
+                shape = tuple(t.shape) if batched else (t.shape[0], 1, t.shape[1])
+                if shape != (LD, N, last):
+                    raise ShapeError(
+                        f"[{name}] {nm} has shape {tuple(t.shape)}; expected "
+                        f"[L*D={LD}, N={N}, {last}]" if batched else
+                        f"[{name}] {nm} has shape {tuple(t.shape)}; expected [L*D={LD}, {last}]"
+                    )  # fmt: skip
+            if not batched:
+                h0 = h0.unsqueeze(1)
+                c0 = c0.unsqueeze(1) if c0 is not None else None
+        # dtypes: torch's rule (input and states in the parameters' dtype), except under CPU
+        # autocast, where torch's modules take any float input and compute as documented above
+        autocast = torch.is_autocast_enabled("cpu")
+        if autocast:
+            x = x.to(wdt)
+            h0 = h0.to(wdt) if h0 is not None else None
+            c0 = c0.to(wdt) if c0 is not None else None
+        for nm, t in (("input", x), ("h_0", h0), ("c_0", c0)):
+            if t is not None and t.dtype != wdt:
+                raise DTypeError(
+                    f"[{name}] {nm} has dtype {t.dtype}; expected {wdt} (the parameters' dtype): "
+                    f"convert it with .to({wdt}), or the module with .to({t.dtype})"
+                )
+        need_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, h0, c0, *weights)
+        )
+        masks = None
+        if self.training and self.dropout > 0 and self.num_layers > 1:
+            masks = self._dropout_masks(T, N, D * K, wdt, rows if packed else None)
+        y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(
+            x, h0, c0, weights, lengths, masks, self._key, self._spec_string(), need_grad
+        )
+        if autocast and self._cell == "rnn":
+            # torch's RNN cell is autocast matmuls: its outputs come out in the autocast dtype
+            adt = torch.get_autocast_dtype("cpu")
+            y, h_n = y.to(adt), h_n.to(adt)
+        if packed:
+            out = PackedSequence(y.reshape(T * N, D * K)[rows], batch_sizes, sorted_indices,
+                                 unsorted_indices)  # fmt: skip
+        elif not batched:
+            out = y.squeeze(1)
+            h_n = h_n.squeeze(1)
+            c_n = c_n.squeeze(1) if lstm else c_n
+        else:
+            out = y.transpose(0, 1).contiguous() if self.batch_first else y
+        return (out, (h_n, c_n)) if lstm else (out, h_n)
+
+    def _dropout_masks(self, T, N, DK, dtype, rows):
+        """torch's inter-layer dropout masks, drawn as torch.nn.LSTM draws them: bernoulli(1-p)
+        / (1-p) over each non-last layer's output ([T, N, D*K], or the packed rows)."""
+        p = self.dropout
+        L = self.num_layers
+        masks = torch.zeros((L - 1, T * N, DK), dtype=dtype) if rows is not None else None
+        out = []
+        for layer in range(L - 1):
+            shape = (rows.shape[0], DK) if rows is not None else (T, N, DK)
+            if p == 1:
+                m = torch.zeros(shape, dtype=dtype)
+            else:
+                m = torch.empty(shape, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+            if rows is not None:
+                masks[layer].index_copy_(0, rows, m)
+            else:
+                out.append(m)
+        return masks.view(L - 1, T, N, DK) if rows is not None else torch.stack(out)
+
+
+class LSTM(_RNNBase):
+    """torch.nn.LSTM on leanrnn's kernels: the same constructor, parameters, ``state_dict``
+    and forward (``(y, (h_n, c_n))``), trained through torch.autograd."""
+
+    _cell = "lstm"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__("LSTM", *args, **kwargs)
+
+
+class GRU(_RNNBase):
+    """torch.nn.GRU on leanrnn's kernels (torch's gate order r, z, n in its parameters)."""
+
+    _cell = "gru"
+
+    def __init__(self, *args, **kwargs) -> None:
+        if "proj_size" in kwargs:
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+        super().__init__("GRU", *args, **kwargs)
+
+
+class RNN(_RNNBase):
+    """torch.nn.RNN on leanrnn's kernels (``nonlinearity='tanh'`` or ``'relu'``)."""
+
+    _cell = "rnn"
+
+    def __init__(self, *args, **kwargs) -> None:
+        if "proj_size" in kwargs:
+            raise ValueError("proj_size argument is only supported for LSTM, not RNN or GRU")
+        if len(args) > 3:
+            self_nonlinearity = args[3]
+            args = args[:3] + args[4:]
+        else:
+            self_nonlinearity = kwargs.pop("nonlinearity", "tanh")
+        if self_nonlinearity not in ("tanh", "relu"):
+            raise ValueError(
+                f"Unknown nonlinearity '{self_nonlinearity}'. Select from 'tanh' or 'relu'."
+            )
+        mode = "RNN_TANH" if self_nonlinearity == "tanh" else "RNN_RELU"
+        super().__init__(mode, *args, **kwargs)
+        self.nonlinearity = self_nonlinearity
+
+
+def from_module(module: torch.nn.Module) -> _RNNBase:
+    """leanrnn.torch's twin of a torch.nn.LSTM, GRU or RNN (options and weights copied)."""
+    for twin, cls in ((LSTM, torch.nn.LSTM), (GRU, torch.nn.GRU), (RNN, torch.nn.RNN)):
+        if isinstance(module, cls):
+            return twin.from_module(module)
+    raise WeightsError(
+        f"[leanrnn.torch.from_module] got {type(module).__name__}; expected torch.nn.LSTM, GRU "
+        "or RNN"
+    )
