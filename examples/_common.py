@@ -269,3 +269,26 @@ def init_arrays(path: str | None, make_torch, make_numpy, engine: str, script: s
         subprocess.run([sys.executable, script, *argv, "--dump-init", out], check=True)
         with np.load(out) as z:
             return {k: z[k] for k in z.files}
+
+
+def loop(args, step, evaluate) -> dict:
+    """``--steps`` calls of ``step`` (returns the step's training loss) with a validation at
+    the start, every ``--eval-every`` steps and at the end; timings and the curves."""
+    train_loss, val_steps, val_loss = [], [0], [evaluate()]
+    bar = Progress(args.steps, f"[{args.engine}]", args.quiet)
+    t0 = time.perf_counter()
+    t_steps = 0.0
+    try:
+        for i in range(1, args.steps + 1):
+            t = time.perf_counter()
+            train_loss.append(step())
+            t_steps += time.perf_counter() - t
+            if i % args.eval_every == 0 or i == args.steps:
+                val_steps.append(i)
+                val_loss.append(evaluate())
+            bar.update(i, f"loss {train_loss[-1]:.3f}  val {val_loss[-1]:.3f}")
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    return dict(train_loss=train_loss, val_steps=val_steps, val_loss=val_loss, wall_s=wall,
+                steps=args.steps, steps_per_s=args.steps / max(t_steps, 1e-9))  # fmt: skip
