@@ -38,6 +38,8 @@ def add_common_args(p: argparse.ArgumentParser, steps: int) -> None:
                    "torch's initialisation under --seed, made in a child process for numpy")  # fmt: skip
     p.add_argument("--compare", action="store_true",
                    help="run the three engines, each in its own process, and plot them together")  # fmt: skip
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="with --compare: which engines, comma-separated")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
@@ -58,8 +60,9 @@ def leanrnn_torch_available() -> bool:
 def set_threads(n: int, engine: str) -> None:
     """One thread count for everything that computes: leanrnn's kernels, the BLAS (numpy's
     GEMMs in the numpy-only loop) and torch's intra-op pool."""
-    import leanrnn
     from threadpoolctl import threadpool_limits
+
+    import leanrnn
 
     leanrnn.set_num_threads(n)
     threadpool_limits(n)
@@ -224,9 +227,14 @@ def strip_args(argv: list[str], drop: dict[str, int]) -> list[str]:
 def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
     """Each engine in its own process (peak memory is per process) from the same initial
     weights (written once by ``dump_init(path)``), then one plot and one table."""
-    rest = strip_args(argv, {"--compare": 0, "--engine": 1, "--json": 1, "--plot": 1,
-                             "--init": 1})  # fmt: skip
-    engines = [e for e in ENGINES if e == "numpy" or have("torch")]
+    rest = strip_args(argv, {"--compare": 0, "--engine": 1, "--engines": 1, "--json": 1,
+                             "--plot": 1, "--init": 1})  # fmt: skip
+    wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(wanted) - set(ENGINES))
+    if unknown:
+        raise SystemExit(f"[compare] --engines {args.engines}: unknown {unknown}; expected a "
+                         f"comma-separated subset of {', '.join(ENGINES)}")  # fmt: skip
+    engines = [e for e in ENGINES if e in wanted and (e == "numpy" or have("torch"))]
     if "leanrnn-torch" in engines and not leanrnn_torch_available():
         print("[compare] leanrnn.torch is not available here; skipping that engine",
               file=sys.stderr)  # fmt: skip
@@ -249,8 +257,9 @@ def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
     return records
 
 
-def init_arrays(path: str | None, make_torch, make_numpy, engine: str, script: str,
-                argv: list[str]) -> dict:
+def init_arrays(
+    path: str | None, make_torch, make_numpy, engine: str, script: str, argv: list[str]
+) -> dict:
     """The initial weights as torch-named numpy arrays: from ``path`` if given; else torch's
     initialisation under the seed (``make_torch()``), made in this process for the torch
     engines and in a child process for numpy-only (so that process never imports torch);

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
 # Modules present in every CPython from 3.11 on; read in this order (reproducible data order).
 STDLIB_FILES = (
@@ -72,9 +72,10 @@ def load_data(args) -> dict:
     """Token ids of the train and validation text cut into ``batch`` columns ([L, N], as
     PyTorch's word-language-model ``batchify``), and the vocabulary (sorted characters)."""
     text = read_corpus(args.text)
-    vocab = sorted(set(text))
-    lut = {ch: i for i, ch in enumerate(vocab)}
-    ids = np.fromiter((lut[ch] for ch in text), np.int64, len(text))
+    codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # one code point per char
+    points, ids = np.unique(codes, return_inverse=True)  # vocab: the sorted characters
+    vocab = [chr(c) for c in points]
+    ids = ids.astype(np.int64)
     cut = int(len(ids) * 0.9)
     train, val = ids[:cut], ids[cut:]
     N = args.batch
@@ -215,7 +216,7 @@ def train_numpy(args, data: dict, init: dict) -> dict:
     import leanrnn
     from leanrnn.train import Trainer, optim
 
-    V, H, L = len(data["vocab"]), args.hidden, args.layers
+    H, L = args.hidden, args.layers
     rnn = leanrnn.from_state_dict({k[4:]: v for k, v in init.items() if k.startswith("rnn.")},
                                   cell="lstm")  # fmt: skip
     tr = Trainer(rnn, threads=args.threads)

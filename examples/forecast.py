@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import _common as common
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
