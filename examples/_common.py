@@ -251,6 +251,8 @@ def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
             subprocess.run(cmd, check=True)
             records.append(json.loads(Path(out).read_text()))
     print(table(records))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records))
     if args.plot:
         plot(records, args.plot, records[0]["title"])
         print(f"[compare] wrote {args.plot}")

@@ -27,7 +27,7 @@ import _common as common
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    common.add_common_args(p, steps=600)
+    common.add_common_args(p, steps=300)
     p.add_argument("--series", choices=("sunspots", "co2"), default="sunspots")
     p.add_argument("--cell", choices=("gru", "lstm"), default="gru")
     p.add_argument("--hidden", type=int, default=64)
