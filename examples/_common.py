@@ -57,6 +57,15 @@ def leanrnn_torch_available() -> bool:
         return False
 
 
+def import_leanrnn_torch():
+    try:
+        import leanrnn.torch as lt
+    except ImportError as e:
+        raise SystemExit(f"[examples] --engine leanrnn-torch needs leanrnn.torch ({e}); "
+                         "pip install 'leanrnn[torch]', or pick --engine numpy") from None  # fmt: skip
+    return lt
+
+
 def set_threads(n: int, engine: str) -> None:
     """One thread count for everything that computes: leanrnn's kernels, the BLAS (numpy's
     GEMMs in the numpy-only loop) and torch's intra-op pool."""

@@ -59,7 +59,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def read_corpus(text_file: str | None) -> str:
     if text_file:
-        return Path(text_file).read_text(encoding="utf-8", errors="replace")
+        try:
+            return Path(text_file).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise SystemExit(f"[char_lm] --text {text_file}: {e.strerror}; expected a readable "
+                             "text file") from None  # fmt: skip
     root = Path(sysconfig.get_paths()["stdlib"])
     parts = [(root / f).read_text(encoding="utf-8") for f in STDLIB_FILES if (root / f).exists()]
     if not parts:
@@ -136,7 +140,7 @@ def train_torch(args, data: dict, init: dict, swap: bool) -> dict:
 
     V = len(data["vocab"])
     if swap:
-        import leanrnn.torch as lt
+        lt = common.import_leanrnn_torch()
 
         lstm_cls = lt.LSTM
     else:

@@ -128,7 +128,7 @@ def train_torch(args, data: dict, init: dict, swap: bool) -> dict:
     import torch
 
     if swap:
-        import leanrnn.torch as lt
+        lt = common.import_leanrnn_torch()
 
         cls = {"gru": lt.GRU, "lstm": lt.LSTM}[args.cell]
     else:
