@@ -66,19 +66,29 @@ def import_leanrnn_torch():
     return lt
 
 
-def set_threads(n: int, engine: str) -> None:
-    """One thread count for everything that computes: leanrnn's kernels, the BLAS (numpy's
-    GEMMs in the numpy-only loop) and torch's intra-op pool."""
-    from threadpoolctl import threadpool_limits
-
+def set_threads(n: int, engine: str):
+    """One thread count for everything that computes: leanrnn's kernels and the BLAS (numpy's
+    GEMMs in the numpy-only loop; leanrnn.set_num_threads limits both) and torch's intra-op
+    pool. Returns a function that puts the previous counts back (main() run in-process)."""
     import leanrnn
 
+    before = leanrnn.get_num_threads()
     leanrnn.set_num_threads(n)
-    threadpool_limits(n)
+    torch_before = None
     if engine != "numpy":
         import torch
 
+        torch_before = torch.get_num_threads()
         torch.set_num_threads(n)
+
+    def restore() -> None:
+        leanrnn.set_num_threads(before)
+        if torch_before is not None:
+            import torch
+
+            torch.set_num_threads(torch_before)
+
+    return restore
 
 
 def peak_mib() -> float | None:

@@ -229,7 +229,14 @@ def main(argv: list[str] | None = None):
     if args.compare:
         return common.compare(__file__, argv, args,
                               lambda path: np.savez(path, **torch_init(args)))  # fmt: skip
-    common.set_threads(args.threads, args.engine)
+    restore_threads = common.set_threads(args.threads, args.engine)
+    try:
+        return _run(args, argv, data)
+    finally:
+        restore_threads()
+
+
+def _run(args, argv: list[str], data: dict) -> dict:
     init = common.init_arrays(args.init, lambda: torch_init(args), lambda: numpy_init(args),
                               args.engine, __file__, argv)  # fmt: skip
     if args.engine == "numpy":
