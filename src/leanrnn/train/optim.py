@@ -33,7 +33,12 @@ Each operation runs in the parameter's own dtype with the scalars cast to it, in
 (so float64 matches torch to ~1e-15 and float32 to a few ulps; torch's vectorised kernels fuse
 some multiply-adds, numpy cannot). Every buffer (momentum, m, v, vmax and two scratch arrays
 shared by all parameters of one dtype) is allocated on the first step; later steps run numpy
-ufuncs with ``out=`` only and allocate nothing but Python scalars.
+ufuncs with ``out=`` only and allocate nothing but Python scalars. Memory beyond the weights
+and gradients: SGD one momentum buffer per parameter, Adam two (three with amsgrad), plus the
+scratch, two arrays the size of the largest parameter. numpy rather than numba: leanrnn's numba
+kernels are compiled ahead of time in kernels/ and the running process never loads numba; a
+fused elementwise kernel there would make one pass instead of ~12 and need no scratch (torch's
+fused CPU Adam is ~10x faster than this one and than its own single-tensor path).
 
 Example::
 
@@ -289,9 +294,10 @@ def clip_grad_norm(
             "to scale by the non-finite norm anyway (as torch does)"
         )
     coef = np.minimum(max_norm / (total + dtype.type(1e-6)), dtype.type(1.0))
-    for g in grads:
-        # torch multiplies a float32 gradient by the coefficient cast to float32.
-        np.multiply(g, g.dtype.type(coef), out=g)
+    with np.errstate(invalid="ignore"):  # inf * 0 = NaN, silently as in torch
+        for g in grads:
+            # torch multiplies a float32 gradient by the coefficient cast to float32.
+            np.multiply(g, g.dtype.type(coef), out=g)
     return float(total)
 
 
@@ -571,7 +577,7 @@ class SGD(_Optimizer):
     params: Parameters (or one); lr, momentum, dampening, weight_decay, nesterov and maximize
     are attributes that may be changed between steps.
 
-    >>> opt = SGD([w], lr=0.1, momentum=0.9, nesterov=True)
+    Example: ``SGD([w], lr=0.1, momentum=0.9, nesterov=True)``.
     """
 
     lr = _Hyper()
@@ -666,7 +672,7 @@ class Adam(_Optimizer):
     params: Parameters (or one); lr, betas, eps, weight_decay, amsgrad and maximize are
     attributes that may be changed between steps.
 
-    >>> opt = Adam([w], lr=1e-3)
+    Example: ``Adam([w], lr=1e-3, amsgrad=True)``.
     """
 
     lr = _Hyper()
@@ -807,7 +813,7 @@ class AdamW(Adam):
     weights shrink by (1 - lr*weight_decay) before the Adam update instead of weight_decay*theta
     joining the gradient; default weight_decay=1e-2.
 
-    >>> opt = AdamW([w], lr=1e-3, weight_decay=1e-2)
+    Example: ``AdamW([w], lr=1e-3, weight_decay=1e-2)``.
     """
 
     def __init__(
