@@ -15,10 +15,11 @@ Design.
   leanrnn's kernels read a packed copy (formats.packing), kept by one Trainer per module and
   dtype. Before each forward the op compares every parameter with the copy it was packed from:
   a changed ``param._version`` or storage (any torch.optim step, ``.to()``, ``load_state_dict``)
-  repacks that tensor at once; otherwise its values are compared (one pass over the weights,
-  ~1-2% of a training step), because writes through ``param.data`` -- the PyTorch
-  word-language-model's SGD, gradcheck's perturbations -- bump no version counter. Only the
-  tensors that changed are repacked.
+  repacks that tensor at once; otherwise its values are compared with that copy (one read of
+  the weights per forward: 12 ms for a 2-layer H=512 LSTM on a busy 2-core VM, against
+  hundreds of ms for its training step at T=100, N=32), because writes through ``param.data``
+  -- the PyTorch word-language-model's SGD, gradcheck's perturbations -- bump no version
+  counter. Only the tensors that changed are repacked.
 - **Operators.** ``torch.ops.leanrnn.rnn_forward`` and ``torch.ops.leanrnn.rnn_backward`` are
   ``torch.library.custom_op``s with fake (meta) implementations, and the forward's autograd
   formula calls the backward op (``register_autograd``), so torch.compile traces a model
@@ -173,12 +174,12 @@ _TAPES: dict[int, list] = {}
 _TAPE_IDS = itertools.count(1)
 
 
-def _handle(tr: Trainer | None, tape) -> torch.Tensor:
+def _handle(eng: _Engine | None, tape, weights) -> torch.Tensor:
     """An int64 [1] tensor naming a live tape; the tape is freed with the handle's storage."""
     hid = next(_TAPE_IDS) if tape is not None else 0
     arr = np.array([hid], np.int64)
     if tape is not None:
-        _TAPES[hid] = [tr, tape]
+        _TAPES[hid] = [eng, tape, [w._version for w in weights]]
         weakref.finalize(arr, _TAPES.pop, hid, None)
     return torch.from_numpy(arr)
 
@@ -227,15 +228,17 @@ def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
         T, N = xn.shape[:2]
         mk = [m.reshape(T * N, -1) for m in _np(masks)]
     if tape or mk is not None:
-        tp = tr.forward(xn, hx, lengths=lens, own_memory=True, masks=mk)
+        # own memory for a tape that autograd keeps; the trainer's arena for a forward that
+        # only needs the dropout masks (training mode without gradients)
+        tp = tr.forward(xn, hx, lengths=lens, own_memory=bool(tape), masks=mk)
         # y is the tape's own top-layer output (backward reads it): hand torch a copy
         y, h_n, c_n = tp.y.copy(), tp.h_n, tp.c_n
-        handle = _handle(tr, tp if tape else None)
+        handle = _handle(eng, tp if tape else None, weights)
     else:
         y, h_n, c_n = eng.model.session.run(
             np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
         )
-        handle = _handle(None, None)
+        handle = _handle(None, None, weights)
     c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
     return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
 
@@ -254,19 +257,35 @@ def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape):
     "leanrnn::rnn_backward",
     mutates_args=(),
     device_types="cpu",
-    schema="(Tensor handle, Tensor dy, Tensor dh_n, Tensor? dc_n, str spec) -> Tensor[]",
+    schema="(Tensor handle, Tensor dy, Tensor dh_n, Tensor? dc_n, Tensor[] weights, str spec) "
+    "-> Tensor[]",
 )
-def _rnn_backward(handle, dy, dh_n, dc_n, spec):
+def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec):
     """[dx, dh0, dc0 (LSTM; else [0]), *weight gradients in torch's names, shapes and order]."""
-    hid = int(handle[0])
-    entry = _TAPES.get(hid)
+    op = "leanrnn.torch backward"
+    entry = _TAPES.get(int(handle[0]))
     if entry is None:
         raise TapeError(
-            "[leanrnn.torch backward] the tape of this forward is gone (its graph was freed, or "
-            "it was made in another process); run the forward again"
+            f"[{op}] the tape of this forward is gone (its graph was freed, or it was made in "
+            "another process); run the forward again"
         )
-    tr, tape = entry
-    if tape.used:
+    eng, tape, versions = entry
+    if [w._version for w in weights] != versions:
+        raise TapeError(
+            f"[{op}] a parameter was modified in place after this forward (an optimizer step "
+            "between forward and backward?); as torch would, refuse: run the forward again"
+        )
+    tr = tape._trainer  # the engine may have made another since (dtype, dropout buffers)
+    if tape._version != tr._version:
+        # the packed weights were repacked since (another forward saw other values, e.g.
+        # gradcheck's perturbations through .data): pack the current values, replay
+        if eng.tr is not tr or eng.sync(weights, bool(tr.dropout)) is not tr:
+            raise TapeError(
+                f"[{op}] the module's weights changed and its engine was rebuilt (dtype or "
+                "dropout changed) since this forward; run the forward again"
+            )
+        tape = entry[1] = _replay(tr, tape)
+    elif tape.used:
         tape = entry[1] = _replay(tr, tape)
     tr.zero_grad()
     dx, dh0, dc0 = tr.backward(tape, _np(dy), _np(dh_n), _np(dc_n))
@@ -279,27 +298,29 @@ def _rnn_backward(handle, dy, dh_n, dc_n, spec):
 
 
 @_rnn_backward.register_fake
-def _rnn_backward_fake(handle, dy, dh_n, dc_n, spec):
+def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec):
     s = _spec(spec)
     T, N = dy.shape[0], dy.shape[1]
     LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
     out = [dy.new_empty((T, N, s.input_size)), dy.new_empty((LD, N, K))]
     out.append(dy.new_empty((LD, N, H)) if s.cell == "lstm" else dy.new_empty((0,)))
-    out += [dy.new_empty(_param_shape(s, n)) for n in torch_format.expected_keys(s)]
+    out += [w.new_empty(w.shape) for w in weights]
     return out
 
 
 def _setup_context(ctx, inputs, output):
     x, h0, c0, weights, lengths, masks, key, spec, tape = inputs
-    ctx.save_for_backward(output[3])
+    ctx.save_for_backward(output[3], *weights)
     ctx.spec = spec
     ctx.lstm = _spec(spec).cell == "lstm"
     ctx.has = (h0 is not None, c0 is not None)
 
 
 def _backward(ctx, dy, dh_n, dc_n, _dhandle):
-    (handle,) = ctx.saved_tensors
-    grads = torch.ops.leanrnn.rnn_backward(handle, dy, dh_n, dc_n if ctx.lstm else None, ctx.spec)
+    handle, *weights = ctx.saved_tensors
+    grads = torch.ops.leanrnn.rnn_backward(
+        handle, dy, dh_n, dc_n if ctx.lstm else None, weights, ctx.spec
+    )
     dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
     return (dx, dh0 if ctx.has[0] else None, dc0 if ctx.has[1] else None, dw,
             None, None, None, None, None)  # fmt: skip
@@ -364,7 +385,9 @@ class _RNNBase(torch.nn.Module):
                               ("input_size", input_size, int),
                               ("hidden_size", hidden_size, int)):  # fmt: skip
             if not isinstance(v, kind):
-                raise TypeError(f"{name} should be of type {kind.__name__}, got: {type(v).__name__}")
+                raise TypeError(
+                    f"{name} should be of type {kind.__name__}, got: {type(v).__name__}"
+                )
         if input_size <= 0:
             raise ValueError("input_size must be greater than zero")
         if hidden_size <= 0:
@@ -372,7 +395,9 @@ class _RNNBase(torch.nn.Module):
         if num_layers <= 0:
             raise ValueError("num_layers must be greater than zero")
         if proj_size < 0:
-            raise ValueError("proj_size should be a positive integer or zero to disable projections")
+            raise ValueError(
+                "proj_size should be a positive integer or zero to disable projections"
+            )
         if proj_size >= hidden_size:
             raise ValueError("proj_size has to be smaller than hidden_size")
         dev = torch.device("cpu") if device is None else torch.device(device)
@@ -419,6 +444,10 @@ class _RNNBase(torch.nn.Module):
                 self._all_weights.append(names)
         self._key = next(_KEYS)
         self._finalizer = weakref.finalize(self, _ENGINES.pop, self._key, None)
+        # the ops' spec argument, made once (the forward stays free of untraceable calls)
+        self._spec_str = _spec_string(self._mode_cell(mode), input_size, hidden_size, num_layers,
+                                      bidirectional, proj_size, bias,
+                                      "relu" if mode == "RNN_RELU" else "tanh")  # fmt: skip
         self.reset_parameters()
 
     # -- torch.nn.RNNBase's surface
@@ -470,10 +499,9 @@ class _RNNBase(torch.nn.Module):
     def _nonlinearity(self) -> str:
         return "relu" if self.mode == "RNN_RELU" else "tanh"
 
-    def _spec_string(self) -> str:
-        return _spec_string(self._cell, self.input_size, self.hidden_size, self.num_layers,
-                            self.bidirectional, self.proj_size, self.bias,
-                            self._nonlinearity)  # fmt: skip
+    @staticmethod
+    def _mode_cell(mode: str) -> str:
+        return {"LSTM": "lstm", "GRU": "gru"}.get(mode, "rnn")
 
     def to_module(self) -> torch.nn.Module:
         """The torch.nn module with these weights (and options)."""
@@ -602,7 +630,7 @@ class _RNNBase(torch.nn.Module):
         if self.training and self.dropout > 0 and self.num_layers > 1:
             masks = self._dropout_masks(T, N, D * K, wdt, rows if packed else None)
         y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(
-            x, h0, c0, weights, lengths, masks, self._key, self._spec_string(), need_grad
+            x, h0, c0, weights, lengths, masks, self._key, self._spec_str, need_grad
         )
         if autocast and self._cell == "rnn":
             # torch's RNN cell is autocast matmuls: its outputs come out in the autocast dtype

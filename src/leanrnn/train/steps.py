@@ -57,7 +57,10 @@ def lstm_backward(G, hprev, c0, cs, dy, y_off, dh, dc, Rd, K, rows, proj, hf, dh
     U = Hp // B
     P = proj.shape[0] if proj is not None else 0
     if P:
-        dhs[:] = 0  # rows past a sample's length add nothing to the projection's gradient
+        # rows past a sample's length add nothing to the projection's gradient (dhs.T @ hf):
+        # both are zeroed, as arena garbage may be NaN and 0 * NaN is NaN
+        dhs[:] = 0
+        hf[:] = 0
     # Recompute c of every step, oldest first (the forward kept only the pre-activations).
     c = c0.copy()
     for s in range(T):

@@ -1,0 +1,489 @@
+"""leanrnn.torch: the torch.nn.LSTM/GRU/RNN drop-ins against torch's own modules -- outputs and
+every gradient over the option matrix, gradcheck, optimizer steps, dropout masks, the
+word-language-model loop, torch.compile, torch.export, autocast, no_grad and DDP."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_GRAD
+
+torch = pytest.importorskip("torch")
+lt = pytest.importorskip("leanrnn.torch")
+
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
+
+from leanrnn.errors import DTypeError, ShapeError  # noqa: E402
+
+CASES = [  # cell, torch options
+    ("LSTM", {}),
+    ("GRU", {}),
+    ("RNN", {}),
+    ("RNN", {"nonlinearity": "relu", "num_layers": 2}),
+    ("LSTM", {"num_layers": 2, "bidirectional": True}),
+    ("GRU", {"num_layers": 3, "bidirectional": True}),
+    ("RNN", {"num_layers": 2, "bidirectional": True, "batch_first": True}),
+    ("LSTM", {"proj_size": 3}),
+    ("LSTM", {"proj_size": 3, "num_layers": 2, "bidirectional": True}),
+    ("LSTM", {"bias": False, "num_layers": 3}),
+    ("GRU", {"bias": False, "batch_first": True}),
+    ("LSTM", {"num_layers": 2, "batch_first": True}),
+]
+T, N, C, H = 5, 3, 4, 6
+LENGTHS = [4, 5, 2]  # unsorted: the packed order differs from the batch order
+
+
+def _diff(d) -> float:
+    return float(d.detach().abs().max())
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / max(float(b.abs().max()), 1e-30))
+
+
+def _pair(cell, kw, dtype=torch.float64, seed=0):
+    """torch's module and its leanrnn.torch twin, same weights."""
+    torch.manual_seed(seed)
+    ref = getattr(torch.nn, cell)(C, H, **kw).to(dtype)
+    return ref, lt.from_module(ref)
+
+
+def _run(m, x, hx, packed, bf):
+    """(outputs as padded tensors) of m on x (a PackedSequence of it when packed)."""
+    if packed:
+        pk = pack_padded_sequence(x, torch.tensor(LENGTHS), batch_first=bf, enforce_sorted=False)
+        yp, hn = m(pk, hx)
+        assert isinstance(yp, torch.nn.utils.rnn.PackedSequence)
+        assert torch.equal(yp.sorted_indices, pk.sorted_indices)
+        y, _ = pad_packed_sequence(yp, batch_first=bf, total_length=T)
+    else:
+        y, hn = m(x, hx)
+    return [y, *(hn if isinstance(hn, tuple) else (hn,))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize(("cell", "kw"), CASES, ids=[f"{c}-{k}" for c, k in CASES])
+@pytest.mark.parametrize("mode", ["plain", "packed+states"])
+def test_gradients_match_torch(cell, kw, mode, dtype):
+    ref, m = _pair(cell, kw, dtype)
+    bf = kw.get("batch_first", False)
+    D = 2 if kw.get("bidirectional") else 1
+    LD, K = kw.get("num_layers", 1) * D, kw.get("proj_size") or H
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((N, T, C) if bf else (T, N, C), generator=g, dtype=dtype)
+    states = [torch.randn(LD, N, K, generator=g, dtype=dtype)]
+    if cell == "LSTM":
+        states.append(torch.randn(LD, N, H, generator=g, dtype=dtype))
+    packed = mode != "plain"
+    results = []
+    for mod in (ref, m):
+        xi = x.clone().requires_grad_()
+        si = [s.clone().requires_grad_() for s in states]
+        hx = (tuple(si) if cell == "LSTM" else si[0]) if packed else None
+        # torch's native kernels as the oracle: oneDNN's would JIT a primitive per shape (~1 s)
+        with torch.backends.mkldnn.flags(enabled=False):
+            outs = _run(mod, xi, hx, packed, bf)
+        cot = torch.Generator().manual_seed(2)
+        loss = sum((o * torch.randn(o.shape, generator=cot, dtype=dtype)).sum() for o in outs)
+        with torch.backends.mkldnn.flags(enabled=False):
+            loss.backward()
+        grads = [xi.grad] + ([s.grad for s in si] if packed else [])
+        grads += [p.grad for p in mod.parameters()]
+        results.append((outs, grads))
+    (o_ref, g_ref), (o, gr) = results
+    for a, b in zip(o, o_ref, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert _diff(a - b) <= ATOL[np.dtype(str(dtype).split(".")[1])]
+    names = ["x"] + (["h0", "c0"][: len(states)] if packed else [])
+    names += [n for n, _ in m.named_parameters()]
+    rtol = RTOL_GRAD[np.dtype(str(dtype).split(".")[1])]
+    for name, a, b in zip(names, gr, g_ref, strict=True):
+        assert a is not None and a.shape == b.shape, name
+        assert _rel(a, b) <= rtol, name
+
+
+@pytest.mark.parametrize(
+    ("cell", "kw"), [CASES[7], CASES[5], CASES[3]], ids=["LSTM-proj", "GRU", "RNN"]
+)
+def test_gradients_ignore_arena_garbage(cell, kw, monkeypatch):
+    """Tape memory is never cleared: rows past a sample's length must not reach a gradient,
+    even when the bytes there are NaN (the projection gradient summed them: 0 * NaN)."""
+    import leanrnn.memory.arena as arena
+
+    fresh = arena.aligned_empty
+
+    def poisoned(nbytes, *args, **kwargs):
+        buf = fresh(nbytes, *args, **kwargs)
+        buf[:] = 0xFF  # every float a NaN
+        return buf
+
+    monkeypatch.setattr(arena, "aligned_empty", poisoned)
+    test_gradients_match_torch(cell, kw, "packed+states", torch.float64)
+
+
+def test_construction_equals_torch():
+    """Constructor, parameter names/shapes/order, init under a seed, state_dict both ways."""
+    for cell, args, kw in [("LSTM", (3, 7, 2), {"proj_size": 4, "bidirectional": True}),
+                           ("GRU", (3, 7), {"bias": False, "batch_first": True}),
+                           ("RNN", (3, 7, 2, "relu"), {"dropout": 0.5})]:  # fmt: skip
+        torch.manual_seed(3)
+        ref = getattr(torch.nn, cell)(*args, **kw)
+        torch.manual_seed(3)
+        m = getattr(lt, cell)(*args, **kw)
+        assert repr(m).split("(", 1)[1] == repr(ref).split("(", 1)[1]
+        assert [(n, p.shape) for n, p in m.named_parameters()] == [
+            (n, p.shape) for n, p in ref.named_parameters()
+        ]
+        for (n, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), n
+        back = m.to_module()
+        assert type(back) is type(ref)
+        assert all(
+            torch.equal(a, b) for a, b in zip(back.parameters(), ref.parameters(), strict=True)
+        )
+        ref.load_state_dict(m.state_dict())
+        m.load_state_dict(ref.state_dict())
+    with pytest.raises(ValueError, match="proj_size"):
+        lt.GRU(3, 4, proj_size=2)
+    with pytest.raises(ValueError, match="dropout"):
+        lt.LSTM(3, 4, dropout=1.5)
+    with pytest.raises(ValueError, match="nonlinearity"):
+        lt.RNN(3, 4, nonlinearity="gelu")
+    with pytest.raises(DTypeError):
+        lt.LSTM(3, 4, dtype=torch.float16)
+    m64 = lt.LSTM(3, 4, dtype=torch.float64)
+    assert m64.weight_ih_l0.dtype == torch.float64
+
+
+@pytest.mark.parametrize(("cell", "kw"), [("LSTM", {"proj_size": 2, "bidirectional": True}),
+                                          ("GRU", {"num_layers": 2}),
+                                          ("RNN", {"nonlinearity": "relu"})])  # fmt: skip
+def test_gradcheck(cell, kw):
+    torch.manual_seed(0)
+    m = getattr(lt, cell)(2, 3, **kw).double()
+    D = 2 if kw.get("bidirectional") else 1
+    LD, K = kw.get("num_layers", 1) * D, kw.get("proj_size") or 3
+    x = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(LD, 2, K, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(LD, 2, 3, dtype=torch.float64, requires_grad=True)
+    names = [n for n, _ in m.named_parameters()]
+
+    def f(x, h0, *ps):
+        hx = (h0, c0) if cell == "LSTM" else h0
+        out = torch.func.functional_call(m, dict(zip(names, ps, strict=True)), (x, hx))
+        return out[0], out[1][1] if cell == "LSTM" else out[1]
+
+    # fast mode (random directions) checks every input at a few forwards; the weights change
+    # through .data in place between them, which the module must notice (values, not versions)
+    assert torch.autograd.gradcheck(f, (x, h0, *m.parameters()), fast_mode=True)
+    if cell == "RNN":
+        assert torch.autograd.gradcheck(f, (x, h0, *m.parameters()))
+
+
+def test_optimizer_steps_then_forward_match_torch():
+    ref, m = _pair("LSTM", {"num_layers": 2, "proj_size": 3})
+    opts = [torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(m.parameters(), lr=0.05)]
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(T, N, C, generator=g, dtype=torch.float64) for _ in range(4)]
+    losses = [[], []]
+    for x in xs:
+        for i, (mod, opt) in enumerate(zip((ref, m), opts, strict=True)):
+            opt.zero_grad()
+            y, (h, c) = mod(x)
+            loss = (y**2).mean() + h.abs().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(mod.parameters(), 0.1)
+            opt.step()
+            losses[i].append(loss.item())
+    np.testing.assert_allclose(losses[1], losses[0], rtol=RTOL_GRAD[np.float64], atol=0)
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert _rel(p, q) <= RTOL_GRAD[np.float64]
+    # in-place writes through .data bump no version counter: still seen by the next forward
+    with torch.no_grad():
+        y0 = m(xs[0])[0]
+    m.weight_ih_l0.data.add_(1.0)
+    ref.weight_ih_l0.data.add_(1.0)
+    with torch.no_grad():
+        y1, y_ref = m(xs[0])[0], ref(xs[0])[0]
+    assert _diff(y1 - y0) > MIN_WRONG[np.float64]
+    assert _diff(y1 - y_ref) <= ATOL[np.float64]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_dropout_draws_torchs_masks(packed):
+    kw = {"num_layers": 3, "dropout": 0.4, "bidirectional": True}
+    ref, m = _pair("GRU", kw)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, N, C, generator=g, dtype=torch.float64)
+    res = []
+    for mod in (ref, m):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        outs = _run(mod, xi, None, packed, False)
+        sum(o.sum() for o in outs).backward()
+        res.append([*outs, xi.grad, *(p.grad for p in mod.parameters())])
+    for a, b in zip(res[1], res[0], strict=True):
+        assert _rel(a, b) <= RTOL_GRAD[np.float64]
+    # the masks differ from call to call, and eval() turns them off
+    with torch.no_grad():
+        m.train()
+        a, b = m(x)[0], m(x)[0]
+        assert not torch.equal(a, b)
+        m.eval()
+        ref.eval()
+        assert _diff(m(x)[0] - ref(x)[0]) <= ATOL[np.float64]
+
+
+def test_no_grad_runs_inference_and_graphs_free_their_tapes():
+    ref, m = _pair("LSTM", {"num_layers": 2, "bidirectional": True})
+    x = torch.randn(T, N, C, dtype=torch.float64)
+    live = len(lt._TAPES)
+    y, (h, c) = m(x)  # parameters require grad: a tape
+    assert len(lt._TAPES) == live + 1
+    with torch.no_grad():
+        y1, (h1, c1) = m(x)
+    with torch.inference_mode():
+        y2, _ = m(x)
+    assert len(lt._TAPES) == live + 1  # no tape without gradients
+    for a, b in ((y1, y), (h1, h), (c1, c), (y2, y)):
+        assert _diff(a - b.detach()) <= ATOL[np.float64]
+    del y, h, c, a, b  # the graph dies without a backward: its tape goes with it
+    assert len(lt._TAPES) == live
+    y, _ = m(x)
+    y.sum().backward()
+    assert len(lt._TAPES) == live  # backward without retain_graph freed it
+
+
+def test_truncated_bptt_and_accumulation_match_torch():
+    """hx passed between calls (detached), two graphs alive at once, backward out of order,
+    .grad accumulating over both, a retained graph run backward twice."""
+    ref, m = _pair("LSTM", {"num_layers": 2})
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(T, N, C, generator=g, dtype=torch.float64) for _ in range(2)]
+    for mod in (ref, m):
+        y1, hx = mod(xs[0])
+        y2, _ = mod(xs[1], tuple(t.detach() for t in hx))
+        (y2**2).sum().backward(retain_graph=True)
+        (y2**2).sum().backward()
+        y1.sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert _rel(p.grad, q.grad) <= RTOL_GRAD[np.float64]
+
+
+def test_unbatched_and_batch_first_match_torch():
+    ref, m = _pair("GRU", {"num_layers": 2, "batch_first": True})
+    x = torch.randn(T, C, dtype=torch.float64)
+    h0 = torch.randn(2, H, dtype=torch.float64)
+    for a, b in zip(m(x, h0), ref(x, h0), strict=True):
+        assert a.shape == b.shape
+        assert _diff(a - b) <= ATOL[np.float64]
+    y, _ = m(torch.randn(N, T, C, dtype=torch.float64))
+    assert y.shape == (N, T, H) and y.is_contiguous()
+
+
+def test_bad_input_is_refused_and_module_stays_usable():
+    m = lt.LSTM(C, H, 2)
+    x = torch.randn(T, N, C)
+    with pytest.raises(ShapeError, match="input size"):
+        m(torch.randn(T, N, C + 1))
+    with pytest.raises(ShapeError, match="h_0"):
+        m(x, (torch.zeros(1, N, H), torch.zeros(2, N, H)))
+    with pytest.raises(DTypeError, match="float64"):
+        m(x.double())
+    with pytest.raises(ShapeError, match="3-D"):
+        m(torch.randn(1, T, N, C))
+    y, _ = m(x)
+    with torch.no_grad():
+        m.weight_ih_l0.add_(1.0)  # an in-place update between forward and backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y, _ = m(x)
+    y.sum().backward()
+    assert m.weight_ih_l0.grad is not None
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+def test_autocast_bfloat16_like_torch(cell):
+    """Output dtypes and gradient flow as torch's module under CPU autocast; values as torch's
+    bf16 matmuls give them (leanrnn computes in float32, so its gradients are float32's)."""
+    ref, m = _pair(cell, {"num_layers": 2}, torch.float32)
+    x = torch.randn(T, N, C)
+    res = []
+    for mod, autocast in ((ref, True), (m, True), (ref, False)):
+        mod.zero_grad()
+        xi = x.clone().requires_grad_()
+        # torch's oneDNN LSTM cannot run bf16 on every CPU: its native kernels are the oracle
+        with (
+            torch.backends.mkldnn.flags(enabled=False),
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+        ):
+            y, hn = mod(xi)
+        h = hn[0] if isinstance(hn, tuple) else hn
+        (y.float().sum() + h.float().sum()).backward()
+        res.append((y, h, xi.grad, [p.grad for p in mod.parameters()]))
+    (y_ref, h_ref, gx_ref, gp_ref), (y, h, gx, gp), (_, _, gx32, gp32) = res
+    assert (y.dtype, h.dtype, gx.dtype) == (y_ref.dtype, h_ref.dtype, gx_ref.dtype)
+    assert y.dtype == (torch.bfloat16 if cell == "RNN" else torch.float32)
+    assert _diff(y.float() - y_ref.float()) <= ATOL_AUTOCAST_BF16[np.float32]
+    assert _rel(gx, gx32) <= RTOL_GRAD[np.float32]
+    for a, b, c in zip(gp, gp_ref, gp32, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        assert _rel(a, c) <= RTOL_GRAD[np.float32]
+
+
+class _Net(torch.nn.Module):
+    """Embedding -> recurrent stack -> linear head (the shape of the word language model)."""
+
+    def __init__(self, rnn, vocab=11):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, rnn.input_size, dtype=rnn.weight_ih_l0.dtype)
+        self.rnn = rnn
+        width = rnn.hidden_size * (2 if rnn.bidirectional else 1)
+        self.head = torch.nn.Linear(width, vocab, dtype=rnn.weight_ih_l0.dtype)
+
+    def forward(self, tok, hx=None):
+        y, hx = self.rnn(self.emb(tok), hx)
+        return self.head(y), hx
+
+
+def _twin_nets(cell="LSTM", dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    a = _Net(getattr(torch.nn, cell)(C, H, **kw).to(dtype))
+    b = _Net(lt.from_module(a.rnn))
+    b.emb.load_state_dict(a.emb.state_dict())
+    b.head.load_state_dict(a.head.state_dict())
+    return a, b
+
+
+def test_torch_compile_traces_the_leanrnn_ops_and_matches_eager():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    _, net = _twin_nets(num_layers=2)
+    codes = []
+
+    def keep(gm, _):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    # aot_eager-style backend: dynamo + AOTAutograd (fake tensors, the joint graph) without
+    # inductor's C++ build, which takes minutes on 2 cores
+    cnet = torch.compile(net, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    tok = torch.randint(0, 11, (T, N), generator=torch.Generator().manual_seed(7))
+    out, _ = cnet(tok)
+    (out**2).sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    assert len(codes) == 2  # one forward and one backward graph: no graph break
+    assert "leanrnn.rnn_forward" in codes[0] and "leanrnn.rnn_backward" in codes[1]
+    assert not any("aten.lstm" in c or "mkldnn_rnn" in c for c in codes)  # no torch kernels
+    net.zero_grad()
+    ref, _ = net(tok)
+    (ref**2).sum().backward()
+    assert _diff(out - ref) <= ATOL[np.float64]
+    for a, p in zip(grads, net.parameters(), strict=True):
+        assert _rel(a, p.grad) <= RTOL_GRAD[np.float64]
+
+
+def test_torch_export_produces_a_program_that_runs():
+    _, net = _twin_nets("GRU", num_layers=2, bidirectional=False)
+    tok = torch.randint(0, 11, (T, N), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ep = torch.export.export(net.eval(), (tok,))
+        ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+        assert "leanrnn.rnn_forward.default" in ops
+        got, _ = ep.module()(tok)
+        want, _ = net(tok)
+    assert _diff(got - want) <= ATOL[np.float64]
+
+
+def _repackage_hidden(h):
+    return h.detach() if isinstance(h, torch.Tensor) else tuple(_repackage_hidden(v) for v in h)
+
+
+def test_word_language_model_loop_gives_torchs_losses():
+    """pytorch/examples word_language_model/main.py's train(): bptt windows, repackage_hidden,
+    clip_grad_norm_, SGD through p.data.add_, embedding/output dropout and LSTM dropout."""
+    a, b = _twin_nets(num_layers=2, dropout=0.3)
+    vocab, bsz, bptt, lr = 11, 4, 5, 2.0
+    data = torch.randint(0, vocab, (4 * bptt + 1, bsz), generator=torch.Generator().manual_seed(9))
+    drop = torch.nn.Dropout(0.2)
+    losses = []
+    for model in (a, b):
+        torch.manual_seed(12)
+        model.train()
+        hidden = None
+        out = []
+        for i in range(0, data.size(0) - 1, bptt):
+            inp, target = data[i : i + bptt], data[i + 1 : i + 1 + bptt].reshape(-1)
+            model.zero_grad()
+            if hidden is not None:
+                hidden = _repackage_hidden(hidden)
+            y, hidden = model.rnn(drop(model.emb(inp)), hidden)
+            logits = model.head(drop(y)).view(-1, vocab)
+            loss = torch.nn.functional.cross_entropy(logits, target)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)
+            out.append(float(loss))
+        losses.append(out)
+    assert losses[0][0] != losses[0][-1]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=RTOL_GRAD[np.float64], atol=0)
+
+
+def test_import_leanrnn_does_not_import_torch():
+    code = "import sys, leanrnn, leanrnn.train; leanrnn.LSTM; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+
+
+# ---------------------------------------------------------------------------- DDP
+def _ddp_worker(index, world, port, path):
+    """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients."""
+    rank = world - 1 - index  # spawned children take the high ranks; this process is rank 0
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),  # a rank that died must not hang the suite
+    )
+    try:
+        _, net = _twin_nets(num_layers=2, bidirectional=True)
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        tok = torch.randint(0, 11, (T, 2 * N), generator=torch.Generator().manual_seed(10))
+        out, _ = ddp(tok[:, rank * N : (rank + 1) * N])
+        (out**2).mean().backward()
+        torch.save([p.grad for p in net.parameters()], f"{path}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
+    """gloo on 127.0.0.1: this process is rank 0 and one spawned process is rank 1 (a second
+    spawned interpreter would only add its start-up, ~10 s of imports on 2 busy cores)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "grads")
+        ctx = torch.multiprocessing.spawn(_ddp_worker, args=(2, port, path), nprocs=1, join=False)
+        _ddp_worker(1, 2, port, path)
+        ctx.join()
+        got = [torch.load(f"{path}.{r}") for r in range(2)]
+    _, net = _twin_nets(num_layers=2, bidirectional=True)
+    tok = torch.randint(0, 11, (T, 2 * N), generator=torch.Generator().manual_seed(10))
+    out, _ = net(tok)
+    (out**2).mean().backward()
+    for rank_grads in got:
+        for a, p in zip(rank_grads, net.parameters(), strict=True):
+            assert _rel(a, p.grad) <= RTOL_GRAD[np.float64]
