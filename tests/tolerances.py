@@ -93,6 +93,7 @@ RTOL_FINITE_DIFF = ByDtype(f64=1e-6)
 # formula (a missed bias correction, dampening on the first step) is O(lr), far above.
 RTOL_OPTIM = ByDtype(f32=4e-6, f64=1e-14)
 ATOL_OPTIM = ByDtype(f32=4e-6, f64=1e-14)
+
 # torch.autocast("cpu", torch.bfloat16): torch runs an RNN's matmuls in bfloat16 (8 significant
 # bits: 2**-8 relative per rounding, accumulated over layers and steps) while leanrnn computes in
 # float32 and rounds its outputs once; both are tanh-bounded (|y| <= 1). A wrong formula is O(1).

@@ -1,0 +1,145 @@
+"""The examples (examples/char_lm.py, examples/forecast.py) on a tiny budget, per engine: the loss
+goes down, torch.nn, leanrnn.torch and numpy-only leanrnn give the same loss curve from the same
+initial weights on the same data (float32 rounding only), and the loss-curve PNG is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tolerances import RTOL_GRAD
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SRC = Path(__file__).resolve().parents[1] / "src"
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_STATSMODELS = importlib.util.find_spec("statsmodels") is not None
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _leanrnn_torch() -> bool:
+    if not HAVE_TORCH:
+        return False
+    try:
+        import leanrnn.torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ENGINES = [
+    pytest.param("torch", marks=pytest.mark.skipif(not HAVE_TORCH, reason="needs torch")),
+    pytest.param("leanrnn-torch",
+                 marks=pytest.mark.skipif(not _leanrnn_torch(), reason="needs leanrnn.torch")),
+    "numpy",
+]  # fmt: skip
+
+# Tiny budgets: a few steps of a small model; a learning rate high enough that a few steps
+# visibly lower the validation loss (a sign error in any gradient would raise it).
+TINY = {
+    "char_lm": ["--steps", "6", "--hidden", "16", "--embed", "8", "--bptt", "12", "--batch", "4",
+                "--accum", "2", "--val-windows", "2", "--eval-every", "3", "--lr", "1e-2",
+                "--threads", "1", "--quiet"],
+    "forecast": ["--steps", "8", "--hidden", "12", "--window", "10", "--batch", "8",
+                 "--eval-every", "4", "--lr", "2e-2", "--threads", "1", "--quiet"],
+}  # fmt: skip
+
+EXAMPLE_NAMES = [
+    "char_lm",
+    pytest.param("forecast",
+                 marks=pytest.mark.skipif(not HAVE_STATSMODELS, reason="needs statsmodels")),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each (example, engine) run once, in-process, from one initial-weights file per example
+    (torch's initialisation when torch is installed), memoised for the tests below."""
+    cache: dict = {}
+    tmp = tmp_path_factory.mktemp("examples")
+
+    def run(name: str, engine: str) -> dict:
+        if (name, engine) not in cache:
+            mod = _load(name)
+            init = tmp / f"{name}_init.npz"
+            if not init.exists():
+                if HAVE_TORCH:
+                    mod.main([*TINY[name], "--dump-init", str(init)])
+                else:
+                    args = mod.parse(TINY[name])
+                    if name == "char_lm":
+                        V = len(mod.load_data(args)["vocab"])
+                        np.savez(init, **mod.numpy_init(args, V))
+                    else:
+                        np.savez(init, **mod.numpy_init(args))
+            png = tmp / f"{name}_{engine}.png"
+            rec = mod.main([*TINY[name], "--engine", engine, "--init", str(init),
+                            "--plot", str(png)])  # fmt: skip
+            cache[name, engine] = (rec, png)
+        return cache[name, engine]
+
+    return run
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def test_example_learns_and_plots(runs, name, engine):
+    rec, png = runs(name, engine)
+    steps = int(TINY[name][TINY[name].index("--steps") + 1])
+    assert len(rec["train_loss"]) == steps
+    assert rec["val_steps"][0] == 0 and rec["val_steps"][-1] == steps
+    assert np.all(np.isfinite(rec["train_loss"])) and np.all(np.isfinite(rec["val_loss"]))
+    # the same validation data before and after training: the loss went down
+    assert rec["val_loss"][-1] < rec["val_loss"][0], rec["val_loss"]
+    assert rec["train_loss"][-1] < rec["train_loss"][0], rec["train_loss"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rec["wall_s"] > 0 and rec["steps_per_s"] > 0
+
+
+@pytest.mark.parametrize("engine", ENGINES[1:])
+@pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def test_engines_give_torchs_loss_curve(runs, name, engine):
+    """Same initial weights, same data order: the curves differ by float32 rounding only (the
+    gradients' summation order, RTOL_GRAD), step after step."""
+    if not HAVE_TORCH:
+        pytest.skip("needs torch for the reference curve")
+    ref, _ = runs(name, "torch")
+    rec, _ = runs(name, engine)
+    rtol = RTOL_GRAD[np.float32]
+    np.testing.assert_allclose(rec["train_loss"], ref["train_loss"], rtol=rtol, atol=0)
+    np.testing.assert_allclose(rec["val_loss"], ref["val_loss"], rtol=rtol, atol=0)
+    # the comparison can tell: training moved the loss by far more than the tolerance
+    moved = abs(ref["val_loss"][-1] - ref["val_loss"][0]) / ref["val_loss"][0]
+    assert moved > 100 * rtol
+
+
+@pytest.mark.skipif(not HAVE_STATSMODELS, reason="needs statsmodels")
+def test_compare_runs_engines_in_processes_and_plots(runs, tmp_path):
+    """--compare runs each engine in its own process (here numpy-only alone: torch's import
+    costs seconds per process) and writes one PNG and one table row per engine, whose numbers
+    are the in-process run's."""
+    rec, _ = runs("forecast", "numpy")
+    init = tmp_path / "init.npz"
+    mod = _load("forecast")
+    args = mod.parse(TINY["forecast"])
+    np.savez(init, **(mod.torch_init(args) if HAVE_TORCH else mod.numpy_init(args)))
+    png = tmp_path / "compare.png"
+    cmd = [sys.executable, str(EXAMPLES / "forecast.py"), *TINY["forecast"], "--compare",
+           "--engines", "numpy", "--init", str(init), "--plot", str(png)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
+    rows = [ln.split("|") for ln in out.stdout.splitlines() if ln.startswith("| leanrnn")]
+    assert [r[1].strip() for r in rows] == ["leanrnn numpy-only"], out.stdout
+    assert float(rows[0][3]) == pytest.approx(rec["val_loss"][-1], abs=1e-4)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
