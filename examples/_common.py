@@ -140,27 +140,6 @@ class Progress:
             print(file=sys.stderr)
 
 
-def trainer_parameters(trainer):
-    """The Trainer's parameters as the optimizers of leanrnn.train.optim take them, and a
-    function to call after each optimizer step.
-
-    While train.Parameter and train.optim.Parameter are two classes, the Trainer's are wrapped
-    (same arrays) and each step's version bump is copied back, so the Trainer sees the new
-    weights; once they are one class this returns them as they are."""
-    from leanrnn.train import optim
-
-    own = trainer.parameters()
-    if all(isinstance(p, optim.Parameter) for p in own):
-        return list(own), lambda: None
-    wrapped = [optim.Parameter(p.value, p.grad, p.name) for p in own]
-
-    def sync() -> None:
-        for p, w in zip(own, wrapped, strict=True):
-            p.version = w.version
-
-    return wrapped, sync
-
-
 def finish(args, record: dict) -> dict:
     """Print the run's summary, write its JSON and plot; return the record."""
     record["peak_mib"] = peak_mib()

@@ -227,7 +227,7 @@ def train_numpy(args, data: dict, init: dict) -> dict:
     emb = optim.Parameter(init["embed.weight"].copy(), name="embed.weight")
     Wo = optim.Parameter(init["head.weight"].copy(), name="head.weight")
     bo = optim.Parameter(init["head.bias"].copy(), name="head.bias")
-    lstm_params, sync = common.trainer_parameters(tr)
+    lstm_params = tr.parameters()
     params = [emb, *lstm_params, Wo, bo]
     opt = optim.Adam(params, lr=args.lr)
     zeros = lambda N: (np.zeros((L, N, H), np.float32), np.zeros((L, N, H), np.float32))  # noqa: E731
@@ -268,7 +268,6 @@ def train_numpy(args, data: dict, init: dict) -> dict:
             total += loss
         optim.clip_grad_norm(params, args.clip)
         opt.step()
-        sync()
         opt.zero_grad()
         return total / args.accum
 

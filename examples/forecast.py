@@ -183,7 +183,7 @@ def train_numpy(args, data: dict, init: dict) -> dict:
     tr = Trainer(rnn, threads=args.threads)
     Wo = optim.Parameter(init["head.weight"].copy(), name="head.weight")  # [1, H]
     bo = optim.Parameter(init["head.bias"].copy(), name="head.bias")  # [1]
-    rnn_params, sync = common.trainer_parameters(tr)
+    rnn_params = tr.parameters()
     params = [*rnn_params, Wo, bo]
     opt = optim.Adam(params, lr=args.lr)
     vx, vy = (a.T.copy() for a in data["val"])
@@ -211,7 +211,6 @@ def train_numpy(args, data: dict, init: dict) -> dict:
         tr.backward(tape, dy, input_grad=False)
         optim.clip_grad_norm(params, args.clip)
         opt.step()
-        sync()
         opt.zero_grad()
         return loss
 

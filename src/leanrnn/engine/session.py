@@ -345,13 +345,14 @@ class Session:
             W=pl.Wt, b=pl.b, C=spec.input_size if layer == 0 else D * K, Rt=pl.Rt, K=K,
             h_a=ha, h_b=hb, gates=gates, lengths=self._views["lengths"], reverse=self._rev[d],
             y_off=d * K, acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
-            consts=self._consts, sync=self._sync,
+            consts=self._consts, sync=self._sync, keep=False,
         )  # fmt: skip
         if spec.cell == "lstm":
             named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
                          c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
         elif spec.cell == "gru":
-            named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux)
+            named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux,
+                         ghn=self._empty)  # fmt: skip
         return abi.Call(spec.cell, PER_CALL, **named)
 
     # ---------------------------------------------------------------- running

@@ -52,13 +52,14 @@ _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
 _OUTPUT = "lengths:L1 T:i reverse:b y:F2 y_off:i y_bf_T:i acts:L1 alphas:F1 betas:F1"
 JOBS = {j.name: j for j in (
     Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i h_a:F2 "
-        f"h_b:F2 c:F2 gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 sync:L1 parts:i",
+        f"h_b:F2 c:F2 gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 keep:b sync:L1 "
+        "parts:i",
         ("input_projection K=C", "lstm")),
     Job("gru", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} rb:F1 linear_before_reset:b h_a:F2 h_b:F2 "
-        f"gates:F2 rh:F2 {_OUTPUT} consts:F1 sync:L1 parts:i",
+        f"gates:F2 rh:F2 {_OUTPUT} consts:F1 keep:b ghn:F2 sync:L1 parts:i",
         ("input_projection K=C", "gru")),
     Job("rnn", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} h_a:F2 h_b:F2 gates:F2 {_OUTPUT} consts:F1 "
-        "sync:L1 parts:i", ("input_projection K=C", "rnn")),
+        "keep:b sync:L1 parts:i", ("input_projection K=C", "rnn")),
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
     Job("matmul", "x:F2 W:F3 b:F1 K:i y:F2 sync:L1 parts:i", ("input_projection xw=y",)),
     # The backward step loops of one (layer, direction) over a segment (kernels.backward).

@@ -27,6 +27,10 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
   consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
+  keep:    training (train.session): leave each step's gate pre-activations in its xw row
+           (backward reads them instead of recomputing h_prev R^T); GRU also writes R_n h + bR_n
+           to ghn [rows, Hp]. Only the fused paths of PyTorch's cells keep (the others are
+           ONNX-only and never trained); the outputs are the same bits either way.
   me, parts, sync: this thread's index, the thread count and their sync array (see _sync)
 No argument may alias another.
 """
@@ -87,6 +91,15 @@ def _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tin
 
 
 @inline
+def _keep_span(xw, xr, col, gates, n, length, zero):
+    """xw row += gates row (the pre-activation stays in xw), gates row = 0: the fused update
+    that follows adds the two again and gets the same bits."""
+    for j in range(length):
+        xw[xr, col + j] += gates[n, col + j]
+        gates[n, col + j] = zero
+
+
+@inline
 def _emit(hn, n, c0, y, yr, y_off, K):
     """Copy the block's new h (its real units only) into output row yr."""
     if c0 + B <= K:  # a whole block: a constant trip count, so one vector copy
@@ -99,7 +112,7 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 def _lstm(
     xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, me, parts, sync,
+    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -137,6 +150,8 @@ def _lstm(
                         continue
                     xr = _yrow(t, n, N, xw_bf_T)
                     if fast:
+                        if keep:
+                            _keep_span(xw, xr, r0, gates, n, 4 * B, zero)
                         lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
                         if P == 0:
                             _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
@@ -203,7 +218,7 @@ def _lstm(
 
 def _gru(
     xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, consts, me, parts, sync,
+    y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -237,6 +252,10 @@ def _gru(
                         continue
                     xr = _yrow(t, n, N, xw_bf_T)
                     if fast:  # PyTorch's GRU in one fused pass
+                        if keep:
+                            _keep_span(xw, xr, rz, gates, n, 2 * B, zero)
+                            for j in range(B):
+                                ghn[xr, c0 + j] = gates[n, rn + j] + rb[rn + j]
                         gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue
@@ -287,7 +306,7 @@ def _gru(
 
 def _rnn(
     xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
-    consts, me, parts, sync,
+    consts, keep, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -313,12 +332,17 @@ def _rnn(
                         continue
                     xr = _yrow(t, n, N, xw_bf_T)
                     if af == TANH and not clip > zero:  # the common case, fused
+                        if keep:
+                            _keep_span(xw, xr, r0, gates, n, B, zero)
                         rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
                         _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue
                     _add_span(gates, n, r0, xw, xr, B)
                     if clip > zero:
                         clip_span(clip, gates, n, r0, B)
+                    if keep:  # RNN relu (trainable): the pre-activation is in gates now
+                        for j in range(B):
+                            xw[xr, r0 + j] = gates[n, r0 + j]
                     act_span(af, alf, bef, zero, one, gates, n, r0, B)
                     for j in range(B):
                         hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)

@@ -1,12 +1,13 @@
 """Trainer: backpropagation through time for one model, with planned memory.
 
 Design. The training forward *is* the inference forward: the same kernels (kernels.recurrent)
-run every (layer, direction), except that the input projection ``xw`` of each and every layer
-output are kept (the *reserve*) instead of being released. Backward then works on segments of
-``segment`` steps, newest first, each (layer, direction) in reverse order:
+run every (layer, direction), with ``keep`` set: each step leaves its gate pre-activations
+``G = xW + hR + b`` in its row of the input projection ``xw`` (GRU: ``R_n h + bR_n`` in ``ghn``
+as well), and xw and every layer output are kept (the *reserve*) instead of being released.
+Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
+reverse order:
 
-1. gate pre-activations of the segment: ``G = xw + h_prev R^T`` — one GEMM over the segment
-   (h_prev is the layer's own output shifted by one step, so nothing else was stored);
+1. h_prev of every row: the layer's own output one step earlier (nothing else was stored);
 2. the step loop (kernels.backward: jobs lstm_back, gru_back, rnn_back on the kernels' thread
    team; train.steps is their NumPy twin): gate gradients computed in place over G, the cell
    state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
@@ -369,7 +370,7 @@ class Trainer:
         for k in range(LD):
             add(f"xw.{k}", (R * N, w.Gp), 0, 1)
             if spec.cell == "gru":
-                add(f"ghn.{k}", (R * N, w.Hp), 1, 1)
+                add(f"ghn.{k}", (R * N, w.Hp), 0, 1)
         for layer in range(L - 1):
             add(f"y.{layer}", (R * N, D * K), 0, 1)
             add(f"dy.{layer}", (R * N, D * K), 1, 1)
@@ -390,7 +391,6 @@ class Trainer:
         add("dh", (N, w.Kp), 1, 1)
         add("dc", (N, w.Hp), 1, 1)
         add("dgs", (N, w.Gp), 1, 1)
-        add("hr", (min(R * N, _HR_ROWS), w.Gp), 1, 1)
         add("cb", (N, w.Hp), 1, 1)
         add("dhn", (N, w.Kp), 1, 1)
         if D == 2:
@@ -421,8 +421,9 @@ class Trainer:
         views["_plan"] = p
         return views
 
-    def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int):
-        """The inference job of op (layer, d) with its arguments by name (abi.JOBS)."""
+    def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn):
+        """The inference job of op (layer, d) with its arguments by name (abi.JOBS), keeping
+        the gate pre-activations in xw (and GRU's R_n h + bR_n in ghn) for backward."""
         spec, pl = self.spec, self.weights.layers[layer][d]
         K = spec.output_size
         empty = np.zeros((N, 0), self.dtype)
@@ -431,14 +432,14 @@ class Trainer:
             h_a=mem["h.a"], h_b=mem["h.b"], gates=mem["gates"], lengths=lens, T=T,
             reverse=spec.reversed_direction(d), y=yout, y_off=d * K, y_bf_T=0,
             acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
-            consts=self._consts, sync=self._sync,
+            consts=self._consts, sync=self._sync, keep=True,
         )  # fmt: skip
         if spec.cell == "lstm":
             named.update(peep=pl.peep, use_peep=False, proj=pl.proj, P=spec.proj_size,
                          c=mem["c"], hfull=mem["aux"] if spec.proj_size else empty,
                          input_forget=False)  # fmt: skip
         elif spec.cell == "gru":
-            named.update(rb=pl.rb, linear_before_reset=True, rh=empty)
+            named.update(rb=pl.rb, linear_before_reset=True, rh=empty, ghn=ghn)
         return abi.Call(spec.cell, ("parts",), **named)
 
     def _parts(self, N: int) -> int:
@@ -473,7 +474,8 @@ class Trainer:
                     c[:] = 0
                     c[:, : spec.hidden_size] = cs[k]
                 xw = mem[f"xw.{k}"][off : off + TN]
-                call = self._job(layer, d, mem, xin, xw, yout, seg_lens, T, N)
+                ghn = mem[f"ghn.{k}"][off : off + TN] if spec.cell == "gru" else None
+                call = self._job(layer, d, mem, xin, xw, yout, seg_lens, T, N, ghn)
                 self._sync[:] = 0
                 runner.run(spec.cell, call.bind(parts=parts), parts)
                 hs[k] = (mem["h.b"] if T % 2 else ha)[:, :K]
@@ -592,8 +594,8 @@ class Trainer:
         spec, w = self.spec, self.weights
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
-        Wd, Rd, proj, RT, projd = self._dense[layer][d]
-        pl, gl = w.layers[layer][d], self.grad.layers[layer][d]
+        Wd, _, proj, RT, projd = self._dense[layer][d]
+        gl = self.grad.layers[layer][d]
         reverse = spec.reversed_direction(d)
         G = mem[f"xw.{k}"][off : off + TN] if not sv["recompute"] else mem[f"xw.{k}"][:TN]
         # h_prev of every row: the layer's own output one step earlier, or the segment's h0
@@ -609,24 +611,14 @@ class Trainer:
             hprev[TN - N :] = 0
             ok = lens > 0
             hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
-        # G = xw + h_prev R^T (+ rb); for GRU the n block keeps xw and ghn gets R_n h + bR_n.
-        # In chunks of rows through a planned scratch (a whole [T*N, Gp] temporary would be
-        # allocated, page-faulted and freed at every op).
+        # G: the forward kernels left each step's gate pre-activations in xw (keep); GRU's
+        # n block holds W_n x + bW_n there and R_n h + bR_n in ghn.
         gru = spec.cell == "gru"
-        ghn = mem[f"ghn.{k}"][:TN] if gru else None
-        hr = mem["hr"]
-        RdT = Rd[:, :K].T
-        for a in range(0, TN, hr.shape[0]):
-            b = min(TN, a + hr.shape[0])
-            c = hr[: b - a]
-            np.matmul(hprev[a:b], RdT, out=c)
-            c += pl.rb
-            if gru:
-                c4 = c.reshape(b - a, -1, 3, w.B)
-                G[a:b].reshape(b - a, -1, 3, w.B)[:, :, :2] += c4[:, :, :2]
-                ghn[a:b].reshape(b - a, -1, w.B)[:] = c4[:, :, 2]
-            else:
-                G[a:b] += c
+        ghn = (
+            (mem[f"ghn.{k}"][:TN] if sv["recompute"] else mem[f"ghn.{k}"][off : off + TN])
+            if gru
+            else None
+        )
         dhk = mem["dh"]
         dhk[:, K:] = 0
         dhk[:, :K] = dh[k]
@@ -695,9 +687,6 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
-
-
-_HR_ROWS = 1024  # rows per chunk of the pre-activation GEMM in backward (scratch "hr")
 
 
 def _add_panels(panels: np.ndarray, dense: np.ndarray, X: int) -> None:
