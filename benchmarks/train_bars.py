@@ -266,7 +266,7 @@ def memory_child(job: dict) -> dict:
         extra = {}
     else:
         e = LeanStep(sd, x, dy, threads, recompute=variant == "leanrnn-recompute")
-        extra = {"plan": e.tr.plan(N, T)}
+        extra = {"plan": {k: v for k, v in e.tr.plan(N, T).items() if k != "plan"}}
     # warm-up on a few steps: kernels, thread pools and the gradient buffers touched (leanrnn's
     # small warm-up arena is replaced by the measured step's)
     e.set_inputs(x[:MEM_WARM_T], dy[:MEM_WARM_T])
