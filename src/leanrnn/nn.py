@@ -247,22 +247,10 @@ class _TorchLike(Model):
         rng = np.random.default_rng(seed)
         k = 1.0 / np.sqrt(hidden_size)
         sd = {
-            key: rng.uniform(-k, k, size=_param_shape(spec, key)).astype(dtype)
+            key: rng.uniform(-k, k, size=torch_format.param_shape(spec, key)).astype(dtype)
             for key in torch_format.expected_keys(spec)
         }
         super().__init__(pack(spec, torch_format.from_state_dict(spec, sd), dtype), threads)
-
-
-def _param_shape(spec: RNNSpec, key: str) -> tuple[int, ...]:
-    layer = int(key.split("_l")[1].split("_")[0])
-    G, H, K = spec.gate_width, spec.hidden_size, spec.output_size
-    if key.startswith("weight_ih"):
-        return (G, spec.layer_input_size(layer))
-    if key.startswith("weight_hh"):
-        return (G, K)
-    if key.startswith("weight_hr"):
-        return (spec.proj_size, H)
-    return (G,)
 
 
 class LSTM(_TorchLike):

@@ -332,18 +332,6 @@ _rnn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- modules
-def _param_shape(spec: RNNSpec, key: str) -> tuple[int, ...]:
-    layer = int(key.split("_l")[1].split("_")[0])
-    G, H, K = spec.gate_width, spec.hidden_size, spec.output_size
-    if key.startswith("weight_ih"):
-        return (G, spec.layer_input_size(layer))
-    if key.startswith("weight_hh"):
-        return (G, K)
-    if key.startswith("weight_hr"):
-        return (spec.proj_size, H)
-    return (G,)
-
-
 def _packed_rows(batch_sizes, sorted_indices, unsorted_indices):
     """For PackedSequence data: the time-major row t*N + n of each packed row, and each
     sample's length in the original batch order."""

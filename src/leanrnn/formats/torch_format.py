@@ -94,6 +94,19 @@ def expected_keys(spec: RNNSpec) -> list[str]:
     return keys
 
 
+def param_shape(spec: RNNSpec, key: str) -> tuple[int, ...]:
+    """The shape torch gives parameter ``key`` (one of expected_keys(spec))."""
+    layer = int(key.split("_l")[1].split("_")[0])
+    G, H, K = spec.gate_width, spec.hidden_size, spec.output_size
+    if key.startswith("weight_ih"):
+        return (G, spec.layer_input_size(layer))
+    if key.startswith("weight_hh"):
+        return (G, K)
+    if key.startswith("weight_hr"):
+        return (spec.proj_size, H)
+    return (G,)
+
+
 def from_state_dict(spec: RNNSpec, sd: dict) -> list[list[LayerWeights]]:
     """Canonical weights from a PyTorch-named dict of arrays (numpy, or anything np.asarray takes)."""
     want = expected_keys(spec)
