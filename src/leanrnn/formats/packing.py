@@ -212,6 +212,18 @@ def _check(name: str, a, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
+def fold_biases(spec: RNNSpec, pl: PackedLayer) -> None:
+    """b and rb from bW and bR (at packing, and again whenever training changed them), in the
+    working precision, so b == bW + bR exactly as the kernels would add them. GRU with
+    linear_before_reset keeps bR of its n gate apart in rb (the reset gate multiplies it)."""
+    pl.b[:] = pl.bW + pl.bR
+    pl.rb[:] = 0
+    if spec.cell == "gru" and spec.linear_before_reset:
+        n_rows = (np.arange(pl.b.shape[0]) // B) % 3 == 2  # packed rows of the n gate
+        pl.rb[n_rows] = pl.bR[n_rows]
+        pl.b[n_rows] = pl.bW[n_rows]
+
+
 def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> PackedWeights:
     """Pack canonical weights (validated against ``spec``) into the kernel layout."""
     if len(layers) != spec.num_layers or any(len(d) != spec.num_directions for d in layers):
@@ -223,7 +235,6 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
     H, K, P, G = spec.hidden_size, spec.output_size, spec.proj_size, spec.gate_width
     valid = pw.perm >= 0
     rows = pw.perm[valid]
-    gate_of_row = np.where(valid, (np.arange(pw.Gp) // B) % spec.num_gates, -1)
     for li, dirs in enumerate(layers):
         C = spec.layer_input_size(li)
         for di, lw in enumerate(dirs):
@@ -237,12 +248,7 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             rows_to_panels(R, pw.perm, pl.Rt)
             pl.bW[valid] = bW[rows]
             pl.bR[valid] = bR[rows]
-            # Fold in the working precision, so b == bW + bR exactly as the kernels would add them.
-            pl.b[:] = pl.bW + pl.bR
-            if spec.cell == "gru" and spec.linear_before_reset:
-                n_rows = gate_of_row == 2
-                pl.rb[n_rows] = pl.bR[n_rows]
-                pl.b[n_rows] = pl.bW[n_rows]
+            fold_biases(spec, pl)
             if spec.peepholes:
                 if lw.peep is None:
                     raise WeightsError(f"[pack] {tag}: spec has peepholes but peep is None")

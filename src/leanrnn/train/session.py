@@ -39,7 +39,7 @@ import numpy as np
 from .. import config
 from ..engine import _check
 from ..errors import LeanRNNError, PlanError, ShapeError, SpecError
-from ..formats.packing import PackedWeights, from_panels
+from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
@@ -159,18 +159,12 @@ class Trainer:
         """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb)
         and remake the dense copies backward's GEMMs read. Cheap next to a training step."""
         spec, w = self.spec, self.weights
-        gru = spec.cell == "gru"
         self._dense = []
         for li, dirs in enumerate(w.layers):
             Cin = spec.layer_input_size(li)
             row = []
             for pl in dirs:
-                if gru:
-                    n_rows = (np.arange(w.Gp) // w.B) % 3 == 2
-                    pl.b[:] = pl.bW + np.where(n_rows, 0, pl.bR)
-                    pl.rb[:] = np.where(n_rows, pl.bR, 0)
-                else:
-                    pl.b[:] = pl.bW + pl.bR
+                fold_biases(spec, pl)
                 Wd = np.ascontiguousarray(from_panels(pl.Wt)[:, :Cin])
                 Rd = np.ascontiguousarray(from_panels(pl.Rt))
                 # the backward step's dh_prev = dG_t R, on panels of R's columns (gemm.panel1):
