@@ -77,6 +77,41 @@ def _positive_or_none(op: str, name: str, v) -> int | None:
     return int(v)
 
 
+def kernel_constants(spec: RNNSpec, dtype) -> tuple:
+    """(consts, acts, alphas, betas) the recurrence jobs take: consts [zero, one, tiny, clip]
+    in ``dtype``, and per direction the activation codes and their parameters."""
+    dt = np.dtype(dtype)
+    clip = spec.clip if spec.clip is not None else 0.0
+    consts = np.array([0.0, 1.0, np.finfo(dt).tiny, clip], dtype=dt)
+    acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
+    alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
+    betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+    return consts, acts, alphas, betas
+
+
+def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h_a, h_b, gates,
+                         aux, c, lengths, keep: bool, ghn) -> dict:  # fmt: skip
+    """The arguments of direction ``d``'s recurrence job (abi.JOBS[spec.cell]) that stay the
+    same from run to run of one plan: ``pl``'s weights, the state and scratch views, the
+    activations and ``constants`` (kernel_constants). ``aux`` [N, Hp] is the LSTM's unprojected
+    h or the GRU's r*h (an [N, 0] stand-in when the cell needs none); ``c`` the LSTM cell
+    state; ``keep`` and ``ghn``: see kernels.recurrent. Not included: C and the per-run
+    x, xw, xw_bf_T, T, y, y_bf_T, parts (engine.session PER_CALL)."""
+    consts, acts, alphas, betas = constants
+    K = spec.output_size
+    named = dict(
+        W=pl.Wt, b=pl.b, Rt=pl.Rt, K=K, h_a=h_a, h_b=h_b, gates=gates, lengths=lengths,
+        reverse=spec.reversed_direction(d), y_off=d * K, acts=acts[d], alphas=alphas[d],
+        betas=betas[d], consts=consts, sync=sync, keep=keep,
+    )  # fmt: skip
+    if spec.cell == "lstm":
+        named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
+                     c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
+    elif spec.cell == "gru":
+        named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux, ghn=ghn)
+    return named
+
+
 class Pool:
     """One arena shared by several sessions that run one at a time (MNN's multi-model sharing).
 
@@ -134,13 +169,7 @@ class Session:
         # Per-call constants of the spec, read once (a streaming step is ~10 µs of which every
         # property lookup is a visible part).
         self._LDKH = (spec.num_layers, spec.num_directions, spec.output_size, spec.hidden_size)
-        self._rev = tuple(spec.reversed_direction(d) for d in range(spec.num_directions))
-        tiny = np.finfo(dt).tiny
-        clip = spec.clip if spec.clip is not None else 0.0
-        self._consts = np.array([0.0, 1.0, tiny, clip], dtype=dt)
-        self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
-        self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
-        self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+        self._constants = kernel_constants(spec, dt)
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
         _fork.in_child(self, Session._after_fork)
 
@@ -341,19 +370,11 @@ class Session:
         spec, pl, k = self.spec, self.weights.layers[layer][d], layer * self._LDKH[1] + d
         L, D, K, H = self._LDKH
         _, ha, hb, gates, aux, c = self._op_views[k]
-        named = dict(
-            W=pl.Wt, b=pl.b, C=spec.input_size if layer == 0 else D * K, Rt=pl.Rt, K=K,
-            h_a=ha, h_b=hb, gates=gates, lengths=self._views["lengths"], reverse=self._rev[d],
-            y_off=d * K, acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
-            consts=self._consts, sync=self._sync, keep=False,
+        named = recurrence_arguments(
+            spec, pl, d, self._constants, self._sync, h_a=ha, h_b=hb, gates=gates, aux=aux, c=c,
+            lengths=self._views["lengths"], keep=False, ghn=self._empty,
         )  # fmt: skip
-        if spec.cell == "lstm":
-            named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
-                         c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
-        elif spec.cell == "gru":
-            named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux,
-                         ghn=self._empty)  # fmt: skip
-        return abi.Call(spec.cell, PER_CALL, **named)
+        return abi.Call(spec.cell, PER_CALL, C=spec.input_size if layer == 0 else D * K, **named)
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import config
 from ..engine import _check
+from ..engine.session import kernel_constants, recurrence_arguments
 from ..errors import LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
@@ -129,11 +130,8 @@ class Trainer:
         self._seen = None
         self._serial = 0
         self._arena: Arena | None = None
-        spec, dt = self.spec, self.dtype
-        self._consts = np.array([0.0, 1.0, np.finfo(dt).tiny, 0.0], dtype=dt)
-        self._acts = [np.array([a.code for a in d], np.int64) for d in spec.activations]
-        self._alphas = [np.array([a.alpha for a in d], dt) for d in spec.activations]
-        self._betas = [np.array([a.beta for a in d], dt) for d in spec.activations]
+        self._constants = kernel_constants(self.spec, self.dtype)
+        self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
         self._refresh()
 
@@ -418,23 +416,15 @@ class Trainer:
     def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn):
         """The inference job of op (layer, d) with its arguments by name (abi.JOBS), keeping
         the gate pre-activations in xw (and GRU's R_n h + bR_n in ghn) for backward."""
-        spec, pl = self.spec, self.weights.layers[layer][d]
-        K = spec.output_size
-        empty = np.zeros((N, 0), self.dtype)
-        named = dict(
-            x=xin, W=pl.Wt, b=pl.b, C=xin.shape[1], xw=xw, xw_bf_T=0, Rt=pl.Rt, K=K,
-            h_a=mem["h.a"], h_b=mem["h.b"], gates=mem["gates"], lengths=lens, T=T,
-            reverse=spec.reversed_direction(d), y=yout, y_off=d * K, y_bf_T=0,
-            acts=self._acts[d], alphas=self._alphas[d], betas=self._betas[d],
-            consts=self._consts, sync=self._sync, keep=True,
+        spec = self.spec
+        aux = mem["aux"] if spec.proj_size else np.zeros((N, 0), self.dtype)
+        named = recurrence_arguments(
+            spec, self.weights.layers[layer][d], d, self._constants, self._sync, h_a=mem["h.a"],
+            h_b=mem["h.b"], gates=mem["gates"], aux=aux, c=mem["c"], lengths=lens, keep=True,
+            ghn=ghn,
         )  # fmt: skip
-        if spec.cell == "lstm":
-            named.update(peep=pl.peep, use_peep=False, proj=pl.proj, P=spec.proj_size,
-                         c=mem["c"], hfull=mem["aux"] if spec.proj_size else empty,
-                         input_forget=False)  # fmt: skip
-        elif spec.cell == "gru":
-            named.update(rb=pl.rb, linear_before_reset=True, rh=empty, ghn=ghn)
-        return abi.Call(spec.cell, ("parts",), **named)
+        return abi.Call(spec.cell, ("parts",), x=xin, C=xin.shape[1], xw=xw, xw_bf_T=0, T=T,
+                        y=yout, y_bf_T=0, **named)  # fmt: skip
 
     def _parts(self, N: int) -> int:
         w = self.weights
