@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 import tracemalloc
 import warnings
 
@@ -95,3 +102,45 @@ class traced_peak:
     def __exit__(self, *exc) -> None:
         self.peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+
+
+# ------------------------------------------------------------------ leanrnn serve in a subprocess
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def src_env() -> dict:
+    """This process's environment with this checkout's src first on PYTHONPATH (a child
+    process then runs the code under test, not an installed copy)."""
+    return dict(os.environ, PYTHONPATH=_SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def launch_server(args: list[str], timeout: float = 60.0):
+    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
+    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
+    env = src_env()
+    cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    logs: list[str] = []
+    threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        line = ""
+    if "ready" not in line:
+        proc.kill()
+        proc.wait()
+        time.sleep(0.5)  # the reader thread takes the last lines
+        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
+    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+    return proc, fields["http"], fields["grpc"], logs
+
+
+def stop_server(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise

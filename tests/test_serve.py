@@ -11,12 +11,7 @@ import asyncio
 import http.client
 import itertools
 import json
-import os
 import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +19,7 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import launch_server, stop_server
 from tolerances import ATOL_SCORE
 
 pytest.importorskip("starlette")
@@ -36,39 +32,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 # Batching changes only which rows share an engine call: the outputs of a stream equal those of
 # the offline model on that stream alone within the bound leanrnn.score meets for the same reason.
 ATOL = ATOL_SCORE[np.float32]
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-
-
-def launch(args: list[str], timeout: float = 60.0):
-    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
-    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    logs: list[str] = []
-    threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
-    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout)
-    except queue.Empty:
-        line = ""
-    if "ready" not in line:
-        proc.kill()
-        proc.wait()
-        time.sleep(0.5)  # the reader thread takes the last lines
-        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
-    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
-    return proc, fields["http"], fields["grpc"], logs
-
-
-def stop(proc) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +44,11 @@ def server(tmp_path_factory):
     for name, m in models.items():
         m.save(str(d / f"{name}.lrnn"))
     args = [f"{n}={d / n}.lrnn" for n in models]
-    proc, http_url, grpc_url, logs = launch(
+    proc, http_url, grpc_url, logs = launch_server(
         [*args, "--max-batch", "16", "--max-chunk", "4", "--max-request-bytes", "1M"]
     )
     yield {"models": models, "http": http_url, "grpc": grpc_url, "proc": proc, "logs": logs}
-    assert stop(proc) == 0  # SIGTERM: drained and exited cleanly
+    assert stop_server(proc) == 0  # SIGTERM: drained and exited cleanly
 
 
 def client(server, protocol: str):

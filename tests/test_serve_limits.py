@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import queue
 import signal
 import subprocess
 import sys
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import launch_server, src_env
 from tolerances import ATOL_SCORE
 
 pytest.importorskip("starlette")
@@ -28,32 +27,8 @@ tg = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 ATOL = ATOL_SCORE[np.float32]  # as in test_serve.py: batching only regroups rows
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
-def launch(args: list[str], timeout: float = 60.0):
-    """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
-    log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "leanrnn", "serve", *args, "--http-port", "0", "--grpc-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    logs: list[str] = []
-    threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
-    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout)
-    except queue.Empty:
-        line = ""
-    if "ready" not in line:
-        proc.kill()
-        proc.wait()
-        time.sleep(0.5)  # the reader thread takes the last lines
-        raise AssertionError(f"server did not start ({line!r}): {''.join(logs)}")
-    fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
-    return proc, fields["http"], fields["grpc"], logs
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +37,7 @@ def server(tmp_path_factory):
     model = leanrnn.GRU(3, 4, num_layers=2, seed=3)
     model.save(str(d / "gru.lrnn"))
     args = ["--max-streams", "3", "--idle-timeout", "1.5", "--token", TOKEN]
-    proc, http_url, grpc_url, logs = launch([f"gru={d}/gru.lrnn", *args])
+    proc, http_url, grpc_url, logs = launch_server([f"gru={d}/gru.lrnn", *args])
     yield {"model": model, "http": http_url, "grpc": grpc_url, "proc": proc, "logs": logs}
     if proc.poll() is None:
         proc.kill()
@@ -166,7 +141,7 @@ def test_idle_eviction_names_the_sequence(server):
 def test_taken_ports_are_one_line_errors(server, tmp_path):
     path = str(tmp_path / "m.lrnn")
     server["model"].save(path)
-    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = src_env()
     for flag, taken, other in (("--http-port", server["http"], "--grpc-port"),
                                ("--grpc-port", server["grpc"], "--http-port")):  # fmt: skip
         port = taken.rsplit(":", 1)[1]
