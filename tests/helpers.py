@@ -144,3 +144,16 @@ def stop_server(proc) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+
+
+def finish_process(proc, timeout: float) -> str:
+    """Wait for PROC (started with start_new_session=True) and return its output; past TIMEOUT
+    seconds kill its whole process group, so a hung child and anything it started cannot
+    outlive the test."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out = f"{out or ''}\n[killed after {timeout:g} s]"
+    return out or ""

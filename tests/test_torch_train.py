@@ -14,6 +14,7 @@ import tempfile
 import numpy as np
 import pytest
 
+from helpers import finish_process, src_env
 from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_GRAD
 
 pytestmark = pytest.mark.torch
@@ -448,15 +449,14 @@ def test_import_leanrnn_does_not_import_torch():
 
 
 # ---------------------------------------------------------------------------- DDP
-def _ddp_worker(index, world, port, path):
+def _ddp_worker(rank, world, port, path):
     """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients."""
-    rank = world - 1 - index  # spawned children take the high ranks; this process is rank 0
     torch.distributed.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=120),  # a rank that died must not hang the suite
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         _, net = _twin_nets(num_layers=2, bidirectional=True)
@@ -469,18 +469,39 @@ def _ddp_worker(index, world, port, path):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow  # a second interpreter imports torch and leanrnn: ~10 s of start-up
+@pytest.mark.slow  # two interpreters import torch and leanrnn: ~10 s of start-up
 def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
-    """gloo on 127.0.0.1: this process is rank 0 and one spawned process is rank 1 (a second
-    spawned interpreter would only add its start-up, ~10 s of imports on 2 busy cores)."""
+    """gloo on 127.0.0.1, both ranks in child processes. gloo's own calls block in C++ where
+    neither its timeout nor a Python signal reaches them (a CI run once hung here for 90
+    minutes), so no rank runs inside pytest: each child has a hard deadline and is killed with
+    its process group when it passes. GLOO_SOCKET_IFNAME=lo keeps gloo's pair connections on
+    loopback instead of the address the host name resolves to."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(src_env(), GLOO_SOCKET_IFNAME="lo")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "grads")
-        ctx = torch.multiprocessing.spawn(_ddp_worker, args=(2, port, path), nprocs=1, join=False)
-        _ddp_worker(1, 2, port, path)
-        ctx.join()
+        ranks = []
+        for rank in range(2):
+            code = (
+                f"import sys; sys.path.insert(0, {here!r}); import test_torch_train as t; "
+                f"t._ddp_worker({rank}, 2, {port}, {path!r})"
+            )
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        logs = [finish_process(p, timeout=240) for p in ranks]
+        for p, log in zip(ranks, logs, strict=True):
+            assert p.returncode == 0, log[-3000:]
         got = [torch.load(f"{path}.{r}") for r in range(2)]
     _, net = _twin_nets(num_layers=2, bidirectional=True)
     tok = torch.randint(0, 11, (T, 2 * N), generator=torch.Generator().manual_seed(10))
