@@ -449,6 +449,9 @@ def test_import_leanrnn_does_not_import_torch():
 
 
 # ---------------------------------------------------------------------------- DDP
+CONNECTED = "gloo connected"
+
+
 def _ddp_worker(rank, world, port, path):
     """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients."""
     torch.distributed.init_process_group(
@@ -458,6 +461,7 @@ def _ddp_worker(rank, world, port, path):
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
+    print(CONNECTED, flush=True)
     try:
         _, net = _twin_nets(num_layers=2, bidirectional=True)
         ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -500,6 +504,9 @@ def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
                 )
             )
         logs = [finish_process(p, timeout=240) for p in ranks]
+        if any(p.returncode for p in ranks) and not any(CONNECTED in log for log in logs):
+            # Neither rank got past gloo's rendezvous: the sandbox's network, not leanrnn.
+            pytest.skip(f"gloo could not connect two processes on loopback here: {logs[0][-500:]}")
         for p, log in zip(ranks, logs, strict=True):
             assert p.returncode == 0, log[-3000:]
         got = [torch.load(f"{path}.{r}") for r in range(2)]
