@@ -106,12 +106,17 @@ class Parameter:
     name: a label used in error messages.
     version: incremented by every optimizer step that writes value, so the owner can tell the
         weights changed and refresh what it derived from them (torch's ``_version``).
+    on_step: called after each optimizer step that wrote value (or None): for what must never
+        be stale, e.g. the folded biases that inference reads straight from the packed weights.
     """
 
-    __slots__ = ("_grad", "_value", "name", "version")
+    __slots__ = ("_grad", "_value", "name", "on_step", "version")
 
-    def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = ""):
+    def __init__(
+        self, value: np.ndarray, grad: np.ndarray | None = None, name: str = "", on_step=None
+    ):
         self.name = str(name)
+        self.on_step = on_step
         self._value = _check_array("Parameter", f"value of {self._label()}", value)
         self.version = 0
         self._grad = np.zeros_like(value) if grad is None else self._checked_grad(grad)
@@ -423,6 +428,8 @@ class _Optimizer:
         for i, p in enumerate(self._params):
             self._update(i, p.value, p.grad, self._state[i])
             p.version += 1
+            if p.on_step is not None:
+                p.on_step()
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -34,6 +34,8 @@ the same number of threads (threads.limit_blas).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import config
@@ -142,8 +144,12 @@ class Trainer:
             for d, (pw, pg) in enumerate(zip(wl, gl, strict=True)):
                 names = ["Wt", "Rt"] + (["bW", "bR"] if spec.bias else []) + (
                     ["proj"] if spec.proj_size else [])  # fmt: skip
+                # A bias step refolds b = bW + bR at once: Model.forward, save and any Session
+                # read b straight from these packed weights, not through the Trainer.
+                fold = functools.partial(fold_biases, spec, pw)
                 for n in names:
-                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}"))
+                    hook = fold if n in ("bW", "bR") else None
+                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}", hook))
         return out
 
     def parameters(self) -> list[Parameter]:
@@ -222,17 +228,6 @@ class Trainer:
             _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
         S = self._segment(T, N)
         recompute = (self.recompute or self.memory_limit is not None) and S < T
-        # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
-        # is read in place when it is already laid out so (the tape keeps a reference)
-        stage = spec.batch_first or not x.flags.c_contiguous
-        mem = self._memory(N, T, S, recompute, own_memory, stage)
-        if stage:
-            xt = mem["x"]
-            xt[:] = (
-                x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
-            )
-        else:
-            xt = x.reshape(T * N, C)
         if masks is not None:
             if not self.dropout or len(masks) != L - 1:
                 raise ShapeError(f"[{op}] got {len(masks)} dropout masks for {L} layers; expected "
@@ -241,6 +236,21 @@ class Trainer:
             masks = [_check.array(op, "masks", m, dt, (T * N, DK), ("T*N", "D*K")) for m in masks]
         elif self.training and self.dropout and L > 1:
             masks = self._masks(T, N)
+        # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
+        # is read in place when it is already laid out so (the tape keeps a reference)
+        stage = spec.batch_first or not x.flags.c_contiguous
+        # Every check is above this line: from here the shared arena is overwritten, so the
+        # live tape in it (if any) is stale from now on, and only then.
+        mem = self._memory(N, T, S, recompute, own_memory, stage)
+        if mem["_arena"] is self._arena:
+            self._serial += 1
+        if stage:
+            xt = mem["x"]
+            xt[:] = (
+                x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
+            )
+        else:
+            xt = x.reshape(T * N, C)
         y = np.empty((T * N, D * K), dt)
         h_n = np.empty((L * D, N, K), dt)
         c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None
@@ -264,7 +274,6 @@ class Trainer:
         h_n[:] = hs
         if c_n is not None:
             c_n[:] = cs
-        self._serial += 1
         saved["serial"] = self._serial
         yv = y.reshape(T, N, D * K)
         yout = np.ascontiguousarray(yv.transpose(1, 0, 2)) if spec.batch_first else yv
@@ -306,35 +315,40 @@ class Trainer:
         per = N * (spec.output_size + (spec.hidden_size if spec.cell == "lstm" else 0))
         return -(-T // S) * spec.num_layers * spec.num_directions * per * self.dtype.itemsize
 
-    def _fits(self, N: int, T: int, S: int, recompute: bool, limit: int) -> bool:
+    def _need(self, N: int, T: int, S: int, recompute: bool) -> int:
+        """Bytes of a step of N x T in segments of S: arena + boundary states (the same count
+        that ``memory_limit`` is held to and that its errors report)."""
         need = plan(self._buffers(N, T, S, recompute, self.spec.batch_first)[0]).total
-        return need + self._checkpoint_bytes(N, T, S) <= limit
+        return need + self._checkpoint_bytes(N, T, S)
 
     def _limited_segment(self, T: int, N: int) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
         longest recomputed segment that fits (arena + boundary states; PlanError if none)."""
         limit = int(self.memory_limit)
-        if self._fits(N, T, T, False, limit):
+        if self._need(N, T, T, False) <= limit:
             return T
         if self.spec.direction != "forward":
-            need = plan(self._buffers(N, T, T, False)[0]).total
             raise PlanError(
-                f"[Trainer] a {self.spec.direction} stack stores the whole sequence: {need} "
-                f"bytes for N={N}, T={T}; memory_limit={limit}"
+                f"[Trainer] a {self.spec.direction} stack stores the whole sequence: "
+                f"{self._need(N, T, T, False)} bytes for N={N}, T={T}; memory_limit={limit}"
             )
-        # bytes ~ a*S + b*T/S: the segments that fit are an interval around the minimum; take
-        # its longest (fewest segments, biggest GEMMs)
-        lo = max(1, min(T, round(np.sqrt(T))))
-        if not self._fits(N, T, lo, True, limit):
-            need = plan(self._buffers(N, T, lo, True)[0]).total + self._checkpoint_bytes(N, T, lo)
+        # bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the minimum.
+        # Where the minimum lies depends on how the per-step buffers (a) weigh against the
+        # boundary states (b), so look for it on a geometric grid of S (a few dozen plans, not
+        # T), then take the longest fitting segment above it (fewest segments, biggest GEMMs).
+        grid = sorted({int(s) for s in np.unique(np.geomspace(1, T, 48).round())})
+        needs = {S: self._need(N, T, S, True) for S in grid}
+        best = min(needs, key=needs.get)
+        if needs[best] > limit:
             raise PlanError(
-                f"[Trainer] even recomputing segments of {lo} steps needs {need} bytes for "
-                f"N={N}, T={T}; memory_limit={limit}: lower the batch or raise the limit"
+                f"[Trainer] even recomputing segments of {best} steps (the least memory) needs "
+                f"{needs[best]} bytes for N={N}, T={T}; memory_limit={limit}: lower the batch "
+                "or raise the limit"
             )
-        hi = T
+        lo, hi = best, T
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(N, T, mid, True, limit):
+            if self._need(N, T, mid, True) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
