@@ -84,3 +84,50 @@ def test_an_own_memory_forward_does_not_stale_the_tape_in_the_arena():
     tr.forward(x)
     with pytest.raises(TapeError):
         tr.backward(a, np.ones_like(a.y))
+
+
+# ---------------------------------------------------------------------- leanrnn.torch
+def test_torch_module_refuses_backward_after_x_changed_in_place_as_torch_does():
+    torch = pytest.importorskip("torch")
+    lt = pytest.importorskip("leanrnn.torch")
+    for module in (torch.nn.LSTM(3, 4), lt.LSTM(3, 4)):
+        x = torch.randn(5, 2, 3)
+        y, _ = module(x)
+        x.add_(1)  # the tape reads x in place
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_torch_module_used_by_two_threads_at_once_gives_each_its_own_results():
+    """Oracle: the same calls one after another. Two threads share one module's trainer
+    (arena, sync array, gradient buffer); before the fix most results came out wrong."""
+    torch = pytest.importorskip("torch")
+    lt = pytest.importorskip("leanrnn.torch")
+    import threading
+
+    torch.manual_seed(0)
+    m = lt.LSTM(8, 32, num_layers=2)
+    xs = [torch.randn(12, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def grads(x):
+        y, _ = m(x)
+        g = torch.autograd.grad((y * y).sum(), list(m.parameters()))
+        return [y.detach().clone(), *(t.detach().clone() for t in g)]
+
+    want = [grads(x) for x in xs]
+    got: list[list] = [[], []]
+
+    def work(i):
+        for _ in range(8):
+            got[i].append(grads(xs[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert len(got[i]) == 8
+        for res in got[i]:
+            for a, b in zip(res, want[i], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)

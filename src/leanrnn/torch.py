@@ -53,6 +53,7 @@ import itertools
 import json
 import math
 import numbers
+import threading
 import warnings
 import weakref
 from functools import lru_cache
@@ -98,6 +99,9 @@ class _Engine:
         self.model = None
         self.copies: list[np.ndarray] = []
         self.seen: list[tuple] = []
+        # One forward or backward at a time per module: they share the trainer's arena, sync
+        # array and gradient buffer (torch lets two Python threads run one module at once).
+        self.lock = threading.RLock()
 
     def sync(self, weights, dropout: bool) -> Trainer:
         """The trainer, its packed weights equal to ``weights`` (torch order and names)."""
@@ -200,17 +204,8 @@ def _np(t):
     return None if t is None else t.detach().contiguous().numpy()
 
 
-@torch.library.custom_op(
-    "leanrnn::rnn_forward",
-    mutates_args=(),
-    device_types="cpu",
-    schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
-    "Tensor? masks, int key, str spec, bool tape) -> (Tensor, Tensor, Tensor, Tensor)",
-)
-def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
-    """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
-    [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None."""
-    eng = _engine(key, spec)
+def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape):
+    """The body of rnn_forward, run under the engine's lock."""
     s = eng.spec
     tr = eng.sync(weights, masks is not None)
     xn = _np(x)
@@ -241,6 +236,22 @@ def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
             np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
         )
         handle = _handle(None, None, weights)
+    return y, h_n, c_n, handle
+
+
+@torch.library.custom_op(
+    "leanrnn::rnn_forward",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
+    "Tensor? masks, int key, str spec, bool tape) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
+    """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
+    [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None."""
+    eng = _engine(key, spec)
+    with eng.lock:
+        y, h_n, c_n, handle = _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape)
     c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
     return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
 
@@ -272,30 +283,31 @@ def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec):
             "another process); run the forward again"
         )
     eng, tape, versions = entry
-    if [w._version for w in weights] != versions:
-        raise TapeError(
-            f"[{op}] a parameter was modified in place after this forward (an optimizer step "
-            "between forward and backward?); as torch would, refuse: run the forward again"
-        )
-    tr = tape._trainer  # the engine may have made another since (dtype, dropout buffers)
-    if tape._version != tr._version:
-        # the packed weights were repacked since (another forward saw other values, e.g.
-        # gradcheck's perturbations through .data): pack the current values, replay
-        if eng.tr is not tr or eng.sync(weights, bool(tr.dropout)) is not tr:
+    with eng.lock:
+        if [w._version for w in weights] != versions:
             raise TapeError(
-                f"[{op}] the module's weights changed and its engine was rebuilt (dtype or "
-                "dropout changed) since this forward; run the forward again"
+                f"[{op}] a parameter was modified in place after this forward (an optimizer step "
+                "between forward and backward?); as torch would, refuse: run the forward again"
             )
-        tape = entry[1] = _replay(tr, tape)
-    elif tape.used:
-        tape = entry[1] = _replay(tr, tape)
-    tr.zero_grad()
-    dx, dh0, dc0 = tr.backward(tape, _np(dy), _np(dh_n), _np(dc_n))
-    s = tr.spec
-    sd = torch_format.to_state_dict(s, tr.gradients())
-    out = [torch.from_numpy(dx), torch.from_numpy(dh0)]
-    out.append(torch.from_numpy(dc0) if dc0 is not None else dy.new_empty(0))
-    out += [torch.from_numpy(np.ascontiguousarray(sd[n])) for n in torch_format.expected_keys(s)]
+        tr = tape._trainer  # the engine may have made another since (dtype, dropout buffers)
+        if tape._version != tr._version:
+            # the packed weights were repacked since (another forward saw other values, e.g.
+            # gradcheck's perturbations through .data): pack the current values, replay
+            if eng.tr is not tr or eng.sync(weights, bool(tr.dropout)) is not tr:
+                raise TapeError(
+                    f"[{op}] the module's weights changed and its engine was rebuilt (dtype or "
+                    "dropout changed) since this forward; run the forward again"
+                )
+            tape = entry[1] = _replay(tr, tape)
+        elif tape.used:
+            tape = entry[1] = _replay(tr, tape)
+        tr.zero_grad()
+        dx, dh0, dc0 = tr.backward(tape, _np(dy), _np(dh_n), _np(dc_n))
+        s = tr.spec
+        sd = torch_format.to_state_dict(s, tr.gradients())
+        out = [torch.from_numpy(dx), torch.from_numpy(dh0)]
+        out.append(torch.from_numpy(dc0) if dc0 is not None else dy.new_empty(0))
+        out += [torch.from_numpy(np.array(sd[n])) for n in torch_format.expected_keys(s)]
     return out
 
 
@@ -312,14 +324,16 @@ def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec):
 
 def _setup_context(ctx, inputs, output):
     x, h0, c0, weights, lengths, masks, key, spec, tape = inputs
-    ctx.save_for_backward(output[3], *weights)
+    # x too: the tape reads x in place, so torch's version check must refuse a backward after
+    # x was modified in place (as it does for torch.nn.LSTM)
+    ctx.save_for_backward(output[3], x, *weights)
     ctx.spec = spec
     ctx.lstm = _spec(spec).cell == "lstm"
     ctx.has = (h0 is not None, c0 is not None)
 
 
 def _backward(ctx, dy, dh_n, dc_n, _dhandle):
-    handle, *weights = ctx.saved_tensors
+    handle, _x, *weights = ctx.saved_tensors
     grads = torch.ops.leanrnn.rnn_backward(
         handle, dy, dh_n, dc_n if ctx.lstm else None, weights, ctx.spec
     )
