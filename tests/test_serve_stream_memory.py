@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("grpc")
 pytest.importorskip("tritonclient.grpc")
 
-from leanrnn.serve import rpc  # noqa: E402
+from leanrnn.serve import rpc
 
 
 class _Core:
