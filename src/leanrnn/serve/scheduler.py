@@ -114,12 +114,14 @@ class Request:
 
 
 class Sequence:
-    __slots__ = ("ending", "inflight", "key", "last", "queue", "slot", "started", "steps")
+    __slots__ = (
+        "ending", "inflight", "key", "last", "queue", "released", "slot", "started", "steps",
+    )  # fmt: skip
 
     def __init__(self, key, slot: int, now: float) -> None:
         self.key, self.slot, self.last, self.started = key, slot, now, now
         self.queue: collections.deque[Request] = collections.deque()
-        self.ending = self.inflight = False
+        self.ending = self.inflight = self.released = False
         self.steps = 0
 
 
@@ -232,7 +234,9 @@ class Lane:
         s = self.seqs.get(key)
         name = self.name
         if start:
-            if s is not None:
+            # A start on an id whose sequence_end is queued is a new sequence (Triton's
+            # semantics): it takes its own slot now, and the ending one finishes on its own.
+            if s is not None and not s.ending:
                 raise SequenceError(
                     f"[infer] sequence_start for sequence {describe(key)} of model {name!r}, "
                     f"which is live ({s.steps} steps so far); expected a new sequence_id; end "
@@ -312,8 +316,12 @@ class Lane:
         return out
 
     def _release(self, s: Sequence) -> None:
-        del self.seqs[s.key]
-        self.free.append(s.slot)
+        """Free ``s``'s slot; by object, not by key: its id may already name a newer sequence."""
+        if self.seqs.get(s.key) is s:
+            del self.seqs[s.key]
+        if not s.released:
+            s.released = True
+            self.free.append(s.slot)
 
     # ------------------------------------------------------------ a batched call
     def take(self) -> list[Sequence]:
@@ -394,8 +402,7 @@ class Lane:
                 r.error = error
                 done.append(r)
             s.queue.clear()
-            if s.key in self.seqs:
-                self._release(s)
+            self._release(s)
         return done
 
 
@@ -504,6 +511,11 @@ class Scheduler:
         idle = True
         while True:
             with cond:
+                if self._stop and self._ready_count():
+                    # stop() after the grace period: what was not run by now fails, at once
+                    done = self._abandon()
+                    cond.notify_all()
+                    break
                 while not self._ready_count():
                     if self._stop:
                         return
@@ -559,3 +571,20 @@ class Scheduler:
             for r in done:
                 if r.on_done is not None:
                     r.on_done(r)
+        for r in done:  # the abandoned requests, outside the lock as above
+            if r.on_done is not None:
+                r.on_done(r)
+
+    def _abandon(self) -> list[Request]:
+        """Under the lock, when stopping: fail every queued request (none is in flight)."""
+        done = []
+        for lane in self._order:
+            picked = list(lane.ready)
+            lane.ready.clear()
+            err = Unavailable(
+                f"[infer] model {lane.name!r}: the server stopped (its --grace period ran out) "
+                "before this request ran; its sequence is gone: start it again on a running "
+                "server"
+            )
+            done += lane.fail(picked, err)
+        return done
