@@ -14,7 +14,7 @@ import pytest
 
 import leanrnn
 from leanrnn.engine.session import Pool
-from leanrnn.serve.errors import Unavailable
+from leanrnn.serve.errors import Exhausted, Unavailable
 from leanrnn.serve.scheduler import Lane, Scheduler
 from tolerances import ATOL_SAME_ARITHMETIC
 
@@ -59,6 +59,30 @@ def test_stop_after_the_grace_period_fails_what_has_not_run():
     assert isinstance(r.error, Unavailable), r.error
     assert "grace" in str(r.error)
     assert not lane.seqs and len(lane.free) == 2
+
+
+def test_accepted_work_is_bounded_by_max_queued_bytes():
+    """A client sending faster than the engine runs gets RESOURCE_EXHAUSTED once the accepted,
+    unanswered requests hold the limit; the streams already accepted finish exactly."""
+    model = leanrnn.GRU(3, 4, seed=3)
+    lane = Lane("g", model, Pool(), threads=1, max_streams=8, max_batch=4, max_chunk=4,
+                idle_timeout=60.0)  # fmt: skip
+    lane.warm_up()
+    x = np.ones((100, 3), np.float32)
+    one = x.nbytes + 100 * 4 * 4  # x and its y [100, D*K]
+    sched = Scheduler({"g": lane}, max_wait=0.0, max_queued_bytes=int(2.5 * one))
+    ra = sched.submit("g", 1, True, True, x)
+    rb = sched.submit("g", 2, True, True, x)
+    with pytest.raises(Exhausted, match="max-queued-bytes"):
+        sched.submit("g", 3, True, True, x)
+    assert 3 not in lane.seqs  # refused before it took a slot
+    sched.start()
+    assert sched.drain(30)
+    sched.stop()
+    want = model(x[:, None])[0][:, 0]
+    for r in (ra, rb):
+        np.testing.assert_allclose(r.y, want, rtol=0, atol=ATOL_SAME_ARITHMETIC[x.dtype])
+    assert sched.queued_bytes == 0  # every answered request gave its bytes back
 
 
 grpc = pytest.importorskip("grpc")

@@ -102,6 +102,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="largest request body (default 64M)",
     )
     p.add_argument(
+        "--max-queued-bytes",
+        type=parse_bytes,
+        default=1 << 30,
+        help="inputs and outputs of accepted requests not yet answered, all models together; "
+        "beyond it new requests get HTTP 429 / RESOURCE_EXHAUSTED (default 1G)",
+    )
+    p.add_argument(
         "--token",
         default=os.environ.get("LEANRNN_SERVE_TOKEN"),
         help="require 'Authorization: Bearer TOKEN' (default: $LEANRNN_SERVE_TOKEN; "
@@ -137,5 +144,6 @@ def run(args: argparse.Namespace) -> int:
         max_call=max(args.max_call_ms, 0.01) / 1000,
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
+        max_queued_bytes=args.max_queued_bytes,
     )  # fmt: skip
     return serve(cfg)

@@ -94,6 +94,7 @@ class Request:
         "end",
         "error",
         "h_out",
+        "nbytes",
         "on_done",
         "pos",
         "seq",
@@ -106,6 +107,7 @@ class Request:
 
     def __init__(self, x, y, end, want_state, on_done) -> None:
         self.x, self.y, self.T, self.pos = x, y, x.shape[0], 0
+        self.nbytes = x.nbytes + y.nbytes  # what this request holds until it is answered
         self.end, self.want_state, self.on_done = end, want_state, on_done
         self.h_out = self.c_out = self.error = None
         self.t_submit = time.monotonic()
@@ -411,8 +413,12 @@ class Scheduler:
     arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe."""
 
     def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
-                 metrics=None) -> None:  # fmt: skip
+                 metrics=None, max_queued_bytes: int | None = None) -> None:  # fmt: skip
         self.lanes = lanes
+        # Accepted requests hold their x and y until answered: a client sending faster than
+        # the engine runs must get 429s, not grow the server's memory without bound.
+        self.max_queued_bytes = max_queued_bytes
+        self.queued_bytes = 0
         self.max_wait = max_wait
         self.max_call = max_call
         self.metrics = metrics
@@ -439,7 +445,18 @@ class Scheduler:
             if not self._accepting:
                 raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
             now = time.monotonic()
+            limit = self.max_queued_bytes
+            if limit is not None:
+                cost = x.nbytes + x.shape[0] * lane.DK * lane.dtype.itemsize  # x and its y
+                # (one request alone always goes: a limit below it must not wedge the server)
+                if self.queued_bytes and self.queued_bytes + cost > limit:
+                    raise Exhausted(
+                        f"[infer] {self.queued_bytes} bytes of accepted requests are waiting "
+                        f"for the engine, and this one ({int(cost)} B) would pass the server's "
+                        f"limit of {limit} (--max-queued-bytes); retry later or send less at once"
+                    )
             r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now)
+            self.queued_bytes += r.nbytes
             if self._last_arrival is not None:
                 gap = now - self._last_arrival
                 self._gap = gap if self._gap == float("inf") else 0.9 * self._gap + 0.1 * gap
@@ -557,6 +574,7 @@ class Scheduler:
                     done = lane.finish(picked, t1)
                 else:
                     done = lane.fail(picked, error)
+                self.queued_bytes -= sum(r.nbytes for r in done)
                 if not self._pending():
                     cond.notify_all()  # drain() waits for this
                 live = len(lane.seqs)
@@ -587,4 +605,5 @@ class Scheduler:
                 "server"
             )
             done += lane.fail(picked, err)
+        self.queued_bytes -= sum(r.nbytes for r in done)
         return done

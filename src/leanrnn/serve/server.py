@@ -36,6 +36,7 @@ class ServeConfig:
     max_streams: int = 1024
     idle_timeout: float = 60.0
     max_request_bytes: int = 64 << 20
+    max_queued_bytes: int = 1 << 30
     token: str | None = None
     grace: float = 30.0
 
@@ -76,7 +77,7 @@ def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Schedu
         lanes[name] = lane
     metrics = Metrics()
     scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
-                          metrics=metrics)  # fmt: skip
+                          metrics=metrics, max_queued_bytes=config.max_queued_bytes)  # fmt: skip
     core = Core(scheduler, token=config.token, max_request_bytes=config.max_request_bytes,
                 metrics=metrics)  # fmt: skip
     return core, scheduler, metrics
