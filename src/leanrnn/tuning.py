@@ -344,9 +344,7 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     if not target > 0:
         raise PlanError(f"[tune] latency={latency!r}; expected seconds > 0, e.g. 0.01")
     if max_batch < 1 or max_chunk < 1:
-        raise PlanError(
-            f"[tune] max_batch={max_batch}, max_chunk={max_chunk}; expected both >= 1"
-        )
+        raise PlanError(f"[tune] max_batch={max_batch}, max_chunk={max_chunk}; expected both >= 1")
     threads = config.threads_for(threads)
     measure = measure or _Timer(session, threads)
     chunkable = session.chunkable
