@@ -80,9 +80,11 @@ def tuned_batch(name: str, model, config: ServeConfig) -> int:
     return m.batch
 
 
-def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Scheduler, Metrics]:
+def build(config: ServeConfig, loaded: dict | None = None,
+          make_lane=Lane) -> tuple[Core, Scheduler, Metrics]:  # fmt: skip
     """Load the models (or take ``loaded``: name -> model), make their lanes on one pool and
-    warm them up; the scheduler is not started yet."""
+    warm them up; the scheduler is not started yet. ``make_lane``: Lane, or a subclass that
+    runs its calls another way (benchmarks/serve_bench.py's onnxruntime-per-stream baseline)."""
     from ..loading import load
 
     pool = Pool()
@@ -90,7 +92,7 @@ def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Schedu
     models = loaded or {name: load(path) for name, path in config.models.items()}
     for name, model in models.items():
         max_batch = config.max_batch or tuned_batch(name, model, config)
-        lane = Lane(name, model, pool, threads=config.threads, max_streams=config.max_streams,
+        lane = make_lane(name, model, pool, threads=config.threads, max_streams=config.max_streams,
                     max_batch=max_batch, max_chunk=config.max_chunk,
                     idle_timeout=config.idle_timeout)  # fmt: skip
         lane.warm_up()
@@ -116,7 +118,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print) -> None:
+async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print,
+                      make_lane=Lane) -> None:  # fmt: skip
     import uvicorn
 
     from .http import make_app
@@ -131,7 +134,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
             "pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
-    core, scheduler, metrics = build(config, loaded)
+    core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
