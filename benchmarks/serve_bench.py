@@ -14,7 +14,8 @@ Load: every stream sends ``--steps`` steps (frames of C features) every ``--peri
 through gRPC (tritonclient.grpc.aio) as one sequence (sequence_start on its first request,
 sequence_end on its last), for ``--seconds`` seconds after a staggered start. The streams are
 spread over ``--clients`` client processes (asyncio inside), separate from the server process.
-Latency = request sent -> response received, per request. A stream whose response comes later
+Latency = request sent -> response received, per request (a stream's first request,
+which takes its slot and, in the baseline, makes its session, is not counted). A stream whose response comes later
 than its next send time sends late (``late`` counts those): a server that falls behind shows
 up as late sends and a long tail, not as a silently lower request rate.
 
@@ -71,12 +72,24 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_seconds(http: str) -> float:
+def counters(http: str) -> np.ndarray:
+    """[engine seconds, engine calls, streams in those calls] so far, from /metrics."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines()
-               if ln.startswith("leanrnn_serve_engine_seconds_total"))  # fmt: skip
+    names = ("leanrnn_serve_engine_seconds_total", "leanrnn_serve_batch_size_count",
+             "leanrnn_serve_batch_size_sum")  # fmt: skip
+    return np.array([sum(float(ln.split()[-1]) for ln in text.splitlines()
+                         if ln.startswith(name)) for name in names])  # fmt: skip
+
+
+def max_batch(http: str) -> int:
+    """The server's max batch (its model config's max_candidate_sequences): measured at
+    start-up unless --max-batch was given."""
+    import urllib.request
+
+    cfg = json.loads(urllib.request.urlopen(f"http://{http}/v2/models/m/config", timeout=10).read())
+    return int(cfg["sequence_batching"]["oldest"]["max_candidate_sequences"])
 
 
 def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
@@ -109,7 +122,8 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
                         sequence_start=first,
                         sequence_end=last,
                     )
-                    lat.append(time.monotonic() - t0)
+                    if not first:  # a stream's first request (its slot, and for the
+                        lat.append(time.monotonic() - t0)  # baseline its session) not counted
                 except Exception:  # counted; the stream starts over
                     errors[0] += 1
                     first = True
@@ -386,7 +400,7 @@ def main(argv=None) -> int:
           f"{args.clients} client processes; server --threads {args.threads}; "
           f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'server':<22}{'streams':>8}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'late':>6}"
-          f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}{'load':>6}")  # fmt: skip
+          f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}{'batch':>6}{'load':>6}")  # fmt: skip
     base = 1
     most = max(args.streams)
     for key in args.only:
@@ -396,21 +410,25 @@ def main(argv=None) -> int:
             extra += ["--max-streams", str(most)]
         proc, url, http = launch(path, extra, ort)
         rows = results[name] = []
+        print(f"{name}: max batch {max_batch(http)}", flush=True)
         try:
             for n in args.streams:
-                cpu0, eng0 = server_cpu(proc.pid), engine_seconds(http)
+                cpu0, m0 = server_cpu(proc.pid), counters(http)
                 r = measure(url, n, args.clients, args.input, args.steps, args.period,
                             args.seconds, base)  # fmt: skip
                 req = max(r["requests"], 1)
                 r["server_cpu_ms_per_request"] = (server_cpu(proc.pid) - cpu0) * 1000 / req
-                r["engine_ms_per_request"] = (engine_seconds(http) - eng0) * 1000 / req
+                eng, calls, in_calls = counters(http) - m0
+                r["engine_ms_per_request"] = eng * 1000 / req
+                r["mean_batch"] = in_calls / max(calls, 1)
                 r["load"] = os.getloadavg()[0]
                 base += n
                 rows.append(r)
                 print(f"{name:<22}{n:>8}{r['requests']:>10}{r['p50_ms']:>9.1f}"
                       f"{r['p99_ms']:>9.1f}{r['late']:>6}{r['errors']:>7}"
                       f"{r['server_cpu_ms_per_request']:>11.2f}"
-                      f"{r['engine_ms_per_request']:>14.2f}{r['load']:>6.1f}", flush=True)  # fmt: skip
+                      f"{r['engine_ms_per_request']:>14.2f}{r['mean_batch']:>6.1f}"
+                      f"{r['load']:>6.1f}", flush=True)  # fmt: skip
                 if r["p99_ms"] > 3 * args.target:
                     break  # past the bar: larger loads say nothing more
         finally:
