@@ -150,3 +150,14 @@ def test_serve_takes_the_tuned_batch_unless_told(monkeypatch):
     cfg.max_batch = 3
     core, sched, _ = build(cfg, {"m": m})
     assert sched.lanes["m"].max_batch == 3
+
+
+def test_a_huge_max_batch_costs_a_few_more_measurements_not_a_sweep():
+    """Bounded time for any --max-batch: candidates grow with log(max_batch), and calls over
+    the memory limit are never run."""
+    m = leanrnn.GRU(4, 8, seed=8)
+    machine = Machine()
+    got = tuning.tune(m.session, latency=1e-3, max_batch=10**18, measure=machine)
+    assert len(tuning.batch_candidates(10**18)) < 300
+    assert len(machine.asked) < 16
+    assert got.batch == truth(machine, 1e-3, got.memory_limit, m.session, most=10**6)[0]

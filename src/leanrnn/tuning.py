@@ -204,13 +204,21 @@ MAX_TUNE_BATCH = 256
 MAX_TUNE_CHUNK = 16
 
 
+def bucket(n: int) -> int:
+    """n rounded up to 1..8, then 4 values per octave (10, 12, 14, 16, 20, 24, ...): the row
+    counts the server's calls are padded to (<= 25% padding), so they come in few shapes."""
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 def batch_candidates(most: int) -> list[int]:
-    """1..8, then 4 per octave (10, 12, 14, 16, 20, ...) up to ``most``: the same row counts
-    the server's scheduler pads its calls to (serve.scheduler.bucket)."""
+    """Every bucket up to ``most``, ascending: the batches ``tune`` may choose (O(log most))."""
     out, n = [], 1
     while n <= most:
         out.append(n)
-        n = n + 1 if n < 8 else n + (1 << (n.bit_length() - 3))
+        n = bucket(n + 1)
     return out
 
 

@@ -69,11 +69,11 @@ def tuned_batch(name: str, model, config: ServeConfig) -> int:
     from ..tuning import MAX_TUNE_BATCH, tune
 
     session = getattr(model, "session", None)
-    if not isinstance(session, Session):
+    if not isinstance(session, Session) or not session.chunkable:
         return 1  # Lane refuses it with the reason
     m = tune(session, latency=config.max_call, max_chunk=1, threads=config.threads,
              max_batch=min(MAX_TUNE_BATCH, config.max_streams))  # fmt: skip
-    best = min(m.points, key=lambda p: abs(p.batch - m.batch))
+    best = next(p for p in m.points if p.batch == m.batch)  # the search measured it
     _log.info("tuned", extra={"fields": {"model": name, "max_batch": m.batch,
                                           "call_ms": round(best.seconds * 1e3, 3),
                                           "target_ms": config.max_call * 1e3}})  # fmt: skip
@@ -92,9 +92,9 @@ def build(config: ServeConfig, loaded: dict | None = None,
     models = loaded or {name: load(path) for name, path in config.models.items()}
     for name, model in models.items():
         max_batch = config.max_batch or tuned_batch(name, model, config)
-        lane = make_lane(name, model, pool, threads=config.threads, max_streams=config.max_streams,
-                    max_batch=max_batch, max_chunk=config.max_chunk,
-                    idle_timeout=config.idle_timeout)  # fmt: skip
+        lane = make_lane(name, model, pool, threads=config.threads,
+                         max_streams=config.max_streams, max_batch=max_batch,
+                         max_chunk=config.max_chunk, idle_timeout=config.idle_timeout)  # fmt: skip
         lane.warm_up()
         lanes[name] = lane
     metrics = Metrics()
