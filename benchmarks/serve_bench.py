@@ -33,6 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -370,6 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=100.0, help="p99 bar in ms")
     ap.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
                     help="which servers to measure (default all three)")  # fmt: skip
+    ap.add_argument("--serve-args", default="",
+                    help="more arguments for (a) leanrnn serve, e.g. '--max-wait-ms 20'")  # fmt: skip
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a p50/p99 plot here (matplotlib)")
     ap.add_argument(
@@ -406,6 +409,8 @@ def main(argv=None) -> int:
     for key in args.only:
         name, extra, ort = VARIANTS[key]
         extra = ["--threads", str(args.threads), *extra]
+        if key == "batched":
+            extra += shlex.split(args.serve_args)
         if ort:
             extra += ["--max-streams", str(most)]
         proc, url, http = launch(path, extra, ort)
