@@ -17,7 +17,7 @@ from leanrnn.engine.session import Pool
 from leanrnn.errors import SpecError
 from leanrnn.serve.errors import Exhausted, SequenceError
 from leanrnn.serve.scheduler import Lane, Scheduler, bucket
-from tolerances import ATOL_SAME_ARITHMETIC
+from tolerances import ATOL_ORT, ATOL_SAME_ARITHMETIC, RTOL_ORT
 
 
 def make(models: dict, **kw) -> Scheduler:
@@ -313,3 +313,42 @@ def test_transport_libraries_are_imported_by_the_server_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.onnx
+def test_bench_onnxruntime_baseline_computes_the_model():
+    """benchmarks/serve_bench.py's baseline (c), one onnxruntime session per stream behind the
+    same scheduler, gives each stream the offline model's outputs: its latencies compare like
+    with like."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_bench.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = leanrnn.LSTM(4, 6, num_layers=2, seed=9)
+    lane = bench.ort_lane_class()("m", model, Pool(), threads=1, max_streams=8, max_batch=8,
+                                  max_chunk=4, idle_timeout=60.0)  # fmt: skip
+    lane.warm_up()
+    assert lane.max_batch == 1  # one stream per call, whatever was asked
+    sched = Scheduler({"m": lane}, max_wait=0)
+    sched.start()
+    rng = np.random.default_rng(4)
+    w = Waiter()
+    streams = []
+    for s in range(6):
+        x = rng.standard_normal((int(rng.integers(2, 20)), 4)).astype(np.float32)
+        cut = x.shape[0] // 2
+        reqs = [w.submit(sched, "m", s, True, False, x[:cut]),
+                w.submit(sched, "m", s, False, True, x[cut:])]  # fmt: skip
+        streams.append((x, reqs))
+    w.wait()
+    sched.stop()
+    for x, reqs in streams:
+        got = np.concatenate([r.y for r in reqs])
+        np.testing.assert_allclose(got, model(x)[0], rtol=RTOL_ORT[np.float32],
+                                   atol=ATOL_ORT[np.float32])  # fmt: skip
+    assert len(lane._sessions) > 1  # a session per stream slot
