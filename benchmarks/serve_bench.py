@@ -1,16 +1,21 @@
 """Issue 11's latency curve for ``leanrnn serve``: p50/p99 request latency against concurrent
-streams, batched (the default) vs ``--max-batch 1`` (one stream per engine call), side by side.
+streams for three servers behind the same front end (leanrnn.serve's HTTP/gRPC code), side by
+side: (a) ``leanrnn serve`` (continuous batching, its max batch measured at start-up), (b)
+``leanrnn serve --max-batch 1`` (one stream per engine call), (c) one onnxruntime
+InferenceSession per stream (``--ort-server``: this file's OrtLane in place of the engine).
 
     python benchmarks/serve_bench.py                                  # H=512, 2 layers
     python benchmarks/serve_bench.py --hidden 128 --streams 8 16 32   # a quick look
-    python benchmarks/serve_bench.py --plot serve.png --json serve.json
+    python benchmarks/serve_bench.py --plot benchmarks/serve_bench.png --json serve.json
     python benchmarks/serve_bench.py --engine-only 20 --streams 1 8 64   # no transport
+    python benchmarks/serve_bench.py --only ort --streams 8 16        # one server
 
 Load: every stream sends ``--steps`` steps (frames of C features) every ``--period`` seconds
 through gRPC (tritonclient.grpc.aio) as one sequence (sequence_start on its first request,
 sequence_end on its last), for ``--seconds`` seconds after a staggered start. The streams are
 spread over ``--clients`` client processes (asyncio inside), separate from the server process.
-Latency = request sent -> response received, per request. A stream whose response comes later
+Latency = request sent -> response received, per request (a stream's first request,
+which takes its slot and, in the baseline, makes its session, is not counted). A stream whose response comes later
 than its next send time sends late (``late`` counts those): a server that falls behind shows
 up as late sends and a long tail, not as a silently lower request rate.
 
@@ -28,6 +33,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -39,11 +45,17 @@ import numpy as np
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def launch(model_path: str, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    """``leanrnn serve`` on free ports; (process, grpc address, http address)."""
+def launch(
+    model_path: str, extra: list[str], ort: bool = False
+) -> tuple[subprocess.Popen, str, str]:
+    """``leanrnn serve`` (or, ``ort``, this file's onnxruntime-per-stream server) on free ports;
+    (process, grpc address, http address)."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "leanrnn", "serve", f"m={model_path}", "--http-port", "0",
-           "--grpc-port", "0", *extra]  # fmt: skip
+    if ort:
+        cmd = [sys.executable, os.path.abspath(__file__), "--ort-server", model_path, *extra]
+    else:
+        cmd = [sys.executable, "-m", "leanrnn", "serve", f"m={model_path}", "--http-port", "0",
+               "--grpc-port", "0", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env)  # fmt: skip
     lines: queue.Queue = queue.Queue()
@@ -61,12 +73,24 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_seconds(http: str) -> float:
+def counters(http: str) -> np.ndarray:
+    """[engine seconds, engine calls, streams in those calls] so far, from /metrics."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
-    return sum(float(ln.split()[-1]) for ln in text.splitlines()
-               if ln.startswith("leanrnn_serve_engine_seconds_total"))  # fmt: skip
+    names = ("leanrnn_serve_engine_seconds_total", "leanrnn_serve_batch_size_count",
+             "leanrnn_serve_batch_size_sum")  # fmt: skip
+    return np.array([sum(float(ln.split()[-1]) for ln in text.splitlines()
+                         if ln.startswith(name)) for name in names])  # fmt: skip
+
+
+def max_batch(http: str) -> int:
+    """The server's max batch (its model config's max_candidate_sequences): measured at
+    start-up unless --max-batch was given."""
+    import urllib.request
+
+    cfg = json.loads(urllib.request.urlopen(f"http://{http}/v2/models/m/config", timeout=10).read())
+    return int(cfg["sequence_batching"]["oldest"]["max_candidate_sequences"])
 
 
 def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
@@ -99,7 +123,8 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
                         sequence_start=first,
                         sequence_end=last,
                     )
-                    lat.append(time.monotonic() - t0)
+                    if not first:  # a stream's first request (its slot, and for the
+                        lat.append(time.monotonic() - t0)  # baseline its session) not counted
                 except Exception:  # counted; the stream starts over
                     errors[0] += 1
                     first = True
@@ -152,6 +177,151 @@ def measure(url: str, streams: int, clients: int, C: int, steps: int, period: fl
     }
 
 
+# ------------------------------------------------------------------ (c) onnxruntime per stream
+def onnx_stack(model) -> bytes:
+    """An ONNX graph of a forward LSTM stack with ``model``'s weights: x [T, 1, C], h0 and c0
+    [L, 1, H] in; y [T, 1, H], h_n, c_n [L, 1, H] out (one ONNX LSTM node per layer)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from leanrnn.bench.problem import _to_onnx_order
+
+    spec = model.spec
+    if spec.cell != "lstm" or spec.direction != "forward" or spec.proj_size:
+        raise SystemExit("--ort-server builds forward LSTM stacks without projection only")
+    L, H, C = spec.num_layers, spec.hidden_size, spec.input_size
+    sd = model.state_dict()
+    f32 = TensorProto.FLOAT
+    inits, nodes = [], []
+
+    def const(name, a):
+        inits.append(numpy_helper.from_array(np.asarray(a), name))
+        return name
+
+    inp = "x"
+    for layer in range(L):
+        W = _to_onnx_order("lstm", sd[f"weight_ih_l{layer}"], H)[None]
+        R = _to_onnx_order("lstm", sd[f"weight_hh_l{layer}"], H)[None]
+        B = np.concatenate([_to_onnx_order("lstm", sd[f"{k}_l{layer}"], H)
+                            for k in ("bias_ih", "bias_hh")])[None]  # fmt: skip
+        s0, s1, ax = (const(f"s{layer}.{n}", np.array([v], np.int64))
+                      for n, v in (("a", layer), ("b", layer + 1), ("ax", 0)))  # fmt: skip
+        nodes += [
+            helper.make_node("Slice", ["h0", s0, s1, ax], [f"h0.{layer}"]),
+            helper.make_node("Slice", ["c0", s0, s1, ax], [f"c0.{layer}"]),
+            helper.make_node(
+                "LSTM",
+                [inp, const(f"W{layer}", W), const(f"R{layer}", R), const(f"B{layer}", B), "",
+                 f"h0.{layer}", f"c0.{layer}"],
+                [f"Y{layer}", f"hn.{layer}", f"cn.{layer}"], hidden_size=H,
+            ),
+            helper.make_node("Squeeze", [f"Y{layer}", const(f"sq{layer}", np.array([1], np.int64))],
+                             [f"y{layer}" if layer < L - 1 else "y"]),
+        ]  # fmt: skip
+        inp = f"y{layer}"
+    nodes.append(helper.make_node("Concat", [f"hn.{k}" for k in range(L)], ["h_n"], axis=0))
+    nodes.append(helper.make_node("Concat", [f"cn.{k}" for k in range(L)], ["c_n"], axis=0))
+    ins = [helper.make_tensor_value_info("x", f32, ["T", 1, C]),
+           helper.make_tensor_value_info("h0", f32, [L, 1, H]),
+           helper.make_tensor_value_info("c0", f32, [L, 1, H])]  # fmt: skip
+    outs = [helper.make_tensor_value_info("y", f32, ["T", 1, H]),
+            helper.make_tensor_value_info("h_n", f32, [L, 1, H]),
+            helper.make_tensor_value_info("c_n", f32, [L, 1, H])]  # fmt: skip
+    g = helper.make_graph(nodes, "stack", ins, outs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    return m.SerializeToString()
+
+
+def ort_lane_class():
+    """OrtLane: leanrnn.serve's Lane (slots, sequences, eviction, the same scheduler and front
+    end) whose calls run each stream's pending request through that stream's own onnxruntime
+    InferenceSession, one stream per call: the per-stream deployment the issue compares with.
+    Sessions are made when a slot is first used and kept for the next sequence on that slot
+    (their state is an input, so nothing carries over); their weights are one shared copy
+    (SessionOptions.add_initializer), so only each session's own buffers are per stream."""
+    import onnxruntime as ort
+
+    from leanrnn.serve.scheduler import Lane
+
+    class OrtLane(Lane):
+        def __init__(self, name, model, pool, **kw):
+            kw["max_batch"] = 1
+            super().__init__(name, model, pool, **kw)
+            self._model = model
+            self._onnx = onnx_stack(model)
+            import onnx
+
+            proto = onnx.load_from_string(self._onnx)
+            self._shared = {
+                t.name: ort.OrtValue.ortvalue_from_numpy(onnx.numpy_helper.to_array(t))
+                for t in proto.graph.initializer
+            }
+            self._sessions: dict[int, ort.InferenceSession] = {}
+
+        def _session(self, slot: int):
+            sess = self._sessions.get(slot)
+            if sess is None:
+                so = ort.SessionOptions()
+                so.intra_op_num_threads = self.threads or 1
+                so.inter_op_num_threads = 1
+                so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+                for name, v in self._shared.items():
+                    so.add_initializer(name, v)
+                sess = self._sessions[slot] = ort.InferenceSession(
+                    self._onnx, so, providers=["CPUExecutionProvider"]
+                )
+            return sess
+
+        def warm_up(self) -> None:
+            """One session, checked against the leanrnn model on a few steps."""
+            x = np.random.default_rng(0).standard_normal((7, self.C)).astype(np.float32)
+            z = np.zeros((self.L, 1, self.H), np.float32)
+            y = self._session(0).run(None, {"x": x[:, None], "h0": z, "c0": z})[0][:, 0]
+            err = float(np.abs(y - self._model(x)[0]).max())
+            if err > 1e-4:
+                raise SystemExit(f"the ONNX stack differs from the model by {err}")
+
+        def run(self, picked, t_cap, now):
+            steps = T = 0
+            for s in picked:
+                r = s.queue[0]
+                p, k = r.pos, r.T - r.pos  # the whole request in one call
+                if r.t_first is None:
+                    r.t_first = now
+                h0 = np.ascontiguousarray(self.h_store[:, s.slot][:, None])
+                c0 = np.ascontiguousarray(self.c_store[:, s.slot][:, None])
+                y, h, c = self._session(s.slot).run(
+                    None, {"x": np.ascontiguousarray(r.x[p:, None]), "h0": h0, "c0": c0}
+                )
+                r.y[p:] = y[:, 0]
+                self.h_store[:, s.slot] = h[:, 0]
+                self.c_store[:, s.slot] = c[:, 0]
+                r.pos = r.T
+                steps += k
+                T = max(T, k)
+            self.calls += 1
+            self.rows += len(picked)
+            return T, steps
+
+    return OrtLane
+
+
+def ort_server(args) -> int:
+    """The baseline server process: leanrnn.serve's front end and scheduler over OrtLane."""
+    import asyncio as aio
+
+    import leanrnn
+    from leanrnn.serve.server import ServeConfig, serve_async
+
+    model = leanrnn.load(args.ort_server)
+    cfg = ServeConfig(models={"m": args.ort_server}, http_port=0, grpc_port=0,
+                      threads=args.threads, max_batch=1, max_streams=args.max_streams)  # fmt: skip
+    aio.run(serve_async(cfg, {"m": model}, lambda s: print(s, flush=True), ort_lane_class()))
+    return 0
+
+
 def engine_only(model, streams: list[int], steps: int, rounds: int, threads: int) -> None:
     """The scheduler and engine without a transport, in this process: every stream has one
     request of ``steps`` steps pending at once (the engine never idles), ``rounds`` times.
@@ -194,10 +364,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps per request")
     ap.add_argument("--period", type=float, default=0.1, help="seconds between a stream's sends")
     ap.add_argument("--seconds", type=float, default=5.0, help="load per point")
-    ap.add_argument("--streams", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--streams", type=int, nargs="+",
+                    default=[4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])  # fmt: skip
     ap.add_argument("--clients", type=int, default=2, help="client processes")
     ap.add_argument("--threads", type=int, default=1, help="engine threads of the server")
     ap.add_argument("--target", type=float, default=100.0, help="p99 bar in ms")
+    ap.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
+                    help="which servers to measure (default all three)")  # fmt: skip
+    ap.add_argument("--serve-args", default="",
+                    help="more arguments for (a) leanrnn serve, e.g. '--max-wait-ms 20'")  # fmt: skip
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a p50/p99 plot here (matplotlib)")
     ap.add_argument(
@@ -206,9 +381,13 @@ def main(argv=None) -> int:
         metavar="ROUNDS",
         help="measure the scheduler and engine in process instead (no transport)",
     )
+    ap.add_argument("--ort-server", metavar="MODEL", help=argparse.SUPPRESS)  # the (c) process
+    ap.add_argument("--max-streams", type=int, default=1024, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     sys.path.insert(0, SRC)
+    if args.ort_server:
+        return ort_server(args)
     import leanrnn
 
     tmp = tempfile.mkdtemp(prefix="serve_bench_")
@@ -218,40 +397,55 @@ def main(argv=None) -> int:
         engine_only(model, args.streams, args.steps, args.engine_only, args.threads)
         return 0
     model.save(path)
-    variants = {"leanrnn serve": [], "serve --max-batch 1": ["--max-batch", "1"]}
     results: dict[str, list[dict]] = {}
     print(f"LSTM C={args.input} H={args.hidden} L={args.layers}; {args.steps} steps every "
           f"{args.period * 1000:.0f} ms per stream; {args.seconds:g} s per point; "
-          f"{args.clients} client processes; server --threads {args.threads}")  # fmt: skip
+          f"{args.clients} client processes; server --threads {args.threads}; "
+          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'server':<22}{'streams':>8}{'requests':>10}{'p50 ms':>9}{'p99 ms':>9}{'late':>6}"
-          f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}")  # fmt: skip
+          f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}{'batch':>6}{'load':>6}")  # fmt: skip
     base = 1
-    for name, extra in variants.items():
-        proc, url, http = launch(path, ["--threads", str(args.threads), *extra])
+    most = max(args.streams)
+    for key in args.only:
+        name, extra, ort = VARIANTS[key]
+        extra = ["--threads", str(args.threads), *extra]
+        if key == "batched":
+            extra += shlex.split(args.serve_args)
+        if ort:
+            extra += ["--max-streams", str(most)]
+        proc, url, http = launch(path, extra, ort)
         rows = results[name] = []
+        print(f"{name}: max batch {max_batch(http)}", flush=True)
         try:
             for n in args.streams:
-                cpu0, eng0 = server_cpu(proc.pid), engine_seconds(http)
+                cpu0, m0 = server_cpu(proc.pid), counters(http)
                 r = measure(url, n, args.clients, args.input, args.steps, args.period,
                             args.seconds, base)  # fmt: skip
                 req = max(r["requests"], 1)
                 r["server_cpu_ms_per_request"] = (server_cpu(proc.pid) - cpu0) * 1000 / req
-                r["engine_ms_per_request"] = (engine_seconds(http) - eng0) * 1000 / req
+                eng, calls, in_calls = counters(http) - m0
+                r["engine_ms_per_request"] = eng * 1000 / req
+                r["mean_batch"] = in_calls / max(calls, 1)
+                r["load"] = os.getloadavg()[0]
                 base += n
                 rows.append(r)
                 print(f"{name:<22}{n:>8}{r['requests']:>10}{r['p50_ms']:>9.1f}"
                       f"{r['p99_ms']:>9.1f}{r['late']:>6}{r['errors']:>7}"
                       f"{r['server_cpu_ms_per_request']:>11.2f}"
-                      f"{r['engine_ms_per_request']:>14.2f}", flush=True)  # fmt: skip
-                if r["p99_ms"] > 10 * args.target:
-                    break  # far past the bar: larger loads say nothing more
+                      f"{r['engine_ms_per_request']:>14.2f}{r['mean_batch']:>6.1f}"
+                      f"{r['load']:>6.1f}", flush=True)  # fmt: skip
+                if r["p99_ms"] > 3 * args.target:
+                    break  # past the bar: larger loads say nothing more
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     print()
     held = {}
     for name, rows in results.items():
-        ok = [r["streams"] for r in rows if r["p99_ms"] <= args.target and not r["errors"]]
+        # held: p99 within the target, no errors, and the streams kept their pace (a server
+        # that falls behind makes clients send late; <= 1% late sends)
+        ok = [r["streams"] for r in rows if r["p99_ms"] <= args.target and not r["errors"]
+              and r["late"] <= 0.01 * r["requests"]]  # fmt: skip
         held[name] = max(ok, default=0)
         print(f"{name}: most streams measured with p99 <= {args.target:g} ms: {held[name]}")
     if args.json:
@@ -263,20 +457,31 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for name, rows in results.items():
             s = [r["streams"] for r in rows]
-            (line,) = ax.plot(s, [r["p99_ms"] for r in rows], "o-", label=f"{name} p99")
+            (line,) = ax.plot(s, [r["p99_ms"] for r in rows], "o-",
+                              label=f"{name} p99 (holds {held[name]})")  # fmt: skip
             ax.plot(s, [r["p50_ms"] for r in rows], "o--", color=line.get_color(),
                     label=f"{name} p50")  # fmt: skip
         ax.axhline(args.target, color="grey", lw=0.8)
+        loads = [r["load"] for rows in results.values() for r in rows]
         ax.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="latency (ms)",
                title=f"LSTM H={args.hidden} L={args.layers}, {args.steps} steps / "
-               f"{args.period * 1000:.0f} ms per stream")  # fmt: skip
-        ax.legend(fontsize=8)
+               f"{args.period * 1000:.0f} ms per stream; load avg "
+               f"{min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
     return 0
+
+
+# key -> (label, extra server arguments, the onnxruntime server)
+VARIANTS = {
+    "batched": ("leanrnn serve", [], False),
+    "batch1": ("serve --max-batch 1", ["--max-batch", "1"], False),
+    "ort": ("onnxruntime per stream", [], True),
+}
 
 
 if __name__ == "__main__":

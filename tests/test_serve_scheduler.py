@@ -5,6 +5,7 @@ while streams join and leave, and an engine failure fails only its own requests.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import tracemalloc
 
@@ -16,7 +17,7 @@ from leanrnn.engine.session import Pool
 from leanrnn.errors import SpecError
 from leanrnn.serve.errors import Exhausted, SequenceError
 from leanrnn.serve.scheduler import Lane, Scheduler, bucket
-from tolerances import ATOL_SAME_ARITHMETIC
+from tolerances import ATOL_ORT, ATOL_SAME_ARITHMETIC, RTOL_ORT
 
 
 def make(models: dict, **kw) -> Scheduler:
@@ -149,6 +150,52 @@ def test_memory_flat_while_streams_join_and_leave():
     assert grown < 256 << 10, f"grew {grown} bytes"
 
 
+def rss() -> int:
+    """Resident bytes of this process (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc")
+def test_rss_flat_over_ten_thousand_streams_and_a_million_steps():
+    """Issue 11's bar at full size (~2 s: a tiny model, 128 streams per batched call): after
+    warm-up, 10,000 streams joining and leaving over 1,000,000 stream-steps, in requests of
+    random sizes, grow the process's RSS by less than 1 MiB."""
+    model = leanrnn.LSTM(3, 8, seed=1)
+    sched = make({"m": model}, max_streams=136, max_batch=128, max_chunk=16)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 3)).astype(np.float32)
+    done = threading.Semaphore(0)
+    left: dict[int, list] = {}  # stream id -> [steps left, not started yet]
+    count = [0, 0]  # streams started, stream-steps sent
+
+    def round_() -> None:
+        while len(left) < 128:
+            left[count[0]] = [int(rng.integers(20, 181)), True]
+            count[0] += 1
+        for sid, st in list(left.items()):
+            k = min(st[0], int(rng.integers(1, 17)))
+            st[0] -= k
+            sched.submit("m", ("i", sid), st[1], st[0] == 0, x[:k],
+                         on_done=lambda r: done.release())  # fmt: skip
+            st[1] = False
+            count[1] += k
+            if not st[0]:
+                del left[sid]
+        for _ in range(128):
+            done.acquire()
+
+    for _ in range(200):  # warm-up: every call shape planned, the allocator settled
+        round_()
+    base, streams0, steps0 = rss(), count[0], count[1]
+    while count[0] - streams0 < 10_000 or count[1] - steps0 < 1_000_000:
+        round_()
+    grown = rss() - base
+    sched.stop()
+    assert not sched.lanes["m"].evicted  # they left by sequence_end
+    assert grown < 1 << 20, f"RSS grew {grown} bytes over {count[1] - steps0} steps"
+
+
 def test_engine_failure_fails_only_its_requests():
     model = leanrnn.GRU(3, 4, seed=2)
     sched = make({"a": model, "b": leanrnn.GRU(3, 4, seed=3)})
@@ -266,3 +313,42 @@ def test_transport_libraries_are_imported_by_the_server_only():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=120, check=True)  # fmt: skip
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.onnx
+def test_bench_onnxruntime_baseline_computes_the_model():
+    """benchmarks/serve_bench.py's baseline (c), one onnxruntime session per stream behind the
+    same scheduler, gives each stream the offline model's outputs: its latencies compare like
+    with like."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_bench.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = leanrnn.LSTM(4, 6, num_layers=2, seed=9)
+    lane = bench.ort_lane_class()("m", model, Pool(), threads=1, max_streams=8, max_batch=8,
+                                  max_chunk=4, idle_timeout=60.0)  # fmt: skip
+    lane.warm_up()
+    assert lane.max_batch == 1  # one stream per call, whatever was asked
+    sched = Scheduler({"m": lane}, max_wait=0)
+    sched.start()
+    rng = np.random.default_rng(4)
+    w = Waiter()
+    streams = []
+    for s in range(6):
+        x = rng.standard_normal((int(rng.integers(2, 20)), 4)).astype(np.float32)
+        cut = x.shape[0] // 2
+        reqs = [w.submit(sched, "m", s, True, False, x[:cut]),
+                w.submit(sched, "m", s, False, True, x[cut:])]  # fmt: skip
+        streams.append((x, reqs))
+    w.wait()
+    sched.stop()
+    for x, reqs in streams:
+        got = np.concatenate([r.y for r in reqs])
+        np.testing.assert_allclose(got, model(x)[0], rtol=RTOL_ORT[np.float32],
+                                   atol=ATOL_ORT[np.float32])  # fmt: skip
+    assert len(lane._sessions) > 1  # a session per stream slot

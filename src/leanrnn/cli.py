@@ -28,6 +28,7 @@ COMMANDS = (
     "leanrnn.commands.plan",
     "leanrnn.commands.score",
     "leanrnn.commands.serve",
+    "leanrnn.commands.tune",
     "leanrnn.bench.cli",
 )
 

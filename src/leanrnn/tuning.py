@@ -190,3 +190,208 @@ def _arena(session, batch: int, chunk: int, per_step: bool) -> int:
 
     staged = session.spec.batch_first
     return plan(session.buffers(batch, chunk, staged, not per_step)).total
+
+
+# ------------------------------------------------------------------ measured (leanrnn tune)
+# Serving picks its batch from measured call times rather than cache rules: the call's latency
+# is what a stream waits for, and it depends on threads, ISA and the load on this machine.
+# The latency target when none is given: one engine call (batch rows x chunk steps) of about
+# 10 ms, the server's default --max-call-ms.
+DEFAULT_LATENCY = 0.010
+# Most rows tune tries: past this the recurrent GEMM is compute-bound on every core we know
+# and a larger batch only adds latency.
+MAX_TUNE_BATCH = 256
+MAX_TUNE_CHUNK = 16
+
+
+def bucket(n: int) -> int:
+    """n rounded up to 1..8, then 4 values per octave (10, 12, 14, 16, 20, 24, ...): the row
+    counts the server's calls are padded to (<= 25% padding), so they come in few shapes."""
+    if n <= 8:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def batch_candidates(most: int) -> list[int]:
+    """Every bucket up to ``most``, ascending: the batches ``tune`` may choose (O(log most))."""
+    out, n = [], 1
+    while n <= most:
+        out.append(n)
+        n = bucket(n + 1)
+    return out
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured shape: ``seconds`` for one engine call of ``batch`` rows x ``chunk`` steps;
+    ``nbytes`` what the call holds (planned arena + its input, output and state buffers)."""
+
+    batch: int
+    chunk: int
+    seconds: float
+    nbytes: int
+
+    @property
+    def step_us(self) -> float:
+        """Microseconds per stream-step: the throughput side of the trade."""
+        return self.seconds / (self.batch * self.chunk) * 1e6
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``tune`` chose and the points it measured on the way (in measuring order).
+
+    batch: most rows per call; chunk: steps per call (None: the stack cannot be chunked);
+    latency: the target in seconds per call; memory_limit: bytes one call may hold.
+    """
+
+    batch: int
+    chunk: int | None
+    latency: float
+    memory_limit: int
+    threads: int
+    points: tuple[Point, ...]
+
+    def fits(self, p: Point) -> bool:
+        return p.seconds <= self.latency and p.nbytes <= self.memory_limit
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """The table's rows: batch, chunk, ms per call, us per stream-step, MiB, verdict."""
+        out = []
+        for p in sorted(self.points, key=lambda p: (p.batch, p.chunk)):
+            chosen = p.batch == self.batch and p.chunk == (self.chunk or p.chunk)
+            verdict = "chosen" if chosen else ("ok" if self.fits(p) else "over")
+            out.append((str(p.batch), str(p.chunk), f"{p.seconds * 1e3:.3f}",
+                        f"{p.step_us:.2f}", f"{p.nbytes / (1 << 20):.2f}", verdict))  # fmt: skip
+        return out
+
+    HEADER = ("batch", "chunk", "ms/call", "us/stream-step", "MiB", "")
+
+    def table(self) -> str:
+        """The measured points as plain text (``leanrnn tune`` uses rich when it can)."""
+        rows = [self.HEADER, *self.rows()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self.HEADER))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                         for r in rows)  # fmt: skip
+
+
+def call_bytes(session, batch: int, chunk: int) -> int:
+    """Bytes one call of ``batch`` x ``chunk`` holds: the planned arena (per-step outputs kept)
+    and the caller's x [T, N, C], y [T, N, D*K], h [L*D, N, K] and c [L*D, N, H]."""
+    spec = session.spec
+    it = session.dtype.itemsize
+    D, K, L = spec.num_directions, spec.output_size, spec.num_layers
+    states = L * D * batch * (K + (spec.hidden_size if spec.cell == "lstm" else 0))
+    io = chunk * batch * (spec.input_size + D * K) + states
+    return _arena(session, batch, chunk, True) + io * it
+
+
+class _Timer:
+    """The default measure: a private session on the model's weights (the caller's plan and
+    arena stay as they are) timing calls on zero state; the median of ``repeats`` after one
+    warm-up call (which plans)."""
+
+    def __init__(self, session, threads: int | None, repeats: int = 5) -> None:
+        from .engine.session import Session
+
+        self.session = Session(session.weights, threads=threads)
+        self.repeats = repeats
+
+    def __call__(self, batch: int, chunk: int) -> float:
+        import time
+
+        import numpy as np
+
+        s = self.session
+        spec, dt = s.spec, s.dtype
+        D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
+        s.chunk = chunk
+        shape = (batch, chunk) if spec.batch_first else (chunk, batch)
+        x = np.random.default_rng(0).standard_normal((*shape, spec.input_size)).astype(dt)
+        y = np.empty((*shape, D * K), dt)
+        h = np.zeros((L * D, batch, K), dt)
+        out = (y, h)
+        c = None
+        if spec.cell == "lstm":
+            c = np.zeros((L * D, batch, H), dt)
+            out = (y, h, c)
+        times = []
+        for i in range(self.repeats + 1):
+            t0 = time.perf_counter()
+            s.run(x, h, c, out=out)
+            if i:
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+
+
+def tune(session, *, latency: float | None = None, memory_limit: int | None = None,
+         max_batch: int = MAX_TUNE_BATCH, max_chunk: int = MAX_TUNE_CHUNK,
+         threads: int | None = None, measure=None, hw: Hardware | None = None) -> Measured:  # fmt: skip
+    """The largest batch, then the largest chunk, whose engine call meets ``latency`` (seconds
+    per call of batch rows x chunk steps; default DEFAULT_LATENCY) and ``memory_limit`` (bytes
+    one call holds, ``call_bytes``; default ``default_memory_limit()``), measured on this
+    machine.
+
+    ``measure(batch, chunk) -> seconds`` times one call (default: ``_Timer``, real calls on a
+    private session; tests pass a model of the machine). Call time is taken to grow with the
+    batch and with the chunk, so a binary search over ``batch_candidates(max_batch)`` at one
+    step per call (the smallest call a server makes: the batch comes first, since a stream's
+    latency under load is its share of the engine's time per stream-step) finds the batch,
+    then one over the powers of two up to ``max_chunk`` finds the chunk: ~10 calls measured. A stack that cannot
+    be chunked (reverse, bidirectional) is measured at ``max_chunk`` steps and gets chunk
+    None. If not even batch 1 meets the target, batch 1 is chosen (the server must run) and
+    the table says "over".
+    """
+    from . import config
+
+    hw = hw or hardware()
+    limit = int(memory_limit) if memory_limit is not None else default_memory_limit(hw)
+    target = DEFAULT_LATENCY if latency is None else float(latency)
+    if not target > 0:
+        raise PlanError(f"[tune] latency={latency!r}; expected seconds > 0, e.g. 0.01")
+    if max_batch < 1 or max_chunk < 1:
+        raise PlanError(f"[tune] max_batch={max_batch}, max_chunk={max_chunk}; expected both >= 1")
+    threads = config.threads_for(threads)
+    measure = measure or _Timer(session, threads)
+    chunkable = session.chunkable
+    top = 1 << (max_chunk.bit_length() - 1)  # chunks are powers of two (the scheduler's T)
+    chunks = [1 << i for i in range(top.bit_length())] if chunkable else [max_chunk]
+    first = chunks[0]
+    points: list[Point] = []
+    seen: dict[tuple[int, int], Point] = {}
+
+    def point(b: int, c: int) -> Point:
+        p = seen.get((b, c))
+        if p is None:
+            nbytes = call_bytes(session, b, c)
+            # Over the memory limit: never run it (that is what the limit protects).
+            secs = float(measure(b, c)) if nbytes <= limit else float("inf")
+            p = seen[(b, c)] = Point(b, c, secs, nbytes)
+            points.append(p)
+        return p
+
+    def ok(p: Point) -> bool:
+        return p.seconds <= target and p.nbytes <= limit
+
+    def largest(values: list[int], good) -> int:
+        """The largest v in ``values`` with good(v), taking good to be monotone; values[0] if
+        none is good."""
+        lo, hi = 0, len(values) - 1
+        if good(values[hi]):
+            return values[hi]
+        best = 0 if good(values[0]) else -1
+        lo = 1
+        hi -= 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if good(values[mid]):
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return values[max(best, 0)]
+
+    batch = largest(batch_candidates(max_batch), lambda b: ok(point(b, first)))
+    chunk = largest(chunks, lambda c: ok(point(batch, c)))
+    return Measured(batch, chunk if chunkable else None, target, limit, threads, tuple(points))

@@ -61,8 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-batch",
         type=positive_int,
-        default=64,
-        help="most streams in one engine call (1: no batching across streams)",
+        default=None,
+        help="most streams in one engine call (1: no batching across streams; default: the "
+        "largest whose one-step call takes at most --max-call-ms here, measured at start-up "
+        "as `leanrnn tune` does)",
     )
     p.add_argument(
         "--max-chunk",

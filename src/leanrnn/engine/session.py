@@ -163,6 +163,7 @@ class Session:
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self._N = self._T = -1
+        self.tuned = None  # resize(batch="auto")'s choice (leanrnn.tuning.Measured)
         self._key_now: tuple = ()
         self._keys: dict[tuple, tuple] = {}  # (N, T, return_sequences, chunk) -> _key(...)
         spec, dt = self.spec, self.dtype
@@ -227,8 +228,9 @@ class Session:
         sample's last step, so it needs the whole sequence (as bidirectional layers do)."""
         return self.spec.direction == "forward"
 
-    def resize(self, batch: int, steps: int, memory_limit: int | None = None,
-               return_sequences: bool = True) -> Plan:  # fmt: skip
+    def resize(self, batch: int | str, steps: int, memory_limit: int | None = None,
+               return_sequences: bool = True, *, latency: float | None = None,
+               measure=None) -> Plan:  # fmt: skip
         """Plan every scratch buffer for ``batch`` sequences of up to ``steps`` steps, in one
         arena, and allocate it (reusing the current arena when the plan fits in it).
 
@@ -237,7 +239,32 @@ class Session:
         one step fits, or if a bidirectional stack does not fit whole. ``return_sequences=False``
         plans for runs that keep only final states (chunked by default, see DEFAULT_CHUNK).
         Takes the session's (or its pool's) lock: a run on another thread finishes first.
+
+        ``batch="auto"``: measure calls on this machine (``leanrnn.tuning.tune``) and plan for
+        the largest batch, then chunk (<= steps), whose call of batch x chunk steps takes at
+        most ``latency`` seconds (default 10 ms) and holds at most ``memory_limit`` bytes
+        (arena and call buffers; default a share of available memory). The choice, with the
+        measured points, is kept in ``self.tuned``; ``measure(batch, chunk) -> seconds``
+        replaces the timing (tests).
+
+        >>> s = Session(weights); s.resize("auto", 100, latency=0.005); s.tuned.batch
         """
+        if isinstance(batch, str):
+            if batch != "auto":
+                raise ShapeError(
+                    f"[Session.resize] batch={batch!r}; expected a positive int or 'auto'"
+                )
+            from ..tuning import MAX_TUNE_CHUNK, tune  # tuning sits above the engine: lazily
+
+            if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or steps < 1:
+                raise ShapeError(f"[Session.resize] steps={steps!r}; expected a positive int")
+            self.tuned = tune(self, latency=latency, memory_limit=memory_limit,
+                              max_chunk=min(int(steps), MAX_TUNE_CHUNK), threads=self.threads,
+                              measure=measure)  # fmt: skip
+            with self._lock if self.pool is None else self.pool.lock:
+                if self.tuned.chunk is not None:
+                    self.chunk = self.tuned.chunk
+                return self._resize(self.tuned.batch, steps, None, return_sequences)
         with self._lock if self.pool is None else self.pool.lock:
             return self._resize(batch, steps, memory_limit, return_sequences)
 

@@ -63,6 +63,7 @@ import numpy as np
 
 from ..engine.session import Pool, Session
 from ..errors import SpecError
+from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
 from .errors import Exhausted, InvalidRequest, SequenceError, Unavailable
 
 _log = logging.getLogger("leanrnn.serve")
@@ -75,14 +76,6 @@ EVICTED_MEMORY = 65536
 def pow2_floor(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (n.bit_length() - 1)
-
-
-def bucket(n: int) -> int:
-    """n rounded up to 1..8, then 4 values per octave (10, 12, 14, 16, 20, 24, ...)."""
-    if n <= 8:
-        return n
-    step = 1 << (n.bit_length() - 3)
-    return -(-n // step) * step
 
 
 class Request:

@@ -29,7 +29,7 @@ class ServeConfig:
     http_port: int = 8000
     grpc_port: int | None = 8001  # None: no gRPC
     threads: int | None = None
-    max_batch: int = 64
+    max_batch: int | None = None  # None: measured at start-up (leanrnn.tuning.tune)
     max_chunk: int = 16
     max_wait: float = 0.002
     max_call: float = 0.01
@@ -61,18 +61,41 @@ def _setup_logging(level: str = "INFO") -> None:
     _log.propagate = False
 
 
-def build(config: ServeConfig, loaded: dict | None = None) -> tuple[Core, Scheduler, Metrics]:
+def tuned_batch(name: str, model, config: ServeConfig) -> int:
+    """The most rows per call for ``model``: the largest batch whose one-step engine call takes
+    at most ``config.max_call`` on this machine (``leanrnn tune``; a second or two at start-up),
+    at most ``max_streams``. Only the batch is taken: the scheduler already sizes each call's
+    steps to ``max_call`` from the running step time, at whatever batch the load brings."""
+    from ..engine.session import Session
+    from ..tuning import MAX_TUNE_BATCH, tune
+
+    session = getattr(model, "session", None)
+    if not isinstance(session, Session) or not session.chunkable:
+        return 1  # Lane refuses it with the reason
+    m = tune(session, latency=config.max_call, max_chunk=1, threads=config.threads,
+             max_batch=min(MAX_TUNE_BATCH, config.max_streams))  # fmt: skip
+    best = next(p for p in m.points if p.batch == m.batch)  # the search measured it
+    _log.info("tuned", extra={"fields": {"model": name, "max_batch": m.batch,
+                                          "call_ms": round(best.seconds * 1e3, 3),
+                                          "target_ms": config.max_call * 1e3}})  # fmt: skip
+    return m.batch
+
+
+def build(config: ServeConfig, loaded: dict | None = None,
+          make_lane=Lane) -> tuple[Core, Scheduler, Metrics]:  # fmt: skip
     """Load the models (or take ``loaded``: name -> model), make their lanes on one pool and
-    warm them up; the scheduler is not started yet."""
+    warm them up; the scheduler is not started yet. ``make_lane``: Lane, or a subclass that
+    runs its calls another way (benchmarks/serve_bench.py's onnxruntime-per-stream baseline)."""
     from ..loading import load
 
     pool = Pool()
     lanes = {}
     models = loaded or {name: load(path) for name, path in config.models.items()}
     for name, model in models.items():
-        lane = Lane(name, model, pool, threads=config.threads, max_streams=config.max_streams,
-                    max_batch=config.max_batch, max_chunk=config.max_chunk,
-                    idle_timeout=config.idle_timeout)  # fmt: skip
+        max_batch = config.max_batch or tuned_batch(name, model, config)
+        lane = make_lane(name, model, pool, threads=config.threads,
+                         max_streams=config.max_streams, max_batch=max_batch,
+                         max_chunk=config.max_chunk, idle_timeout=config.idle_timeout)  # fmt: skip
         lane.warm_up()
         lanes[name] = lane
     metrics = Metrics()
@@ -96,7 +119,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print) -> None:
+async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print,
+                      make_lane=Lane) -> None:  # fmt: skip
     import uvicorn
 
     from .http import make_app
@@ -111,7 +135,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
             "pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
-    core, scheduler, metrics = build(config, loaded)
+    core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
