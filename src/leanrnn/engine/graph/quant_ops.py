@@ -1,0 +1,276 @@
+"""The dynamic-quantization graph ops that ``onnxruntime.quantization.quantize_dynamic`` puts
+around a model's heads, with onnxruntime's CPU semantics: ``DynamicQuantizeLinear`` and
+``MatMulInteger`` (ONNX), ``com.microsoft::MatMulIntegerToFloat`` and
+``com.microsoft::DynamicQuantizeMatMul`` (what onnxruntime's graph optimizer fuses them into).
+
+Activations are quantized to uint8 as onnxruntime's ``GetQuantizationParameter`` and MLAS's
+``MlasQuantizeLinear`` do it, all in float32: the range [min(0, min x), max(0, max x)],
+``scale = (max - min) / 255`` (1 when the range is empty), ``zero_point =
+round_half_even(clamp(-min / scale, 0, 255))``, ``q = clamp(round_half_even(x / scale), -zp,
+255 - zp) + zp`` where a NaN quotient clamps to the low end (SSE ``maxps`` keeps its second
+operand), i.e. quantizes to 0. Integer products accumulate exactly (float64 holds every sum of
+K < 2**37 products of 8-bit values) and wrap to int32 as onnxruntime's int32 accumulators do.
+The float results are ``float32(acc) * float32(a_scale * b_scale) + bias``, onnxruntime's
+output processor. Each op's ``run`` computes into the arena views it is handed (outputs and
+``scratch`` buffers); nothing here allocates at run time beyond numpy's reductions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import DTypeError, ModelFormatError
+
+U8, I8, I32, F32, F64 = (np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.float32, np.float64))
+_EIGHT_BITS = (U8, I8)
+
+
+def _fail(node, msg: str, cls=ModelFormatError):
+    raise cls(f"[graph] node {node.name!r} ({node.op}): {msg}")
+
+
+def _input(node, ins, i: int, what: str, dtypes, shapes=None):
+    """Input ``i`` (``what``) as an ``Out``, checked against the allowed dtypes and, when
+    ``shapes`` is given, a list of allowed shapes (tuples); absent optional inputs give None."""
+    m = ins[i] if i < len(ins) else None
+    if m is None:
+        return None
+    if m.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        _fail(node, f"{what} has dtype {m.dtype}; expected {want}", DTypeError)
+    if shapes is not None and tuple(m.shape) not in shapes:
+        want = " or ".join(str(list(s)) for s in shapes)
+        _fail(node, f"{what} has shape {list(m.shape)}; expected {want}")
+    return m
+
+
+def _require(node, ins, n_required: int, n_max: int) -> None:
+    if len(ins) > n_max or len(ins) < n_required or any(m is None for m in ins[:n_required]):
+        _fail(node, f"has {len(ins)} inputs; expected {n_required}..{n_max} with the first "
+                    f"{n_required} present")  # fmt: skip
+
+
+def _matmul_shape(node, sa: tuple, sb: tuple) -> tuple[int, ...]:
+    """Output shape of numpy/ONNX MatMul of [.., M, K] @ [.., K, N] (rank >= 1 each)."""
+    if not sa or not sb:
+        _fail(node, f"inputs have shapes {list(sa)} and {list(sb)}; expected rank >= 1")
+    a = (1, *sa) if len(sa) == 1 else sa
+    b = (*sb, 1) if len(sb) == 1 else sb
+    if a[-1] != b[-2]:
+        _fail(node, f"inner dims differ: {list(sa)} @ {list(sb)}")
+    try:
+        batch = tuple(int(d) for d in np.broadcast_shapes(a[:-2], b[:-2]))
+    except ValueError:
+        _fail(node, f"batch dims of {list(sa)} and {list(sb)} do not broadcast")
+    shape = [*batch, a[-2], b[-1]]
+    if len(sb) == 1:
+        shape.pop(-1)
+    if len(sa) == 1:
+        shape.pop(-2 if len(sb) != 1 else -1)
+    return tuple(shape)
+
+
+def _b_params(node, ins, b, i_scale: int | None, i_zp: int) -> None:
+    """Check B's scale (if the op has one) and zero point: one value (scalar or [1]) or one per
+    column of a 2-D B ([N]), as MatMulInteger allows and onnxruntime's quantizer writes with
+    ``per_channel=True``."""
+    n = b.shape[-1] if len(b.shape) >= 2 else 1
+    shapes = [(), (1,), (n,)]
+    if i_scale is not None:
+        _input(node, ins, i_scale, "b_scale", (F32,), shapes)
+    _input(node, ins, i_zp, "b_zero_point", (b.dtype,), shapes)
+
+
+# ----------------------------------------------------------------------------------- kernels
+def quantize_uint8(x, q, scale, zp, tmp) -> None:
+    """Dynamic uint8 quantization of ``x``, onnxruntime's (see the module docstring).
+
+    x: [...] float32 input; q: [...] uint8 out; scale: [] float32 out; zp: [] uint8 out;
+    tmp: [...] float32 scratch (x / scale). x may not alias q or tmp."""
+    f = np.float32
+    if x.size:
+        lo, hi = min(f(0), f(x.min())), max(f(0), f(x.max()))
+    else:
+        lo = hi = f(0)
+    s = f(1) if hi == lo else f(f(hi - lo) / f(255))
+    z = np.rint(np.clip(f(0) - f(lo / s), f(0), f(255)))  # rint: round half to even
+    scale[()] = s
+    zp[()] = z
+    np.divide(x, s, out=tmp)
+    np.fmax(tmp, -z, out=tmp)  # fmax/fmin: a NaN quotient takes the bound, as SSE max/min do
+    np.fmin(tmp, f(255) - z, out=tmp)
+    np.rint(tmp, out=tmp)
+    tmp += z
+    np.copyto(q, tmp, casting="unsafe")
+
+
+def integer_matmul(a, b, a_zp, b_zp, out, a64, b64, acc, acc64) -> None:
+    """out = (a - a_zp) @ (b - b_zp) accumulated exactly, wrapped to int32.
+
+    a: [.., M, K] uint8/int8; b: [.., K, N] uint8/int8; a_zp: scalar; b_zp: scalar or [N];
+    out: [.., M, N] int32; a64, b64: float64 scratch shaped like a, b; acc: float64 scratch
+    shaped like out; acc64: int64 scratch shaped like out."""
+    np.subtract(a, a_zp, out=a64, dtype=F64)
+    np.subtract(b, b_zp, out=b64, dtype=F64)
+    np.matmul(a64, b64, out=acc)  # exact: |sum| < 2**53
+    np.copyto(acc64, acc, casting="unsafe")
+    np.copyto(out, acc64, casting="unsafe")  # int64 -> int32 keeps the low 32 bits: the wrap
+
+
+def scale_to_float(acc, multiplier, bias, out) -> None:
+    """out = float32(acc) * multiplier + bias (onnxruntime's QGEMM scale-bias output).
+
+    acc: [.., N] int32; multiplier: scalar or [N] float32; bias: [N] float32 or None;
+    out: [.., N] float32."""
+    np.multiply(acc, multiplier, out=out, dtype=F32, casting="unsafe")
+    if bias is not None:
+        out += bias
+
+
+# --------------------------------------------------------------------------------------- ops
+def _dql_infer(ctx, node, ins, vals):
+    from .ops import Out
+
+    _require(node, ins, 1, 1)
+    x = _input(node, ins, 0, "x", (F32,))
+    return [Out(x.shape, U8), Out((), F32), Out((), U8)][: len(node.outputs)]
+
+
+def _dql_scratch(ctx, node, ins, metas, needed):
+    tmp = {"quotient": (ins[0].shape, F32)}
+    names = [*node.outputs, "", ""]
+    if not names[1]:  # an unnamed scale / zero point still needs a place to go
+        tmp["scale"] = ((), F32)
+    if not names[2]:
+        tmp["zp"] = ((), U8)
+    return tmp
+
+
+def _zp_or_zero(arr, dtype):
+    return dtype.type(0) if arr is None else arr
+
+
+def _dql_run(ctx, node, ins, outs, metas, tmp):
+    outs = list(outs) + [None] * (3 - len(outs))
+    scale = outs[1] if outs[1] is not None else tmp["scale"]
+    zp = outs[2] if outs[2] is not None else tmp["zp"]
+    quantize_uint8(ins[0], outs[0], scale, zp, tmp["quotient"])
+    return [outs[0], scale, zp][: len(node.outputs)]
+
+
+def _matmul_integer_infer(ctx, node, ins, vals):
+    from .ops import Out
+
+    _require(node, ins, 2, 4)
+    a = _input(node, ins, 0, "A", _EIGHT_BITS)
+    b = _input(node, ins, 1, "B", _EIGHT_BITS)
+    _input(node, ins, 2, "a_zero_point", (a.dtype,), [(), (1,)])
+    _b_params(node, ins, b, None, 3)
+    return [Out(_matmul_shape(node, a.shape, b.shape), I32)]
+
+
+def _integer_scratch(a_shape, b_shape, out_shape) -> dict:
+    return {
+        "a64": (a_shape, F64),
+        "b64": (b_shape, F64),
+        "acc": (out_shape, F64),
+        "acc64": (out_shape, np.dtype(np.int64)),
+    }
+
+
+def _matmul_integer_scratch(ctx, node, ins, metas, needed):
+    return _integer_scratch(ins[0].shape, ins[1].shape, metas[0].shape)
+
+
+def _opt(ins, i):
+    return ins[i] if i < len(ins) else None
+
+
+def _matmul_integer_run(ctx, node, ins, outs, metas, tmp):
+    a, b = ins[0], ins[1]
+    a_zp = _zp_or_zero(_opt(ins, 2), a.dtype)
+    b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
+    integer_matmul(a, b, a_zp, b_zp, outs[0], tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])
+    return outs
+
+
+def _mitf_infer(ctx, node, ins, vals):
+    """MatMulIntegerToFloat(A, B, a_scale, b_scale, a_zero_point?, b_zero_point?, bias?)."""
+    from .ops import Out
+
+    _require(node, ins, 4, 7)
+    a = _input(node, ins, 0, "A", _EIGHT_BITS)
+    b = _input(node, ins, 1, "B", _EIGHT_BITS)
+    _input(node, ins, 2, "a_scale", (F32,), [(), (1,)])
+    _input(node, ins, 4, "a_zero_point", (a.dtype,), [(), (1,)])
+    _b_params(node, ins, b, 3, 5)
+    shape = _matmul_shape(node, a.shape, b.shape)
+    _input(node, ins, 6, "bias", (F32,), [(shape[-1],)] if shape else [()])
+    return [Out(shape, F32)]
+
+
+def _mitf_scratch(ctx, node, ins, metas, needed):
+    return {
+        **_integer_scratch(ins[0].shape, ins[1].shape, metas[0].shape),
+        "acc32": (metas[0].shape, I32),
+    }
+
+
+def _mitf_run(ctx, node, ins, outs, metas, tmp):
+    a, b = ins[0], ins[1]
+    a_zp = _zp_or_zero(_opt(ins, 4), a.dtype)
+    b_zp = _zp_or_zero(_opt(ins, 5), b.dtype)
+    acc = tmp["acc32"]
+    integer_matmul(a, b, a_zp, b_zp, acc, tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])
+    multiplier = np.multiply(ins[2], ins[3], dtype=F32)  # a_scale * b_scale in float32
+    scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
+                   _opt(ins, 6), outs[0])  # fmt: skip
+    return outs
+
+
+def _dqmm_infer(ctx, node, ins, vals):
+    """DynamicQuantizeMatMul(A float32, B, b_scale, b_zero_point?, bias?)."""
+    from .ops import Out
+
+    _require(node, ins, 3, 5)
+    a = _input(node, ins, 0, "A", (F32,))
+    b = _input(node, ins, 1, "B", _EIGHT_BITS)
+    _b_params(node, ins, b, 2, 3)
+    shape = _matmul_shape(node, a.shape, b.shape)
+    _input(node, ins, 4, "bias", (F32,), [(shape[-1],)] if shape else [()])
+    return [Out(shape, F32)]
+
+
+def _dqmm_scratch(ctx, node, ins, metas, needed):
+    return {
+        **_integer_scratch(ins[0].shape, ins[1].shape, metas[0].shape),
+        "quotient": (ins[0].shape, F32),
+        "a_q": (ins[0].shape, U8),
+        "a_scale": ((), F32),
+        "a_zp": ((), U8),
+        "acc32": (metas[0].shape, I32),
+    }
+
+
+def _dqmm_run(ctx, node, ins, outs, metas, tmp):
+    a, b = ins[0], ins[1]
+    quantize_uint8(a, tmp["a_q"], tmp["a_scale"], tmp["a_zp"], tmp["quotient"])
+    b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
+    acc = tmp["acc32"]
+    integer_matmul(tmp["a_q"], b, tmp["a_zp"][()], b_zp, acc,
+                   tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])  # fmt: skip
+    multiplier = np.multiply(tmp["a_scale"], ins[2], dtype=F32)
+    scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
+                   _opt(ins, 4), outs[0])  # fmt: skip
+    return outs
+
+
+def quant_ops(OpDef) -> dict:
+    """The ops of this module as ``OpDef``s for ``ops.OPS`` (passed in: ops imports us)."""
+    return {
+        "DynamicQuantizeLinear": OpDef(_dql_infer, _dql_run, _dql_scratch),
+        "MatMulInteger": OpDef(_matmul_integer_infer, _matmul_integer_run, _matmul_integer_scratch),
+        "com.microsoft::MatMulIntegerToFloat": OpDef(_mitf_infer, _mitf_run, _mitf_scratch),
+        "com.microsoft::DynamicQuantizeMatMul": OpDef(_dqmm_infer, _dqmm_run, _dqmm_scratch),
+    }
+
