@@ -17,12 +17,16 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from _onnx_graphs import assert_same, load, node, run_ort, save  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
-from tolerances import ATOL_ORT_DYNAMIC_QUANT, ATOL_WEIGHT_QUANT_INT8  # noqa: E402
 
 import leanrnn  # noqa: E402
+from _onnx_graphs import assert_same, load, node, run_ort, save  # noqa: E402
+from helpers import torch_export  # noqa: E402
 from leanrnn.errors import DTypeError, LeanRNNError, ModelFormatError, WeightsError  # noqa: E402
+from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
+from leanrnn.formats.onnx_quant import QLSTM, dequantize, quantized_lstm_weights  # noqa: E402
+from leanrnn.ir import Graph, Node  # noqa: E402
+from tolerances import ATOL_ORT_DYNAMIC_QUANT, ATOL_WEIGHT_QUANT_INT8  # noqa: E402
 
 pytestmark = [pytest.mark.onnx]
 F32, U8, I8, I32 = np.float32, np.uint8, np.int8, np.int32
@@ -215,27 +219,36 @@ def test_quant_op_bad_inputs(op, ins, consts, err, match, tmp):
 
 
 # ---------------------------------------------------- DynamicQuantizeLSTM files from torch
-torch = pytest.importorskip("torch")
-from helpers import torch_export  # noqa: E402
-from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: E402
+try:
+    import torch
+except ImportError:  # pragma: no cover - CI installs torch
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
 
 
-class Tagger(torch.nn.Module):
-    def __init__(self, cell, C, H, layers, bi, classes=5):
-        super().__init__()
-        self.rnn = getattr(torch.nn, cell)(C, H, num_layers=layers, bidirectional=bi)
-        self.head = torch.nn.Linear(H * (2 if bi else 1), classes)
+def tagger(cell, C, H, layers, bi, classes=5):
+    """torch RNN (``cell``) -> Linear head, in eval mode."""
 
-    def forward(self, x):
-        y, _ = self.rnn(x)
-        return self.head(y)
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = getattr(torch.nn, cell)(C, H, num_layers=layers, bidirectional=bi)
+            self.head = torch.nn.Linear(H * (2 if bi else 1), classes)
+
+        def forward(self, x):
+            y, _ = self.rnn(x)
+            return self.head(y)
+
+    return Tagger().eval()
 
 
 def quantized_file(tmp, cell="LSTM", C=6, H=12, layers=1, bi=False, dynamo=False,
                    seed=0, **qopts):  # fmt: skip
     """(float32 torch model, path of its quantize_dynamic'd ONNX file)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     torch.manual_seed(seed)
-    model = Tagger(cell, C, H, layers, bi).eval()
+    model = tagger(cell, C, H, layers, bi)
     tag = f"{cell}{C}_{H}_{layers}_{bi}_{dynamo}_{seed}_{sorted(qopts.items())}".replace(" ", "")
     f32 = torch_export(model, (torch.zeros(9, 3, C),), tmp / f"{tag}.onnx", dynamo,
                        names=(["x"], ["y"]), dynamic={"x": {0: "T", 1: "N"}})  # fmt: skip
@@ -258,6 +271,7 @@ def ops_of(path) -> set[str]:
     return {n.op_type for n in onnx.load(path).graph.node}
 
 
+@needs_torch
 @pytest.mark.parametrize(
     "layers, bi, dynamo, per_channel",
     [(1, False, False, False), (2, False, False, False), (1, True, False, False),
@@ -279,6 +293,7 @@ def test_quantized_lstm_matches_onnxruntime(layers, bi, dynamo, per_channel, tmp
     assert np.abs(want - ref).max() <= ATOL_ORT_DYNAMIC_QUANT[F32]
 
 
+@needs_torch
 def test_quantized_lstm_default_options_accuracy(tmp):
     # quantize_dynamic's defaults (full-range int8 weights): onnxruntime's AVX2 path saturates
     # there (module docstring; measured up to 0.1 off the float32 model at these sizes on an
@@ -289,6 +304,7 @@ def test_quantized_lstm_default_options_accuracy(tmp):
     assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
 
 
+@needs_torch
 def test_quantized_gru_model_keeps_float_gru(tmp):
     # quantize_dynamic leaves GRU (and RNN) nodes float32 and quantizes only the head
     model, path = quantized_file(tmp, cell="GRU", layers=2, reduce_range=True)
@@ -301,6 +317,7 @@ def test_quantized_gru_model_keeps_float_gru(tmp):
     assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
 
 
+@needs_torch
 def test_onnxruntime_fused_heads(tmp):
     # onnxruntime's optimizer fuses the head into DynamicQuantizeMatMul (or
     # MatMulIntegerToFloat); a model saved after optimization loads too
@@ -317,3 +334,125 @@ def test_onnxruntime_fused_heads(tmp):
     np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
     plain = leanrnn.load(path).run({"x": x})[0]
     np.testing.assert_allclose(got, plain, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+
+
+# ------------------------------------------------------ DynamicQuantizeLSTM nodes by hand
+def qlstm(C=5, H=4, D=1, wdtype=U8, per_column=False, zp=None, seed=0, drop=(), **over):
+    """A model of one DynamicQuantizeLSTM node (Y, Y_h, Y_c out) with random weights, biases
+    and peepholes; ``over`` replaces initializers by name (W, R, B, P, W_scale, W_zero_point,
+    R_scale, R_zero_point) or, for "attrs", the attributes; ``drop`` leaves inputs out."""
+    rng = np.random.default_rng(seed)
+    G = 4 * H
+    q = (lambda s: rand_u8(s, seed)) if wdtype == U8 else (lambda s: rand_i8(s, seed))
+    sshape = (D, G) if per_column else (D,)
+    zp = (128 if wdtype == U8 else 0) if zp is None else zp
+    consts = {
+        "W": q((D, C, G)),
+        "R": q((D, H, G)),
+        "B": rng.uniform(-0.3, 0.3, (D, 8 * H)).astype(F32),
+        "P": rng.uniform(-0.3, 0.3, (D, 3 * H)).astype(F32),
+        "W_scale": rng.uniform(0.002, 0.006, sshape).astype(F32),
+        "W_zero_point": np.full(sshape, zp, wdtype),
+        "R_scale": rng.uniform(0.002, 0.006, sshape).astype(F32),
+        "R_zero_point": np.full(sshape, zp, wdtype),
+    }
+    consts.update({k: v for k, v in over.items() if k != "attrs"})
+    names = ["x", "W", "R", "B", "", "", "", "P", "W_scale", "W_zero_point", "R_scale",
+             "R_zero_point"]  # fmt: skip
+    names = ["" if n in drop else n for n in names]
+    attrs = over.get("attrs", {"hidden_size": H, "direction": "bidirectional" if D == 2 else
+                               "forward"})  # fmt: skip
+    n = helper.make_node("DynamicQuantizeLSTM", names, ["Y", "Y_h", "Y_c"], name="qlstm",
+                         domain=MS, **attrs)  # fmt: skip
+    x = rng.standard_normal((6, 2, C)).astype(F32)
+    consts = {k: v for k, v in consts.items() if k in names}
+    m = graph_model([n], {"x": x}, consts, {"Y": F32, "Y_h": F32, "Y_c": F32}, ms=True)
+    return m, x
+
+
+@pytest.mark.parametrize("wdtype", [U8, I8])
+@pytest.mark.parametrize("per_column", [False, True])
+@pytest.mark.parametrize("D", [1, 2])
+def test_dynamic_quantize_lstm_node(wdtype, per_column, D, tmp):
+    # uint8 weights with zero point 128 (the quantizer's QUInt8), int8 with 0 (QInt8); per
+    # direction or per column scales; bias, peepholes, both directions
+    m, x = qlstm(D=D, wdtype=wdtype, per_column=per_column, seed=D)
+    got = load(m, tmp).run({"x": x})
+    want = run_ort(m, {"x": x})
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+
+
+def test_dynamic_quantize_lstm_zero_point_is_applied(tmp):
+    # a per-tensor non-zero int8 zero point (onnxruntime honours it): dropping it changes the
+    # output far beyond the tolerance, so the comparison sees the zero point
+    m, x = qlstm(wdtype=I8, zp=-20, seed=4)
+    got = load(m, tmp).run({"x": x})[0]
+    want = run_ort(m, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+    m0, _ = qlstm(wdtype=I8, zp=0, seed=4)
+    assert np.abs(load(m0, tmp).run({"x": x})[0] - want).max() > ATOL_ORT_DYNAMIC_QUANT[F32]
+
+
+def test_dynamic_quantize_lstm_weights_in_one_place(tmp):
+    # the int8 values and scales reach the engine through quantized_lstm_weights only
+    m, _ = qlstm(D=2, wdtype=I8, per_column=True)
+    g = read_onnx(save(m, tmp))
+    assert [n.op for n in g.nodes] == ["LSTM"] and list(g.packed) == ["qlstm"]
+    consts = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    raw = Node(QLSTM, "qlstm", tuple(m.graph.node[0].input), ("Y",),
+               {"hidden_size": 4, "direction": "bidirectional"})  # fmt: skip
+    W, R, _ = quantized_lstm_weights(Graph([], [], [raw], consts), raw, "here")
+    assert W.q.dtype == np.int8 and W.scale.shape == (2, 16) and R.q.shape == (2, 4, 16)
+    Wf = dequantize(W)
+    np.testing.assert_array_equal(
+        Wf, (consts["W"].astype(F32) * consts["W_scale"][:, None, :]).transpose(0, 2, 1)
+    )
+
+
+BAD_QLSTM = [
+    ("float W", dict(W=np.ones((1, 5, 16), F32)), DTypeError, "W has dtype float32"),
+    ("W shape", dict(W=np.ones((1, 16, 5), U8)), WeightsError, r"W has shape \[1, 16, 5\]"),
+    ("R shape", dict(R=np.ones((1, 5, 16), U8)), WeightsError, r"R has shape \[1, 5, 16\]"),
+    ("scale shape", dict(W_scale=np.ones((1, 4), F32)), WeightsError, "W_scale has shape"),
+    ("scale dtype", dict(R_scale=np.ones(1, np.float64)), DTypeError, "R_scale has dtype"),
+    ("zp dtype", dict(W_zero_point=np.zeros(1, I8)), DTypeError, "W_zero_point has dtype int8"),
+    ("zp shape", dict(R_zero_point=np.zeros((1, 3), U8)), WeightsError, "R_zero_point has shape"),
+    ("zp varies", dict(W_zero_point=np.arange(16, dtype=U8)[None]), WeightsError,
+     "W_zero_point differs between columns"),
+    ("int8 column zp", dict(W=np.ones((1, 5, 16), I8), W_zero_point=np.full((1, 16), 3, I8)),
+     WeightsError, "W_zero_point is per column and non-zero"),
+    ("inf scale", dict(R_scale=np.array([np.inf], F32)), WeightsError, "R_scale holds non-finite"),
+    ("no hidden_size", dict(attrs={}), ModelFormatError, "hidden_size=None"),
+    ("layout", dict(attrs={"hidden_size": 4, "layout": 1}), ModelFormatError,
+     r"attributes \['layout'\]"),
+    ("direction", dict(attrs={"hidden_size": 4, "direction": "bidirectional"}), WeightsError,
+     r"W has shape \[1, 5, 16\]; expected \[D=2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, over, err, match", BAD_QLSTM, ids=[b[0] for b in BAD_QLSTM])
+def test_dynamic_quantize_lstm_bad_files(what, over, err, match, tmp):
+    m, _ = qlstm(**over)
+    with pytest.raises(err, match=match) as e:
+        leanrnn.load(save(m, tmp))
+    assert "'qlstm'" in str(e.value)
+
+
+def test_dynamic_quantize_lstm_missing_or_computed_inputs(tmp):
+    m, _ = qlstm(drop=("W_scale",))
+    with pytest.raises(ModelFormatError, match=r"no W_scale \(input 8\)"):
+        leanrnn.load(save(m, tmp))
+    m, x = qlstm()
+    del m.graph.node[0].input[11:]  # R_zero_point gone: 11 inputs
+    with pytest.raises(ModelFormatError, match="has 11 inputs; expected 12"):
+        leanrnn.load(save(m, tmp))
+    m, x = qlstm()  # R fed at run time
+    r = next(t for t in m.graph.initializer if t.name == "R")
+    m.graph.input.append(helper.make_tensor_value_info("R", r.data_type, list(r.dims)))
+    m.graph.initializer.remove(r)
+    with pytest.raises(ModelFormatError, match="R 'R' is computed at run time"):
+        leanrnn.load(save(m, tmp))
+    ok, x = qlstm()  # and the session still works after the errors
+    assert load(ok, tmp).run({"x": x})[0].shape == (6, 1, 2, 4)

@@ -273,4 +273,3 @@ def quant_ops(OpDef) -> dict:
         "com.microsoft::MatMulIntegerToFloat": OpDef(_mitf_infer, _mitf_run, _mitf_scratch),
         "com.microsoft::DynamicQuantizeMatMul": OpDef(_dqmm_infer, _dqmm_run, _dqmm_scratch),
     }
-
