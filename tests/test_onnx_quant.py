@@ -318,13 +318,15 @@ def test_quantized_gru_model_keeps_float_gru(tmp):
 
 
 @needs_torch
-def test_onnxruntime_fused_heads(tmp):
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_onnxruntime_fused_heads(per_channel, tmp):
     # onnxruntime's optimizer fuses the head into DynamicQuantizeMatMul (or
     # MatMulIntegerToFloat); a model saved after optimization loads too
-    model, path = quantized_file(tmp, layers=1, reduce_range=True, seed=5)
+    model, path = quantized_file(tmp, layers=1, reduce_range=True, seed=5,
+                                 per_channel=per_channel)  # fmt: skip
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-    fused = str(tmp / "fused.onnx")
+    fused = str(tmp / f"fused{per_channel}.onnx")
     opts.optimized_model_filepath = fused
     ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
     ops = ops_of(fused)
@@ -456,3 +458,14 @@ def test_dynamic_quantize_lstm_missing_or_computed_inputs(tmp):
         leanrnn.load(save(m, tmp))
     ok, x = qlstm()  # and the session still works after the errors
     assert load(ok, tmp).run({"x": x})[0].shape == (6, 1, 2, 4)
+
+
+@needs_torch
+def test_quantized_file_converts_to_lrnn(tmp):
+    # .onnx -> .lrnn: the lowered LSTMs as packed float32 weights, the head's int8 constants
+    # and quantized ops as they are; the same outputs bit for bit
+    model, path = quantized_file(tmp, layers=2, bi=True, reduce_range=True, seed=6)
+    native = leanrnn.convert(path, str(tmp / "q.lrnn"))
+    x = np.random.default_rng(7).standard_normal((9, 3, 6)).astype(F32)
+    np.testing.assert_array_equal(leanrnn.load(native).run({"x": x})[0],
+                                  leanrnn.load(path).run({"x": x})[0])  # fmt: skip
