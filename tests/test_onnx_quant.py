@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 
 import leanrnn  # noqa: E402
 from _onnx_graphs import assert_same, load, node, run_ort, save  # noqa: E402
-from helpers import torch_export  # noqa: E402
+from helpers import torch_export, torch_tagger  # noqa: E402
 from leanrnn.errors import DTypeError, LeanRNNError, ModelFormatError, WeightsError  # noqa: E402
 from leanrnn.formats.onnx_import import read_onnx  # noqa: E402
 from leanrnn.formats.onnx_quant import QLSTM, dequantize, quantized_lstm_weights  # noqa: E402
@@ -152,6 +152,29 @@ def test_matmul_integer_int8_a(tmp):
     both(m, {"a": a}, tmp, exact=True)
 
 
+# ------------------------------------------------------------------------- DequantizeLinear
+@pytest.mark.parametrize("dtype", [U8, I8, I32])
+@pytest.mark.parametrize(
+    "shape, axis, per_axis",
+    [((7,), 0, False), ((3, 4), 1, False), ((3, 4), 1, True), ((2, 3, 5), 0, True),
+     ((2, 3, 5), -1, True), ((6,), 0, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("with_zp", [True, False])
+def test_dequantize_linear(dtype, shape, axis, per_axis, with_zp, tmp):
+    rng = np.random.default_rng(11)
+    lo, hi = (0, 256) if dtype == U8 else (-128, 128) if dtype == I8 else (-(1 << 30), 1 << 30)
+    x = rng.integers(lo, hi, size=shape).astype(dtype)
+    n = shape[axis] if per_axis else 1
+    scale = rng.uniform(0.001, 0.1, n).astype(F32)
+    zp = rng.integers(lo // 2, hi // 2, size=n).astype(dtype)
+    if not per_axis:
+        scale, zp = scale.reshape(()), zp.reshape(())
+    ins = ["x", "s", "z"] if with_zp else ["x", "s"]
+    m = graph_model([node("DequantizeLinear", ins, axis=axis)], {"x": x}, {"s": scale, "z": zp},
+                    {"y": F32})  # fmt: skip
+    both(m, {"x": x}, tmp, exact=True)
+
+
 # ------------------------------------------------ MatMulIntegerToFloat, DynamicQuantizeMatMul
 @pytest.mark.parametrize("sa, sb", MATMUL_SHAPES[:3])
 @pytest.mark.parametrize("b_dtype", [U8, I8])
@@ -205,6 +228,10 @@ def test_dynamic_quantize_matmul(sa, sb, b_dtype, bias, tmp):
         ("DynamicQuantizeMatMul", ["f", "b", "s", "", "bias"], {"b": np.ones((6, 2), U8),
          "s": np.ones((), F32), "bias": np.ones(3, F32)}, LeanRNNError, "bias has shape"),
         ("DynamicQuantizeLinear", ["a"], {}, DTypeError, "x has dtype uint8"),
+        ("DequantizeLinear", ["a", "s"], {"s": np.ones(4, F32)}, LeanRNNError,
+         "x_scale has shape"),
+        ("DequantizeLinear", ["a", "s", "z"], {"s": np.ones((), F32), "z": np.ones((), I8)},
+         DTypeError, "x_zero_point has dtype int8"),
     ],
 )  # fmt: skip
 def test_quant_op_bad_inputs(op, ins, consts, err, match, tmp):
@@ -458,6 +485,26 @@ def test_dynamic_quantize_lstm_missing_or_computed_inputs(tmp):
         leanrnn.load(save(m, tmp))
     ok, x = qlstm()  # and the session still works after the errors
     assert load(ok, tmp).run({"x": x})[0].shape == (6, 1, 2, 4)
+
+
+@needs_torch
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_quantized_tagger_with_embedding(dynamo, tmp):
+    # Embedding -> 2 x LSTM -> Linear: quantize_dynamic quantizes the embedding table too
+    # (Gather from int8, then DequantizeLinear)
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    torch.manual_seed(8)
+    model = torch_tagger(vocab=23, emb=6, hidden=12, classes=5).eval()
+    tokens = np.random.default_rng(9).integers(0, 23, size=(9, 3)).astype(np.int64)
+    f32 = torch_export(model, (torch.from_numpy(tokens),), tmp / f"tagger{dynamo}.onnx", dynamo,
+                       names=(["x"], ["y"]), dynamic={"x": {0: "T", 1: "N"}})  # fmt: skip
+    path = str(tmp / f"tagger{dynamo}.q.onnx")
+    quantize_dynamic(str(f32), path, weight_type=QuantType.QInt8, reduce_range=True)
+    assert {"DequantizeLinear", "DynamicQuantizeLSTM"} <= ops_of(path)
+    got, want, ref = run_all(model, path, tokens)
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+    assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
 
 
 @needs_torch

@@ -1,7 +1,8 @@
 """The dynamic-quantization graph ops that ``onnxruntime.quantization.quantize_dynamic`` puts
 around a model's heads, with onnxruntime's CPU semantics: ``DynamicQuantizeLinear`` and
 ``MatMulInteger`` (ONNX), ``com.microsoft::MatMulIntegerToFloat`` and
-``com.microsoft::DynamicQuantizeMatMul`` (what onnxruntime's graph optimizer fuses them into).
+``com.microsoft::DynamicQuantizeMatMul`` (what onnxruntime's graph optimizer fuses them into),
+and ``DequantizeLinear`` (after an embedding's Gather from an int8 table).
 
 Activations are quantized to uint8 as onnxruntime's ``GetQuantizationParameter`` and MLAS's
 ``MlasQuantizeLinear`` do it, all in float32: the range [min(0, min x), max(0, max x)],
@@ -265,10 +266,63 @@ def _dqmm_run(ctx, node, ins, outs, metas, tmp):
     return outs
 
 
+def _dequantize_linear_infer(ctx, node, ins, vals):
+    """DequantizeLinear(x, x_scale, x_zero_point?) -> float32 (x - zero_point) * scale, per
+    tensor or per slice along ``axis`` (what quantize_dynamic writes after an embedding's
+    Gather from an int8 table)."""
+    from .ops import Out, _axis
+
+    _require(node, ins, 2, 3)
+    x = _input(node, ins, 0, "x", (U8, I8, I32))
+    if int(node.attrs.get("block_size", 0)):
+        _fail(node, f"block_size={node.attrs['block_size']}; leanrnn supports per-tensor and "
+                    "per-axis scales only")  # fmt: skip
+    shapes = [(), (1,)]
+    if x.shape:
+        shapes.append((x.shape[_axis(node, node.attrs.get("axis", 1), len(x.shape))],))
+    _input(node, ins, 1, "x_scale", (F32,), shapes)
+    zp = _input(node, ins, 2, "x_zero_point", (x.dtype,))
+    if zp is not None and tuple(zp.shape) != tuple(ins[1].shape):
+        _fail(node, f"x_zero_point has shape {list(zp.shape)}; expected x_scale's "
+                    f"{list(ins[1].shape)}")  # fmt: skip
+    return [Out(x.shape, F32)]
+
+
+def _dequantize_linear_scratch(ctx, node, ins, metas, needed):
+    return {"diff": (ins[0].shape, np.dtype(np.int64))}
+
+
+def dequantize_linear(x, scale, zp, out, diff) -> None:
+    """out = float32(x - zp) * scale, the difference exact (onnxruntime's int32 one).
+
+    x: [...] uint8/int8/int32; scale, zp: broadcastable to x (zp may be 0); out: [...]
+    float32; diff: [...] int64 scratch."""
+    np.subtract(x, zp, out=diff, dtype=np.int64)
+    np.multiply(diff, scale, out=out, dtype=F32, casting="unsafe")
+
+
+def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
+    x, scale = ins[0], ins[1]
+    zp = _zp_or_zero(_opt(ins, 2), x.dtype)
+    if scale.ndim == 1 and x.ndim > 1:  # per axis (or [1]): along `axis`
+        from .ops import _axis
+
+        axis = _axis(node, node.attrs.get("axis", 1), x.ndim)
+        shape = [1] * x.ndim
+        shape[axis] = scale.size
+        scale = scale.reshape(shape)
+        zp = zp.reshape(shape) if np.ndim(zp) else zp
+    dequantize_linear(x, scale, zp, outs[0], tmp["diff"])
+    return outs
+
+
 def quant_ops(OpDef) -> dict:
     """The ops of this module as ``OpDef``s for ``ops.OPS`` (passed in: ops imports us)."""
     return {
         "DynamicQuantizeLinear": OpDef(_dql_infer, _dql_run, _dql_scratch),
+        "DequantizeLinear": OpDef(
+            _dequantize_linear_infer, _dequantize_linear_run, _dequantize_linear_scratch
+        ),
         "MatMulInteger": OpDef(_matmul_integer_infer, _matmul_integer_run, _matmul_integer_scratch),
         "com.microsoft::MatMulIntegerToFloat": OpDef(_mitf_infer, _mitf_run, _mitf_scratch),
         "com.microsoft::DynamicQuantizeMatMul": OpDef(_dqmm_infer, _dqmm_run, _dqmm_scratch),
