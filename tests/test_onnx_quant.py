@@ -5,8 +5,9 @@ onnxruntime running the same file, plus the accuracy of both against the float32
 
 onnxruntime's u8s8 GEMMs on CPUs without VNNI (AVX2) add pairs of uint8 x int8 products in int16
 with saturation (``vpmaddubsw``), so with int8 weights beyond [-64, 64] their results are not
-the exact integer products; leanrnn computes them exactly (the ONNX result, and onnxruntime's on
-VNNI and ARM). Tests that compare with onnxruntime therefore keep int8 weights in [-64, 64]:
+the exact integer products (on such a CPU its MatMulInteger equals the saturated pair sums; its
+DynamicQuantizeLSTM with full-range uint8 weights drifts the same way); leanrnn computes them
+exactly (the ONNX result). Tests that compare with onnxruntime therefore keep weights in 7 bits:
 ``quantize_dynamic(reduce_range=True)``, onnxruntime's own advice for such CPUs.
 """
 
@@ -271,7 +272,8 @@ def tagger(cell, C, H, layers, bi, classes=5):
 
 def quantized_file(tmp, cell="LSTM", C=6, H=12, layers=1, bi=False, dynamo=False,
                    seed=0, **qopts):  # fmt: skip
-    """(float32 torch model, path of its quantize_dynamic'd ONNX file)."""
+    """(float32 torch model, path of its quantize_dynamic'd ONNX file; int8 weights unless
+    ``qopts`` says otherwise)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     torch.manual_seed(seed)
@@ -280,7 +282,8 @@ def quantized_file(tmp, cell="LSTM", C=6, H=12, layers=1, bi=False, dynamo=False
     f32 = torch_export(model, (torch.zeros(9, 3, C),), tmp / f"{tag}.onnx", dynamo,
                        names=(["x"], ["y"]), dynamic={"x": {0: "T", 1: "N"}})  # fmt: skip
     out = tmp / f"{tag}.q.onnx"
-    quantize_dynamic(str(f32), str(out), weight_type=QuantType.QInt8, **qopts)
+    qopts.setdefault("weight_type", QuantType.QInt8)
+    quantize_dynamic(str(f32), str(out), **qopts)
     return model, str(out)
 
 
@@ -318,6 +321,19 @@ def test_quantized_lstm_matches_onnxruntime(layers, bi, dynamo, per_channel, tmp
     # onnxruntime does); onnxruntime the LSTM's activations as well
     assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
     assert np.abs(want - ref).max() <= ATOL_ORT_DYNAMIC_QUANT[F32]
+
+
+@needs_torch
+def test_quantized_lstm_uint8_weights(tmp):
+    # QUInt8: uint8 weights with a per-tensor zero point, in the LSTM and the head
+    from onnxruntime.quantization import QuantType
+
+    model, path = quantized_file(tmp, layers=2, bi=True, reduce_range=True, seed=2,
+                                 weight_type=QuantType.QUInt8)  # fmt: skip
+    x = np.random.default_rng(1).standard_normal((9, 3, 6)).astype(F32)
+    got, want, ref = run_all(model, path, x)
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+    assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
 
 
 @needs_torch
