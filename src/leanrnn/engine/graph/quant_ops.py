@@ -13,14 +13,14 @@ operand), i.e. quantizes to 0. Integer products accumulate exactly (float64 hold
 K < 2**37 products of 8-bit values) and wrap to int32 as onnxruntime's int32 accumulators do.
 The float results are ``float32(acc) * float32(a_scale * b_scale) + bias``, onnxruntime's
 output processor. Each op's ``run`` computes into the arena views it is handed (outputs and
-``scratch`` buffers); nothing here allocates at run time beyond numpy's reductions.
+``scratch`` buffers); nothing here allocates at run time beyond a few scalars.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...errors import DTypeError, ModelFormatError
+from ...errors import DTypeError, ModelFormatError, ShapeError
 
 U8, I8, I32, F32, F64 = (np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.float32, np.float64))
 _EIGHT_BITS = (U8, I8)
@@ -54,15 +54,15 @@ def _require(node, ins, n_required: int, n_max: int) -> None:
 def _matmul_shape(node, sa: tuple, sb: tuple) -> tuple[int, ...]:
     """Output shape of numpy/ONNX MatMul of [.., M, K] @ [.., K, N] (rank >= 1 each)."""
     if not sa or not sb:
-        _fail(node, f"inputs have shapes {list(sa)} and {list(sb)}; expected rank >= 1")
+        _fail(node, f"inputs have shapes {list(sa)} and {list(sb)}; expected rank >= 1", ShapeError)
     a = (1, *sa) if len(sa) == 1 else sa
     b = (*sb, 1) if len(sb) == 1 else sb
     if a[-1] != b[-2]:
-        _fail(node, f"inner dims differ: {list(sa)} @ {list(sb)}")
+        _fail(node, f"inner dims differ: {list(sa)} @ {list(sb)}", ShapeError)
     try:
         batch = tuple(int(d) for d in np.broadcast_shapes(a[:-2], b[:-2]))
     except ValueError:
-        _fail(node, f"batch dims of {list(sa)} and {list(sb)} do not broadcast")
+        _fail(node, f"batch dims of {list(sa)} and {list(sb)} do not broadcast", ShapeError)
     shape = [*batch, a[-2], b[-1]]
     if len(sb) == 1:
         shape.pop(-1)
