@@ -147,6 +147,19 @@ def test_matmul_integer_per_column_zero_point_and_no_zero_points(tmp):
     both(m, {"a": a}, tmp, exact=True)
 
 
+def test_matmul_integer_float64_path_and_int32_wrap(tmp):
+    # K * 255 * max|b - zb| >= 2**24: the exact float64 product instead of the float32 one
+    a, b = rand_u8((3, 300), 12), rand_u8((300, 4), 13)
+    m = graph_model([node("MatMulInteger", ["a", "b"])], {"a": a}, {"b": b}, {"y": I32})
+    (y,) = both(m, {"a": a}, tmp, exact=True)
+    np.testing.assert_array_equal(y, a.astype(np.int64) @ b.astype(np.int64))
+    # sums past 2**31 wrap in int32, as onnxruntime's accumulators do
+    a, b = np.full((1, 33100), 255, U8), np.full((33100, 2), 255, U8)
+    m = graph_model([node("MatMulInteger", ["a", "b"])], {"a": a}, {"b": b}, {"y": I32})
+    (y,) = both(m, {"a": a}, tmp, exact=True)
+    assert y[0, 0] == np.int64(255 * 255 * 33100) - (1 << 32)
+
+
 def test_matmul_integer_int8_a(tmp):
     a, b = rand_i8((3, 7), 5, 127), rand_i8((7, 2), 6, 127)
     m = graph_model([node("MatMulInteger", ["a", "b"])], {"a": a}, {"b": b}, {"y": I32})

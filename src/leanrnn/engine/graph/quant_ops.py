@@ -9,8 +9,9 @@ Activations are quantized to uint8 as onnxruntime's ``GetQuantizationParameter``
 ``scale = (max - min) / 255`` (1 when the range is empty), ``zero_point =
 round_half_even(clamp(-min / scale, 0, 255))``, ``q = clamp(round_half_even(x / scale), -zp,
 255 - zp) + zp`` where a NaN quotient clamps to the low end (SSE ``maxps`` keeps its second
-operand), i.e. quantizes to 0. Integer products accumulate exactly (float64 holds every sum of
-K < 2**37 products of 8-bit values) and wrap to int32 as onnxruntime's int32 accumulators do.
+operand), i.e. quantizes to 0. Integer products accumulate exactly (in a float32 GEMM while
+its bound allows, else in float64, which holds every sum of K < 2**37 products of 8-bit values)
+and wrap to int32 as onnxruntime's int32 accumulators do.
 The float results are ``float32(acc) * float32(a_scale * b_scale) + bias``, onnxruntime's
 output processor. Each op's ``run`` computes into the arena views it is handed (outputs and
 ``scratch`` buffers); nothing here allocates at run time beyond a few scalars.
@@ -105,17 +106,42 @@ def quantize_uint8(x, q, scale, zp, tmp) -> None:
     np.copyto(q, tmp, casting="unsafe")
 
 
-def integer_matmul(a, b, a_zp, b_zp, out, a64, b64, acc, acc64) -> None:
-    """out = (a - a_zp) @ (b - b_zp) accumulated exactly, wrapped to int32.
+def _leading(buf, dtype, shape):
+    """The first bytes of the contiguous scratch ``buf`` as a ``dtype`` array of ``shape``."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return buf.reshape(-1).view(np.uint8)[:n].view(dtype).reshape(shape)
+
+
+# Every partial sum of integer products is exact in float32 while K * max|a - za| * max|b - zb|
+# stays below 2**24, whatever the summation order: then the (3x faster) float32 GEMM is exact.
+_F32_EXACT = 1 << 24
+
+
+def integer_matmul(a, b, a_zp, b_zp, out, tmp) -> None:
+    """out = (a - a_zp) @ (b - b_zp) accumulated exactly, wrapped to int32 as onnxruntime's
+    int32 accumulators do.
 
     a: [.., M, K] uint8/int8; b: [.., K, N] uint8/int8; a_zp: scalar; b_zp: scalar or [N];
-    out: [.., M, N] int32; a64, b64: float64 scratch shaped like a, b; acc: float64 scratch
-    shaped like out; acc64: int64 scratch shaped like out."""
+    out: [.., M, N] int32; tmp: scratch from ``_integer_scratch``: "a_f" float64 like a, "b32"
+    float32 and "b_f" float64 like b, "acc_f" float64 and "acc64" int64 like out. The float32
+    GEMM runs in the leading halves of the float64 buffers when it is exact."""
+    b32 = tmp["b32"]
+    np.subtract(b, b_zp, out=b32, dtype=F32)  # exact: |b - zb| <= 255
+    K = a.shape[-1]
+    bmax = max(float(b32.max()), -float(b32.min())) if b32.size else 0.0
+    if K * 255 * bmax < _F32_EXACT:  # |a - za| <= 255 for 8-bit a and zero point
+        a32 = _leading(tmp["a_f"], F32, a.shape)
+        acc32 = _leading(tmp["acc_f"], F32, out.shape)
+        np.subtract(a, a_zp, out=a32, dtype=F32)
+        np.matmul(a32, b32, out=acc32)
+        np.copyto(out, acc32, casting="unsafe")  # integers below 2**24: exact
+        return
+    a64, b64, acc = tmp["a_f"], tmp["b_f"], tmp["acc_f"]
     np.subtract(a, a_zp, out=a64, dtype=F64)
-    np.subtract(b, b_zp, out=b64, dtype=F64)
+    np.copyto(b64, b32)
     np.matmul(a64, b64, out=acc)  # exact: |sum| < 2**53
-    np.copyto(acc64, acc, casting="unsafe")
-    np.copyto(out, acc64, casting="unsafe")  # int64 -> int32 keeps the low 32 bits: the wrap
+    np.copyto(tmp["acc64"], acc, casting="unsafe")
+    np.copyto(out, tmp["acc64"], casting="unsafe")  # int64 -> int32 keeps the low 32 bits
 
 
 def scale_to_float(acc, multiplier, bias, out) -> None:
@@ -171,12 +197,29 @@ def _matmul_integer_infer(ctx, node, ins, vals):
 
 
 def _integer_scratch(a_shape, b_shape, out_shape) -> dict:
+    # [.., M, K] @ [K, N] runs as one [rows, K] @ [K, N] product (one BLAS call, not one per
+    # leading index) on flattened views of the same buffers
     return {
-        "a64": (a_shape, F64),
-        "b64": (b_shape, F64),
-        "acc": (out_shape, F64),
+        "a_f": (a_shape, F64),
+        "b32": (b_shape, F32),
+        "b_f": (b_shape, F64),
+        "acc_f": (out_shape, F64),
         "acc64": (out_shape, np.dtype(np.int64)),
     }
+
+
+def _run_integer_matmul(a, b, a_zp, b_zp, out, tmp) -> None:
+    """``integer_matmul``, with the leading dims of a [.., M, K] @ [K, N] flattened into rows."""
+    if b.ndim == 2 and a.ndim > 2:
+        rows = int(np.prod(a.shape[:-1]))
+        a, out = a.reshape(rows, a.shape[-1]), out.reshape(rows, out.shape[-1])
+        tmp = {
+            **tmp,
+            "a_f": tmp["a_f"].reshape(a.shape),
+            "acc_f": tmp["acc_f"].reshape(out.shape),
+            "acc64": tmp["acc64"].reshape(out.shape),
+        }
+    integer_matmul(a, b, a_zp, b_zp, out, tmp)
 
 
 def _matmul_integer_scratch(ctx, node, ins, metas, needed):
@@ -191,7 +234,7 @@ def _matmul_integer_run(ctx, node, ins, outs, metas, tmp):
     a, b = ins[0], ins[1]
     a_zp = _zp_or_zero(_opt(ins, 2), a.dtype)
     b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
-    integer_matmul(a, b, a_zp, b_zp, outs[0], tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])
+    _run_integer_matmul(a, b, a_zp, b_zp, outs[0], tmp)
     return outs
 
 
@@ -222,7 +265,7 @@ def _mitf_run(ctx, node, ins, outs, metas, tmp):
     a_zp = _zp_or_zero(_opt(ins, 4), a.dtype)
     b_zp = _zp_or_zero(_opt(ins, 5), b.dtype)
     acc = tmp["acc32"]
-    integer_matmul(a, b, a_zp, b_zp, acc, tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])
+    _run_integer_matmul(a, b, a_zp, b_zp, acc, tmp)
     multiplier = np.multiply(ins[2], ins[3], dtype=F32)  # a_scale * b_scale in float32
     scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
                    _opt(ins, 6), outs[0])  # fmt: skip
@@ -258,8 +301,7 @@ def _dqmm_run(ctx, node, ins, outs, metas, tmp):
     quantize_uint8(a, tmp["a_q"], tmp["a_scale"], tmp["a_zp"], tmp["quotient"])
     b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
     acc = tmp["acc32"]
-    integer_matmul(tmp["a_q"], b, tmp["a_zp"][()], b_zp, acc,
-                   tmp["a64"], tmp["b64"], tmp["acc"], tmp["acc64"])  # fmt: skip
+    _run_integer_matmul(tmp["a_q"], b, tmp["a_zp"][()], b_zp, acc, tmp)
     multiplier = np.multiply(tmp["a_scale"], ins[2], dtype=F32)
     scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
                    _opt(ins, 4), outs[0])  # fmt: skip
@@ -314,6 +356,13 @@ def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
         zp = zp.reshape(shape) if np.ndim(zp) else zp
     dequantize_linear(x, scale, zp, outs[0], tmp["diff"])
     return outs
+
+
+# The ops here that call BLAS (numpy's matmul): GraphSession keeps BLAS on one thread around
+# RNN nodes for them as for MatMul/Gemm.
+BLAS_OPS = frozenset(
+    ["MatMulInteger", "com.microsoft::MatMulIntegerToFloat", "com.microsoft::DynamicQuantizeMatMul"]
+)
 
 
 def quant_ops(OpDef) -> dict:
