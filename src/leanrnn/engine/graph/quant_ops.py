@@ -117,14 +117,15 @@ def _leading(buf, dtype, shape):
 _F32_EXACT = 1 << 24
 
 
-def integer_matmul(a, b, a_zp, b_zp, out, tmp) -> None:
+def integer_matmul(a, b, a_zp, b_zp, out, tmp, matmul=np.matmul) -> None:
     """out = (a - a_zp) @ (b - b_zp) accumulated exactly, wrapped to int32 as onnxruntime's
     int32 accumulators do.
 
     a: [.., M, K] uint8/int8; b: [.., K, N] uint8/int8; a_zp: scalar; b_zp: scalar or [N];
     out: [.., M, N] int32; tmp: scratch from ``_integer_scratch``: "a_f" float64 like a, "b32"
     float32 and "b_f" float64 like b, "acc_f" float64 and "acc64" int64 like out. The float32
-    GEMM runs in the leading halves of the float64 buffers when it is exact."""
+    GEMM runs in the leading halves of the float64 buffers when it is exact. ``matmul(x, y,
+    out)`` is the float product (the graph's row-parallel one for 2-D operands)."""
     b32 = tmp["b32"]
     np.subtract(b, b_zp, out=b32, dtype=F32)  # exact: |b - zb| <= 255
     K = a.shape[-1]
@@ -133,13 +134,13 @@ def integer_matmul(a, b, a_zp, b_zp, out, tmp) -> None:
         a32 = _leading(tmp["a_f"], F32, a.shape)
         acc32 = _leading(tmp["acc_f"], F32, out.shape)
         np.subtract(a, a_zp, out=a32, dtype=F32)
-        np.matmul(a32, b32, out=acc32)
+        matmul(a32, b32, out=acc32)
         np.copyto(out, acc32, casting="unsafe")  # integers below 2**24: exact
         return
     a64, b64, acc = tmp["a_f"], tmp["b_f"], tmp["acc_f"]
     np.subtract(a, a_zp, out=a64, dtype=F64)
     np.copyto(b64, b32)
-    np.matmul(a64, b64, out=acc)  # exact: |sum| < 2**53
+    matmul(a64, b64, out=acc)  # exact: |sum| < 2**53
     np.copyto(tmp["acc64"], acc, casting="unsafe")
     np.copyto(out, tmp["acc64"], casting="unsafe")  # int64 -> int32 keeps the low 32 bits
 
@@ -208,18 +209,25 @@ def _integer_scratch(a_shape, b_shape, out_shape) -> dict:
     }
 
 
-def _run_integer_matmul(a, b, a_zp, b_zp, out, tmp) -> None:
-    """``integer_matmul``, with the leading dims of a [.., M, K] @ [K, N] flattened into rows."""
-    if b.ndim == 2 and a.ndim > 2:
-        rows = int(np.prod(a.shape[:-1]))
-        a, out = a.reshape(rows, a.shape[-1]), out.reshape(rows, out.shape[-1])
-        tmp = {
-            **tmp,
-            "a_f": tmp["a_f"].reshape(a.shape),
-            "acc_f": tmp["acc_f"].reshape(out.shape),
-            "acc64": tmp["acc64"].reshape(out.shape),
-        }
-    integer_matmul(a, b, a_zp, b_zp, out, tmp)
+def _run_integer_matmul(ctx, a, b, a_zp, b_zp, out, tmp) -> None:
+    """``integer_matmul``; a [.., M, K] @ [K, N] as one [rows, K] @ [K, N] product on the
+    graph's row-parallel matmul (the threading of float MatMul)."""
+    if b.ndim != 2 or a.ndim < 2:
+        integer_matmul(a, b, a_zp, b_zp, out, tmp)
+        return
+    from .ops import _row_parallel_matmul
+
+    rows = int(np.prod(a.shape[:-1]))
+    a, out = a.reshape(rows, a.shape[-1]), out.reshape(rows, out.shape[-1])
+    flat = {
+        **tmp,
+        "a_f": tmp["a_f"].reshape(a.shape),
+        "acc_f": tmp["acc_f"].reshape(out.shape),
+        "acc64": tmp["acc64"].reshape(out.shape),
+    }
+    integer_matmul(
+        a, b, a_zp, b_zp, out, flat, lambda x, y, out: _row_parallel_matmul(ctx, x, y, out)
+    )
 
 
 def _matmul_integer_scratch(ctx, node, ins, metas, needed):
@@ -234,7 +242,7 @@ def _matmul_integer_run(ctx, node, ins, outs, metas, tmp):
     a, b = ins[0], ins[1]
     a_zp = _zp_or_zero(_opt(ins, 2), a.dtype)
     b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
-    _run_integer_matmul(a, b, a_zp, b_zp, outs[0], tmp)
+    _run_integer_matmul(ctx, a, b, a_zp, b_zp, outs[0], tmp)
     return outs
 
 
@@ -265,7 +273,7 @@ def _mitf_run(ctx, node, ins, outs, metas, tmp):
     a_zp = _zp_or_zero(_opt(ins, 4), a.dtype)
     b_zp = _zp_or_zero(_opt(ins, 5), b.dtype)
     acc = tmp["acc32"]
-    _run_integer_matmul(a, b, a_zp, b_zp, acc, tmp)
+    _run_integer_matmul(ctx, a, b, a_zp, b_zp, acc, tmp)
     multiplier = np.multiply(ins[2], ins[3], dtype=F32)  # a_scale * b_scale in float32
     scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
                    _opt(ins, 6), outs[0])  # fmt: skip
@@ -301,7 +309,7 @@ def _dqmm_run(ctx, node, ins, outs, metas, tmp):
     quantize_uint8(a, tmp["a_q"], tmp["a_scale"], tmp["a_zp"], tmp["quotient"])
     b_zp = _zp_or_zero(_opt(ins, 3), b.dtype)
     acc = tmp["acc32"]
-    _run_integer_matmul(tmp["a_q"], b, tmp["a_zp"][()], b_zp, acc, tmp)
+    _run_integer_matmul(ctx, tmp["a_q"], b, tmp["a_zp"][()], b_zp, acc, tmp)
     multiplier = np.multiply(tmp["a_scale"], ins[2], dtype=F32)
     scale_to_float(acc, multiplier.reshape(-1) if multiplier.ndim else multiplier,
                    _opt(ins, 4), outs[0])  # fmt: skip
