@@ -483,8 +483,9 @@ BAD_QLSTM = [
      WeightsError, "W_zero_point is per column and non-zero"),
     ("inf scale", dict(R_scale=np.array([np.inf], F32)), WeightsError, "R_scale holds non-finite"),
     ("no hidden_size", dict(attrs={}), ModelFormatError, "hidden_size=None"),
-    ("layout", dict(attrs={"hidden_size": 4, "layout": 1}), ModelFormatError,
-     r"attributes \['layout'\]"),
+    ("layout", dict(attrs={"hidden_size": 4, "layout": 1}), ModelFormatError, "layout=1"),
+    ("unknown attribute", dict(attrs={"hidden_size": 4, "peepholes": 1}), ModelFormatError,
+     r"attributes \['peepholes'\]"),
     ("direction", dict(attrs={"hidden_size": 4, "direction": "bidirectional"}), WeightsError,
      r"W has shape \[1, 5, 16\]; expected \[D=2"),
 ]  # fmt: skip

@@ -34,6 +34,7 @@ _ATTRS = {
     "direction",
     "hidden_size",
     "input_forget",
+    "layout",  # copied from the LSTM by the quantizer; only its default 0 means anything here
 }
 
 
@@ -127,6 +128,8 @@ def quantized_lstm_weights(
     unknown = sorted(set(node.attrs) - _ATTRS)
     if unknown:
         _fail(where, f"has attributes {unknown} that DynamicQuantizeLSTM does not define")
+    if int(node.attrs.get("layout", 0)) != 0:
+        _fail(where, f"layout={node.attrs['layout']}; DynamicQuantizeLSTM is [T, N, C] (layout 0)")
     hs = node.attrs.get("hidden_size")
     if not isinstance(hs, int) or isinstance(hs, bool) or hs < 1:
         _fail(where, f"hidden_size={hs!r}; DynamicQuantizeLSTM needs a positive hidden_size")
