@@ -1,7 +1,8 @@
 """Files from ``onnxruntime.quantization.quantize_dynamic``: DynamicQuantizeLSTM (lowered to a
 float32 LSTM of the dequantized weights) and the dynamic-quantization graph ops around heads
-(DynamicQuantizeLinear, MatMulInteger, MatMulIntegerToFloat, DynamicQuantizeMatMul), each against
-onnxruntime running the same file, plus the accuracy of both against the float32 model.
+and embeddings (DynamicQuantizeLinear, MatMulInteger, MatMulIntegerToFloat, DynamicQuantizeMatMul,
+DequantizeLinear), each against onnxruntime running the same file, plus the accuracy of both
+against the float32 model.
 
 onnxruntime's u8s8 GEMMs on CPUs without VNNI (AVX2) add pairs of uint8 x int8 products in int16
 with saturation (``vpmaddubsw``), so with int8 weights beyond [-64, 64] their results are not
