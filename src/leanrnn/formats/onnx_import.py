@@ -25,6 +25,7 @@ import numpy as np
 from ..engine.graph.passes import pack_constant_rnns
 from ..errors import LeanRNNError, ModelFormatError, WeightsError
 from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_node_io, check_opset, rnn_attrs
+from .onnx_quant import lower_quantized_lstms
 from .packing import reorder_gates
 
 MAX_ONNX_BYTES = (2 << 30) - 1  # protobuf's own hard limit for one message
@@ -500,6 +501,7 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
     graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph")
+    lower_quantized_lstms(graph)  # onnxruntime's DynamicQuantizeLSTM -> LSTM
     pack_constant_rnns(graph, pack_dtype, lazy)
     # A node left unpacked has a weight computed by other nodes: a constant subgraph (torch's
     # dynamo exporter builds W and R with Slice/Concat of initializers from H=48 on, while B

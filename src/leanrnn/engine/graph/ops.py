@@ -27,6 +27,7 @@ from ...kernels import abi, runner
 from ...memory.arena import aligned_empty
 from ...threads import PACKED_MATMUL_PARALLEL_MACS, PARALLEL_MATMUL_MACS, matmul_pool
 from ..session import Session
+from .quant_ops import quant_ops
 
 
 @dataclass(frozen=True, eq=False)
@@ -879,6 +880,7 @@ OPS: dict[str, OpDef] = {
     "ConstantOfShape": OpDef(_constant_of_shape_infer, _constant_of_shape_run),
     "Cast": OpDef(_cast_infer, _cast_run),
     **{k: OpDef(_rnn_infer, _rnn_run, _rnn_scratch) for k in RNN_OPS},
+    **quant_ops(OpDef),  # DynamicQuantizeLinear, MatMulInteger and onnxruntime's fused forms
 }
 # Elementwise ops whose output may take over an input's memory (see GraphSession._plan_arena)
 INPLACE_OPS = frozenset([*_UNARY, *_BINARY, "Softmax", "LogSoftmax"])

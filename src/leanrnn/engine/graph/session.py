@@ -31,6 +31,7 @@ from .. import _fork
 from ..session import Pool, Session
 from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
 from .passes import LoadedGraph
+from .quant_ops import BLAS_OPS as QUANT_BLAS_OPS
 
 
 class GraphSession:
@@ -60,7 +61,7 @@ class GraphSession:
         ops = {n.op for n in g.nodes}
         self._blas_alone = (
             bool(ops & set(RNN_OPS))
-            and bool(ops & {"MatMul", "Gemm"})
+            and bool(ops & {"MatMul", "Gemm", *QUANT_BLAS_OPS})
             and ((loaded.threads or config.get_num_threads()) > 1)
         )
         self._key = None
