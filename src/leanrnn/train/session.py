@@ -527,14 +527,17 @@ class Trainer:
         segs = list(range(0, T, S))
         for s0 in reversed(segs):
             s1 = min(T, s0 + S)
-            if sv["recompute"]:
+            # recomputing, the forward left the last segment's reserve in the segment buffers:
+            # only the earlier segments are replayed
+            replay = sv["recompute"] and s0 != segs[-1]
+            if replay:
                 j = s0 // S
                 hs = sv["ckh"][j].copy()
                 cs = sv["ckc"][j].copy() if sv["ckc"] is not None else None
                 ytop = mem["ytop"][: (s1 - s0) * N]
                 self._forward_segment(mem, sv["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
                                       sv["masks"], 0)  # fmt: skip
-            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1)
+            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1, replay)
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)
         dx = dx.reshape(T, N, C)
@@ -542,7 +545,7 @@ class Trainer:
             dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
         return dx, dh, (dc if spec.cell == "lstm" else None)
 
-    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1) -> None:
+    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1, replayed) -> None:
         spec = self.spec
         L, D = spec.num_layers, spec.num_directions
         N, recompute = sv["N"], sv["recompute"]
@@ -554,7 +557,7 @@ class Trainer:
         masks = sv["masks"]
         for layer in reversed(range(L)):
             if layer == L - 1:
-                ylay = mem["ytop"][:TN] if recompute else sv["y"][s0 * N : s1 * N]
+                ylay = mem["ytop"][:TN] if replayed else sv["y"][s0 * N : s1 * N]
                 dylay = dyt[s0 * N : s1 * N]
             else:
                 ylay = mem[f"y.{layer}"][off : off + TN]
