@@ -180,8 +180,17 @@ def _handle(eng: _Engine | None, tape, weights) -> torch.Tensor:
     arr = np.array([hid], np.int64)
     if tape is not None:
         _TAPES[hid] = [eng, tape, [w._version for w in weights]]
-        weakref.finalize(arr, _TAPES.pop, hid, None)
+        weakref.finalize(arr, _free, hid)
     return torch.from_numpy(arr)
+
+
+def _free(hid: int) -> None:
+    """The handle's storage died: drop the tape and give its arena back to its trainer (the
+    next forward reuses the memory instead of faulting in fresh pages)."""
+    entry = _TAPES.pop(hid, None)
+    if entry is not None:
+        tape = entry[1]
+        tape._trainer.release(tape)
 
 
 def _replay(tr: Trainer, tape):

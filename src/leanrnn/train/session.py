@@ -50,6 +50,10 @@ from .optim import Parameter
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
 
+_PLANS_KEPT = 16  # memory plans kept per trainer (one per step shape)
+_SPARE_KEPT = 2  # released own-memory arenas kept for reuse
+
+
 class TapeError(LeanRNNError, RuntimeError):
     """A tape that cannot be used: backward already ran, or the weights changed since."""
 
@@ -130,6 +134,8 @@ class Trainer:
         self._seen = None
         self._serial = 0
         self._arena: Arena | None = None
+        self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
+        self._plans: dict = {}  # (N, T, S, recompute, stage_x) -> (plan, shapes)
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
@@ -152,6 +158,19 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self.grad.buffer[:] = 0
+
+    def release(self, tape: Tape) -> None:
+        """Done with an own-memory tape (``forward(own_memory=True)``) and everything read from
+        it (its ``y``, ``h_n``, ``c_n`` stay valid): the next own-memory forward may reuse its
+        arena. The tape cannot take a backward afterwards."""
+        mem = tape._saved.get("mem")
+        if tape._trainer is not self or mem is None:
+            return
+        tape.used = True
+        tape._saved = {"serial": tape._serial}
+        arena = mem["_arena"]
+        if arena is not self._arena and len(self._spare) < _SPARE_KEPT:
+            self._spare.append(arena)
 
     def _refresh(self) -> None:
         """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb)
@@ -394,12 +413,25 @@ class Trainer:
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
-        scratch of forward and backward, placed by lifetime (memory.planner)."""
-        bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
+        scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
+        per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
+        key = (N, T, S, recompute, stage_x)
+        made = self._plans.get(key)
+        if made is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
+            made = self._plans[key] = (plan(bufs), shapes)
+        p, shapes = made
         spec = self.spec
-        p = plan(bufs)
         if own:
-            arena = Arena(p.total, name="tape")
+            # a released tape's arena when one is big enough: fresh pages cost a page fault
+            # each, ~1 ms per 4 MiB
+            arena = next((a for a in self._spare if a.nbytes >= p.total), None)
+            if arena is not None:
+                self._spare.remove(arena)
+            else:
+                arena = Arena(p.total, name="tape")
         else:
             if self._arena is None or self._arena.nbytes < p.total:
                 self._arena = None
@@ -480,6 +512,8 @@ class Trainer:
         op = "Trainer.backward"
         if not isinstance(tape, Tape) or tape._trainer is not self:
             raise TapeError(f"[{op}] tape is not a Tape of this trainer")
+        if "mem" not in tape._saved:
+            raise TapeError(f"[{op}] this tape was released (Trainer.release); run forward again")
         if tape.used:
             raise TapeError(f"[{op}] backward already ran on this tape; run forward again")
         if tape._version != self._version or [p.version for p in self._params] != self._seen:
