@@ -477,8 +477,8 @@ def speed_table(rows: list[dict]) -> str:
 
 def memory_table(m: dict) -> str:
     lines = [f"2-layer LSTM, H={m['H']}, N={m['N']}, T={m['T']}, {m['threads']} thread(s):", "",
-             "| variant | peak beyond weights & inputs | of which y + dx | time | other load |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             "| variant | peak beyond weights & inputs | of which y + dx | the rest | time | "
+             "other load |", "|---|---|---|---|---|---|"]  # fmt: skip
     for v, r in m["variants"].items():
         if "error" in r:
             lines.append(f"| {v} | error: {r['error']} | | |")
@@ -488,7 +488,15 @@ def memory_table(m: dict) -> str:
             p = r["plan"]
             name += f" (segment {p['segment']}, arena {_mib(p['arena_bytes'])})"
         lines.append(f"| {name} | {_mib(r['peak'])} | {_mib(r['outputs_bytes'])} | "
+                     f"{_mib(max(0, r['peak'] - r['outputs_bytes']))} | "
                      f"{_ms(r['seconds'])} | {r['background_cores']:.1f} cores |")  # fmt: skip
+    V = m["variants"]
+    if all("error" not in V.get(v, {"error": 1}) for v in ("torch", "leanrnn-recompute")):
+        t, rc = V["torch"], V["leanrnn-recompute"]
+        rest = max(0, rc["peak"] - rc["outputs_bytes"]) / max(1, t["peak"] - t["outputs_bytes"])
+        lines.append(f"\nBoth sides return y and dx (torch's x requires grad): "
+                     f"{t['outputs_bytes'] / t['peak']:.3f} of torch's peak. Beyond them, "
+                     f"leanrnn recomputing needs {rest:.3f} of what torch does.")  # fmt: skip
     if "bars" in m:
         lines += ["", "| bar | measured | result |", "|---|---|---|"]
         for b in m["bars"]:
