@@ -16,7 +16,7 @@ Design.
   dtype. Before each forward the op compares every parameter with the copy it was packed from:
   a changed ``param._version`` or storage (any torch.optim step, ``.to()``, ``load_state_dict``)
   repacks that tensor at once; otherwise its values are compared with that copy (one read of
-  the weights per forward: 12 ms for a 2-layer H=512 LSTM on a busy 2-core VM, against
+  the weights per forward: 1.7 ms of CPU for a 2-layer H=512 LSTM on a 2-core Zen 3, against
   hundreds of ms for its training step at T=100, N=32), because writes through ``param.data``
   -- the PyTorch word-language-model's SGD, gradcheck's perturbations -- bump no version
   counter. Only the tensors that changed are repacked.
