@@ -517,3 +517,23 @@ def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
     for rank_grads in got:
         for a, p in zip(rank_grads, net.parameters(), strict=True):
             assert _rel(a, p.grad) <= RTOL_GRAD[np.float64]
+
+
+def test_training_steps_reuse_the_memory_of_freed_tapes(monkeypatch):
+    """A graph freed by its backward gives its tape's arena back: the next forward reuses it
+    instead of allocating (and faulting in) a new one; the gradients stay torch's."""
+    from leanrnn.train import session
+
+    ref, m = _pair("LSTM", {"num_layers": 2})
+    x = torch.randn(T, N, C, dtype=torch.float64)
+    for mod in (ref, m):
+        mod(x)[0].sum().backward()
+    made = []
+    real = session.Arena
+    monkeypatch.setattr(session, "Arena", lambda *a, **k: made.append(1) or real(*a, **k))
+    for _ in range(3):
+        for mod in (ref, m):
+            (mod(x)[0] ** 2).sum().backward()
+    assert made == []
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert _rel(p.grad, q.grad) <= RTOL_GRAD[np.float64]

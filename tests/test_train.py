@@ -278,3 +278,46 @@ def test_adam_steps_on_packed_weights_follow_torch(cell):
     padding = tr.weights.unpack()  # the canonical weights back; pack() again must be identical
     again = leanrnn.pack(tr.spec, padding, np.float64)
     assert np.array_equal(again.buffer, tr.weights.buffer)  # padding stayed zero
+
+
+def test_recompute_replays_every_segment_but_the_last(monkeypatch):
+    """The recomputing forward leaves the last segment's reserve in the segment buffers:
+    backward replays only the earlier segments (and still equals storing, above)."""
+    m = leanrnn.LSTM(4, 16, num_layers=2, seed=0)
+    tr = Trainer(m, segment=3, recompute=True)
+    x = np.random.default_rng(0).standard_normal((11, 2, 4)).astype(np.float32)
+    tape = tr.forward(x)
+    calls = []
+    real = Trainer._forward_segment
+    monkeypatch.setattr(Trainer, "_forward_segment",
+                        lambda self, *a: calls.append(a[6]) or real(self, *a))  # fmt: skip
+    tr.backward(tape, np.ones_like(tape.y))
+    assert calls == [6, 3, 0]  # segment starts: 9 (the last) is not replayed
+
+
+def test_steady_state_forward_reuses_its_plan_and_released_arenas(monkeypatch):
+    """A second forward of the same shape does not plan again; an own-memory tape's arena,
+    once released, serves the next own-memory forward, whose gradients stay exact."""
+    from leanrnn.train import session
+
+    m = leanrnn.GRU(4, 16, seed=0)
+    x = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+    dy = np.ones((5, 3, 16), np.float32)
+    want = Trainer(m)
+    want.backward(want.forward(x), dy)
+    planned = []
+    real = session.plan
+    monkeypatch.setattr(session, "plan", lambda bufs: planned.append(1) or real(bufs))
+    tr = Trainer(m)
+    first = tr.forward(x, own_memory=True)
+    arena = first._saved["mem"]["_arena"]
+    y = first.y.copy()
+    tr.release(first)
+    assert np.array_equal(first.y, y)  # outputs outlive the release
+    with pytest.raises(TapeError, match="released"):
+        tr.backward(first, dy)
+    second = tr.forward(x, own_memory=True)
+    assert second._saved["mem"]["_arena"] is arena
+    assert len(planned) == 1
+    tr.backward(second, dy)
+    assert np.array_equal(tr.grad.buffer, want.grad.buffer)

@@ -76,8 +76,12 @@ class _Vec:
             p = self.b.gep(p, [ir.Constant(ir.IntType(64), k)])
         return self.b.load(p, align=4)
 
-    def store(self, v, a: int) -> None:
-        self.b.store(v, self.ptr(a), align=4)
+    def store(self, v, a: int, k: int = 0) -> None:
+        """Store v as the k-th group of B elements at (array, row, col) argument a."""
+        p = self.ptr(a)
+        if k:
+            p = self.b.gep(p, [ir.Constant(ir.IntType(64), k)])
+        self.b.store(v, p, align=4)
 
     def add(self, x, y):
         return self.b.fadd(x, y)
@@ -120,15 +124,19 @@ def lstm_update(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):  # pragm
     raise NotImplementedError("numba-only")
 
 
-@intrinsic
-def _lstm_f32(typingctx, gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
-    if not _f32_arrays(gates, xw, c, h):
-        return None
-    i = types.intp
+def lstm_update_keep(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):  # pragma: no cover
+    """lstm_update that also leaves the pre-activation gates + xw in xw's row (training keeps
+    it for backward): the same bits as lstm_update, one vector store per gate more."""
+    raise NotImplementedError("numba-only")
 
+
+def _lstm_gen(keep: bool):
     def gen(context, builder, sig, args):
         v = _Vec(context, builder, sig, args)
         pre = [v.add(v.load(0, k), v.load(3, k)) for k in range(4)]
+        if keep:
+            for k in range(4):
+                v.store(pre[k], 3, k)
         ig, fg, gg, og = v.sigmoid(pre[0]), v.sigmoid(pre[1]), v.tanh(pre[2]), v.sigmoid(pre[3])
         tiny_v = v.splat(args[12])
         cnew = v.flush(v.fma(fg, v.load(6), v.mul(ig, gg)), tiny_v)
@@ -136,7 +144,47 @@ def _lstm_f32(typingctx, gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
         v.store(v.flush(v.mul(og, v.tanh(cnew)), tiny_v), 9)
         return context.get_dummy_value()
 
-    return types.void(gates, i, i, xw, i, i, c, i, i, h, i, i, tiny), gen
+    return gen
+
+
+def _lstm_sig(gates, xw, c, h, tiny):
+    i = types.intp
+    return types.void(gates, i, i, xw, i, i, c, i, i, h, i, i, tiny)
+
+
+@intrinsic
+def _lstm_f32(typingctx, gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
+    if not _f32_arrays(gates, xw, c, h):
+        return None
+    return _lstm_sig(gates, xw, c, h, tiny), _lstm_gen(False)
+
+
+@intrinsic
+def _lstm_keep_f32(typingctx, gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
+    if not _f32_arrays(gates, xw, c, h):
+        return None
+    return _lstm_sig(gates, xw, c, h, tiny), _lstm_gen(True)
+
+
+def _lstm_loop(keep: bool):
+    def loop(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
+        zero = tiny - tiny
+        for j in range(B):
+            pi = gates[gr, gc + j] + xw[xr, xc + j]
+            pf = gates[gr, gc + B + j] + xw[xr, xc + B + j]
+            pg = gates[gr, gc + 2 * B + j] + xw[xr, xc + 2 * B + j]
+            po = gates[gr, gc + 3 * B + j] + xw[xr, xc + 3 * B + j]
+            if keep:
+                xw[xr, xc + j] = pi
+                xw[xr, xc + B + j] = pf
+                xw[xr, xc + 2 * B + j] = pg
+                xw[xr, xc + 3 * B + j] = po
+            i_, f_, g_, o_ = sigmoid_(pi), sigmoid_(pf), tanh_(pg), sigmoid_(po)
+            cv = flush(f_ * c[cr, cc + j] + i_ * g_, tiny, zero)
+            c[cr, cc + j] = cv
+            h[hr, hc + j] = flush(o_ * tanh_(cv), tiny, zero)
+
+    return loop
 
 
 @overload(lstm_update, inline="always")
@@ -145,19 +193,16 @@ def _lstm_ov(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
         return lambda gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny: _lstm_f32(
             gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny
         )
+    return _lstm_loop(False)
 
-    def loop(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
-        zero = tiny - tiny
-        for j in range(B):
-            i_ = sigmoid_(gates[gr, gc + j] + xw[xr, xc + j])
-            f_ = sigmoid_(gates[gr, gc + B + j] + xw[xr, xc + B + j])
-            g_ = tanh_(gates[gr, gc + 2 * B + j] + xw[xr, xc + 2 * B + j])
-            o_ = sigmoid_(gates[gr, gc + 3 * B + j] + xw[xr, xc + 3 * B + j])
-            cv = flush(f_ * c[cr, cc + j] + i_ * g_, tiny, zero)
-            c[cr, cc + j] = cv
-            h[hr, hc + j] = flush(o_ * tanh_(cv), tiny, zero)
 
-    return loop
+@overload(lstm_update_keep, inline="always")
+def _lstm_keep_ov(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
+    if _f32_arrays(gates, xw, c, h):
+        return lambda gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny: _lstm_keep_f32(
+            gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny
+        )
+    return _lstm_loop(True)
 
 
 # ------------------------------------------------------------------------------------ GRU

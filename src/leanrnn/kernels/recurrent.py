@@ -37,7 +37,7 @@ No argument may alias another.
 
 from __future__ import annotations
 
-from ._cells import gru_update, lstm_update, rnn_update
+from ._cells import gru_update, lstm_update, lstm_update_keep, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import claim, end_phase, finish
@@ -150,9 +150,10 @@ def _lstm(
                         continue
                     xr = _yrow(t, n, N, xw_bf_T)
                     if fast:
-                        if keep:
-                            _keep_span(xw, xr, r0, gates, n, 4 * B, zero)
-                        lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
+                        if keep:  # the pre-activation stays in xw, stored from registers
+                            lstm_update_keep(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
+                        else:
+                            lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
                         if P == 0:
                             _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
                         continue

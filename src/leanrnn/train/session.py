@@ -52,6 +52,10 @@ from .optim import Parameter
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
 
+_PLANS_KEPT = 16  # memory plans kept per trainer (one per step shape)
+_SPARE_KEPT = 2  # released own-memory arenas kept for reuse
+
+
 class TapeError(LeanRNNError, RuntimeError):
     """A tape that cannot be used: backward already ran, or the weights changed since."""
 
@@ -132,6 +136,8 @@ class Trainer:
         self._seen = None
         self._serial = 0
         self._arena: Arena | None = None
+        self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
+        self._plans: dict = {}  # (N, T, S, recompute, stage_x) -> (plan, shapes)
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
@@ -158,6 +164,19 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self.grad.buffer[:] = 0
+
+    def release(self, tape: Tape) -> None:
+        """Done with an own-memory tape (``forward(own_memory=True)``) and everything read from
+        it (its ``y``, ``h_n``, ``c_n`` stay valid): the next own-memory forward may reuse its
+        arena. The tape cannot take a backward afterwards."""
+        mem = tape._saved.get("mem")
+        if tape._trainer is not self or mem is None:
+            return
+        tape.used = True
+        tape._saved = {"serial": tape._serial}
+        arena = mem["_arena"]
+        if arena is not self._arena and len(self._spare) < _SPARE_KEPT:
+            self._spare.append(arena)
 
     def _refresh(self) -> None:
         """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb)
@@ -408,12 +427,25 @@ class Trainer:
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
-        scratch of forward and backward, placed by lifetime (memory.planner)."""
-        bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
+        scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
+        per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
+        key = (N, T, S, recompute, stage_x)
+        made = self._plans.get(key)
+        if made is None:
+            if len(self._plans) >= _PLANS_KEPT:
+                self._plans.clear()
+            bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
+            made = self._plans[key] = (plan(bufs), shapes)
+        p, shapes = made
         spec = self.spec
-        p = plan(bufs)
         if own:
-            arena = Arena(p.total, name="tape")
+            # a released tape's arena when one is big enough: fresh pages cost a page fault
+            # each, ~1 ms per 4 MiB
+            arena = next((a for a in self._spare if a.nbytes >= p.total), None)
+            if arena is not None:
+                self._spare.remove(arena)
+            else:
+                arena = Arena(p.total, name="tape")
         else:
             if self._arena is None or self._arena.nbytes < p.total:
                 self._arena = None
@@ -494,6 +526,8 @@ class Trainer:
         op = "Trainer.backward"
         if not isinstance(tape, Tape) or tape._trainer is not self:
             raise TapeError(f"[{op}] tape is not a Tape of this trainer")
+        if "mem" not in tape._saved:
+            raise TapeError(f"[{op}] this tape was released (Trainer.release); run forward again")
         if tape.used:
             raise TapeError(f"[{op}] backward already ran on this tape; run forward again")
         if tape._version != self._version or [p.version for p in self._params] != self._seen:
@@ -541,14 +575,17 @@ class Trainer:
         segs = list(range(0, T, S))
         for s0 in reversed(segs):
             s1 = min(T, s0 + S)
-            if sv["recompute"]:
+            # recomputing, the forward left the last segment's reserve in the segment buffers:
+            # only the earlier segments are replayed
+            replay = sv["recompute"] and s0 != segs[-1]
+            if replay:
                 j = s0 // S
                 hs = sv["ckh"][j].copy()
                 cs = sv["ckc"][j].copy() if sv["ckc"] is not None else None
                 ytop = mem["ytop"][: (s1 - s0) * N]
                 self._forward_segment(mem, sv["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
                                       sv["masks"], 0)  # fmt: skip
-            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1)
+            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1, replay)
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)
         dx = dx.reshape(T, N, C)
@@ -556,7 +593,7 @@ class Trainer:
             dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
         return dx, dh, (dc if spec.cell == "lstm" else None)
 
-    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1) -> None:
+    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1, replayed) -> None:
         spec = self.spec
         L, D = spec.num_layers, spec.num_directions
         N, recompute = sv["N"], sv["recompute"]
@@ -568,7 +605,7 @@ class Trainer:
         masks = sv["masks"]
         for layer in reversed(range(L)):
             if layer == L - 1:
-                ylay = mem["ytop"][:TN] if recompute else sv["y"][s0 * N : s1 * N]
+                ylay = mem["ytop"][:TN] if replayed else sv["y"][s0 * N : s1 * N]
                 dylay = dyt[s0 * N : s1 * N]
             else:
                 ylay = mem[f"y.{layer}"][off : off + TN]
