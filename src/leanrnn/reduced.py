@@ -15,6 +15,13 @@ from .formats.quantize import quantize_packed
 REDUCED = tuple(p for p in PRECISIONS if p != "float")
 
 
+def check_reduced(precision, op: str) -> None:
+    """DTypeError unless ``precision`` names a reduced precision."""
+    if precision not in REDUCED:
+        raise DTypeError(f"[{op}] precision {precision!r}; expected one of "
+                         f"{', '.join(map(repr, REDUCED))}")  # fmt: skip
+
+
 def quantize(model, precision: str):
     """A copy of ``model`` whose recurrent layers' input and recurrent weights are ``precision``
     ("bf16": bfloat16, rounded to nearest even; "int8": symmetric, one float32 scale per output
@@ -23,7 +30,7 @@ def quantize(model, precision: str):
     ``GraphModel`` (its packed RNN nodes). The model must be float32; ``model`` is unchanged.
 
     Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
-    at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-9
+    at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8
     relative; int8 by <= scale/2 = max|w_column| / 254 absolute.
 
     >>> m = leanrnn.LSTM(64, 128, seed=0)
@@ -31,9 +38,7 @@ def quantize(model, precision: str):
     >>> q.weights.precision, q.weights.weight_bytes < m.weights.weight_bytes / 3
     ('int8', True)
     """
-    if precision not in REDUCED:
-        raise DTypeError(f"[quantize] precision {precision!r}; expected one of "
-                         f"{', '.join(map(repr, REDUCED))}")  # fmt: skip
+    check_reduced(precision, "quantize")
     from .graph_model import GraphModel
     from .nn import Model
 

@@ -5,7 +5,7 @@ the LSTM projection stay float32, and so do activations, states and every sum (t
 widen each weight vector to float32 right after its load, kernels._qsimd).
 
 - ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
-  float32, stored as uint16). Relative error <= 2**-9.
+  float32, stored as uint16). Relative error <= 2**-8.
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -182,4 +182,3 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
                     raise ModelFormatError(f"[{op}] {path!r}: layer {li} direction {di} "
                                            f"{name} has int8 scales that are negative or not "
                                            "finite; the file is corrupt")  # fmt: skip
-
