@@ -30,7 +30,7 @@ from leanrnn.kernels import _cpu, _simd
 from leanrnn.kernels.abi import B
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
-from tolerances import ATOL_REDUCED, INT8_HALF_STEP, RTOL_BF16_ROUNDING
+from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC, INT8_HALF_STEP, RTOL_BF16_ROUNDING
 
 PRECISIONS = ["bf16", "int8"]
 PANEL = {"bf16": np.uint16, "int8": np.int8}
@@ -112,6 +112,23 @@ def many_cores(monkeypatch):
 def test_reduced_kernels_on_two_threads(spec, precision, many_cores):
     """Big enough (threads.PARALLEL_MIN_MACS) that two threads split every step's blocks."""
     _check(spec, precision, 5, N=3, T=5, threads=2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_stream_of_single_steps_equals_one_run(precision):
+    m = leanrnn.quantize(leanrnn.LSTM(6, 20, num_layers=2, seed=1), precision)
+    x = np.random.default_rng(0).standard_normal((5, 2, 6)).astype(np.float32)
+    y, _, _ = m.session.run(x)
+    st = m.session.stream(batch=2)
+    steps = np.stack([st.feed(x[t]) for t in range(5)])
+    # a run's input projection tiles T*N rows, a step's N rows: the sums' order may differ
+    np.testing.assert_allclose(steps, y, rtol=0, atol=ATOL_SAME_ARITHMETIC[np.float32])
+
+
+def test_the_jit_backend_runs_reduced_jobs_too(monkeypatch):
+    """The same jobs on numba's JIT (what runs where no C compiler is): one small cell."""
+    monkeypatch.setattr(leanrnn.config, "_backend", "jit")
+    _check(RNNSpec("rnn", 5, 17, direction="bidirectional"), "int8", 9, N=2, T=4)
 
 
 # ------------------------------------------------------- every ISA's tile, on any machine (jit)
