@@ -20,6 +20,7 @@ from leanrnn.formats import native
 from leanrnn.formats.packing import SCALE_ROWS, pack
 from leanrnn.formats.quantize import (
     Int8LayerWeights,
+    bf16_panel,
     bf16_round,
     bf16_value,
     pack_int8,
@@ -159,7 +160,7 @@ def test_every_isa_tile_reads_reduced_panels(name, precision):
     w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)
     w[:, K:] = 0
     if precision == "bf16":
-        P, deq = bf16_round(w), bf16_value(bf16_round(w)).astype(np.float64)
+        P, deq = bf16_panel(w), bf16_value(bf16_round(w)).astype(np.float64)
     else:
         pw = np.zeros((2, Kp + SCALE_ROWS, Wd), np.int8)
         from leanrnn.formats.quantize import _set_int8, int8_columns

@@ -5,7 +5,7 @@ the LSTM projection stay float32, and so do activations, states and every sum (t
 widen each weight vector to float32 right after its load, kernels._qsimd).
 
 - ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
-  float32, stored as uint16). Relative error <= 2**-8.
+  float32, stored as uint16; each group of 16 columns interleaved in pairs, BF16_ORDER). Relative error <= 2**-8.
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -31,6 +31,11 @@ from .packing import (
 )
 
 QMAX = 127  # symmetric int8: -128 is never used, so -q is always representable
+# A bf16 panel row stores each group of 16 columns interleaved: 16-bit element m holds column
+# BF16_ORDER[m] (pairs (i, i+8)), so the kernel widens 8 columns with one shift or one mask of
+# the 32-bit lanes (kernels._qsimd._bf16_loader). BF16_INVERSE puts them back in column order.
+BF16_ORDER = np.array([j for i in range(8) for j in (i, i + 8)])
+BF16_INVERSE = np.argsort(BF16_ORDER)
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -47,6 +52,17 @@ def bf16_round(a: np.ndarray) -> np.ndarray:
 def bf16_value(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bits -> float32 (exact)."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _grouped(a: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Each group of 16 along the last axis reordered by ``order`` (a copy)."""
+    shape = a.shape
+    return a.reshape(*shape[:-1], shape[-1] // 16, 16)[..., order].reshape(shape)
+
+
+def bf16_panel(w: np.ndarray) -> np.ndarray:
+    """A float32 panel [..., X, Wd] -> its bf16 panel (rounded, columns interleaved)."""
+    return _grouped(bf16_round(w), BF16_ORDER)
 
 
 def int8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +96,7 @@ def dequantize_panel(panel: np.ndarray, precision: str, dtype=np.float32) -> np.
     """A reduced panel as ``dtype`` numbers [U, X, Wd] (the scale rows dropped): exactly the
     weights the kernels multiply by (up to the int8 scale, applied after the sum there)."""
     if precision == "bf16":
-        return bf16_value(panel).astype(dtype)
+        return bf16_value(_grouped(panel, BF16_INVERSE)).astype(dtype)
     if precision == "int8":
         q = panel[:, : panel.shape[1] - SCALE_ROWS]
         return (q.astype(np.float64) * panel_scales(panel)[:, None, :]).astype(dtype)
@@ -114,7 +130,7 @@ def quantize_packed(pw: PackedWeights, precision: str) -> PackedWeights:
             for name in _PANELS:
                 src, dst = getattr(ps, name), getattr(pd, name)
                 if precision == "bf16":
-                    dst[...] = bf16_round(src)
+                    dst[...] = bf16_panel(src)
                 else:
                     _set_int8(dst, *int8_columns(src))
     return out

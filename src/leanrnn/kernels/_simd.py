@@ -109,7 +109,7 @@ def _codegen(nvec: int, tiles_: dict):
                 krow = builder.add(poff, builder.mul(k, kstride))
                 ws = []
                 for v in range(nv):
-                    ws.append(load_w(builder.add(krow, const((v0 + v) * lanes))))
+                    ws.append(load_w(krow, (v0 + v) * lanes))
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
                     xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
