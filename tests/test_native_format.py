@@ -158,4 +158,4 @@ def test_weight_floor_and_layout_match_the_packed_weights(spec, dtype):
     assert floor <= pw.nbytes
     want, nbytes = native._packed_layout(spec, dtype)
     assert nbytes == pw.nbytes
-    assert want == {k: (v.shape, off) for k, v, off in native._region(pw)}
+    assert want == {k: (v.shape, off, v.dtype) for k, v, off in native._region(pw)}

@@ -113,3 +113,17 @@ ATOL_ORT_DYNAMIC_QUANT = ByDtype(f32=1e-2)
 # reduce_range) run with float32 activations, against the float32 model it came from, on the
 # tests' tiny models: measured <= 2.7e-3.
 ATOL_WEIGHT_QUANT_INT8 = ByDtype(f32=1e-2)
+
+# Reduced-precision weights (leanrnn.quantize), keyed by the panels' storage dtype (uint16 holds
+# bfloat16 bits, int8 the symmetric codes). ATOL_REDUCED: the kernels against the float64
+# oracle run on the *same rounded* weights, so only the kernels' float32 arithmetic differs
+# (widening a weight to float32 is exact; int8 multiplies by its scale once per sum): ATOL's
+# float32 figure.
+ATOL_REDUCED = ByDtype()
+ATOL_REDUCED[np.uint16] = 1e-5
+ATOL_REDUCED[np.int8] = 1e-5
+# The formats' own rounding bounds (exact, not measured): bfloat16 keeps 8 significant bits, so
+# round-to-nearest is off by <= 2**-8 relative (half a spacing of 2**-7); int8 by <= half a step, scale/2, absolute (as a
+# fraction of the column's scale, with float32 slack for dividing by the scale).
+RTOL_BF16_ROUNDING = 2.0**-8
+INT8_HALF_STEP = 0.5 + 1e-6

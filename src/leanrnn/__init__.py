@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .graph_model import GraphModel
     from .loading import convert, load, save
     from .nn import GRU, LSTM, RNN, Model, from_state_dict, from_torch
+    from .reduced import quantize
 
 # The models and loading import the file formats (.lrnn, ONNX, torch checkpoints). They are
 # imported on first use: ``import leanrnn.engine`` runs this file first and must stay free of
@@ -27,6 +28,7 @@ _LAZY = {
     **dict.fromkeys(("GRU", "LSTM", "RNN", "Model", "from_state_dict", "from_torch"), "nn"),
     **dict.fromkeys(("convert", "load", "save"), "loading"),
     "GraphModel": "graph_model",
+    "quantize": "reduced",
 }
 
 
@@ -69,6 +71,7 @@ __all__ = [
     "get_num_threads",
     "load",
     "pack",
+    "quantize",
     "save",
     "score",
     "set_num_threads",

@@ -96,6 +96,8 @@ class GraphModel:
                         "op": node.op,
                         "spec": spec_line(pw.spec),
                         "weight_bytes": pw.nbytes,
+                        "precision": pw.precision,
+                        "panel_bytes": pw.weight_bytes,
                     }
                 )
                 params += parameter_count(pw.spec)

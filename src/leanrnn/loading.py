@@ -87,12 +87,22 @@ def save(model: RunnableModel, path) -> str:
     return model.save(os.fspath(path))
 
 
-def convert(src, dst, **options) -> str:
+def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
-    to ``dst``. Returns ``dst``."""
+    to ``dst``, its recurrent weights in ``precision`` ("bf16" or "int8", see
+    ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
     dst = os.fspath(dst)
     if not dst.lower().endswith(".lrnn"):
         raise ModelFormatError(
             f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its native format only)"
         )
-    return save(load(src, **options), dst)
+    if precision is not None:  # checked before the load, which may take long
+        from .reduced import check_reduced
+
+        check_reduced(precision, "convert")
+    model = load(src, **options)
+    if precision is not None:
+        from .reduced import quantize
+
+        model = quantize(model, precision)
+    return save(model, dst)

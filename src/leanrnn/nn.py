@@ -144,6 +144,8 @@ class Model:
             ],
             "spec": spec.to_dict(),
             "dtype": self.dtype.name,
+            "precision": self.weights.precision,  # of the W and R panels (leanrnn.quantize)
+            "panel_bytes": self.weights.weight_bytes,
             "parameters": parameter_count(spec),
             "weight_bytes": self.weights.nbytes,
             "batch": batch,

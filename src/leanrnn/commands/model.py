@@ -41,6 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "src", help="model file to read: .onnx, PyTorch checkpoint, .safetensors, .npz, .lrnn"
     )
     p.add_argument("dst", help="output path, ending in .lrnn (its directory must exist)")
+    p.add_argument(
+        "--precision", choices=("bf16", "int8"),
+        help="store the recurrent weights in reduced precision (leanrnn.quantize): bf16 halves "
+        "them, int8 quarters them; activations stay float32 (default: as loaded)",
+    )  # fmt: skip
     p.set_defaults(func=convert_cmd)
 
 
@@ -122,10 +127,13 @@ def inspect_cmd(args) -> int:
         print(f"  inputs:  {ins}\n  outputs: {outs}")
         print("  nodes:")
         for layer in info["layers"]:
-            extra = f"  {layer['spec']}  ({_mib(layer['weight_bytes'])})" if "spec" in layer else ""
+            extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
+                     f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
             print(f"    {layer['op']:<16} {layer['node']}{extra}")
     else:
         print(f"  dtype: {info['dtype']}")
+        print(f"  weight precision: {info['precision']} (W and R panels: "
+              f"{info['panel_bytes']:,} B, {_mib(info['panel_bytes'])})")  # fmt: skip
         for layer in info["layers"]:
             print(f"    layer {layer['layer']}: {layer['spec']}")
     print(f"  parameters:   {info['parameters']:,}")
@@ -147,12 +155,17 @@ def inspect_cmd(args) -> int:
     return 0
 
 
+def _precision(layer: dict) -> str:
+    p = layer.get("precision", "float")
+    return "" if p == "float" else f", {p} weights: {_mib(layer['panel_bytes'])}"
+
+
 def convert_cmd(args) -> int:
     import os
 
     from ..cli import output_file
     from ..loading import convert
 
-    convert(args.src, output_file(args.dst, "convert", ".lrnn"))
+    convert(args.src, output_file(args.dst, "convert", ".lrnn"), precision=args.precision)
     print(f"wrote {args.dst} ({os.path.getsize(args.dst):,} bytes)")
     return 0

@@ -401,7 +401,8 @@ class Session:
             spec, pl, d, self._constants, self._sync, h_a=ha, h_b=hb, gates=gates, aux=aux, c=c,
             lengths=self._views["lengths"], keep=False, ghn=self._empty,
         )  # fmt: skip
-        return abi.Call(spec.cell, PER_CALL, C=spec.input_size if layer == 0 else D * K, **named)
+        job = abi.job_for(spec.cell, self.weights.precision)  # reduced weights: their own job
+        return abi.Call(job, PER_CALL, C=spec.input_size if layer == 0 else D * K, **named)
 
     # ---------------------------------------------------------------- running
     def _threads(self) -> int:
@@ -617,7 +618,7 @@ class Session:
                 a[ix], a[ixw], a[ixbf], a[iT], a[iy], a[iybf], a[ip] = (
                     xin, xw, xin_bf, T, yout, y_bf, parts)  # fmt: skip
                 sync[:] = 0
-                runner.run(cell, tuple(a), parts)
+                runner.run(calls[k].job, tuple(a), parts)
                 parity = T % 2  # which state buffer the last step wrote
                 if cell == "lstm":
                     c_n[k] = c[:, :H]

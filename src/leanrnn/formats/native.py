@@ -27,7 +27,15 @@ from ..errors import LeanRNNError, ModelFormatError
 from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, is_count, rnn_attrs, rnn_from_node
 from ..memory.arena import aligned_empty, round_up
 from ..spec import USES_ALPHA, USES_BETA, RNNSpec
-from .packing import SUPPORTED_DTYPES, PackedLayer, PackedWeights
+from .packing import (
+    PRECISIONS,
+    SUPPORTED_DTYPES,
+    PackedLayer,
+    PackedWeights,
+    check_precision,
+    tensor_dtype,
+)
+from .quantize import check_loaded
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -199,14 +207,14 @@ def read_metadata(path: str, op: str = "load") -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------- packed layouts
-def _weight_floor(spec: RNNSpec, dtype: np.dtype) -> int:
+def _weight_floor(spec: RNNSpec, dtype: np.dtype, precision: str = "float") -> int:
     """A lower bound of ``PackedWeights(spec, dtype).nbytes`` from the spec alone: the unpadded
     W and R. A file that holds fewer bytes cannot be honest, so nothing is allocated for it.
     Closed form (layer 0 reads C, every later layer D*K): a loop over the declared layers would
     itself be the work a lying ``num_layers`` buys."""
     G, K, L = spec.gate_width, spec.output_size, spec.num_layers
     per = G * (spec.input_size + K) + (L - 1) * G * (spec.num_directions * K + K)
-    return per * spec.num_directions * dtype.itemsize
+    return per * spec.num_directions * tensor_dtype("Rt", dtype, precision).itemsize
 
 
 def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
@@ -328,6 +336,8 @@ def save_rnn(weights: PackedWeights, path: str) -> None:
         "dtype": weights.dtype.name,
         "spec": json.dumps(weights.spec.to_dict()),
     }
+    if weights.precision != "float":  # absent: the weights are of the working dtype
+        meta["precision"] = weights.precision
     _write(str(path), meta, [("", _packed_items(weights))])
 
 
@@ -338,6 +348,8 @@ def save_graph(graph: Graph, path: str) -> None:
     for node_name, pw in graph.packed.items():
         blocks.append((f"rnn:{node_name}:", _packed_items(pw)))
         packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
+        if pw.precision != "float":
+            packed[node_name]["precision"] = pw.precision
     # Constants after the packed regions, widest items first, so each stays aligned to its itemsize.
     consts = sorted(graph.constants.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0]))
     blocks.append(("const:", [(k, np.asarray(v, order="C"), -1) for k, v in consts]))
@@ -388,8 +400,9 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
         if kind == "rnn":
             spec = _spec(meta.get("spec"), op, path)
             dtype = _dtype(meta.get("dtype"), op, path)
-            begin = _check_packed(c, "", spec, dtype)
-            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype)
+            precision = _precision(meta.get("precision", "float"), dtype, op, path)
+            begin = _check_packed(c, "", spec, dtype, precision)
+            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype, precision)
             regions = [result.buffer]
             extra = sorted(set(c.entries) - set(result.tensors()))
             if extra:
@@ -427,22 +440,37 @@ def _dtype(name, op, path) -> np.dtype:
     return dt
 
 
-def _packed_layout(spec: RNNSpec, dtype: np.dtype) -> tuple[dict, int]:
-    """({name: (shape, byte offset or -1 if empty)}, total bytes) of ``PackedWeights(spec,
-    dtype)``, computed from ``PackedWeights.layout`` with Python ints, nothing allocated. The
-    caller bounds ``spec.num_layers`` by the tensors present first: this loops per tensor."""
+def _precision(name, dtype: np.dtype, op, path) -> str:
+    if name not in PRECISIONS:
+        raise ModelFormatError(f"[{op}] {path!r}: weight precision {name!r}; expected one of "
+                               f"{', '.join(map(repr, PRECISIONS))} (a newer leanrnn's file?)")  # fmt: skip
+    try:
+        check_precision(name, dtype, op)
+    except LeanRNNError as e:
+        raise ModelFormatError(f"[{op}] {path!r}: {_bare(e)}; the file is corrupt") from None
+    return name
+
+
+def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float") -> tuple[dict, int]:
+    """({name: (shape, byte offset or -1 if empty, dtype)}, total bytes) of
+    ``PackedWeights(spec, dtype, precision=precision)``, computed from ``PackedWeights.layout``
+    with Python ints, nothing allocated (an int8 panel's shape includes its scale rows, so the
+    scale count is checked with the shape). The caller bounds ``spec.num_layers`` by the
+    tensors present first: this loops per tensor."""
     fields = len(PackedLayer.__dataclass_fields__)
     per_layer = fields * spec.num_directions
     out, off = {}, 0
-    for i, (name, shape) in enumerate(PackedWeights.layout(spec)):
-        n = math.prod(shape) * dtype.itemsize
+    for i, (name, shape) in enumerate(PackedWeights.layout(spec, precision)):
+        dt = tensor_dtype(name, dtype, precision)
+        n = math.prod(shape) * dt.itemsize
         key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
-        out[key] = (tuple(shape), off if n else -1)
+        out[key] = (tuple(shape), off if n else -1, dt)
         off += round_up(n, 64)
     return out, off
 
 
-def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) -> int:
+def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
+                  precision: str = "float") -> int:  # fmt: skip
     """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
     that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
@@ -455,7 +483,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
     # it: first the tensor count (bounds the layers), then the unpadded weight bytes (bound H
     # and C), then the exact layout (computed, not allocated).
     want_n = len(PackedLayer.__dataclass_fields__) * spec.num_layers * spec.num_directions
-    floor = _weight_floor(spec, dtype)
+    floor = _weight_floor(spec, dtype, precision)
     if want_n != len(mine) or floor > end - begin:
         raise ModelFormatError(
             f"[{op}] {path!r}: the spec ({spec.cell.upper()} C={spec.input_size} "
@@ -463,11 +491,12 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
             f"{want_n} packed tensors of at least {floor} bytes in all, but the file holds "
             f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt"
         )
-    want, nbytes = _packed_layout(spec, dtype)
+    want, nbytes = _packed_layout(spec, dtype, precision)
     got = {
-        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1) for e in mine
+        e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1, e.dtype)
+        for e in mine
     }
-    if nbytes != end - begin or want != got or any(e.dtype != dtype for e in mine):
+    if nbytes != end - begin or want != got:
         missing = sorted(set(want) - set(got))[:4]
         raise ModelFormatError(
             f"[{op}] {path!r}: stored packed tensors of {what} ({end - begin} "
@@ -478,12 +507,14 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype) ->
     return begin
 
 
-def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype) -> PackedWeights:
+def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype,
+                 precision: str = "float") -> PackedWeights:  # fmt: skip
     """The packed weights at ``begin``, which ``_check_packed`` returned for this spec."""
     # Bounded: exactly the bytes the file holds (checked there). No zero-fill: read_into fills
     # the whole buffer, padding included.
-    pw = PackedWeights(spec, dtype, zero=False)
+    pw = PackedWeights(spec, dtype, zero=False, precision=precision)
     c.read_into(f, begin, pw.buffer)
+    check_loaded(pw, c.op, c.path)
     return pw
 
 
@@ -601,12 +632,13 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
             )
         spec = _spec(pm.get("spec"), op, path)
         dtype = _dtype(pm.get("dtype"), op, path)
+        precision = _precision(pm.get("precision", "float"), dtype, op, path)
         prefix = f"rnn:{node_name}:"
         # sizes first (against the file), then the node's attributes against the spec, then
         # the weights are read
-        begin = _check_packed(c, prefix, spec, dtype)
+        begin = _check_packed(c, prefix, spec, dtype, precision)
         _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
-        pw = _read_packed(c, f, begin, spec, dtype)
+        pw = _read_packed(c, f, begin, spec, dtype, precision)
         graph.packed[str(node_name)] = pw
         regions.append(pw.buffer)
         used |= {prefix + k for k in pw.tensors()}

@@ -32,6 +32,12 @@ from ..spec import RNNSpec
 
 ROW_ALIGN = 16  # elements: row strides are multiples of this
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+# Weight precisions of the W and R panels (formats.quantize): "float" is the working dtype;
+# the reduced ones need a float32 working dtype (activations, states and sums stay float32).
+PRECISIONS = ("float", "bf16", "int8")
+PANEL_DTYPES = {"bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8)}  # bf16: its bits
+SCALE_ROWS = 4  # an int8 panel's extra rows: its columns' float32 scales (kernels._qsimd)
+_PANELS = ("Wt", "Rt")  # the packed tensors a reduced precision applies to
 
 
 @dataclass
@@ -75,13 +81,16 @@ class PackedWeights:
     ``layers[l][d]`` is the ``PackedLayer`` of layer ``l``, direction ``d``.
     """
 
-    def __init__(self, spec: RNNSpec, dtype, zero: bool = True) -> None:
+    def __init__(self, spec: RNNSpec, dtype, zero: bool = True, precision: str = "float") -> None:
         """Allocate (and, unless ``zero=False``, clear) the buffer for ``spec``'s tensors.
-        ``zero=False`` is for loaders that fill every byte of ``buffer`` themselves."""
+        ``zero=False`` is for loaders that fill every byte of ``buffer`` themselves.
+        ``precision``: of the W and R panels (PRECISIONS; see formats.quantize)."""
         self.spec = spec
         self.dtype = np.dtype(dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             raise DTypeError(f"[pack] dtype {self.dtype}; expected float32 or float64")
+        check_precision(precision, self.dtype, "pack")
+        self.precision = precision
         H, P = spec.hidden_size, spec.proj_size
         K = spec.output_size
         self.B = B
@@ -92,11 +101,11 @@ class PackedWeights:
         self.W = spec.num_gates * B  # panel width
         self.Gp = spec.num_gates * self.Hp
         self.perm = gate_permutation(spec.num_gates, H)
-        shapes = [
-            dict(d) for d in _chunks(self.layout(spec), len(PackedLayer.__dataclass_fields__))
-        ]
-        item = self.dtype.itemsize
-        sizes = [round_up(int(np.prod(s)) * item, 64) for d in shapes for s in d.values()]
+        shapes = [dict(d) for d in _chunks(self.layout(spec, precision),
+                                           len(PackedLayer.__dataclass_fields__))]  # fmt: skip
+        dts = {name: tensor_dtype(name, self.dtype, precision) for name in shapes[0]}
+        sizes = [round_up(int(np.prod(s)) * dts[k].itemsize, 64) for d in shapes
+                 for k, s in d.items()]  # fmt: skip
         self.nbytes = sum(sizes)
         self.buffer = aligned_empty(self.nbytes)
         if zero:
@@ -106,17 +115,19 @@ class PackedWeights:
         for d in shapes:
             views = {}
             for name, shape in d.items():
-                n = int(np.prod(shape)) * item
-                views[name] = self.buffer[off : off + n].view(self.dtype).reshape(shape)
+                n = int(np.prod(shape)) * dts[name].itemsize
+                views[name] = self.buffer[off : off + n].view(dts[name]).reshape(shape)
                 off += round_up(n, 64)
             flat.append(PackedLayer(**views))
         nd = spec.num_directions
         self.layers = [flat[i * nd : (i + 1) * nd] for i in range(spec.num_layers)]
 
     @staticmethod
-    def layout(spec: RNNSpec) -> list[tuple[str, tuple[int, ...]]]:
+    def layout(spec: RNNSpec, precision: str = "float") -> list[tuple[str, tuple[int, ...]]]:
         """(short name, shape) of every packed tensor, per (layer, direction) in buffer order —
-        what a file must declare, computable before anything is allocated."""
+        what a file must declare, computable before anything is allocated (int8 panels have
+        SCALE_ROWS more rows: their scales; tensor_dtype gives each tensor's dtype)."""
+        extra = SCALE_ROWS if precision == "int8" else 0
         Hp = round_up(spec.hidden_size, B)
         Kp = round_up(spec.output_size, ROW_ALIGN)
         Pp = round_up(spec.proj_size, B) if spec.proj_size else 0
@@ -125,8 +136,8 @@ class PackedWeights:
         for layer in range(spec.num_layers):
             Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
             shapes = {
-                "Wt": (U, Cp, Wd),
-                "Rt": (U, Kp, Wd),
+                "Wt": (U, Cp + extra, Wd),
+                "Rt": (U, Kp + extra, Wd),
                 "b": (Gp,),
                 "rb": (Gp,),
                 "bW": (Gp,),
@@ -148,8 +159,21 @@ class PackedWeights:
                     out[f"l{li}.d{di}.{name}"] = getattr(pl, name)
         return out
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the W and R panels (scales included): what the precision shrinks."""
+        return sum(getattr(pl, n).nbytes for d in self.layers for pl in d for n in _PANELS)
+
+    def panel(self, pl: PackedLayer, name: str) -> np.ndarray:
+        """Panel ``name`` ("Wt"/"Rt") of ``pl`` as numbers of the working dtype (dequantized
+        if reduced): [U, X, Wd], X without the scale rows."""
+        from .quantize import dequantize_panel
+
+        a = getattr(pl, name)
+        return a if self.precision == "float" else dequantize_panel(a, self.precision, self.dtype)
+
     def unpack(self) -> list[list[LayerWeights]]:
-        """The canonical weights back, bit for bit."""
+        """The canonical weights back, bit for bit (reduced precision: dequantized, exactly)."""
         spec = self.spec
         H, K, P = spec.hidden_size, spec.output_size, spec.proj_size
         valid = self.perm >= 0
@@ -164,8 +188,8 @@ class PackedWeights:
                 R = np.empty((G, K), self.dtype)
                 bW = np.empty(G, self.dtype)
                 bR = np.empty(G, self.dtype)
-                W[rows] = from_panels(pl.Wt)[valid, :C]
-                R[rows] = from_panels(pl.Rt)[valid, :K]
+                W[rows] = from_panels(self.panel(pl, "Wt"))[valid, :C]
+                R[rows] = from_panels(self.panel(pl, "Rt"))[valid, :K]
                 bW[rows] = pl.bW[valid]
                 bR[rows] = pl.bR[valid]
                 peep = pl.peep[:, :H].copy() if spec.peepholes else None
@@ -173,6 +197,22 @@ class PackedWeights:
                 layer.append(LayerWeights(W, R, bW, bR, peep, proj))
             out.append(layer)
         return out
+
+
+def check_precision(precision, dtype: np.dtype, op: str) -> None:
+    """A known precision, and float32 working dtype for the reduced ones."""
+    if precision not in PRECISIONS:
+        raise DTypeError(f"[{op}] precision {precision!r}; expected one of "
+                         f"{', '.join(map(repr, PRECISIONS))}")  # fmt: skip
+    if precision != "float" and dtype != np.float32:
+        raise DTypeError(f"[{op}] {precision} weights with {dtype} activations; reduced "
+                         "precision runs float32 activations: convert the model to float32 "
+                         "first (model.astype(np.float32))")  # fmt: skip
+
+
+def tensor_dtype(name: str, dtype: np.dtype, precision: str) -> np.dtype:
+    """The dtype of packed tensor ``name`` (short name, e.g. "Rt") for ``precision``."""
+    return PANEL_DTYPES[precision] if precision != "float" and name in _PANELS else dtype
 
 
 def _chunks(seq: list, n: int) -> list[list]:

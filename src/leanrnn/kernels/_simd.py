@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _cpu
+from ._qsimd import WEIGHT_FORMATS, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
 
@@ -51,7 +52,8 @@ TILES = tiles()
 def _codegen(nvec: int, tiles_: dict):
     def gen(context, builder, signature, args):
         P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
-        dt = signature.args[0].dtype
+        dt = signature.args[3].dtype  # A's: the working dtype (P may hold reduced weights)
+        wfmt = WEIGHT_FORMATS.get(signature.args[0].dtype)  # None: P in the working dtype
         tile = tiles_[dt]
         lanes = 16 // tile.vecs
         MR, S = tile.rows, tile.split
@@ -82,6 +84,10 @@ def _codegen(nvec: int, tiles_: dict):
         # Accumulators as entry-block allocas: mem2reg/SROA turn them into registers.
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvmax)]
                for _ in range(max(MR, S))]  # fmt: skip
+        load_w = weight_loader(builder, wfmt, pa, vt)
+        # int8 panels carry their column scales (see _qsimd): one multiply per output at the
+        # store, since a per-column scale factors out of the sum over k.
+        sa = scale_base(builder, wfmt, pa, P_, signature.args[0], poff, context)
 
         def const(v):
             return ir.Constant(i64, v)
@@ -103,8 +109,7 @@ def _codegen(nvec: int, tiles_: dict):
                 krow = builder.add(poff, builder.mul(k, kstride))
                 ws = []
                 for v in range(nv):
-                    ptr = builder.gep(pa, [builder.add(krow, const((v0 + v) * lanes))])
-                    ws.append(builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4))
+                    ws.append(load_w(krow, (v0 + v) * lanes))
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
                     xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
@@ -128,6 +133,10 @@ def _codegen(nvec: int, tiles_: dict):
                         tot = builder.load(acc[r * nsplit][v])
                         for s in range(1, nsplit):
                             tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
+                        if sa is not None:
+                            sp = builder.gep(sa, [const((v0 + v) * lanes)])
+                            sv = builder.load(builder.bitcast(sp, vt.as_pointer()), align=4)
+                            tot = builder.fmul(tot, sv)
                         ptr = builder.bitcast(
                             builder.gep(ca, [builder.add(base, const((v0 + v) * lanes))]),
                             vt.as_pointer(),
@@ -175,7 +184,9 @@ def make(nvec: int, tiles_: dict | None = None):
     tiles_ = tiles_ or TILES
 
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
-        if not isinstance(P, types.Array) or P.dtype not in _DTYPES:
+        if not isinstance(P, types.Array) or not isinstance(A, types.Array):
+            return None
+        if P.dtype not in _DTYPES and not (P.dtype in WEIGHT_FORMATS and A.dtype == types.float32):
             return None
         i = types.intp
         return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), _codegen(nvec, tiles_)

@@ -15,8 +15,8 @@ from it, so adding a job means writing its kernel and one declaration:
   LLVM at all: that is what keeps a process's start-up memory and time small;
 - **the engine's arguments**: a Call fills them by name (engine.session, engine.graph).
 
-A kind is ``i`` (int), ``b`` (bool), or an array: ``F`` of the working float dtype or ``L`` of
-int64, then its number of dimensions. Arrays are C-contiguous. The native entry receives them
+A kind is ``i`` (int), ``b`` (bool), or an array: ``F`` of the working float dtype, ``L`` of
+int64, ``Q`` of int8 or ``U`` of uint16 (reduced-precision weights), then its number of dimensions. Arrays are C-contiguous. The native entry receives them
 as flat int64 *slots*: an array is its address and then its dimensions, a scalar its value; the
 extension checks each argument against its kind (entry_kinds) before any kernel runs.
 tests/test_abi.py checks every declaration against its kernels' parameters.
@@ -37,6 +37,7 @@ class Job:
     name: str
     args: str
     calls: tuple[str, ...]
+    dtypes: tuple[str, ...] = ("float32", "float64")  # working dtypes it is compiled for
 
     def params(self) -> list[tuple[str, str]]:
         """[(name, kind)] of the arguments."""
@@ -69,6 +70,26 @@ JOBS = {j.name: j for j in (
         ("gru_back",)),
     Job("rnn_back", f"G:F2 dy:F2 y_off:i dh:F2 {_BACK} relu:b {_BACK_TAIL}", ("rnn_back",)),
 )}  # fmt: skip
+# Reduced-precision weights (issue 14): the same kernels with the W and Rt panels of another
+# dtype (kinds ``Q`` int8 with their scale rows, ``U`` uint16 holding bfloat16 bits; see
+# kernels._qsimd), activations and states float32. One job per (cell, format), float32 only:
+# six native entries.
+PRECISIONS = {"bf16": "U", "int8": "Q"}  # weight precision -> the kind letter of W and Rt
+REDUCED_CELLS = ("lstm", "gru", "rnn")
+
+
+def job_for(cell: str, precision: str | None) -> str:
+    """The job that runs ``cell`` with weights of ``precision`` (None/"float": the float jobs)."""
+    return cell if precision in (None, "float") else f"{cell}_{precision}"
+
+
+def _reduced(job: Job, precision: str) -> Job:
+    letter = PRECISIONS[precision]
+    args = job.args.replace("W:F3", f"W:{letter}3").replace("Rt:F3", f"Rt:{letter}3")
+    return Job(job_for(job.name, precision), args, job.calls, ("float32",))
+
+
+JOBS.update({j.name: j for j in (_reduced(JOBS[c], p) for p in PRECISIONS for c in REDUCED_CELLS)})
 ARGS = {name: j.args for name, j in JOBS.items()}  # job -> its argument declaration
 DTYPES = {"float32": "f", "float64": "d"}  # working dtype -> its letter in entry names and kinds
 
@@ -85,13 +106,15 @@ def entry_name(job: str, dtype: str) -> str:
 
 def entry_kinds(job: str, dtype: str) -> str:
     """A job's arguments for the native marshaller: one (type, ndim) character pair each, type
-    ``f``/``d`` (float32/64 array), ``q`` (int64 array), ``i`` (int) or ``b`` (bool)."""
+    ``f``/``d`` (float32/64 array), ``q`` (int64 array), ``c`` (int8 array), ``h`` (uint16
+    array), ``i`` (int) or ``b`` (bool)."""
     out = []
+    letters = {"L": "q", "Q": "c", "U": "h", "F": DTYPES[dtype]}
     for _, kind in params(job):
         if kind in ("i", "b"):
             out.append(kind + "0")
         else:
-            out.append(("q" if kind[0] == "L" else DTYPES[dtype]) + kind[1])
+            out.append(letters[kind[0]] + kind[1])
     return "".join(out)
 
 

@@ -63,7 +63,8 @@ class _Native:
         rows = {symbol: (i, kinds) for i, (symbol, kinds) in enumerate(mod.entries())}
         self._index = {}
         for job in abi.ARGS:
-            for dtype, letter in abi.DTYPES.items():
+            for dtype in abi.JOBS[job].dtypes:
+                letter = abi.DTYPES[dtype]
                 symbol = abi.entry_name(job, dtype)
                 if symbol not in rows:
                     raise ImportError(f"{self.path} lacks entry {symbol}")

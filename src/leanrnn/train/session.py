@@ -41,7 +41,7 @@ import numpy as np
 from .. import config
 from ..engine import _check
 from ..engine.session import kernel_constants, recurrence_arguments
-from ..errors import LeanRNNError, PlanError, ShapeError, SpecError
+from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
@@ -111,6 +111,9 @@ class Trainer:
                  recompute: bool = False, memory_limit: int | None = None,
                  dropout: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
         w = model if isinstance(model, PackedWeights) else model.weights
+        if w.precision != "float":  # reduced weights are for inference (leanrnn.quantize)
+            raise DTypeError(f"[Trainer] the model has {w.precision} weights; training updates "
+                             "float weights: train the float32 model, then quantize it")  # fmt: skip
         self.weights = w
         self.spec = w.spec
         self.dtype = w.dtype

@@ -1,0 +1,260 @@
+"""Reduced-precision bars (issue 14): leanrnn bf16/int8 weights against float32 and the peers'
+own reduced paths, side by side in one process, plus the accuracy table.
+
+Rows: LSTM and GRU, batch 1, T=100, H in {512, 1024}, 1 and 2 threads; engines: leanrnn
+f32/bf16/int8, torch f32, torch ``quantize_dynamic`` qint8 and float16 (the RNN wrapped in a
+container: quantize_dynamic swaps child modules only), torch ``autocast(bfloat16)``,
+onnxruntime f32 and onnxruntime ``quantize_dynamic`` (``DynamicQuantizeLSTM``; onnxruntime
+quantizes LSTM only, so the GRU rows have no onnxruntime int8). Same torch-initialised weights
+everywhere. Each engine is timed in blocks (median of a block of runs), blocks of all engines
+interleaved over ``--rounds`` rounds, the median block reported: the machine is shared, and
+ratios are only meaningful side by side. A batch-64 row (LSTM, H=512) follows, then the
+accuracy table: max and mean abs output error against torch float32 over T=1000, batch 1.
+
+    python benchmarks/quant_bars.py [--quick] [--hidden 512,1024] [--threads 1,2]
+
+Bars (issue 14): int8 >= 1.3x faster than the faster of onnxruntime's and torch's int8 paths;
+bf16 >= 1.3x faster than the faster of torch's 16-bit paths; both >= 2x faster than leanrnn
+float32 and every peer's float32. Prints which pass; exit status 0 either way (a report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+
+import leanrnn
+from leanrnn.kernels import _cpu
+
+F32_PEERS = ("torch f32", "ort f32")
+INT8_PEERS = ("torch qint8", "ort int8")
+BF16_PEERS = ("torch bf16 autocast", "torch f16 dynamic")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+# ------------------------------------------------------------------------------------ engines
+def _export(module, x, path, cell: str) -> None:
+    import torch
+
+    outs = ["y", "h", "c"] if cell == "lstm" else ["y", "h"]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), path, dynamo=False, input_names=["x"], output_names=outs,
+                          dynamic_axes={"x": {0: "T", 1: "N"}})  # fmt: skip
+
+
+def _ort_session(path: str, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def _leanrnn_run(m):
+    return lambda x: m.session.run(x)[0]
+
+
+def engines(cell: str, H: int, threads: int, tmp: str, seed: int = 0) -> dict:
+    """{name: f(x [T, N, H] float32) -> y [T, N, H] numpy} for every engine available."""
+    import torch
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(seed)
+    mod = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell](H, H).eval()
+    torch.set_num_threads(threads)
+    out: dict = {}
+
+    def torch_run(m, autocast=False):
+        def f(x):
+            with torch.inference_mode():
+                t = torch.from_numpy(x)
+                if autocast:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        y = m(t)[0]
+                    return y.float().numpy()
+                return m(t)[0].numpy()
+
+        return f
+
+    m32 = leanrnn.from_torch(mod)
+    m32.session.threads = threads
+    for name, m in (("leanrnn f32", m32), ("leanrnn bf16", leanrnn.quantize(m32, "bf16")),
+                    ("leanrnn int8", leanrnn.quantize(m32, "int8"))):  # fmt: skip
+        m.session.threads = threads
+        out[name] = _leanrnn_run(m)
+    out["torch f32"] = torch_run(mod)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        box = torch.nn.Sequential(mod)  # quantize_dynamic swaps children only
+        kinds = {torch.nn.LSTM, torch.nn.GRU}
+        out["torch qint8"] = torch_run(tq.quantize_dynamic(box, kinds, dtype=torch.qint8))
+        out["torch f16 dynamic"] = torch_run(tq.quantize_dynamic(box, kinds, dtype=torch.float16))
+    out["torch bf16 autocast"] = torch_run(mod, autocast=True)
+    try:
+        import onnxruntime  # noqa: F401
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+    except ImportError:
+        return out
+    path = os.path.join(tmp, f"{cell}{H}.onnx")
+    _export(mod, torch.zeros(2, 1, H), path, cell)
+    s32 = _ort_session(path, threads)
+    out["ort f32"] = lambda x: s32.run(None, {"x": x})[0][:, 0]
+    if cell == "lstm":  # onnxruntime's quantize_dynamic quantizes LSTM (DynamicQuantizeLSTM)
+        qpath = path.replace(".onnx", ".int8.onnx")
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_dynamic(path, qpath, weight_type=QuantType.QInt8)
+        s8 = _ort_session(qpath, threads)
+        out["ort int8"] = lambda x: s8.run(None, {"x": x})[0][:, 0]
+    return out
+
+
+_MISSING: dict[str, str] = {}  # engine -> why it cannot run here (reported once)
+
+
+def runnable(fs: dict, H: int, batch: int = 1) -> dict:
+    """The engines that run on this machine (torch's bf16 LSTM needs oneDNN bf16 support,
+    which e.g. a Zen 3 lacks: "could not create a primitive descriptor")."""
+    x = np.zeros((2, batch, H), np.float32)
+    ok = {}
+    for k, f in fs.items():
+        try:
+            f(x)
+            ok[k] = f
+        except Exception as e:  # a peer's own failure: reported, not fatal
+            _MISSING.setdefault(k, f"{type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    return ok
+
+
+# ------------------------------------------------------------------------------------- timing
+def _block(f, x, seconds: float) -> float:
+    """Median seconds of f(x) over a block of runs of about ``seconds``."""
+    f(x)
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 3:
+        t = time.perf_counter()
+        f(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_all(fs: dict, x, rounds: int, seconds: float) -> dict:
+    got: dict = {k: [] for k in fs}
+    for _ in range(rounds):
+        for k, f in fs.items():
+            got[k].append(_block(f, x, seconds))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def bars(t: dict) -> list[tuple[str, bool, str]]:
+    """(bar, passed, detail) of issue 14's batch-1 bars for one row of times ``t``."""
+    out = []
+    f32 = [k for k in ("leanrnn f32", *F32_PEERS) if k in t]
+    for mine, peers, need in (("leanrnn int8", INT8_PEERS, 1.3), ("leanrnn bf16", BF16_PEERS, 1.3)):
+        have = [k for k in peers if k in t]
+        if have:
+            best = min(have, key=t.get)
+            r = t[best] / t[mine]
+            out.append((f"{mine} >= {need}x {best}", r >= need, f"{r:.2f}x"))
+        best32 = min(f32, key=t.get)
+        r = t[best32] / t[mine]
+        out.append((f"{mine} >= 2x {best32}", r >= 2.0, f"{r:.2f}x"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="H=512, 1 thread, LSTM, 1 round, T=300 "
+                    "accuracy: a smoke run in well under a minute")  # fmt: skip
+    ap.add_argument("--hidden", type=_ints, default=(512, 1024))
+    ap.add_argument("--threads", type=_ints, default=(1, 2))
+    ap.add_argument("--cells", default="lstm,gru")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=0.4, help="per timing block")
+    ap.add_argument("--accuracy-steps", type=int, default=1000)
+    args = ap.parse_args(argv)
+    cells = args.cells.split(",")
+    if args.quick:
+        args.hidden, args.threads, cells, args.rounds = (512,), (1,), ["lstm"], 1
+        args.seconds, args.accuracy_steps = 0.2, 300
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization's advice
+    print(f"CPU: {_cpu.describe()}")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} (1 min)\n")
+    rng = np.random.default_rng(0)
+    passed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        print("| cell | H | threads | " + " | ".join(
+            ["leanrnn f32", "leanrnn bf16", "leanrnn int8", "torch f32", "torch qint8",
+             "torch f16 dynamic", "torch bf16 autocast", "ort f32", "ort int8"]) + " |")  # fmt: skip
+        print("|" + "---|" * 12)
+        for cell in cells:
+            for H in args.hidden:
+                for th in args.threads:
+                    fs = runnable(engines(cell, H, th, tmp), H)
+                    x = rng.standard_normal((100, 1, H)).astype(np.float32)
+                    t = time_all(fs, x, args.rounds, args.seconds)
+                    cols = ["leanrnn f32", "leanrnn bf16", "leanrnn int8", "torch f32",
+                            "torch qint8", "torch f16 dynamic", "torch bf16 autocast", "ort f32",
+                            "ort int8"]  # fmt: skip
+                    cells_ = [f"{t[k] * 1e3:.2f} ms" if k in t else "—" for k in cols]
+                    print(f"| {cell} | {H} | {th} | " + " | ".join(cells_) + " |", flush=True)
+                    for bar, ok, detail in bars(t):
+                        passed.append((f"{cell} H={H} {th}t: {bar}", ok, detail))
+        for k, why in _MISSING.items():
+            print(f"\n{k} does not run here: {why}")
+        print("\nBars (batch 1, T=100):")
+        for bar, ok, detail in passed:
+            print(f"  {'PASS' if ok else 'FAIL'}  {bar}  ({detail})")
+
+        # batch 64: the compute-bound case (no dot-product instructions used here)
+        H = args.hidden[0]
+        th = max(args.threads)
+        fs = runnable(engines("lstm", H, th, tmp), H, 64)
+        keep = [k for k in ("leanrnn f32", "leanrnn bf16", "leanrnn int8", "torch f32",
+                            "torch bf16 autocast") if k in fs]  # fmt: skip
+        x = rng.standard_normal((100, 64, H)).astype(np.float32)
+        t = time_all({k: fs[k] for k in keep}, x, args.rounds, args.seconds)
+        print(f"\nBatch 64, LSTM H={H}, T=100, {th} threads: " + ", ".join(
+            f"{k} {t[k] * 1e3:.1f} ms" for k in keep))  # fmt: skip
+        for mine in ("leanrnn bf16", "leanrnn int8"):
+            r = t["leanrnn f32"] / t[mine]
+            print(f"  {'PASS' if r >= 0.95 else 'FAIL'}  {mine} no slower than leanrnn f32 "
+                  f"({r:.2f}x; 1.5x needs VNNI/AVX512-BF16/AMX, not used)")  # fmt: skip
+
+        # accuracy: T=1000 (errors accumulate through the recurrence), batch 1
+        print(f"\nAccuracy vs torch float32, batch 1, T={args.accuracy_steps}, torch default "
+              "init (max / mean abs output error):")  # fmt: skip
+        for cell in cells:
+            for H in args.hidden:
+                fs = runnable(engines(cell, H, 1, tmp), H)
+                x = rng.standard_normal((args.accuracy_steps, 1, H)).astype(np.float32)
+                ref = fs["torch f32"](x).reshape(x.shape[0], H).astype(np.float64)
+                row = []
+                for k in fs:
+                    if k == "torch f32":
+                        continue
+                    e = np.abs(np.asarray(fs[k](x)).reshape(ref.shape) - ref)
+                    row.append(f"{k} {e.max():.1e}/{e.mean():.1e}")
+                print(f"  {cell} H={H}: " + "; ".join(row), flush=True)
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f} (1 min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

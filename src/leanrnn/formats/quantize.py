@@ -1,0 +1,200 @@
+"""Reduced-precision packed weights: float32 panels -> bfloat16 or int8 panels, and back.
+
+Only the W and R panels change (they are the bytes each step streams); biases, peepholes and
+the LSTM projection stay float32, and so do activations, states and every sum (the kernels
+widen each weight vector to float32 right after its load, kernels._qsimd).
+
+- ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
+  float32, stored as uint16; each group of 16 columns interleaved in pairs, BF16_ORDER). Relative error <= 2**-8.
+- ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
+  W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
+  <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DTypeError, ModelFormatError, WeightsError
+from ..spec import RNNSpec
+from .packing import (
+    _PANELS,
+    SCALE_ROWS,
+    LayerWeights,
+    PackedLayer,
+    PackedWeights,
+    check_precision,
+    pack,
+    rows_to_panels,
+)
+
+QMAX = 127  # symmetric int8: -128 is never used, so -q is always representable
+# A bf16 panel row stores each group of 16 columns interleaved: 16-bit element m holds column
+# BF16_ORDER[m] (pairs (i, i+8)), so the kernel widens 8 columns with one shift or one mask of
+# the 32-bit lanes (kernels._qsimd._bf16_loader). BF16_INVERSE puts them back in column order.
+BF16_ORDER = np.array([j for i in range(8) for j in (i, i + 8)])
+BF16_INVERSE = np.argsort(BF16_ORDER)
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 -> the uint16 bits of the nearest bfloat16 (ties to even; NaN stays NaN, a
+    value past bfloat16's largest rounds to inf, as IEEE rounding does)."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+    nan = np.isnan(a)
+    if nan.any():  # the rounding carry could turn a NaN's payload into inf: keep it quiet NaN
+        rounded = np.where(nan, (bits >> 16) | 0x0040, rounded)
+    return rounded.astype(np.uint16)
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _grouped(a: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Each group of 16 along the last axis reordered by ``order`` (a copy)."""
+    shape = a.shape
+    return a.reshape(*shape[:-1], shape[-1] // 16, 16)[..., order].reshape(shape)
+
+
+def bf16_panel(w: np.ndarray) -> np.ndarray:
+    """A float32 panel [..., X, Wd] -> its bf16 panel (rounded, columns interleaved)."""
+    return _grouped(bf16_round(w), BF16_ORDER)
+
+
+def int8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-column int8 of ``w`` [..., X, Wd] (columns: the last axis, max over X):
+    (q int8 [..., X, Wd], scale float32 [..., Wd]); q * scale approximates w within scale/2.
+    An all-zero column gets scale 0."""
+    w64 = np.asarray(w, np.float64)
+    if not np.isfinite(w64).all():
+        raise WeightsError("[quantize] int8 weights must be finite; the model holds NaN or inf "
+                           "weights (quantize to 'bf16' instead, which keeps them)")  # fmt: skip
+    scale = (np.abs(w64).max(axis=-2) / QMAX).astype(np.float32)
+    s = scale.astype(np.float64)[..., None, :]
+    q = np.rint(np.divide(w64, s, out=np.zeros_like(w64), where=s > 0))
+    return np.clip(q, -QMAX, QMAX).astype(np.int8), scale
+
+
+def panel_scales(panel: np.ndarray) -> np.ndarray:
+    """The float32 column scales [U, Wd] an int8 panel [U, X + SCALE_ROWS, Wd] carries (a view)."""
+    U, X, Wd = panel.shape
+    return panel[:, X - SCALE_ROWS :, :].reshape(U, SCALE_ROWS * Wd).view(np.float32)
+
+
+def _set_int8(panel: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    """Fill an int8 panel [U, X + SCALE_ROWS, Wd] with weights q [U, X, Wd], scales [U, Wd]."""
+    U, X, Wd = q.shape
+    panel[:, :X] = q
+    panel[:, X:] = np.ascontiguousarray(scale, np.float32).view(np.int8).reshape(U, SCALE_ROWS, Wd)
+
+
+def dequantize_panel(panel: np.ndarray, precision: str, dtype=np.float32) -> np.ndarray:
+    """A reduced panel as ``dtype`` numbers [U, X, Wd] (the scale rows dropped): exactly the
+    weights the kernels multiply by (up to the int8 scale, applied after the sum there)."""
+    if precision == "bf16":
+        return bf16_value(_grouped(panel, BF16_INVERSE)).astype(dtype)
+    if precision == "int8":
+        q = panel[:, : panel.shape[1] - SCALE_ROWS]
+        return (q.astype(np.float64) * panel_scales(panel)[:, None, :]).astype(dtype)
+    raise DTypeError(f"[dequantize] precision {precision!r}; expected 'bf16' or 'int8'")
+
+
+def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
+    """Every packed tensor but the W and R panels, as is (biases, peepholes, projection)."""
+    for ls, ld in zip(src.layers, dst.layers, strict=True):
+        for ps, pd in zip(ls, ld, strict=True):
+            for name in PackedLayer.__dataclass_fields__:
+                if name not in _PANELS:
+                    getattr(pd, name)[...] = getattr(ps, name)
+
+
+def quantize_packed(pw: PackedWeights, precision: str) -> PackedWeights:
+    """``pw`` (float32 weights) with its W and R panels in ``precision`` ("bf16" or "int8";
+    "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the panels'
+    bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
+    twice): quantize the float32 model."""
+    check_precision(precision, pw.dtype, "quantize")
+    if precision == pw.precision:
+        return pw
+    if pw.precision != "float":
+        raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
+                         f"weights: quantize the float32 model to {precision!r}")  # fmt: skip
+    out = PackedWeights(pw.spec, pw.dtype, precision=precision)
+    _copy_rest(pw, out)
+    for ls, ld in zip(pw.layers, out.layers, strict=True):
+        for ps, pd in zip(ls, ld, strict=True):
+            for name in _PANELS:
+                src, dst = getattr(ps, name), getattr(pd, name)
+                if precision == "bf16":
+                    dst[...] = bf16_panel(src)
+                else:
+                    _set_int8(dst, *int8_columns(src))
+    return out
+
+
+@dataclass
+class Int8LayerWeights:
+    """Already-quantized weights of one (layer, direction), internal gate order, unpadded:
+    ``Wq`` int8 [G, C] and ``Rq`` int8 [G, K] with one float32 scale per row (per output unit
+    and gate: ``W_scale``/``R_scale`` [G]; a per-tensor scale is the same value G times), so
+    that W ~= Wq * W_scale[:, None]. Biases, peepholes and projection are float32, as in
+    ``LayerWeights``."""
+
+    Wq: np.ndarray
+    W_scale: np.ndarray
+    Rq: np.ndarray
+    R_scale: np.ndarray
+    bW: np.ndarray
+    bR: np.ndarray
+    peep: np.ndarray | None = None
+    proj: np.ndarray | None = None
+
+
+def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeights:
+    """Pack weights that are int8 already (e.g. read from an ONNX ``DynamicQuantizeLSTM``) into
+    int8 panels as they are, without rounding them again. Symmetric only: an importer with
+    zero points must fold them first (or dequantize and call ``quantize_packed``)."""
+    zero = [[LayerWeights(np.zeros((spec.gate_width, spec.layer_input_size(li)), np.float32),
+                          np.zeros((spec.gate_width, spec.output_size), np.float32),
+                          lw.bW, lw.bR, lw.peep, lw.proj) for lw in dirs]
+            for li, dirs in enumerate(layers)]  # fmt: skip
+    base = pack(spec, zero, np.float32)  # checks shapes and counts, packs biases etc.
+    out = PackedWeights(spec, np.float32, precision="int8")
+    _copy_rest(base, out)
+    for li, dirs in enumerate(layers):
+        for di, lw in enumerate(dirs):
+            pl = out.layers[li][di]
+            for name, q, s in (("Wt", lw.Wq, lw.W_scale), ("Rt", lw.Rq, lw.R_scale)):
+                q, s = np.asarray(q), np.asarray(s, np.float32)
+                tag = f"[pack_int8] layer {li} direction {di} {name[0]}"
+                if q.dtype != np.int8 or s.shape != (q.shape[0],):
+                    raise WeightsError(f"{tag}: got {q.dtype}{list(q.shape)} with scales "
+                                       f"{list(s.shape)}; expected int8 [G, X] and [G] float32 "
+                                       "scales")  # fmt: skip
+                if not (np.isfinite(s).all() and (s >= 0).all()):
+                    raise WeightsError(f"{tag}: scales must be finite and >= 0")
+                U, X, Wd = pl.Wt.shape if name == "Wt" else pl.Rt.shape
+                qp = np.zeros((U, X - SCALE_ROWS, Wd), np.int8)
+                rows_to_panels(q, out.perm, qp)
+                sp = np.where(out.perm >= 0, s[np.maximum(out.perm, 0)], 0).astype(np.float32)
+                _set_int8(getattr(pl, name), qp, sp.reshape(U, Wd))
+    return out
+
+
+def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
+    """After reading reduced weights from a file: every int8 scale finite and >= 0 (one pass
+    over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs."""
+    if pw.precision != "int8":
+        return
+    for li, dirs in enumerate(pw.layers):
+        for di, pl in enumerate(dirs):
+            for name in _PANELS:
+                s = panel_scales(getattr(pl, name))
+                if not (np.isfinite(s).all() and (s >= 0).all()):
+                    raise ModelFormatError(f"[{op}] {path!r}: layer {li} direction {di} "
+                                           f"{name} has int8 scales that are negative or not "
+                                           "finite; the file is corrupt")  # fmt: skip

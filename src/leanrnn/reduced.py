@@ -1,0 +1,55 @@
+"""``leanrnn.quantize``: a model with reduced-precision weights (bf16 or int8), of the same kind.
+
+Sits above the models (nn.Model, GraphModel) and formats.quantize, which owns the number
+formats; the engine runs the result with the reduced-precision jobs (kernels.abi.job_for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import DTypeError
+from .formats.packing import PRECISIONS
+from .formats.quantize import quantize_packed
+
+REDUCED = tuple(p for p in PRECISIONS if p != "float")
+
+
+def check_reduced(precision, op: str) -> None:
+    """DTypeError unless ``precision`` names a reduced precision."""
+    if precision not in REDUCED:
+        raise DTypeError(f"[{op}] precision {precision!r}; expected one of "
+                         f"{', '.join(map(repr, REDUCED))}")  # fmt: skip
+
+
+def quantize(model, precision: str):
+    """A copy of ``model`` whose recurrent layers' input and recurrent weights are ``precision``
+    ("bf16": bfloat16, rounded to nearest even; "int8": symmetric, one float32 scale per output
+    unit and gate). Activations, states and sums stay float32; biases, peepholes and the LSTM
+    projection stay float32. Works on ``Model`` (LSTM/GRU/RNN, same class back) and on
+    ``GraphModel`` (its packed RNN nodes). The model must be float32; ``model`` is unchanged.
+
+    Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
+    at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8
+    relative; int8 by <= scale/2 = max|w_column| / 254 absolute.
+
+    >>> m = leanrnn.LSTM(64, 128, seed=0)
+    >>> q = leanrnn.quantize(m, "int8")          # q(x) ~= m(x), weights ~1/4 of the bytes
+    >>> q.weights.precision, q.weights.weight_bytes < m.weights.weight_bytes / 3
+    ('int8', True)
+    """
+    check_reduced(precision, "quantize")
+    from .graph_model import GraphModel
+    from .nn import Model
+
+    if isinstance(model, Model):
+        return type(model)._from_packed(quantize_packed(model.weights, precision),
+                                        model.session.threads)  # fmt: skip
+    if isinstance(model, GraphModel):
+        g = model.graph
+        packed = {k: quantize_packed(pw, precision) for k, pw in g.packed.items()}
+        graph = dataclasses.replace(g, nodes=[dataclasses.replace(n) for n in g.nodes],
+                                    constants=dict(g.constants), packed=packed)  # fmt: skip
+        return GraphModel(graph, threads=model.threads)
+    raise DTypeError(f"[quantize] got a {type(model).__name__}; expected a leanrnn Model "
+                     "(LSTM/GRU/RNN) or GraphModel")  # fmt: skip

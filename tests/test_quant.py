@@ -1,0 +1,424 @@
+"""Reduced-precision weights (leanrnn.quantize, issue 14): bf16 and int8 W/R panels, float32
+activations and sums. The kernels against the float64 oracle run on weights rounded the same
+way (computed here from the canonical weights, independently of the packing), the formats'
+rounding bounds, .lrnn round trips and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import numba
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import random_layers
+from leanrnn.errors import DTypeError, ModelFormatError, WeightsError
+from leanrnn.formats import native
+from leanrnn.formats.packing import SCALE_ROWS, pack
+from leanrnn.formats.quantize import (
+    Int8LayerWeights,
+    bf16_panel,
+    bf16_round,
+    bf16_value,
+    pack_int8,
+    panel_scales,
+    quantize_packed,
+)
+from leanrnn.kernels import _cpu, _simd
+from leanrnn.kernels.abi import B
+from leanrnn.kernels.reference import reference_forward
+from leanrnn.spec import RNNSpec
+from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC, INT8_HALF_STEP, RTOL_BF16_ROUNDING
+
+PRECISIONS = ["bf16", "int8"]
+PANEL = {"bf16": np.uint16, "int8": np.int8}
+
+
+# ------------------------------------------------------------------------ the oracle's weights
+def _bf16(w: np.ndarray) -> np.ndarray:
+    """Round to nearest bfloat16, ties to even, in float64 arithmetic on the value (not on the
+    bits, as the library does): the two must agree."""
+    w = np.asarray(w, np.float64)
+    m, e = np.frexp(w)  # w = m * 2**e, 0.5 <= |m| < 1: 8 significant bits keep m to 2**-8
+    return np.ldexp(np.round(m * 256.0) / 256.0, e)  # np.round: half to even
+
+
+def _int8(w: np.ndarray) -> np.ndarray:
+    """Per row (output unit and gate): s = max|w| / 127 (as float32), q = round(w / s)."""
+    w = np.asarray(w, np.float64)
+    s = (np.abs(w).max(axis=1) / 127).astype(np.float32).astype(np.float64)[:, None]
+    q = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s > 0)), -127, 127)
+    return q * s
+
+
+def rounded(layers, precision):
+    f = _bf16 if precision == "bf16" else _int8
+    return [[dataclasses.replace(lw, W=f(lw.W), R=f(lw.R)) for lw in d] for d in layers]
+
+
+SPECS = [
+    RNNSpec("lstm", 5, 16),  # H on the panel width
+    RNNSpec("lstm", 7, 19, num_layers=2, direction="bidirectional"),  # off it; 2 layers
+    RNNSpec("lstm", 6, 13, proj_size=5, peepholes=True, clip=2.0),  # the per-gate path
+    RNNSpec("gru", 5, 16, direction="reverse"),
+    RNNSpec("gru", 7, 21, num_layers=2, direction="bidirectional", linear_before_reset=False),
+    RNNSpec("rnn", 5, 32),
+    RNNSpec("rnn", 9, 17, num_layers=2, direction="bidirectional", batch_first=True),
+]
+
+
+def _check(spec, precision, seed, N, T, threads=None):
+    rng = np.random.default_rng(seed)
+    layers = random_layers(spec, rng, np.float32, scale=0.3)
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, np.float32)), precision)
+    model.session.threads = threads
+    K, H = spec.output_size, spec.hidden_size
+    LD = spec.num_layers * spec.num_directions
+    x = rng.standard_normal((N, T, spec.input_size) if spec.batch_first
+                            else (T, N, spec.input_size)).astype(np.float32)  # fmt: skip
+    lengths = rng.integers(0, T + 1, size=N)
+    lengths[0] = T
+    h0 = rng.standard_normal((LD, N, K)).astype(np.float32)
+    c0 = rng.standard_normal((LD, N, H)).astype(np.float32) if spec.cell == "lstm" else None
+    y, h_n, c_n = model.session.run(x, h0, c0, lengths)
+    ry, rh, rc = reference_forward(spec, rounded(layers, precision), x, h0, c0, lengths)
+    tol = ATOL_REDUCED[PANEL[precision]]
+    np.testing.assert_allclose(y, ry, rtol=0, atol=tol)
+    np.testing.assert_allclose(h_n, rh, rtol=0, atol=tol)
+    if c_n is not None:
+        np.testing.assert_allclose(c_n, rc, rtol=0, atol=tol)
+    # ... and the test can fail: the float32 model is farther from the rounded oracle than that
+    y32, _, _ = leanrnn.Model(pack(spec, layers, np.float32)).session.run(x, h0, c0, lengths)
+    assert np.abs(y32 - ry).max() > tol
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_reduced_kernels_match_the_reference_on_the_same_rounded_weights(spec, precision):
+    _check(spec, precision, 3, N=3, T=7)
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("spec", [RNNSpec("lstm", 24, 96), RNNSpec("gru", 24, 80),
+                                  RNNSpec("rnn", 24, 112, direction="bidirectional")],
+                         ids=repr)  # fmt: skip
+def test_reduced_kernels_on_two_threads(spec, precision, many_cores):
+    """Big enough (threads.PARALLEL_MIN_MACS) that two threads split every step's blocks."""
+    _check(spec, precision, 5, N=3, T=5, threads=2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_stream_of_single_steps_equals_one_run(precision):
+    m = leanrnn.quantize(leanrnn.LSTM(6, 20, num_layers=2, seed=1), precision)
+    x = np.random.default_rng(0).standard_normal((5, 2, 6)).astype(np.float32)
+    y, _, _ = m.session.run(x)
+    st = m.session.stream(batch=2)
+    steps = np.stack([st.feed(x[t]) for t in range(5)])
+    # a run's input projection tiles T*N rows, a step's N rows: the sums' order may differ
+    np.testing.assert_allclose(steps, y, rtol=0, atol=ATOL_SAME_ARITHMETIC[np.float32])
+
+
+def test_the_jit_backend_runs_reduced_jobs_too(monkeypatch):
+    """The same jobs on numba's JIT (what runs where no C compiler is): one small cell."""
+    monkeypatch.setattr(leanrnn.config, "_backend", "jit")
+    _check(RNNSpec("rnn", 5, 17, direction="bidirectional"), "int8", 9, N=2, T=4)
+
+
+# ------------------------------------------------------- every ISA's tile, on any machine (jit)
+def _tile(name):
+    tiles = _simd.tiles(_cpu.ISAS[name])
+    g1, g4 = _simd.make(1, tiles), _simd.make(4, tiles)
+
+    @numba.njit
+    def run(nvec, P, poff, A, i0, i1, K, C, mode, bias):
+        ks, lda, ldc = P.shape[2], A.shape[1], C.shape[1]
+        if nvec == 1:
+            g1(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+        else:
+            g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+
+    return run
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx512", "sse"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_isa_tile_reads_reduced_panels(name, precision):
+    """The AVX2 tile (the fallback everywhere) and the AVX-512 one, whatever this CPU has: the
+    lone-row GEMV and several rows, one and four groups, the second panel of two (so an int8
+    tile finds panel 1's scales, not panel 0's), modes 0 (zero), 1 (add to C) and 2 (bias)."""
+    run = _tile(name)
+    rng = np.random.default_rng(2)
+    Wd, Kp, K = 4 * B, 16, 11
+    w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)
+    w[:, K:] = 0
+    if precision == "bf16":
+        P, deq = bf16_panel(w), bf16_value(bf16_round(w)).astype(np.float64)
+    else:
+        pw = np.zeros((2, Kp + SCALE_ROWS, Wd), np.int8)
+        from leanrnn.formats.quantize import _set_int8, int8_columns
+
+        q, s = int8_columns(w)
+        _set_int8(pw, q, s)
+        P, deq = pw, q.astype(np.float64) * s.astype(np.float64)[:, None, :]
+    bias = rng.standard_normal(Wd).astype(np.float32)
+    for nvec in (1, 4):
+        cols = nvec * B
+        for M in (1, 7):
+            A = rng.standard_normal((M, K)).astype(np.float32)
+            C0 = rng.standard_normal((M, cols)).astype(np.float32)
+            prod = A.astype(np.float64) @ deq[1, :K, :cols]
+            for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                C = C0.copy()
+                run(nvec, P, P.shape[1] * Wd, A, 0, M, K, C, mode, bias)
+                np.testing.assert_allclose(C, prod + init, rtol=0,
+                                           atol=ATOL_REDUCED[PANEL[precision]] * 10)  # fmt: skip
+
+
+# ------------------------------------------------------------------ the formats' own rounding
+def test_bf16_rounds_to_nearest_even():
+    one = 1.0
+    ulp = 2.0**-7  # bf16 spacing at 1.0
+    x = np.array([one + ulp / 2, one + 1.5 * ulp, one + ulp / 2 + 2**-20, -(one + ulp / 2),
+                  np.inf, -np.inf, 0.0, -0.0, 3.4e38], np.float32)  # fmt: skip
+    got = bf16_value(bf16_round(x))
+    want = [one, one + 2 * ulp, one + ulp, -one, np.inf, -np.inf, 0.0, -0.0, np.inf]
+    np.testing.assert_array_equal(got, np.array(want, np.float32))
+    assert np.signbit(got[7])
+    assert np.isnan(bf16_value(bf16_round(np.array([np.nan], np.float32))))
+
+
+def test_quantize_then_dequantize_stays_within_the_format_bound():
+    spec = RNNSpec("lstm", 13, 21, num_layers=2, direction="bidirectional")
+    layers = random_layers(spec, np.random.default_rng(0), np.float32, scale=2.0)
+    layers[0][0].R[3] = 0  # an all-zero row: scale 0, weights stay 0
+    pw = pack(spec, layers, np.float32)
+    for precision in PRECISIONS:
+        back = quantize_packed(pw, precision).unpack()
+        for d, dq in zip(layers, back, strict=True):
+            for lw, lq in zip(d, dq, strict=True):
+                for w, wq in ((lw.W, lq.W), (lw.R, lq.R)):
+                    w64, err = w.astype(np.float64), np.abs(wq - w.astype(np.float64))
+                    if precision == "bf16":
+                        assert (err <= RTOL_BF16_ROUNDING * np.abs(w64)).all()
+                        np.testing.assert_array_equal(wq, _bf16(w64))  # bits == value rounding
+                    else:
+                        step = np.abs(w64).max(axis=1, keepdims=True) / 127
+                        assert (err <= INT8_HALF_STEP * step).all()
+                        np.testing.assert_array_equal(wq.astype(np.float64), _int8(w64)
+                                                      .astype(np.float32))  # fmt: skip
+                    np.testing.assert_array_equal(wq[3] if w is layers[0][0].R else 0, 0)
+                np.testing.assert_array_equal(lq.bW, lw.bW)  # biases stay float32, as they were
+
+
+def test_packed_weights_shrink_to_a_half_and_a_quarter():
+    spec = RNNSpec("lstm", 64, 128, num_layers=2)
+    pw = pack(spec, random_layers(spec, np.random.default_rng(0)), np.float32)
+    bf, i8 = quantize_packed(pw, "bf16"), quantize_packed(pw, "int8")
+    assert bf.weight_bytes * 2 == pw.weight_bytes
+    assert pw.weight_bytes / 4 < i8.weight_bytes < pw.weight_bytes / 4 * 1.05  # + scales
+    assert i8.nbytes < pw.nbytes / 3  # one buffer, no float32 copy kept
+    for q in (bf, i8):
+        assert q.buffer.ctypes.data % 64 == 0
+        assert all(v.base is not None for v in q.tensors().values())
+
+
+def test_pack_int8_takes_quantized_weights_without_rounding_again():
+    """The handover for importers of already-quantized models (DynamicQuantizeLSTM): the
+    codes and per-row scales land in the panels as they are."""
+    spec = RNNSpec("lstm", 6, 18, direction="bidirectional")
+    rng = np.random.default_rng(4)
+    layers = random_layers(spec, rng)
+    G = spec.gate_width
+    qlayers = [[Int8LayerWeights(
+        rng.integers(-127, 128, (G, 6)).astype(np.int8), rng.random(G).astype(np.float32) / 50,
+        rng.integers(-127, 128, (G, 18)).astype(np.int8), rng.random(G).astype(np.float32) / 50,
+        lw.bW, lw.bR) for lw in d] for d in layers]  # fmt: skip
+    pw = pack_int8(spec, qlayers)
+    back = pw.unpack()
+    for d, dq in zip(qlayers, back, strict=True):
+        for q, lq in zip(d, dq, strict=True):
+            np.testing.assert_array_equal(lq.W, (q.Wq * q.W_scale.astype(np.float64)[:, None])
+                                          .astype(np.float32))  # fmt: skip
+            np.testing.assert_array_equal(lq.R, (q.Rq * q.R_scale.astype(np.float64)[:, None])
+                                          .astype(np.float32))  # fmt: skip
+    assert quantize_packed(pw, "int8") is pw
+    with pytest.raises(WeightsError, match="int8"):
+        bad = [[dataclasses.replace(q, Wq=q.Wq.astype(np.int16)) for q in d] for d in qlayers]
+        pack_int8(spec, bad)
+
+
+# ------------------------------------------------------------------------------- files and API
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lrnn_round_trip_is_bit_exact(tmp_path, precision):
+    m = leanrnn.quantize(leanrnn.GRU(5, 19, num_layers=2, bidirectional=True, seed=0), precision)
+    assert type(m) is leanrnn.GRU
+    path = str(tmp_path / "q.lrnn")
+    m.save(path)
+    back = leanrnn.load(path)
+    assert type(back) is leanrnn.GRU and back.weights.precision == precision
+    assert back.weights.buffer.tobytes() == m.weights.buffer.tobytes()
+    x = np.random.default_rng(0).standard_normal((4, 2, 5)).astype(np.float32)
+    np.testing.assert_array_equal(back(x)[0], m(x)[0])
+    info = back.describe(1, 10)
+    assert info["precision"] == precision and info["panel_bytes"] == m.weights.weight_bytes
+
+
+def test_graph_model_quantizes_its_rnn_nodes(tmp_path):
+    """A GraphModel (here from a graph .lrnn): its packed RNN nodes run int8, the rest as is."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    C, H = 4, 16
+    W = (rng.standard_normal((1, 4 * H, C)) * 0.3).astype(np.float32)
+    R = (rng.standard_normal((1, 4 * H, H)) * 0.3).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("LSTM", ["x", "W", "R"], ["y", "h"], hidden_size=H)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", C])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "N", H])],
+        [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R")],
+    )  # fmt: skip
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    m = leanrnn.load(str(src))
+    q = leanrnn.quantize(m, "int8")
+    assert type(q) is leanrnn.GraphModel
+    assert [pw.precision for pw in q.graph.packed.values()] == ["int8"]
+    assert [pw.precision for pw in m.graph.packed.values()] == ["float"]  # unchanged
+    x = rng.standard_normal((6, 2, C)).astype(np.float32)
+    spec = RNNSpec("lstm", C, H, bias=False)
+    ordered = leanrnn.formats.packing.reorder_gates
+    lw = leanrnn.LayerWeights(ordered(W[0], (0, 2, 3, 1), H), ordered(R[0], (0, 2, 3, 1), H),
+                              np.zeros(4 * H, np.float32), np.zeros(4 * H, np.float32))  # fmt: skip
+    _, rh, _ = reference_forward(spec, rounded([[lw]], "int8"), x)
+    np.testing.assert_allclose(q(x), rh, rtol=0, atol=ATOL_REDUCED[np.int8])
+    path = str(tmp_path / "q.lrnn")
+    leanrnn.save(q, path)
+    np.testing.assert_array_equal(leanrnn.load(path)(x), q(x))
+
+
+def test_cli_convert_and_inspect(tmp_path, capsys):
+    from leanrnn import cli
+
+    src, dst = str(tmp_path / "a.lrnn"), str(tmp_path / "b.lrnn")
+    leanrnn.LSTM(8, 32, seed=0).save(src)
+    assert cli.main(["convert", src, dst, "--precision", "int8"]) == 0
+    assert leanrnn.load(dst).weights.precision == "int8"
+    capsys.readouterr()
+    assert cli.main(["inspect", dst]) == 0
+    assert "weight precision: int8" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", src, dst, "--precision", "fp8"])
+    assert e.value.code == 2
+    with pytest.raises(DTypeError, match="'fp8'"):
+        leanrnn.convert(src, dst, precision="fp8")
+
+
+def test_bad_requests_are_clear_errors():
+    m = leanrnn.LSTM(4, 8, seed=0)
+    with pytest.raises(DTypeError, match=r"\[quantize\] precision 'fp8'"):
+        leanrnn.quantize(m, "fp8")
+    with pytest.raises(DTypeError, match="float32"):
+        leanrnn.quantize(m.astype(np.float64), "int8")
+    with pytest.raises(DTypeError, match="already"):
+        quantize_packed(leanrnn.quantize(m, "bf16").weights, "int8")
+    w = pack(m.spec, m.weights.unpack(), np.float32)
+    w.layers[0][0].Rt[0, 0, 0] = np.nan
+    with pytest.raises(WeightsError, match="finite"):
+        quantize_packed(w, "int8")
+    from leanrnn.train import Trainer
+
+    with pytest.raises(DTypeError, match="float"):
+        Trainer(leanrnn.quantize(m, "int8"))
+    m(np.zeros((2, 1, 4), np.float32))  # the model still runs
+
+
+# ---------------------------------------------------------------------------- corrupt files
+def _rewrite(path, meta=None, shapes=None, data_edit=None):
+    """Rewrite a safetensors file: ``meta`` entries replaced, tensor ``shapes`` replaced (their
+    bytes cut or padded to fit), ``data_edit(name, bytes) -> bytes``."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    md = header.pop("__metadata__")
+    md.update(meta or {})
+    out, cursor = [], 0
+    for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        b = data[e["data_offsets"][0] : e["data_offsets"][1]]
+        if shapes and name in shapes:
+            e["shape"] = shapes[name]
+            size = int(np.prod(shapes[name])) * np.dtype(native._ST_DTYPES[e["dtype"]]).itemsize
+            b = (b + bytes(size))[:size]
+        if data_edit:
+            b = data_edit(name, b)
+        e["data_offsets"] = [cursor, cursor + len(b)]
+        cursor += len(b)
+        out.append(b)
+    header["__metadata__"] = md
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(out))
+
+
+@pytest.fixture
+def int8_file(tmp_path):
+    path = str(tmp_path / "q.lrnn")
+    leanrnn.quantize(leanrnn.LSTM(5, 19, seed=0), "int8").save(path)
+    return path
+
+
+def test_a_file_with_scale_rows_missing_is_refused_before_reading(int8_file):
+    """Rt declared without its scale rows: the layout check (shapes against the spec) refuses
+    it before anything is allocated or read."""
+    pw = leanrnn.load(int8_file).weights
+    U, X, Wd = pw.layers[0][0].Rt.shape
+    _rewrite(int8_file, shapes={"l0.d0.Rt": [U, X - SCALE_ROWS, Wd]})
+    with pytest.raises(ModelFormatError, match="do not match"):
+        native.load(int8_file, verify=False)
+
+
+def test_a_file_with_corrupt_scales_is_refused(int8_file):
+    def nan_scales(name, b):
+        if name != "l0.d0.Wt":
+            return b
+        return b[: -4 * B] + np.full(B, np.nan, np.float32).tobytes()
+
+    _rewrite(int8_file, data_edit=nan_scales)
+    with pytest.raises(ModelFormatError, match="corrupt"):
+        native.load(int8_file)
+    with pytest.raises(ModelFormatError, match="int8 scales"):
+        native.load(int8_file, verify=False)
+
+
+@pytest.mark.parametrize("meta", [{"precision": "fp8"}, {"precision": "int8", "dtype": "float64"}])
+def test_a_file_with_an_unknown_precision_is_refused(int8_file, meta):
+    _rewrite(int8_file, meta=meta)
+    with pytest.raises(ModelFormatError, match=r"precision|float32"):
+        native.load(int8_file, verify=False)
+
+
+def test_a_float_file_claiming_int8_is_refused(tmp_path):
+    path = str(tmp_path / "f.lrnn")
+    leanrnn.LSTM(5, 19, seed=0).save(path)
+    _rewrite(path, meta={"precision": "int8"})
+    with pytest.raises(ModelFormatError, match="do not match"):
+        native.load(path, verify=False)
+
+
+def test_scales_of_a_loaded_panel_are_where_the_kernel_reads_them(int8_file):
+    pw = leanrnn.load(int8_file).weights
+    Rt = pw.layers[0][0].Rt
+    s = panel_scales(Rt)
+    q = Rt[:, : Rt.shape[1] - SCALE_ROWS].astype(np.float64)
+    # every column's largest code is +-127 (or the column is all zero)
+    assert ((np.abs(q).max(axis=1) == 127) | (s == 0)).all()
+    assert (s > 0).any()
