@@ -338,6 +338,20 @@ def test_quantized_lstm_matches_onnxruntime(layers, bi, dynamo, per_channel, tmp
 
 
 @needs_torch
+def test_quantized_file_then_leanrnn_int8_weights(tmp):
+    """The README's path to int8 kernels for such a file: load, then leanrnn.quantize. Its
+    weights are re-rounded to leanrnn's per-column int8 scales, so it stays within the int8
+    weight bound of the float32 model and of onnxruntime on the same file."""
+    model, path = quantized_file(tmp, layers=2, bi=True, reduce_range=True)
+    x = np.random.default_rng(2).standard_normal((9, 3, 6)).astype(F32)
+    q = leanrnn.quantize(leanrnn.load(path), "int8")
+    got = q.run({"x": x})[0]
+    _, want, ref = run_all(model, path, x)
+    assert np.abs(got - ref).max() <= ATOL_WEIGHT_QUANT_INT8[F32]
+    np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+
+
+@needs_torch
 def test_quantized_lstm_uint8_weights(tmp):
     # QUInt8: uint8 weights with a per-tensor zero point, in the LSTM and the head
     from onnxruntime.quantization import QuantType
