@@ -34,6 +34,8 @@ the same number of threads (threads.limit_blas).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import config
@@ -104,7 +106,7 @@ class Trainer:
     def __init__(self, model, threads: int | None = None, segment: int | None = None,
                  recompute: bool = False, memory_limit: int | None = None,
                  dropout: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
-        w = model if isinstance(model, PackedWeights) else model.weights
+        w = _check.packed_weights("Trainer", model)
         self.weights = w
         self.spec = w.spec
         self.dtype = w.dtype
@@ -115,14 +117,20 @@ class Trainer:
                 f"{self.spec.direction} (a reverse direction starts at each sample's last step, "
                 "so its segments cannot be replayed from the front)"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise SpecError(f"[Trainer] dropout={dropout}; expected 0 <= dropout < 1")
-        self.threads = threads
-        self.segment = segment
+        if (not isinstance(dropout, int | float | np.integer | np.floating)
+                or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0):  # fmt: skip
+            raise SpecError(f"[Trainer] dropout={dropout!r}; expected a float, 0 <= dropout < 1")
+        # refused, not truncated or clamped: segment=2.5 ran segments of 2, threads=-1 ran
+        self.threads = _check.count_or_none("Trainer", "threads", threads)
+        self.segment = _check.count_or_none("Trainer", "segment", segment, "steps >= 1")
         self.recompute = bool(recompute)
-        self.memory_limit = memory_limit
+        self.memory_limit = _check.count_or_none("Trainer", "memory_limit", memory_limit,
+                                                 "bytes >= 1")  # fmt: skip
         self.dropout = float(dropout)
         self.training = True
+        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0
+                                 or isinstance(seed, bool)):  # fmt: skip
+            raise SpecError(f"[Trainer] seed={seed!r}; expected an int >= 0 or None")
         self._rng = np.random.default_rng(seed)
         self.grad = PackedWeights(self.spec, self.dtype)
         self._params = self._make_parameters()
@@ -354,7 +362,8 @@ class Trainer:
 
         def add(name, shape, first, last, dtype=None):
             dtype = np.dtype(dtype or self.dtype)
-            bufs.append(Buffer(name, int(np.prod(shape)) * dtype.itemsize, first, last))
+            # math.prod: Python ints (np.prod wrapped around to a negative size at N=10**12)
+            bufs.append(Buffer(name, math.prod(shape) * dtype.itemsize, first, last))
             shapes[name] = (shape, dtype)
 
         if stage_x:

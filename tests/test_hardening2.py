@@ -1,0 +1,145 @@
+"""Hardening, second pass: hostile input to the surfaces added last (Trainer, leanrnn.torch,
+`plan --train`, `serve`'s options, `score`'s paths) and the README's new-user path. Each test
+failed before its fix; each bad call must give a leanrnn error and leave things usable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn import cli
+from leanrnn.errors import SpecError
+from leanrnn.train import Trainer
+
+
+@pytest.fixture(scope="module")
+def lstm():
+    return leanrnn.LSTM(4, 8, num_layers=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+
+
+def _fails_in_one_line(capsys, argv, *words) -> str:
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("leanrnn: error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+# ------------------------------------------------ settings: refused, never truncated or clamped
+# Before: Trainer(segment=0 / -3 / True / 2.5) ran segments of 1 or 2, threads=-1 and 0 ran,
+# segment='a' raised a bare ValueError, dropout='a' / seed='a' a bare TypeError, Trainer('x')
+# an AttributeError; Session(threads=-1) reached the kernels with -1 threads.
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        (dict(segment=0), "segment=0"),
+        (dict(segment=-3), "segment=-3"),
+        (dict(segment=2.5), "segment=2.5"),
+        (dict(segment=True), "segment=True"),
+        (dict(segment="a"), "segment='a'"),
+        (dict(threads=-1), "threads=-1"),
+        (dict(threads=0), "threads=0"),
+        (dict(threads=2.5), "threads=2.5"),
+        (dict(memory_limit=-1), "memory_limit=-1"),
+        (dict(memory_limit="1M"), "memory_limit='1M'"),
+        (dict(dropout="a"), "dropout='a'"),
+        (dict(seed="a"), "seed='a'"),
+        (dict(seed=-1), "seed=-1"),
+    ],
+)
+def test_trainer_settings_are_checked(lstm, x, kw, word):
+    with pytest.raises(SpecError, match=r"\[Trainer\]") as e:
+        Trainer(lstm, **kw)
+    assert word in str(e.value)
+
+
+def test_trainer_of_something_else_is_a_clear_error(lstm, x):
+    with pytest.raises(SpecError, match=r"\[Trainer\] got a str; expected a leanrnn"):
+        Trainer("model.lrnn")
+    tr = Trainer(lstm)  # and a good one still works
+    tape = tr.forward(x)
+    tr.backward(tape, np.ones_like(tape.y))
+
+
+@pytest.mark.parametrize("threads", [-1, 0, 2.5, "2", True])
+def test_session_threads_are_checked_in_the_constructor_and_the_attribute(lstm, x, threads):
+    with pytest.raises(SpecError, match=r"\[Session\] threads="):
+        leanrnn.Session(lstm.weights, threads=threads)
+    s = leanrnn.Session(lstm.weights)
+    with pytest.raises(SpecError, match=r"\[Session\] threads="):
+        s.threads = threads  # loading and scoring set it after construction
+    y, _, _ = s.run(x)  # unchanged and usable
+    np.testing.assert_array_equal(y, lstm(x)[0])
+
+
+def test_session_of_something_else_is_a_clear_error():
+    with pytest.raises(SpecError, match=r"\[Session\] got a str"):
+        leanrnn.Session("model.lrnn")
+
+
+# ------------------------------------------------------------------- plan --train, huge sizes
+def test_plan_train_refuses_sizes_past_memory_instead_of_wrapping_around(capsys):
+    # before: np.prod wrapped around in int64: "buffer 'xw.0' has nbytes=-9017668127734890496"
+    _fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**12),
+                                "--steps", str(10**6)], "plan --train", "this machine has")  # fmt: skip
+    _fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**6),
+                                "--steps", "1000"], "plan --train", "GiB")  # fmt: skip
+    assert cli.main(["plan", "--train", "lstm:8", "--batch", "2", "--steps", "5"]) == 0
+
+
+# ----------------------------------------------------------------------------- serve options
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_serve_port_past_65535_is_an_argument_error(flag, capsys):
+    # before: OverflowError from bind(), with a traceback
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "a=nothere.lrnn", flag, "70000"])
+    assert e.value.code == 2
+    assert "0..65535" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ score paths
+@pytest.fixture
+def score_files(tmp_path):
+    m = leanrnn.LSTM(4, 8, seed=0)
+    model = str(tmp_path / "m.lrnn")
+    m.save(model)
+    data = str(tmp_path / "d.npz")
+    np.savez(data, x=np.ones((3, 5, 4), np.float32), lengths=np.array([5, 2, 0]))
+    return tmp_path, model, data
+
+
+def test_score_refuses_to_overwrite_its_own_input_or_model(score_files, capsys):
+    # before: `leanrnn score m.lrnn d.npz d.npz` replaced the dataset by the scores, silently
+    tmp, model, data = score_files
+    before = open(data, "rb").read()
+    _fails_in_one_line(capsys, ["score", model, data, data, "--quiet"], "is the input file")
+    (tmp / "link.npz").hardlink_to(data)
+    _fails_in_one_line(capsys, ["score", model, data, str(tmp / "link.npz"), "--quiet"],
+                       "is the input file")  # fmt: skip
+    assert open(data, "rb").read() == before
+    _fails_in_one_line(capsys, ["score", model, data, model, "--quiet"], "is the model file")
+    assert leanrnn.load(model) is not None
+    sub = tmp / "dir"
+    sub.mkdir()
+    np.savez(sub / "a.npz", x=np.ones((2, 3, 4), np.float32), lengths=np.array([3, 1]))
+    _fails_in_one_line(capsys, ["score", model, str(sub), str(sub / "o.npz"), "--quiet"],
+                       "inside the input directory")  # fmt: skip
+    assert cli.main(["score", model, data, str(tmp / "o.npz"), "--quiet"]) == 0
+
+
+def test_score_output_in_a_missing_directory_is_one_line(score_files, capsys):
+    # before: "leanrnn: error: FileNotFoundError: [Errno 2] ... '/x/.leanrnn-score-att22rco'"
+    tmp, model, data = score_files
+    line = _fails_in_one_line(capsys, ["score", model, data, str(tmp / "no" / "o.npz"), "--quiet"],
+                              "does not exist")  # fmt: skip
+    assert "FileNotFoundError" not in line and ".leanrnn-score" not in line
