@@ -143,3 +143,62 @@ def test_score_output_in_a_missing_directory_is_one_line(score_files, capsys):
     line = _fails_in_one_line(capsys, ["score", model, data, str(tmp / "no" / "o.npz"), "--quiet"],
                               "does not exist")  # fmt: skip
     assert "FileNotFoundError" not in line and ".leanrnn-score" not in line
+
+
+# ------------------------------------------------------------------------ examples' arguments
+def _example(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    d = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(d))  # the examples import their _common beside them
+    try:
+        spec = importlib.util.spec_from_file_location(f"hardening2_{name}", d / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(d))
+    return mod
+
+
+@pytest.mark.parametrize(
+    "name, argv",
+    [
+        # before: --steps 0 exited 0 having done nothing; --batch/--bptt 0: range() ValueError;
+        # --accum/--val-windows 0: ZeroDivisionError; --hidden/--layers/--embed 0: a child
+        # process's CalledProcessError; --threads 0 and --lr nan: tracebacks; a --plot or --json
+        # in a missing directory: FileNotFoundError after the whole training run
+        ("forecast", ["--steps", "0"]),
+        ("forecast", ["--hidden", "0"]),
+        ("forecast", ["--layers", "0"]),
+        ("forecast", ["--batch", "0"]),
+        ("forecast", ["--window", "0"]),
+        ("forecast", ["--threads", "-3"]),
+        ("forecast", ["--eval-every", "0"]),
+        ("forecast", ["--lr", "nan"]),
+        ("forecast", ["--clip", "-1"]),
+        ("forecast", ["--plot", "/nonexistent-dir/x.png"]),
+        ("forecast", ["--json", "/nonexistent-dir/x.json"]),
+        ("forecast", ["--init", "/nonexistent.npz"]),
+        ("char_lm", ["--bptt", "0"]),
+        ("char_lm", ["--accum", "0"]),
+        ("char_lm", ["--val-windows", "0"]),
+        ("char_lm", ["--embed", "0"]),
+    ],
+)
+def test_example_arguments_are_checked_before_any_work(name, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _example(name).main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument {argv[0]}" in err
+
+
+def test_example_init_that_is_not_an_npz_of_arrays_is_one_line(tmp_path):
+    # before: a torch checkpoint opened as a zip of no arrays -> WeightsError traceback
+    torch = pytest.importorskip("torch")
+    p = tmp_path / "lstm.pt"
+    torch.save(torch.nn.LSTM(1, 4).state_dict(), p)
+    with pytest.raises(SystemExit, match="holds no arrays"):
+        _example("forecast").main(["--init", str(p), "--steps", "1", "--quiet"])
