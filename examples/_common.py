@@ -49,9 +49,7 @@ def out_file(text: str) -> str:
     """argparse type: a file path whose directory exists (checked before training, not after)."""
     parent = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text) or not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a file path in an existing directory"
-        )
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file path in an existing directory")
     return text
 
 
@@ -72,7 +70,12 @@ def add_common_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--lr", type=rate, default=None, help="Adam's learning rate")
     p.add_argument("--eval-every", type=count, default=None, help="steps between validations")
     p.add_argument("--plot", type=out_file, metavar="PNG", help="write the loss curve(s) here")
-    p.add_argument("--json", type=out_file, metavar="FILE", help="write the run's record (curves, timings) here")
+    p.add_argument(
+        "--json",
+        type=out_file,
+        metavar="FILE",
+        help="write the run's record (curves, timings) here",
+    )
     p.add_argument("--init", type=in_file, metavar="NPZ", help="initial weights (torch-named arrays); default: "
                    "torch's initialisation under --seed, made in a child process for numpy")  # fmt: skip
     p.add_argument("--compare", action="store_true",
