@@ -9,7 +9,7 @@ import pytest
 
 import leanrnn
 from leanrnn import cli
-from leanrnn.errors import SpecError
+from leanrnn.errors import DTypeError, ShapeError, SpecError
 from leanrnn.train import Trainer
 
 
@@ -202,3 +202,69 @@ def test_example_init_that_is_not_an_npz_of_arrays_is_one_line(tmp_path):
     torch.save(torch.nn.LSTM(1, 4).state_dict(), p)
     with pytest.raises(SystemExit, match="holds no arrays"):
         _example("forecast").main(["--init", str(p), "--steps", "1", "--quiet"])
+
+
+# ------------------------------------------------------------------------------ leanrnn.torch
+@pytest.fixture(scope="module")
+def lt():
+    pytest.importorskip("torch")
+    import leanrnn.torch as lt
+
+    return lt
+
+
+def test_torch_module_refuses_what_is_not_a_tensor(lt):
+    import torch
+
+    m = lt.LSTM(4, 8)
+    x = torch.randn(5, 3, 4)
+    # before: AttributeError: 'numpy.ndarray' object has no attribute 'dim'
+    with pytest.raises(DTypeError, match=r"input is a ndarray; expected a torch.Tensor"):
+        m(x.numpy())
+    g = lt.GRU(4, 8)
+    # before: AttributeError: 'tuple' object has no attribute 'dim'
+    with pytest.raises(ShapeError, match=r"h_0 is a tuple; .*GRU takes hx = h_0 alone"):
+        g(x, (torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)))
+    assert g(x)[0].shape == (5, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float16", "bfloat16"])
+def test_torch_dtype_error_suggests_only_a_module_dtype_that_works(lt, dtype):
+    import torch
+
+    # before: "... or the module with .to(torch.int64)", which then fails too
+    with pytest.raises(DTypeError) as e:
+        lt.LSTM(4, 8)(torch.zeros(5, 3, 4, dtype=getattr(torch, dtype)))
+    assert "the module with" not in str(e.value)
+    with pytest.raises(DTypeError, match=r"or the module with .to\(torch.float64\)"):
+        lt.LSTM(4, 8)(torch.zeros(5, 3, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("batch_sizes", [[3, 3], [2, 2, 2], [2, 0, 3], [1, 2, 2]])
+def test_torch_malformed_packed_sequence_is_a_shape_error(lt, batch_sizes):
+    import torch
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence
+
+    m = lt.LSTM(4, 8)
+    # before: IndexError: index_copy_(): Number of indices (6) should be equal to ... (5)
+    with pytest.raises(ShapeError, match=r"PackedSequence .* is malformed"):
+        m(PackedSequence(torch.randn(5, 4), torch.tensor(batch_sizes)))
+    y, _ = m(pack_sequence([torch.randn(3, 4), torch.randn(2, 4)]))  # still usable
+    assert y.data.shape == (5, 8)
+
+
+def test_torch_parameter_replaced_by_another_shape_is_a_shape_error(lt):
+    import torch
+
+    g = lt.GRU(4, 8)
+    x = torch.randn(5, 3, 4)
+    g(x)
+    good = g.weight_hh_l0
+    g.weight_hh_l0 = torch.nn.Parameter(torch.zeros(3, 3))
+    # before: IndexError: index 3 is out of bounds for axis 0 with size 3
+    with pytest.raises(
+        ShapeError, match=r"parameter weight_hh_l0 has shape \(3, 3\); expected \(24, 8\)"
+    ):
+        g(x)
+    g.weight_hh_l0 = good
+    assert g(x)[0].shape == (5, 3, 8)
