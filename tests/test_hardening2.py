@@ -268,3 +268,35 @@ def test_torch_parameter_replaced_by_another_shape_is_a_shape_error(lt):
         g(x)
     g.weight_hh_l0 = good
     assert g(x)[0].shape == (5, 3, 8)
+
+
+# ----------------------------------------------------------------------- flags are booleans
+@pytest.mark.parametrize(
+    "kw", [dict(batch_first="no"), dict(bias="no"), dict(bidirectional="no"), dict(batch_first=2)]
+)
+def test_model_flags_that_are_not_booleans_are_refused(kw):
+    # before: batch_first="no" / bidirectional="no" were truthy: a batch-first or
+    # bidirectional model, silently; bias="no" was stored in the spec as the string
+    with pytest.raises(SpecError, match=r"expected True or False"):
+        leanrnn.LSTM(4, 8, seed=0, **kw)
+    assert leanrnn.LSTM(4, 8, seed=0, batch_first=np.True_, bias=1).spec.batch_first is True
+
+
+def test_lrnn_header_with_a_non_boolean_flag_is_refused(tmp_path):
+    import json
+    import struct
+
+    from leanrnn.errors import ModelFormatError
+
+    path = tmp_path / "m.lrnn"
+    leanrnn.LSTM(4, 8, seed=0).save(str(path))
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    spec = json.loads(header["__metadata__"]["spec"])
+    spec["batch_first"] = "yes"
+    header["__metadata__"]["spec"] = json.dumps(spec)
+    b = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(b)) + b + raw[8 + n :])
+    with pytest.raises(ModelFormatError, match=r"batch_first='yes'; expected True or False"):
+        leanrnn.load(str(path))
