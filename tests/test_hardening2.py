@@ -300,3 +300,49 @@ def test_lrnn_header_with_a_non_boolean_flag_is_refused(tmp_path):
     path.write_bytes(struct.pack("<Q", len(b)) + b + raw[8 + n :])
     with pytest.raises(ModelFormatError, match=r"batch_first='yes'; expected True or False"):
         leanrnn.load(str(path))
+
+
+# ----------------------------------------------------- the model after an optimizer step
+def _stepped(cell="LSTM", H=8, lr=0.1):
+    from leanrnn.train import Adam
+
+    m = getattr(leanrnn, cell)(4, H, seed=0)
+    tr = Trainer(m)
+    opt = Adam(tr.parameters(), lr=lr)
+    x = np.random.default_rng(0).standard_normal((6, 2, 4)).astype(np.float32)
+    tape = tr.forward(x)
+    tr.backward(tape, np.ones_like(tape.y))
+    return m, tr, opt, x
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+def test_model_is_current_right_after_an_optimizer_step(cell, tmp_path):
+    from tolerances import atol
+
+    # before: the folded biases the engine reads were refreshed only at the trainer's next
+    # forward, so model(x) and model.save() right after opt.step() (the README's loop) were
+    # one step stale: 0.33 off the model's own state dict
+    m, tr, opt, x = _stepped(cell)
+    opt.step()
+    want = leanrnn.from_state_dict(m.state_dict())(x)[0]  # repacked from the canonical weights
+    np.testing.assert_allclose(m(x)[0], want, rtol=0, atol=atol(np.float32))
+    m.save(str(tmp_path / "t.lrnn"))
+    np.testing.assert_allclose(leanrnn.load(str(tmp_path / "t.lrnn"))(x)[0], want, rtol=0,
+                               atol=atol(np.float32))  # fmt: skip
+
+
+def test_a_copied_trainer_is_refreshed_by_its_own_optimizer():
+    import copy
+    import pickle
+
+    from leanrnn.train import Adam
+
+    m, tr, opt, x = _stepped()
+    for b in (copy.deepcopy(tr), pickle.loads(pickle.dumps(tr))):
+        assert all(p._owner() is b for p in b.parameters())
+        ob = Adam(b.parameters(), lr=0.1)
+        tape = b.forward(x)
+        b.backward(tape, np.ones_like(tape.y))
+        ob.step()
+        assert b._seen == [p.version for p in b.parameters()]
+    assert all(p._owner() is tr for p in tr.parameters())

@@ -108,13 +108,23 @@ class Parameter:
         weights changed and refresh what it derived from them (torch's ``_version``).
     """
 
-    __slots__ = ("_grad", "_value", "name", "version")
+    __slots__ = ("_grad", "_owner", "_value", "name", "version")
 
     def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = ""):
         self.name = str(name)
         self._value = _check_array("Parameter", f"value of {self._label()}", value)
         self.version = 0
+        self._owner = None  # weakref.ref to what derives state from value (a Trainer), or None
         self._grad = np.zeros_like(value) if grad is None else self._checked_grad(grad)
+
+    def __getstate__(self) -> dict:
+        # a copy or a pickle has no owner until one adopts it (Trainer.__setstate__)
+        return {k: getattr(self, k) for k in ("_grad", "_value", "name", "version")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self._owner = None
 
     def _label(self) -> str:
         return f"parameter {self.name!r}" if self.name else "parameter"
@@ -423,6 +433,12 @@ class _Optimizer:
         for i, p in enumerate(self._params):
             self._update(i, p.value, p.grad, self._state[i])
             p.version += 1
+        # the owners refresh now, not at their next forward: the model's own inference and
+        # save() read the folded biases, which were one step stale (0.33 off after a step)
+        owners = {id(o): o for p in self._params if p._owner is not None
+                  for o in [p._owner()] if o is not None}  # fmt: skip
+        for o in owners.values():
+            o._check_weights()
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -35,6 +35,7 @@ the same number of threads (threads.limit_blas).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -134,6 +135,8 @@ class Trainer:
         self._rng = np.random.default_rng(seed)
         self.grad = PackedWeights(self.spec, self.dtype)
         self._params = self._make_parameters()
+        for prm in self._params:  # an optimizer's step refreshes this trainer (optim.step)
+            prm._owner = weakref.ref(self)
         self._version = -1
         self._seen = None
         self._serial = 0
@@ -142,6 +145,11 @@ class Trainer:
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
         self._refresh()
+
+    def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
+        self.__dict__.update(state)
+        for prm in self._params:
+            prm._owner = weakref.ref(self)
 
     # ------------------------------------------------------------------ parameters
     def _make_parameters(self) -> list[Parameter]:
