@@ -23,18 +23,60 @@ LABELS = {
 }
 
 
+def count(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a count of steps, threads, windows)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:  # 0 steps ran nothing in silence; 0 windows divided by zero; 0 units crashed
+        raise argparse.ArgumentTypeError(f"{v}: expected an integer >= 1")
+    return v
+
+
+def rate(text: str) -> float:
+    """argparse type: a finite number >= 0 (learning rate, gradient clip)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0")
+    return v
+
+
+def out_file(text: str) -> str:
+    """argparse type: a file path whose directory exists (checked before training, not after)."""
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a file path in an existing directory")
+    return text
+
+
+def in_file(text: str) -> str:
+    """argparse type: an existing file."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist or is not a file")
+    return text
+
+
 def add_common_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--engine", choices=ENGINES, default="numpy",
                    help="torch.nn module, leanrnn.torch module (same script, module swapped) or "
                         "numpy-only leanrnn (leanrnn.train; no torch import)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--steps", type=count, default=steps, help="optimizer steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=None, help="Adam's learning rate")
-    p.add_argument("--eval-every", type=int, default=None, help="steps between validations")
-    p.add_argument("--plot", metavar="PNG", help="write the loss curve(s) here")
-    p.add_argument("--json", metavar="FILE", help="write the run's record (curves, timings) here")
-    p.add_argument("--init", metavar="NPZ", help="initial weights (torch-named arrays); default: "
+    p.add_argument("--threads", type=count, default=2)
+    p.add_argument("--lr", type=rate, default=None, help="Adam's learning rate")
+    p.add_argument("--eval-every", type=count, default=None, help="steps between validations")
+    p.add_argument("--plot", type=out_file, metavar="PNG", help="write the loss curve(s) here")
+    p.add_argument(
+        "--json",
+        type=out_file,
+        metavar="FILE",
+        help="write the run's record (curves, timings) here",
+    )
+    p.add_argument("--init", type=in_file, metavar="NPZ", help="initial weights (torch-named arrays); default: "
                    "torch's initialisation under --seed, made in a child process for numpy")  # fmt: skip
     p.add_argument("--compare", action="store_true",
                    help="run the three engines, each in its own process, and plot them together")  # fmt: skip
@@ -267,8 +309,17 @@ def init_arrays(
     import numpy as np
 
     if path:
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files}
+        try:
+            with np.load(path) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:  # not an .npz (a pickle, a torch zip, text...)
+            raise SystemExit(f"[examples] --init {path}: cannot read it as .npz ({e}); expected "
+                             "torch-named arrays saved with np.savez") from None  # fmt: skip
+        # np.load opens any zip, a torch checkpoint too, and hands back its members as bytes
+        if not arrays or not all(isinstance(v, np.ndarray) for v in arrays.values()):
+            raise SystemExit(f"[examples] --init {path} holds no arrays; expected torch-named "
+                             "arrays (weight_ih_l0, ...) saved with np.savez")  # fmt: skip
+        return arrays
     if engine != "numpy":
         return make_torch()
     if not have("torch"):

@@ -39,14 +39,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     common.add_common_args(p, steps=300)
     p.add_argument("--text", metavar="FILE", help="train on this text file instead of the stdlib")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--embed", type=int, default=32)
-    p.add_argument("--batch", type=int, default=32, help="columns the text is cut into")
-    p.add_argument("--bptt", type=int, default=64, help="characters per truncated-BPTT window")
-    p.add_argument("--accum", type=int, default=1, help="windows accumulated per step")
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm")
-    p.add_argument("--val-windows", type=int, default=8, help="validation windows per eval")
+    p.add_argument("--hidden", type=common.count, default=128)
+    p.add_argument("--layers", type=common.count, default=1)
+    p.add_argument("--embed", type=common.count, default=32)
+    p.add_argument("--batch", type=common.count, default=32, help="columns the text is cut into")
+    p.add_argument(
+        "--bptt", type=common.count, default=64, help="characters per truncated-BPTT window"
+    )
+    p.add_argument("--accum", type=common.count, default=1, help="windows accumulated per step")
+    p.add_argument("--clip", type=common.rate, default=1.0, help="max gradient norm")
+    p.add_argument(
+        "--val-windows", type=common.count, default=8, help="validation windows per eval"
+    )
     p.add_argument("--dump-init", metavar="NPZ", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.lr = 3e-3 if args.lr is None else args.lr

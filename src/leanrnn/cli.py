@@ -61,6 +61,14 @@ def nonnegative_int(s: str) -> int:
     return _count(s, 0)
 
 
+def port(s: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: any free port)."""
+    v = _count(s, 0)
+    if v > 65535:  # bind() raised OverflowError, a traceback, for 70000
+        raise argparse.ArgumentTypeError(f"{v}: expected a port in 0..65535 (0: any free port)")
+    return v
+
+
 def positive_float(s: str) -> float:
     """argparse type: a finite number > 0 (seconds)."""
     try:

@@ -223,6 +223,14 @@ def _to_numpy(v) -> np.ndarray:
     return np.asarray(v)
 
 
+def _direction(bidirectional) -> str:
+    # torch.nn's flag, checked: bidirectional="no" was truthy and made a bidirectional model
+    ok = isinstance(bidirectional, bool | np.bool_ | int | np.integer)
+    if not ok or bidirectional not in (0, 1):
+        raise SpecError(f"[leanrnn] bidirectional={bidirectional!r}; expected True or False")
+    return "bidirectional" if bidirectional else "forward"
+
+
 class _TorchLike(Model):
     _cell = "rnn"
 
@@ -239,10 +247,12 @@ class _TorchLike(Model):
         if self._cell == "rnn":
             if nonlinearity not in ("tanh", "relu"):
                 raise SpecError(f"[RNN] nonlinearity={nonlinearity!r}; expected 'tanh' or 'relu'")
-            acts = ((Activation.make(nonlinearity),),) * (2 if bidirectional else 1)
+            acts = ((Activation.make(nonlinearity),),) * (
+                2 if _direction(bidirectional) != "forward" else 1
+            )
         spec = RNNSpec(
             self._cell, input_size, hidden_size, num_layers=num_layers,
-            direction="bidirectional" if bidirectional else "forward", proj_size=proj_size,
+            direction=_direction(bidirectional), proj_size=proj_size,
             bias=bias, batch_first=batch_first, activations=acts,
         )  # fmt: skip
         # PyTorch's initialisation: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)).

@@ -121,6 +121,14 @@ class RNNSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"[RNNSpec] {name}={v!r}; expected a positive int")
+        for name in ("bias", "batch_first", "input_forget", "peepholes", "linear_before_reset"):
+            # a flag is a bool (or 0/1, as ONNX attributes are): batch_first="no" was truthy and
+            # made a batch-first model, and a .lrnn header could carry any JSON value here
+            v = getattr(self, name)
+            ok = hasattr(v, "__index__") or type(v).__name__ in ("bool", "bool_")  # numpy's too
+            if not ok or v not in (0, 1):
+                raise SpecError(f"[RNNSpec] {name}={v!r}; expected True or False")
+            object.__setattr__(self, name, bool(v))
         if self.direction not in DIRECTIONS:
             raise SpecError(f"[RNNSpec] direction={self.direction!r}; expected one of {DIRECTIONS}")
         p = self.proj_size

@@ -355,6 +355,57 @@ _rnn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- modules
+@lru_cache(maxsize=256)
+def _param_shapes(spec: str, names: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    sp = _spec(spec)
+    return tuple(torch_format.param_shape(sp, n) for n in names)
+
+
+def _check_call(name: str, module, input, weights, packed: bool) -> None:
+    """Entry checks of forward: a tensor or PackedSequence comes in, and the parameters still
+    have the shapes of the module's spec (one replaced by another shape raised an IndexError
+    deep in packing). Skipped while torch.compile traces: the cached lookup broke the graph,
+    and the fake kernels check shapes there."""
+    if torch.compiler.is_compiling():
+        return
+    if not packed and not isinstance(input, torch.Tensor):
+        raise DTypeError(
+            f"[{name}] input is a {type(input).__name__}; expected a torch.Tensor [T, N, C] "
+            "or a PackedSequence (convert arrays with torch.from_numpy)"
+        )
+    want = _param_shapes(module._spec_str, tuple(module._flat_weights_names))
+    for n, w, s in zip(module._flat_weights_names, weights, want, strict=True):
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != s:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ShapeError(
+                f"[{name}] parameter {n} has shape {got}; expected {s} for this module "
+                "(to change sizes, make a new module)"
+            )
+
+
+def _check_packed(name: str, ps) -> None:
+    """A PackedSequence as torch's pack_* functions make them: batch_sizes positive and
+    non-increasing, summing to the rows of data, indices covering the batch. A hand-made
+    one that breaks this raised an IndexError from index_copy_."""
+    if torch.compiler.is_compiling():
+        return
+    data, bs, si, ui = ps
+    ok = isinstance(bs, torch.Tensor) and bs.dim() == 1 and bs.numel() > 0
+    if ok:
+        b = bs.to(torch.int64)
+        N = int(b[0])
+        ok = (int(b[-1]) >= 1 and not bool((b[1:] > b[:-1]).any())
+              and int(b.sum()) == data.shape[0]
+              and all(i is None or (i.dim() == 1 and i.numel() == N) for i in (si, ui)))  # fmt: skip
+    if not ok:
+        raise ShapeError(
+            f"[{name}] PackedSequence with data {tuple(data.shape)} and batch_sizes "
+            f"{bs.tolist() if isinstance(bs, torch.Tensor) and bs.numel() <= 16 else '...'} is "
+            "malformed: expected batch_sizes positive, non-increasing and summing to the rows "
+            "of data; make it with torch.nn.utils.rnn.pack_padded_sequence or pack_sequence"
+        )
+
+
 def _packed_rows(batch_sizes, sorted_indices, unsorted_indices):
     """For PackedSequence data: the time-major row t*N + n of each packed row, and each
     sample's length in the original batch order."""
@@ -568,8 +619,10 @@ class _RNNBase(torch.nn.Module):
         K = self.proj_size or self.hidden_size
         packed = isinstance(input, PackedSequence)
         batched = True
+        _check_call(name, self, input, weights, packed)
         if packed:
             data, batch_sizes, sorted_indices, unsorted_indices = input
+            _check_packed(name, input)
             rows, lengths, T, N = _packed_rows(batch_sizes, sorted_indices, unsorted_indices)
             if data.dim() != 2 or data.shape[1] != self.input_size:
                 raise ShapeError(
@@ -607,6 +660,12 @@ class _RNNBase(torch.nn.Module):
             for nm, t, last in (("h_0", h0, K), ("c_0", c0, self.hidden_size)):
                 if t is None:
                     continue
+                if not isinstance(t, torch.Tensor):  # a GRU given (h, c) raised AttributeError
+                    raise ShapeError(
+                        f"[{name}] {nm} is a {type(t).__name__}; expected a tensor "
+                        f"[L*D={LD}, N, {last}]"
+                        + ("" if lstm else f" (a {self._cell.upper()} takes hx = h_0 alone)")
+                    )
                 if t.dim() != want:
                     raise ShapeError(
                         f"[{name}] {nm} has shape {tuple(t.shape)}; for "
@@ -632,9 +691,13 @@ class _RNNBase(torch.nn.Module):
             c0 = c0.to(wdt) if c0 is not None else None
         for nm, t in (("input", x), ("h_0", h0), ("c_0", c0)):
             if t is not None and t.dtype != wdt:
+                # the module can follow only to the dtypes leanrnn computes in (it suggested
+                # .to(torch.int64) and .to(torch.float16), which fail next)
+                alt = (f", or the module with .to({t.dtype})"
+                       if t.dtype in (torch.float32, torch.float64) else "")  # fmt: skip
                 raise DTypeError(
                     f"[{name}] {nm} has dtype {t.dtype}; expected {wdt} (the parameters' dtype): "
-                    f"convert it with .to({wdt}), or the module with .to({t.dtype})"
+                    f"convert it with .to({wdt}){alt}"
                 )
         need_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, h0, c0, *weights)

@@ -164,6 +164,7 @@ def run(args) -> int:
 
 
 def _run_train(args, pairs) -> int:
+    from leanrnn.memory.arena import check_fits
     from leanrnn.train import Trainer
 
     for name, base in pairs:
@@ -171,6 +172,10 @@ def _run_train(args, pairs) -> int:
                      memory_limit=args.memory_limit)  # fmt: skip
         info = tr.plan(args.batch, args.steps)
         p, spec = info["plan"], tr.spec
+        # as the inference plan does at resize: a step that cannot fit is refused, not drawn
+        check_fits(info["total_bytes"], f"a training step of {spec.cell.upper()} "
+                   f"H={spec.hidden_size} layers={spec.num_layers} N={args.batch} "
+                   f"T={args.steps}", "plan --train")  # fmt: skip
         mode = "recompute" if info["recompute"] else "store"
         print(f"{name}: training step, {spec.cell.upper()} C={spec.input_size} "
               f"H={spec.hidden_size} layers={spec.num_layers} "

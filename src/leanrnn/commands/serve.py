@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..cli import nonnegative_int, positive_float, positive_int
+from ..cli import port, positive_float, positive_int
 from ..errors import LeanRNNError
 from .score import parse_bytes
 
@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
                    "for every interface)")  # fmt: skip
-    p.add_argument("--http-port", type=nonnegative_int, default=8000, help="0: any free port")
-    p.add_argument("--grpc-port", type=nonnegative_int, default=8001,
+    p.add_argument("--http-port", type=port, default=8000, help="0: any free port")
+    p.add_argument("--grpc-port", type=port, default=8001,
                    help="0: any free port")  # fmt: skip
     p.add_argument("--no-grpc", action="store_true", help="HTTP only")
     p.add_argument(

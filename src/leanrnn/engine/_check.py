@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import DTypeError, LayoutError, LengthsError, ShapeError
+from ..errors import DTypeError, LayoutError, LengthsError, ShapeError, SpecError
 
 
 def fmt_shape(shape) -> str:
@@ -137,3 +137,27 @@ def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
         bad = [int(v) for v in arr if v < 0 or v > T][:5]
         raise LengthsError(f"[{op}] lengths {bad} out of range; expected 0 <= length <= T={T}")
     return arr
+
+
+def count_or_none(op: str, name: str, v, what: str = "a positive int") -> int | None:
+    """``v`` as an int >= 1, or None. Settings such as threads, segment and memory_limit: a
+    float, a string, a bool or a value < 1 is refused, never truncated or clamped in silence
+    (segment=2.5 ran segments of 2, threads=-1 ran with -1 threads)."""
+    if v is None:
+        return None
+    if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_) or v < 1:
+        raise SpecError(f"[{op}] {name}={v!r}; expected {what} or None")
+    return int(v)
+
+
+def packed_weights(op: str, model):
+    """The PackedWeights of ``model`` (a leanrnn model, or PackedWeights themselves)."""
+    from ..formats.packing import PackedWeights
+
+    w = model if isinstance(model, PackedWeights) else getattr(model, "weights", None)
+    if not isinstance(w, PackedWeights):
+        raise SpecError(
+            f"[{op}] got a {type(model).__name__}; expected a leanrnn LSTM/GRU/RNN model or its "
+            "PackedWeights (model.weights); load a file first with leanrnn.load(path)"
+        )
+    return w

@@ -151,10 +151,11 @@ class Session:
 
     def __init__(self, weights: PackedWeights, threads: int | None = None,
                  chunk: int | None = None, pool: Pool | None = None) -> None:  # fmt: skip
+        weights = _check.packed_weights("Session", weights)
         self.weights = weights
         self.spec: RNNSpec = weights.spec
         self.dtype = weights.dtype
-        self.threads = threads
+        self.threads = threads  # checked by the property below
         self.chunk = _positive_or_none("Session", "chunk", chunk)
         self.pool = pool
         # Members of a pool take its lock, read at each run: a forked child renews it.
@@ -182,6 +183,17 @@ class Session:
             self._lock = threading.RLock()
         self._key_now = ()
         self._gen = -1
+
+    @property
+    def threads(self) -> int | None:
+        """This session's kernel threads (None: the global setting, set_num_threads)."""
+        return self._nthreads
+
+    @threads.setter
+    def threads(self, v) -> None:
+        # A property, so that ``session.threads = n`` (loading, scoring) is checked as the
+        # constructor's argument is: threads=-1 or 2.5 used to reach the kernels.
+        self._nthreads = _check.count_or_none("Session", "threads", v)
 
     # ---------------------------------------------------------------- planning
     @property

@@ -94,6 +94,42 @@ class _Progress:
             sys.stderr.flush()
 
 
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one file: the same path after links, or (hard links) one inode."""
+    if os.path.realpath(a) == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet)
+        return False
+
+
+def _check_output(output, dataset, model, lengths, local: bool) -> None:
+    """Refuse, before any work, an output that would replace one of the job's own inputs (the
+    dataset, the model file, the lengths file) or land inside the input directory (the next
+    run would read it as data), and one whose directory cannot take it."""
+    out = os.path.realpath(os.fspath(output))
+    for what, path in (("the input", dataset), ("the model", model), ("the lengths", lengths)):
+        if isinstance(path, str | os.PathLike) and _same_file(os.fspath(path), out):
+            raise DataError(
+                f"[score] output {os.fspath(output)!r} is {what} file itself; writing it would "
+                "destroy it: pick another output path"
+            )
+    src = os.path.realpath(os.fspath(dataset))
+    if os.path.isdir(src) and os.path.dirname(out) == src:
+        raise DataError(
+            f"[score] output {os.fspath(output)!r} is inside the input directory "
+            f"{os.fspath(dataset)!r}, whose files are all read as data; write it elsewhere"
+        )
+    parent = os.path.dirname(out)
+    if local and (not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
+        why = "is not writable" if os.path.isdir(parent) else "does not exist"
+        raise DataError(
+            f"[score] cannot write output {os.fspath(output)!r}: its directory {parent!r} {why}; "
+            "create it or pick another path"
+        )
+
+
 def _load(model, threads):
     if isinstance(model, str | os.PathLike):
         from ..loading import load
@@ -134,6 +170,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     >>> print(s)                                                                # doctest: +SKIP
     """
     opts = Options(column, length_column, x_key, lengths_key, lengths, allow_nonfinite)
+    _check_output(output, dataset, model, lengths, local=ray is None)
     model = _load(model, threads)
     engine_model(model)
     if ray is not None:

@@ -106,20 +106,25 @@ class Parameter:
     name: a label used in error messages.
     version: incremented by every optimizer step that writes value, so the owner can tell the
         weights changed and refresh what it derived from them (torch's ``_version``).
-    on_step: called after each optimizer step that wrote value (or None): for what must never
-        be stale, e.g. the folded biases that inference reads straight from the packed weights.
     """
 
-    __slots__ = ("_grad", "_value", "name", "on_step", "version")
+    __slots__ = ("_grad", "_owner", "_value", "name", "version")
 
-    def __init__(
-        self, value: np.ndarray, grad: np.ndarray | None = None, name: str = "", on_step=None
-    ):
+    def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = ""):
         self.name = str(name)
-        self.on_step = on_step
         self._value = _check_array("Parameter", f"value of {self._label()}", value)
         self.version = 0
+        self._owner = None  # weakref.ref to what derives state from value (a Trainer), or None
         self._grad = np.zeros_like(value) if grad is None else self._checked_grad(grad)
+
+    def __getstate__(self) -> dict:
+        # a copy or a pickle has no owner until one adopts it (Trainer.__setstate__)
+        return {k: getattr(self, k) for k in ("_grad", "_value", "name", "version")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        self._owner = None
 
     def _label(self) -> str:
         return f"parameter {self.name!r}" if self.name else "parameter"
@@ -428,8 +433,12 @@ class _Optimizer:
         for i, p in enumerate(self._params):
             self._update(i, p.value, p.grad, self._state[i])
             p.version += 1
-            if p.on_step is not None:
-                p.on_step()
+        # the owners refresh now, not at their next forward: the model's own inference and
+        # save() read the folded biases, which were one step stale (0.33 off after a step)
+        owners = {id(o): o for p in self._params if p._owner is not None
+                  for o in [p._owner()] if o is not None}  # fmt: skip
+        for o in owners.values():
+            o._check_weights()
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         raise NotImplementedError

@@ -34,7 +34,8 @@ the same number of threads (threads.limit_blas).
 
 from __future__ import annotations
 
-import functools
+import math
+import weakref
 
 import numpy as np
 
@@ -110,7 +111,7 @@ class Trainer:
     def __init__(self, model, threads: int | None = None, segment: int | None = None,
                  recompute: bool = False, memory_limit: int | None = None,
                  dropout: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
-        w = model if isinstance(model, PackedWeights) else model.weights
+        w = _check.packed_weights("Trainer", model)
         if w.precision != "float":  # reduced weights are for inference (leanrnn.quantize)
             raise DTypeError(f"[Trainer] the model has {w.precision} weights; training updates "
                              "float weights: train the float32 model, then quantize it")  # fmt: skip
@@ -124,17 +125,25 @@ class Trainer:
                 f"{self.spec.direction} (a reverse direction starts at each sample's last step, "
                 "so its segments cannot be replayed from the front)"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise SpecError(f"[Trainer] dropout={dropout}; expected 0 <= dropout < 1")
-        self.threads = threads
-        self.segment = segment
+        if (not isinstance(dropout, int | float | np.integer | np.floating)
+                or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0):  # fmt: skip
+            raise SpecError(f"[Trainer] dropout={dropout!r}; expected a float, 0 <= dropout < 1")
+        # refused, not truncated or clamped: segment=2.5 ran segments of 2, threads=-1 ran
+        self.threads = _check.count_or_none("Trainer", "threads", threads)
+        self.segment = _check.count_or_none("Trainer", "segment", segment, "steps >= 1")
         self.recompute = bool(recompute)
-        self.memory_limit = memory_limit
+        self.memory_limit = _check.count_or_none("Trainer", "memory_limit", memory_limit,
+                                                 "bytes >= 1")  # fmt: skip
         self.dropout = float(dropout)
         self.training = True
+        if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0
+                                 or isinstance(seed, bool)):  # fmt: skip
+            raise SpecError(f"[Trainer] seed={seed!r}; expected an int >= 0 or None")
         self._rng = np.random.default_rng(seed)
         self.grad = PackedWeights(self.spec, self.dtype)
         self._params = self._make_parameters()
+        for prm in self._params:  # an optimizer's step refreshes this trainer (optim.step)
+            prm._owner = weakref.ref(self)
         self._version = -1
         self._seen = None
         self._serial = 0
@@ -146,6 +155,11 @@ class Trainer:
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
         self._refresh()
 
+    def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
+        self.__dict__.update(state)
+        for prm in self._params:
+            prm._owner = weakref.ref(self)
+
     # ------------------------------------------------------------------ parameters
     def _make_parameters(self) -> list[Parameter]:
         spec, out = self.spec, []
@@ -153,12 +167,8 @@ class Trainer:
             for d, (pw, pg) in enumerate(zip(wl, gl, strict=True)):
                 names = ["Wt", "Rt"] + (["bW", "bR"] if spec.bias else []) + (
                     ["proj"] if spec.proj_size else [])  # fmt: skip
-                # A bias step refolds b = bW + bR at once: Model.forward, save and any Session
-                # read b straight from these packed weights, not through the Trainer.
-                fold = functools.partial(fold_biases, spec, pw)
                 for n in names:
-                    hook = fold if n in ("bW", "bR") else None
-                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}", hook))
+                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}"))
         return out
 
     def parameters(self) -> list[Parameter]:
@@ -390,7 +400,8 @@ class Trainer:
 
         def add(name, shape, first, last, dtype=None):
             dtype = np.dtype(dtype or self.dtype)
-            bufs.append(Buffer(name, int(np.prod(shape)) * dtype.itemsize, first, last))
+            # math.prod: Python ints (np.prod wrapped around to a negative size at N=10**12)
+            bufs.append(Buffer(name, math.prod(shape) * dtype.itemsize, first, last))
             shapes[name] = (shape, dtype)
 
         if stage_x:
