@@ -157,3 +157,19 @@ def finish_process(proc, timeout: float) -> str:
         out, _ = proc.communicate()
         out = f"{out or ''}\n[killed after {timeout:g} s]"
     return out or ""
+
+
+def fails_in_one_line(capsys, argv: list[str], *words: str) -> str:
+    """Run ``leanrnn argv``; assert exit != 0 and a single `leanrnn: error:` line naming
+    ``words``; return it."""
+    from leanrnn import cli
+
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("leanrnn: error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import fails_in_one_line
 from leanrnn import cli
 from leanrnn.errors import PlanError
 from leanrnn.memory import arena
@@ -25,20 +26,6 @@ def files(tmp_path_factory):
     (d / "adir").mkdir()
     (d / "d.lrnn").mkdir()
     return d
-
-
-def fails_in_one_line(capsys, argv: list[str], *words: str) -> str:
-    """Run ``leanrnn argv``; assert exit != 0 and a single `leanrnn: error:` line naming
-    ``words``; return it."""
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc != 0, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("leanrnn: error: "), err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 # --------------------------------------------------------------- item 12: one-line errors

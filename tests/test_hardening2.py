@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import fails_in_one_line
 from leanrnn import cli
 from leanrnn.errors import DTypeError, ShapeError, SpecError
 from leanrnn.train import Trainer
@@ -21,18 +22,6 @@ def lstm():
 @pytest.fixture(scope="module")
 def x():
     return np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
-
-
-def _fails_in_one_line(capsys, argv, *words) -> str:
-    rc = cli.main(argv)
-    err = capsys.readouterr().err
-    assert rc != 0, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("leanrnn: error: "), err
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 # ------------------------------------------------ settings: refused, never truncated or clamped
@@ -90,9 +79,9 @@ def test_session_of_something_else_is_a_clear_error():
 # ------------------------------------------------------------------- plan --train, huge sizes
 def test_plan_train_refuses_sizes_past_memory_instead_of_wrapping_around(capsys):
     # before: np.prod wrapped around in int64: "buffer 'xw.0' has nbytes=-9017668127734890496"
-    _fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**12),
+    fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**12),
                                 "--steps", str(10**6)], "plan --train", "this machine has")  # fmt: skip
-    _fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**6),
+    fails_in_one_line(capsys, ["plan", "--train", "lstm:64x2", "--batch", str(10**6),
                                 "--steps", "1000"], "plan --train", "GiB")  # fmt: skip
     assert cli.main(["plan", "--train", "lstm:8", "--batch", "2", "--steps", "5"]) == 0
 
@@ -122,17 +111,17 @@ def test_score_refuses_to_overwrite_its_own_input_or_model(score_files, capsys):
     # before: `leanrnn score m.lrnn d.npz d.npz` replaced the dataset by the scores, silently
     tmp, model, data = score_files
     before = open(data, "rb").read()
-    _fails_in_one_line(capsys, ["score", model, data, data, "--quiet"], "is the input file")
+    fails_in_one_line(capsys, ["score", model, data, data, "--quiet"], "is the input file")
     (tmp / "link.npz").hardlink_to(data)
-    _fails_in_one_line(capsys, ["score", model, data, str(tmp / "link.npz"), "--quiet"],
+    fails_in_one_line(capsys, ["score", model, data, str(tmp / "link.npz"), "--quiet"],
                        "is the input file")  # fmt: skip
     assert open(data, "rb").read() == before
-    _fails_in_one_line(capsys, ["score", model, data, model, "--quiet"], "is the model file")
+    fails_in_one_line(capsys, ["score", model, data, model, "--quiet"], "is the model file")
     assert leanrnn.load(model) is not None
     sub = tmp / "dir"
     sub.mkdir()
     np.savez(sub / "a.npz", x=np.ones((2, 3, 4), np.float32), lengths=np.array([3, 1]))
-    _fails_in_one_line(capsys, ["score", model, str(sub), str(sub / "o.npz"), "--quiet"],
+    fails_in_one_line(capsys, ["score", model, str(sub), str(sub / "o.npz"), "--quiet"],
                        "inside the input directory")  # fmt: skip
     assert cli.main(["score", model, data, str(tmp / "o.npz"), "--quiet"]) == 0
 
@@ -140,7 +129,7 @@ def test_score_refuses_to_overwrite_its_own_input_or_model(score_files, capsys):
 def test_score_output_in_a_missing_directory_is_one_line(score_files, capsys):
     # before: "leanrnn: error: FileNotFoundError: [Errno 2] ... '/x/.leanrnn-score-att22rco'"
     tmp, model, data = score_files
-    line = _fails_in_one_line(capsys, ["score", model, data, str(tmp / "no" / "o.npz"), "--quiet"],
+    line = fails_in_one_line(capsys, ["score", model, data, str(tmp / "no" / "o.npz"), "--quiet"],
                               "does not exist")  # fmt: skip
     assert "FileNotFoundError" not in line and ".leanrnn-score" not in line
 
