@@ -335,16 +335,16 @@ def test_bench_onnxruntime_baseline_computes_the_model():
     lane.warm_up()
     assert lane.max_batch == 1  # one stream per call, whatever was asked
     sched = Scheduler({"m": lane}, max_wait=0)
-    sched.start()
     rng = np.random.default_rng(4)
     w = Waiter()
     streams = []
-    for s in range(6):
+    for s in range(6):  # all six live at once (queued before the engine starts): six slots
         x = rng.standard_normal((int(rng.integers(2, 20)), 4)).astype(np.float32)
         cut = x.shape[0] // 2
         reqs = [w.submit(sched, "m", s, True, False, x[:cut]),
                 w.submit(sched, "m", s, False, True, x[cut:])]  # fmt: skip
         streams.append((x, reqs))
+    sched.start()
     w.wait()
     sched.stop()
     for x, reqs in streams:
