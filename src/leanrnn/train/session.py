@@ -150,6 +150,7 @@ class Trainer:
         self._arena: Arena | None = None
         self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
         self._plans: dict = {}  # (N, T, S, recompute, stage_x) -> (plan, shapes)
+        self._limited: dict = {}  # (N, T, memory_limit) -> segment (_limited_segment)
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
@@ -313,7 +314,15 @@ class Trainer:
 
     def _segment(self, T: int, N: int) -> int:
         if self.memory_limit is not None:
-            return self._limited_segment(T, N)
+            # the search plans a few dozen segment lengths (~20 ms): once per step shape
+            key = (N, T, self.memory_limit)
+            S = self._limited.get(key)
+            if S is None:
+                S = self._limited_segment(T, N)
+                if len(self._limited) >= _PLANS_KEPT:
+                    self._limited.clear()
+                self._limited[key] = S
+            return S
         if self.spec.direction != "forward":
             return T  # a reverse direction's segments would start mid-sample (see __init__)
         if self.segment is not None:
