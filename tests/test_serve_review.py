@@ -107,46 +107,35 @@ class _Context:
         return ()
 
 
-async def _drive(servicer, n: int) -> int:
+async def _held_after(servicer, n: int) -> int:
+    """Send ``n`` requests on one stream; the traced bytes held when the last one is answered
+    (the stream still open, so what it keeps per request is still there)."""
+    base = tracemalloc.get_traced_memory()[0]
+
     async def requests():
         for _ in range(n):
             yield rpc.pb.ModelInferRequest(model_name="m")
 
-    count = 0
+    answered = 0
     async for _ in servicer.ModelStreamInfer(requests(), _Context()):
-        count += 1
-    return count
+        answered += 1
+        if answered == n:
+            return tracemalloc.get_traced_memory()[0] - base
+    raise AssertionError(f"{answered} of {n} requests answered")
 
 
 def test_a_long_grpc_stream_does_not_grow(monkeypatch):
     monkeypatch.setattr(rpc, "parse", lambda core, req: (None, None))
     monkeypatch.setattr(rpc, "encode", lambda info, p, values: rpc.pb.ModelInferResponse())
     servicer = rpc.Servicer(_Core())
-    asyncio.run(_drive(servicer, 500))  # warm-up: the loop's and the modules' own allocations
+    asyncio.run(_held_after(servicer, 500))  # warm-up: the loop's and modules' own allocations
 
     def grown(n):
         gc.collect()
         tracemalloc.start()
         try:
-            loop = asyncio.new_event_loop()
-            base = tracemalloc.get_traced_memory()[0]
-            done = []
-
-            async def main():
-                async def requests():
-                    for _ in range(n):
-                        yield rpc.pb.ModelInferRequest(model_name="m")
-
-                async for _ in servicer.ModelStreamInfer(requests(), _Context()):
-                    done.append(1)
-                    if len(done) == n:
-                        # every request answered, the stream still open: what is held now
-                        # is what a stream keeps per request
-                        return tracemalloc.get_traced_memory()[0] - base
-
-            return loop.run_until_complete(main())
+            return asyncio.run(_held_after(servicer, n))
         finally:
-            loop.close()
             tracemalloc.stop()
 
     small, large = grown(200), grown(4000)
