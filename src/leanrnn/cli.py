@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from .errors import LeanRNNError
@@ -69,6 +70,39 @@ def port(s: str) -> int:
     return v
 
 
+_SIZE = re.compile(r"^([+-]?)(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(?:i?b)?|b)?$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def size(s: str) -> int:
+    """argparse type: a size in bytes > 0, with an optional unit in powers of 1024: '512M',
+    '2GiB', '1.5g', '1048576'. Every size option (score/tune --memory-limit, serve's
+    --max-request-bytes and --max-queued-bytes) parses with this one function."""
+    m = _SIZE.match(s.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not a size; expected bytes as a number with an optional unit K, M, G or "
+            "T (powers of 1024), e.g. 512M or 2G"
+        )
+    sign, number, unit = m.groups()
+    v = int(float(number) * _UNITS[(unit or "").lower()])
+    if sign == "-" or v < 1:
+        raise argparse.ArgumentTypeError(f"{s}: expected a size of at least 1 byte, e.g. 512M")
+    if v > INT_MAX:
+        raise argparse.ArgumentTypeError(f"{s}: expected a size below 8 EiB")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse takes '-1G' after an option for another option (only '-1' and '-1.5' count as
+    negative numbers), and said 'expected one argument': with '-' and a digit meaning a value,
+    a negative size or count reaches its type function and gets that function's message."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def positive_float(s: str) -> float:
     """argparse type: a finite number > 0 (seconds)."""
     try:
@@ -115,7 +149,7 @@ def output_dir(path: str, flag: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="leanrnn", description="LSTM/GRU/RNN inference on the CPU with planned memory."
     )
     p.add_argument("--version", action="version", version=f"leanrnn {__version__}")

@@ -643,6 +643,14 @@ class _RNNBase(torch.nn.Module):
             if batched and self.batch_first:
                 x = x.transpose(0, 1)
             T, N = x.shape[0], x.shape[1]
+            if T < 1 or N < 1:  # else the trainer refused it, naming itself (Trainer.forward)
+                layout = ("[N, T, C] (batch_first)" if batched and self.batch_first
+                          else "[T, N, C]" if batched else "unbatched [T, C]")  # fmt: skip
+                raise ShapeError(
+                    f"[{name}] input has shape {tuple(input.shape)}: T={T} steps, N={N} "
+                    f"sequences; expected {layout} with T >= 1 and N >= 1; skip empty batches "
+                    "before calling the module"
+                )
             if x.shape[2] != self.input_size:
                 raise ShapeError(
                     f"[{name}] input has shape {tuple(input.shape)}; expected input size "

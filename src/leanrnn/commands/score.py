@@ -4,22 +4,8 @@ final states and/or per-step outputs in input order (leanrnn.score), locally or 
 from __future__ import annotations
 
 import argparse
-import re
 
-from ..cli import positive_int
-
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'512M', '2GiB', '1048576' -> bytes (powers of 1024)."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; expected e.g. 512M or 2G")
-    unit = (m.group(2) or "b")[0].lower()
-    return int(float(m.group(1)) * {"b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30,
-                                     "t": 1 << 40}[unit])  # fmt: skip
-
+from ..cli import positive_int, size
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -35,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output", help="output .parquet or .npz")
     p.add_argument("--outputs", choices=("final", "steps", "both"), default="final",
                    help="final states (h_n, c_n), per-step outputs (y), or both")  # fmt: skip
-    p.add_argument("--memory-limit", type=parse_bytes, default=None,
+    p.add_argument("--memory-limit", type=size, default=None,
                    help="bytes for buffers, e.g. 512M (default: 1/4 of available, <= 256M)")  # fmt: skip
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="fixed sequences per batch (default: chosen from the hardware)")  # fmt: skip

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..cli import port, positive_float, positive_int
+from ..cli import port, positive_float, positive_int, size
 from ..errors import LeanRNNError
-from .score import parse_bytes
 
 
 def _model(text: str) -> tuple[str, str]:
@@ -99,13 +98,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-request-bytes",
-        type=parse_bytes,
+        type=size,
         default=64 << 20,
         help="largest request body (default 64M)",
     )
     p.add_argument(
         "--max-queued-bytes",
-        type=parse_bytes,
+        type=size,
         default=1 << 30,
         help="inputs and outputs of accepted requests not yet answered, all models together; "
         "beyond it new requests get HTTP 429 / RESOURCE_EXHAUSTED (default 1G)",

@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import positive_int
-from .score import parse_bytes
+from ..cli import positive_int, size
 from .serve import _wait_ms
 
 
@@ -24,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="model file or cell:hidden[xlayers], e.g. lstm:512x2")
     p.add_argument("--latency-ms", type=_wait_ms, default=10.0,
                    help="longest one engine call may take (default 10, serve's --max-call-ms)")  # fmt: skip
-    p.add_argument("--memory-limit", type=parse_bytes, default=None,
+    p.add_argument("--memory-limit", type=size, default=None,
                    help="bytes one call may hold, e.g. 64M (default: 1/4 of available, <= 256M)")  # fmt: skip
     p.add_argument("--max-batch", type=positive_int, default=256, help="largest batch tried")
     p.add_argument("--max-chunk", type=positive_int, default=16, help="largest chunk tried")

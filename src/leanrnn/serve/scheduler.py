@@ -78,6 +78,13 @@ def pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def request_bytes(x, out_width: int, dtype) -> int:
+    """Bytes a request holds until it is answered: x [T, C] and its y [T, out_width] of
+    ``dtype``. The one count both the --max-queued-bytes check (before the request exists)
+    and the running total (``Request.nbytes``) use, so what is checked is what is held."""
+    return int(x.nbytes) + x.shape[0] * out_width * np.dtype(dtype).itemsize
+
+
 class Request:
     """One inference request of one stream: x [T, C] in, y [T, D*K] out, filled step by step."""
 
@@ -100,7 +107,7 @@ class Request:
 
     def __init__(self, x, y, end, want_state, on_done) -> None:
         self.x, self.y, self.T, self.pos = x, y, x.shape[0], 0
-        self.nbytes = x.nbytes + y.nbytes  # what this request holds until it is answered
+        self.nbytes = request_bytes(x, y.shape[1], y.dtype)
         self.end, self.want_state, self.on_done = end, want_state, on_done
         self.h_out = self.c_out = self.error = None
         self.t_submit = time.monotonic()
@@ -440,7 +447,7 @@ class Scheduler:
             now = time.monotonic()
             limit = self.max_queued_bytes
             if limit is not None:
-                cost = x.nbytes + x.shape[0] * lane.DK * lane.dtype.itemsize  # x and its y
+                cost = request_bytes(x, lane.DK, lane.dtype)
                 # (one request alone always goes: a limit below it must not wedge the server)
                 if self.queued_bytes and self.queued_bytes + cost > limit:
                     raise Exhausted(

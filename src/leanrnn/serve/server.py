@@ -106,6 +106,38 @@ def build(config: ServeConfig, loaded: dict | None = None,
     return core, scheduler, metrics
 
 
+def check_addresses(config: ServeConfig) -> None:
+    """Before anything binds or loads: the host is an address of this machine (a bad one was
+    blamed on the port) and HTTP and gRPC are not given one port (HTTP bound it, the models
+    loaded, and only then did gRPC fail)."""
+    from ..errors import LeanRNNError
+
+    grpc_port = config.grpc_port
+    if grpc_port is not None and grpc_port == config.http_port != 0:
+        raise LeanRNNError(
+            f"[serve] --http-port and --grpc-port are both {grpc_port}; expected two different "
+            "ports: pick another for one of them (0: any free port), or pass --no-grpc"
+        )
+    host = config.host
+    hint = ("expected an IP address or name of this machine: 127.0.0.1 (this machine only), "
+            "0.0.0.0 (every interface) or one of its own addresses; fix --host")  # fmt: skip
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise LeanRNNError(f"[serve] --host {host!r} is not an address ({why}); {hint}") from None
+    with socket.socket(family, kind, proto) as probe:  # port 0: binds no port anyone asked for
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            raise LeanRNNError(
+                f"[serve] --host {host!r} cannot be listened on ({e.strerror}): it is not an "
+                f"address of this machine; {hint}"
+            ) from None
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say they are TCP; with
@@ -125,6 +157,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
 
     from .http import make_app
 
+    check_addresses(config)
     _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
     t0 = time.monotonic()
     try:  # the port first: a taken one should fail before the models load

@@ -1,0 +1,123 @@
+"""Hardening, third pass: what the last red team and review found in `serve`, the size options,
+leanrnn.torch's messages and the gRPC stream, then a new user's bad input. Each test failed
+before its fix; each bad call gives a clear leanrnn error and leaves things usable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import fails_in_one_line
+from leanrnn import cli
+from leanrnn.engine.session import Pool
+from leanrnn.serve import scheduler as sched_mod
+from leanrnn.serve.errors import Exhausted
+from leanrnn.serve.scheduler import Lane, Scheduler
+
+
+@pytest.fixture(scope="module")
+def gru_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hardening3") / "g.lrnn"
+    leanrnn.GRU(3, 4, seed=1).save(str(path))
+    return str(path)
+
+
+# ------------------------------------------------ serve: addresses checked before anything binds
+def test_serve_bad_host_names_the_host_not_the_port(capsys, tmp_path):
+    pytest.importorskip("uvicorn")
+    # the model does not exist: the host must be refused first (before the fix the HTTP bind
+    # failed with "Name or service not known; pick another --http-port")
+    line = fails_in_one_line(
+        capsys,
+        ["serve", str(tmp_path / "none.lrnn"), "--host", "999.1.1.1", "--http-port", "0",
+         "--grpc-port", "0"],  # fmt: skip
+        "--host", "999.1.1.1", "127.0.0.1",
+    )
+    assert "--http-port" not in line
+
+
+def test_serve_one_port_for_http_and_grpc_is_refused_before_binding(capsys, tmp_path):
+    pytest.importorskip("uvicorn")
+    # before the fix HTTP bound the port, then the models loaded (here: a missing file, so the
+    # error was about the file), and only gRPC's bind failed
+    fails_in_one_line(
+        capsys,
+        ["serve", str(tmp_path / "none.lrnn"), "--http-port", "8123", "--grpc-port", "8123"],
+        "--http-port", "--grpc-port", "8123", "different",
+    )
+
+
+# ------------------------------------------------ sizes: one parser, one clear message
+@pytest.mark.parametrize("value", ["-1G", "0", "12Q", "-5", "0.1"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["score", "m.lrnn", "in.npy", "out.npz", "--memory-limit"],
+        ["tune", "lstm:8", "--memory-limit"],
+        ["serve", "m.lrnn", "--max-queued-bytes"],
+        ["serve", "m.lrnn", "--max-request-bytes"],
+    ],
+)
+def test_size_options_refuse_negative_zero_and_garbage_by_name(argv, value, capsys):
+    # before: '-1G' after the option was taken for another option ("expected one argument"),
+    # 0 reached the library (score: "[tuning] memory_limit=0"; serve: a limit of 0 bytes)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{argv[-1]}: " in err and value in err and "expected" in err, err
+    assert "expected one argument" not in err
+
+
+def test_size_options_share_one_parser():
+    from leanrnn.commands import score, serve, tune
+
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    flags = {"score": ["--memory-limit"], "tune": ["--memory-limit"],
+             "serve": ["--max-request-bytes", "--max-queued-bytes"]}  # fmt: skip
+    for cmd, names in flags.items():
+        for a in subs[cmd]._actions:
+            if a.option_strings and a.option_strings[0] in names:
+                assert a.type is cli.size, (cmd, a.option_strings)
+    assert cli.size("512M") == 512 << 20 and cli.size("2GiB") == 2 << 30
+    assert cli.size("1.5k") == 1536 and cli.size("7") == 7
+    for mod in (score, serve, tune):  # the copy in commands/score.py is gone
+        assert not hasattr(mod, "parse_bytes")
+
+
+# ------------------------------------------------ leanrnn.torch: T=0 names the module
+@pytest.mark.parametrize("cls", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("shape", [(0, 2, 3), (2, 0, 3), (0, 3)])
+def test_torch_empty_input_names_the_module(cls, shape):
+    torch = pytest.importorskip("torch")
+    import leanrnn.torch as lt
+    from leanrnn.errors import ShapeError
+
+    m = getattr(lt, cls)(3, 4)
+    with pytest.raises(ShapeError) as e:
+        m(torch.zeros(shape))
+    msg = str(e.value)
+    assert msg.startswith(f"[leanrnn.torch.{cls}]"), msg  # before: [Trainer.forward]
+    assert "Trainer" not in msg and "T >= 1" in msg and "expected" in msg
+    y, _ = m(torch.zeros(2, 1, 3))  # still usable
+    assert y.shape == (2, 1, 4)
+
+
+# ------------------------------------------------ serve: one count of a request's bytes
+def test_queued_bytes_check_and_accounting_use_one_count(monkeypatch):
+    """The --max-queued-bytes check (before Lane.submit) and Request.nbytes (after) counted
+    x + y each their own way; now both call request_bytes. Patched to a fixed count, the
+    running total and the refusal must both follow it."""
+    lane = Lane("g", leanrnn.GRU(3, 4, seed=3), Pool(), threads=1, max_streams=4, max_batch=2,
+                max_chunk=2, idle_timeout=60.0)  # fmt: skip
+    x = np.ones((5, 3), np.float32)
+    assert sched_mod.request_bytes(x, 4, np.float32) == x.nbytes + 5 * 4 * 4
+    monkeypatch.setattr(sched_mod, "request_bytes", lambda x, width, dtype: 1000)
+    sched = Scheduler({"g": lane}, max_wait=0.0, max_queued_bytes=1500)
+    r = sched.submit("g", 1, True, True, x)
+    assert r.nbytes == 1000 and sched.queued_bytes == 1000
+    with pytest.raises(Exhausted, match=r"\(1000 B\)"):
+        sched.submit("g", 2, True, True, x)
+    assert 2 not in lane.seqs
