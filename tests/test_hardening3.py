@@ -28,11 +28,9 @@ def test_serve_bad_host_names_the_host_not_the_port(capsys, tmp_path):
     pytest.importorskip("uvicorn")
     # the model does not exist: the host must be refused first (before the fix the HTTP bind
     # failed with "Name or service not known; pick another --http-port")
+    argv = ["serve", str(tmp_path / "none.lrnn"), "--host", "999.1.1.1", "--http-port", "0"]
     line = fails_in_one_line(
-        capsys,
-        ["serve", str(tmp_path / "none.lrnn"), "--host", "999.1.1.1", "--http-port", "0",
-         "--grpc-port", "0"],  # fmt: skip
-        "--host", "999.1.1.1", "127.0.0.1",
+        capsys, [*argv, "--grpc-port", "0"], "--host", "999.1.1.1", "127.0.0.1"
     )
     assert "--http-port" not in line
 
@@ -44,7 +42,10 @@ def test_serve_one_port_for_http_and_grpc_is_refused_before_binding(capsys, tmp_
     fails_in_one_line(
         capsys,
         ["serve", str(tmp_path / "none.lrnn"), "--http-port", "8123", "--grpc-port", "8123"],
-        "--http-port", "--grpc-port", "8123", "different",
+        "--http-port",
+        "--grpc-port",
+        "8123",
+        "different",
     )
 
 

@@ -7,6 +7,7 @@ import argparse
 
 from ..cli import positive_int, size
 
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "score",
