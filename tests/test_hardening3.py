@@ -122,3 +122,94 @@ def test_queued_bytes_check_and_accounting_use_one_count(monkeypatch):
     with pytest.raises(Exhausted, match=r"\(1000 B\)"):
         sched.submit("g", 2, True, True, x)
     assert 2 not in lane.seqs
+
+
+# ------------------------------------------------ gRPC stream: a client that does not read
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    pytest.importorskip("tritonclient.grpc")
+    from helpers import launch_server, stop_server
+
+    path = tmp_path_factory.mktemp("hardening3_serve") / "wide.lrnn"
+    model = leanrnn.GRU(3, 64, seed=4)  # answers 20x the size of the requests
+    model.save(str(path))
+    proc, http_url, grpc_url, logs = launch_server([f"wide={path}", "--max-batch", "4"])
+    yield {"model": model, "http": http_url, "grpc": grpc_url, "logs": logs}
+    assert stop_server(proc) == 0
+
+
+def _scrape(http_url: str) -> tuple[int, float]:
+    """(requests the model has answered, bytes gRPC streams hold) from the stats and metrics."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/wide/stats", timeout=10) as r:
+        count = json.load(r)["model_stats"][0]["inference_count"]
+    with urllib.request.urlopen(f"http://{http_url}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    held = [float(s.split()[-1]) for s in lines if s.startswith("leanrnn_serve_stream_held_bytes")]
+    return count, held[0] if held else float("nan")
+
+
+def test_grpc_stream_not_read_by_its_client_stops_being_read(grpc_server):
+    """A client sends N requests on one stream and reads no answer: the server must stop
+    reading that stream (before the fix it computed and queued ~2/3 of them, ~40 MB of
+    answers, and would go on as long as the client sent), serve other clients meanwhile, and
+    deliver every answer once the client reads."""
+    import time
+
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pbg
+
+    from leanrnn.serve import rpc
+    from tolerances import ATOL_SCORE
+
+    T, N = 256, 1200
+    x = np.random.default_rng(0).standard_normal((T, 3)).astype(np.float32)
+    want = grpc_server["model"](x[:, None])[0][:, 0]
+
+    def request(i):
+        r = pb.ModelInferRequest(model_name="wide", id=str(i))
+        r.inputs.add(name="x", datatype="FP32", shape=[T, 3])
+        r.raw_input_contents.append(x.tobytes())
+        return r
+
+    def y(res):
+        return np.frombuffer(res.raw_output_contents[0], np.float32).reshape(T, -1)
+
+    stalled = grpc.insecure_channel(grpc_server["grpc"])
+    answers = pbg.GRPCInferenceServiceStub(stalled).ModelStreamInfer(
+        request(i) for i in range(N)
+    )
+    last, deadline = (-1, 0.0), time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the server stops taking the stream's requests
+        time.sleep(0.3)
+        now = _scrape(grpc_server["http"])
+        if now == last:
+            break
+        last = now
+    count, held = last
+    one = x.nbytes + T * 64 * 4  # a request being computed: its x and y
+    assert count < N // 4, (count, N)
+    assert 0 < held <= rpc.WINDOW_BYTES + one, held
+
+    # other clients are served meanwhile, on a call and on a stream of their own
+    other = pbg.GRPCInferenceServiceStub(grpc.insecure_channel(grpc_server["grpc"]))
+    tol = ATOL_SCORE[np.float32]
+    np.testing.assert_allclose(y(other.ModelInfer(request(-1), timeout=30)), want, atol=tol)
+    for m in other.ModelStreamInfer(iter([request(-2), request(-3)]), timeout=30):
+        assert not m.error_message, m.error_message
+        np.testing.assert_allclose(y(m.infer_response), want, atol=tol)
+
+    # and the stalled stream gets every answer once its client reads
+    ids = set()
+    for m in answers:
+        assert not m.error_message, m.error_message
+        ids.add(int(m.infer_response.id))
+    np.testing.assert_allclose(y(m.infer_response), want, atol=tol)
+    assert ids == set(range(N))
+    assert _scrape(grpc_server["http"])[1] == 0  # the stream gave back what it held
+    stalled.close()

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import threading
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -92,6 +93,8 @@ from leanrnn.serve import rpc  # noqa: E402
 
 
 class _Core:
+    metrics = None
+
     def authorize(self, token):
         pass
 
@@ -125,7 +128,9 @@ async def _held_after(servicer, n: int) -> int:
 
 
 def test_a_long_grpc_stream_does_not_grow(monkeypatch):
-    monkeypatch.setattr(rpc, "parse", lambda core, req: (None, None))
+    info = SimpleNamespace(outputs={"y": SimpleNamespace(shape=[1, 1])}, dtype=np.float32)
+    parsed = SimpleNamespace(x=np.zeros((1, 1), np.float32))
+    monkeypatch.setattr(rpc, "parse", lambda core, req: (info, parsed))
     monkeypatch.setattr(rpc, "encode", lambda info, p, values: rpc.pb.ModelInferResponse())
     servicer = rpc.Servicer(_Core())
     asyncio.run(_held_after(servicer, 500))  # warm-up: the loop's and modules' own allocations

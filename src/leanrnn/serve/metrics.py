@@ -43,6 +43,8 @@ class Metrics:
                                   ["model"], registry=r)  # fmt: skip
         self._errors = Counter(p + "errors", "Refused or failed requests", ["kind", "protocol"],
                                registry=r)  # fmt: skip
+        self._held = Gauge(p + "stream_held_bytes", "Bytes of gRPC stream answers waiting for "
+                           "their clients to read them", registry=r)  # fmt: skip
 
     def active(self, model: str, n: int) -> None:
         self._active.labels(model).set(n)
@@ -63,6 +65,9 @@ class Metrics:
 
     def evicted(self, model: str, n: int) -> None:
         self._evictions.labels(model).inc(n)
+
+    def stream_held(self, delta: int) -> None:
+        self._held.inc(delta)
 
     def error(self, kind: str, protocol: str) -> None:
         self._errors.labels(kind, protocol).inc()

@@ -21,8 +21,14 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from .core import Core
 from .errors import InvalidRequest, ServeError
 from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes
+from .scheduler import request_bytes
 
 pb = service_pb2
+# Per ModelStreamInfer stream: the most requests read and not yet answered back, and the most
+# bytes of answers waiting for the client to take them, before the stream's next request waits.
+# 1024 requests let one stream carry as many sequences at once as --max-streams' default.
+WINDOW = 1024
+WINDOW_BYTES = 4 << 20
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 
 
@@ -151,49 +157,82 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ServeError as e:
             self.core.error(e, "grpc")
             await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+        # Backpressure: a client that sends but does not read would otherwise have every
+        # answer of its stream queued here, without bound. The stream holds at most WINDOW
+        # requests read and not yet written back, and WINDOW_BYTES of them (a request being
+        # computed counts its x and y, an answer its message); past either, its next request
+        # is not read (gRPC's flow control then holds the client's sends), and other streams
+        # go on.
         out: asyncio.Queue = asyncio.Queue()
+        room = asyncio.Event()
+        room.set()
+        held = [0, 0]  # requests read and not yet written back; their bytes
 
-        async def one(request, fut_or_error):
+        def account(requests: int, nbytes: int) -> None:
+            held[0] += requests
+            held[1] += nbytes
+            if self.core.metrics is not None:
+                self.core.metrics.stream_held(nbytes)
+            if held[0] < WINDOW and held[1] < WINDOW_BYTES:
+                room.set()
+            else:
+                room.clear()
+
+        async def one(request, fut_or_error, cost: int):
             try:
                 if isinstance(fut_or_error, ServeError):
                     raise fut_or_error
                 info, p, fut = fut_or_error
-                res = encode(info, p, await fut)
-                await out.put(pb.ModelStreamInferResponse(infer_response=res))
+                res = pb.ModelStreamInferResponse(infer_response=encode(info, p, await fut))
             except ServeError as e:
                 self.core.error(e, "grpc")
-                await out.put(pb.ModelStreamInferResponse(
+                res = pb.ModelStreamInferResponse(
                     error_message=str(e),
                     infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name, id=request.id)))  # fmt: skip
+                        model_name=request.model_name, id=request.id))  # fmt: skip
+            n = res.ByteSize()
+            account(0, n - cost)  # the answer now, in place of the request
+            await out.put((res, n))
 
         async def pump():
             # only the unfinished: a stream may carry millions of requests, and a list of
             # every task it ever made grew by ~0.8 KB per request
             tasks: set[asyncio.Task] = set()
+            requests = request_iterator.__aiter__()
             try:
-                async for request in request_iterator:
+                while True:
+                    await room.wait()
+                    try:
+                        request = await requests.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    cost = request.ByteSize()
                     try:
                         info, p = parse(self.core, request)
+                        cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         # submitted here, in arrival order; awaited in its own task
                         fut = asyncio.ensure_future(self.core.infer(p, "grpc"))
                         await asyncio.sleep(0)  # let it submit before the next request
                         item = (info, p, fut)
                     except ServeError as e:
                         item = e
-                    task = asyncio.ensure_future(one(request, item))
+                    account(1, cost)
+                    task = asyncio.ensure_future(one(request, item, cost))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                await out.put(None)
+                await out.put((None, 0))
 
         reader = asyncio.ensure_future(pump())
         try:
-            while (item := await out.get()) is not None:
-                yield item
+            while (item := await out.get())[0] is not None:
+                yield item[0]  # returns once gRPC has taken it (the client's window allowing)
+                account(-1, -item[1])
         finally:
             reader.cancel()
+            if self.core.metrics is not None:
+                self.core.metrics.stream_held(-held[1])
 
 
 async def start(core: Core, host: str, port: int, max_bytes: int):
