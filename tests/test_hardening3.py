@@ -181,9 +181,7 @@ def test_grpc_stream_not_read_by_its_client_stops_being_read(grpc_server):
         return np.frombuffer(res.raw_output_contents[0], np.float32).reshape(T, -1)
 
     stalled = grpc.insecure_channel(grpc_server["grpc"])
-    answers = pbg.GRPCInferenceServiceStub(stalled).ModelStreamInfer(
-        request(i) for i in range(N)
-    )
+    answers = pbg.GRPCInferenceServiceStub(stalled).ModelStreamInfer(request(i) for i in range(N))
     last, deadline = (-1, 0.0), time.monotonic() + 60
     while time.monotonic() < deadline:  # until the server stops taking the stream's requests
         time.sleep(0.3)
