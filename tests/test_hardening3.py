@@ -211,3 +211,72 @@ def test_grpc_stream_not_read_by_its_client_stops_being_read(grpc_server):
     assert ids == set(range(N))
     assert _scrape(grpc_server["http"])[1] == 0  # the stream gave back what it held
     stalled.close()
+
+
+# ------------------------------------------------ red team: `leanrnn run --input` files
+def _npy_declaring(shape) -> bytes:
+    """A .npy header declaring float32 ``shape``, followed by only 100 bytes of data."""
+    d = f"{{'descr': '<f4', 'fortran_order': False, 'shape': {tuple(shape)}, }}".encode()
+    d = d.ljust(118) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d + b"\0" * 100
+
+
+@pytest.mark.parametrize(
+    "name, make, words",
+    [
+        # before: "out of memory ... try smaller sizes" (np.load allocated the declared 2 TiB)
+        ("huge.npy", lambda p: p.write_bytes(_npy_declaring((10**11, 2, 3))),
+         ["huge.npy", "declares", "holds 100", "truncated"]),
+        # before: "ValueError: EOF: reading array data" (which file, which member?)
+        ("huge.npz", lambda p: _zip(p, {"x.npy": _npy_declaring((10**9, 2, 3))}),
+         ["huge.npz", "'x.npy'", "declares", "truncated"]),
+        # before: a zipfile.BadZipFile traceback
+        ("half.npz", lambda p: p.write_bytes(_npz_bytes()[:200]), ["half.npz", "not a .npy or .npz"]),
+        # before: "contains pickled (object) data ... load it unsafely using allow_pickle"
+        ("garbage.npy", lambda p: p.write_bytes(b"hello world"), ["garbage.npy", "np.save"]),
+    ],
+)  # fmt: skip
+def test_run_input_that_is_not_what_it_declares_is_one_line(gru_file, tmp_path, capsys, name,
+                                                            make, words):  # fmt: skip
+    path = tmp_path / name
+    make(path)
+    line = fails_in_one_line(capsys, ["run", gru_file, "--input", str(path)], *words)
+    assert "allow_pickle" not in line and "out of memory" not in line
+    good = tmp_path / "x.npy"
+    np.save(good, np.ones((4, 2, 3), np.float32))
+    assert cli.main(["run", gru_file, "--input", str(good)]) == 0  # still usable
+
+
+def _zip(path, members: dict) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in members.items():
+            z.writestr(k, v)
+
+
+def _npz_bytes() -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, x=np.ones((4, 2, 3), np.float32))
+    return buf.getvalue()
+
+
+# ------------------------------------------------ red team: plan and tune of an ONNX file
+def test_plan_and_tune_of_an_onnx_model_run(tmp_path, capsys):
+    """Before: AttributeError tracebacks ('GraphSession' object has no attribute 'weights'):
+    a GraphModel's own session was taken for a recurrent node's."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from helpers import torch_export
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "g.onnx")
+    torch_export(torch.nn.GRU(3, 4), (torch.zeros(5, 2, 3),), path, dynamo=False,
+                 names=(["x"], ["y", "h"]), dynamic={"x": {0: "T", 1: "N"}})  # fmt: skip
+    assert cli.main(["plan", path, "--batch", "2", "--steps", "5"]) == 0
+    assert cli.main(["plan", path, "--train", "--batch", "2", "--steps", "5"]) == 0
+    argv = ["tune", path, "--max-batch", "2", "--max-chunk", "2", "--json"]
+    assert cli.main(argv) == 0
+    assert '"batch"' in capsys.readouterr().out

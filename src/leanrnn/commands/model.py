@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -50,15 +51,72 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _load_array(path: str, what: str):
+def _npy_header(f, where: str) -> int:
+    """Read a .npy header from ``f``; the bytes its array declares. Refuses what np.load would
+    turn into a pickle attempt or an object array."""
     import numpy as np
 
     from ..errors import ModelFormatError
 
     try:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                else np.lib.format.read_array_header_2_0)  # fmt: skip
+        shape, _, dtype = read(f)
+    except (ValueError, OSError, SyntaxError, EOFError) as e:
+        raise ModelFormatError(f"[run] {where} is not a readable .npy array: {e}") from None
+    if dtype.hasobject:
+        raise ModelFormatError(f"[run] {where} holds Python objects; expected a numeric array")
+    return int(np.prod(shape, dtype=object)) * dtype.itemsize
+
+
+def _load_array(path: str, what: str):
+    """np.load of a .npy or .npz, after checking that every array's header declares no more
+    bytes than the file holds (np.load allocated the declared size first: a 100-byte file
+    declaring 2 TiB was 'out of memory', a few GiB were allocated before the read failed) and
+    that the file is one (np.load took other bytes for a pickle and said to load it unsafely)."""
+    import zipfile
+
+    import numpy as np
+
+    from ..errors import ModelFormatError
+
+    where = f"{what} {path!r}"
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                for info in z.infolist():
+                    if not info.filename.endswith(".npy"):
+                        continue
+                    with z.open(info) as m:
+                        declared = _npy_header(m, f"{where} member {info.filename!r}")
+                        held = info.file_size - m.tell()
+                    if declared > held:
+                        raise ModelFormatError(
+                            f"[run] {where} member {info.filename!r} declares {declared:,} "
+                            f"bytes of data but holds {max(held, 0):,}: truncated or corrupt; "
+                            "save it again with np.savez"
+                        )
+        else:
+            with open(path, "rb") as f:
+                if f.read(6) != b"\x93NUMPY":
+                    raise ModelFormatError(
+                        f"[run] {where} is not a .npy or .npz file; save arrays with np.save "
+                        "(one array) or np.savez (arrays by name)"
+                    )
+                f.seek(0)
+                declared = _npy_header(f, where)
+                held = os.fstat(f.fileno()).st_size - f.tell()
+            if declared > held:
+                raise ModelFormatError(
+                    f"[run] {where} declares {declared:,} bytes of data but holds {held:,}: "
+                    "truncated or corrupt; save it again with np.save"
+                )
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
-        raise ModelFormatError(f"[run] cannot read {what} {path!r}: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # EOFError: an empty file
+        if isinstance(e, ModelFormatError):
+            raise
+        raise ModelFormatError(f"[run] cannot read {where}: {e}") from None
 
 
 def _mib(n: int) -> str:

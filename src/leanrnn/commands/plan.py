@@ -104,10 +104,14 @@ def load_model(ref: str):
 
 
 def _sessions(model):
-    """(name, Session) pairs: a graph model has one session per recurrent node."""
-    if hasattr(model, "session"):
-        return [("model", model.session)]
-    return list(getattr(model, "sessions", lambda: [])())
+    """(name, Session) pairs: a graph model has one session per recurrent node (its packed
+    weights; a GraphModel's own ``session`` is the whole graph's, which has no ``weights``)."""
+    from leanrnn.engine import Session
+    from leanrnn.graph_model import GraphModel
+
+    if isinstance(model, GraphModel):
+        return [(name, Session(pw)) for name, pw in model.graph.packed.items()]
+    return [("model", model.session)]
 
 
 def run(args) -> int:
