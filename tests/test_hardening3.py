@@ -56,6 +56,7 @@ def test_serve_one_port_for_http_and_grpc_is_refused_before_binding(capsys, tmp_
     [
         ["score", "m.lrnn", "in.npy", "out.npz", "--memory-limit"],
         ["tune", "lstm:8", "--memory-limit"],
+        ["plan", "lstm:8", "--memory-limit"],
         ["serve", "m.lrnn", "--max-queued-bytes"],
         ["serve", "m.lrnn", "--max-request-bytes"],
     ],
@@ -76,12 +77,11 @@ def test_size_options_share_one_parser():
 
     parser = cli.build_parser()
     subs = next(a for a in parser._actions if a.dest == "command").choices
-    flags = {"score": ["--memory-limit"], "tune": ["--memory-limit"],
+    flags = {"score": ["--memory-limit"], "tune": ["--memory-limit"], "plan": ["--memory-limit"],
              "serve": ["--max-request-bytes", "--max-queued-bytes"]}  # fmt: skip
     for cmd, names in flags.items():
-        for a in subs[cmd]._actions:
-            if a.option_strings and a.option_strings[0] in names:
-                assert a.type is cli.size, (cmd, a.option_strings)
+        types = {a.option_strings[0]: a.type for a in subs[cmd]._actions if a.option_strings}
+        assert all(types[n] is cli.size for n in names), (cmd, types)
     assert cli.size("512M") == 512 << 20 and cli.size("2GiB") == 2 << 30
     assert cli.size("1.5k") == 1536 and cli.size("7") == 7
     for mod in (score, serve, tune):  # the copy in commands/score.py is gone
@@ -245,6 +245,15 @@ def test_run_input_that_is_not_what_it_declares_is_one_line(gru_file, tmp_path, 
     good = tmp_path / "x.npy"
     np.save(good, np.ones((4, 2, 3), np.float32))
     assert cli.main(["run", gru_file, "--input", str(good)]) == 0  # still usable
+
+
+def test_run_lengths_given_as_an_npz_is_named(gru_file, tmp_path, capsys):
+    # before: "[Session.run] lengths has dtype <U7" (the array of the .npz's member names)
+    x, lengths = tmp_path / "x.npy", tmp_path / "l.npz"
+    np.save(x, np.ones((4, 2, 3), np.float32))
+    np.savez(lengths, lengths=np.array([4, 2]))
+    fails_in_one_line(capsys, ["run", gru_file, "--input", str(x), "--lengths", str(lengths)],
+                      "--lengths", "l.npz", ".npy")  # fmt: skip
 
 
 def _zip(path, members: dict) -> None:

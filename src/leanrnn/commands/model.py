@@ -138,6 +138,11 @@ def run_cmd(args) -> int:
             output_file(path, "run --output", ".npz")
     model = load(args.model, threads=args.threads)
     lengths = None if args.lengths is None else _load_array(args.lengths, "--lengths")
+    if isinstance(lengths, np.lib.npyio.NpzFile):  # it became an array of member names
+        raise ShapeError(
+            f"[run] --lengths {args.lengths!r} is an .npz; expected one .npy of integer lengths "
+            "[N] (or put lengths inside the --input .npz)"
+        )
     inp = _load_array(args.input, "--input")
     feeds = {}
     if lengths is not None:

@@ -9,7 +9,7 @@ import re
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli import positive_int
+    from ..cli import positive_int, size
 
     p = sub.add_parser(
         "plan",
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--chunk", type=positive_int, default=None, help="timesteps per chunk (default: auto)"
     )
     p.add_argument(
-        "--memory-limit", type=positive_int, default=None, help="arena bytes; picks the chunk"
+        "--memory-limit", type=size, default=None, help="arena bytes, e.g. 4M; picks the chunk"
     )
     p.add_argument("--png", default=None, help="draw the arena timeline to this PNG file")
     p.add_argument(
