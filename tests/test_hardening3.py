@@ -289,3 +289,42 @@ def test_plan_and_tune_of_an_onnx_model_run(tmp_path, capsys):
     argv = ["tune", path, "--max-batch", "2", "--max-chunk", "2", "--json"]
     assert cli.main(argv) == 0
     assert '"batch"' in capsys.readouterr().out
+
+
+# ------------------------------------------------ red team: serve's --max-streams/--max-batch
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(max_streams=10**13), ["--max-streams", "10,000,000,000,000 stream slots"]),
+        (dict(max_batch=10**9), ["--max-batch", "streams x 16 steps"]),
+        (dict(max_chunk=10**9), ["--max-chunk", "536,870,912 steps"]),
+    ],
+)
+def test_serve_sizes_past_the_machine_are_refused_by_name(kw, words):
+    """Before: numpy's 'Unable to allocate 58.2 TiB for an array with shape ...', naming no
+    option (or, below the overcommit limit, buffers the machine could not back)."""
+    from leanrnn.errors import PlanError
+
+    args = dict(threads=1, max_streams=4, max_batch=2, max_chunk=16, idle_timeout=60.0)
+    args.update(kw)
+    with pytest.raises(PlanError) as e:
+        Lane("g", leanrnn.GRU(3, 4, seed=1), Pool(), **args)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_many_stream_slots_cost_only_their_state():
+    """--max-streams 100000000 built a Python list of every free slot (3.6 GB, a minute)
+    before the first stream came; the free slots now cost what is released, not S."""
+    from helpers import traced_peak
+
+    S = 10**6
+    with traced_peak() as mem:
+        lane = Lane("g", leanrnn.GRU(3, 4, seed=1), Pool(), threads=1, max_streams=S,
+                    max_batch=2, max_chunk=2, idle_timeout=60.0)  # fmt: skip
+    assert mem.peak - lane.h_store.nbytes < 4 << 20, mem.peak  # before: + ~36 MB of list
+    assert len(lane.free) == S
+    taken = [lane.free.pop() for _ in range(3)]
+    assert taken == [0, 1, 2] and len(lane.free) == S - 3
+    lane.free.append(1)
+    assert lane.free.pop() == 1 and lane.free.pop() == 3  # released slots first

@@ -62,7 +62,8 @@ import time
 import numpy as np
 
 from ..engine.session import Pool, Session
-from ..errors import SpecError
+from ..errors import PlanError, SpecError
+from ..memory.arena import machine_memory
 from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
 from .errors import Exhausted, InvalidRequest, SequenceError, Unavailable
 
@@ -115,6 +116,31 @@ class Request:
         self.seq = None
 
 
+class _Slots:
+    """The free state slots of 0..S-1, lowest first, released ones reused first. Holds only
+    the released ones: a list of all S (36 bytes a slot) took 3.6 GB and a minute to build
+    for --max-streams 100000000, before a single stream came."""
+
+    __slots__ = ("S", "_back", "_next")
+
+    def __init__(self, S: int) -> None:
+        self.S, self._next, self._back = S, 0, []
+
+    def __len__(self) -> int:
+        return self.S - self._next + len(self._back)
+
+    def pop(self) -> int:
+        if self._back:
+            return self._back.pop()
+        if self._next >= self.S:
+            raise IndexError("no free slot")
+        self._next += 1
+        return self._next - 1
+
+    def append(self, slot: int) -> None:
+        self._back.append(slot)
+
+
 class Sequence:
     __slots__ = (
         "ending", "inflight", "key", "last", "queue", "released", "slot", "started", "steps",
@@ -163,16 +189,17 @@ class Lane:
         S = self.max_streams = max_streams
         self.max_batch, self.idle_timeout = max_batch, idle_timeout
         self.max_chunk = max_chunk = pow2_floor(max_chunk)
+        nb, T = bucket(max_batch), max_chunk
+        self._check_fits(S, nb, T)
         # The state slots: one array, h then c.
         store = np.zeros(L * S * (K + (H if self.lstm else 0)), self.dtype)
         self.h_store = store[: L * S * K].reshape(L, S, K)
         self.c_store = store[L * S * K :].reshape(L, S, H) if self.lstm else None
-        self.free = list(range(S - 1, -1, -1))
+        self.free = _Slots(S)
         self.seqs: dict = {}
         self.ready: collections.deque[Sequence] = collections.deque()
         self.evicted: collections.OrderedDict = collections.OrderedDict()
         # Call buffers for the largest call; each call uses contiguous leading parts of them.
-        nb, T = bucket(max_batch), max_chunk
         self._x = np.zeros(T * nb * C, self.dtype)
         self._y = np.zeros(T * nb * K, self.dtype)
         self._h = np.zeros(L * nb * K, self.dtype)
@@ -182,6 +209,23 @@ class Lane:
         self._calls: dict[tuple[int, int], tuple] = {}
         self.step_seconds = 0.0  # running mean of one call's seconds per step
         self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
+
+    def _check_fits(self, S: int, nb: int, T: int) -> None:
+        """The state slots and call buffers, by arithmetic, before any is allocated: past the
+        machine's memory numpy said 'out of memory' naming no option, or (below it, with
+        overcommit) the server started and died later."""
+        L, K, H, C, it = self.L, self.K, self.H, self.C, self.dtype.itemsize
+        HC = K + (H if self.lstm else 0)
+        state, calls = L * S * HC * it, (T * nb * (C + K) + L * nb * HC) * it
+        limit = machine_memory()
+        if state + calls > limit:
+            raise PlanError(
+                f"[serve] model {self.name!r}: {S:,} stream slots (--max-streams) hold "
+                f"{state:,} bytes of state and calls of {nb:,} streams x {T:,} steps "
+                f"(--max-batch, --max-chunk) {calls:,} bytes of buffers; expected together at "
+                f"most this machine's {limit:,} bytes ({limit / 2**30:,.1f} GiB): lower "
+                "--max-streams, --max-batch or --max-chunk"
+            )
 
     # ------------------------------------------------------------ the model's tensors
     @property
