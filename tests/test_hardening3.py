@@ -328,3 +328,55 @@ def test_many_stream_slots_cost_only_their_state():
     assert taken == [0, 1, 2] and len(lane.free) == S - 3
     lane.free.append(1)
     assert lane.free.pop() == 1 and lane.free.pop() == 3  # released slots first
+
+
+def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch):
+    """A client that goes while its requests compute: the stream's bytes leave the gauge when
+    it closes, and the answers that finish later must not count again (before: each moved
+    the gauge by its answer's size minus its request's, forever)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("grpc")
+    pytest.importorskip("tritonclient.grpc")
+    from leanrnn.serve import rpc
+
+    info = SimpleNamespace(outputs={"y": SimpleNamespace(shape=[1, 1])}, dtype=np.float32)
+    parsed = SimpleNamespace(x=np.zeros((1, 1), np.float32))
+    monkeypatch.setattr(rpc, "parse", lambda core, req: (info, parsed))
+    monkeypatch.setattr(rpc, "encode", lambda info, p, values: rpc.pb.ModelInferResponse())
+    deltas = []
+
+    class Core:
+        metrics = SimpleNamespace(stream_held=deltas.append)
+
+        def authorize(self, token):
+            pass
+
+        async def infer(self, p, transport):
+            await gate.wait()
+            return {}
+
+    class Context:
+        def invocation_metadata(self):
+            return ()
+
+    async def requests():
+        for _ in range(3):
+            yield rpc.pb.ModelInferRequest(model_name="m")
+        await asyncio.Event().wait()  # the client keeps the stream open, then goes
+
+    async def main():
+        answers = rpc.Servicer(Core()).ModelStreamInfer(requests(), Context())
+        first = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.05)  # the three requests are read and computing
+        assert sum(deltas) == 3 * rpc.request_bytes(parsed.x, 1, np.float32)
+        first.cancel()  # the client goes
+        await asyncio.sleep(0.05)
+        assert sum(deltas) == 0
+        gate.set()  # ... and its requests finish afterwards
+        await asyncio.sleep(0.05)
+
+    gate = asyncio.Event()
+    asyncio.run(main())
+    assert sum(deltas) == 0, deltas

@@ -167,12 +167,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         room = asyncio.Event()
         room.set()
         held = [0, 0]  # requests read and not yet written back; their bytes
+        metrics = self.core.metrics
 
         def account(requests: int, nbytes: int) -> None:
             held[0] += requests
             held[1] += nbytes
-            if self.core.metrics is not None:
-                self.core.metrics.stream_held(nbytes)
+            if metrics is not None:
+                metrics.stream_held(nbytes)
             if held[0] < WINDOW and held[1] < WINDOW_BYTES:
                 room.set()
             else:
@@ -229,10 +230,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             while (item := await out.get())[0] is not None:
                 yield item[0]  # returns once gRPC has taken it (the client's window allowing)
                 account(-1, -item[1])
-        finally:
+        finally:  # the client is gone or done: what the stream still holds leaves the gauge
             reader.cancel()
-            if self.core.metrics is not None:
-                self.core.metrics.stream_held(-held[1])
+            if metrics is not None:
+                metrics.stream_held(-held[1])
+            metrics = None  # answers still computing then count nowhere
 
 
 async def start(core: Core, host: str, port: int, max_bytes: int):
