@@ -380,3 +380,42 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     gate = asyncio.Event()
     asyncio.run(main())
     assert sum(deltas) == 0, deltas
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_serve_on_an_ipv6_address_serves_both_protocols(gru_file):
+    """Before: gRPC was bound to '::1:0', which it read as ::0.1.0.0 port 443 ('cannot bind
+    gRPC ... pick another --grpc-port'), and the ready line said http=::1:PORT."""
+    pytest.importorskip("uvicorn")
+    tg = pytest.importorskip("tritonclient.grpc")
+    th = pytest.importorskip("tritonclient.http")
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    from helpers import launch_server, stop_server
+
+    proc, http_url, grpc_url, _ = launch_server([gru_file, "--host", "::1", "--max-batch", "2"])
+    try:
+        assert http_url.startswith("[::1]:") and grpc_url.startswith("[::1]:")
+        x = np.ones((2, 3), np.float32)
+        for mod, url in ((th, http_url), (tg, grpc_url)):
+            i = mod.InferInput("x", [2, 3], "FP32")
+            i.set_data_from_numpy(x)
+            assert mod.InferenceServerClient(url).infer("g", [i]).as_numpy("y").shape == (2, 4)
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_serve_bracketed_host_says_to_drop_the_brackets(capsys, tmp_path):
+    pytest.importorskip("uvicorn")
+    argv = ["serve", str(tmp_path / "none.lrnn"), "--host", "[::1]", "--http-port", "0"]
+    fails_in_one_line(capsys, argv, "--host", "'[::1]'", "without brackets")

@@ -17,6 +17,12 @@ from .scheduler import Request, Scheduler
 _log = logging.getLogger("leanrnn.serve")
 
 
+def hostport(host: str, port: int) -> str:
+    """'HOST:PORT', an IPv6 address in brackets ('[::1]:8001'): gRPC read '::1:0' as the
+    address ::0.1.0.0 on its default port, and clients need the brackets too."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _resolve(fut: asyncio.Future, r: Request) -> None:
     if not fut.done():  # the client may have gone (the task was cancelled)
         fut.set_result(r)

@@ -18,7 +18,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from .core import Core
+from .core import Core, hostport
 from .errors import InvalidRequest, ServeError
 from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes
 from .scheduler import request_bytes
@@ -248,12 +248,12 @@ async def start(core: Core, host: str, port: int, max_bytes: int):
     ])  # fmt: skip
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(core), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(hostport(host, port))
     except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
         bound = 0
     if bound == 0:
         raise OSError(
-            f"[serve] cannot bind gRPC to {host}:{port} (in use, or not an address of this "
+            f"[serve] cannot bind gRPC to {hostport(host, port)} (in use, or not an address of this "
             "machine); pick another --grpc-port"
         )
     await server.start()

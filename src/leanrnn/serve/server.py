@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.session import Pool
-from .core import Core
+from .core import Core, hostport
 from .metrics import Metrics
 from .scheduler import Lane, Scheduler
 
@@ -119,11 +119,16 @@ def check_addresses(config: ServeConfig) -> None:
             "ports: pick another for one of them (0: any free port), or pass --no-grpc"
         )
     host = config.host
+    if host.startswith("["):
+        raise LeanRNNError(
+            f"[serve] --host {host!r}: expected an address without brackets, e.g. --host ::1 "
+            "(the brackets belong in URLs only)"
+        )
     hint = ("expected an IP address or name of this machine: 127.0.0.1 (this machine only), "
             "0.0.0.0 (every interface) or one of its own addresses; fix --host")  # fmt: skip
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
-            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host, 0, _family(host), socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
     except (socket.gaierror, UnicodeError) as e:
         why = getattr(e, "strerror", None) or str(e)
@@ -138,8 +143,12 @@ def check_addresses(config: ServeConfig) -> None:
             ) from None
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    family = _family(host)
     # proto=IPPROTO_TCP: asyncio turns Nagle off only on sockets that say they are TCP; with
     # proto 0 every response (headers, then body) waits ~40 ms for the client's delayed ACK.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -164,7 +173,8 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
         sock = _listen(config.host, config.http_port)
     except OSError as e:
         raise OSError(
-            f"[serve] cannot listen for HTTP on {config.host}:{config.http_port}: {e.strerror}; "
+            f"[serve] cannot listen for HTTP on {hostport(config.host, config.http_port)}: "
+            f"{e.strerror}; "
             "pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
@@ -208,12 +218,12 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
     while not http_server.started and not serving.done():
         await asyncio.sleep(0.01)
     core.ready = True
-    fields = {"http": f"{config.host}:{http_port}",
-              "grpc": f"{config.host}:{grpc_port}" if grpc_port else None,
+    fields = {"http": hostport(config.host, http_port),
+              "grpc": hostport(config.host, grpc_port) if grpc_port else None,
               "models": sorted(core.infos), "startup_s": round(time.monotonic() - t0, 2)}  # fmt: skip
     _log.info("ready", extra={"fields": fields})
-    ready_line(f"leanrnn serve: ready http={config.host}:{http_port}"
-               + (f" grpc={config.host}:{grpc_port}" if grpc_port else ""))  # fmt: skip
+    ready_line(f"leanrnn serve: ready http={fields['http']}"
+               + (f" grpc={fields['grpc']}" if grpc_port else ""))  # fmt: skip
     try:
         await serving
     finally:
