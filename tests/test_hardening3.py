@@ -419,3 +419,18 @@ def test_serve_bracketed_host_says_to_drop_the_brackets(capsys, tmp_path):
     pytest.importorskip("uvicorn")
     argv = ["serve", str(tmp_path / "none.lrnn"), "--host", "[::1]", "--http-port", "0"]
     fails_in_one_line(capsys, argv, "--host", "'[::1]'", "without brackets")
+
+
+def test_tune_json_is_strict_json_when_a_batch_is_past_the_memory_limit(capsys):
+    """Calls past --memory-limit are not timed (seconds=inf), and --json printed 'Infinity',
+    which strict JSON readers refuse."""
+    import json
+
+    def no_constants(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    argv = ["tune", "lstm:8", "--max-batch", "4096", "--max-chunk", "1", "--memory-limit", "1M"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=no_constants)
+    assert any(p["seconds"] is None for p in out["points"])  # the untimed batch is there
+    assert out["batch"] < 4096

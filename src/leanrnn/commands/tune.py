@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from ..cli import positive_int, size
 from .serve import _wait_ms
@@ -47,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
              memory_limit=args.memory_limit, max_batch=args.max_batch,
              max_chunk=args.max_chunk, threads=args.threads)  # fmt: skip
     if args.json:
-        points = [dict(batch=p.batch, chunk=p.chunk, seconds=p.seconds, bytes=p.nbytes)
+        # a call past the memory limit is not timed (seconds=inf): null, since Python's
+        # 'Infinity' is not JSON and strict readers (jq, JSON.parse) refused the whole output
+        points = [dict(batch=p.batch, chunk=p.chunk, bytes=p.nbytes,
+                       seconds=p.seconds if math.isfinite(p.seconds) else None)
                   for p in m.points]  # fmt: skip
         print(json.dumps(dict(batch=m.batch, chunk=m.chunk, latency=m.latency,
-                              memory_limit=m.memory_limit, threads=m.threads, points=points)))  # fmt: skip
+                              memory_limit=m.memory_limit, threads=m.threads, points=points),
+                         allow_nan=False))  # fmt: skip
         return 0
     title = (f"{args.model}: calls measured with {m.threads} thread(s); target "
              f"{m.latency * 1e3:g} ms per call, {m.memory_limit / (1 << 20):.0f} MiB")  # fmt: skip
