@@ -434,3 +434,19 @@ def test_tune_json_is_strict_json_when_a_batch_is_past_the_memory_limit(capsys):
     out = json.loads(capsys.readouterr().out, parse_constant=no_constants)
     assert any(p["seconds"] is None for p in out["points"])  # the untimed batch is there
     assert out["batch"] < 4096
+
+
+@pytest.mark.parametrize("token", ["", "  "])
+def test_serve_empty_token_is_refused(token, capsys):
+    # before: accepted, and then only the header 'Authorization: Bearer ' got in
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "m.lrnn", "--token", token])
+    assert e.value.code == 2
+    assert "--token: an empty token" in capsys.readouterr().err
+
+
+def test_serve_empty_token_variable_means_no_token(monkeypatch):
+    monkeypatch.setenv("LEANRNN_SERVE_TOKEN", "")
+    assert cli.build_parser().parse_args(["serve", "m.lrnn"]).token is None
+    monkeypatch.setenv("LEANRNN_SERVE_TOKEN", "s3cret")
+    assert cli.build_parser().parse_args(["serve", "m.lrnn"]).token == "s3cret"

@@ -33,6 +33,17 @@ def _wait_ms(s: str) -> float:
     return v
 
 
+def _token(s: str) -> str:
+    # '' required the header 'Authorization: Bearer ' and nothing else: a locked door with
+    # an empty key, most likely an unset shell variable ($TOKEN)
+    if not s.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty token; expected the secret clients send as 'Authorization: Bearer TOKEN' "
+            "(check the variable it came from), or leave --token out for no authorization"
+        )
+    return s
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -111,7 +122,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--token",
-        default=os.environ.get("LEANRNN_SERVE_TOKEN"),
+        type=_token,
+        default=os.environ.get("LEANRNN_SERVE_TOKEN") or None,  # set but empty: no token
         help="require 'Authorization: Bearer TOKEN' (default: $LEANRNN_SERVE_TOKEN; "
         "health endpoints stay open)",
     )
