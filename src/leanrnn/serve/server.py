@@ -174,8 +174,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
     except OSError as e:
         raise OSError(
             f"[serve] cannot listen for HTTP on {hostport(config.host, config.http_port)}: "
-            f"{e.strerror}; "
-            "pick another --http-port"
+            f"{e.strerror}; pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
     core, scheduler, metrics = build(config, loaded, make_lane)
