@@ -76,7 +76,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 def size(s: str) -> int:
     """argparse type: a size in bytes > 0, with an optional unit in powers of 1024: '512M',
-    '2GiB', '1.5g', '1048576'. Every size option (score/tune --memory-limit, serve's
+    '2GiB', '1.5g', '1048576'. Every size option (plan/score/tune --memory-limit, serve's
     --max-request-bytes and --max-queued-bytes) parses with this one function."""
     m = _SIZE.match(s.strip())
     if not m:
