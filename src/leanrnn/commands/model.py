@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 
 
@@ -83,7 +84,13 @@ def _load_array(path: str, what: str):
 
     where = f"{what} {path!r}"
     try:
-        if zipfile.is_zipfile(path):
+        # a device or pipe has no size to check against (zipfile's probe for an end record
+        # read /dev/zero until memory ran out), and opening a pipe waits for a writer
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ModelFormatError(f"[run] {where} is not a regular file; expected a .npy or .npz")
+        with open(path, "rb") as f:
+            head = f.read(6)
+        if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # np.load's test for an .npz
             with zipfile.ZipFile(path) as z:
                 for info in z.infolist():
                     if not info.filename.endswith(".npy"):
@@ -98,13 +105,12 @@ def _load_array(path: str, what: str):
                             "save it again with np.savez"
                         )
         else:
+            if head != b"\x93NUMPY":
+                raise ModelFormatError(
+                    f"[run] {where} is not a .npy or .npz file; save arrays with np.save "
+                    "(one array) or np.savez (arrays by name)"
+                )
             with open(path, "rb") as f:
-                if f.read(6) != b"\x93NUMPY":
-                    raise ModelFormatError(
-                        f"[run] {where} is not a .npy or .npz file; save arrays with np.save "
-                        "(one array) or np.savez (arrays by name)"
-                    )
-                f.seek(0)
                 declared = _npy_header(f, where)
                 held = os.fstat(f.fileno()).st_size - f.tell()
             if declared > held:
@@ -113,7 +119,12 @@ def _load_array(path: str, what: str):
                     "truncated or corrupt; save it again with np.save"
                 )
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # EOFError: an empty file
+    except zipfile.BadZipFile as e:
+        raise ModelFormatError(
+            f"[run] {where} is not a readable .npz ({e}): truncated or corrupt; save it again "
+            "with np.savez"
+        ) from None
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
         if isinstance(e, ModelFormatError):
             raise
         raise ModelFormatError(f"[run] cannot read {where}: {e}") from None
