@@ -461,3 +461,19 @@ def test_serve_empty_token_variable_means_no_token(monkeypatch):
     assert cli.build_parser().parse_args(["serve", "m.lrnn"]).token is None
     monkeypatch.setenv("LEANRNN_SERVE_TOKEN", "s3cret")
     assert cli.build_parser().parse_args(["serve", "m.lrnn"]).token == "s3cret"
+
+
+@pytest.mark.parametrize("size", [-5, "5", 1.5, True])
+def test_http_bad_binary_data_size_says_what_was_expected(grpc_server, size):
+    import http.client
+    import json
+
+    header = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": size}}]}).encode()  # fmt: skip
+    host, port = grpc_server["http"].rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    c.request("POST", "/v2/models/wide/infer", body=header + b"\0" * 12,
+              headers={"Inference-Header-Content-Length": str(len(header))})  # fmt: skip
+    r = c.getresponse()
+    msg = json.loads(r.read())["error"]
+    assert r.status == 400 and "binary_data_size" in msg and "expected a byte count" in msg, msg

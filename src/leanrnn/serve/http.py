@@ -100,7 +100,10 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         size = tp.get("binary_data_size") if isinstance(tp, dict) else None
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise InvalidRequest(f"[infer] input {name!r}: binary_data_size={size!r}")
+                raise InvalidRequest(
+                    f"[infer] input {name!r}: binary_data_size={size!r}; expected a byte count "
+                    ">= 0: the length of this input's part of the binary data after the JSON"
+                )
             if offset + size > len(blob):
                 raise InvalidRequest(
                     f"[infer] input {name!r} declares {size} bytes of binary data at offset "
