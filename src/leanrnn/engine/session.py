@@ -662,6 +662,8 @@ class Session:
             L, D, K, H = self._LDKH
             if stale or self._key_now != (N, 1, False, False) or D != 1:
                 return None
+            if config.log_enabled("memory") or not runner.binds():  # each step then runs
+                return None  # through _execute, which logs, or on the JIT
             spec, w, dt = self.spec, self.weights, self.dtype
             threads = self._threads()
             parts = threads if N * w.Gp * w.Kp >= PARALLEL_MIN_MACS else 1  # as _execute

@@ -168,6 +168,11 @@ def _copies(dst: np.ndarray, src: np.ndarray | None) -> list[tuple[int, int, int
     ]  # fmt: skip
 
 
+def binds() -> bool:
+    """Whether this process's backend binds programs (the native module does, the JIT not)."""
+    return isinstance(_backend if _choice == config.backend() else backend(), _Native)
+
+
 def program(ops: list, x_at: tuple[int, str], y_at: tuple[int, str]) -> Program | None:
     """``ops`` bound once for run_program; None when this process runs numba's JIT (the
     caller then takes its general path). ``ops``: (job, args, parts, pre, post) in order,
