@@ -1,5 +1,6 @@
 """Stream: feed a sequence chunk by chunk (down to one step per call) with every layer's state
-carried between calls, in the session's arena; nothing grows with the number of steps fed."""
+carried between calls, in the session's arena; nothing grows with the number of steps fed.
+Single steps of x [N, C] run a program bound once (Session._step_program) after the first."""
 
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ Backend (``LEANRNN_BACKEND``, or config.set_backend):
 
 One multi-threaded launch runs at a time in the process (threads.POOL_LAUNCH, with the rest of
 the threading policy); sessions on different Python threads take turns.
+
+Programs (native backend only): ``program`` binds the ops of one call once — their arguments
+marshalled into slots, the state copies around them as address ranges — and ``run_program``
+runs them passing only a new x and y, checked in C (a streaming step: engine.stream).
 """
 
 from __future__ import annotations
