@@ -19,7 +19,13 @@ from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
 from tolerances import atol
 
-pytestmark = pytest.mark.skipif(not runner.binds(), reason="programs need the native module")
+
+@pytest.fixture(autouse=True)
+def native():
+    """Programs need the native module (resolved here, not at collection: it may build)."""
+    if not runner.binds():
+        pytest.skip(f"no native module: {runner._failure()}")
+
 
 # (cell, layers, C, H, proj, batch_first, N, dtype): padded units (H=20 -> 32 columns), a
 # projection, stacks, batch-first, float64; and H=128, N=1, the bench's streaming row.
