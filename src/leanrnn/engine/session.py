@@ -701,7 +701,7 @@ class Session:
             step.calls is self._calls
             and step.key is self._key_now
             and (self.pool is None or self._gen == self.pool.generation)
-            and step.threads == self._threads()
+            and step.threads == config.threads_for(self._nthreads)  # _threads(), one call less
             and not config.log_enabled("memory")
         )
 
