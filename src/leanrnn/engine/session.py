@@ -112,6 +112,15 @@ def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h
     return named
 
 
+class _Step:
+    """A streaming step bound once (Session._step_program), with what it was bound for."""
+
+    __slots__ = ("calls", "key", "program", "threads")
+
+    def __init__(self, program: runner.Program, calls: list, key: tuple, threads: int) -> None:
+        self.program, self.calls, self.key, self.threads = program, calls, key, threads
+
+
 class Pool:
     """One arena shared by several sessions that run one at a time (MNN's multi-model sharing).
 
@@ -637,6 +646,71 @@ class Session:
                 h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
+
+    # ------------------------------------------------------- streaming steps, bound once
+    def _step_program(self, step: _Step | None, N: int, h: np.ndarray, c: np.ndarray | None):
+        """One step of N samples from the state ``h`` [L, N, K] (``c`` [L, N, H]), updated in
+        place — a Stream's own arrays — bound once (runner.program) so that the stream's next
+        steps pass only x and y (Session._step): the ~20 us of Python a step costs through run()
+        on top of a few us of kernels. ``step``: the one bound before, returned as is while it
+        is still valid (_step_valid). None when the session is not planned for exactly one step
+        of N (call it after such a run) or there is no native module (the JIT backend)."""
+        with self._lock if self.pool is None else self.pool.lock:
+            if step is not None and self._step_valid(step):
+                return step
+            stale = self.pool is not None and self._gen != self.pool.generation
+            L, D, K, H = self._LDKH
+            if stale or self._key_now != (N, 1, False, False) or D != 1:
+                return None
+            if config.log_enabled("memory") or not runner.binds():  # each step then runs
+                return None  # through _execute, which logs, or on the JIT
+            spec, w, dt = self.spec, self.weights, self.dtype
+            threads = self._threads()
+            parts = threads if N * w.Gp * w.Kp >= PARALLEL_MIN_MACS else 1  # as _execute
+            bf = 1 if spec.batch_first else 0  # xw_bf_T and y_bf_T = T for batch-first input
+            # Stand-ins for x and y, bound for their shape: each step passes its own.
+            x, y = np.empty((N, spec.input_size), dt), np.empty((N, K), dt)
+            ops = []
+            for k in range(L):  # one op per layer: _execute's, with T = 1
+                xw, ha, hb, _, _, cell = self._op_views[k]
+                xin, xbf = (x, bf) if k == 0 else (self._layer_inputs[k], 0)
+                yout, ybf = (y, bf) if k == L - 1 else (self._layer_inputs[k + 1], 0)
+                a = self._calls[k].args.copy()
+                ix, ixw, ixbf, iT, iy, iybf, ip = self._calls[k].slots
+                a[ix], a[ixw], a[ixbf], a[iT], a[iy], a[iybf], a[ip] = (
+                    xin, xw, xbf, 1, yout, ybf, parts)  # fmt: skip
+                # The state in before the op and out after it; one step writes h_b.
+                pre = [(self._sync, None), (ha[:, :K], h[k])]
+                post = [(h[k], hb[:, :K])]
+                if k == 0:  # every sample runs its one step (lengths = None)
+                    pre.append((self._views["lengths"], np.ones(N, np.int64)))
+                if c is not None:
+                    if cell.shape[1] != H:
+                        pre.append((cell[:, H:], None))  # padding units: see _execute
+                    pre.append((cell[:, :H], c[k]))
+                    post.append((c[k], cell[:, :H]))
+                ops.append((self._calls[k].job, tuple(a), parts, pre, post))
+            prog = runner.program(ops, x_at=(0, "x"), y_at=(L - 1, "y"))
+            return None if prog is None else _Step(prog, self._calls, self._key_now, threads)
+
+    def _step_valid(self, step: _Step) -> bool:
+        """Whether ``step`` still matches the session: the same plan (a resize makes new
+        calls; a forked child clears the key), arena generation and threads, and no memory
+        log to write (_execute writes it)."""
+        return (
+            step.calls is self._calls
+            and step.key is self._key_now
+            and (self.pool is None or self._gen == self.pool.generation)
+            and step.threads == config.threads_for(self._nthreads)  # _threads(), one call less
+            and not config.log_enabled("memory")
+        )
+
+    def _step(self, step: _Step, x, y) -> bool:
+        """Run a bound step (_step_program) on ``x`` [N, C] into ``y`` [N, K]; False, with
+        nothing run, when it is no longer valid or x and y do not fit it (runner.run_program):
+        the caller then takes run()'s path, whose checks say what is wrong."""
+        with self._lock if self.pool is None else self.pool.lock:
+            return self._step_valid(step) and runner.run_program(step.program, x, y)
 
     def _log_events(self, k: int, what: str) -> None:
         """MNN_PRINT-style memory log: which buffers op k acquires or releases, and where."""

@@ -1,5 +1,6 @@
 """Stream: feed a sequence chunk by chunk (down to one step per call) with every layer's state
-carried between calls, in the session's arena; nothing grows with the number of steps fed."""
+carried between calls, in the session's arena; nothing grows with the number of steps fed.
+Single steps of x [N, C] run a program bound once (Session._step_program) after the first."""
 
 from __future__ import annotations
 
@@ -33,11 +34,25 @@ class Stream:
         self._h = np.zeros((L, self.batch, K), dt)
         self._c = np.zeros((L, self.batch, H), dt) if spec.cell == "lstm" else None
         self.steps = 0  # steps fed since creation or the last full reset
+        # A single step bound once (Session._step_program), made after the first step that
+        # took the general path; it runs while x and out fit it, else the general path does.
+        self._step = None
+        self._yshape = (self.batch, K)
 
     def feed(self, x, lengths=None, out=None) -> np.ndarray:
         """Run the next chunk. ``x``: [Tc, N, C] ([N, Tc, C] batch-first) or [N, C] for one
         step; ``lengths``: valid steps of each sample in this chunk (a sample's state freezes
         after them). ``out``: optional preallocated y. Returns y for the chunk."""
+        step = self._step
+        if step is not None and lengths is None:
+            # One step, x [N, C] and out [N, K] as it was bound for: no checks but the native
+            # module's few, no copies in Python. Anything else (a wrong dtype or shape, out
+            # overlapping x, a re-planned session...) declines and goes the general way below,
+            # which raises the same errors as ever.
+            y = np.empty(self._yshape, self._h.dtype) if out is None else out
+            if self.session._step(step, x, y):
+                self.steps += 1
+                return y
         single = isinstance(x, np.ndarray) and x.ndim == 2
         if single:
             x = x[None] if not self.session.spec.batch_first else x[:, None]
@@ -61,6 +76,8 @@ class Stream:
         y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True)
         self.steps += x.shape[1] if self.session.spec.batch_first else x.shape[0]
         if single:
+            if lengths is None:  # the session is now planned for one step: bind it
+                self._step = self.session._step_program(step, self.batch, self._h, self._c)
             return y[0] if not self.session.spec.batch_first else y[:, 0]
         return y
 

@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "entries.h" /* LEANRNN_ENTRIES(X): X(symbol, kinds) for every entry */
 
@@ -203,8 +204,9 @@ static int type_of(char t) {
          : t == 'h' ? NPY_UINT16 : NPY_INT64;
 }
 
-/* slots <- args as the entry's kinds say; 0, or -1 with a Python error set. */
-static int marshal(const Entry *e, PyObject *args, int64_t *slots) {
+/* slots <- args as the entry's kinds say; the number of slots filled, or -1 with a Python error
+ * set. */
+static Py_ssize_t marshal(const Entry *e, PyObject *args, int64_t *slots) {
     Py_ssize_t nargs = PyTuple_GET_SIZE(args), want = (Py_ssize_t)strlen(e->kinds) / 2, s = 0;
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", e->name, want, nargs);
@@ -236,7 +238,18 @@ static int marshal(const Entry *e, PyObject *args, int64_t *slots) {
         slots[s++] = (int64_t)(intptr_t)PyArray_DATA(a);
         for (int d = 0; d < nd; d++) slots[s++] = (int64_t)PyArray_DIM(a, d);
     }
-    return 0;
+    return s;
+}
+
+/* The entry `argv[0]` names; NULL with a Python error set if there is no such entry. */
+static const Entry *entry_at(PyObject *o) {
+    Py_ssize_t index = PyLong_AsSsize_t(o);
+    if (index == -1 && PyErr_Occurred()) return NULL;
+    if (index < 0 || index >= N_ENTRIES) {
+        PyErr_Format(PyExc_ValueError, "entry %zd of %zd", index, N_ENTRIES);
+        return NULL;
+    }
+    return &ENTRIES[index];
 }
 
 /* run(entry, args, parts, threads): jobs me = 0..parts-1 of one op, on `threads` threads. */
@@ -246,18 +259,16 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         PyErr_SetString(PyExc_TypeError, "run(entry: int, args: tuple, parts: int, threads: int)");
         return NULL;
     }
-    Py_ssize_t index = PyLong_AsSsize_t(argv[0]);
-    if (index == -1 && PyErr_Occurred()) return NULL;
+    const Entry *e = entry_at(argv[0]);
+    if (!e) return NULL;
     long long parts = PyLong_AsLongLong(argv[2]);
     if (parts == -1 && PyErr_Occurred()) return NULL;
     long long threads = PyLong_AsLongLong(argv[3]);
     if (threads == -1 && PyErr_Occurred()) return NULL;
-    if (index < 0 || index >= N_ENTRIES || parts < 1 || threads < 1) {
-        PyErr_Format(PyExc_ValueError, "run: entry %zd of %zd, parts %lld, threads %lld", index,
-                     N_ENTRIES, parts, threads);
+    if (parts < 1 || threads < 1) {
+        PyErr_Format(PyExc_ValueError, "run: parts %lld, threads %lld", parts, threads);
         return NULL;
     }
-    const Entry *e = &ENTRIES[index];
     int64_t slots[MAX_SLOTS];
     if (marshal(e, argv[1], slots) < 0) return NULL;
     int32_t status = 0;
@@ -274,6 +285,145 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* bind(entry, args) -> int64 array: args marshalled once, as run does at every call, for a
+ * program (below). The slots hold the arrays' addresses: the caller keeps them alive. */
+static PyObject *bind(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    (void)self;
+    if (argc != 2 || !PyTuple_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind(entry: int, args: tuple)");
+        return NULL;
+    }
+    const Entry *e = entry_at(argv[0]);
+    if (!e) return NULL;
+    int64_t slots[MAX_SLOTS];
+    Py_ssize_t n = marshal(e, argv[1], slots);
+    if (n < 0) return NULL;
+    npy_intp dims[1] = {(npy_intp)n};
+    PyObject *out = PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (out) memcpy(PyArray_DATA((PyArrayObject *)out), slots, (size_t)n * sizeof(int64_t));
+    return out;
+}
+
+/* ---------------------------------------------------------------------------- programs */
+/* A program is the ops of one engine call bound once (kernels/runner.py Program), so that a
+ * streaming step, a few microseconds of kernel work, pays for no marshalling of ~30 arguments
+ * per op nor for numpy's per-copy overhead. One int64 array:
+ *
+ *   header   n_ops, x_at, x_nd, x_type, y_at, y_nd, y_type
+ *   per op   entry, parts, n_slots, slots[n_slots],
+ *            n_pre, (dst, src, bytes)[n_pre], n_post, (dst, src, bytes)[n_post]
+ *
+ * x_at / y_at: the index (in the program) of the address slot of the input / output array that
+ * each run passes anew, its dims in the slots after it; -1: none. pre / post: copies made right
+ * before / after the op (state in, state out); src 0 zero-fills dst. */
+#define HEADER 7
+
+/* The index just past a well-formed op at p[i] of n, or -1: checked at every run, so that a
+ * malformed program fails with an error instead of reading past its end. */
+static Py_ssize_t op_end(const int64_t *p, Py_ssize_t i, Py_ssize_t n) {
+    if (i + 3 > n || p[i] < 0 || p[i] >= N_ENTRIES || p[i + 1] < 1 || p[i + 2] < 0 ||
+        p[i + 2] > MAX_SLOTS)
+        return -1;
+    i += 3 + p[i + 2];
+    for (int side = 0; side < 2; side++) {
+        if (i + 1 > n || p[i] < 0 || p[i] > (n - i - 1) / 3) return -1;
+        i += 1 + 3 * p[i];
+    }
+    return i;
+}
+
+static void copies(const int64_t *c, int64_t count) {
+    for (int64_t j = 0; j < count; j++, c += 3) {
+        void *dst = (void *)(intptr_t)c[0];
+        if (c[1]) memcpy(dst, (const void *)(intptr_t)c[1], (size_t)c[2]);
+        else memset(dst, 0, (size_t)c[2]);
+    }
+}
+
+/* Whether `o` can stand in for the array bound at slot `at` (its dims follow it): an ndarray
+ * itself (no subclass), of `type` and `nd` dims equal to the bound ones, C-contiguous, aligned,
+ * native byte order and, for an output, writable. */
+static int fits(PyObject *o, const int64_t *at, int64_t nd, int64_t type, int output) {
+    if (!PyArray_CheckExact(o)) return 0;
+    PyArrayObject *a = (PyArrayObject *)o;
+    if (PyArray_NDIM(a) != nd || PyArray_TYPE(a) != type || !PyArray_IS_C_CONTIGUOUS(a) ||
+        !PyArray_ISALIGNED(a) || !PyArray_ISNOTSWAPPED(a) || (output && !PyArray_ISWRITEABLE(a)))
+        return 0;
+    for (int64_t d = 0; d < nd; d++)
+        if (PyArray_DIM(a, (int)d) != at[1 + d]) return 0;
+    return 1;
+}
+
+/* run_program(program, x, y, threads) -> bool: the program's ops in turn with x and y in place
+ * of the bound ones. False, with nothing run, when x or y does not fit (see fits) or they
+ * overlap: the caller then takes its general path, whose checks say what is wrong. */
+static PyObject *run_program(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
+    (void)self;
+    PyArrayObject *prog = (PyArrayObject *)(argc == 4 ? argv[0] : NULL);
+    if (!prog || !PyArray_Check((PyObject *)prog) || PyArray_NDIM(prog) != 1 ||
+        PyArray_TYPE(prog) != NPY_INT64 || !PyArray_IS_C_CONTIGUOUS(prog) ||
+        !PyArray_ISALIGNED(prog) || !PyArray_ISWRITEABLE(prog)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run_program(program: writable int64 array, x, y, threads: int)");
+        return NULL;
+    }
+    long long threads = PyLong_AsLongLong(argv[3]);
+    if (threads == -1 && PyErr_Occurred()) return NULL;
+    int64_t *p = (int64_t *)PyArray_DATA(prog);
+    Py_ssize_t n = (Py_ssize_t)PyArray_DIM(prog, 0), i = HEADER;
+    int ok = n >= HEADER && p[0] >= 0 && threads >= 1;
+    for (int64_t op = 0; ok && op < p[0]; op++) ok = (i = op_end(p, i, n)) >= 0;
+    ok = ok && i == n;
+    for (int side = 0; ok && side < 2; side++) { /* x_at, y_at: inside the program, or -1 */
+        int64_t at = p[1 + 3 * side], nd = p[2 + 3 * side];
+        ok = at == -1 || (at >= HEADER && nd >= 1 && nd <= 8 && at + nd < n);
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "run_program: a malformed program");
+        return NULL;
+    }
+    PyObject *io[2] = {argv[1], argv[2]};
+    for (int side = 0; side < 2; side++) {
+        int64_t at = p[1 + 3 * side];
+        if (at >= 0 && !fits(io[side], p + at, p[2 + 3 * side], p[3 + 3 * side], side)) Py_RETURN_FALSE;
+    }
+    if (p[1] >= 0 && p[4] >= 0) { /* x and y: apart (the kernels read x after writing y) */
+        char *x = PyArray_BYTES((PyArrayObject *)io[0]), *y = PyArray_BYTES((PyArrayObject *)io[1]);
+        if (x < y + PyArray_NBYTES((PyArrayObject *)io[1]) &&
+            y < x + PyArray_NBYTES((PyArrayObject *)io[0]))
+            Py_RETURN_FALSE;
+    }
+    for (int side = 0; side < 2; side++)
+        if (p[1 + 3 * side] >= 0)
+            p[p[1 + 3 * side]] = (int64_t)(intptr_t)PyArray_DATA((PyArrayObject *)io[side]);
+    int32_t status = 0;
+    const Entry *failed = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t *q = p + HEADER;
+    for (int64_t op = 0; op < p[0] && !status; op++) {
+        const Entry *e = &ENTRIES[q[0]];
+        int64_t parts = q[1], *slots = (int64_t *)q + 3;
+        const int64_t *c = q + 3 + q[2];
+        copies(c + 1, c[0]);
+        c += 1 + 3 * c[0];
+        if (threads == 1) {
+            for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
+        } else {
+            status = launch(e, slots, parts, threads);
+        }
+        if (status) failed = e;
+        else copies(c + 1, c[0]);
+        q = c + 1 + 3 * c[0];
+    }
+    Py_END_ALLOW_THREADS
+    if (status) {
+        PyErr_Format(PyExc_RuntimeError, "native kernel %s stopped with numba status %d",
+                     failed->name, (int)status);
+        return NULL;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *entries(PyObject *self, PyObject *unused) {
@@ -295,6 +445,11 @@ static PyObject *entries(PyObject *self, PyObject *unused) {
 static PyMethodDef METHODS[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(entry, args, parts, threads): one op's jobs on `threads` threads"},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(entry, args): the args' slots, as an int64 array"},
+    {"run_program", (PyCFunction)(void (*)(void))run_program, METH_FASTCALL,
+     "run_program(program, x, y, threads): a bound program's ops with x and y; False if they "
+     "do not fit"},
     {"entries", entries, METH_NOARGS, "((symbol, kinds), ...) in entry order"},
     {NULL, NULL, 0, NULL},
 };

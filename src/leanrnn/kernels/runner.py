@@ -11,6 +11,10 @@ Backend (``LEANRNN_BACKEND``, or config.set_backend):
 
 One multi-threaded launch runs at a time in the process (threads.POOL_LAUNCH, with the rest of
 the threading policy); sessions on different Python threads take turns.
+
+Programs (native backend only): ``program`` binds the ops of one call once — their arguments
+marshalled into slots, the state copies around them as address ranges — and ``run_program``
+runs them passing only a new x and y, checked in C (a streaming step: engine.stream).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from .. import config
 from .. import threads as _threads
@@ -57,11 +63,11 @@ class _Native:
     name = "native"
 
     def __init__(self, mod) -> None:
-        self._run = mod.run
+        self._run, self._bind, self._run_program = mod.run, mod.bind, mod.run_program
         self.path = mod.__file__
         # (job, dtype char) -> entry index; checked against abi so a stale build cannot run.
         rows = {symbol: (i, kinds) for i, (symbol, kinds) in enumerate(mod.entries())}
-        self._index = {}
+        self._index, self._kinds = {}, {}
         for job in abi.ARGS:
             for dtype in abi.JOBS[job].dtypes:
                 letter = abi.DTYPES[dtype]
@@ -72,9 +78,31 @@ class _Native:
                 if kinds != abi.entry_kinds(job, dtype):
                     raise ImportError(f"{self.path}: {symbol} has kinds {kinds}")
                 self._index[job, letter] = i
+                self._kinds[i] = kinds
 
     def run(self, job: str, args: tuple, parts: int, threads: int) -> None:
         self._run(self._index[job, args[0].dtype.char], args, parts, threads)
+
+    def program(self, ops: list, x_at: tuple[int, str], y_at: tuple[int, str]) -> Program:
+        """See program(); the layout is native.c's (programs)."""
+        words, keep, at = [len(ops), -1, 0, 0, -1, 0, 0], [], {}
+        for i, (job, args, parts, pre, post) in enumerate(ops):
+            entry = self._index[job, args[0].dtype.char]
+            slots = self._bind(entry, args)  # checks every argument, as run does
+            kinds, base = self._kinds[entry], len(words) + 3
+            for where, (op, name) in ((1, x_at), (4, y_at)):
+                if op == i:  # the slot of the array passed at each run, and its kind
+                    k = abi.JOBS[job].names().index(name)
+                    offset = sum(1 + int(kinds[2 * j + 1]) for j in range(k))
+                    at[where] = (base + offset, args[k].ndim, args[k].dtype.num)
+            words += [entry, parts, len(slots), *slots.tolist()]
+            for side in (pre, post):
+                triples = [t for dst, src in side for t in _copies(dst, src)]
+                words += [len(triples), *(v for t in triples for v in t)]
+            keep.append((args, pre, post))  # the slots and copies point into them
+        for where, (slot, nd, num) in at.items():
+            words[where : where + 3] = [slot, nd, num]
+        return Program(np.array(words, np.int64), self, max(op[2] for op in ops), keep)
 
 
 class _Jit:
@@ -108,6 +136,70 @@ def run(job: str, args: tuple, parts: int) -> None:
         return
     with _threads.POOL_LAUNCH:
         b.run(job, args, parts, pool_threads(parts))
+
+
+class Program:
+    """The ops of one engine call bound once in the native module (native.c, programs): each
+    op's arguments marshalled into slots, and the copies around it (state in, state out) as
+    address ranges. ``run_program`` then passes only the call's x and y: a streaming step's
+    ~30 arguments per op and its numpy copies cost nothing per call. ``keep`` holds every
+    array the slots and copies point into."""
+
+    __slots__ = ("array", "backend", "keep", "parts")
+
+    def __init__(self, array: np.ndarray, backend: _Native, parts: int, keep: list) -> None:
+        self.array, self.backend, self.parts, self.keep = array, backend, parts, keep
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _copies(dst: np.ndarray, src: np.ndarray | None) -> list[tuple[int, int, int]]:
+    """(dst, src, bytes) address ranges of ``dst[...] = src`` (src None: zeros), for arrays
+    of one shape and dtype whose rows (last axis) are contiguous."""
+    assert src is None or (src.shape == dst.shape and src.dtype == dst.dtype), (dst, src)
+    arrays = [a for a in (dst, src) if a is not None]
+    assert all(a.strides[-1] == a.itemsize for a in arrays), "rows must be contiguous"
+    if all(a.flags.c_contiguous for a in arrays):
+        return [(_address(dst), _address(src) if src is not None else 0, dst.nbytes)]
+    assert dst.ndim == 2, dst.shape
+    row = dst.shape[1] * dst.itemsize
+    return [
+        (_address(dst) + r * dst.strides[0],
+         _address(src) + r * src.strides[0] if src is not None else 0, row)
+        for r in range(dst.shape[0])
+    ]  # fmt: skip
+
+
+def binds() -> bool:
+    """Whether this process's backend binds programs (the native module does, the JIT not)."""
+    return isinstance(_backend if _choice == config.backend() else backend(), _Native)
+
+
+def program(ops: list, x_at: tuple[int, str], y_at: tuple[int, str]) -> Program | None:
+    """``ops`` bound once for run_program; None when this process runs numba's JIT (the
+    caller then takes its general path). ``ops``: (job, args, parts, pre, post) in order,
+    ``pre``/``post`` the copies before/after the op as (dst, src) pairs of arrays (src None:
+    zero-fill dst; rows contiguous); ``x_at``/``y_at``: (op, argument name) of the input and
+    output arrays each run passes anew (bound here to stand-ins of their shape)."""
+    b = _backend if _choice == config.backend() else backend()
+    if not isinstance(b, _Native):
+        return None
+    return b.program(ops, x_at, y_at)
+
+
+def run_program(prog: Program, x: np.ndarray, y: np.ndarray) -> bool:
+    """Run ``prog`` with ``x`` and ``y``; False, with nothing run, when they do not fit what it
+    was bound with (ndarray, dtype, shape, C-contiguous, aligned, y writable and apart from x)
+    or the backend has changed since: the caller's general path then checks and runs."""
+    if prog.backend is not _backend or _choice != config.backend():
+        return False
+    b = prog.backend
+    if prog.parts == 1:
+        return b._run_program(prog.array, x, y, 1)
+    with _threads.POOL_LAUNCH:
+        return b._run_program(prog.array, x, y, pool_threads(prog.parts))
 
 
 def backend() -> _Native | _Jit:
