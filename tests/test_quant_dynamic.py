@@ -134,21 +134,21 @@ def test_a_two_layer_step_quantizes_the_first_layers_output():
     _one_step(RNNSpec("lstm", 6, 20, num_layers=2), 7, N=2)
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
 def test_long_runs_stay_within_the_formats_error_of_float32(cell):
-    """T=200 with lengths: int8-dynamic against the float32 model (max abs error), and each
-    sample's tail past its length zero as in float32."""
-    spec = RNNSpec(cell, 12, 48, num_layers=2)
-    model, layers, rng = _model(spec, 11)
-    x = rng.standard_normal((200, 4, 12)).astype(F32)
+    """T=200 with lengths, torch's default initialisation (random weights of scale 0.3 make a
+    chaotic RNN, where even bf16 ends O(1) away): int8-dynamic against the float32 model, max
+    abs error — measured 1.4e-3 (LSTM), 5.1e-3 (GRU), 1.3e-2 (RNN); a wrong scale or
+    correction anywhere gives O(1). Each sample's tail past its length is zero."""
+    m32 = getattr(leanrnn, cell)(12, 48, num_layers=2, seed=11)
+    model = leanrnn.quantize(m32, P)
+    x = np.random.default_rng(11).standard_normal((200, 4, 12)).astype(F32)
     lengths = np.array([200, 150, 1, 0])
     y, h_n, _ = model.session.run(x, lengths=lengths)
-    y32, h32, _ = leanrnn.Model(pack(spec, layers, F32)).session.run(x, lengths=lengths)
+    y32, _, _ = m32.session.run(x, lengths=lengths)
     err = np.abs(y - y32).max()
-    # quantized (not float32), and close to it: measured 0.074 (LSTM), a wrong scale or
-    # correction anywhere gives O(1)
-    assert 1e-4 < err < 0.2, err
-    assert (y[1:, 3] == 0).all() and (y[150:, 1] == 0).all()
+    assert 1e-4 < err < 5e-2, err  # quantized (not float32), and close to it
+    assert (y[1:, 2] == 0).all() and (y[:, 3] == 0).all() and (y[150:, 1] == 0).all()
     np.testing.assert_array_equal(h_n[:, 3], 0)  # length 0: the initial state
 
 
