@@ -89,7 +89,7 @@ def save(model: RunnableModel, path) -> str:
 
 def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
-    to ``dst``, its recurrent weights in ``precision`` ("bf16" or "int8", see
+    to ``dst``, its recurrent weights in ``precision`` ("bf16", "int8" or "int8-dynamic", see
     ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
     dst = os.fspath(dst)
     if not dst.lower().endswith(".lrnn"):

@@ -44,9 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dst", help="output path, ending in .lrnn (its directory must exist)")
     p.add_argument(
-        "--precision", choices=("bf16", "int8"),
+        "--precision", choices=("bf16", "int8", "int8-dynamic"),
         help="store the recurrent weights in reduced precision (leanrnn.quantize): bf16 halves "
-        "them, int8 quarters them; activations stay float32 (default: as loaded)",
+        "them, int8 quarters them (activations stay float32); int8-dynamic also quantizes the "
+        "activations as it runs, like torch's and onnxruntime's dynamic quantization "
+        "(default: as loaded)",
     )  # fmt: skip
     p.set_defaults(func=convert_cmd)
 

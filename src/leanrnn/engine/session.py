@@ -89,20 +89,35 @@ def kernel_constants(spec: RNNSpec, dtype) -> tuple:
     return consts, acts, alphas, betas
 
 
+NO_SCRATCH = np.zeros((1, 0), np.uint8)  # the q of jobs whose weights need none (abi._SCRATCH)
+
+
+def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
+    """Bytes per thread of an int8-dynamic op's q (kernels.gemm.operand): the largest of a
+    projection task's rows of layer input (a chunk of at most ROWS + ALIGN of the op's ``rows``
+    input rows) and the ``batch`` rows of recurrent input each step quantizes."""
+    from ..kernels import _cpu  # pure Python: the same blocking the kernels are compiled with
+
+    align, _, chunk = _cpu.blocking(_cpu.isa())
+    C = spec.input_size if layer == 0 else spec.num_directions * spec.output_size
+    return max(min(rows, chunk + align) * abi.quantized_row_bytes(C),
+               batch * abi.quantized_row_bytes(spec.output_size))  # fmt: skip
+
+
 def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h_a, h_b, gates,
-                         aux, c, lengths, keep: bool, ghn) -> dict:  # fmt: skip
+                         aux, c, lengths, keep: bool, ghn, q=NO_SCRATCH) -> dict:  # fmt: skip
     """The arguments of direction ``d``'s recurrence job (abi.JOBS[spec.cell]) that stay the
     same from run to run of one plan: ``pl``'s weights, the state and scratch views, the
     activations and ``constants`` (kernel_constants). ``aux`` [N, Hp] is the LSTM's unprojected
     h or the GRU's r*h (an [N, 0] stand-in when the cell needs none); ``c`` the LSTM cell
-    state; ``keep`` and ``ghn``: see kernels.recurrent. Not included: C and the per-run
+    state; ``keep``, ``ghn`` and ``q``: see kernels.recurrent. Not included: C and the per-run
     x, xw, xw_bf_T, T, y, y_bf_T, parts (engine.session PER_CALL)."""
     consts, acts, alphas, betas = constants
     K = spec.output_size
     named = dict(
         W=pl.Wt, b=pl.b, Rt=pl.Rt, K=K, h_a=h_a, h_b=h_b, gates=gates, lengths=lengths,
         reverse=spec.reversed_direction(d), y_off=d * K, acts=acts[d], alphas=alphas[d],
-        betas=betas[d], consts=consts, sync=sync, keep=keep,
+        betas=betas[d], consts=consts, sync=sync, keep=keep, q=q,
     )  # fmt: skip
     if spec.cell == "lstm":
         named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
@@ -234,6 +249,9 @@ class Session:
                     out.append(Buffer(f"c.{k}", N * w.Hp * it, k, k))
                 if spec.proj_size or (spec.cell == "gru" and not spec.linear_before_reset):
                     out.append(Buffer(f"aux.{k}", N * w.Hp * it, k, k))
+                if w.precision == "int8-dynamic":
+                    q = quantized_scratch_bytes(spec, layer, T * N, N)
+                    out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))
             if layer < L - 1:
                 out.append(Buffer(f"y.{layer}", T * N * D * K * it, layer * D, (layer + 2) * D - 1))
         if discard:
@@ -391,6 +409,10 @@ class Session:
                 shape, dtype = (N, w.Gp), dt
             elif kind in ("c", "aux"):
                 shape, dtype = (N, w.Hp), dt
+            elif kind == "q":
+                layer = int(name.split(".")[1]) // D
+                shape = (config.max_threads(), quantized_scratch_bytes(spec, layer, T * N, N))
+                dtype = np.uint8
             elif name == "stage.x":
                 shape, dtype = (N, T, spec.input_size), dt
             elif name == "stage.y":
@@ -421,6 +443,7 @@ class Session:
         named = recurrence_arguments(
             spec, pl, d, self._constants, self._sync, h_a=ha, h_b=hb, gates=gates, aux=aux, c=c,
             lengths=self._views["lengths"], keep=False, ghn=self._empty,
+            q=self._views.get(f"q.{k}", NO_SCRATCH),
         )  # fmt: skip
         job = abi.job_for(spec.cell, self.weights.precision)  # reduced weights: their own job
         return abi.Call(job, PER_CALL, C=spec.input_size if layer == 0 else D * K, **named)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, WeightsError
-from ..kernels.abi import B  # units per block: the kernels' layout, defined with them
+from ..kernels.abi import B, DOT_TAIL_ROWS  # the kernels' layout, defined with them
 from ..memory.arena import aligned_empty, round_up
 from ..spec import RNNSpec
 
@@ -34,8 +34,10 @@ ROW_ALIGN = 16  # elements: row strides are multiples of this
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Weight precisions of the W and R panels (formats.quantize): "float" is the working dtype;
 # the reduced ones need a float32 working dtype (activations, states and sums stay float32).
-PRECISIONS = ("float", "bf16", "int8")
-PANEL_DTYPES = {"bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8)}  # bf16: its bits
+PRECISIONS = ("float", "bf16", "int8", "int8-dynamic")
+# bf16: its bits; int8-dynamic: int8 codes tagged uint8 (the kernels pick its tile by it)
+PANEL_DTYPES = {"bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8),
+                "int8-dynamic": np.dtype(np.uint8)}  # fmt: skip
 SCALE_ROWS = 4  # an int8 panel's extra rows: its columns' float32 scales (kernels._qsimd)
 _PANELS = ("Wt", "Rt")  # the packed tensors a reduced precision applies to
 
@@ -126,8 +128,8 @@ class PackedWeights:
     def layout(spec: RNNSpec, precision: str = "float") -> list[tuple[str, tuple[int, ...]]]:
         """(short name, shape) of every packed tensor, per (layer, direction) in buffer order —
         what a file must declare, computable before anything is allocated (int8 panels have
-        SCALE_ROWS more rows: their scales; tensor_dtype gives each tensor's dtype)."""
-        extra = SCALE_ROWS if precision == "int8" else 0
+        SCALE_ROWS more rows: their scales; int8-dynamic panels are laid out for integer dot
+        products, panel_shape; tensor_dtype gives each tensor's dtype)."""
         Hp = round_up(spec.hidden_size, B)
         Kp = round_up(spec.output_size, ROW_ALIGN)
         Pp = round_up(spec.proj_size, B) if spec.proj_size else 0
@@ -136,8 +138,8 @@ class PackedWeights:
         for layer in range(spec.num_layers):
             Cp = round_up(spec.layer_input_size(layer), ROW_ALIGN)
             shapes = {
-                "Wt": (U, Cp + extra, Wd),
-                "Rt": (U, Kp + extra, Wd),
+                "Wt": (U, *panel_shape(Cp, Wd, precision)),
+                "Rt": (U, *panel_shape(Kp, Wd, precision)),
                 "b": (Gp,),
                 "rb": (Gp,),
                 "bW": (Gp,),
@@ -197,6 +199,17 @@ class PackedWeights:
                 layer.append(LayerWeights(W, R, bW, bR, peep, proj))
             out.append(layer)
         return out
+
+
+def panel_shape(X: int, Wd: int, precision: str) -> tuple[int, int]:
+    """One panel's [rows, columns] for X (padded) inputs and Wd outputs: float and bf16 [X, Wd];
+    int8 SCALE_ROWS more rows (the column scales); int8-dynamic 4 inputs per row, 4 bytes per
+    column, then DOT_TAIL_ROWS rows of scales and corrections (kernels._qdot)."""
+    if precision == "int8":
+        return X + SCALE_ROWS, Wd
+    if precision == "int8-dynamic":
+        return X // 4 + DOT_TAIL_ROWS, 4 * Wd
+    return X, Wd
 
 
 def check_precision(precision, dtype: np.dtype, op: str) -> None:

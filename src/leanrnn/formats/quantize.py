@@ -9,6 +9,11 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
+- ``int8-dynamic``: what torch's and onnxruntime's dynamic quantization do — int8 weights and
+  activations quantized per row as the kernels run (kernels._qdot), summed exactly in int32.
+  Weights symmetric per packed column in 7 bits, s_j = max_k |w_kj| / 63 (the u8 x s8 pair
+  sums of AVX2's vpmaddubsw then never saturate), error <= s_j / 2 per weight; laid out 4
+  inputs per row (dot_panel) with two tail rows: the column scales and 128 * sum_k q_kj.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, ModelFormatError, WeightsError
+from ..kernels.abi import CODE_OFFSET, DOT_QMAX, DOT_TAIL_ROWS
 from ..spec import RNNSpec
 from .packing import (
     _PANELS,
@@ -65,18 +71,48 @@ def bf16_panel(w: np.ndarray) -> np.ndarray:
     return _grouped(bf16_round(w), BF16_ORDER)
 
 
-def int8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-column int8 of ``w`` [..., X, Wd] (columns: the last axis, max over X):
-    (q int8 [..., X, Wd], scale float32 [..., Wd]); q * scale approximates w within scale/2.
-    An all-zero column gets scale 0."""
+def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-column int8 of ``w`` [..., X, Wd] (columns: the last axis, max over X),
+    codes in [-qmax, qmax]: (q int8 [..., X, Wd], scale float32 [..., Wd]); q * scale
+    approximates w within scale/2. An all-zero column gets scale 0."""
     w64 = np.asarray(w, np.float64)
     if not np.isfinite(w64).all():
         raise WeightsError("[quantize] int8 weights must be finite; the model holds NaN or inf "
                            "weights (quantize to 'bf16' instead, which keeps them)")  # fmt: skip
-    scale = (np.abs(w64).max(axis=-2) / QMAX).astype(np.float32)
+    scale = (np.abs(w64).max(axis=-2) / qmax).astype(np.float32)
     s = scale.astype(np.float64)[..., None, :]
     q = np.rint(np.divide(w64, s, out=np.zeros_like(w64), where=s > 0))
-    return np.clip(q, -QMAX, QMAX).astype(np.int8), scale
+    return np.clip(q, -qmax, qmax).astype(np.int8), scale
+
+
+def dot_panel(w: np.ndarray) -> np.ndarray:
+    """A float32 panel [U, X, Wd] (X a multiple of 4) -> its int8-dynamic panel, uint8
+    [U, X/4 + DOT_TAIL_ROWS, 4*Wd]: row k4 holds each column's 4 codes of inputs 4*k4..+3,
+    then a row of the Wd float32 column scales and one of the Wd int32 corrections
+    CODE_OFFSET * sum_k q_kj (kernels._qdot)."""
+    q, scale = int8_columns(w, DOT_QMAX)
+    U, X, Wd = q.shape
+    out = np.empty((U, X // 4 + DOT_TAIL_ROWS, 4 * Wd), np.uint8)
+    out[:, : X // 4] = q.reshape(U, X // 4, 4, Wd).transpose(0, 1, 3, 2).reshape(U, X // 4, 4 * Wd).view(np.uint8)
+    out[:, X // 4] = scale.view(np.uint8).reshape(U, 4 * Wd)
+    out[:, X // 4 + 1] = _dot_corrections(q).view(np.uint8).reshape(U, 4 * Wd)
+    return out
+
+
+def _dot_corrections(q: np.ndarray) -> np.ndarray:
+    """int32 [U, Wd] corrections of codes q [U, X, Wd]."""
+    return (CODE_OFFSET * q.astype(np.int32).sum(axis=1)).astype(np.int32)
+
+
+def dot_codes(panel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An int8-dynamic panel's (codes int8 [U, X, Wd], scales float32 [U, Wd], corrections
+    int32 [U, Wd]), the inverse of dot_panel's layout."""
+    U, R, W4 = panel.shape
+    X4, Wd = R - DOT_TAIL_ROWS, W4 // 4
+    q = panel[:, :X4].view(np.int8).reshape(U, X4, Wd, 4).transpose(0, 1, 3, 2).reshape(U, 4 * X4, Wd)
+    scale = np.ascontiguousarray(panel[:, X4]).view(np.float32).reshape(U, Wd)
+    corr = np.ascontiguousarray(panel[:, X4 + 1]).view(np.int32).reshape(U, Wd)
+    return q, scale, corr
 
 
 def panel_scales(panel: np.ndarray) -> np.ndarray:
@@ -100,7 +136,11 @@ def dequantize_panel(panel: np.ndarray, precision: str, dtype=np.float32) -> np.
     if precision == "int8":
         q = panel[:, : panel.shape[1] - SCALE_ROWS]
         return (q.astype(np.float64) * panel_scales(panel)[:, None, :]).astype(dtype)
-    raise DTypeError(f"[dequantize] precision {precision!r}; expected 'bf16' or 'int8'")
+    if precision == "int8-dynamic":
+        q, scale, _ = dot_codes(panel)
+        return (q.astype(np.float64) * scale[:, None, :]).astype(dtype)
+    raise DTypeError(f"[dequantize] precision {precision!r}; expected 'bf16', 'int8' or "
+                     "'int8-dynamic'")  # fmt: skip
 
 
 def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
@@ -131,6 +171,8 @@ def quantize_packed(pw: PackedWeights, precision: str) -> PackedWeights:
                 src, dst = getattr(ps, name), getattr(pd, name)
                 if precision == "bf16":
                     dst[...] = bf16_panel(src)
+                elif precision == "int8-dynamic":
+                    dst[...] = dot_panel(src)
                 else:
                     _set_int8(dst, *int8_columns(src))
     return out
@@ -187,14 +229,26 @@ def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeig
 
 def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     """After reading reduced weights from a file: every int8 scale finite and >= 0 (one pass
-    over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs."""
-    if pw.precision != "int8":
+    over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs; for
+    int8-dynamic also the codes within 7 bits and the corrections equal to what the codes give
+    (one pass over the codes: a wrong correction would shift every output silently)."""
+    if pw.precision not in ("int8", "int8-dynamic"):
         return
     for li, dirs in enumerate(pw.layers):
         for di, pl in enumerate(dirs):
             for name in _PANELS:
-                s = panel_scales(getattr(pl, name))
+                tag = f"[{op}] {path!r}: layer {li} direction {di} {name}"
+                panel = getattr(pl, name)
+                if pw.precision == "int8":
+                    s = panel_scales(panel)
+                else:
+                    q, s, corr = dot_codes(panel)
+                    if np.abs(q.astype(np.int16)).max(initial=0) > DOT_QMAX or not np.array_equal(
+                        corr, _dot_corrections(q)
+                    ):
+                        raise ModelFormatError(f"{tag} has int8-dynamic codes beyond +-{DOT_QMAX} "
+                                               "or corrections that do not match them; the file "
+                                               "is corrupt")  # fmt: skip
                 if not (np.isfinite(s).all() and (s >= 0).all()):
-                    raise ModelFormatError(f"[{op}] {path!r}: layer {li} direction {di} "
-                                           f"{name} has int8 scales that are negative or not "
+                    raise ModelFormatError(f"{tag} has int8 scales that are negative or not "
                                            "finite; the file is corrupt")  # fmt: skip

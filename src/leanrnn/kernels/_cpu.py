@@ -14,6 +14,7 @@ the JIT backend it takes effect only for kernels compiled after it is set.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 from dataclasses import dataclass
@@ -183,6 +184,16 @@ def row_chunk(l2: int, kc_: int, align: int) -> int:
     rounded down to a multiple of the tile heights."""
     rows = 3 * l2 // (4 * kc_ * 4)
     return max(align, rows // align * align)
+
+
+def blocking(isa_: Isa) -> tuple[int, int, int]:
+    """(ALIGN, KC, ROWS) of the input projection on ``isa_`` (kernels.gemm): row chunks are a
+    multiple of every dtype's tile height (ALIGN), K slices KC long, ROWS rows per task. Pure,
+    so the engine sizes per-task scratch (the int8-dynamic rows) without importing numba."""
+    align = math.lcm(*(tile_for(isa_, size).rows for size in (4, 8)))
+    l2 = caches()["L2"]
+    kc_ = kc(l2)
+    return align, kc_, row_chunk(l2, kc_, align)
 
 
 def describe() -> str:

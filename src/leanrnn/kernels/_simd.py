@@ -34,7 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _cpu
+from . import _cpu, _qdot
 from ._qsimd import WEIGHT_FORMATS, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
@@ -178,17 +178,23 @@ def _codegen(nvec: int, tiles_: dict):
     return gen
 
 
-def make(nvec: int, tiles_: dict | None = None):
+def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None):
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
-    (default TILES; the tests pass others to run every ISA's tile on any machine)."""
+    (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile (default the compiled
+    one); the tests pass others to run every ISA's tile on any machine."""
     tiles_ = tiles_ or TILES
 
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
         if not isinstance(P, types.Array) or not isinstance(A, types.Array):
             return None
+        i = types.intp
+        if P.dtype == types.uint8 or A.dtype == types.uint8:  # int8-dynamic: both or neither
+            if P.dtype != A.dtype or C.dtype != types.float32:
+                return None
+            gen = _qdot.codegen(nvec, isa or _cpu.isa())
+            return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
         if P.dtype not in _DTYPES and not (P.dtype in WEIGHT_FORMATS and A.dtype == types.float32):
             return None
-        i = types.intp
         return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), _codegen(nvec, tiles_)
 
     typer.__name__ = f"panel_gemm{nvec}"

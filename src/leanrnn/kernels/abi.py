@@ -16,7 +16,8 @@ from it, so adding a job means writing its kernel and one declaration:
 - **the engine's arguments**: a Call fills them by name (engine.session, engine.graph).
 
 A kind is ``i`` (int), ``b`` (bool), or an array: ``F`` of the working float dtype, ``L`` of
-int64, ``Q`` of int8 or ``U`` of uint16 (reduced-precision weights), then its number of dimensions. Arrays are C-contiguous. The native entry receives them
+int64, ``Q`` of int8, ``U`` of uint16 or ``B`` of uint8 (reduced-precision weights; ``B`` also
+the int8-dynamic activation scratch), then its number of dimensions. Arrays are C-contiguous. The native entry receives them
 as flat int64 *slots*: an array is its address and then its dimensions, a scalar its value; the
 extension checks each argument against its kind (entry_kinds) before any kernel runs.
 tests/test_abi.py checks every declaration against its kernels' parameters.
@@ -48,21 +49,24 @@ class Job:
 
 
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
+# q: per-thread scratch for int8-dynamic activations (kernels.gemm.operand); [1, 0] otherwise.
+_SCRATCH = "q:B2"
 _BACK = "RT:F3 K:i"  # a backward job's recurrent weights (transposed panels) and their width
 _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
 _OUTPUT = "lengths:L1 T:i reverse:b y:F2 y_off:i y_bf_T:i acts:L1 alphas:F1 betas:F1"
 JOBS = {j.name: j for j in (
     Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i h_a:F2 "
         f"h_b:F2 c:F2 gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 keep:b sync:L1 "
-        "parts:i",
+        f"{_SCRATCH} parts:i",
         ("input_projection K=C", "lstm")),
     Job("gru", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} rb:F1 linear_before_reset:b h_a:F2 h_b:F2 "
-        f"gates:F2 rh:F2 {_OUTPUT} consts:F1 keep:b ghn:F2 sync:L1 parts:i",
+        f"gates:F2 rh:F2 {_OUTPUT} consts:F1 keep:b ghn:F2 sync:L1 {_SCRATCH} parts:i",
         ("input_projection K=C", "gru")),
     Job("rnn", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} h_a:F2 h_b:F2 gates:F2 {_OUTPUT} consts:F1 "
-        "keep:b sync:L1 parts:i", ("input_projection K=C", "rnn")),
+        f"keep:b sync:L1 {_SCRATCH} parts:i", ("input_projection K=C", "rnn")),
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
-    Job("matmul", "x:F2 W:F3 b:F1 K:i y:F2 sync:L1 parts:i", ("input_projection xw=y",)),
+    Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 sync:L1 {_SCRATCH} parts:i",
+        ("input_projection xw=y",)),
     # The backward step loops of one (layer, direction) over a segment (kernels.backward).
     Job("lstm_back", f"G:F2 c0:F2 cs:F2 dy:F2 y_off:i dh:F2 dc:F2 {_BACK} projd:F2 P:i hf:F2 "
         f"dhs:F2 {_BACK_TAIL}", ("lstm_back",)),
@@ -72,15 +76,16 @@ JOBS = {j.name: j for j in (
 )}  # fmt: skip
 # Reduced-precision weights (issue 14): the same kernels with the W and Rt panels of another
 # dtype (kinds ``Q`` int8 with their scale rows, ``U`` uint16 holding bfloat16 bits; see
-# kernels._qsimd), activations and states float32. One job per (cell, format), float32 only:
-# six native entries.
-PRECISIONS = {"bf16": "U", "int8": "Q"}  # weight precision -> the kind letter of W and Rt
+# kernels._qsimd; ``B`` int8-dynamic's dot panels, kernels._qdot, whose activations are
+# quantized per row as they run), states float32. One job per (cell, format), float32 only:
+# nine native entries.
+PRECISIONS = {"bf16": "U", "int8": "Q", "int8-dynamic": "B"}  # -> the kind of W and Rt
 REDUCED_CELLS = ("lstm", "gru", "rnn")
 
 
 def job_for(cell: str, precision: str | None) -> str:
     """The job that runs ``cell`` with weights of ``precision`` (None/"float": the float jobs)."""
-    return cell if precision in (None, "float") else f"{cell}_{precision}"
+    return cell if precision in (None, "float") else f"{cell}_{precision.replace('-', '_')}"
 
 
 def _reduced(job: Job, precision: str) -> Job:
@@ -107,9 +112,9 @@ def entry_name(job: str, dtype: str) -> str:
 def entry_kinds(job: str, dtype: str) -> str:
     """A job's arguments for the native marshaller: one (type, ndim) character pair each, type
     ``f``/``d`` (float32/64 array), ``q`` (int64 array), ``c`` (int8 array), ``h`` (uint16
-    array), ``i`` (int) or ``b`` (bool)."""
+    array), ``u`` (uint8 array), ``i`` (int) or ``b`` (bool)."""
     out = []
-    letters = {"L": "q", "Q": "c", "U": "h", "F": DTYPES[dtype]}
+    letters = {"L": "q", "Q": "c", "U": "h", "B": "u", "F": DTYPES[dtype]}
     for _, kind in params(job):
         if kind in ("i", "b"):
             out.append(kind + "0")
@@ -227,6 +232,18 @@ class Call:
 
 # --------------------------------------------------------------------------- the weight layout
 B = 16  # units per block; 16 float32 = one 64-byte row segment (formats.packing packs to it)
+
+
+# int8-dynamic (kernels._qdot): rows after a dot panel's codes (its column scales, then its
+# corrections), the activations' code offset (code = round(a / s) + 128, an unsigned byte) and
+# the weights' code range (7 bits, so u8 x s8 pair sums never saturate int16).
+DOT_TAIL_ROWS, CODE_OFFSET, DOT_QMAX = 2, 128, 63
+
+
+def quantized_row_bytes(K: int) -> int:
+    """Bytes of one int8-dynamic activation row of K inputs (kernels._qdot): the codes, whole
+    groups of 4, then the row's float32 scale."""
+    return (K + 3) // 4 * 4 + 4
 
 # ----------------------------------------------------------------------- the sync array layout
 LINE = 16  # int64 slots per cache-line pair: slot r lives at index r*LINE, alone in its line

@@ -69,7 +69,7 @@ def _address_of(dtype):
 
 _PTR = {"f": _address_of(types.float32), "d": _address_of(types.float64),
         "q": _address_of(types.int64), "c": _address_of(types.int8),
-        "h": _address_of(types.uint16)}  # fmt: skip
+        "h": _address_of(types.uint16), "u": _address_of(types.uint8)}  # fmt: skip
 
 
 def entry_source(job: str, dtype: str) -> str:

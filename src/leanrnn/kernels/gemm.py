@@ -8,7 +8,8 @@ of 16 columns,
     i0 <= i < i1, j < N*16;  boff < 0: no bias (any array of the dtype may be passed)
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
-not alias A or P. There are four of them, not one taking N, because each must name its
+not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
+rows quantized into a flat uint8 scratch; K is then never sliced. There are four of them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
 more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
 L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
@@ -21,23 +22,34 @@ gained another 1-3% at H=1024.
 
 from __future__ import annotations
 
-import math
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
 
 from . import _cpu
-from ._jit import inline, kernel
-from ._simd import TILES, panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
+from ._jit import CACHE, inline, kernel
+from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
-from .abi import B
+from .abi import CODE_OFFSET, B, quantized_row_bytes
 
-# Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers.
-ALIGN = math.lcm(*(t.rows for t in TILES.values()))
-KC = _cpu.kc(_cpu.caches()["L2"])  # inputs per K slice of the multi-row panel GEMM
-ROWS = _cpu.row_chunk(_cpu.caches()["L2"], KC, ALIGN)  # input rows per projection task
+_row_bytes = numba.njit(quantized_row_bytes)  # the engine sizes q with the same function
+
+# Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers;
+# KC inputs per K slice of the multi-row panel GEMM, ROWS input rows per projection task.
+ALIGN, KC, ROWS = _cpu.blocking(_cpu.isa())
+_QMAX = np.float32(127.0)  # activation codes: round(a / s) in [-127, 127], s = max|a| / 127
 
 
-@inline
-def _kc(K, i0, i1):
-    return K if i1 - i0 == 1 else KC
+def _kc(P, K, i0, i1):  # pragma: no cover - replaced by the overload inside kernels
+    pass
+
+
+@overload(_kc)
+def _kc_impl(P, K, i0, i1):
+    if P.dtype == types.uint8:  # int8-dynamic: never sliced (see _qdot: its K is whole)
+        return lambda P, K, i0, i1: K
+    return lambda P, K, i0, i1: K if i1 - i0 == 1 else KC
 
 
 @inline
@@ -46,60 +58,150 @@ def _mode(k0, boff):
     return 1 if k0 > 0 else (2 if boff >= 0 else 0)
 
 
-@inline
-def _off(P, u, v0, k0):
-    return (u * P.shape[1] + k0) * P.shape[2] + v0 * B
+def _off(P, u, v0, k0):  # pragma: no cover - replaced by the overload inside kernels
+    pass
+
+
+@overload(_off)
+def _off_impl(P, u, v0, k0):
+    """Flat offset of panel u's row k0, column group v0 (int8-dynamic panels hold 4 inputs per
+    row and 4 bytes per column, see _qdot)."""
+    if P.dtype == types.uint8:
+        return lambda P, u, v0, k0: (u * P.shape[1] + k0 // 4) * P.shape[2] + v0 * B * 4
+    return lambda P, u, v0, k0: (u * P.shape[1] + k0) * P.shape[2] + v0 * B
+
+
+@numba.njit(cache=CACHE, error_model="numpy", nogil=True)  # no fast-math: the codes must be
+def quantize_rows(A, i0, i1, K, out):  # exactly what numpy's float32 arithmetic gives
+    """Rows i0..i1 of float32 A [rows, >=K] -> int8-dynamic activation rows in the flat uint8
+    ``out``, row r at r * ld, ld = quantized_row_bytes(K) (kernels._qdot): symmetric per row,
+    s = max_k |a_k| / 127, code round(a_k / s) + 128 (ties to even), s in the row's last 4
+    bytes. An all-zero row gets codes 128 and s = 0; a row holding NaN or inf gets s = NaN,
+    so its outputs are NaN (non-finite input propagates). Flat, not [rows, ld]: a reshape
+    needs a numba runtime helper the native build does not link."""
+    ld = _row_bytes(K)
+    for r in range(i1 - i0):
+        amax = np.float32(0.0)
+        finite = True
+        for k in range(K):
+            v = abs(A[i0 + r, k])
+            if v > amax:
+                amax = v
+            if not v < np.inf:
+                finite = False
+        scale = np.float32(np.nan)
+        if finite and amax > 0:
+            inv = _QMAX / amax
+            for k in range(K):
+                out[r * ld + k] = np.uint8(np.int32(np.rint(A[i0 + r, k] * inv)) + CODE_OFFSET)
+            scale = amax / _QMAX
+        else:
+            for k in range(K):
+                out[r * ld + k] = CODE_OFFSET
+            if finite:
+                scale = np.float32(0.0)
+        out[(r + 1) * ld - 4 : (r + 1) * ld].view(np.float32)[0] = scale
+
+
+def operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - replaced by the overload
+    pass
+
+
+@overload(operand)
+def _operand_impl(P, A, q, me, i0, i1, K, fresh):
+    """What the panel GEMMs of P multiply: rows i0.. of A itself, or for int8-dynamic panels
+    (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows; only
+    when ``fresh``, else q[me] holds them from the last call). Row 0 of the result is A's row
+    i0; _lda gives its row stride."""
+    if P.dtype == types.uint8:
+
+        def quantized(P, A, q, me, i0, i1, K, fresh):
+            out = q[me]
+            if fresh:
+                quantize_rows(A, i0, i1, K, out)
+            return out
+
+        return quantized
+    return lambda P, A, q, me, i0, i1, K, fresh: A[i0:]
+
+
+def _columns(P):  # pragma: no cover - replaced by the overload inside kernels
+    pass
+
+
+@overload(_columns)
+def _columns_impl(P):
+    """Output columns per panel (an int8-dynamic panel row holds 4 bytes per column)."""
+    if P.dtype == types.uint8:
+        return lambda P: P.shape[2] // 4
+    return lambda P: P.shape[2]
+
+
+def _lda(A, K):  # pragma: no cover - replaced by the overload inside kernels
+    pass
+
+
+@overload(_lda)
+def _lda_impl(A, K):
+    """Row stride of a panel GEMM's A: its own, or a flat quantized operand's (operand)."""
+    if A.ndim == 1:
+        return lambda A, K: _row_bytes(K)
+    return lambda A, K: A.shape[1]
 
 
 @inline
 def panel1(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
-    kc = _kc(K, i0, i1)
+    kc = _kc(P, K, i0, i1)
     for k0 in range(0, K, kc):
-        panel_gemm1(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
+        panel_gemm1(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
                     min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
 def panel2(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
-    kc = _kc(K, i0, i1)
+    kc = _kc(P, K, i0, i1)
     for k0 in range(0, K, kc):
-        panel_gemm2(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
+        panel_gemm2(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
                     min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
 def panel3(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
-    kc = _kc(K, i0, i1)
+    kc = _kc(P, K, i0, i1)
     for k0 in range(0, K, kc):
-        panel_gemm3(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
+        panel_gemm3(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
                     min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @inline
 def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
-    kc = _kc(K, i0, i1)
+    kc = _kc(P, K, i0, i1)
     for k0 in range(0, K, kc):
-        panel_gemm4(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, A.shape[1],
+        panel_gemm4(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
                     min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
 @kernel
-def input_projection(x, W, b, K, xw, sync):
+def input_projection(x, W, b, K, xw, sync, q, me):
     """xw = x W^T + b for every input row at once (rows in x's own order).
 
     x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input — the recurrent kernels
-        are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output.
+        are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output;
+    q:  [threads, bytes] uint8 scratch, row ``me`` this thread's: int8-dynamic panels (uint8
+        W) multiply its quantized copy of the task's rows (operand); unused otherwise.
     Tasks (a chunk of rows x one panel) are handed out by ticket from ``sync`` (see _sync), so
     any number of threads may call this at once on the same arrays: each returns when all
     tasks are done. Row chunks are the outer order: a chunk of x stays in cache while the
-    panels stream past it (panel-major order re-read all of x from L3 for every panel).
+    panels stream past it (panel-major order re-read all of x from L3 for every panel), and a
+    thread quantizes a chunk once for all the panels it takes of it.
     """
     M = x.shape[0]
-    U, _, Wd = W.shape
+    U, Wd = W.shape[0], _columns(W)
     # Even row chunks, a multiple of the tile heights.
     nm = (M + ROWS - 1) // ROWS
     rows = ((M + nm - 1) // nm + ALIGN - 1) // ALIGN * ALIGN
     ntasks = U * nm
+    last = -1  # the chunk this thread's q[me] holds
     while True:
         task = take(sync)
         if task >= ntasks:
@@ -110,12 +212,16 @@ def input_projection(x, W, b, K, xw, sync):
         c0 = u * Wd
         # The tile adds the bias in its final store: a second pass over xw adding it cost a
         # quarter of the time at H=128. Rounding rows up to the tile height can leave the
-        # last chunk empty.
-        if i0 < i1 and Wd == 4 * B:
-            panel4(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
-        elif i0 < i1 and Wd == 3 * B:
-            panel3(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
-        elif i0 < i1:
-            panel1(W, u, 0, x, i0, i1, K, xw, c0, b, c0)
+        # last chunk empty. Row 0 of A and of C is row i0.
+        if i0 < i1:
+            A = operand(W, x, q, me, i0, i1, K, i0 != last)
+            last = i0
+            C = xw[i0:]
+            if Wd == 4 * B:
+                panel4(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+            elif Wd == 3 * B:
+                panel3(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+            else:
+                panel1(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
         task_done(sync)
     wait_tasks(sync, ntasks)

@@ -201,7 +201,7 @@ static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t thr
 
 static int type_of(char t) {
     return t == 'f' ? NPY_FLOAT32 : t == 'd' ? NPY_FLOAT64 : t == 'c' ? NPY_INT8
-         : t == 'h' ? NPY_UINT16 : NPY_INT64;
+         : t == 'h' ? NPY_UINT16 : t == 'u' ? NPY_UINT8 : NPY_INT64;
 }
 
 /* slots <- args as the entry's kinds say; the number of slots filled, or -1 with a Python error

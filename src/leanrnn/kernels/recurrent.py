@@ -27,6 +27,9 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
   consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
+  q:       [threads, bytes] uint8 scratch: with int8-dynamic panels (uint8 Rt) each thread
+           quantizes the rows it multiplies (h_prev, the GRU's r*h) into its own row q[me]
+           once per phase (gemm.operand) — N*K element ops against N*K*G multiply-adds
   keep:    training (train.session): leave each step's gate pre-activations in its xw row
            (backward reads them instead of recomputing h_prev R^T); GRU also writes R_n h + bR_n
            to ghn [rows, Hp]. Only the fused paths of PyTorch's cells keep (the others are
@@ -42,7 +45,7 @@ from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import claim, end_phase, finish
 from .abi import B
-from .gemm import panel1, panel2, panel3, panel4
+from .gemm import operand, panel1, panel2, panel3, panel4
 
 
 @inline
@@ -112,7 +115,7 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 def _lstm(
     xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, me, parts, sync,
+    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -135,15 +138,16 @@ def _lstm(
     g = 0  # phase counter, the same on every thread
     for s in range(T):
         dst = hn if P == 0 else hfull
-        for q in range(parts):
-            lo, hi = claim(sync, me, q, parts, g, U)
+        A = operand(Rt, hp, q, me, 0, N, K, True)
+        for sl in range(parts):
+            lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
             for u in range(lo, hi):
                 r0 = u * 4 * B
                 ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
                 c0 = u * B
-                panel4(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                panel4(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
                     t = _time_of(s, n, lengths, reverse, P == 0, hp, hn, c0)
                     if t < 0:
@@ -194,8 +198,8 @@ def _lstm(
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         if P > 0:
-            for q in range(parts):
-                lo, hi = claim(sync, me, q, parts, g, NP)
+            for sl in range(parts):
+                lo, hi = claim(sync, me, sl, parts, g, NP)
                 if hi < 0:
                     continue  # another thread has this slice
                 for pb in range(lo, hi):
@@ -219,7 +223,7 @@ def _lstm(
 
 def _gru(
     xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, me, parts, sync,
+    y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -235,8 +239,9 @@ def _gru(
     parity = 0
     g = 0  # phase counter, the same on every thread
     for s in range(T):
-        for q in range(parts):
-            lo, hi = claim(sync, me, q, parts, g, U)
+        A = operand(Rt, hp, q, me, 0, N, K, True)
+        for sl in range(parts):
+            lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
             for u in range(lo, hi):
@@ -244,9 +249,9 @@ def _gru(
                 rz, rr, rn = r0, r0 + B, r0 + 2 * B
                 c0 = u * B
                 if linear_before_reset:
-                    panel3(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                    panel3(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
                 else:
-                    panel2(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                    panel2(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
                     t = _time_of(s, n, lengths, reverse, linear_before_reset, hp, hn, c0)
                     if t < 0:
@@ -279,15 +284,16 @@ def _gru(
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         if not linear_before_reset:
-            for q in range(parts):
-                lo, hi = claim(sync, me, q, parts, g, U)
+            Ah = operand(Rt, rh, q, me, 0, N, K, True)
+            for sl in range(parts):
+                lo, hi = claim(sync, me, sl, parts, g, U)
                 if hi < 0:
                     continue  # another thread has this slice
                 for u in range(lo, hi):
                     r0 = u * 3 * B
                     rz, rn = r0, r0 + 2 * B
                     c0 = u * B
-                    panel1(Rt, u, 2, rh, 0, N, K, gates, rn, consts, -1)
+                    panel1(Rt, u, 2, Ah, 0, N, K, gates, rn, consts, -1)
                     for n in range(N):
                         t = _time_of(s, n, lengths, reverse, True, hp, hn, c0)
                         if t < 0:
@@ -307,7 +313,7 @@ def _gru(
 
 def _rnn(
     xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
-    consts, keep, me, parts, sync,
+    consts, keep, q, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -320,13 +326,14 @@ def _rnn(
     parity = 0
     g = 0  # phase counter, the same on every thread
     for s in range(T):
-        for q in range(parts):
-            lo, hi = claim(sync, me, q, parts, g, U)
+        A = operand(Rt, hp, q, me, 0, N, K, True)
+        for sl in range(parts):
+            lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
             for u in range(lo, hi):
                 r0 = u * B
-                panel1(Rt, u, 0, hp, 0, N, K, gates, r0, consts, -1)
+                panel1(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
                 for n in range(N):
                     t = _time_of(s, n, lengths, reverse, True, hp, hn, r0)
                     if t < 0:

@@ -55,15 +55,20 @@ def _f64(a) -> np.ndarray | None:
     return None if a is None else np.asarray(a, dtype=np.float64)
 
 
-def _lstm_step(spec, w, acts, x, h, c):
+def _same(a):
+    return a
+
+
+def _lstm_step(spec, w, acts, x, h, c, op=_same):
     H = spec.hidden_size
     f_act, g_act, h_act = acts
     W, R, b = w["W"], w["R"], w["bW"] + w["bR"]
     peep, clip = w["peep"], spec.clip
+    xo, ho = op(x), op(h)
 
     def pre(k, extra=0.0):
         s = slice(k * H, (k + 1) * H)
-        z = W[s] @ x + R[s] @ h + b[s] + extra
+        z = W[s] @ xo + R[s] @ ho + b[s] + extra
         return z if clip is None else np.clip(z, -clip, clip)
 
     i = _act(f_act, pre(0, 0.0 if peep is None else peep[0] * c))
@@ -80,33 +85,34 @@ def _lstm_step(spec, w, acts, x, h, c):
     return h_new, c_new
 
 
-def _gru_step(spec, w, acts, x, h):
+def _gru_step(spec, w, acts, x, h, op=_same):
     H = spec.hidden_size
     f_act, g_act = acts
     W, R, bW, bR, clip = w["W"], w["R"], w["bW"], w["bR"], spec.clip
     z_, r_, n_ = (slice(k * H, (k + 1) * H) for k in range(3))
+    xo, ho = op(x), op(h)
 
     def cl(v):
         return v if clip is None else np.clip(v, -clip, clip)
 
-    z = _act(f_act, cl(W[z_] @ x + R[z_] @ h + bW[z_] + bR[z_]))
-    r = _act(f_act, cl(W[r_] @ x + R[r_] @ h + bW[r_] + bR[r_]))
+    z = _act(f_act, cl(W[z_] @ xo + R[z_] @ ho + bW[z_] + bR[z_]))
+    r = _act(f_act, cl(W[r_] @ xo + R[r_] @ ho + bW[r_] + bR[r_]))
     if spec.linear_before_reset:
-        n = _act(g_act, cl(W[n_] @ x + bW[n_] + r * (R[n_] @ h + bR[n_])))
+        n = _act(g_act, cl(W[n_] @ xo + bW[n_] + r * (R[n_] @ ho + bR[n_])))
     else:
-        n = _act(g_act, cl(W[n_] @ x + bW[n_] + R[n_] @ (r * h) + bR[n_]))
+        n = _act(g_act, cl(W[n_] @ xo + bW[n_] + R[n_] @ op(r * h) + bR[n_]))
     return (1.0 - z) * n + z * h
 
 
-def _rnn_step(spec, w, acts, x, h):
+def _rnn_step(spec, w, acts, x, h, op=_same):
     (f_act,) = acts
-    z = w["W"] @ x + w["R"] @ h + w["bW"] + w["bR"]
+    z = w["W"] @ op(x) + w["R"] @ op(h) + w["bW"] + w["bR"]
     if spec.clip is not None:
         z = np.clip(z, -spec.clip, spec.clip)
     return _act(f_act, z)
 
 
-def _run_direction(spec, w, acts, x, h0, c0, lengths, reverse):
+def _run_direction(spec, w, acts, x, h0, c0, lengths, reverse, op=_same):
     """One direction of one layer. x [T, N, C]; h0 [N, K]; c0 [N, H] or None."""
     T, N, _ = x.shape
     y = np.zeros((T, N, spec.output_size))
@@ -118,11 +124,11 @@ def _run_direction(spec, w, acts, x, h0, c0, lengths, reverse):
         steps = range(int(lengths[n]))
         for t in reversed(steps) if reverse else steps:
             if spec.cell == "lstm":
-                h, c = _lstm_step(spec, w, acts, x[t, n], h, c)
+                h, c = _lstm_step(spec, w, acts, x[t, n], h, c, op)
             elif spec.cell == "gru":
-                h = _gru_step(spec, w, acts, x[t, n], h)
+                h = _gru_step(spec, w, acts, x[t, n], h, op)
             else:
-                h = _rnn_step(spec, w, acts, x[t, n], h)
+                h = _rnn_step(spec, w, acts, x[t, n], h, op)
             y[t, n] = h
         h_n[n] = h
         if c_n is not None:
@@ -156,15 +162,18 @@ def _weights(spec: RNNSpec, layer: int, lw) -> dict:
     return w
 
 
-def reference_forward(spec: RNNSpec, layers, x, h0=None, c0=None, lengths=None):
+def reference_forward(spec: RNNSpec, layers, x, h0=None, c0=None, lengths=None, operand=None):
     """Run the stack described by ``spec`` in float64. Returns ``(y, h_n, c_n)``.
 
     ``x`` [T, N, C] ([N, T, C] if batch_first); ``h0`` [L*D, N, K]; ``c0`` [L*D, N, H] (LSTM);
     ``lengths`` [N] ints in [0, T] or None. ``y`` is [T, N, D*K] ([N, T, D*K] if batch_first),
     forward direction first, zero at t >= lengths[n]; ``h_n`` [L*D, N, K]; ``c_n`` [L*D, N, H] or
     None. Final states come from each sample's last valid step (the initial state if length 0).
-    Biases are added as given (converters supply zeros for bias=False).
+    Biases are added as given (converters supply zeros for bias=False). ``operand``: a function
+    applied to every vector a weight matrix multiplies (x, h, the GRU's r*h) — the rounding of
+    dynamically quantized activations; None: as they are.
     """
+    op = _same if operand is None else operand
     x = np.asarray(x, dtype=np.float64)
     if x.ndim != 3:
         raise ShapeError(f"[reference_forward] x has shape {x.shape}; expected rank 3")
@@ -218,6 +227,7 @@ def reference_forward(spec: RNNSpec, layers, x, h0=None, c0=None, lengths=None):
                 c0[k] if lstm else None,
                 lengths,
                 spec.reversed_direction(d),
+                op,
             )
             if lstm:
                 c_n[k] = c_k

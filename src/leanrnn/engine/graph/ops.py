@@ -26,7 +26,7 @@ from ...ir import RNN_OPS, Graph, Node, rnn_from_node
 from ...kernels import abi, runner
 from ...memory.arena import aligned_empty
 from ...threads import PACKED_MATMUL_PARALLEL_MACS, PARALLEL_MATMUL_MACS, matmul_pool
-from ..session import Session
+from ..session import NO_SCRATCH, Session
 from .quant_ops import quant_ops
 
 
@@ -343,7 +343,8 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, tail) -> None:
         if u1 > u0:
             sync[:] = 0
             call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
-                            b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync)  # fmt: skip
+                            b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
+                            q=NO_SCRATCH)  # fmt: skip
             runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
     if full < U:
         out[:, full * PANEL :] = tail[:, : pm.M - full * PANEL]

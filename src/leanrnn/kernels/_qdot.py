@@ -1,0 +1,200 @@
+"""The integer register tile of the ``int8-dynamic`` precision: u8 activations x s8 weights,
+summed exactly in int32, scaled to float32 once at the store.
+
+Where ``_simd``'s tiles widen each weight to float32 and do one FMA per weight (8 per
+instruction on AVX2), this one multiplies 32 byte pairs per instruction: ``vpmaddubsw``
+(u8 x s8, adjacent pairs summed to int16) then ``vpmaddwd`` by ones (pairs of int16 summed to
+int32), so each int32 lane gets the dot product of 4 consecutive inputs with 4 weights of one
+column. Three instructions per 32 multiply-adds, against four FMAs and four widenings.
+
+Operands (formats.quantize has the packing side):
+
+- **weights** P, uint8 [U, X/4 + DOT_TAIL_ROWS, 4*Wd] (uint8 is only the tag that selects this
+  tile: the bytes are int8 codes, and LLVM's integers are signless): row k4 of panel u holds,
+  for each column j, its 4 weights of inputs 4*k4..4*k4+3. Codes are in [-63, 63] (7 bits),
+  so a pair sum u8*s8 + u8*s8 <= 2*255*63 = 32130 never saturates the int16 of vpmaddubsw:
+  the integer sum is exact. Row X/4 holds the Wd float32 column scales, row X/4 + 1 the Wd
+  int32 corrections 128 * sum_k q_kj (the activations' offset, below).
+- **activations** A, uint8 [rows, lda]: row i holds round(a_ik / s_i) + 128 for its inputs
+  (kernels.gemm.quantize_rows; symmetric per row, s_i = max_k |a_ik| / 127, codes 1..255) and
+  its float32 scale s_i in its last 4 bytes.
+
+    C[i, j] = init + float(sum_k A[i, k] * q_kj - corr_j) * (s_i * s_j)
+
+No k loop is split (the caller never slices K: an int8 panel of 1024 inputs is 64 KiB, it
+stays in L2 whole), so the correction covers exactly the inputs summed.
+
+On CPUs without AVX2 the same IR is written with plain integer ops (widen, multiply, add
+groups of 4): exact as well, the same numbers, slower; ``LEANRNN_ISA=sse`` selects it anywhere.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from . import _cpu
+from .abi import DOT_TAIL_ROWS
+
+LANES = 8  # int32 accumulators (= output columns) per vector; a 16-column group is 2 vectors
+
+
+def tile(isa: _cpu.Isa):
+    """The register tile (rows x groups of 16 columns) for ``isa``: the float32 rule of
+    _cpu.tile_for on 32-byte vectors (the intrinsics below are AVX2's, which AVX-512 machines
+    run too) with two registers kept back, for the ones of vpmaddwd and a product."""
+    return _cpu.tile_for(_cpu.Isa(isa.name, isa.regs - 2, 32), 4)
+
+
+def codegen(nvec: int, isa: _cpu.Isa):
+    t = tile(isa)
+    use_avx2 = isa.name in ("avx2", "avx512")
+
+    def gen(context, builder, signature, args):
+        P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
+        MR = t.rows
+        vecs_per_group = 2
+
+        def chunks_of(ng):
+            ng = min(ng, nvec)
+            return [(g * vecs_per_group, min(ng, nvec - g) * vecs_per_group)
+                    for g in range(0, nvec, ng)]  # fmt: skip
+
+        chunks, gemv_chunks = chunks_of(t.groups), chunks_of(t.gemv_groups)
+        nvmax = max(nv for _, nv in chunks + gemv_chunks)
+        pa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_).data
+        aa = cgutils.create_struct_proxy(signature.args[3])(context, builder, value=A_).data
+        ca = cgutils.create_struct_proxy(signature.args[9])(context, builder, value=C_).data
+        ba = cgutils.create_struct_proxy(signature.args[13])(context, builder, value=bias_).data
+        parr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_)
+        _, s1, s2 = cgutils.unpack_tuple(builder, parr.shape, 3)
+        add_old = builder.icmp_signed("==", mode, ir.Constant(mode.type, 1))
+        add_bias = builder.icmp_signed("==", mode, ir.Constant(mode.type, 2))
+        i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+        f32 = ir.FloatType()
+        v32i8 = ir.VectorType(i8, 4 * LANES)
+        v16i16 = ir.VectorType(i16, 2 * LANES)
+        v8i32 = ir.VectorType(i32, LANES)
+        v8f = ir.VectorType(f32, LANES)
+        zero_i = ir.Constant(v8i32, [0] * LANES)
+        zero_f = ir.Constant(v8f, [0.0] * LANES)
+        splat = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+
+        def const(v):
+            return ir.Constant(i64, v)
+
+        if use_avx2:
+            maddubs = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw"
+            )
+            maddwd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd"
+            )
+            ones = ir.Constant(v16i16, [1] * (2 * LANES))
+
+            def dot4(a, w):
+                return builder.call(maddwd, [builder.call(maddubs, [a, w]), ones])
+        else:
+            v32i32 = ir.VectorType(i32, 4 * LANES)
+
+            def dot4(a, w):
+                prod = builder.mul(builder.zext(a, v32i32), builder.sext(w, v32i32))
+                tot = None
+                for m in range(4):
+                    lane = builder.shuffle_vector(
+                        prod, prod, ir.Constant(v8i32, [4 * j + m for j in range(LANES)])
+                    )
+                    tot = lane if tot is None else builder.add(tot, lane)
+                return tot
+
+        # The panel slice's column scales and corrections (its tail rows, see the docstring):
+        # panel u = poff // (S1*S2), the slice's first column byte poff % S2 (4 per column).
+        u = builder.sdiv(poff, builder.mul(s1, s2))
+        colbyte = builder.srem(poff, s2)
+        tail = builder.mul(builder.add(builder.mul(u, s1), builder.sub(s1, const(DOT_TAIL_ROWS))), s2)
+        scale_p = builder.bitcast(builder.gep(pa, [builder.add(tail, colbyte)]), f32.as_pointer())
+        corr_p = builder.bitcast(
+            builder.gep(pa, [builder.add(builder.add(tail, s2), colbyte)]), i32.as_pointer()
+        )
+        k4s = builder.sdiv(builder.add(K, const(3)), const(4))
+        acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(nvmax)]
+               for _ in range(MR)]  # fmt: skip
+
+        def rows_block(i, nrows):
+            arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
+                    for r in range(nrows)]  # fmt: skip
+            for v0, nv in gemv_chunks if nrows == 1 else chunks:
+                chunk(i, nrows, arow, v0, nv)
+
+        def chunk(i, nrows, arow, v0, nv):
+            for a in acc[:nrows]:
+                for v in range(nv):
+                    builder.store(zero_i, a[v])
+            with cgutils.for_range_slice(builder, const(0), k4s, const(1)) as (k4, _):
+                wrow = builder.add(builder.add(poff, builder.mul(k4, kstride)), const(v0 * 32))
+                ws = []
+                for v in range(nv):
+                    p = builder.gep(pa, [builder.add(wrow, const(v * 32))])
+                    ws.append(builder.load(builder.bitcast(p, v32i8.as_pointer()), align=1))
+                for r in range(nrows):
+                    p = builder.gep(aa, [builder.add(arow[r], builder.mul(k4, const(4)))])
+                    quad = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
+                    av = builder.insert_element(ir.Constant(v8i32, ir.Undefined), quad,
+                                                ir.Constant(i32, 0))  # fmt: skip
+                    av = builder.bitcast(builder.shuffle_vector(av, av, splat), v32i8)
+                    for v in range(nv):
+                        slot = acc[r][v]
+                        builder.store(builder.add(builder.load(slot), dot4(av, ws[v])), slot)
+
+            def store_rows(init_of):
+                for r in range(nrows):
+                    row = builder.add(i, const(r))
+                    sp = builder.gep(aa, [builder.sub(builder.mul(builder.add(row, const(1)), lda),
+                                                      const(4))])  # fmt: skip
+                    s_row = builder.load(builder.bitcast(sp, f32.as_pointer()), align=1)
+                    s_rowv = builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(v8f, ir.Undefined), s_row,
+                                               ir.Constant(i32, 0)), ir.Constant(v8f, ir.Undefined),
+                        splat,
+                    )  # fmt: skip
+                    base = builder.add(coff, builder.mul(row, ldc))
+                    for v in range(nv):
+                        col = (v0 + v) * LANES
+                        corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
+                                                            v8i32.as_pointer()), align=1)  # fmt: skip
+                        s_col = builder.load(builder.bitcast(builder.gep(scale_p, [const(col)]),
+                                                             v8f.as_pointer()), align=1)  # fmt: skip
+                        tot = builder.sitofp(builder.sub(builder.load(acc[r][v]), corr), v8f)
+                        tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
+                        ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
+                                              v8f.as_pointer())  # fmt: skip
+                        builder.store(builder.fadd(tot, init_of(ptr, col)), ptr, align=4)
+
+            def old(ptr, col):
+                return builder.load(ptr, align=4)
+
+            def bias(ptr, col):
+                bp = builder.gep(ba, [builder.add(boff, const(col))])
+                return builder.load(builder.bitcast(bp, v8f.as_pointer()), align=4)
+
+            with builder.if_else(add_old) as (then, otherwise):
+                with then:
+                    store_rows(old)
+                with otherwise:
+                    with builder.if_else(add_bias) as (then2, otherwise2):
+                        with then2:
+                            store_rows(bias)
+                        with otherwise2:
+                            store_rows(lambda ptr, col: zero_f)
+
+        n = builder.sub(i1, i0)
+        full_end = builder.add(i0, builder.mul(builder.sdiv(n, const(MR)), const(MR)))
+        with cgutils.for_range_slice(builder, i0, full_end, const(MR)) as (i, _):
+            rows_block(i, MR)
+        rem = builder.sub(i1, full_end)
+        for r in range(1, MR):
+            with builder.if_then(builder.icmp_signed("==", rem, const(r))):
+                rows_block(full_end, r)
+        return context.get_dummy_value()
+
+    return gen

@@ -1,0 +1,303 @@
+"""int8-dynamic (issue 14): int8 weights and activations quantized per row as the kernels run,
+summed exactly in int32 (kernels._qdot, kernels.gemm.quantize_rows, formats.quantize.dot_panel).
+
+The oracle (independent of the packing and the kernels): float64 reference_forward on the
+canonical weights rounded to 7-bit codes per output unit and gate, with every vector a weight
+matrix multiplies rounded the way the kernels round it — per vector, in float32 arithmetic,
+s = max|a| / 127, a ~ s * rint(a * (127 / max|a|)). Where the kernels and the oracle quantize
+the same float32 numbers (a single step from given states), they agree to float32 rounding;
+over many steps the kernels' float32 states drift from the oracle's float64 ones by ~1e-7, and
+a code can then land on the other side of a rounding tie, so long runs are checked against the
+float32 model within the format's error instead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numba
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import random_layers
+from leanrnn.errors import ModelFormatError
+from leanrnn.formats import native
+from leanrnn.formats.packing import pack
+from leanrnn.formats.quantize import dot_codes, dot_panel
+from leanrnn.kernels import _cpu, _simd
+from leanrnn.kernels.abi import B, CODE_OFFSET, DOT_QMAX, quantized_row_bytes
+from leanrnn.kernels.reference import reference_forward
+from leanrnn.spec import RNNSpec
+from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC
+
+P = "int8-dynamic"
+F32 = np.float32
+
+
+# ------------------------------------------------------------------------------- the oracle
+def _weights(w: np.ndarray) -> np.ndarray:
+    """Per row (output unit and gate) of canonical W or R: s = max|w| / 63 (float32),
+    w ~ s * clip(rint(w / s), -63, 63)."""
+    w = np.asarray(w, np.float64)
+    s = (np.abs(w).max(axis=1) / DOT_QMAX).astype(F32).astype(np.float64)[:, None]
+    q = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s > 0)), -DOT_QMAX, DOT_QMAX)
+    return q * s
+
+
+def _codes(a: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """A float32 vector's activation codes (without the +128) and scale, in float32 as the
+    kernels compute them."""
+    a = np.asarray(a, F32)
+    amax = np.abs(a).max(initial=F32(0))
+    if amax == 0:
+        return np.zeros(a.shape, np.int64), F32(0)
+    inv = F32(127) / amax
+    return np.rint(a * inv).astype(np.int64), amax / F32(127)
+
+
+def _operand(a):
+    q, s = _codes(np.asarray(a, F32))
+    return q * np.float64(s)
+
+
+def rounded(layers):
+    return [[dataclasses.replace(lw, W=_weights(lw.W), R=_weights(lw.R)) for lw in d]
+            for d in layers]  # fmt: skip
+
+
+SPECS = [
+    RNNSpec("lstm", 5, 16),  # H on the panel width
+    RNNSpec("lstm", 7, 19, direction="bidirectional"),  # off it
+    RNNSpec("lstm", 6, 13, proj_size=5, peepholes=True, clip=2.0),  # the per-gate path
+    RNNSpec("gru", 5, 16, direction="reverse"),
+    RNNSpec("gru", 7, 21, direction="bidirectional", linear_before_reset=False),  # r*h too
+    RNNSpec("rnn", 9, 17, direction="bidirectional", batch_first=True),
+]
+
+
+def _model(spec, seed, threads=None):
+    rng = np.random.default_rng(seed)
+    layers = random_layers(spec, rng, F32, scale=0.3)
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P)
+    model.session.threads = threads
+    return model, layers, rng
+
+
+def _states(spec, rng, N):
+    LD = spec.num_layers * spec.num_directions
+    h0 = rng.standard_normal((LD, N, spec.output_size)).astype(F32)
+    c0 = rng.standard_normal((LD, N, spec.hidden_size)).astype(F32) if spec.cell == "lstm" else None
+    return h0, c0
+
+
+def _one_step(spec, seed, N, threads=None):
+    """One step (both directions see the same x), from random float32 states: the kernels and
+    the oracle quantize the very same numbers."""
+    model, layers, rng = _model(spec, seed, threads)
+    x = rng.standard_normal((N, 1, spec.input_size) if spec.batch_first
+                            else (1, N, spec.input_size)).astype(F32)  # fmt: skip
+    h0, c0 = _states(spec, rng, N)
+    y, h_n, c_n = model.session.run(x, h0, c0)
+    ry, rh, rc = reference_forward(spec, rounded(layers), x, h0, c0, operand=_operand)
+    tol = ATOL_REDUCED[np.uint8]
+    np.testing.assert_allclose(y, ry, rtol=0, atol=tol)
+    np.testing.assert_allclose(h_n, rh, rtol=0, atol=tol)
+    if c_n is not None:
+        np.testing.assert_allclose(c_n, rc, rtol=0, atol=tol)
+    # ... and the check can fail: the oracle without the activations' rounding is farther off
+    ry_w, _, _ = reference_forward(spec, rounded(layers), x, h0, c0)
+    assert np.abs(y - ry_w).max() > 10 * tol
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_a_step_matches_the_oracle_that_rounds_weights_and_activations(spec):
+    _one_step(spec, 3, N=3)
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
+
+
+@pytest.mark.parametrize("spec", [RNNSpec("lstm", 24, 96), RNNSpec("gru", 24, 80),
+                                  RNNSpec("rnn", 24, 112, direction="bidirectional")],
+                         ids=repr)  # fmt: skip
+def test_a_step_on_two_threads(spec, many_cores):
+    """Big enough (threads.PARALLEL_MIN_MACS) that two threads split the blocks: each
+    quantizes h into its own scratch row."""
+    _one_step(spec, 5, N=3, threads=2)
+
+
+def test_a_two_layer_step_quantizes_the_first_layers_output():
+    """Layer 2's input is layer 1's float32 output: the oracle rounds it to float32 first too
+    (a tie flipped by float32 noise would show as one code's step, far above the tolerance)."""
+    _one_step(RNNSpec("lstm", 6, 20, num_layers=2), 7, N=2)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+def test_long_runs_stay_within_the_formats_error_of_float32(cell):
+    """T=200 with lengths, torch's default initialisation (random weights of scale 0.3 make a
+    chaotic RNN, where even bf16 ends O(1) away): int8-dynamic against the float32 model, max
+    abs error — measured 1.4e-3 (LSTM), 5.1e-3 (GRU), 1.3e-2 (RNN); a wrong scale or
+    correction anywhere gives O(1). Each sample's tail past its length is zero."""
+    m32 = getattr(leanrnn, cell)(12, 48, num_layers=2, seed=11)
+    model = leanrnn.quantize(m32, P)
+    x = np.random.default_rng(11).standard_normal((200, 4, 12)).astype(F32)
+    lengths = np.array([200, 150, 1, 0])
+    y, h_n, _ = model.session.run(x, lengths=lengths)
+    y32, _, _ = m32.session.run(x, lengths=lengths)
+    err = np.abs(y - y32).max()
+    assert 1e-4 < err < 5e-2, err  # quantized (not float32), and close to it
+    assert (y[1:, 2] == 0).all() and (y[:, 3] == 0).all() and (y[150:, 1] == 0).all()
+    np.testing.assert_array_equal(h_n[:, 3], 0)  # length 0: the initial state
+
+
+def test_a_stream_of_single_steps_equals_one_run():
+    m = leanrnn.quantize(leanrnn.LSTM(6, 20, num_layers=2, seed=1), P)
+    x = np.random.default_rng(0).standard_normal((5, 2, 6)).astype(F32)
+    y, _, _ = m.session.run(x)
+    st = m.session.stream(batch=2)
+    steps = np.stack([st.feed(x[t]) for t in range(5)])
+    # the same rows quantized the same way: only the projection's tiling differs
+    np.testing.assert_allclose(steps, y, rtol=0, atol=ATOL_SAME_ARITHMETIC[F32])
+
+
+def test_non_finite_input_propagates_and_the_session_stays_usable():
+    m = leanrnn.quantize(leanrnn.GRU(4, 16, seed=2), P)
+    x = np.random.default_rng(1).standard_normal((3, 2, 4)).astype(F32)
+    good = m(x)[0]
+    bad = x.copy()
+    bad[1, 0, 2] = np.nan
+    y = m(bad)[0]
+    assert np.isnan(y[1:, 0]).all() and np.isfinite(y[:, 1]).all()
+    np.testing.assert_allclose(y[:, 1], good[:, 1], rtol=0, atol=ATOL_SAME_ARITHMETIC[F32])
+    np.testing.assert_array_equal(m(x)[0], good)
+
+
+def test_the_jit_backend_runs_int8_dynamic_jobs_too(monkeypatch):
+    """The same jobs on numba's JIT (what runs where no C compiler is): one small cell."""
+    monkeypatch.setattr(leanrnn.config, "_backend", "jit")
+    _one_step(RNNSpec("rnn", 5, 17, direction="bidirectional"), 9, N=2)
+
+
+# ---------------------------------------------------- the kernels' own pieces, on any machine
+def _tile(name):
+    g1, g4 = (_simd.make(n, None, _cpu.ISAS[name]) for n in (1, 4))
+
+    @numba.njit
+    def run(nvec, P_, poff, A, i0, i1, K, C, mode, bias):
+        ks, lda, ldc = P_.shape[2], A.shape[1], C.shape[1]
+        if nvec == 1:
+            g1(P_, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+        else:
+            g4(P_, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+
+    return run
+
+
+@pytest.mark.parametrize("name", ["avx2", "sse"])
+def test_the_integer_tile_on_avx2_and_on_plain_integer_ops(name):
+    """AVX2's vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one
+    (every other CPU): exact integer sums, codes at the extremes (255 x +-63: the largest
+    pair sums, which must not saturate), the lone-row GEMV and several rows, one and four
+    groups, panel 1 of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
+    run = _tile(name)
+    rng = np.random.default_rng(4)
+    Wd, Xp, K = 4 * B, 16, 11
+    w = rng.standard_normal((2, Xp, Wd)).astype(F32)
+    w[:, K:] = 0
+    w[1, :, 0] = [63.0] * K + [0.0] * (Xp - K)  # codes +63 all along column 0 ...
+    w[1, :, 1] = [-63.0] * K + [0.0] * (Xp - K)  # ... and -63 along column 1
+    panel = dot_panel(w)
+    q, s, _ = dot_codes(panel)
+    deq = q.astype(np.float64) * s.astype(np.float64)[:, None, :]
+    bias = rng.standard_normal(Wd).astype(F32)
+    for nvec in (1, 4):
+        cols = nvec * B
+        for M in (1, 7):
+            ld = quantized_row_bytes(K)
+            A = np.zeros((M, ld), np.uint8)
+            codes = rng.integers(1, 256, (M, K))
+            codes[0] = 255  # the extreme: 255 * 63 * 2 per pair
+            A[:, :K] = codes
+            srow = rng.random(M).astype(F32)
+            A[:, ld - 4 :] = srow.view(np.uint8).reshape(M, 4)
+            act = (codes - CODE_OFFSET) * srow.astype(np.float64)[:, None]
+            C0 = rng.standard_normal((M, cols)).astype(F32)
+            prod = act @ deq[1, :K, :cols]
+            for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                C = C0.copy()
+                run(nvec, panel, panel.shape[1] * panel.shape[2], A, 0, M, K, C, mode, bias)
+                np.testing.assert_allclose(C, prod + init, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
+
+
+def test_activation_codes_are_numpys_float32_rounding():
+    """quantize_rows against numpy in float32: the same codes (ties to even) and scale bytes;
+    an all-zero row, a NaN row and an inf row."""
+    from leanrnn.kernels.gemm import quantize_rows
+
+    rng = np.random.default_rng(6)
+    K = 13
+    A = rng.standard_normal((6, K + 3)).astype(F32)
+    A[1, :K] = np.arange(K, dtype=F32) - 6.0  # max 6: codes 127 * v / 6 hit .5 ties
+    A[2] = 0
+    A[3, 4] = np.nan
+    A[4, 5] = np.inf
+    ld = quantized_row_bytes(K)
+    flat = np.full(5 * ld + 3, 7, np.uint8)
+    quantize_rows(A, 1, 6, K, flat)
+    assert (flat[5 * ld :] == 7).all()  # nothing past the rows
+    out = flat[: 5 * ld].reshape(5, ld)
+    scales = out[:, ld - 4 :].copy().view(F32).ravel()
+    for r, row in enumerate(A[1:6]):
+        if not np.isfinite(row[:K]).all():
+            assert np.isnan(scales[r])
+            continue
+        q, s = _codes(row[:K])
+        np.testing.assert_array_equal(out[r, :K].astype(np.int64) - CODE_OFFSET, q)
+        assert scales[r] == s
+    assert (out[1, :K] == CODE_OFFSET).all() and scales[1] == 0
+
+
+def test_panel_codes_are_7_bit_and_dequantize_within_half_a_step():
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((3, 32, 64)).astype(F32)
+    q, s, corr = dot_codes(dot_panel(w))
+    assert np.abs(q.astype(np.int64)).max() == DOT_QMAX
+    np.testing.assert_array_equal(corr, CODE_OFFSET * q.astype(np.int64).sum(axis=1))
+    err = np.abs(q * s[:, None, :].astype(np.float64) - w)
+    assert (err <= s[:, None, :] * (0.5 + 1e-6)).all()
+
+
+def test_weights_shrink_to_about_a_quarter():
+    m = leanrnn.LSTM(64, 256, seed=0)
+    q = leanrnn.quantize(m, P)
+    assert q.weights.precision == P
+    assert q.weights.weight_bytes < m.weights.weight_bytes / 3.8
+
+
+def test_lrnn_round_trip_is_bit_exact(tmp_path):
+    m = leanrnn.quantize(leanrnn.GRU(5, 20, num_layers=2, seed=3), P)
+    path = leanrnn.save(m, tmp_path / "q.lrnn")
+    back = leanrnn.load(path)
+    assert back.weights.precision == P
+    for name, a in m.weights.tensors().items():
+        np.testing.assert_array_equal(back.weights.tensors()[name], a)
+    x = np.random.default_rng(0).standard_normal((4, 2, 5)).astype(F32)
+    np.testing.assert_array_equal(back(x)[0], m(x)[0])
+
+
+def test_a_file_with_corrections_that_do_not_match_its_codes_is_refused(tmp_path):
+    m = leanrnn.quantize(leanrnn.LSTM(4, 16, seed=1), P)
+    path = str(leanrnn.save(m, tmp_path / "q.lrnn"))
+    panel = m.weights.layers[0][0].Rt
+    corr_row = panel[0, -1].tobytes()  # panel 0's corrections
+    data = bytearray(open(path, "rb").read())
+    at = data.find(panel[0].tobytes())
+    assert at > 0
+    off = at + panel.shape[1] * panel.shape[2] - len(corr_row)
+    data[off] ^= 1  # one correction off by one
+    bad = tmp_path / "bad.lrnn"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match="corrections"):
+        leanrnn.load(str(bad))
