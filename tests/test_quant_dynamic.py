@@ -21,11 +21,10 @@ import pytest
 import leanrnn
 from helpers import random_layers
 from leanrnn.errors import ModelFormatError
-from leanrnn.formats import native
 from leanrnn.formats.packing import pack
 from leanrnn.formats.quantize import dot_codes, dot_panel
 from leanrnn.kernels import _cpu, _simd
-from leanrnn.kernels.abi import B, CODE_OFFSET, DOT_QMAX, quantized_row_bytes
+from leanrnn.kernels.abi import CODE_OFFSET, DOT_QMAX, B, quantized_row_bytes
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
 from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, WeightsError
-from ..kernels.abi import B, DOT_TAIL_ROWS  # the kernels' layout, defined with them
+from ..kernels.abi import DOT_TAIL_ROWS, B  # the kernels' layout, defined with them
 from ..memory.arena import aligned_empty, round_up
 from ..spec import RNNSpec
 

@@ -93,7 +93,9 @@ def dot_panel(w: np.ndarray) -> np.ndarray:
     q, scale = int8_columns(w, DOT_QMAX)
     U, X, Wd = q.shape
     out = np.empty((U, X // 4 + DOT_TAIL_ROWS, 4 * Wd), np.uint8)
-    out[:, : X // 4] = q.reshape(U, X // 4, 4, Wd).transpose(0, 1, 3, 2).reshape(U, X // 4, 4 * Wd).view(np.uint8)
+    out[:, : X // 4] = (
+        q.reshape(U, X // 4, 4, Wd).transpose(0, 1, 3, 2).reshape(U, X // 4, 4 * Wd).view(np.uint8)
+    )
     out[:, X // 4] = scale.view(np.uint8).reshape(U, 4 * Wd)
     out[:, X // 4 + 1] = _dot_corrections(q).view(np.uint8).reshape(U, 4 * Wd)
     return out
@@ -109,7 +111,13 @@ def dot_codes(panel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     int32 [U, Wd]), the inverse of dot_panel's layout."""
     U, R, W4 = panel.shape
     X4, Wd = R - DOT_TAIL_ROWS, W4 // 4
-    q = panel[:, :X4].view(np.int8).reshape(U, X4, Wd, 4).transpose(0, 1, 3, 2).reshape(U, 4 * X4, Wd)
+    q = (
+        panel[:, :X4]
+        .view(np.int8)
+        .reshape(U, X4, Wd, 4)
+        .transpose(0, 1, 3, 2)
+        .reshape(U, 4 * X4, Wd)
+    )
     scale = np.ascontiguousarray(panel[:, X4]).view(np.float32).reshape(U, Wd)
     corr = np.ascontiguousarray(panel[:, X4 + 1]).view(np.int32).reshape(U, Wd)
     return q, scale, corr

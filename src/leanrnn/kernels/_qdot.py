@@ -111,7 +111,9 @@ def codegen(nvec: int, isa: _cpu.Isa):
         # panel u = poff // (S1*S2), the slice's first column byte poff % S2 (4 per column).
         u = builder.sdiv(poff, builder.mul(s1, s2))
         colbyte = builder.srem(poff, s2)
-        tail = builder.mul(builder.add(builder.mul(u, s1), builder.sub(s1, const(DOT_TAIL_ROWS))), s2)
+        tail = builder.mul(
+            builder.add(builder.mul(u, s1), builder.sub(s1, const(DOT_TAIL_ROWS))), s2
+        )
         scale_p = builder.bitcast(builder.gep(pa, [builder.add(tail, colbyte)]), f32.as_pointer())
         corr_p = builder.bitcast(
             builder.gep(pa, [builder.add(builder.add(tail, s2), colbyte)]), i32.as_pointer()

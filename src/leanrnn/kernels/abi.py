@@ -245,6 +245,7 @@ def quantized_row_bytes(K: int) -> int:
     groups of 4, then the row's float32 scale."""
     return (K + 3) // 4 * 4 + 4
 
+
 # ----------------------------------------------------------------------- the sync array layout
 LINE = 16  # int64 slots per cache-line pair: slot r lives at index r*LINE, alone in its line
 # Slot rows of a sync array (see _sync).
