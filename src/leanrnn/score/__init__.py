@@ -19,10 +19,6 @@ from .writers import open_output
 
 __all__ = ["OUTPUTS", "DataError", "ScoreSummary", "score"]
 
-# Input read per piece, as a share of the read-ahead window (a window holds several pieces, so
-# sorting by length has sequences from more than one piece to choose from).
-PIECES_PER_WINDOW = 4
-
 
 @dataclass
 class ScoreSummary:
@@ -184,24 +180,11 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     src = Source(os.fspath(dataset), scorer.C, scorer.dtype, opts)
     bar = _Progress(src.count(), progress)
     tb = scorer.tuning
-    it = scorer.dtype.itemsize
-    final_bytes = (scorer.LD * (scorer.K + scorer.H)) * it if scorer.final else 0
-    step_out = scorer.DK * it if scorer.steps else 0
     out = open_output(os.fspath(output))
     try:
-        window, held = [], 0
-        for piece in src.pieces(max(1, tb.window_bytes // PIECES_PER_WINDOW)):
-            held += piece.nbytes
-            for s in piece.seqs:
-                window.append(s)
-                held += final_bytes + len(s) * step_out
-            if held >= tb.window_bytes:
-                out.write(scorer.score(window))
-                bar.update(len(window))
-                window, held = [], 0
-        if window:
-            out.write(scorer.score(window))
-            bar.update(len(window))
+        for r in scorer.windows(src.pieces(scorer.piece_bytes)):
+            out.write(r)
+            bar.update(len(r))
         out.close(scorer.empty())
     except BaseException:
         out.abort()

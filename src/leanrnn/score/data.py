@@ -92,6 +92,24 @@ class Source:
         for r in self._readers:
             yield from r.pieces(piece_bytes)
 
+    def row_groups(self) -> list[tuple[str, int, int]]:
+        """(file, row group, uncompressed bytes) of every non-empty Parquet row group, in
+        order, from the metadata alone: the units the Ray path hands out."""
+        out = []
+        for r in self._readers:
+            assert isinstance(r, _ParquetReader), r.path  # callers check the file names first
+            md = r.pf.metadata
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
+                if rg.num_rows:
+                    out.append((r.path, g, rg.total_byte_size))
+        return out
+
+    def groups_pieces(self, piece_bytes: int, groups: list[int]) -> Iterator[Piece]:
+        """The pieces of row groups ``groups`` of this Source's single Parquet file."""
+        (r,) = self._readers
+        return r.pieces(piece_bytes, groups)
+
 
 def _kind(path: str) -> str:
     p = path.lower()
@@ -177,12 +195,14 @@ class _ParquetReader:
     def count(self) -> int:
         return self.pf.metadata.num_rows
 
-    def pieces(self, piece_bytes: int) -> Iterator[Piece]:
+    def pieces(self, piece_bytes: int, groups: list[int] | None = None) -> Iterator[Piece]:
+        """groups: the row groups to read, in this order (None: all; the Ray path hands each
+        actor a share of a file's row groups)."""
         import pyarrow as pa
 
         md = self.pf.metadata
         cols = [self.column] + ([self.length_column] if self.length_column else [])
-        for g in range(md.num_row_groups):
+        for g in range(md.num_row_groups) if groups is None else groups:
             rg = md.row_group(g)
             if rg.num_rows == 0:
                 continue

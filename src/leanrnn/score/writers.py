@@ -72,9 +72,12 @@ class ParquetOut:
         self._w = None
 
     def write(self, r: Results) -> None:
+        self.write_table(to_arrow(r))
+
+    def write_table(self, t) -> None:
+        """t: a pyarrow Table of to_arrow's columns (the Ray path's actors send these)."""
         import pyarrow.parquet as pq
 
-        t = to_arrow(r)
         if self._w is None:
             self._w = pq.ParquetWriter(self.tmp, t.schema)
         self._w.write_table(t)
