@@ -158,7 +158,8 @@ class _RowGroupScorer(Predictor):
 
     def __call__(self, batch):
         sc = self.scorer
-        for path, groups in zip(batch["path"].to_pylist(), batch["groups"].to_pylist()):
+        for item in batch.to_pylist():
+            path, groups = item["path"], item["groups"]
             src = self._sources.get(path)
             if src is None:
                 src = self._sources[path] = Source(path, sc.C, sc.dtype, self.options)
