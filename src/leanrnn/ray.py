@@ -273,7 +273,10 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds = ds.map_batches(
             _RowGroupScorer, batch_format="pyarrow", batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
+            # One item at a time: an item is seconds of work and a few bytes of input, so
+            # queueing more only lets the first actor up take the others' share.
+            compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=1),
+            num_cpus=per_actor,
             fn_constructor_kwargs=dict(model=blob, outputs=outputs, options=opts,
                                        threads=threads, memory_limit=memory_limit,
                                        batch_size=batch_size),
