@@ -34,12 +34,12 @@ def model():
 
 
 def test_ray_path_equals_local_path(ray_local, model, tmp_path):
-    """Two files of different layouts (each actor reads its row groups with the local path's
-    reader, so files need not share a schema), row groups shared out over two actors."""
+    """Two files of different layouts (each actor reads its row ranges with the local path's
+    reader, so files need not share a schema); a row group cut into ranges, others whole."""
     seqs = _seqs("skewed", 300, seed=11)
     d = tmp_path / "data"
     d.mkdir()
-    write_parquet(str(d / "a.parquet"), seqs[:150], row_group_size=40)
+    write_parquet(str(d / "a.parquet"), seqs[:150], row_group_size=150)  # one row group: cut
     write_parquet(str(d / "b.parquet"), seqs[150:], "flat", row_group_size=40, pad=2)
     local = str(tmp_path / "local.parquet")
     remote = str(tmp_path / "ray.parquet")
@@ -134,9 +134,15 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
 
 
-def test_work_items_cover_every_row_group_once_in_order(tmp_path):
-    """The driver's plan (no Ray needed): about ITEMS_PER_ACTOR runs of row groups per actor,
-    of about equal bytes, never across files, empty row groups left out."""
+def _covered(items):
+    """(path, row group, row) of every row the items name, in item order."""
+    return [(it["path"], g, r) for it in items for g, r0, r1 in it["ranges"] for r in range(r0, r1)]
+
+
+def test_work_items_cover_every_row_once_in_order(tmp_path):
+    """The driver's plan (no Ray needed): ITEMS_PER_ACTOR items of about equal bytes per
+    actor, never across files, empty row groups left out, a row group larger than an item cut
+    into row ranges (a file of one row group still feeds every actor)."""
     from leanrnn.ray import ITEMS_PER_ACTOR, _work
     from leanrnn.score.data import Source
 
@@ -148,15 +154,22 @@ def test_work_items_cover_every_row_group_once_in_order(tmp_path):
     with pq.ParquetWriter(str(d / "c.parquet"), pq.read_schema(str(d / "a.parquet"))) as w:
         w.write_table(pq.read_table(str(d / "a.parquet")).slice(0, 0))  # one empty group
     src = Source(str(d), 5, np.float32)
-    want = [(p, g) for p, g, _ in src.row_groups()]
-    assert len(want) == 19
+    want = [(p, g, r) for p, g, rows, _ in src.row_groups() for r in range(rows)]
+    assert len(want) == 100 and len(src.row_groups()) == 19
     for actors in (1, 2, 3, 10):
         items = _work(src, actors)
-        assert [(it["path"], g) for it in items for g in it["groups"]] == want
-        assert all(it["groups"] for it in items)
+        assert _covered(items) == want
+        assert all(it["ranges"] for it in items)
         assert len(items) <= ITEMS_PER_ACTOR * actors + 1  # + 1: the file boundary
     one = Source(str(d / "a.parquet"), 5, np.float32)
-    for actors in (1, 2, 3):  # equal row groups: runs differ by one group at most
-        sizes = [len(it["groups"]) for it in _work(one, actors)]
+    for actors in (1, 2, 3):  # equal row groups: items differ by one group at most
+        sizes = [len(it["ranges"]) for it in _work(one, actors)]
         assert len(sizes) == min(15, ITEMS_PER_ACTOR * actors), sizes
         assert max(sizes) - min(sizes) <= 1, sizes
+    whole = write_parquet(str(tmp_path / "whole.parquet"), seqs, row_group_size=1000)
+    src = Source(whole, 5, np.float32)
+    for actors in (1, 2):  # one row group: cut into ITEMS_PER_ACTOR * actors row ranges
+        items = _work(src, actors)
+        assert _covered(items) == [(whole, 0, r) for r in range(100)]
+        rows = [r1 - r0 for it in items for _, r0, r1 in it["ranges"]]
+        assert len(items) == ITEMS_PER_ACTOR * actors and max(rows) - min(rows) <= 1, rows

@@ -1,7 +1,7 @@
 """leanrnn on Ray Data (the ``leanrnn[ray]`` extra): ``Predictor``, a callable class for
 ``Dataset.map_batches`` that loads a model once per actor, and ``score_on_ray``, the
-``leanrnn score --ray`` pipeline: the files' row groups, shared out -> map_batches(an actor
-pool that reads its row groups itself and scores them) -> the driver writes OUTPUT in order.
+``leanrnn score --ray`` pipeline: the files' row ranges, shared out -> map_batches(an actor
+pool that reads its row ranges itself and scores them) -> the driver writes OUTPUT in order.
 
     >>> import ray, leanrnn.ray                                              # doctest: +SKIP
     >>> ds = ray.data.read_parquet("utterances/")                            # doctest: +SKIP
@@ -12,11 +12,11 @@ Ray's traps, and what is done about them:
 - Shipping the input through Ray costs more CPU than scoring leaves spare: a read task decodes
   the Parquet file (Ray read a whole 258 MiB file in one task, ~390 MiB of memory), copies the
   blocks into the object store, and starts worker processes of its own, all competing with the
-  actors for the cores. So score_on_ray hands each actor a list of row groups (from the
-  metadata, on the driver) and the actor reads them with the local path's reader: the input
-  is decoded once, in the process that scores it, and never crosses the object store. Only the
-  scores (a few KiB per sequence with final states) travel back, and the driver writes them
-  with the local path's writer: no write tasks, no merge of part files.
+  actors for the cores. So score_on_ray hands each actor row ranges of the files (planned
+  from the metadata, on the driver) and the actor reads them with the local path's reader:
+  the input is decoded once, in the process that scores it, and never crosses the object
+  store. Only the scores (a few KiB per sequence with final states) travel back, and the
+  driver writes them with the local path's writer: no write tasks, no merge of part files.
 - Every worker would compile the kernels again under numba's JIT: leanrnn's native kernels are
   built once per machine (~/.cache/leanrnn) and a worker only loads them (numba is never
   imported); the driver builds them before the actors start, and ``Predictor.kernel_info``
@@ -26,6 +26,7 @@ Ray's traps, and what is done about them:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -145,8 +146,8 @@ class Predictor:
 
 
 class _RowGroupScorer(Predictor):
-    """score_on_ray's actor: each batch row names a Parquet file and some of its row groups; the
-    actor reads them with the local path's reader (same checks, same error messages), scores
+    """score_on_ray's actor: each batch row names a Parquet file and row ranges of it (see
+    _work); the actor reads them with the local path's reader (same checks, same error messages), scores
     them window by window as the local path does, and yields one Arrow table per window."""
 
     def __init__(self, model, *, outputs: str, options: Options, threads: int | None,
@@ -159,29 +160,36 @@ class _RowGroupScorer(Predictor):
     def __call__(self, batch):
         sc = self.scorer
         for item in batch.to_pylist():
-            path, groups = item["path"], item["groups"]
+            path = item["path"]
             src = self._sources.get(path)
             if src is None:
                 src = self._sources[path] = Source(path, sc.C, sc.dtype, self.options)
-            for r in sc.windows(src.groups_pieces(sc.piece_bytes, groups)):
+            for r in sc.windows(src.range_pieces(sc.piece_bytes, item["ranges"])):
                 yield to_arrow(r)
 
 
 def _work(src: Source, actors: int) -> list[dict]:
-    """The row groups of ``src`` cut into ITEMS_PER_ACTOR * actors runs of about equal bytes,
-    in input order: a row group goes to the run its middle byte falls in. A run never spans
-    two files (a file boundary starts a new one) and a row group is never split."""
+    """``src``'s rows as ITEMS_PER_ACTOR * actors work items of about equal bytes, in input
+    order: {"path": file, "ranges": [[row group, first row, end row], ...]}. A row group
+    larger than an item is cut into equal row ranges (a file written as one row group still
+    feeds every actor; each range decodes the rows before it, so smaller groups stay whole);
+    a range goes to the item its middle byte falls in; an item never spans two files."""
     groups = src.row_groups()
     k = ITEMS_PER_ACTOR * actors
-    total = sum(b for _, _, b in groups) or 1
+    total = sum(b for *_, b in groups) or 1
+    target = total / k
     items: list[dict] = []
-    acc, last = 0, -1
-    for path, g, nbytes in groups:
-        slot = min(k - 1, int((acc + nbytes / 2) * k / total))
-        if not items or items[-1]["path"] != path or slot != last:
-            items.append({"path": path, "groups": []})
-        items[-1]["groups"].append(g)
-        acc, last = acc + nbytes, slot
+    acc, last = 0.0, -1
+    for path, g, rows, nbytes in groups:
+        parts = max(1, min(rows, math.ceil(nbytes / target - 0.5)))
+        for p in range(parts):
+            r0, r1 = rows * p // parts, rows * (p + 1) // parts
+            part = nbytes * (r1 - r0) / rows
+            slot = min(k - 1, int((acc + part / 2) / target))
+            if not items or items[-1]["path"] != path or slot != last:
+                items.append({"path": path, "ranges": []})
+            items[-1]["ranges"].append([g, r0, r1])
+            acc, last = acc + part, slot
     return items
 
 
