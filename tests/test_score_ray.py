@@ -115,6 +115,16 @@ def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, mo
     _check(model, seqs[:20], ok)
 
 
+def test_ray_path_checks_the_output_directory_before_starting(ray_local, model, tmp_path):
+    """The driver writes a .parquet OUTPUT itself: a missing directory is refused as on the
+    local path, before any actor starts (it surfaced as a bare FileNotFoundError)."""
+    from leanrnn.score.data import DataError
+
+    src = write_parquet(str(tmp_path / "in.parquet"), _seqs("uniform", 4))
+    with pytest.raises(DataError, match="does not exist"):
+        leanrnn.score(model, src, str(tmp_path / "nope" / "o.parquet"), ray="auto")
+
+
 def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     """No rows: an empty file with the local path's columns (no actor starts). A directory
     OUTPUT: Ray's write tasks write it, in input order."""

@@ -156,7 +156,8 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     bucket:  sort each read-ahead window by length before batching (False: input order)
     ray:     None (this process), 'auto' (a local Ray, or the one RAY_ADDRESS names) or an
              address: the same job as a Ray Data pipeline (needs leanrnn[ray]); ``ray_actors``
-             actors (default: one per core, less one for reading when there are several)
+             actors (default: one per CPU Ray has), each reading its own share of the
+             Parquet row groups; a ``.parquet`` OUTPUT is written by this process
 
     Sequences hold finite floats (float32 or float64, converted to the model's dtype); a
     length-0 sequence scores zero states and no steps. Errors name the file, row group,
@@ -166,7 +167,9 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     >>> print(s)                                                                # doctest: +SKIP
     """
     opts = Options(column, length_column, x_key, lengths_key, lengths, allow_nonfinite)
-    _check_output(output, dataset, model, lengths, local=ray is None)
+    # This process writes the output unless Ray's write tasks do (a directory OUTPUT).
+    here = ray is None or os.fspath(output).lower().endswith((".parquet", ".pq"))
+    _check_output(output, dataset, model, lengths, local=here)
     model = _load(model, threads)
     engine_model(model)
     if ray is not None:
