@@ -127,6 +127,79 @@ def rss_child(model_path: str, data: str, out: str, memory_limit: str) -> int:
     return int(r.stdout.strip().splitlines()[-1])
 
 
+class CpuMeter:
+    """CPU seconds spent by this process and every process under it (Ray's raylet, workers and
+    actors, when this process started Ray) while the block runs: the per-stage cost a loaded
+    machine does not distort the way it distorts wall time. Linux /proc only (elsewhere: this
+    process alone). A process that exits between two polls (0.2 s apart) loses its last 0.2 s.
+    """
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[float, str]] = {}
+        self.base: dict[int, float] = {}
+
+    def _poll(self) -> None:
+        try:
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        except OSError:
+            return
+        info = {}
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    st = f.read()
+            except OSError:
+                continue
+            name, rest = st[st.index("(") + 1 : st.rindex(")")], st[st.rindex(")") + 2 :].split()
+            info[pid] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / self.TICK, name)
+        mine, grew = {os.getpid()}, True
+        while grew:
+            grew = False
+            for pid, (ppid, _, _) in info.items():
+                if ppid in mine and pid not in mine:
+                    mine.add(pid)
+                    grew = True
+        for pid in mine - {os.getpid()}:
+            self.seen[pid] = info[pid][1:]
+
+    def __enter__(self):
+        import threading
+
+        self._poll()
+        self.base = {pid: cpu for pid, (cpu, _) in self.seen.items()}
+        self.t0 = time.process_time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._poll()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        self.own = time.process_time() - self.t0
+        self.by_name: dict[str, float] = {}
+        for pid, (cpu, name) in self.seen.items():
+            d = cpu - self.base.get(pid, 0.0)
+            if d > 0:
+                key = "actors" if "MapWorker" in name or "Predictor" in name else "other Ray"
+                self.by_name[key] = self.by_name.get(key, 0.0) + d
+        self.total = self.own + sum(self.by_name.values())
+
+    def line(self, sequences: int) -> str:
+        parts = [f"this process {self.own:.1f} s"] + [
+            f"{k} {v:.1f} s" for k, v in sorted(self.by_name.items())
+        ]
+        return (f"cpu {self.total:6.1f} s = {1e3 * self.total / max(1, sequences):.2f} ms/seq "
+                f"({', '.join(parts)})")  # fmt: skip
+
+
 def process_scaling(model_path: str, data: str, tmp: str) -> float:
     """Throughput of two concurrent single-thread `leanrnn score` processes over one alone."""
 
@@ -200,13 +273,16 @@ def main(argv=None) -> int:
     base, nb = subset(args.baseline_sequences)
 
     def run(label, src=data, **kw):
-        s = leanrnn.score(model, src, os.path.join(tmp, f"{label}.parquet"), **kw)
+        with CpuMeter() as cpu:
+            s = leanrnn.score(model, src, os.path.join(tmp, f"{label}.parquet"), **kw)
         print(
             f"  {label:<14} {s.sequences_per_s:10,.0f} seq/s  {s.seconds:7.1f} s  {s.sequences:>7,} "
             f"seqs  padding "
-            f"{s.padding:6.1%}  batch {s.batch}  peak {s.peak_rss / 2**20:.0f} MiB",
+            f"{s.padding:6.1%}  batch {s.batch}  peak {s.peak_rss / 2**20:.0f} MiB\n"
+            f"  {'':<14} {cpu.line(s.sequences)}",
             flush=True,
         )
+        res[label + "_cpu_s"] = cpu.total
         res[label] = s.sequences_per_s
         return s
 
@@ -241,11 +317,13 @@ def main(argv=None) -> int:
             print("Ray (local, num_cpus=2, one kernel thread per actor):")
             for n in (1, 2):
                 label = f"ray-{n}"
-                s = leanrnn.score(model, base, os.path.join(tmp, f"{label}.parquet"),
-                                  ray="auto", ray_actors=n, threads=1)  # fmt: skip
+                with CpuMeter() as cpu:
+                    s = leanrnn.score(model, base, os.path.join(tmp, f"{label}.parquet"),
+                                      ray="auto", ray_actors=n, threads=1)  # fmt: skip
                 res[label] = s.sequences_per_s
-                print(f"  {label:<14} {s.sequences_per_s:10,.0f} seq/s  {s.seconds:7.1f} s",
-                      flush=True)  # fmt: skip
+                res[label + "_cpu_s"] = cpu.total
+                print(f"  {label:<14} {s.sequences_per_s:10,.0f} seq/s  {s.seconds:7.1f} s  "
+                      f"{cpu.line(s.sequences)}", flush=True)  # fmt: skip
             ray.shutdown()
             r = res["ray-2"] / res["ray-1"]
             print(f"bar 3a: 2 actors / 1 actor = {r:.2f}x (>= 1.6): "

@@ -339,6 +339,32 @@ def test_bad_input_names_file_and_leaves_no_output(tmp_path, lstm, case):
     leanrnn.score(lstm, ok, str(tmp_path / "ok_out.parquet"))
 
 
+@pytest.mark.parametrize("piece_bytes", [1, 300, 1 << 20])
+def test_parquet_row_ranges_read_exactly_those_rows(tmp_path, piece_bytes):
+    """Source.range_pieces (what a Ray actor reads): ranges starting and ending inside pieces
+    and row groups give those rows, in order; errors count rows within the row group, as a
+    whole read does."""
+    from leanrnn.score.data import Source
+
+    seqs = _seqs("skewed", 50, seed=9)
+    path = write_parquet(str(tmp_path / "in.parquet"), seqs, row_group_size=20)
+    src = Source(path, C, np.float32)
+    ranges = [[0, 3, 17], [1, 0, 20], [2, 9, 10], [2, 10, 99]]
+    got = [s for p in src.range_pieces(piece_bytes, ranges) for s in p.seqs]
+    want = seqs[3:17] + seqs[20:40] + seqs[49:50]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    firsts = [p.first_row for p in src.range_pieces(piece_bytes, [[1, 5, 20]])]
+    assert firsts[0] == 5 and firsts == sorted(firsts)
+    seqs[27] = np.full((3, C), np.nan, np.float32)  # row group 1, row 7
+    bad = write_parquet(str(tmp_path / "bad.parquet"), seqs, row_group_size=20)
+    src = Source(bad, C, np.float32)
+    with pytest.raises(LeanRNNError, match="row group 1, column 'x', row 7: NaN"):
+        list(src.range_pieces(piece_bytes, [[1, 5, 20]]))
+    assert sum(len(p.seqs) for p in src.range_pieces(piece_bytes, [[1, 8, 20]])) == 12
+
+
 def test_error_mid_file_removes_the_partial_output(tmp_path, lstm):
     """A bad row after many good windows: the writer had already written row groups."""
     seqs = _seqs("uniform", 400, seed=2)

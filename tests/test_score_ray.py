@@ -34,11 +34,13 @@ def model():
 
 
 def test_ray_path_equals_local_path(ray_local, model, tmp_path):
+    """Two files of different layouts (each actor reads its row ranges with the local path's
+    reader, so files need not share a schema); a row group cut into ranges, others whole."""
     seqs = _seqs("skewed", 300, seed=11)
     d = tmp_path / "data"
     d.mkdir()
-    write_parquet(str(d / "a.parquet"), seqs[:150], row_group_size=40)
-    write_parquet(str(d / "b.parquet"), seqs[150:], row_group_size=40)
+    write_parquet(str(d / "a.parquet"), seqs[:150], row_group_size=150)  # one row group: cut
+    write_parquet(str(d / "b.parquet"), seqs[150:], "flat", row_group_size=40, pad=2)
     local = str(tmp_path / "local.parquet")
     remote = str(tmp_path / "ray.parquet")
     leanrnn.score(model, str(d), local, outputs="both")
@@ -90,7 +92,9 @@ def test_ray_path_refuses_npz_and_bad_columns(ray_local, model, tmp_path):
 
 
 def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, model, tmp_path):
-    from leanrnn.errors import LeanRNNError
+    """An actor's DataError reaches the caller as itself (Ray's RayTaskError(DataError) is a
+    DataError too, but its message is the worker's traceback), naming file, row group and row."""
+    from leanrnn.score.data import DataError
 
     seqs = _seqs("uniform", 30)
     seqs[20] = np.full((4, 5), np.nan, np.float32)
@@ -98,9 +102,84 @@ def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, mo
     d.mkdir()
     write_parquet(str(d / "a.parquet"), seqs)
     out = tmp_path / "o.parquet"
-    with pytest.raises(LeanRNNError, match="NaN"):
-        leanrnn.score(model, str(d), str(out), ray="auto")
-    write_parquet(str(d / "b.parquet"), seqs[:3], "flat")
-    with pytest.raises(LeanRNNError, match="one schema"):
-        leanrnn.score(model, str(d), str(out), ray="auto")
+    with pytest.raises(DataError) as e:
+        leanrnn.score(model, str(d), str(out), ray="auto", ray_actors=2)
+    assert type(e.value) is DataError, type(e.value)
+    msg = str(e.value)
+    assert msg.startswith("[score] ") and "a.parquet', row group 1" in msg, msg
+    assert "row 4: NaN" in msg, msg
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    # the next good job works
+    ok = str(tmp_path / "ok.parquet")
+    leanrnn.score(model, write_parquet(str(tmp_path / "in.parquet"), seqs[:20]), ok, ray="auto")
+    _check(model, seqs[:20], ok)
+
+
+def test_ray_path_checks_the_output_directory_before_starting(ray_local, model, tmp_path):
+    """The driver writes a .parquet OUTPUT itself: a missing directory is refused as on the
+    local path, before any actor starts (it surfaced as a bare FileNotFoundError)."""
+    from leanrnn.score.data import DataError
+
+    src = write_parquet(str(tmp_path / "in.parquet"), _seqs("uniform", 4))
+    with pytest.raises(DataError, match="does not exist"):
+        leanrnn.score(model, src, str(tmp_path / "nope" / "o.parquet"), ray="auto")
+
+
+def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
+    """No rows: an empty file with the local path's columns (no actor starts). A directory
+    OUTPUT: Ray's write tasks write it, in input order."""
+    src = write_parquet(str(tmp_path / "empty.parquet"), [])
+    out = str(tmp_path / "o.parquet")
+    s = leanrnn.score(model, src, out, ray="auto")
+    local = str(tmp_path / "local.parquet")
+    leanrnn.score(model, src, local)
+    assert s.sequences == 0 and pq.read_table(out).schema.equals(pq.read_table(local).schema)
+    seqs = _seqs("skewed", 90, seed=4)
+    src = write_parquet(str(tmp_path / "in.parquet"), seqs, row_group_size=10)
+    d = str(tmp_path / "outdir")
+    s = leanrnn.score(model, src, d, ray="auto", ray_actors=2)
+    assert s.steps == sum(len(x) for x in seqs)
+    files = sorted(os.listdir(d))
+    t = pq.read_table([os.path.join(d, f) for f in files if f.endswith(".parquet")])
+    assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
+
+
+def _covered(items):
+    """(path, row group, row) of every row the items name, in item order."""
+    return [(it["path"], g, r) for it in items for g, r0, r1 in it["ranges"] for r in range(r0, r1)]
+
+
+def test_work_items_cover_every_row_once_in_order(tmp_path):
+    """The driver's plan (no Ray needed): ITEMS_PER_ACTOR items of about equal bytes per
+    actor, never across files, empty row groups left out, a row group larger than an item cut
+    into row ranges (a file of one row group still feeds every actor)."""
+    from leanrnn.ray import ITEMS_PER_ACTOR, _work
+    from leanrnn.score.data import Source
+
+    d = tmp_path / "data"
+    d.mkdir()
+    seqs = _seqs("uniform", 100)
+    write_parquet(str(d / "a.parquet"), seqs[:60], row_group_size=4)  # 15 equal groups
+    write_parquet(str(d / "b.parquet"), seqs[60:], row_group_size=10)  # 4 groups
+    with pq.ParquetWriter(str(d / "c.parquet"), pq.read_schema(str(d / "a.parquet"))) as w:
+        w.write_table(pq.read_table(str(d / "a.parquet")).slice(0, 0))  # one empty group
+    src = Source(str(d), 5, np.float32)
+    want = [(p, g, r) for p, g, rows, _ in src.row_groups() for r in range(rows)]
+    assert len(want) == 100 and len(src.row_groups()) == 19
+    for actors in (1, 2, 3, 10):
+        items = _work(src, actors)
+        assert _covered(items) == want
+        assert all(it["ranges"] for it in items)
+        assert len(items) <= ITEMS_PER_ACTOR * actors + 1  # + 1: the file boundary
+    one = Source(str(d / "a.parquet"), 5, np.float32)
+    for actors in (1, 2, 3):  # equal row groups: items differ by one group at most
+        sizes = [len(it["ranges"]) for it in _work(one, actors)]
+        assert len(sizes) == min(15, ITEMS_PER_ACTOR * actors), sizes
+        assert max(sizes) - min(sizes) <= 1, sizes
+    whole = write_parquet(str(tmp_path / "whole.parquet"), seqs, row_group_size=1000)
+    src = Source(whole, 5, np.float32)
+    for actors in (1, 2):  # one row group: cut into ITEMS_PER_ACTOR * actors row ranges
+        items = _work(src, actors)
+        assert _covered(items) == [(whole, 0, r) for r in range(100)]
+        rows = [r1 - r0 for it in items for _, r0, r1 in it["ranges"]]
+        assert len(items) == ITEMS_PER_ACTOR * actors and max(rows) - min(rows) <= 1, rows

@@ -1,7 +1,7 @@
 """leanrnn on Ray Data (the ``leanrnn[ray]`` extra): ``Predictor``, a callable class for
 ``Dataset.map_batches`` that loads a model once per actor, and ``score_on_ray``, the
-``leanrnn score --ray`` pipeline: read_parquet -> map_batches(Predictor, actor pool) ->
-write_parquet.
+``leanrnn score --ray`` pipeline: the files' row ranges, shared out -> map_batches(an actor
+pool that reads its row ranges itself and scores them) -> the driver writes OUTPUT in order.
 
     >>> import ray, leanrnn.ray                                              # doctest: +SKIP
     >>> ds = ray.data.read_parquet("utterances/")                            # doctest: +SKIP
@@ -9,8 +9,14 @@ write_parquet.
     ...                     batch_format="pyarrow", concurrency=2, num_cpus=0.9)  # doctest: +SKIP
 
 Ray's traps, and what is done about them:
-- Actors holding every CPU starve the read and write tasks (they need a CPU slot too): the
-  actors ask for a little less than a whole CPU each, the reads and writes for READ_CPUS.
+- Shipping the input through Ray costs more CPU than scoring leaves spare: a read task decodes
+  the Parquet file (Ray read a whole 258 MiB file in one task, ~390 MiB of memory), copies the
+  blocks into the object store, and starts worker processes of its own, all competing with the
+  actors for the cores. So score_on_ray hands each actor row ranges of the files (planned
+  from the metadata, on the driver) and the actor reads them with the local path's reader:
+  the input is decoded once, in the process that scores it, and never crosses the object
+  store. Only the scores (a few KiB per sequence with final states) travel back, and the
+  driver writes them with the local path's writer: no write tasks, no merge of part files.
 - Every worker would compile the kernels again under numba's JIT: leanrnn's native kernels are
   built once per machine (~/.cache/leanrnn) and a worker only loads them (numba is never
   imported); the driver builds them before the actors start, and ``Predictor.kernel_info``
@@ -20,6 +26,7 @@ Ray's traps, and what is done about them:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -27,15 +34,15 @@ import time
 
 from .errors import LeanRNNError
 from .score.batching import Counters, Scorer
-from .score.data import DataError, Options, arrow_to_seqs
+from .score.data import DataError, Options, Source, arrow_to_seqs
 from .score.writers import to_arrow
 
-# CPU slots asked for by each read/write task: they mostly wait on I/O.
+# CPU slots asked for by each write task (a directory OUTPUT only): they mostly wait on I/O.
 READ_CPUS = 0.1
-# Rows per batch handed to an actor: enough for length-sorting to find similar lengths.
-RAY_BATCH_ROWS = 1024
-# Bytes per block read (the unit Ray hands between tasks and actors).
-BLOCK_BYTES = 4 << 20
+# Work items per actor: enough that an actor finishing early takes another (the items are
+# similar in bytes, so the last one decides how long the others wait), few enough that each
+# item's read-ahead window has thousands of sequences to sort by length.
+ITEMS_PER_ACTOR = 4
 
 __all__ = ["Predictor", "score_on_ray"]
 
@@ -138,6 +145,54 @@ class Predictor:
         return to_arrow(self.scorer.score(seqs))
 
 
+class _RowGroupScorer(Predictor):
+    """score_on_ray's actor: each batch row names a Parquet file and row ranges of it (see
+    _work); the actor reads them with the local path's reader (same checks, same error messages), scores
+    them window by window as the local path does, and yields one Arrow table per window."""
+
+    def __init__(self, model, *, outputs: str, options: Options, threads: int | None,
+                 memory_limit: int | None, batch_size: int | None) -> None:  # fmt: skip
+        super().__init__(model, outputs=outputs, threads=threads, memory_limit=memory_limit,
+                         batch_size=batch_size, allow_nonfinite=options.allow_nonfinite)  # fmt: skip
+        self.options = options
+        self._sources: dict[str, Source] = {}
+
+    def __call__(self, batch):
+        sc = self.scorer
+        for item in batch.to_pylist():
+            path = item["path"]
+            src = self._sources.get(path)
+            if src is None:
+                src = self._sources[path] = Source(path, sc.C, sc.dtype, self.options)
+            for r in sc.windows(src.range_pieces(sc.piece_bytes, item["ranges"])):
+                yield to_arrow(r)
+
+
+def _work(src: Source, actors: int) -> list[dict]:
+    """``src``'s rows as ITEMS_PER_ACTOR * actors work items of about equal bytes, in input
+    order: {"path": file, "ranges": [[row group, first row, end row], ...]}. A row group
+    larger than an item is cut into equal row ranges (a file written as one row group still
+    feeds every actor; each range decodes the rows before it, so smaller groups stay whole);
+    a range goes to the item its middle byte falls in; an item never spans two files."""
+    groups = src.row_groups()
+    k = ITEMS_PER_ACTOR * actors
+    total = sum(b for *_, b in groups) or 1
+    target = total / k
+    items: list[dict] = []
+    acc, last = 0.0, -1
+    for path, g, rows, nbytes in groups:
+        parts = max(1, min(rows, math.ceil(nbytes / target - 0.5)))
+        for p in range(parts):
+            r0, r1 = rows * p // parts, rows * (p + 1) // parts
+            part = nbytes * (r1 - r0) / rows
+            slot = min(k - 1, int((acc + part / 2) / target))
+            if not items or items[-1]["path"] != path or slot != last:
+                items.append({"path": path, "ranges": []})
+            items[-1]["ranges"].append([g, r0, r1])
+            acc, last = acc + part, slot
+    return items
+
+
 def _init(address: str):
     import ray
 
@@ -168,35 +223,26 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
                  options: Options | None = None, address: str = "auto",
                  actors: int | None = None, progress: bool = False,
                  threads: int | None = None):  # fmt: skip
-    """``leanrnn.score(..., ray=address)``: the same job as a Ray Data pipeline. ``output``: a
-    ``.parquet`` file (Ray writes a directory next to it, merged in order and removed) or a
-    directory (Ray's files, kept). ``threads``: kernel threads per actor. Returns a
+    """``leanrnn.score(..., ray=address)``: the same job on Ray Data actors. ``output``: a
+    ``.parquet`` file (the driver writes it in order, as the local path does) or a directory
+    (Ray's write tasks write its files). ``threads``: kernel threads per actor. The files must
+    be readable at the same path on every node (a shared filesystem). Returns a
     ScoreSummary."""
     import numpy as np
 
     from . import config, save
-    from .score import ScoreSummary, peak_rss
+    from .score import ScoreSummary, _Progress, peak_rss
     from .score.batching import engine_model
-    from .score.data import Source
+    from .score.writers import ParquetOut
 
     opts = options or Options()
     dataset, output = os.fspath(dataset), os.fspath(output)
-    files = _parquet_files(dataset)
+    _parquet_files(dataset)
     m = engine_model(model, "score --ray")
-    # Check columns and types on the driver, before any worker starts: errors name the file.
+    # Columns and types of every file are checked here, on the driver, before any actor
+    # starts (errors name the file); the row groups come from the metadata alone.
     src = Source(dataset, m.spec.input_size, m.dtype, opts)
     total = src.count()
-    reader = src._readers[0]
-    column, length_column = reader.column, reader.length_column
-    for r in src._readers[1:]:  # Ray reads all files as one table: one schema
-        if (r.column, r.length_column) != (column, length_column) or not r.pf.schema_arrow.field(
-            r.column
-        ).type.equals(reader.pf.schema_arrow.field(column).type):
-            raise DataError(
-                f"[score --ray] {r.path!r} has columns ({r.column!r}, {r.length_column!r}) of "
-                f"another layout than {reader.path!r}; the Ray path reads every file with one "
-                "schema: convert them alike, or score locally (without --ray)"
-            )
     # Build (or find) the native kernels here, once, so no worker compiles anything.
     probe = Scorer(m, outputs, memory_limit, 1, batch_size)
     probe.score([np.zeros((1, m.spec.input_size), m.dtype)])
@@ -210,8 +256,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     cpus = int(ray.cluster_resources().get("CPU", 1))
     n = actors or max(1, cpus)
     # Logical CPU slots: the actors share all but one slot, which stays free for Ray Data's
-    # own tasks (listing files, reading, writing; each asks for READ_CPUS). The actors still
-    # use every core: slots are bookkeeping, threads are real.
+    # own work (a directory OUTPUT's write tasks ask for READ_CPUS). The actors still use every
+    # core: slots are bookkeeping, threads are real.
     per_actor = max(0.1, (cpus - 1) / n) if cpus > 1 else 0.5 / n
     if threads is None:  # actors share this machine's cores (on a cluster: one thread each)
         threads = max(1, config.cores() // n) if cpus <= config.cores() else 1
@@ -223,54 +269,58 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
             blob = f.read()
     finally:
         os.remove(tmp_model)
-    ctx = ray.data.DataContext.get_current()
-    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars,
-             ctx.target_max_block_size)  # fmt: skip
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = progress
-    # Small blocks, so every actor has work (a file would otherwise be one block for one
-    # actor) and blocks in flight stay a few MiB each.
-    ctx.target_max_block_size = BLOCK_BYTES
-    # Local paths get pyarrow's local filesystem explicitly: Ray otherwise probes fsspec's
-    # optional filesystems (seen failing here when aiohttp was missing).
-    import pyarrow.fs
-
-    local = pyarrow.fs.LocalFileSystem()
-    fs_in = local if all("://" not in f for f in files) else None
-    fs_out = local if "://" not in output else None
-    ds = ray.data.read_parquet(files, num_cpus=READ_CPUS, filesystem=fs_in)
-    ds = ds.select_columns([c for c in (column, length_column) if c])
-    ds = ds.map_batches(
-        Predictor, batch_format="pyarrow", batch_size=RAY_BATCH_ROWS, compute=ray.data.ActorPoolStrategy(size=n), num_cpus=per_actor,
-        fn_constructor_kwargs=dict(model=blob, outputs=outputs, column=column,
-                                   length_column=length_column, threads=threads,
-                                   memory_limit=memory_limit, batch_size=batch_size,
-                                   allow_nonfinite=opts.allow_nonfinite),
-    )  # fmt: skip
+    items = _work(src, n)
     single = output.lower().endswith((".parquet", ".pq"))
-    target = (
-        tempfile.mkdtemp(prefix=".leanrnn-ray-", dir=os.path.dirname(os.path.abspath(output)))
-        if single
-        else output
-    )
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
+    ctx.execution_options.preserve_order = True
+    # A single OUTPUT shows the local path's progress bar (sequences written), not Ray's.
+    ctx.enable_progress_bars = progress and not single
+    ds = None
+    if items:  # no rows anywhere: nothing for an actor to do
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        ds = ds.map_batches(
+            _RowGroupScorer, batch_format="pyarrow", batch_size=1,
+            # One item at a time: an item is seconds of work and a few bytes of input, so
+            # queueing more only lets the first actor up take the others' share.
+            compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=1),
+            num_cpus=per_actor,
+            fn_constructor_kwargs=dict(model=blob, outputs=outputs, options=opts,
+                                       threads=threads, memory_limit=memory_limit,
+                                       batch_size=batch_size),
+        )  # fmt: skip
+    steps = 0
+    out = ParquetOut(output) if single else None
+    bar = _Progress(total, progress and single)
     try:
-        ds.write_parquet(target, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
-        if single:
-            _merge(target, output, probe.empty())
-    except ray.exceptions.RayTaskError as e:
-        cause = _leanrnn_cause(e)
+        if ds is None:
+            if single:
+                out.close(probe.empty())
+            else:
+                os.makedirs(output, exist_ok=True)
+        elif single:
+            for t in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                out.write_table(t)
+                steps += int(np.asarray(t.column("length")).sum())
+                bar.update(t.num_rows)
+            out.close(probe.empty())
+        else:
+            import pyarrow.fs
+
+            fs_out = pyarrow.fs.LocalFileSystem() if "://" not in output else None
+            ds.write_parquet(output, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
+            lengths = _lengths(output)
+            steps = int(lengths.sum()) if lengths is not None else 0
+    except BaseException as e:
+        if out is not None:
+            out.abort()
+        cause = _leanrnn_cause(e) if isinstance(e, ray.exceptions.RayError) else None
         if cause is not None:  # bad data found by an actor: leanrnn's own error
             raise cause from None
         raise
     finally:
-        (ctx.execution_options.preserve_order, ctx.enable_progress_bars,
-         ctx.target_max_block_size) = saved  # fmt: skip
-        if single:
-            import shutil
-
-            shutil.rmtree(target, ignore_errors=True)
-    lengths = _lengths(output if single else target)
-    steps = int(lengths.sum()) if lengths is not None else 0
+        bar.close()
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
     return ScoreSummary(
         output=output, sequences=total, steps=steps, seconds=time.perf_counter() - t0,
         padding=float("nan"), padding_in_order=float("nan"), peak_rss=peak_rss(),
@@ -281,10 +331,14 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
 
 def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
     """The LeanRNNError an actor raised, from inside Ray's wrappers (cause / __cause__), or
-    rebuilt from its "...Error: [op] ..." line when Ray kept only the text."""
+    rebuilt from its "...Error: [op] ..." line when Ray kept only the text. Ray's
+    RayTaskError(DataError) is itself a DataError, but its message is the worker's traceback:
+    the error inside it is the one to raise."""
+    from ray.exceptions import RayError
+
     top, seen = e, set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, LeanRNNError):
+        if isinstance(e, LeanRNNError) and not isinstance(e, RayError):
             return e
         seen.add(id(e))
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
@@ -292,41 +346,6 @@ def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
     if lines:
         return DataError(lines[-1].split("Error: ", 1)[1].strip())
     return None
-
-
-def _ordered(directory: str) -> list[str]:
-    # Ray names files {write_uuid}_{task_index:06}...: with preserve_order, task order is
-    # dataset order.
-    return [os.path.join(directory, f) for f in sorted(os.listdir(directory))
-            if f.endswith(".parquet")]  # fmt: skip
-
-
-def _merge(directory: str, output: str, empty) -> None:
-    """Ray's part files -> one Parquet file, row group by row group, in order, atomically."""
-    import pyarrow.parquet as pq
-
-    from .score.writers import _remove, temp_name
-
-    tmp = temp_name(output)
-    w = None
-    try:
-        for path in _ordered(directory):
-            pf = pq.ParquetFile(path)
-            for g in range(pf.metadata.num_row_groups):
-                t = pf.read_row_group(g)
-                if w is None:
-                    w = pq.ParquetWriter(tmp, t.schema)
-                w.write_table(t)
-        if w is None:  # no rows: Ray wrote no files
-            w = pq.ParquetWriter(tmp, to_arrow(empty).schema)
-            w.write_table(to_arrow(empty))
-        w.close()
-        os.replace(tmp, output)
-    except BaseException:
-        if w is not None:
-            w.close()
-        _remove(tmp)
-        raise
 
 
 def _lengths(path: str):

@@ -19,10 +19,6 @@ from .writers import open_output
 
 __all__ = ["OUTPUTS", "DataError", "ScoreSummary", "score"]
 
-# Input read per piece, as a share of the read-ahead window (a window holds several pieces, so
-# sorting by length has sequences from more than one piece to choose from).
-PIECES_PER_WINDOW = 4
-
 
 @dataclass
 class ScoreSummary:
@@ -160,7 +156,8 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     bucket:  sort each read-ahead window by length before batching (False: input order)
     ray:     None (this process), 'auto' (a local Ray, or the one RAY_ADDRESS names) or an
              address: the same job as a Ray Data pipeline (needs leanrnn[ray]); ``ray_actors``
-             actors (default: one per core, less one for reading when there are several)
+             actors (default: one per CPU Ray has), each reading its own share of the
+             Parquet row groups; a ``.parquet`` OUTPUT is written by this process
 
     Sequences hold finite floats (float32 or float64, converted to the model's dtype); a
     length-0 sequence scores zero states and no steps. Errors name the file, row group,
@@ -170,7 +167,9 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     >>> print(s)                                                                # doctest: +SKIP
     """
     opts = Options(column, length_column, x_key, lengths_key, lengths, allow_nonfinite)
-    _check_output(output, dataset, model, lengths, local=ray is None)
+    # This process writes the output unless Ray's write tasks do (a directory OUTPUT).
+    here = ray is None or os.fspath(output).lower().endswith((".parquet", ".pq"))
+    _check_output(output, dataset, model, lengths, local=here)
     model = _load(model, threads)
     engine_model(model)
     if ray is not None:
@@ -184,24 +183,11 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     src = Source(os.fspath(dataset), scorer.C, scorer.dtype, opts)
     bar = _Progress(src.count(), progress)
     tb = scorer.tuning
-    it = scorer.dtype.itemsize
-    final_bytes = (scorer.LD * (scorer.K + scorer.H)) * it if scorer.final else 0
-    step_out = scorer.DK * it if scorer.steps else 0
     out = open_output(os.fspath(output))
     try:
-        window, held = [], 0
-        for piece in src.pieces(max(1, tb.window_bytes // PIECES_PER_WINDOW)):
-            held += piece.nbytes
-            for s in piece.seqs:
-                window.append(s)
-                held += final_bytes + len(s) * step_out
-            if held >= tb.window_bytes:
-                out.write(scorer.score(window))
-                bar.update(len(window))
-                window, held = [], 0
-        if window:
-            out.write(scorer.score(window))
-            bar.update(len(window))
+        for r in scorer.windows(src.pieces(scorer.piece_bytes)):
+            out.write(r)
+            bar.update(len(r))
         out.close(scorer.empty())
     except BaseException:
         out.abort()

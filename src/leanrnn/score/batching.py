@@ -9,6 +9,7 @@ engine, which needs T >= 1).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,9 @@ from .writers import Results
 OUTPUTS = ("final", "steps", "both")
 # Most padding a length-sorted batch may carry before it is cut short (see Scorer.batches).
 MAX_PADDING = 0.15
+# Input read per piece, as a share of the read-ahead window (a window holds several pieces, so
+# sorting by length has sequences from more than one piece to choose from).
+PIECES_PER_WINDOW = 4
 
 
 def engine_model(model, op: str = "score"):
@@ -129,6 +133,31 @@ class Scorer:
             out.append(idx)
             i += len(idx)
         return out
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of input to read per piece (see PIECES_PER_WINDOW)."""
+        return max(1, self.tuning.window_bytes // PIECES_PER_WINDOW)
+
+    def windows(self, pieces: Iterable) -> Iterator[Results]:
+        """Scores of the sequences of ``pieces`` (leanrnn.score.data.Piece: .seqs, .nbytes), one
+        Results per read-ahead window, in input order. A window closes once the pieces it holds
+        and the outputs it will produce reach tuning.window_bytes: the local path and each Ray
+        actor run this same loop."""
+        it = self.dtype.itemsize
+        final_bytes = (self.LD * (self.K + self.H)) * it if self.final else 0
+        step_out = self.DK * it if self.steps else 0
+        window, held = [], 0
+        for piece in pieces:
+            held += piece.nbytes
+            for s in piece.seqs:
+                window.append(s)
+                held += final_bytes + len(s) * step_out
+            if held >= self.tuning.window_bytes:
+                yield self.score(window)
+                window, held = [], 0
+        if window:
+            yield self.score(window)
 
     def score(self, seqs: list[np.ndarray]) -> Results:
         """Scores of ``seqs`` ([T_i, C] arrays of the model's dtype), in their order."""

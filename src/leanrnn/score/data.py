@@ -92,6 +92,25 @@ class Source:
         for r in self._readers:
             yield from r.pieces(piece_bytes)
 
+    def row_groups(self) -> list[tuple[str, int, int, int]]:
+        """(file, row group, rows, uncompressed bytes) of every non-empty Parquet row group, in
+        order, from the metadata alone: what the Ray path shares out."""
+        out = []
+        for r in self._readers:
+            assert isinstance(r, _ParquetReader), r.path  # callers check the file names first
+            md = r.pf.metadata
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
+                if rg.num_rows:
+                    out.append((r.path, g, rg.num_rows, rg.total_byte_size))
+        return out
+
+    def range_pieces(self, piece_bytes: int, ranges: list) -> Iterator[Piece]:
+        """The pieces of ``ranges`` ((row group, first row, end row) triples) of this Source's
+        single Parquet file."""
+        (r,) = self._readers
+        return r.pieces(piece_bytes, ranges)
+
 
 def _kind(path: str) -> str:
     p = path.lower()
@@ -177,31 +196,46 @@ class _ParquetReader:
     def count(self) -> int:
         return self.pf.metadata.num_rows
 
-    def pieces(self, piece_bytes: int) -> Iterator[Piece]:
+    def pieces(self, piece_bytes: int, ranges: list | None = None) -> Iterator[Piece]:
+        """ranges: (row group, first row, end row) triples to read, in this order (None: every
+        row; the Ray path hands each actor a share of a file). Rows before a range's first row
+        are decoded and dropped: Parquet cannot start reading inside a row group."""
         import pyarrow as pa
 
         md = self.pf.metadata
         cols = [self.column] + ([self.length_column] if self.length_column else [])
-        for g in range(md.num_row_groups):
+        if ranges is None:
+            ranges = [(g, 0, md.row_group(g).num_rows) for g in range(md.num_row_groups)]
+        for g, r0, r1 in ranges:
             rg = md.row_group(g)
-            if rg.num_rows == 0:
+            r1 = min(r1, rg.num_rows)
+            if r1 <= r0:
                 continue
             per_row = max(1, rg.total_byte_size // rg.num_rows)
-            rows = max(1, min(rg.num_rows, piece_bytes // per_row))
+            rows = max(1, min(r1 - r0, piece_bytes // per_row))
             where = f"{self.path!r}, row group {g}"
-            start = 0
+            start = 0  # row group row of b's first row
             try:
                 batches = self.pf.iter_batches(batch_size=rows, row_groups=[g], columns=cols)
                 for b in batches:
-                    lengths = None
-                    if self.length_column:
-                        lengths = b.column(self.length_column)
-                    seqs = arrow_to_seqs(
-                        b.column(self.column), lengths, self.src.C, self.src.dtype, where,
-                        self.column, self.length_column, start, self.src.opts.allow_nonfinite,
-                    )  # fmt: skip
-                    yield Piece(seqs, where, start, b.nbytes + sum(x.nbytes for x in seqs))
-                    start += b.num_rows
+                    n = b.num_rows
+                    lo, hi = max(0, r0 - start), min(n, r1 - start)
+                    if hi > lo:
+                        if hi - lo < n:
+                            b = b.slice(lo, hi - lo)
+                        lengths = None
+                        if self.length_column:
+                            lengths = b.column(self.length_column)
+                        seqs = arrow_to_seqs(
+                            b.column(self.column), lengths, self.src.C, self.src.dtype, where,
+                            self.column, self.length_column, start + lo,
+                            self.src.opts.allow_nonfinite,
+                        )  # fmt: skip
+                        nbytes = b.nbytes + sum(x.nbytes for x in seqs)
+                        yield Piece(seqs, where, start + lo, nbytes)
+                    start += n
+                    if start >= r1:
+                        break
             except (OSError, pa.ArrowException) as e:
                 raise DataError(
                     f"[score] {where}, column {self.column!r}: cannot read ({e}); the file "

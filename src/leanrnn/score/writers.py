@@ -72,11 +72,18 @@ class ParquetOut:
         self._w = None
 
     def write(self, r: Results) -> None:
+        self.write_table(to_arrow(r))
+
+    def write_table(self, t) -> None:
+        """t: a pyarrow Table of to_arrow's columns (the Ray path's actors send these)."""
         import pyarrow.parquet as pq
 
-        t = to_arrow(r)
         if self._w is None:
-            self._w = pq.ParquetWriter(self.tmp, t.schema)
+            # No dictionary pages for the float columns: model outputs hardly ever repeat, so
+            # pyarrow's attempt (hash every value, then fall back to plain) costs ~40% of
+            # writing them for nothing.
+            dict_cols = [c for c in t.schema.names if c == "length"]
+            self._w = pq.ParquetWriter(self.tmp, t.schema, use_dictionary=dict_cols)
         self._w.write_table(t)
 
     def close(self, empty: Results) -> None:
