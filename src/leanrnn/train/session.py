@@ -28,12 +28,18 @@ gradients of the input and initial states. A tape lives in the trainer's arena u
 ``own_memory=True``: a newer forward, or changed weights (any optimizer step), make it stale
 and backward refuses it.
 
-Threads: the recurrences run on the kernels' thread team; the GEMMs on the BLAS, limited to
-the same number of threads (threads.limit_blas).
+Threads: the recurrences run on the kernels' thread team; the GEMMs split their columns or
+rows over the same number of Python threads (threads.matmul_pool), each a single-threaded
+BLAS call. BLAS's own workers spin for a long while after every call (OpenBLAS: ~0.1 s), and a
+backward alternates GEMMs with recurrences once per segment: spinning, they took the cores
+the recurrence's threads wait on each other for (a recomputing step with segments of 8 spent
+2.5x the CPU seconds on 2 threads).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import weakref
 
@@ -47,7 +53,7 @@ from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
-from ..threads import PARALLEL_MIN_MACS, limit_blas
+from ..threads import PARALLEL_MIN_MACS, blas_controller, matmul_pool
 from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -562,7 +568,7 @@ class Trainer:
             add("cb", (N, w.Hp), 2, end)
         # the weight GEMMs' output, a few panels at a time, before it is added into the panels
         X = max(spec.input_size, D * K, K)
-        add("gw", (X * self._gemm_cols(),), 2, end)
+        add("gw", (self._threads(), X * self._gemm_cols()), 2, end)  # one per thread
         return bufs, shapes
 
     def _gemm_cols(self) -> int:
@@ -697,7 +703,7 @@ class Trainer:
         spec, dt = self.spec, self.dtype
         L, D, K, H, C = (spec.num_layers, spec.num_directions, spec.output_size,
                          spec.hidden_size, spec.input_size)  # fmt: skip
-        T, N, S = sv["T"], sv["N"], sv["S"]
+        T, N = sv["T"], sv["N"]
         LD = L * D
         yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
         if dy is None:
@@ -728,7 +734,21 @@ class Trainer:
         # every row is written (direction 0 of layer 0); until then dx's rows may hold the
         # boundary states (_boundaries)
         dx = sv["dx"] if input_grad else None
-        limit_blas(config.threads_for(self.threads))
+        c = blas_controller()
+        with c.limit(limits=1, user_api="blas") if c is not None else contextlib.nullcontext():
+            self._backward_segments(sv, mem, dyt, dx, dh, dc)
+        if dx is None:
+            return None, dh, (dc if spec.cell == "lstm" else None)
+        dx = dx.reshape(T, N, C)
+        if spec.batch_first:
+            dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
+        return dx, dh, (dc if spec.cell == "lstm" else None)
+
+    def _backward_segments(self, sv, mem, dyt, dx, dh, dc) -> None:
+        spec, dt = self.spec, self.dtype
+        L, D, K, H = spec.num_layers, spec.num_directions, spec.output_size, spec.hidden_size
+        T, N, S = sv["T"], sv["N"], sv["S"]
+        LD = L * D
         lstm = spec.cell == "lstm"
         # the segment's starting states, copied out before its dx rows are written
         h0s = np.empty((LD, N, K), dt)
@@ -753,12 +773,6 @@ class Trainer:
                 self._forward_segment(mem, sv["x"], ytop[N : N + (s1 - s0) * N], hs, cs,
                                       sv["lens"], s0, s1, N, sv["masks"], 0)  # fmt: skip
             self._backward_segment(sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replay)
-        if dx is None:
-            return None, dh, (dc if lstm else None)
-        dx = dx.reshape(T, N, C)
-        if spec.batch_first:
-            dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
-        return dx, dh, (dc if lstm else None)
 
     def _backward_segment(self, sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replayed) -> None:
         spec = self.spec
@@ -873,11 +887,32 @@ class Trainer:
         if dxin is None:
             pass  # input_grad=False: the layer below is the caller's input
         elif d == 0:
-            np.matmul(G, Wd, out=dxin)
+            self._split(TN, lambda i, lo, hi: np.matmul(G[lo:hi], Wd, out=dxin[lo:hi]))
         else:
             part = mem[f"dxd.{layer}"][:TN]
-            np.matmul(G, Wd, out=part)
-            dxin += part
+
+            def add(i, lo, hi):
+                np.matmul(G[lo:hi], Wd, out=part[lo:hi])
+                dxin[lo:hi] += part[lo:hi]
+
+            self._split(TN, add)
+
+    def _threads(self) -> int:
+        return config.threads_for(self.threads)
+
+    def _split(self, n: int, job, most: int | None = None) -> None:
+        """job(i, lo, hi) over [0, n), one contiguous range per thread i (at most ``most``
+        threads), on threads.matmul_pool: its idle workers sleep, BLAS's spin (module doc)."""
+        threads = min(self._threads(), n, most or n)
+        if threads < 2:
+            job(0, 0, n)
+            return
+        cuts = np.linspace(0, n, threads + 1).astype(int)
+        pool = matmul_pool(threads)
+        futures = [pool.submit(job, i, lo, hi)
+                   for i, (lo, hi) in enumerate(itertools.pairwise(cuts))]  # fmt: skip
+        for f in futures:
+            f.result()
 
     def _weight_gradients(self, gl, gw, xin, hprev, G, ghn) -> None:
         """dW += X^T dG and dR += H_prev^T dG (GRU: R_n's columns from ghn, which holds
@@ -886,17 +921,22 @@ class Trainer:
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         per = max(1, self._gemm_cols() // Wd)  # panels per GEMM
-        for u0 in range(0, U, per):
-            u1 = min(U, u0 + per)
-            cols = slice(u0 * Wd, u1 * Wd)
-            for panels, rows in ((gl.Wt, xin), (gl.Rt, hprev)):
-                X = rows.shape[1]
-                out = gw[: X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
-                np.matmul(rows.T, G[:, cols], out=out)
-                if ghn is not None and panels is gl.Rt:
-                    out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
-                        rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
-                panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
+        chunks = [(u0, min(U, u0 + per)) for u0 in range(0, U, per)]
+
+        def job(i, lo, hi):  # chunks lo..hi-1 on thread i, through its own row of gw
+            for u0, u1 in chunks[lo:hi]:
+                cols = slice(u0 * Wd, u1 * Wd)
+                for panels, rows in ((gl.Wt, xin), (gl.Rt, hprev)):
+                    X = rows.shape[1]
+                    out = gw[i, : X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
+                    np.matmul(rows.T, G[:, cols], out=out)
+                    if ghn is not None and panels is gl.Rt:
+                        out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
+                            rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
+                    panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
+
+        self._split(len(chunks), job, gw.shape[0])  # the threads planned (a later
+        # set_num_threads may ask for more than this step's plan has rows of gw for)
 
     # ------------------------------------------------------------------ views
     def gradients(self):
