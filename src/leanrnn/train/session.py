@@ -39,7 +39,6 @@ the recurrence's threads wait on each other for (a recomputing step with segment
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import weakref
 
@@ -480,10 +479,11 @@ class Trainer:
 
     def _ops(self) -> list[str]:
         """Names of the plan's op indices: the forward, backward's replay of a segment, then
-        per layer, top first: its step loop, its weight-gradient GEMMs, its input gradient."""
+        per layer, top first: its step loop, then its GEMMs (weight gradients and the input
+        gradient, at the same time on a team of threads)."""
         ops = ["forward", "replay"]
         for layer in reversed(range(self.spec.num_layers)):
-            ops += [f"l{layer} step loop", f"l{layer} dW dR", f"l{layer} dx"]
+            ops += [f"l{layer} step loop", f"l{layer} GEMMs"]
         return ops
 
     def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True):
@@ -512,13 +512,13 @@ class Trainer:
             shapes[name] = (shape, dtype)
 
         def ops(layer):
-            """(step loop, weight GEMMs, dx) op of a layer. Two directions run loop, GEMMs,
-            dx, loop, GEMMs, dx: the layer's buffers then span all three ops."""
-            b = 2 + 3 * (L - 1 - layer)
-            return (b, b + 1, b + 2) if D == 1 else (b, b + 2, b + 2)
+            """(step loop, weight GEMMs, dx) op of a layer: the GEMMs run together. Two
+            directions run loop, GEMMs, loop, GEMMs: the layer's buffers then span both."""
+            b = 2 + 2 * (L - 1 - layer)
+            return b, b + 1, b + 1
 
         def first(layer):  # the first op of a layer's backward
-            return 2 + 3 * (L - 1 - layer)
+            return 2 + 2 * (L - 1 - layer)
 
         # Backward runs these ops once per segment. Recomputing, the replay rewrites a
         # segment's layer buffers before each pass; storing, they hold every segment, and
@@ -876,8 +876,6 @@ class Trainer:
                 dproj = mem[f"dhs.{layer}"][:TN].T @ mem[f"hf.{layer}"][:TN, :H]  # [P, H]
                 _add_proj(gl.proj, dproj)
         dh[k] = dhk[:, :K]
-        # weight gradients: GEMMs over the segment's rows, into the packed grad layout
-        self._weight_gradients(gl, mem["gw"], xin, hprev, G, ghn)
         if spec.bias:
             B = self.weights.B
             gsum = G.sum(axis=0)
@@ -885,60 +883,70 @@ class Trainer:
             if gru:
                 gsum.reshape(-1, 3, B)[:, 2] = ghn.sum(axis=0).reshape(-1, B)
             gl.bR += gsum
-        # dx: direction 0 writes it, direction 1 adds its part (through a planned scratch)
-        if dxin is None:
-            pass  # input_grad=False: the layer below is the caller's input
-        elif d == 0:
-            self._split(TN, lambda i, lo, hi: np.matmul(G[lo:hi], Wd, out=dxin[lo:hi]))
-        else:
-            part = mem[f"dxd.{layer}"][:TN]
+        # the weight gradients and dx: one team of threads for both (each wake-up of a thread
+        # costs a scheduler slice on a loaded machine, and this runs once per segment);
+        # direction 0 writes dx, direction 1 adds its part through a planned scratch
+        part = mem[f"dxd.{layer}"][:TN] if dxin is not None and d == 1 else None
+        gw = mem["gw"]
+        wgrad = self._weight_gradients(gl, xin, hprev, G, ghn)
 
-            def add(i, lo, hi):
+        def job(i: int, threads: int) -> None:
+            wgrad(gw[i], i, threads)
+            if dxin is None:
+                return  # input_grad=False: the layer below is the caller's input
+            lo, hi = TN * i // threads, TN * (i + 1) // threads
+            if part is None:
+                np.matmul(G[lo:hi], Wd, out=dxin[lo:hi])
+            else:
                 np.matmul(G[lo:hi], Wd, out=part[lo:hi])
                 dxin[lo:hi] += part[lo:hi]
 
-            self._split(TN, add)
+        # at most the threads planned: a later set_num_threads may ask for more than this
+        # step's plan has rows of gw for
+        self._team(job, min(self._threads(), gw.shape[0], TN))
 
     def _threads(self) -> int:
         return config.threads_for(self.threads)
 
-    def _split(self, n: int, job, most: int | None = None) -> None:
-        """job(i, lo, hi) over [0, n), one contiguous range per thread i (at most ``most``
-        threads), on threads.matmul_pool: its idle workers sleep, BLAS's spin (module doc)."""
-        threads = min(self._threads(), n, most or n)
+    @staticmethod
+    def _team(job, threads: int) -> None:
+        """job(i, threads) for i < threads: 0 on this thread, the others on threads.matmul_pool
+        (its idle workers sleep, BLAS's spin: module doc)."""
         if threads < 2:
-            job(0, 0, n)
+            job(0, 1)
             return
-        cuts = np.linspace(0, n, threads + 1).astype(int)
-        pool = matmul_pool(threads)
-        futures = [pool.submit(job, i, lo, hi)
-                   for i, (lo, hi) in enumerate(itertools.pairwise(cuts))]  # fmt: skip
-        for f in futures:
-            f.result()
+        pool = matmul_pool(threads - 1)
+        futures = [pool.submit(job, i, threads) for i in range(1, threads)]
+        try:
+            job(0, threads)
+        finally:
+            for f in futures:
+                f.result()
 
-    def _weight_gradients(self, gl, gw, xin, hprev, G, ghn) -> None:
+    def _weight_gradients(self, gl, xin, hprev, G, ghn):
         """dW += X^T dG and dR += H_prev^T dG (GRU: R_n's columns from ghn, which holds
-        d(R_n h + bR_n)), a few panels' columns per GEMM (_GEMM_COLS) into the planned ``gw``
-        and added from there into the panels."""
+        d(R_n h + bR_n)), a few panels' columns per GEMM (_GEMM_COLS), each into a planned
+        scratch and added from there into the panels. Returns f(out, i, threads): thread i's
+        share of the panels, through its own scratch ``out``."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         per = max(1, self._gemm_cols() // Wd)  # panels per GEMM
         chunks = [(u0, min(U, u0 + per)) for u0 in range(0, U, per)]
 
-        def job(i, lo, hi):  # chunks lo..hi-1 on thread i, through its own row of gw
-            for u0, u1 in chunks[lo:hi]:
+        def share(gw, i: int, threads: int) -> None:
+            n = len(chunks)
+            for u0, u1 in chunks[n * i // threads : n * (i + 1) // threads]:
                 cols = slice(u0 * Wd, u1 * Wd)
                 for panels, rows in ((gl.Wt, xin), (gl.Rt, hprev)):
                     X = rows.shape[1]
-                    out = gw[i, : X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
+                    out = gw[: X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
                     np.matmul(rows.T, G[:, cols], out=out)
                     if ghn is not None and panels is gl.Rt:
                         out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
                             rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
                     panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
 
-        self._split(len(chunks), job, gw.shape[0])  # the threads planned (a later
-        # set_num_threads may ask for more than this step's plan has rows of gw for)
+        return share
 
     # ------------------------------------------------------------------ views
     def gradients(self):
