@@ -7,7 +7,9 @@ as well), and xw and every layer output are kept (the *reserve*) instead of bein
 Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
 reverse order:
 
-1. h_prev of every row: the layer's own output one step earlier (nothing else was stored);
+1. h_prev of every row: the layer's own output one step earlier (nothing else was stored; in
+   a forward stack a view of the layer's output buffer, which holds the segment's starting
+   state one row block in front);
 2. the step loop (kernels.backward: jobs lstm_back, gru_back, rnn_back on the kernels' thread
    team; train.steps is their NumPy twin): gate gradients computed in place over G, the cell
    state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
@@ -18,7 +20,10 @@ reverse order:
 **Recomputation** (``recompute=True``, forward stacks only: Chen et al. 2016): the forward keeps
 only every layer's state at segment boundaries, and backward re-runs the forward of one segment
 (all layers, the same kernels from the same states, so the same bits) before going back through
-it: memory O(T/S + S) per layer instead of O(T). ``memory_limit=`` picks the largest segment
+it: memory O(T/S + S) per layer instead of O(T). The O(T/S) boundary states live in the rows
+of dx that backward has not written yet (when they fit there: _boundaries_fit), so beyond its
+outputs a step needs only the arena's O(S) (the memory bar's step: 7 MiB at segments of 8
+steps, y and dx being 250 MiB). ``memory_limit=`` picks the largest segment
 whose plan fits (Gruslys et al. 2016 pick segments for a memory budget the same way); both
 modes walk the same segments, so their gradients are identical to the last bit.
 
