@@ -321,3 +321,54 @@ def test_steady_state_forward_reuses_its_plan_and_released_arenas(monkeypatch):
     assert len(planned) == 1
     tr.backward(second, dy)
     assert np.array_equal(tr.grad.buffer, want.grad.buffer)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+def test_recompute_with_boundary_states_in_dx_equals_storing_to_the_bit(cell):
+    """Wide inputs (C = 32 > the states' 2 x 8 per layer): the boundary states live in dx's
+    rows until backward writes them, newest segment first; nothing of them may leak into dx."""
+    rng = np.random.default_rng(3)
+    make = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[cell]
+    m = make(32, 8, num_layers=2, seed=4)
+    x = rng.standard_normal((11, 3, 32)).astype(np.float32)
+    dy = rng.standard_normal((11, 3, 8)).astype(np.float32)
+    out = []
+    for rec in (False, True):
+        tr = Trainer(m, segment=3, recompute=rec)
+        assert tr.plan(3, 11)["boundaries_in_dx"] and tr.plan(3, 11)["checkpoint_bytes"] == 0
+        tape = tr.forward(x, lengths=[11, 5, 9])
+        assert np.shares_memory(tape._saved["ckh"][-1], tape._saved["dx"])
+        dx, dh0, _ = tr.backward(tape, dy)
+        out.append((tape.y, dx, dh0, tr.grad.buffer.copy()))
+    whole = Trainer(m)  # one segment: nothing to keep but h0
+    dx_whole = whole.backward(whole.forward(x, lengths=[11, 5, 9]), dy)[0]
+    np.testing.assert_allclose(out[0][1], dx_whole, rtol=0, atol=ATOL[np.float32])
+    for a, b in zip(*out, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_recomputing_step_needs_a_small_fraction_of_its_outputs():
+    """The memory bar's step (2-layer LSTM, N=64, T=1000; H=64 here, the bytes scale with H):
+    beyond y and dx, a recomputing step plans under 1/16 of their bytes. Before: segments of
+    sqrt(T) with the boundary states apart, 0.28 of them."""
+    m = leanrnn.LSTM(64, 64, num_layers=2, seed=0)
+    p = Trainer(m, recompute=True).plan(64, 1000)
+    outputs = 2 * 1000 * 64 * 64 * 4  # y and dx, float32
+    assert p["recompute"] and p["boundaries_in_dx"]
+    assert p["total_bytes"] <= outputs / 16, (p["segment"], p["total_bytes"], outputs)
+
+
+def test_backward_leaves_the_process_blas_threads_as_they_were():
+    """backward runs its GEMMs single-threaded on the matmul pool and restores the BLAS limit:
+    before, it set the process's BLAS to the trainer's threads for good."""
+    from leanrnn.threads import blas_controller
+
+    c = blas_controller()
+    if c is None or not c.select(user_api="blas").lib_controllers:
+        pytest.skip("no BLAS under threadpoolctl")
+    m = leanrnn.LSTM(4, 16, seed=0)
+    x = np.random.default_rng(0).standard_normal((6, 3, 4)).astype(np.float32)
+    with c.limit(limits=2, user_api="blas"):
+        tr = Trainer(m, threads=1)
+        tr.backward(tr.forward(x), np.ones((6, 3, 16), np.float32))
+        assert {i["num_threads"] for i in c.select(user_api="blas").info()} == {2}

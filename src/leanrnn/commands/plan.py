@@ -187,13 +187,12 @@ def _run_train(args, pairs) -> int:
               f"{mode}, segments of {info['segment']} steps ({info['segments']})")  # fmt: skip
         print(f"{'buffer':<12}{'bytes':>14}{'offset':>14}  lifetime")
         for row in p.table():
-            life = {(0, 0): "forward", (1, 1): "backward"}.get((row["first"], row["last"]),
-                                                              "reserve")  # fmt: skip
+            life = info["lifetimes"][row["name"]]
             print(f"{row['name']:<12}{row['bytes']:>14,}{row['offset']:>14,}  {life}")
         print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients)")
         print(f"arena       {p.total:>14,} B (without reuse {p.naive_total:,} B)")
         print(f"boundaries  {info['checkpoint_bytes']:>14,} B (every layer's state at each "
-              "segment start)")  # fmt: skip
+              "segment start" + (", in dx's rows" if info["boundaries_in_dx"] else "") + ")")  # fmt: skip
         print(f"total       {info['total_bytes']:>14,} B beyond weights, gradients, inputs and "
               "outputs")  # fmt: skip
         if args.png:

@@ -7,7 +7,9 @@ as well), and xw and every layer output are kept (the *reserve*) instead of bein
 Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
 reverse order:
 
-1. h_prev of every row: the layer's own output one step earlier (nothing else was stored);
+1. h_prev of every row: the layer's own output one step earlier (nothing else was stored; in
+   a forward stack a view of the layer's output buffer, which holds the segment's starting
+   state one row block in front);
 2. the step loop (kernels.backward: jobs lstm_back, gru_back, rnn_back on the kernels' thread
    team; train.steps is their NumPy twin): gate gradients computed in place over G, the cell
    state recomputed alongside, ``dh_prev = dG_t R`` — the only per-step GEMM;
@@ -18,7 +20,10 @@ reverse order:
 **Recomputation** (``recompute=True``, forward stacks only: Chen et al. 2016): the forward keeps
 only every layer's state at segment boundaries, and backward re-runs the forward of one segment
 (all layers, the same kernels from the same states, so the same bits) before going back through
-it: memory O(T/S + S) per layer instead of O(T). ``memory_limit=`` picks the largest segment
+it: memory O(T/S + S) per layer instead of O(T). The O(T/S) boundary states live in the rows
+of dx that backward has not written yet (when they fit there: _boundaries_fit), so beyond its
+outputs a step needs only the arena's O(S) (the memory bar's step: 7 MiB at segments of 8
+steps, y and dx being 250 MiB). ``memory_limit=`` picks the largest segment
 whose plan fits (Gruslys et al. 2016 pick segments for a memory budget the same way); both
 modes walk the same segments, so their gradients are identical to the last bit.
 
@@ -28,12 +33,17 @@ gradients of the input and initial states. A tape lives in the trainer's arena u
 ``own_memory=True``: a newer forward, or changed weights (any optimizer step), make it stale
 and backward refuses it.
 
-Threads: the recurrences run on the kernels' thread team; the GEMMs on the BLAS, limited to
-the same number of threads (threads.limit_blas).
+Threads: the recurrences run on the kernels' thread team; the GEMMs split their columns or
+rows over the same number of Python threads (threads.matmul_pool), each a single-threaded
+BLAS call. BLAS's own workers spin for a long while after every call (OpenBLAS: ~0.1 s), and a
+backward alternates GEMMs with recurrences once per segment: spinning, they took the cores
+the recurrence's threads wait on each other for (a recomputing step with segments of 8 spent
+2.5x the CPU seconds on 2 threads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -47,7 +57,7 @@ from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
-from ..threads import PARALLEL_MIN_MACS, limit_blas
+from ..threads import PARALLEL_MIN_MACS, blas_controller, matmul_pool
 from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -55,6 +65,14 @@ __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
 _PLANS_KEPT = 16  # memory plans kept per trainer (one per step shape)
 _SPARE_KEPT = 2  # released own-memory arenas kept for reuse
+# rows (segment steps x batch) of the default recomputed segment's GEMMs (_recompute_segment).
+# Fewer segments cost less (each adds its weight gradients into the panels: 4 MiB of them per
+# matrix at H=512), but not much: segments of 8 steps at N=64 (the memory bar's step) took
+# 1.32x the CPU seconds of storing, of 32 steps 1.28x, for 7 MiB of arena instead of ~35.
+_GEMM_ROWS = 512
+# columns of G per weight-gradient GEMM: its output ([C or K, columns], then added into the
+# gradient panels) stays in L2 instead of a [C, G] temporary of megabytes per segment
+_GEMM_COLS = 256
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -289,17 +307,18 @@ class Trainer:
         c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None
         hs = np.zeros((L * D, N, K), dt) if h0 is None else h0.copy()
         cs = (np.zeros((L * D, N, H), dt) if c0 is None else c0.copy()) if c_n is not None else None
+        # dx is made here, not in backward: until backward writes them, its rows hold the
+        # boundary states (untouched pages of it cost nothing)
+        dx = np.empty((T * N, C), dt)
         saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks, x=xt,
-                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y)  # fmt: skip
+                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, dx=dx)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
-        nseg = (T + S - 1) // S
-        ckh = np.empty((nseg, L * D, N, K), dt)
-        ckc = np.empty((nseg, L * D, N, H), dt) if cs is not None else None
+        ckh, ckc = self._boundaries(dx, T, N, S)
         for j, s0 in enumerate(range(0, T, S)):
-            ckh[j] = hs
+            ckh[j][:] = hs
             if ckc is not None:
-                ckc[j] = cs
+                ckc[j][:] = cs
             s1 = min(T, s0 + S)
             self._forward_segment(mem, xt, y[s0 * N : s1 * N], hs, cs, lens, s0, s1, N, masks,
                                   0 if recompute else s0 * N)  # fmt: skip
@@ -328,8 +347,18 @@ class Trainer:
         if self.segment is not None:
             return max(1, min(T, int(self.segment)))
         if self.recompute:
-            return max(1, round(np.sqrt(T)))
+            return self._recompute_segment(T, N)
         return T
+
+    def _recompute_segment(self, T: int, N: int) -> int:
+        """The default recomputed segment. The arena grows with S (every layer's gates of a
+        segment are live at once) and, while the boundary states fit in dx's rows (below),
+        nothing else does: so the shortest segment whose weight-gradient GEMMs still get
+        _GEMM_ROWS rows, at most sqrt(T) (Chen et al.'s balance, which still applies when the
+        boundary states need memory of their own)."""
+        root = max(1, round(np.sqrt(T)))
+        S = min(root, max(1, -(-_GEMM_ROWS // N)))
+        return S if self._boundaries_fit(N, T, S) else root
 
     def _masks(self, T: int, N: int) -> list[np.ndarray]:
         spec, p = self.spec, self.dropout
@@ -340,21 +369,63 @@ class Trainer:
 
     def plan(self, batch: int, steps: int) -> dict:
         """What a training step of ``batch`` x ``steps`` will use: its segment length, whether it
-        recomputes, the arena (reserve + scratch; ``plan``: the planner's placements, op 0 the
-        forward, op 1 the backward) and the boundary states, in bytes."""
+        recomputes, the arena (reserve + scratch; ``plan``: the planner's placements, their op
+        indices named by ``ops``, ``lifetimes`` in words) and the boundary states, in bytes
+        (``checkpoint_bytes``: 0 when they live in dx's not yet written rows)."""
         S = self._segment(steps, batch)
         recompute = (self.recompute or self.memory_limit is not None) and S < steps
         p = plan(self._buffers(batch, steps, S, recompute, self.spec.batch_first)[0])
         arena = p.total
+        ops = self._ops()
+
+        def life(b) -> str:
+            if b.first == 0 and b.last >= 2:
+                return f"reserve, to {ops[b.last]}"
+            return ops[b.first] if b.first == b.last else f"{ops[b.first]} .. {ops[b.last]}"
+
+        ck = self._checkpoint_bytes(batch, steps, S)
         return dict(segment=S, segments=-(-steps // S), recompute=recompute, arena_bytes=arena,
-                    plan=p,
-                    checkpoint_bytes=self._checkpoint_bytes(batch, steps, S),
-                    total_bytes=arena + self._checkpoint_bytes(batch, steps, S))  # fmt: skip
+                    plan=p, ops=ops,
+                    lifetimes={pl.buffer.name: life(pl.buffer) for pl in p.placements},
+                    boundaries_in_dx=self._boundaries_fit(batch, steps, S),
+                    checkpoint_bytes=ck, total_bytes=arena + ck)  # fmt: skip
+
+    def _boundary_floats(self, N: int) -> int:
+        """Values of every layer's state at one segment boundary (h, and c for an LSTM)."""
+        spec = self.spec
+        per = spec.output_size + (spec.hidden_size if spec.cell == "lstm" else 0)
+        return spec.num_layers * spec.num_directions * N * per
+
+    def _boundaries_fit(self, N: int, T: int, S: int) -> bool:
+        """Whether the boundary states can live in dx. Backward writes dx segment by segment,
+        the newest first, and reads segment j's boundary states before it writes segment j's
+        rows: so boundary j, at values [j*per, (j+1)*per) of dx, is intact when read if it
+        ends within the rows of segments 0..j: per <= S*N*C (and the same for the last, maybe
+        shorter, segment)."""
+        per, C = self._boundary_floats(N), self.spec.input_size
+        return per <= S * N * C and -(-T // S) * per <= T * N * C
+
+    def _boundaries(self, dx: np.ndarray, T: int, N: int, S: int):
+        """Every segment's boundary states: lists of views h [L*D, N, K] and (LSTM) c
+        [L*D, N, H], in dx's rows when they fit there (_boundaries_fit), else their own."""
+        spec = self.spec
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        nseg, per = -(-T // S), self._boundary_floats(N)
+        if self._boundaries_fit(N, T, S):
+            flat = dx.reshape(-1)
+            blocks = [flat[j * per : (j + 1) * per] for j in range(nseg)]
+        else:
+            blocks = list(np.empty((nseg, per), self.dtype))
+        hsz = LD * N * K
+        ckh = [b[:hsz].reshape(LD, N, K) for b in blocks]
+        ckc = [b[hsz:].reshape(LD, N, H) for b in blocks] if spec.cell == "lstm" else None
+        return ckh, ckc
 
     def _checkpoint_bytes(self, N: int, T: int, S: int) -> int:
-        spec = self.spec
-        per = N * (spec.output_size + (spec.hidden_size if spec.cell == "lstm" else 0))
-        return -(-T // S) * spec.num_layers * spec.num_directions * per * self.dtype.itemsize
+        """Bytes of the boundary states beyond the step's outputs: none when they live in dx."""
+        if self._boundaries_fit(N, T, S):
+            return 0
+        return -(-T // S) * self._boundary_floats(N) * self.dtype.itemsize
 
     def _need(self, N: int, T: int, S: int, recompute: bool) -> int:
         """Bytes of a step of N x T in segments of S: arena + boundary states (the same count
@@ -373,11 +444,34 @@ class Trainer:
                 f"[Trainer] a {self.spec.direction} stack stores the whole sequence: "
                 f"{self._need(N, T, T, False)} bytes for N={N}, T={T}; memory_limit={limit}"
             )
-        # bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the minimum.
-        # Where the minimum lies depends on how the per-step buffers (a) weigh against the
-        # boundary states (b), so look for it on a geometric grid of S (a few dozen plans, not
-        # T), then take the longest fitting segment above it (fewest segments, biggest GEMMs).
-        grid = sorted({int(s) for s in np.unique(np.geomspace(1, T, 48).round())})
+
+        def longest(lo: int, hi: int) -> int:  # need(lo) fits and need grows over [lo, hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self._need(N, T, mid, True) <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+
+        # From the shortest segment whose boundary states fit in dx (the fit only gets easier
+        # with S) the boundary states cost nothing and bytes grow with S: if that segment fits,
+        # the answer is above it.
+        fit = next((S for S in _doubling(T - 1) if self._boundaries_fit(N, T, S)), None)
+        if fit is not None:
+            lo = 1 if fit == 1 else fit // 2 + 1
+            while lo < fit:  # the exact shortest one, between the last miss and fit
+                mid = (lo + fit) // 2
+                lo, fit = (lo, mid) if self._boundaries_fit(N, T, mid) else (mid + 1, fit)
+            if self._need(N, T, fit, True) <= limit:
+                return longest(fit, T - 1)
+        # Below it, bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the
+        # minimum. Where the minimum lies depends on how the per-step buffers (a) weigh against
+        # the boundary states (b), so look for it on a geometric grid of S (a few dozen plans,
+        # not T), then take the longest fitting segment above it (fewest segments, biggest
+        # GEMMs).
+        top = T - 1 if fit is None else fit - 1
+        grid = sorted({int(s) for s in np.unique(np.geomspace(1, max(top, 1), 48).round())})
         needs = {S: self._need(N, T, S, True) for S in grid}
         best = min(needs, key=needs.get)
         if needs[best] > limit:
@@ -386,24 +480,33 @@ class Trainer:
                 f"{needs[best]} bytes for N={N}, T={T}; memory_limit={limit}: lower the batch "
                 "or raise the limit"
             )
-        lo, hi = best, T
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._need(N, T, mid, True) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return longest(best, top)
+
+    def _ops(self) -> list[str]:
+        """Names of the plan's op indices: the forward, backward's replay of a segment, then
+        per layer, top first: its step loop, then its GEMMs (weight gradients and the input
+        gradient, at the same time on a team of threads)."""
+        ops = ["forward", "replay"]
+        for layer in reversed(range(self.spec.num_layers)):
+            ops += [f"l{layer} step loop", f"l{layer} GEMMs"]
+        return ops
 
     def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True):
         """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
-        with lifetimes (op 0 = forward, op 1 = backward), and their shapes. ``stage_x``: a
-        time-major copy of x (batch-first or non-contiguous input)."""
+        with lifetimes (op indices as ``_ops`` names them), and their shapes. ``stage_x``: a
+        time-major copy of x (batch-first or non-contiguous input).
+
+        Each backward buffer lives only while its layer needs it, so the planner stacks a
+        lower layer's scratch on the upper layer's spent gates. In a forward stack a layer's
+        h_prev is its own output one row block up: the layer buffers hold one extra block of
+        N rows in front (the segment's starting state), and h_prev is a view, not a copy."""
         spec, w = self.spec, self.weights
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
-        LD = L * D
         R = S if recompute else T  # rows of steps the per-layer buffers hold
-        # ops: 0 = forward, 1 = backward (the reserve lives across both)
+        RN = R * N
+        pre = N if spec.direction == "forward" else 0
+        lstm, gru, P = spec.cell == "lstm", spec.cell == "gru", spec.proj_size
+        end = len(self._ops()) - 1
         bufs: list[Buffer] = []
         shapes: dict = {}
 
@@ -413,40 +516,73 @@ class Trainer:
             bufs.append(Buffer(name, math.prod(shape) * dtype.itemsize, first, last))
             shapes[name] = (shape, dtype)
 
+        def ops(layer):
+            """(step loop, weight GEMMs, dx) op of a layer: the GEMMs run together. Two
+            directions run loop, GEMMs, loop, GEMMs: the layer's buffers then span both."""
+            b = 2 + 2 * (L - 1 - layer)
+            return b, b + 1, b + 1
+
+        def first(layer):  # the first op of a layer's backward
+            return 2 + 2 * (L - 1 - layer)
+
+        # Backward runs these ops once per segment. Recomputing, the replay rewrites a
+        # segment's layer buffers before each pass; storing, they hold every segment, and
+        # with several segments they stay live to the end.
+        held = not recompute and -(-T // S) > 1
         if stage_x:
-            add("x", (T * N, spec.input_size), 0, 1)
-        for k in range(LD):
-            add(f"xw.{k}", (R * N, w.Gp), 0, 1)
-            if spec.cell == "gru":
-                add(f"ghn.{k}", (R * N, w.Hp), 0, 1)
-        for layer in range(L - 1):
-            add(f"y.{layer}", (R * N, D * K), 0, 1)
-            add(f"dy.{layer}", (R * N, D * K), 1, 1)
-            if self.dropout:
-                add(f"xd.{layer}", (R * N, D * K), 0, 1)
-        if recompute:
-            add("ytop", (R * N, D * K), 1, 1)
+            add("x", (T * N, spec.input_size), 0, end)
+        for layer in range(L):
+            loop, gemm, dx = ops(layer)
+            for d in range(D):
+                k = layer * D + d
+                add(f"xw.{k}", (RN, w.Gp), 0, end if held else dx)
+                if gru:
+                    add(f"ghn.{k}", (RN, w.Hp), 0, end if held else gemm)
+            if layer < L - 1:
+                # read by the layer above (its input) and by this layer's backward (h_prev)
+                add(f"y.{layer}", (pre + RN, D * K), 0, end if held else gemm)
+                if self.dropout:
+                    add(f"xd.{layer}", (RN, D * K), 0, end if held else ops(layer + 1)[1])
+                # written by the dx GEMM of the layer above, read by this layer's step loop
+                add(f"dy.{layer}", (RN, D * K), ops(layer + 1)[2] if D == 1 else first(layer + 1),
+                    loop if D == 1 else dx)  # fmt: skip
+            if pre and layer == L - 1:
+                # the top layer's h_prev: the replay's output, or a copy of y one block down
+                add("ytop", (pre + RN, K), 1 if recompute else loop, gemm)
+            elif not pre:
+                add(f"hprev.{layer}", (RN, K), loop, gemm)
+            if lstm:
+                add(f"cs.{layer}", (RN, w.Hp), loop, loop if D == 1 else dx)
+            if P:
+                add(f"hf.{layer}", (RN, w.Hp), loop, gemm)
+                add(f"dhs.{layer}", (RN, P), loop, gemm)
+            if D == 2:  # direction 1's part of the input gradient
+                add(f"dxd.{layer}", (RN, spec.layer_input_size(layer)), loop, dx)
         # forward scratch (one op at a time; recomputing, backward replays the forward too)
         fl = 1 if recompute else 0
         add("h.a", (N, w.Kp), 0, fl)
         add("h.b", (N, w.Kp), 0, fl)
         add("gates", (N, w.Gp), 0, fl)
         add("c", (N, w.Hp), 0, fl)
-        add("aux", (N, w.Hp), 0, fl)
+        if P:
+            add("aux", (N, w.Hp), 0, fl)
         # backward scratch
-        add("hprev", (R * N, K), 1, 1)
-        add("cs", (R * N, w.Hp), 1, 1)
-        add("dh", (N, w.Kp), 1, 1)
-        add("dc", (N, w.Hp), 1, 1)
-        add("dgs", (N, w.Gp), 1, 1)
-        add("cb", (N, w.Hp), 1, 1)
-        add("dhn", (N, w.Kp), 1, 1)
-        if D == 2:
-            add("dxd", (R * N, max(spec.input_size, D * K)), 1, 1)  # direction 1's dx part
-        if spec.proj_size:
-            add("hf", (R * N, w.Hp), 1, 1)
-            add("dhs", (R * N, spec.proj_size), 1, 1)
+        add("dh", (N, w.Kp), 2, end)
+        add("dgs", (N, w.Gp), 2, end)
+        add("dhn", (N, w.Kp), 2, end)
+        if lstm:
+            add("dc", (N, w.Hp), 2, end)
+            add("cb", (N, w.Hp), 2, end)
+        # the weight GEMMs' output, a few panels at a time, before it is added into the panels
+        X = max(spec.input_size, D * K, K)
+        add("gw", (self._threads(), X * self._gemm_cols()), 2, end)  # one per thread
         return bufs, shapes
+
+    def _gemm_cols(self) -> int:
+        """Columns of G per weight-gradient GEMM: whole panels, about _GEMM_COLS of them."""
+        w = self.weights
+        Wd = self.grad.layers[0][0].Wt.shape[2]
+        return min(w.Gp, max(1, _GEMM_COLS // Wd) * Wd)
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
@@ -503,20 +639,30 @@ class Trainer:
     def _forward_segment(self, mem, xt, ytop, hs, cs, lens, s0, s1, N, masks, off) -> None:
         """Every layer over steps s0..s1 from the states in hs/cs, which are left holding the
         states after s1. The layer buffers' rows for the segment start at ``off`` (s0*N when
-        they hold every step, 0 when they hold one segment); the top layer writes ``ytop``."""
+        they hold every step, 0 when they hold one segment) after their leading block of N
+        rows (forward stacks: the block holds the state the layer's rows start from, so its
+        h_prev is a view, see _buffers); the top layer writes ``ytop``."""
         spec = self.spec
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         T = s1 - s0
         TN = T * N
+        pre = N if spec.direction == "forward" else 0
         seg_lens = np.clip(lens - s0, 0, T).astype(np.int64)
         parts = self._parts(N)
         for layer in range(L):
             if layer == 0:
                 xin = xt[s0 * N : s1 * N]
+            elif masks is not None:
+                xin = mem[f"xd.{layer - 1}"][off : off + TN]
             else:
-                src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
-                xin = src[off : off + TN]
-            yout = ytop if layer == L - 1 else mem[f"y.{layer}"][off : off + TN]
+                xin = mem[f"y.{layer - 1}"][pre + off : pre + off + TN]
+            if layer == L - 1:
+                yout = ytop
+            else:
+                ybuf = mem[f"y.{layer}"]
+                yout = ybuf[pre + off : pre + off + TN]
+                if pre and off == 0:  # (further on, the block holds the step before: the same)
+                    ybuf[:N] = hs[layer]
             for d in range(D):
                 k = layer * D + d
                 ha = mem["h.a"]
@@ -564,7 +710,7 @@ class Trainer:
         spec, dt = self.spec, self.dtype
         L, D, K, H, C = (spec.num_layers, spec.num_directions, spec.output_size,
                          spec.hidden_size, spec.input_size)  # fmt: skip
-        T, N, S = sv["T"], sv["N"], sv["S"]
+        T, N = sv["T"], sv["N"]
         LD = L * D
         yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
         if dy is None:
@@ -592,23 +738,12 @@ class Trainer:
                 )
             dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
         tape.used = True
-        # every row is written (direction 0 of layer 0)
-        dx = np.empty((T * N, C), dt) if input_grad else None
-        limit_blas(config.threads_for(self.threads))
-        segs = list(range(0, T, S))
-        for s0 in reversed(segs):
-            s1 = min(T, s0 + S)
-            # recomputing, the forward left the last segment's reserve in the segment buffers:
-            # only the earlier segments are replayed
-            replay = sv["recompute"] and s0 != segs[-1]
-            if replay:
-                j = s0 // S
-                hs = sv["ckh"][j].copy()
-                cs = sv["ckc"][j].copy() if sv["ckc"] is not None else None
-                ytop = mem["ytop"][: (s1 - s0) * N]
-                self._forward_segment(mem, sv["x"], ytop, hs, cs, sv["lens"], s0, s1, N,
-                                      sv["masks"], 0)  # fmt: skip
-            self._backward_segment(sv, mem, dyt, dx, dh, dc, s0, s1, replay)
+        # every row is written (direction 0 of layer 0); until then dx's rows may hold the
+        # boundary states (_boundaries)
+        dx = sv["dx"] if input_grad else None
+        c = blas_controller()
+        with c.limit(limits=1, user_api="blas") if c is not None else contextlib.nullcontext():
+            self._backward_segments(sv, mem, dyt, dx, dh, dc)
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)
         dx = dx.reshape(T, N, C)
@@ -616,7 +751,37 @@ class Trainer:
             dx = np.ascontiguousarray(dx.transpose(1, 0, 2))
         return dx, dh, (dc if spec.cell == "lstm" else None)
 
-    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, s0, s1, replayed) -> None:
+    def _backward_segments(self, sv, mem, dyt, dx, dh, dc) -> None:
+        spec, dt = self.spec, self.dtype
+        L, D, K, H = spec.num_layers, spec.num_directions, spec.output_size, spec.hidden_size
+        T, N, S = sv["T"], sv["N"], sv["S"]
+        LD = L * D
+        lstm = spec.cell == "lstm"
+        # the segment's starting states, copied out before its dx rows are written
+        h0s = np.empty((LD, N, K), dt)
+        c0s = np.empty((LD, N, H), dt) if lstm else None
+        hs, cs = np.empty_like(h0s), (np.empty_like(c0s) if lstm else None)
+        nseg = len(sv["ckh"])
+        for j in reversed(range(nseg)):
+            s0 = j * S
+            s1 = min(T, s0 + S)
+            h0s[:] = sv["ckh"][j]
+            if lstm:
+                c0s[:] = sv["ckc"][j]
+            # recomputing, the forward left the last segment's reserve in the segment buffers:
+            # only the earlier segments are replayed
+            replay = sv["recompute"] and j != nseg - 1
+            if replay:
+                hs[:] = h0s
+                if lstm:
+                    cs[:] = c0s
+                ytop = mem["ytop"]
+                ytop[:N] = h0s[L - 1]  # the top layer's h_prev is ytop, one block up
+                self._forward_segment(mem, sv["x"], ytop[N : N + (s1 - s0) * N], hs, cs,
+                                      sv["lens"], s0, s1, N, sv["masks"], 0)  # fmt: skip
+            self._backward_segment(sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replay)
+
+    def _backward_segment(self, sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replayed) -> None:
         spec = self.spec
         L, D = spec.num_layers, spec.num_directions
         N, recompute = sv["N"], sv["recompute"]
@@ -625,58 +790,63 @@ class Trainer:
         lens = np.clip(sv["lens"] - s0, 0, T).astype(np.int64)
         # rows of this segment in buffers that hold every step (not recomputing) or only it
         off = 0 if recompute else s0 * N
+        pre = N if spec.direction == "forward" else 0
         masks = sv["masks"]
         for layer in reversed(range(L)):
-            if layer == L - 1:
-                ylay = mem["ytop"][:TN] if replayed else sv["y"][s0 * N : s1 * N]
-                dylay = dyt[s0 * N : s1 * N]
+            top = layer == L - 1
+            dylay = dyt[s0 * N : s1 * N] if top else mem[f"dy.{layer}"][:TN]
+            # h_prev of every row: the layer's own output one step earlier, or the segment's h0
+            ylay = hprev = None
+            if not pre:
+                ylay = sv["y"][s0 * N : s1 * N] if top else mem[f"y.{layer}"][off : off + TN]
+            elif not top:
+                hprev = mem[f"y.{layer}"][off : off + TN]  # one block up: see _buffers
             else:
-                ylay = mem[f"y.{layer}"][off : off + TN]
-                dylay = mem[f"dy.{layer}"][:TN]
+                hb = mem["ytop"]
+                if not replayed:  # the replay wrote ytop; else the output is the caller's y
+                    hb[:N] = h0s[layer]
+                    hb[N:TN] = sv["y"][s0 * N : s1 * N - N]
+                hprev = hb[:TN]
             if layer == 0:
                 xin = sv["x"][s0 * N : s1 * N]
                 dxin = dx[s0 * N : s1 * N] if dx is not None else None
             else:
-                src = mem[f"xd.{layer - 1}"] if masks is not None else mem[f"y.{layer - 1}"]
-                xin = src[off : off + TN]
+                xin = (mem[f"xd.{layer - 1}"][off : off + TN] if masks is not None
+                       else mem[f"y.{layer - 1}"][pre + off : pre + off + TN])  # fmt: skip
                 dxin = mem[f"dy.{layer - 1}"][:TN]
             for d in range(D):
                 k = layer * D + d
-                self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc,
-                                  lens, s0, T, N, off)  # fmt: skip
+                self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc,
+                                  h0s, c0s, lens, T, N, off)  # fmt: skip
             if layer > 0 and masks is not None:
                 dxin *= masks[layer - 1][s0 * N : s1 * N]
 
-    def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, dylay, dh, dc, lens,
-                     s0, T, N, off) -> None:  # fmt: skip
-        spec, w = self.spec, self.weights
+    def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc, h0s,
+                     c0s, lens, T, N, off) -> None:  # fmt: skip
+        spec = self.spec
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
         Wd, _, proj, RT, projd = self._dense[layer][d]
         gl = self.grad.layers[layer][d]
         reverse = spec.reversed_direction(d)
-        G = mem[f"xw.{k}"][off : off + TN] if not sv["recompute"] else mem[f"xw.{k}"][:TN]
-        # h_prev of every row: the layer's own output one step earlier, or the segment's h0
-        yk = ylay[:, d * K : (d + 1) * K]
-        h_start = self._segment_h0(sv, k, s0, N)
-        hprev = mem["hprev"][:TN]
-        if not reverse:
-            hprev[N:] = yk[: TN - N]
-            hprev[:N] = h_start
-        else:
-            # a reverse sample starts at its last valid step t = L-1 (rows past it: zero)
-            hprev[: TN - N] = yk[N:]
-            hprev[TN - N :] = 0
-            ok = lens > 0
-            hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
+        G = mem[f"xw.{k}"][off : off + TN]
+        if hprev is None:  # h_prev of every row, copied: the output one step before
+            yk = ylay[:, d * K : (d + 1) * K]
+            h_start = h0s[k]
+            hprev = mem[f"hprev.{layer}"][:TN]
+            if not reverse:
+                hprev[N:] = yk[: TN - N]
+                hprev[:N] = h_start
+            else:
+                # a reverse sample starts at its last valid step t = L-1 (rows past it: zero)
+                hprev[: TN - N] = yk[N:]
+                hprev[TN - N :] = 0
+                ok = lens > 0
+                hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
         # G: the forward kernels left each step's gate pre-activations in xw (keep); GRU's
         # n block holds W_n x + bW_n there and R_n h + bR_n in ghn.
         gru = spec.cell == "gru"
-        ghn = (
-            (mem[f"ghn.{k}"][:TN] if sv["recompute"] else mem[f"ghn.{k}"][off : off + TN])
-            if gru
-            else None
-        )
+        ghn = mem[f"ghn.{k}"][off : off + TN] if gru else None
         dhk = mem["dh"]
         dhk[:, K:] = 0
         dhk[:, :K] = dh[k]
@@ -684,20 +854,20 @@ class Trainer:
         named = dict(G=G, dy=dylay, y_off=d * K, dh=dhk, RT=RT, K=K, dgs=mem["dgs"],
                      dhn=mem["dhn"], lengths=lens, T=T, reverse=reverse, consts=self._consts,
                      sync=self._sync, parts=parts)  # fmt: skip
+        P = spec.proj_size
         if spec.cell == "lstm":
             c_start = mem["cb"]
             c_start[:, H:] = 0
-            c_start[:, :H] = self._segment_c0(sv, k, s0, N)
+            c_start[:, :H] = c0s[k]
             dck = mem["dc"]
             dck[:, H:] = 0
             dck[:, :H] = dc[k]
-            P = spec.proj_size
             empty = mem["dgs"][:0]
             job = "lstm_back"
-            named.update(c0=c_start, cs=mem["cs"][:TN], dc=dck, projd=projd, P=P,
-                         hf=mem["hf"][:TN] if P else empty,
-                         dhs=mem["dhs"][:TN] if P else empty[:, :0])  # fmt: skip
-        elif spec.cell == "gru":
+            named.update(c0=c_start, cs=mem[f"cs.{layer}"][:TN], dc=dck, projd=projd, P=P,
+                         hf=mem[f"hf.{layer}"][:TN] if P else empty,
+                         dhs=mem[f"dhs.{layer}"][:TN] if P else empty[:, :0])  # fmt: skip
+        elif gru:
             job = "gru_back"
             named.update(ghn=ghn, hprev=hprev)
         else:
@@ -708,37 +878,80 @@ class Trainer:
         if spec.cell == "lstm":
             dc[k] = dck[:, :H]
             if P:
-                dproj = mem["dhs"][:TN].T @ mem["hf"][:TN, :H]  # [P, H]
+                dproj = mem[f"dhs.{layer}"][:TN].T @ mem[f"hf.{layer}"][:TN, :H]  # [P, H]
                 _add_proj(gl.proj, dproj)
         dh[k] = dhk[:, :K]
-        # weight gradients: big GEMMs over the segment's rows, into the packed grad layout
-        Cin = xin.shape[1]
-        _add_panels(gl.Wt, xin.T @ G, Cin)
-        dR = hprev.T @ G
-        if gru:  # R_n's gradient comes from d(R_n h + bR_n), which ghn holds
-            dR.reshape(K, -1, 3, w.B)[:, :, 2] = (hprev.T @ ghn).reshape(K, -1, w.B)
-        _add_panels(gl.Rt, dR, K)
         if spec.bias:
+            B = self.weights.B
             gsum = G.sum(axis=0)
             gl.bW += gsum
             if gru:
-                gsum.reshape(-1, 3, w.B)[:, 2] = ghn.sum(axis=0).reshape(-1, w.B)
+                gsum.reshape(-1, 3, B)[:, 2] = ghn.sum(axis=0).reshape(-1, B)
             gl.bR += gsum
-        # dx: direction 0 writes it, direction 1 adds its part (through a planned scratch)
-        if dxin is None:
-            pass  # input_grad=False: the layer below is the caller's input
-        elif d == 0:
-            np.matmul(G, Wd, out=dxin)
-        else:
-            part = mem["dxd"].reshape(-1)[: TN * Cin].reshape(TN, Cin)
-            np.matmul(G, Wd, out=part)
-            dxin += part
+        # the weight gradients and dx: one team of threads for both (each wake-up of a thread
+        # costs a scheduler slice on a loaded machine, and this runs once per segment);
+        # direction 0 writes dx, direction 1 adds its part through a planned scratch
+        part = mem[f"dxd.{layer}"][:TN] if dxin is not None and d == 1 else None
+        gw = mem["gw"]
+        wgrad = self._weight_gradients(gl, xin, hprev, G, ghn)
 
-    def _segment_h0(self, sv, k, s0, N):
-        return sv["ckh"][s0 // sv["S"], k]
+        def job(i: int, threads: int) -> None:
+            wgrad(gw[i], i, threads)
+            if dxin is None:
+                return  # input_grad=False: the layer below is the caller's input
+            lo, hi = TN * i // threads, TN * (i + 1) // threads
+            if part is None:
+                np.matmul(G[lo:hi], Wd, out=dxin[lo:hi])
+            else:
+                np.matmul(G[lo:hi], Wd, out=part[lo:hi])
+                dxin[lo:hi] += part[lo:hi]
 
-    def _segment_c0(self, sv, k, s0, N):
-        return sv["ckc"][s0 // sv["S"], k]
+        # at most the threads planned: a later set_num_threads may ask for more than this
+        # step's plan has rows of gw for
+        self._team(job, min(self._threads(), gw.shape[0], TN))
+
+    def _threads(self) -> int:
+        return config.threads_for(self.threads)
+
+    @staticmethod
+    def _team(job, threads: int) -> None:
+        """job(i, threads) for i < threads: 0 on this thread, the others on threads.matmul_pool
+        (its idle workers sleep, BLAS's spin: module doc)."""
+        if threads < 2:
+            job(0, 1)
+            return
+        pool = matmul_pool(threads - 1)
+        futures = [pool.submit(job, i, threads) for i in range(1, threads)]
+        try:
+            job(0, threads)
+        finally:
+            for f in futures:
+                f.result()
+
+    def _weight_gradients(self, gl, xin, hprev, G, ghn):
+        """dW += X^T dG and dR += H_prev^T dG (GRU: R_n's columns from ghn, which holds
+        d(R_n h + bR_n)), a few panels' columns per GEMM (_GEMM_COLS), each into a planned
+        scratch and added from there into the panels. Returns f(out, i, threads): thread i's
+        share of the panels, through its own scratch ``out``."""
+        U, _, Wd = gl.Wt.shape
+        B = self.weights.B
+        per = max(1, self._gemm_cols() // Wd)  # panels per GEMM
+        chunks = [(u0, min(U, u0 + per)) for u0 in range(0, U, per)]
+
+        def share(gw, i: int, threads: int) -> None:
+            n = len(chunks)
+            for u0, u1 in chunks[n * i // threads : n * (i + 1) // threads]:
+                cols = slice(u0 * Wd, u1 * Wd)
+                for panels, rows in ((gl.Wt, xin), (gl.Rt, hprev)):
+                    X = rows.shape[1]
+                    out = gw[: X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
+                    np.matmul(rows.T, G[:, cols], out=out)
+                    if ghn is not None and panels is gl.Rt:
+                        out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
+                            rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
+                    panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
+
+        return share
 
     # ------------------------------------------------------------------ views
     def gradients(self):
@@ -747,10 +960,13 @@ class Trainer:
         return self.grad.unpack()
 
 
-def _add_panels(panels: np.ndarray, dense: np.ndarray, X: int) -> None:
-    """panels [U, Xp, Wd] += dense [X, U*Wd] (column u*Wd + j is panel u's column j)."""
-    U, _, Wd = panels.shape
-    panels[:, :X, :] += dense.reshape(X, U, Wd).transpose(1, 0, 2)
+def _doubling(n: int):
+    """1, 2, 4, ... below n, then n (n >= 1)."""
+    v = 1
+    while v < n:
+        yield v
+        v *= 2
+    yield max(n, 1)
 
 
 def _add_proj(panels: np.ndarray, dproj: np.ndarray) -> None:
