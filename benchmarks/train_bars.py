@@ -506,8 +506,10 @@ def memory_table(m: dict) -> str:
     if all("error" not in V.get(v, {"error": 1}) for v in ("torch", "leanrnn-recompute")):
         t, rc = V["torch"], V["leanrnn-recompute"]
         rest = max(0, rc["peak"] - rc["outputs_bytes"]) / max(1, t["peak"] - t["outputs_bytes"])
+        # a toy run's torch peak can read 0 (what it allocates stays below VmHWM's last high)
+        share = t["outputs_bytes"] / t["peak"] if t["peak"] > 0 else float("nan")
         lines.append(f"\nBoth sides return y and dx (torch's x requires grad): "
-                     f"{t['outputs_bytes'] / t['peak']:.3f} of torch's peak. Beyond them, "
+                     f"{share:.3f} of torch's peak. Beyond them, "
                      f"leanrnn recomputing needs {rest:.3f} of what torch does.")  # fmt: skip
     if "bars" in m:
         lines += ["", "| bar | measured | result |", "|---|---|---|"]
