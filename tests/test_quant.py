@@ -9,12 +9,11 @@ import dataclasses
 import json
 import struct
 
-import numba
 import numpy as np
 import pytest
 
 import leanrnn
-from helpers import random_layers
+from helpers import random_layers, tile_gemm
 from leanrnn.errors import DTypeError, ModelFormatError, WeightsError
 from leanrnn.formats import native
 from leanrnn.formats.packing import SCALE_ROWS, pack
@@ -27,7 +26,6 @@ from leanrnn.formats.quantize import (
     panel_scales,
     quantize_packed,
 )
-from leanrnn.kernels import _cpu, _simd
 from leanrnn.kernels.abi import B
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
@@ -133,28 +131,13 @@ def test_the_jit_backend_runs_reduced_jobs_too(monkeypatch):
 
 
 # ------------------------------------------------------- every ISA's tile, on any machine (jit)
-def _tile(name):
-    tiles = _simd.tiles(_cpu.ISAS[name])
-    g1, g4 = _simd.make(1, tiles), _simd.make(4, tiles)
-
-    @numba.njit
-    def run(nvec, P, poff, A, i0, i1, K, C, mode, bias):
-        ks, lda, ldc = P.shape[2], A.shape[1], C.shape[1]
-        if nvec == 1:
-            g1(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
-        else:
-            g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
-
-    return run
-
-
 @pytest.mark.parametrize("name", ["avx2", "avx512", "sse"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_isa_tile_reads_reduced_panels(name, precision):
     """The AVX2 tile (the fallback everywhere) and the AVX-512 one, whatever this CPU has: the
     lone-row GEMV and several rows, one and four groups, the second panel of two (so an int8
     tile finds panel 1's scales, not panel 0's), modes 0 (zero), 1 (add to C) and 2 (bias)."""
-    run = _tile(name)
+    run = tile_gemm(name)
     rng = np.random.default_rng(2)
     Wd, Kp, K = 4 * B, 16, 11
     w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numba
 import numpy as np
 import pytest
 
 import leanrnn
-from helpers import random_layers
+from helpers import random_layers, tile_gemm
 from leanrnn.errors import ModelFormatError
 from leanrnn.formats.packing import pack
 from leanrnn.formats.quantize import dot_codes, dot_panel
-from leanrnn.kernels import _cpu, _simd
 from leanrnn.kernels.abi import CODE_OFFSET, DOT_QMAX, B, quantized_row_bytes
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
@@ -180,27 +178,13 @@ def test_the_jit_backend_runs_int8_dynamic_jobs_too(monkeypatch):
 
 
 # ---------------------------------------------------- the kernels' own pieces, on any machine
-def _tile(name):
-    g1, g4 = (_simd.make(n, None, _cpu.ISAS[name]) for n in (1, 4))
-
-    @numba.njit
-    def run(nvec, P_, poff, A, i0, i1, K, C, mode, bias):
-        ks, lda, ldc = P_.shape[2], A.shape[1], C.shape[1]
-        if nvec == 1:
-            g1(P_, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
-        else:
-            g4(P_, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
-
-    return run
-
-
 @pytest.mark.parametrize("name", ["avx2", "sse"])
 def test_the_integer_tile_on_avx2_and_on_plain_integer_ops(name):
     """AVX2's vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one
     (every other CPU): exact integer sums, codes at the extremes (255 x +-63: the largest
     pair sums, which must not saturate), the lone-row GEMV and several rows, one and four
     groups, panel 1 of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
-    run = _tile(name)
+    run = tile_gemm(name)
     rng = np.random.default_rng(4)
     Wd, Xp, K = 4 * B, 16, 11
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)

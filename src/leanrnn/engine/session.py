@@ -409,10 +409,9 @@ class Session:
                 shape, dtype = (N, w.Gp), dt
             elif kind in ("c", "aux"):
                 shape, dtype = (N, w.Hp), dt
-            elif kind == "q":
-                layer = int(name.split(".")[1]) // D
-                shape = (config.max_threads(), quantized_scratch_bytes(spec, layer, T * N, N))
-                dtype = np.uint8
+            elif kind == "q":  # a row per thread (buffers sized it)
+                threads = config.max_threads()
+                shape, dtype = (threads, pl.buffer.nbytes // threads), np.uint8
             elif name == "stage.x":
                 shape, dtype = (N, T, spec.input_size), dt
             elif name == "stage.y":

@@ -34,6 +34,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from . import _cpu
+from ._ir import row_tiles, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
 LANES = 8  # int32 accumulators (= output columns) per vector; a 16-column group is 2 vectors
@@ -62,14 +63,12 @@ def codegen(nvec: int, isa: _cpu.Isa):
 
         chunks, gemv_chunks = chunks_of(t.groups), chunks_of(t.gemv_groups)
         nvmax = max(nv for _, nv in chunks + gemv_chunks)
-        pa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_).data
+        parr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_)
+        pa = parr.data
         aa = cgutils.create_struct_proxy(signature.args[3])(context, builder, value=A_).data
         ca = cgutils.create_struct_proxy(signature.args[9])(context, builder, value=C_).data
         ba = cgutils.create_struct_proxy(signature.args[13])(context, builder, value=bias_).data
-        parr = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=P_)
         _, s1, s2 = cgutils.unpack_tuple(builder, parr.shape, 3)
-        add_old = builder.icmp_signed("==", mode, ir.Constant(mode.type, 1))
-        add_bias = builder.icmp_signed("==", mode, ir.Constant(mode.type, 2))
         i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
         f32 = ir.FloatType()
         v32i8 = ir.VectorType(i8, 4 * LANES)
@@ -179,24 +178,9 @@ def codegen(nvec: int, isa: _cpu.Isa):
                 bp = builder.gep(ba, [builder.add(boff, const(col))])
                 return builder.load(builder.bitcast(bp, v8f.as_pointer()), align=4)
 
-            with builder.if_else(add_old) as (then, otherwise):
-                with then:
-                    store_rows(old)
-                with otherwise:
-                    with builder.if_else(add_bias) as (then2, otherwise2):
-                        with then2:
-                            store_rows(bias)
-                        with otherwise2:
-                            store_rows(lambda ptr, col: zero_f)
+            store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, col: zero_f)
 
-        n = builder.sub(i1, i0)
-        full_end = builder.add(i0, builder.mul(builder.sdiv(n, const(MR)), const(MR)))
-        with cgutils.for_range_slice(builder, i0, full_end, const(MR)) as (i, _):
-            rows_block(i, MR)
-        rem = builder.sub(i1, full_end)
-        for r in range(1, MR):
-            with builder.if_then(builder.icmp_signed("==", rem, const(r))):
-                rows_block(full_end, r)
+        row_tiles(builder, i0, i1, MR, rows_block)
         return context.get_dummy_value()
 
     return gen

@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _cpu, _qdot
+from ._ir import row_tiles, store_by_mode
 from ._qsimd import WEIGHT_FORMATS, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
@@ -69,8 +70,6 @@ def _codegen(nvec: int, tiles_: dict):
         aa = cgutils.create_struct_proxy(signature.args[3])(context, builder, value=A_).data
         ca = cgutils.create_struct_proxy(signature.args[9])(context, builder, value=C_).data
         ba = cgutils.create_struct_proxy(signature.args[13])(context, builder, value=bias_).data
-        add_old = builder.icmp_signed("==", mode, ir.Constant(mode.type, 1))
-        add_bias = builder.icmp_signed("==", mode, ir.Constant(mode.type, 2))
         fty = context.get_value_type(dt)
         vt = ir.VectorType(fty, lanes)
         i64, i32 = ir.IntType(64), ir.IntType(32)
@@ -150,29 +149,10 @@ def _codegen(nvec: int, tiles_: dict):
                 bp = builder.gep(ba, [builder.add(boff, const((v0 + v) * lanes))])
                 return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
 
-            # Three store paths, so modes 0 and 2 never read C: a load of a line not yet in
-            # cache (a fresh xw row) would stall the tile for nothing; mode 0 never reads the
-            # bias either (boff may not be valid then).
-            with builder.if_else(add_old) as (then, otherwise):
-                with then:
-                    store_rows(old)
-                with otherwise:
-                    with builder.if_else(add_bias) as (then2, otherwise2):
-                        with then2:
-                            store_rows(bias)
-                        with otherwise2:
-                            store_rows(lambda ptr, v: zero)
+            store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, v: zero)
 
-        n = builder.sub(i1, i0)
-        full_end = builder.add(i0, builder.mul(builder.sdiv(n, const(MR)), const(MR)))
-        with cgutils.for_range_slice(builder, i0, full_end, const(MR)) as (i, _):
-            rows_block(i, MR, S if MR == 1 else 1)  # a 1-row tile: every row is a GEMV
-        # The 1..MR-1 leftover rows as one shorter tile (its own straight-line body per count):
-        # at N=64, 4 rows one at a time ran at half the speed of a 4-row tile.
-        rem = builder.sub(i1, full_end)
-        for r in range(1, MR):
-            with builder.if_then(builder.icmp_signed("==", rem, const(r))):
-                rows_block(full_end, r, S if r == 1 else 1)
+        # a 1-row tile: every row is a GEMV, split S ways
+        row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
         return context.get_dummy_value()
 
     return gen
