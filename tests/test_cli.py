@@ -193,8 +193,10 @@ def test_plan_timeline_draws_no_stub_for_an_empty_buffer(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "var, value", [("LEANRNN_BACKEND", "bogus"), ("LEANRNN_NUM_THREADS", "many")]
-)
+    "var, value",
+    [("LEANRNN_BACKEND", "bogus"), ("LEANRNN_NUM_THREADS", "many"),
+     ("LEANRNN_NUM_THREADS", "0"), ("LEANRNN_NUM_THREADS", "-3")],
+)  # fmt: skip
 def test_bad_environment_from_a_shell_is_one_line(var, value):
     """`import leanrnn` read the bad value before cli.main could catch anything: a traceback."""
     import os

@@ -58,7 +58,13 @@ def _env_threads() -> int:
         raise LeanRNNError(
             f"[config] LEANRNN_NUM_THREADS={raw!r} is not an integer; expected 1...{_CORES}"
         ) from None
-    return max(1, min(n, _CORES))
+    if n < 1:  # 0 or -3 used to run silently on one thread
+        raise LeanRNNError(
+            f"[config] LEANRNN_NUM_THREADS={raw!r}; expected 1...{_CORES} (unset it to use "
+            "every core)"
+        )
+    # More than the cores is not an error (a setting shared between machines): the cores.
+    return min(n, _CORES)
 
 
 BACKENDS = ("auto", "native", "jit")
