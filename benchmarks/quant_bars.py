@@ -186,6 +186,56 @@ def bars(t: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
+def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
+    """What bounds the int8-dynamic step at batch 1: the u8 x s8 tile alone (JIT-compiled, 1
+    thread) on an LSTM's recurrent panels, one row (the step's GEMV) and 100 rows (the input
+    projection's GEMM). The GEMV's GB/s of weights falls as the panels leave L2 for L3 while its
+    instructions per byte stay the same: past L2 it is bound by the cache it streams from, not
+    by the instructions (compare a plain AVX2 read of the same bytes on the machine)."""
+    import numba
+
+    from leanrnn.formats.quantize import dot_panel
+    from leanrnn.kernels import _simd
+    from leanrnn.kernels.abi import quantized_row_bytes
+    from leanrnn.kernels.gemm import quantize_rows
+
+    tile = _simd.make(4)
+
+    @numba.njit(nogil=True)
+    def passes(reps, P, A, C, bias, K):  # every panel once per rep, as one step does
+        S = P.shape[1] * P.shape[2]
+        for _ in range(reps):
+            for u in range(P.shape[0]):
+                tile(P, u * S, P.shape[2], A, 0, 0, A.shape[0], A.shape[1], K, C, 0,
+                     C.shape[1], 0, bias, 0)  # fmt: skip
+
+    l2 = _cpu.caches()["L2"]
+    print(f"int8-dynamic tile alone, 1 thread (L2 {l2 >> 10} KiB per core); p10 of blocks:")
+    rng = np.random.default_rng(0)
+    for H in hidden:
+        P = dot_panel(rng.standard_normal((H // 16, H, 64)).astype(np.float32))
+        for M in (1, 100):
+            x = rng.standard_normal((M, H)).astype(np.float32)
+            ld = quantized_row_bytes(H)
+            q = np.zeros(M * ld, np.uint8)
+            quantize_rows(x, 0, M, H, q)
+            C, bias = np.zeros((M, 64), np.float32), np.zeros(64, np.float32)
+            A = q.reshape(M, ld)
+            passes(1, P, A, C, bias, H)
+            reps = max(1, int(2e-4 / (M * H * H * 4 / 5e10)))
+            ts, t_end = [], time.perf_counter() + seconds
+            while time.perf_counter() < t_end or len(ts) < 10:
+                t = time.perf_counter()
+                passes(reps, P, A, C, bias, H)
+                ts.append((time.perf_counter() - t) / reps)
+            t = sorted(ts)[len(ts) // 10]
+            what = "GEMV (a step)" if M == 1 else f"GEMM ({M} rows)"
+            where = "fits L2" if P.nbytes <= l2 else "beyond L2"
+            print(f"  H={H} {what}: weights {P.nbytes / 2**20:.2f} MiB ({where}), "
+                  f"{t * 1e6:.1f} us, {P.nbytes * (M == 1) / t / 1e9 or M * H * 4 * H / t / 1e9:.1f} "
+                  f"{'GB/s of weights' if M == 1 else 'GMAC/s'}", flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="H=512, 1 thread, LSTM, 1 round, T=300 "
@@ -196,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.4, help="per timing block")
     ap.add_argument("--accuracy-steps", type=int, default=1000)
+    ap.add_argument("--gemv", action="store_true", help="only the tile alone: GB/s of the "
+                    "step's GEMV and GMAC/s of the projection GEMM (what bounds batch 1)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.gemv:
+        print(f"CPU: {_cpu.describe()}\nload average at start: {os.getloadavg()[0]:.2f}")
+        gemv_bound(tuple(sorted({128, 256, *args.hidden})), args.seconds * 5)
+        return 0
     cells = args.cells.split(",")
     if args.quick:
         args.hidden, args.threads, cells, args.rounds = (512,), (1,), ["lstm"], 1

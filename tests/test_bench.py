@@ -324,3 +324,49 @@ def test_memory_plot_draws_no_stub_for_zero(tmp_path, monkeypatch):
     assert len(bars(cold)) == len(measured) and not zeros(cold)
     assert bars(warm) == [] and len(zeros(warm)) == len(measured)
     assert kib not in bars(heap) and len(zeros(heap)) == 2  # onnxruntime, in both configs
+
+
+# ------------------------------------------------------------------ reduced precision (issue 14)
+def test_precision_option_adds_the_reduced_engines():
+    from leanrnn.bench.cli import options_from_args
+    from leanrnn.cli import build_parser
+
+    def engines(*argv):
+        return options_from_args(build_parser().parse_args(["bench", *argv])).engines
+
+    assert engines("--engines", "leanrnn,onnxruntime", "--precision", "f32,int8-dynamic") == (
+        "leanrnn", "onnxruntime", "leanrnn-int8-dynamic", "onnxruntime-int8")  # fmt: skip
+    assert engines("--engines", "leanrnn,torch", "--precision", "bf16,int8-dynamic") == (
+        "leanrnn-bf16", "leanrnn-int8-dynamic", "torch-qint8")  # fmt: skip
+    with pytest.raises(SystemExit, match="int4: unknown"):
+        engines("--precision", "int4")
+
+
+@pytest.mark.slow
+def test_reduced_rows_run_checked_to_their_own_tolerance(tmp_path):
+    """The reduced engines run beside float32 leanrnn, checked to the loose reduced tolerance
+    (their int8 outputs are far outside the float32 one), onnxruntime-int8's GRU rows marked
+    unavailable (its quantize_dynamic leaves a GRU float32), and none of them is reported as
+    "faster than leanrnn" in the summary (that compares float32 engines)."""
+    from leanrnn.bench.problem import REDUCED_TOLERANCE, TOLERANCE
+
+    engines = ["leanrnn", "leanrnn-int8-dynamic", "leanrnn-bf16"]
+    engines += [e for e, m in (("torch-qint8", "torch"), ("onnxruntime-int8", "onnxruntime"))
+                if HAVE[m]]  # fmt: skip
+    opts = tiny(tmp_path, engines, hidden=(32,), stream_steps=0, memray=False)
+    results = run_suite(opts, progress=False)
+    assert results["engines"]["leanrnn"]["precision"] == "float"
+    assert results["engines"]["leanrnn-int8-dynamic"]["precision"] == "int8-dynamic"
+    for row in results["rows"]:
+        cell, e = row["config"]["cell"], row["engine"]
+        if e == "onnxruntime-int8" and cell == "gru":
+            assert row["status"] == "unavailable" and "LSTM only" in row["reason"]
+            continue
+        assert row["status"] == "ok", (e, row["label"], row.get("reason"))
+        want = TOLERANCE if e == "leanrnn" else REDUCED_TOLERANCE
+        assert row["verify"]["tolerance"] == want
+        if e in ("leanrnn-int8-dynamic", "torch-qint8", "onnxruntime-int8"):
+            assert row["verify"]["worst"] > TOLERANCE  # really quantized, not float32 again
+    lines = report.summary(results)
+    assert not any(e in line for line in lines for e in engines[1:]), lines
+    assert "leanrnn-int8-dynamic" in report.latency_table(results)

@@ -16,6 +16,7 @@ threads; every installed engine. Writes results.json (raw samples), report.md an
 examples:
   leanrnn bench --quick
   leanrnn bench --engines leanrnn,onnxruntime,torch --cells lstm --hidden 512 --threads 1
+  leanrnn bench --precision f32,int8-dynamic --cells lstm --hidden 512,1024 --batch 1
   leanrnn bench --seed-table
   leanrnn bench --from-json bench-out/results.json     # re-render the report only
 """
@@ -60,6 +61,12 @@ def register(subparsers) -> None:
         "--engines",
         type=_names,
         help="comma list of engine names (see --list-engines) or module:Class",
+    )
+    p.add_argument(
+        "--precision",
+        type=_names,
+        help="comma list of f32,bf16,int8,int8-dynamic: adds leanrnn's reduced-precision rows "
+        "(int8-dynamic also torch-qint8 and onnxruntime-int8); without f32 only those run",
     )
     p.add_argument("--cells", type=_names, help="comma list: lstm,gru")
     p.add_argument("--hidden", type=_ints, help="hidden sizes, e.g. 128,512,1024")
@@ -143,6 +150,8 @@ def options_from_args(args):
                 f"{','.join(ENGINES)} or module:Class"
             )
         kw["engines"] = args.engines
+    if args.precision:
+        kw["engines"] = with_precisions(kw.get("engines", base.engines), args.precision)
     if args.cells:
         bad = [c for c in args.cells if c not in ("lstm", "gru")]
         if bad:
@@ -170,6 +179,25 @@ def options_from_args(args):
     if args.no_bandwidth:
         kw["bandwidth"] = False
     return base.__class__(**(base.__dict__ | kw))
+
+
+def with_precisions(engines: tuple[str, ...], precisions: tuple[str, ...]) -> tuple[str, ...]:
+    """``engines`` (the float32 ones) if "f32" is among ``precisions``, then each reduced
+    precision's engines (engines.PRECISION_ENGINES) — a peer's only if its float32 engine is
+    among ``engines`` (``--engines leanrnn,onnxruntime`` brings onnxruntime-int8, not torch's)."""
+    from .engines import PRECISION_ENGINES
+
+    bad = [p for p in precisions if p != "f32" and p not in PRECISION_ENGINES]
+    if bad:
+        raise SystemExit(f"leanrnn bench: --precision {','.join(bad)}: unknown; expected some "
+                         f"of f32,{','.join(PRECISION_ENGINES)}")  # fmt: skip
+    out = list(engines) if "f32" in precisions else []
+    for p in precisions:
+        for e in PRECISION_ENGINES.get(p, ()):
+            family = "leanrnn" if e.startswith("leanrnn") else e.rsplit("-", 1)[0]
+            if family in engines and e not in out:
+                out.append(e)
+    return tuple(out)
 
 
 def run(args) -> int:

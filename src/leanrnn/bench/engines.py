@@ -17,23 +17,31 @@ from pathlib import Path
 
 import numpy as np
 
-from .problem import Problem
+from .problem import REDUCED_TOLERANCE, TOLERANCE, Config, Problem
 
 
 class Engine:
     """Base class. Subclasses set ``name``, ``requires`` (modules that must be importable) and
-    ``files`` (model files the harness prepares: ``"onnx"``, ``"mnn"``)."""
+    ``files`` (model files the harness prepares: ``"onnx"``, ``"mnn"``); reduced-precision
+    engines also their ``precision`` and the looser ``tolerance`` their outputs are checked to."""
 
     name = "?"
     description = ""
     requires: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
+    precision = "float"  # or "bf16", "int8" (weights), "int8-dynamic" (weights and activations)
+    tolerance = TOLERANCE
 
     @classmethod
     def unavailable(cls) -> str | None:
         """Why this engine cannot run here, or None. Looks modules up without importing them."""
         missing = [m for m in cls.requires if importlib.util.find_spec(m) is None]
         return f"not installed: {', '.join(missing)}" if missing else None
+
+    @classmethod
+    def unsupported(cls, cfg: Config) -> str | None:
+        """Why this engine cannot run ``cfg`` (its row is then marked unavailable), or None."""
+        return None
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -70,10 +78,13 @@ class LeanRNN(Engine):
         # the cold measurement (load + first forward).
         return {"leanrnn": self._lr.get_num_threads(), "backend": self._lr.config.backend()}
 
+    def _model(self, p: Problem):
+        return self._lr.Model.from_state_dict(p.sd)
+
     def load(self, p: Problem, files) -> None:
         cfg = p.config
         self.p = p
-        self.model = self._lr.Model.from_state_dict(p.sd)
+        self.model = self._model(p)
         self.session = self.model.session
         lstm = cfg.cell == "lstm"
         # Every output buffer allocated once, here; run(..., out=...) then needs no new arrays.
@@ -96,6 +107,34 @@ class LeanRNN(Engine):
             s.feed(x[t], out=y[t])  # one step: x [N, C] -> y [N, H]
         h, c = s.state  # a copy of 2 x [1, N, H]: once per call, not per step
         return y[:steps], h, c
+
+
+class LeanRNNReduced(LeanRNN):
+    """leanrnn on the same weights quantized by ``leanrnn.quantize(model, precision)`` at load
+    (counted in the cold figure), as a user would after loading a float32 model."""
+
+    precision = "int8-dynamic"
+    tolerance = REDUCED_TOLERANCE
+
+    def _model(self, p: Problem):
+        return self._lr.quantize(super()._model(p), self.precision)
+
+
+class LeanRNNInt8Dynamic(LeanRNNReduced):
+    name = "leanrnn-int8-dynamic"
+    description = "leanrnn, int8 weights and activations (quantize(m, 'int8-dynamic'))"
+
+
+class LeanRNNInt8(LeanRNNReduced):
+    name = "leanrnn-int8"
+    description = "leanrnn, int8 weights, float32 activations (quantize(m, 'int8'))"
+    precision = "int8"
+
+
+class LeanRNNBf16(LeanRNNReduced):
+    name = "leanrnn-bf16"
+    description = "leanrnn, bfloat16 weights (quantize(m, 'bf16'))"
+    precision = "bf16"
 
 
 # --------------------------------------------------------------------------------- NumPy
@@ -307,6 +346,31 @@ class TorchNoDNNL(Torch):
     onednn = False
 
 
+class TorchQint8(Torch):
+    """torch's dynamic quantization, the int8 path torch users take: int8 weights, activations
+    quantized as it runs. ``quantize_dynamic`` swaps child modules only, so the RNN goes in a
+    container and comes back out."""
+
+    name = "torch-qint8"
+    description = "torch.ao.quantization.quantize_dynamic(..., dtype=torch.qint8)"
+    precision = "int8-dynamic"
+    tolerance = REDUCED_TOLERANCE
+
+    def load(self, p: Problem, files) -> None:
+        import warnings
+
+        import torch.ao.quantization as tq
+
+        super().load(p, files)
+        torch = self.torch
+        with warnings.catch_warnings():  # its deprecation notice
+            warnings.simplefilter("ignore")
+            box = tq.quantize_dynamic(
+                torch.nn.Sequential(self.m), {torch.nn.LSTM, torch.nn.GRU}, dtype=torch.qint8
+            )
+        self.m = box[0]
+
+
 # --------------------------------------------------------------------------------- ONNX Runtime
 class OnnxRuntime(Engine):
     name = "onnxruntime"
@@ -355,6 +419,42 @@ class OnnxRuntime(Engine):
             h = out[1]
             c = out[2] if self.lstm else None
         return self.y[:steps], h, c
+
+
+class OnnxRuntimeInt8(OnnxRuntime):
+    """onnxruntime on the same ONNX file after ``onnxruntime.quantization.quantize_dynamic``
+    (int8 weights: a ``DynamicQuantizeLSTM`` node), quantized once per file and kept beside it."""
+
+    name = "onnxruntime-int8"
+    description = "onnxruntime on quantize_dynamic(..., QInt8) of the ONNX file"
+    precision = "int8-dynamic"
+    tolerance = REDUCED_TOLERANCE
+
+    @classmethod
+    def unsupported(cls, cfg: Config) -> str | None:
+        if cfg.cell != "lstm":
+            return "onnxruntime's quantize_dynamic quantizes LSTM only (a GRU stays float32)"
+        return None
+
+    def load(self, p: Problem, files) -> None:
+        src = Path(files["onnx"])
+        dst = src.with_suffix(".int8.onnx")
+        if not dst.exists():
+            import contextlib
+            import io
+            import logging
+            import os
+            import warnings
+
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+            logging.getLogger().setLevel(logging.ERROR)  # its pre-processing advice
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                quantize_dynamic(str(src), str(tmp), weight_type=QuantType.QInt8)
+            tmp.replace(dst)
+        super().load(p, {**files, "onnx": str(dst)})
 
 
 # --------------------------------------------------------------------------------- MNN
@@ -448,7 +548,15 @@ def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:
 
 ENGINES: dict[str, type[Engine]] = {
     e.name: e
-    for e in (LeanRNN, NumpyNaive, NumpyPrealloc, Torch, TorchNoDNNL, OnnxRuntime, MNNEngine)
+    for e in (LeanRNN, NumpyNaive, NumpyPrealloc, Torch, TorchNoDNNL, OnnxRuntime, MNNEngine,
+              LeanRNNBf16, LeanRNNInt8, LeanRNNInt8Dynamic, TorchQint8, OnnxRuntimeInt8)
+}  # fmt: skip
+# ``--precision`` (bench.cli): the engines of each reduced precision — leanrnn's own and the
+# peers' paths of the same kind (int8 weights and activations, quantized as they run).
+PRECISION_ENGINES = {
+    "bf16": ("leanrnn-bf16",),
+    "int8": ("leanrnn-int8",),
+    "int8-dynamic": ("leanrnn-int8-dynamic", "torch-qint8", "onnxruntime-int8"),
 }
 
 

@@ -182,7 +182,7 @@ def run_job(job: dict, workdir: Path) -> dict:
     # Verify before any timing; a mismatch marks the row but the row is still measured.
     if cfg.stream:
         out = run_once()
-    row["verify"] = compare(out, Path(job["ref"]))
+    row["verify"] = compare(out, Path(job["ref"]), eng.tolerance)
     del out
     gc.collect()
 
@@ -648,7 +648,8 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
         "options": opts.as_dict(),
         "machine": machine_info(),
         "engines": {
-            n: {"unavailable": status[n], "description": _describe(n)} for n in opts.engines
+            n: {"unavailable": status[n], "description": _describe(n), "precision": _precision(n)}
+            for n in opts.engines
         },
         "bandwidth": {},
         "rows": [],
@@ -667,7 +668,7 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
         for cfg, name in jobs:
             describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
             files: dict[str, str] = {}
-            reason = status[name]
+            reason = status[name] or resolve(name).unsupported(cfg)
             if reason is None and needs[name]:
                 made = _prepare_models(cfg, needs[name], out / "models", model_cache)
                 files = {k: made[k] for k in needs[name]}
@@ -746,6 +747,16 @@ def _describe(name: str) -> str:
         return resolve(name).description
     except Exception:
         return ""
+
+
+def _precision(name: str) -> str:
+    """The engine's weight precision ("float" for the float32 engines and unknown plugins)."""
+    from .engines import resolve
+
+    try:
+        return resolve(name).precision
+    except Exception:
+        return "float"
 
 
 FIELDS = {

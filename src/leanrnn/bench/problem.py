@@ -20,6 +20,10 @@ GATES = {"lstm": 4, "gru": 3}
 # Max abs error (float32 engine vs the float64 reference) beyond which a row is flagged. The
 # engine issue's parity bar is 1e-5 per run; 100-1000 recurrent steps add a little rounding drift.
 TOLERANCE = 1e-4
+# The same check for reduced-precision engines (leanrnn's bf16/int8, torch qint8, onnxruntime
+# int8): loose enough for their rounding (int8 at H=1024, T=1000: ~3e-2), tight enough to flag
+# garbage. Their accuracy proper is measured by benchmarks/quant_bars.py (issue 14).
+REDUCED_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True, order=True)
@@ -181,8 +185,9 @@ def reference_file(cfg: Config, cache_dir: Path) -> Path:
     return path
 
 
-def compare(out, ref_path: Path) -> dict:
-    """Max abs error of an engine's (y, h_n, c_n) against the saved reference, per output."""
+def compare(out, ref_path: Path, tolerance: float = TOLERANCE) -> dict:
+    """Max abs error of an engine's (y, h_n, c_n) against the saved reference, per output;
+    ``ok`` when every one is within ``tolerance``."""
     names = ("y", "h_n", "c_n")
     errs: dict[str, float] = {}
     with np.load(ref_path) as ref:
@@ -196,8 +201,8 @@ def compare(out, ref_path: Path) -> dict:
             diff = np.abs(np.asarray(got).reshape(want.shape).astype(np.float64) - want)
             errs[name] = float(np.nanmax(diff)) if not np.isnan(diff).any() else float("nan")
     worst = max(errs.values()) if errs else float("nan")
-    ok = bool(errs) and all(e <= TOLERANCE for e in errs.values())  # NaN compares False
-    return {"max_abs_err": errs, "worst": worst, "tolerance": TOLERANCE, "ok": ok}
+    ok = bool(errs) and all(e <= tolerance for e in errs.values())  # NaN compares False
+    return {"max_abs_err": errs, "worst": worst, "tolerance": tolerance, "ok": ok}
 
 
 # ONNX gate orders differ from torch: LSTM i,o,f,c (torch i,f,g,o); GRU z,r,h (torch r,z,n).

@@ -380,10 +380,20 @@ MEMORY_FIELDS = (
 )
 
 
+def reduced(results: dict, engine: str) -> bool:
+    """Whether ``engine`` runs reduced-precision weights (``--precision``): such rows are shown
+    beside leanrnn's float32 ones but not counted against them in the summary."""
+    return results.get("engines", {}).get(engine, {}).get("precision", "float") != "float"
+
+
 def summary(results: dict) -> list[str]:
-    """Plain sentences: each config where an engine is faster than leanrnn, each memory figure
-    where an engine needs clearly less (by 16 KiB and 10% at least), and every row not ok."""
-    groups = grouped(results)
+    """Plain sentences: each config where a float32 engine is faster than leanrnn, each memory
+    figure where one needs clearly less (by 16 KiB and 10% at least), and every row not ok.
+    Reduced-precision engines (``reduced``) are compared only in the tables."""
+    groups = {
+        key: {e: r for e, r in by_engine.items() if not reduced(results, e)}
+        for key, by_engine in grouped(results).items()
+    }
     out = []
     for key, by_engine in groups.items():
         base = by_engine.get(BASE)
