@@ -206,17 +206,30 @@ def blocking(isa_: Isa) -> tuple[int, int, int]:
     return align, kc_, row_chunk(l2, kc_, align)
 
 
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU's name in /proc/cpuinfo text, with its x86 family and model numbers: a VM may
+    name only the brand ("AMD EPYC" for Zen 3 and Zen 5 alike), and the numbers tell the core
+    generation apart (pure: the tests feed it text)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or fields.get("Model") or ""
+    family, model = fields.get("cpu family"), fields.get("model")
+    if name and family and model:
+        return f"{name} (family {family}, model {model})"
+    return name
+
+
 def describe() -> str:
     """One line naming the CPU, its vector ISA and caches, for the bench reports."""
-    model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model")):
-                    model = line.split(":", 1)[1].strip()
-                    break
+            model = cpu_model(f.read(1 << 16))
     except OSError:
-        pass
+        model = ""
     model = model or platform.processor() or platform.machine()
     c = caches()
     a = isa()
