@@ -42,10 +42,30 @@ def test_tile_rule_reproduces_the_known_shapes():
     assert avx2.gemv_groups * B == 64  # a lone row streams whole 256-byte panel rows
 
 
+@pytest.mark.parametrize("name", sorted(_cpu.ISAS))
+@pytest.mark.parametrize("itemsize", [4, 8])
+def test_gemv_prefetches_only_with_one_accumulator_set(name, itemsize):
+    # One accumulator set (AVX2 float32) keeps too few loads in flight to stream the weights
+    # from L3: the GEMV prefetches ahead. AVX-512's split GEMV does not (as tuned on Zen 5).
+    t = _cpu.tile_for(_cpu.ISAS[name], itemsize)
+    assert t.prefetch == (_cpu.GEMV_PREFETCH if t.split == 1 else 0)
+    assert _cpu.tile_for(_cpu.ISAS["avx2"], 4).prefetch > 0
+    assert _cpu.tile_for(_cpu.ISAS["avx512"], 4).prefetch == 0
+
+
 def test_cache_rule():
     # Zen 5 (1 MiB L2): KC 1024 and 192 rows, as swept there; scales with L2
     assert _cpu.kc(1 << 20) == 1024 and _cpu.row_chunk(1 << 20, 1024, 6) == 192
     assert _cpu.kc(512 << 10) == 512 and _cpu.kc(2 << 20) == 2048
+
+
+def test_cpu_model_names_the_core_generation():
+    # A VM's brand-only name ("AMD EPYC": Zen 3 and Zen 5 alike) gets family and model numbers
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n" \
+           "model name\t: AMD EPYC\n\nprocessor\t: 1\nmodel name\t: other\n"  # fmt: skip
+    assert _cpu.cpu_model(text) == "AMD EPYC (family 25, model 1)"
+    assert _cpu.cpu_model("Model\t: Raspberry Pi 4\n") == "Raspberry Pi 4"  # no x86 numbers
+    assert _cpu.cpu_model("") == ""
 
 
 def test_forced_isa(monkeypatch):

@@ -38,6 +38,9 @@ def _model(op: str, M: int, rng, trans_b: int = 0, alpha: float = 1.0, beta: flo
     ]
     if op == "MatMul":
         nodes.append(helper.make_node("MatMul", ["S", "B"], ["out"]))
+    elif op == "MatMul+Add":  # torch's Linear as exported: Add(bias, MatMul(x, B))
+        nodes.append(helper.make_node("MatMul", ["S", "B"], ["P"]))
+        nodes.append(helper.make_node("Add", ["bias", "P"], ["out"]))
     else:
         nodes.append(helper.make_node("Reshape", ["S", "shape"], ["S2"]))
         gemm = helper.make_node(
@@ -69,6 +72,24 @@ def test_packed_head_matches_onnxruntime(op, M, threads):
     again = model(x[:7])  # another shape re-plans, still right
     want = got.reshape(30, 50, M)[:7].reshape(again.shape)
     np.testing.assert_allclose(again, want, rtol=0, atol=ATOL_MATMUL[np.float32])
+
+
+@pytest.mark.parametrize("M", [64, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_head_bias_is_fused_into_the_packed_product(M, threads):
+    """Add(bias, MatMul(x, B)) runs as one packed product adding the bias in its tiles (no
+    Add node, no [rows, M] product stored apart), and equals onnxruntime's."""
+    rng = np.random.default_rng(M + 1)
+    blob = _model("MatMul+Add", M, rng)
+    x = rng.standard_normal((30, 50, C)).astype(np.float32)
+    expected = ort.InferenceSession(blob, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    model = GraphModel(read_onnx(blob), threads=threads)
+    assert [n.op for n in model.graph.nodes if n.op in ("MatMul", "Add")] == ["MatMul"]
+    assert next(n for n in model.graph.nodes if n.op == "MatMul").name in model._matmuls
+    got = model(x)
+    np.testing.assert_allclose(
+        got, expected[0], rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32]
+    )
 
 
 def test_heads_on_inputs_stay_on_numpy():

@@ -78,6 +78,13 @@ def _codegen(nvec: int, tiles_: dict):
             builder.module, ir.FunctionType(vt, [vt] * 3), fma_name
         )
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+        i8p = ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8",
+        )
+        esize = 4 if dt == types.float32 else 8
         undef = ir.Constant(vt, ir.Undefined)
         zero = ir.Constant(vt, [0.0] * lanes)
         # Accumulators as entry-block allocas: mem2reg/SROA turn them into registers.
@@ -106,6 +113,17 @@ def _codegen(nvec: int, tiles_: dict):
 
             def step(k, s):
                 krow = builder.add(poff, builder.mul(k, kstride))
+                if nrows == 1 and tile.prefetch and wfmt is None:
+                    # every cache line of this slice's row, tile.prefetch bytes further on
+                    # (past a panel's last row: the next panel's first, which comes next)
+                    row = builder.bitcast(
+                        builder.gep(pa, [builder.add(krow, const(v0 * lanes))]), i8p
+                    )
+                    for off in range(0, max(64, nv * lanes * esize), 64):
+                        ptr = builder.gep(row, [const(tile.prefetch + off)])
+                        # read, high locality, data cache; a prefetch never faults
+                        builder.call(prefetch, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                                ir.Constant(i32, 1)])  # fmt: skip
                 ws = []
                 for v in range(nv):
                     ws.append(load_w(krow, (v0 + v) * lanes))

@@ -263,7 +263,9 @@ def _softmax_run(ctx, node, ins, outs, metas, tmp):
 
 # ------------------------------------------------------------------------------- linear algebra
 def _matmul_infer(ctx, node, ins, vals):
-    _nin(node, ins, 2, 2)
+    # a third input: the bias passes.fuse_bias folded in ([M], checked there)
+    _nin(node, ins, 2, 3 if node.attrs.get("fused_bias") else 2)
+    ins = ins[:2]
     dt = _same_dtype(node, ins)
     sa, sb = list(ins[0].shape), list(ins[1].shape)
     if not sa or not sb:
@@ -305,21 +307,25 @@ class PackedMatmul:
     """A constant right-hand matrix [K, M] of MatMul/Gemm as the engine's gate panels: the
     product then runs on the engine's GEMM tiles (~2x numpy's OpenBLAS here) and threads.
 
-    W: [U, K, 64] panels of B's columns (zero-padded to U*64); b: [U*64] zeros (the tile's
-    bias slot); M: real columns."""
+    W: [U, K, 64] panels of B's columns (zero-padded to U*64); b: [U*64] the tile's bias
+    slot, added in its final store: a fused bias [M] (passes.fuse_bias) or zeros; M: real
+    columns."""
 
     W: np.ndarray
     b: np.ndarray
     M: int
 
     @classmethod
-    def of(cls, B: np.ndarray) -> PackedMatmul:
+    def of(cls, B: np.ndarray, bias: np.ndarray | None = None) -> PackedMatmul:
         K, M = B.shape
         U = -(-M // PANEL)
         W = aligned_empty(U * K * PANEL * B.dtype.itemsize).view(B.dtype).reshape(U, K, PANEL)
         cols = np.arange(U * PANEL)
         rows_to_panels(B.T, np.where(cols < M, cols, -1), W)  # output column j = row j of B^T
-        return cls(W, np.zeros(U * PANEL, B.dtype), M)
+        b = np.zeros(U * PANEL, B.dtype)
+        if bias is not None:
+            b[:M] = bias
+        return cls(W, b, M)
 
     @property
     def width(self) -> int:
@@ -369,9 +375,9 @@ def _matmul_scratch(ctx, node, ins, metas, needed):
 
 
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
-    a, b = ins
+    a, b = ins[:2]
     o = outs[0]
-    if _ran_packed(ctx, node, a, o, tmp):
+    if _ran_packed(ctx, node, a, o, tmp):  # a fused bias is in the packed product's b
         return outs
     if b.ndim == 2 and a.ndim >= 2 and a.flags.c_contiguous and b.size:
         # [..., K] @ [K, M]: one product over all leading rows, not one per batch entry
@@ -379,6 +385,8 @@ def _matmul_run(ctx, node, ins, outs, metas, tmp):
         _row_parallel_matmul(ctx, a.reshape(-1, a.shape[-1]), b, o.reshape(-1, b.shape[1]))
     else:
         np.matmul(a, b, out=o)
+    if len(ins) > 2:  # passes.fuse_bias
+        o += ins[2]
     return outs
 
 
