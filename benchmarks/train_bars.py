@@ -542,8 +542,10 @@ def _rel(a: float, b: float) -> float:
 
 
 def examples_table(rows: list[dict]) -> str:
-    head = ("| example | engine | steps | train loss | vs torch | val loss | vs torch | wall s "
-            "| torch / it | peak MiB | bar |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    head = (
+        "| example | engine | steps | train loss | vs torch | val loss | vs torch | wall s "
+        "| torch / it | peak MiB | bar |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
     lines = [head]
     for r in rows:
         if "error" in r:
