@@ -57,7 +57,7 @@ from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
-from ..threads import PARALLEL_MIN_MACS, blas_controller, matmul_pool
+from ..threads import PARALLEL_MATMUL_MACS, PARALLEL_MIN_MACS, blas_controller, matmul_pool
 from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -907,8 +907,14 @@ class Trainer:
                 dxin[lo:hi] += part[lo:hi]
 
         # at most the threads planned: a later set_num_threads may ask for more than this
-        # step's plan has rows of gw for
-        self._team(job, min(self._threads(), gw.shape[0], TN))
+        # step's plan has rows of gw for; and one thread for GEMMs too small to split (the
+        # forecast example's GRU(64), 24 steps x 32: ~10 M multiply-adds, a third of a ms,
+        # where handing work to a pool thread and waiting for it cost more than it saved)
+        macs = (
+            TN * G.shape[1] * (xin.shape[1] + hprev.shape[1] + (0 if dxin is None else Wd.shape[1]))
+        )
+        threads = 1 if macs < PARALLEL_MATMUL_MACS else min(self._threads(), gw.shape[0], TN)
+        self._team(job, threads)
 
     def _threads(self) -> int:
         return config.threads_for(self.threads)
