@@ -2,7 +2,7 @@
 
     python benchmarks/train_bars.py [--out bench-out/train-bars] [--rounds 3] [--max-time 1.5]
         [--cells lstm,gru] [--hidden 128,512] [--batch 32,64] [--threads 1,2] [--steps 1000]
-        [--only speed|memory]
+        [--only speed|memory|examples] [--example-steps 300] [--example-threads 2]
 
 1. **Speed.** One training step — forward, then backward of loss = sum(y * dy) for a fixed dy, no
    optimizer — of a single-layer cell with C = H, T = 100, for every (cell, H, N, threads):
@@ -31,6 +31,18 @@
    load on a shared machine hits one more than the other); no-recompute peak <= torch's. The
    gradients of all three must agree (to rounding: the segments differ, so the order of the
    weight-gradient sums does too).
+3. **End to end** (``--only examples``). Both examples (examples/forecast.py: GRU(64) -> Linear
+   on the sunspots; examples/char_lm.py: a character LSTM on the standard library's sources) at
+   their default budget (or ``--example-steps``), each engine -- torch.nn, leanrnn.torch,
+   numpy-only leanrnn -- in its own process (peak memory is per process) from one initial-weights
+   file, ``--rounds`` times with the engine order rotating. All three start from the same
+   weights and see the same data in the same order, so their losses differ by float32 rounding
+   only (the gradients' summation order): the bar's "within run-to-run noise" is a final train
+   and validation loss within LOSS_RTOL of torch's (relative; measured: ~1e-5). Reported per
+   engine: the final losses and their relative difference from torch's, the median wall time
+   of the training loop (import and data loading excluded) and torch's / its (> 1: faster), the
+   peak RSS; a row passes if its losses are within LOSS_RTOL and its wall time is below
+   torch's.
 
 Writes ``train_bars.json`` and ``train_bars.md`` in --out, prints the tables with the CPU line
 (ISA, caches) and the load average. Exit status 1 if a bar is missed or a gradient is wrong.
@@ -58,6 +70,13 @@ SETTLE_S = 0.05  # pause before each timed step: the previous engine's spinning 
 MIN_REPS = 3  # per engine, row and round, however long a step takes
 MAX_REPS = 200
 SAMPLE = 256  # values of each gradient compared between engines
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE_NAMES = ("forecast", "char_lm")
+EXAMPLE_ENGINES = ("torch", "leanrnn-torch", "numpy")
+# Final losses of engines that start from the same weights and data: float32 rounding apart
+# (different summation orders, compounded over the steps; measured ~1e-5 relative after 300
+# steps). A wrong gradient moves them by far more (the test's curves move ~10% in 8 steps).
+LOSS_RTOL = 1e-3
 
 
 def _ratio(a: float, b: float) -> float:
@@ -453,6 +472,96 @@ def run_memory(H: int, N: int, T: int, threads: int, rounds: int = 1, log=print)
     return out
 
 
+def run_examples(names, steps: int | None, threads: int, rounds: int, log=print) -> dict:
+    """Each example's three engines, each in its own process (examples/*.py --engine E --json),
+    from one initial-weights file per example, ``rounds`` times with the engine order rotating
+    (a spell of load on a shared machine then hits each engine in turn). Returns
+    {"rows": [...], "runs": {example: {engine: [record, ...]}}}."""
+    budget = [] if steps is None else ["--steps", str(steps)]
+    runs: dict = {}
+    with tempfile.TemporaryDirectory(prefix="leanrnn-examples-") as d:
+        for name in names:
+            script = str(EXAMPLES / f"{name}.py")
+            common = [*budget, "--threads", str(threads), "--quiet"]
+            init = os.path.join(d, f"{name}_init.npz")
+            subprocess.run([sys.executable, script, *common, "--dump-init", init], check=True)
+            runs[name] = {e: [] for e in EXAMPLE_ENGINES}
+            for r in range(rounds):
+                k = r % len(EXAMPLE_ENGINES)
+                for e in EXAMPLE_ENGINES[k:] + EXAMPLE_ENGINES[:k]:
+                    out = os.path.join(d, f"{name}_{e}_{r}.json")
+                    log(f"examples round {r + 1}/{rounds}: {name} --engine {e} ...")
+                    proc = subprocess.run([sys.executable, script, *common, "--engine", e,
+                                           "--init", init, "--json", out],
+                                          capture_output=True, text=True)  # fmt: skip
+                    if proc.returncode != 0 or not os.path.exists(out):
+                        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
+                        runs[name][e].append({"error": " | ".join(tail)})
+                        log(f"  error: {runs[name][e][-1]['error']}")
+                        continue
+                    runs[name][e].append(json.loads(Path(out).read_text()))
+    return {"rows": merge_examples(runs), "runs": runs}
+
+
+def merge_examples(runs: dict) -> list[dict]:
+    """One row per (example, engine): final losses (of the first good run: every run of an
+    engine computes the same numbers), their relative difference from torch's, the median wall
+    time and peak, the ratio to torch's wall time, and pass/fail."""
+    rows = []
+    for name, per in runs.items():
+        good = {e: [r for r in rs if "error" not in r] for e, rs in per.items()}
+        ref = good.get("torch") or []
+        for e, rs in good.items():
+            row = dict(example=name, engine=e, runs=len(rs))
+            if not rs:
+                row.update(error=(per[e][-1] if per[e] else {}).get("error", "no run"),
+                           passed=False)  # fmt: skip
+                rows.append(row)
+                continue
+            r0 = rs[0]
+            row.update(steps=r0["steps"], train_loss=r0["train_loss"][-1],
+                       val_loss=r0["val_loss"][-1],
+                       wall_s=statistics.median(r["wall_s"] for r in rs),
+                       walls=[r["wall_s"] for r in rs],
+                       peak_mib=statistics.median(r["peak_mib"] or 0.0 for r in rs))  # fmt: skip
+            if ref:
+                t = ref[0]
+                row["train_rel_diff"] = _rel(row["train_loss"], t["train_loss"][-1])
+                row["val_rel_diff"] = _rel(row["val_loss"], t["val_loss"][-1])
+                row["ratio"] = _ratio(statistics.median(r["wall_s"] for r in ref), row["wall_s"])
+                same = max(row["train_rel_diff"], row["val_rel_diff"]) <= LOSS_RTOL
+                row["passed"] = e == "torch" or (same and row["ratio"] > 1.0)
+            else:
+                row["passed"] = False
+            rows.append(row)
+    return rows
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def examples_table(rows: list[dict]) -> str:
+    head = (
+        "| example | engine | steps | train loss | vs torch | val loss | vs torch | wall s "
+        "| torch / it | peak MiB | bar |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['example']} | {r['engine']} | error: {r['error']} |")
+            continue
+        torch_row = r["engine"] == "torch"
+        d = {k: "" if torch_row or k not in r else f"{r[k]:.1e}"
+             for k in ("train_rel_diff", "val_rel_diff")}  # fmt: skip
+        bar = "(reference)" if torch_row else ("pass" if r["passed"] else "MISS")
+        ratio = "" if torch_row or "ratio" not in r else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r['example']} | {r['engine']} | {r['steps']} | {r['train_loss']:.5f} | "
+                     f"{d['train_rel_diff']} | {r['val_loss']:.5f} | {d['val_rel_diff']} | "
+                     f"{r['wall_s']:.2f} | {ratio} | {r['peak_mib']:.0f} | {bar} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- tables
 def _ms(s: float | None) -> str:
     from leanrnn.bench.report import fmt_time
@@ -551,7 +660,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="T of the memory bar's step")
     ap.add_argument("--speed-steps", type=int, default=SPEED_T, help="T of the speed rows")
     ap.add_argument("--mem-rounds", type=int, default=1, help="fresh processes per memory variant")
-    ap.add_argument("--only", choices=("speed", "memory"), default=None)
+    ap.add_argument("--only", choices=("speed", "memory", "examples"), default=None)
+    ap.add_argument("--examples", type=lambda s: tuple(s.split(",")), default=EXAMPLE_NAMES,
+                    help="with --only examples: which examples")  # fmt: skip
+    ap.add_argument("--example-steps", type=int, default=None,
+                    help="optimizer steps of each example run (default: the example's own)")  # fmt: skip
+    ap.add_argument("--example-threads", type=int, default=2)
     a = ap.parse_args(argv)
 
     from leanrnn.bench.harness import machine_info
@@ -568,10 +682,12 @@ def main(argv: list[str] | None = None) -> int:
         res["speed"] = partial
         (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
 
-    if a.only != "memory":
+    if a.only == "examples":
+        res["examples"] = run_examples(a.examples, a.example_steps, a.example_threads, a.rounds)
+    if a.only not in ("memory", "examples"):
         res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
                                  T=a.speed_steps, save=save)  # fmt: skip
-    if a.only != "speed":
+    if a.only not in ("speed", "examples"):
         res["memory"] = run_memory(max(a.hidden), max(a.batch), a.steps, max(a.threads),
                                    a.mem_rounds)  # fmt: skip
     res["machine"]["loadavg_end"] = os.getloadavg()
@@ -585,6 +701,12 @@ def main(argv: list[str] | None = None) -> int:
                   "engines interleaved; ratio = faster torch (*) / leanrnn)", "",
                   speed_table(rows), "", _load_line(res["speed"]["rounds"]), ""]  # fmt: skip
         ok &= bool(rows) and all(r.get("passed") and r["grads_ok"] for r in rows)
+    if "examples" in res:
+        rows = res["examples"]["rows"]
+        parts += [f"## End to end: the examples ({a.example_threads} threads, median wall time of "
+                  f"{a.rounds} run(s) per engine; losses within {LOSS_RTOL:g} relative of "
+                  "torch's, wall time below torch's)", "", examples_table(rows), ""]  # fmt: skip
+        ok &= bool(rows) and all(r["passed"] for r in rows)
     if "memory" in res:
         m = res["memory"]
         parts += ["## Training step memory", "", memory_table(m), ""]

@@ -85,3 +85,29 @@ def test_toy_run_writes_rows_ratios_and_json(tmp_path):
     assert not mem["variants"]["leanrnn"]["plan"]["recompute"]
     assert [b["target"] for b in mem["bars"]] == [0.1, 1.35, 1.0]
     assert mem["grads_ok"]
+
+
+def _record(train, val, wall, peak=100.0):
+    return dict(steps=3, train_loss=[1.0, train], val_loss=[1.0, val], wall_s=wall,
+                peak_mib=peak)  # fmt: skip
+
+
+def test_examples_rows_judge_losses_against_torch_and_wall_time():
+    runs = {"forecast": {
+        "torch": [_record(0.5, 0.7, 2.0), _record(0.5, 0.7, 4.0)],
+        "leanrnn-torch": [_record(0.5 * (1 + 1e-5), 0.7, 1.0), _record(0.5, 0.7, 2.0)],
+        "numpy": [_record(0.5 * (1 + 10 * tb.LOSS_RTOL), 0.7, 0.5)],  # fast, wrong loss
+    }, "char_lm": {
+        "torch": [_record(2.0, 2.1, 10.0)],
+        "leanrnn-torch": [_record(2.0, 2.1, 11.0)],  # same loss, slower
+        "numpy": [{"error": "boom"}],
+    }}  # fmt: skip
+    rows = {(r["example"], r["engine"]): r for r in tb.merge_examples(runs)}
+    lt = rows["forecast", "leanrnn-torch"]
+    assert lt["wall_s"] == pytest.approx(1.5) and lt["ratio"] == pytest.approx(2.0)
+    assert lt["train_rel_diff"] == pytest.approx(1e-5) and lt["passed"]
+    assert not rows["forecast", "numpy"]["passed"]  # loss off by 10x the noise bound
+    assert not rows["char_lm", "leanrnn-torch"]["passed"]  # slower than torch
+    assert not rows["char_lm", "numpy"]["passed"] and rows["char_lm", "numpy"]["error"] == "boom"
+    table = tb.examples_table(list(rows.values()))
+    assert table.count("| pass |") == 1 and table.count("MISS") == 2 and "error: boom" in table

@@ -316,7 +316,10 @@ def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec):
         sd = torch_format.to_state_dict(s, tr.gradients())
         out = [torch.from_numpy(dx), torch.from_numpy(dh0)]
         out.append(torch.from_numpy(dc0) if dc0 is not None else dy.new_empty(0))
-        out += [torch.from_numpy(np.array(sd[n])) for n in torch_format.expected_keys(s)]
+        # fresh arrays (unpack and the gate reordering copy): no second copy
+        out += [
+            torch.from_numpy(np.ascontiguousarray(sd[n])) for n in torch_format.expected_keys(s)
+        ]
     return out
 
 

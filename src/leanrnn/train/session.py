@@ -57,7 +57,7 @@ from ..formats.packing import PackedWeights, fold_biases, from_panels
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
-from ..threads import PARALLEL_MIN_MACS, blas_controller, matmul_pool
+from ..threads import PARALLEL_MATMUL_MACS, PARALLEL_MIN_MACS, blas_controller, matmul_pool
 from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -71,8 +71,12 @@ _SPARE_KEPT = 2  # released own-memory arenas kept for reuse
 # 1.32x the CPU seconds of storing, of 32 steps 1.28x, for 7 MiB of arena instead of ~35.
 _GEMM_ROWS = 512
 # columns of G per weight-gradient GEMM: its output ([C or K, columns], then added into the
-# gradient panels) stays in L2 instead of a [C, G] temporary of megabytes per segment
+# gradient panels) stays in L2 instead of a [C, G] temporary of megabytes per segment. At least
+# _GEMM_COLS, more while the output stays within _GEMM_OUT_BYTES (half a 512 KiB L2): at
+# H=128 (float32) one GEMM of all 512 columns instead of two of 256 took 6% less CPU (each
+# call packs its [X, rows] operand again); at H=512, 512 columns instead of 256 took 5% more.
 _GEMM_COLS = 256
+_GEMM_OUT_BYTES = 256 << 10
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -579,10 +583,13 @@ class Trainer:
         return bufs, shapes
 
     def _gemm_cols(self) -> int:
-        """Columns of G per weight-gradient GEMM: whole panels, about _GEMM_COLS of them."""
-        w = self.weights
+        """Columns of G per weight-gradient GEMM: whole panels, at least about _GEMM_COLS of
+        them, more while the [X, columns] output fits in _GEMM_OUT_BYTES."""
+        w, spec = self.weights, self.spec
         Wd = self.grad.layers[0][0].Wt.shape[2]
-        return min(w.Gp, max(1, _GEMM_COLS // Wd) * Wd)
+        X = max(spec.input_size, spec.num_directions * spec.output_size, spec.output_size)
+        cols = max(_GEMM_COLS, _GEMM_OUT_BYTES // (X * self.dtype.itemsize))
+        return min(w.Gp, max(1, cols // Wd) * Wd)
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
@@ -907,8 +914,14 @@ class Trainer:
                 dxin[lo:hi] += part[lo:hi]
 
         # at most the threads planned: a later set_num_threads may ask for more than this
-        # step's plan has rows of gw for
-        self._team(job, min(self._threads(), gw.shape[0], TN))
+        # step's plan has rows of gw for; and one thread for GEMMs too small to split (the
+        # forecast example's GRU(64), 24 steps x 32: ~10 M multiply-adds, a third of a ms,
+        # where handing work to a pool thread and waiting for it cost more than it saved)
+        macs = (
+            TN * G.shape[1] * (xin.shape[1] + hprev.shape[1] + (0 if dxin is None else Wd.shape[1]))
+        )
+        threads = 1 if macs < PARALLEL_MATMUL_MACS else min(self._threads(), gw.shape[0], TN)
+        self._team(job, threads)
 
     def _threads(self) -> int:
         return config.threads_for(self.threads)
@@ -935,10 +948,12 @@ class Trainer:
         share of the panels, through its own scratch ``out``."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
-        per = max(1, self._gemm_cols() // Wd)  # panels per GEMM
-        chunks = [(u0, min(U, u0 + per)) for u0 in range(0, U, per)]
+        most = max(1, self._gemm_cols() // Wd)  # panels per GEMM, at most
 
         def share(gw, i: int, threads: int) -> None:
+            # at least one GEMM per thread (each thread has its own rows of gw)
+            per = min(most, -(-U // threads))
+            chunks = [(u0, min(U, u0 + per)) for u0 in range(0, U, per)]
             n = len(chunks)
             for u0, u1 in chunks[n * i // threads : n * (i + 1) // threads]:
                 cols = slice(u0 * Wd, u1 * Wd)
