@@ -109,19 +109,27 @@ def import_leanrnn_torch():
 
 
 def set_threads(n: int, engine: str):
-    """One thread count for everything that computes: leanrnn's kernels and the BLAS (numpy's
-    GEMMs in the numpy-only loop; leanrnn.set_num_threads limits both) and torch's intra-op
-    pool. Returns a function that puts the previous counts back (main() run in-process)."""
+    """``n`` threads for what runs the recurrent layers: leanrnn's kernels, or torch's intra-op
+    pool for torch.nn. The rest of a step (embedding, head, loss, optimizer: small) runs on one
+    thread when leanrnn runs the layers: BLAS's and torch's idle OpenMP workers spin after every
+    call and took the core that leanrnn's kernel team needed next (char_lm's numpy-only loop on
+    2 threads ran 35 ms a step, slower than on 1; 20 ms with one BLAS thread; leanrnn.torch 34
+    -> 23 ms with one torch thread). Returns a function that puts the previous counts back
+    (main() run in-process)."""
     import leanrnn
 
     before = leanrnn.get_num_threads()
-    leanrnn.set_num_threads(n)
+    leanrnn.set_num_threads(n)  # leanrnn's kernels, and BLAS...
+    if engine == "numpy":
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1, user_api="blas")  # ...but not BLAS here (above)
     torch_before = None
     if engine != "numpy":
         import torch
 
         torch_before = torch.get_num_threads()
-        torch.set_num_threads(n)
+        torch.set_num_threads(1 if engine == "leanrnn-torch" else n)
 
     def restore() -> None:
         leanrnn.set_num_threads(before)
