@@ -292,6 +292,29 @@ def test_unbatched_and_batch_first_match_torch():
     assert y.shape == (N, T, H) and y.is_contiguous()
 
 
+@pytest.mark.parametrize("cls", [lt.LSTM, lt.GRU])
+def test_output_modified_in_place_refuses_backward_as_torch_does(cls):
+    """y is the last layer's reserve (its h_{t-1} for dR): y.mul_(2) then backward gave wrong
+    weight gradients silently. torch.nn.LSTM raises (its oneDNN path saves y); torch.nn.GRU's
+    composite CPU path computes it, which leanrnn cannot without a copy of y: it refuses."""
+    torch.manual_seed(0)
+    x = torch.randn(T, N, C)
+    ref = getattr(torch.nn, cls.__name__)(C, H)
+    if cls is lt.LSTM:
+        y, _ = ref(x)
+        y.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()  # the oracle: torch's own module refuses it
+    m = cls.from_module(ref)
+    y, _ = m(x)
+    y.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y, _ = m(x)  # and the module stays usable
+    y.sum().backward()
+    assert m.weight_hh_l0.grad is not None
+
+
 def test_bad_input_is_refused_and_module_stays_usable():
     m = lt.LSTM(C, H, 2)
     x = torch.randn(T, N, C)

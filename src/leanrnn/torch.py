@@ -336,16 +336,17 @@ def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec):
 
 def _setup_context(ctx, inputs, output):
     x, h0, c0, weights, lengths, masks, key, spec, tape = inputs
-    # x too: the tape reads x in place, so torch's version check must refuse a backward after
-    # x was modified in place (as it does for torch.nn.LSTM)
-    ctx.save_for_backward(output[3], x, *weights)
+    # x and y too: the tape reads x, and y is the last layer's reserve (its h_{t-1} for dR), in
+    # place, so torch's version check must refuse a backward after either was modified in place
+    # (as it does for torch.nn.LSTM); y modified in place gave wrong gradients silently
+    ctx.save_for_backward(output[3], x, output[0], *weights)
     ctx.spec = spec
     ctx.lstm = _spec(spec).cell == "lstm"
     ctx.has = (h0 is not None, c0 is not None)
 
 
 def _backward(ctx, dy, dh_n, dc_n, _dhandle):
-    handle, _x, *weights = ctx.saved_tensors
+    handle, _x, _y, *weights = ctx.saved_tensors
     grads = torch.ops.leanrnn.rnn_backward(
         handle, dy, dh_n, dc_n if ctx.lstm else None, weights, ctx.spec
     )
