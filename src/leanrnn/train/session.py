@@ -578,17 +578,21 @@ class Trainer:
             add("dc", (N, w.Hp), 2, end)
             add("cb", (N, w.Hp), 2, end)
         # the weight GEMMs' output, a few panels at a time, before it is added into the panels
-        X = max(spec.input_size, D * K, K)
-        add("gw", (self._threads(), X * self._gemm_cols()), 2, end)  # one per thread
+        add("gw", (self._threads(), self._gemm_rows() * self._gemm_cols()), 2, end)  # per thread
         return bufs, shapes
+
+    def _gemm_rows(self) -> int:
+        """The most rows of a weight-gradient GEMM's output: a layer's input width X (C, or
+        D*K above the first layer) or K, for dR."""
+        spec = self.spec
+        return max(spec.input_size, spec.num_directions * spec.output_size)
 
     def _gemm_cols(self) -> int:
         """Columns of G per weight-gradient GEMM: whole panels, at least about _GEMM_COLS of
         them, more while the [X, columns] output fits in _GEMM_OUT_BYTES."""
-        w, spec = self.weights, self.spec
+        w = self.weights
         Wd = self.grad.layers[0][0].Wt.shape[2]
-        X = max(spec.input_size, spec.num_directions * spec.output_size, spec.output_size)
-        cols = max(_GEMM_COLS, _GEMM_OUT_BYTES // (X * self.dtype.itemsize))
+        cols = max(_GEMM_COLS, _GEMM_OUT_BYTES // (self._gemm_rows() * self.dtype.itemsize))
         return min(w.Gp, max(1, cols // Wd) * Wd)
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
