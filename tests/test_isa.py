@@ -68,6 +68,23 @@ def test_cpu_model_names_the_core_generation():
     assert _cpu.cpu_model("") == ""
 
 
+def test_bench_reports_name_the_core_generation():
+    # machine_info (every bench JSON's "cpu") read "model name" alone: "AMD EPYC" for Zen 3 and 5
+    import pathlib
+
+    from leanrnn.bench.harness import machine_info
+
+    info = pathlib.Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    family = next(
+        (ln.split(":")[1].strip() for ln in text.splitlines() if ln.startswith("cpu family")), None
+    )
+    cpu = machine_info()["cpu"]
+    assert cpu and cpu in _cpu.describe()
+    if family is not None:  # x86 Linux
+        assert f"family {family}," in cpu
+
+
 def test_forced_isa(monkeypatch):
     monkeypatch.setenv(_cpu.ENV_ISA, "avx512")
     assert _cpu.isa().name == "avx512" and "forced" in _cpu.describe()

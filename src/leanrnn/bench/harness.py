@@ -545,22 +545,16 @@ def machine_info() -> dict:
     import platform
     from importlib import metadata
 
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
     versions = {}
     for dist in ("leanrnn", "numpy", "numba", "torch", "onnxruntime", "onnx", "MNN", "memray"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
-    from ..kernels._cpu import describe  # the ISA and caches the kernels were tiled for
+    from ..kernels._cpu import cpu_name, describe  # the ISA and caches the kernels were tiled for
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cpu_detail": describe(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),

@@ -223,14 +223,19 @@ def cpu_model(cpuinfo: str) -> str:
     return name
 
 
-def describe() -> str:
-    """One line naming the CPU, its vector ISA and caches, for the bench reports."""
+def cpu_name() -> str:
+    """This machine's CPU as ``cpu_model`` names it, else what the platform says."""
     try:
         with open("/proc/cpuinfo") as f:
             model = cpu_model(f.read(1 << 16))
     except OSError:
         model = ""
-    model = model or platform.processor() or platform.machine()
+    return model or platform.processor() or platform.machine()
+
+
+def describe() -> str:
+    """One line naming the CPU, its vector ISA and caches, for the bench reports."""
+    model = cpu_name()
     c = caches()
     a = isa()
     forced = f" (forced by {ENV_ISA})" if os.environ.get(ENV_ISA) else ""
