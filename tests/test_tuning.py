@@ -71,6 +71,17 @@ def test_tune_respects_the_memory_limit_and_never_runs_what_does_not_fit():
     assert any(p.seconds == float("inf") for p in got.points)  # over the limit: not run
 
 
+def test_tune_refuses_a_memory_limit_that_not_even_batch_1_fits():
+    # It chose batch 1 (which holds more than the limit) and marked it "over", as for latency
+    m = leanrnn.LSTM(4, 8, seed=2)
+    need = tuning.call_bytes(m.session, 1, 1)
+    machine = Machine()
+    with pytest.raises(PlanError, match=f"memory_limit={need - 1} bytes.*at least {need}"):
+        tuning.tune(m.session, latency=1.0, memory_limit=need - 1, measure=machine)
+    assert machine.asked == []  # refused before timing anything
+    assert tuning.tune(m.session, latency=1.0, memory_limit=need, measure=machine).batch == 1
+
+
 def test_tune_with_nothing_meeting_the_target_still_serves_one_row():
     m = leanrnn.RNN(4, 8, seed=2)
     got = tuning.tune(m.session, latency=1e-6, measure=Machine())

@@ -342,7 +342,7 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     then one over the powers of two up to ``max_chunk`` finds the chunk: ~10 calls measured. A stack that cannot
     be chunked (reverse, bidirectional) is measured at ``max_chunk`` steps and gets chunk
     None. If not even batch 1 meets the target, batch 1 is chosen (the server must run) and
-    the table says "over".
+    the table says "over"; if not even batch 1 fits the memory limit, PlanError says so.
     """
     from . import config
 
@@ -354,11 +354,19 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     if max_batch < 1 or max_chunk < 1:
         raise PlanError(f"[tune] max_batch={max_batch}, max_chunk={max_chunk}; expected both >= 1")
     threads = config.threads_for(threads)
-    measure = measure or _Timer(session, threads)
     chunkable = session.chunkable
     top = 1 << (max_chunk.bit_length() - 1)  # chunks are powers of two (the scheduler's T)
     chunks = [1 << i for i in range(top.bit_length())] if chunkable else [max_chunk]
     first = chunks[0]
+    smallest = call_bytes(session, 1, first)
+    if smallest > limit:
+        # Too slow is served anyway (batch 1, "over"), but memory beyond the limit is what the
+        # limit forbids: choosing batch 1 would hold it regardless.
+        raise PlanError(
+            f"[tune] memory_limit={limit} bytes; the smallest call (batch 1 x chunk {first}) "
+            f"holds {smallest}: raise the memory limit to at least {smallest}"
+        )
+    measure = measure or _Timer(session, threads)
     points: list[Point] = []
     seen: dict[tuple[int, int], Point] = {}
 
