@@ -180,3 +180,66 @@ def test_sigterm_finishes_accepted_work_then_exits(server):
     assert events["shutdown"]["signal"] == "SIGTERM" and events["drained"]["all_finished"]
     with pytest.raises(Exception):  # noqa: B017 (refused or connection closed: either is fine)
         infer(hm, th.InferenceServerClient(server["http"]), x[:1])
+
+
+def test_concurrency_cap_refuses_new_calls_and_keeps_those_in_flight(tmp_path):
+    # Connections and gRPC calls were unbounded: a client that sends and never reads kept its
+    # answers in the transport beyond every byte count. --max-concurrency 2 bounds both.
+    import socket
+
+    model = leanrnn.GRU(3, 4, seed=5)
+    model.save(str(tmp_path / "gru.lrnn"))
+    proc, http_url, grpc_url, _ = launch_server(
+        [f"gru={tmp_path}/gru.lrnn", "--max-concurrency", "2"]
+    )
+    try:
+        x = rand(np.random.default_rng(4), 3)
+        want = model(x)[0]
+        # gRPC: two open ModelStreamInfer streams are the two calls in flight (each has
+        # answered once, so both reached the server before the third call)
+        got, streams = [], [tg.InferenceServerClient(grpc_url) for _ in range(2)]
+
+        def answered(n):
+            deadline = time.monotonic() + 30
+            while len(got) < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(got) == n and all(err is None for _, err in got)
+            for result, _ in got:  # exactly the offline model's outputs
+                np.testing.assert_allclose(result.as_numpy("y"), want, rtol=0, atol=ATOL)
+
+        for k, c in enumerate(streams):
+            c.start_stream(callback=lambda result, error: got.append((result, error)))
+            i = tg.InferInput("x", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            c.async_stream_infer("gru", [i])
+            answered(k + 1)
+        third = tg.InferenceServerClient(grpc_url)
+        with pytest.raises(InferenceServerException) as e:
+            infer(tg, third, x, headers=None)
+        assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        for c in streams:  # the streams in flight still answer
+            i = tg.InferInput("x", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            c.async_stream_infer("gru", [i])
+        answered(4)
+        for c in streams:
+            c.stop_stream()
+        np.testing.assert_allclose(infer(tg, third, x, headers=None).as_numpy("y"), want,
+                                   rtol=0, atol=ATOL)  # fmt: skip
+        # HTTP: two idle connections held open fill the cap; closed, requests pass again
+        host, port = http_url.rsplit(":", 1)
+        held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
+        time.sleep(0.2)  # accepted by the server
+        hc = th.InferenceServerClient(http_url)
+        with pytest.raises(InferenceServerException) as e:
+            infer(th, hc, x, headers=None)
+        assert e.value.status() == "503"
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        hc = th.InferenceServerClient(http_url)
+        np.testing.assert_allclose(infer(th, hc, x, headers=None).as_numpy("y"), want,
+                                   rtol=0, atol=ATOL)  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()

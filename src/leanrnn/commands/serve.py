@@ -121,6 +121,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "beyond it new requests get HTTP 429 / RESOURCE_EXHAUSTED (default 1G)",
     )
     p.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="connections (HTTP) and calls (gRPC) in flight per transport; beyond it HTTP 503 / "
+        "RESOURCE_EXHAUSTED (default: 2 x --max-streams x models, at least 4096)",
+    )
+    p.add_argument(
         "--token",
         type=_token,
         default=os.environ.get("LEANRNN_SERVE_TOKEN") or None,  # set but empty: no token
@@ -157,6 +164,6 @@ def run(args: argparse.Namespace) -> int:
         max_call=max(args.max_call_ms, 0.01) / 1000,
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
-        max_queued_bytes=args.max_queued_bytes,
+        max_queued_bytes=args.max_queued_bytes, max_concurrency=args.max_concurrency,
     )  # fmt: skip
     return serve(cfg)

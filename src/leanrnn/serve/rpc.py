@@ -237,9 +237,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             metrics = None  # answers still computing then count nowhere
 
 
-async def start(core: Core, host: str, port: int, max_bytes: int):
-    """A running grpc.aio server on host:port (0: any free port); returns (server, port)."""
-    server = grpc.aio.server(options=[
+async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int):
+    """A running grpc.aio server on host:port (0: any free port); returns (server, port).
+    Beyond ``max_rpcs`` calls in flight (a ModelStreamInfer stream counts as one until it
+    ends) new calls get RESOURCE_EXHAUSTED; the ones in flight are unaffected."""
+    server = grpc.aio.server(maximum_concurrent_rpcs=max_rpcs, options=[
         # gRPC's default SO_REUSEPORT lets a second server share a taken port and take half
         # its connections (and so half of some sequences' requests): refuse instead
         ("grpc.so_reuseport", 0),

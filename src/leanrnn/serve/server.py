@@ -22,6 +22,13 @@ from .scheduler import Lane, Scheduler
 _log = logging.getLogger("leanrnn.serve")
 
 
+def default_concurrency(max_streams: int, models: int) -> int:
+    """Requests in flight per transport when not told: room for every stream the models may
+    hold to have a request in flight and another waiting (a client per stream is common),
+    and never fewer than 4096."""
+    return max(4096, 2 * max_streams * max(1, models))
+
+
 @dataclass
 class ServeConfig:
     models: dict[str, str] = field(default_factory=dict)  # name -> path
@@ -37,6 +44,7 @@ class ServeConfig:
     idle_timeout: float = 60.0
     max_request_bytes: int = 64 << 20
     max_queued_bytes: int = 1 << 30
+    max_concurrency: int | None = None  # None: default_concurrency(max_streams, models)
     token: str | None = None
     grace: float = 30.0
 
@@ -179,12 +187,16 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
     http_port = sock.getsockname()[1]
     core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
+    # Each connection or call in flight holds buffers the queued-bytes count never sees (a
+    # client that sends and never reads keeps its answers in the transport): bounded here
+    concurrency = config.max_concurrency or default_concurrency(config.max_streams,
+                                                                len(config.models))  # fmt: skip
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
         from . import rpc
 
         grpc_server, grpc_port = await rpc.start(core, config.host, config.grpc_port,
-                                                 config.max_request_bytes)  # fmt: skip
+                                                 config.max_request_bytes, concurrency)  # fmt: skip
     scheduler.start()
 
     class _Server(uvicorn.Server):
@@ -193,7 +205,7 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
             yield
 
     ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
-                          lifespan="off", log_level="warning",
+                          lifespan="off", log_level="warning", limit_concurrency=concurrency,
                           timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
     http_server = _Server(ucfg)
     stopping = asyncio.Event()
