@@ -29,8 +29,8 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            (updated in place at row slot[n]). Frozen samples and rows of other slots are
            never touched. The steps in between run on the dense double buffer, so every
            step's GEMM stays on contiguous rows. Slots are distinct (the engine checks).
-  h_store: [S, Kp]   the hidden states by slot (real columns 0..K read and written); [0, *]
-                     without a slot table
+  h_store: [S, K]    the hidden states by slot (only columns 0..K are read and written, so
+                     unpadded rows will do); [0, 0] without a slot table
   gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
   lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it
   y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
