@@ -21,10 +21,13 @@ Per model (``Lane``):
   (kernels.recurrent): before the first step each layer gathers its rows of h_{t-1} from
   their slots into the dense double buffer the step's GEMM reads, a row's last valid step
   (``lengths``) writes its h back to its slot, and c is updated in its slot for the whole
-  call. Nothing here or in the Session copies a state in or out of a call (before: np.take
-  from the slots into contiguous rows, a copy into the arena's double buffer, and both back
-  out, 2L numpy calls each way per call), and a frozen row's slot is never written.
-- **Shapes.** ``Session.run`` plans again whenever N or T change (~1-20 ms), so calls come in
+  call. Neither this module nor the Session copies a state in or out of a call (before:
+  np.take from the slots into contiguous rows, a copy into the arena's double buffer, and
+  both back out: 4L numpy copies per call); what is left is the kernel's own gather of
+  h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
+  only by its own stream's calls (the table's slots are distinct, and a stream has one call
+  in flight), and a frozen row's slot is not written at all.
+- **Shapes.** ``Session.run_slots`` plans again whenever N or T change (~1-20 ms), so calls come in
   few shapes, each with its own ``Session`` (on the model's weights and the server's shared
   ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
   rows, lengths 0), and T down to a power of two (steps left over go in the next call; rounding
