@@ -21,9 +21,9 @@ Per model (``Lane``):
   (kernels.recurrent): before the first step each layer gathers its rows of h_{t-1} from
   their slots into the dense double buffer the step's GEMM reads, a row's last valid step
   (``lengths``) writes its h back to its slot, and c is updated in its slot for the whole
-  call. Neither this module nor the Session copies a state in or out of a call (before:
-  np.take from the slots into contiguous rows, a copy into the arena's double buffer, and
-  both back out: 4L numpy copies per call); what is left is the kernel's own gather of
+  call. Neither this module nor the Session copies a state in or out of a call (before: h
+  and c taken from the slots into contiguous rows, copied into the arena's buffers, and both
+  back out the same way: 8 numpy copies per LSTM layer and call); what is left is the kernel's own gather of
   h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
   only by its own stream's calls (the table's slots are distinct, and a stream has one call
   in flight), and a frozen row's slot is not written at all.
