@@ -44,10 +44,10 @@ import threading
 import numpy as np
 
 from .. import config
-from ..errors import PlanError, ShapeError
+from ..errors import DTypeError, PlanError, ShapeError
 from ..formats.packing import PackedWeights
 from ..kernels import abi, runner
-from ..memory.arena import Arena
+from ..memory.arena import ALIGN, Arena, check_fits, round_up
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
 from ..threads import PARALLEL_MIN_MACS
@@ -90,6 +90,7 @@ def kernel_constants(spec: RNNSpec, dtype) -> tuple:
 
 
 NO_SCRATCH = np.zeros((1, 0), np.uint8)  # the q of jobs whose weights need none (abi._SCRATCH)
+NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLOTS)
 
 
 def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
@@ -110,14 +111,16 @@ def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h
     same from run to run of one plan: ``pl``'s weights, the state and scratch views, the
     activations and ``constants`` (kernel_constants). ``aux`` [N, Hp] is the LSTM's unprojected
     h or the GRU's r*h (an [N, 0] stand-in when the cell needs none); ``c`` the LSTM cell
-    state; ``keep``, ``ghn`` and ``q``: see kernels.recurrent. Not included: C and the per-run
-    x, xw, xw_bf_T, T, y, y_bf_T, parts (engine.session PER_CALL)."""
+    state; ``keep``, ``ghn`` and ``q``: see kernels.recurrent. No slot table (run_slots sets
+    slot, h_store and c per run). Not included: C and the per-run x, xw, xw_bf_T, T, y,
+    y_bf_T, parts (engine.session PER_CALL)."""
     consts, acts, alphas, betas = constants
     K = spec.output_size
     named = dict(
         W=pl.Wt, b=pl.b, Rt=pl.Rt, K=K, h_a=h_a, h_b=h_b, gates=gates, lengths=lengths,
         reverse=spec.reversed_direction(d), y_off=d * K, acts=acts[d], alphas=alphas[d],
-        betas=betas[d], consts=consts, sync=sync, keep=keep, q=q,
+        betas=betas[d], consts=consts, sync=sync, keep=keep, q=q, slot=NO_SLOTS,
+        h_store=h_a[:0, :0],
     )  # fmt: skip
     if spec.cell == "lstm":
         named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
@@ -125,6 +128,81 @@ def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h
     elif spec.cell == "gru":
         named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux, ghn=ghn)
     return named
+
+
+def _slot_table(op: str, slot, N: int, S: int, lengths) -> np.ndarray:
+    """``slot`` as an int64 [N] array the kernels can index the states with: each in 0..S-1
+    and distinct (two samples would update one state at once), or -1 on rows of length 0."""
+    arr = slot if isinstance(slot, np.ndarray) else np.asarray(slot)
+    if arr.dtype.kind not in "iu":
+        raise DTypeError(
+            f"[{op}] slot has dtype {arr.dtype}; expected integers (int64), one slot per sample"
+        )
+    if arr.shape != (N,):
+        raise ShapeError(f"[{op}] slot has shape {tuple(arr.shape)}; expected [N={N}]")
+    if arr.dtype != np.int64 or not arr.flags.c_contiguous or not arr.flags.aligned:
+        arr = np.ascontiguousarray(arr, np.int64)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < -1 or hi >= S:
+        bad = [int(v) for v in arr if v < -1 or v >= S][:5]
+        raise ShapeError(
+            f"[{op}] slot {bad} out of range; expected 0 <= slot < S={S} (the states' streams), "
+            "or -1 for a padding row"
+        )
+    if lo == -1:
+        pad = arr == -1
+        if lengths is None or lengths[pad].any():
+            rows = np.flatnonzero(pad if lengths is None else pad & (lengths != 0))[:5].tolist()
+            raise ShapeError(
+                f"[{op}] rows {rows} have slot -1 (padding) but steps to run; expected length 0 "
+                "there: pass lengths with 0 for padding rows, or give them a slot"
+            )
+    ordered = np.sort(arr)
+    twice = ordered[1:][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)]
+    if twice.size:
+        raise ShapeError(
+            f"[{op}] slot {sorted(set(twice.tolist()))[:5]} appears more than once; expected "
+            "distinct slots (one sample per stream state in a call): run the same stream's "
+            "steps in one row, or in successive calls"
+        )
+    return arr
+
+
+class SlotStates:
+    """The states of S streams in fixed slots, for ``Session.run_slots``: h [L*D, S, K] and
+    (LSTM) c [L*D, S, Hp] of one model, in one aligned, zeroed buffer (numpy's zeroed pages:
+    slots never used cost no memory). The kernels read and write a call's rows there by its
+    slot table, so a call copies no state in or out.
+
+    ``h`` [L*D, S, K] and ``c`` [L*D, S, H] (None for GRU/RNN) are views to read a slot's
+    state; ``put`` sets one. c is stored with the kernels' padded width Hp (their cell update
+    runs on whole blocks of 16 units; the padding units stay zero).
+
+    >>> st = session.slot_states(1024); st.put(5, h0, c0)
+    >>> y = session.run_slots(x, st, np.array([5, 9]))   # rows 0, 1 of x: streams 5 and 9
+    """
+
+    def __init__(self, weights: PackedWeights, S: int) -> None:
+        spec, dt = weights.spec, weights.dtype
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        Hp = weights.Hp if spec.cell == "lstm" else 0
+        self.S, self.dtype, self.shape = S, dt, (LD, K, H, Hp)
+        hb = round_up(LD * S * K * dt.itemsize, ALIGN)
+        self.nbytes = hb + LD * S * Hp * dt.itemsize
+        check_fits(self.nbytes, f"state slots for {S:,} streams", "Session.slot_states")
+        raw = np.zeros(self.nbytes + ALIGN, np.uint8)  # calloc: untouched pages stay unbacked
+        buf = raw[(-raw.ctypes.data) % ALIGN :][: self.nbytes]
+        self.h = buf[: LD * S * K * dt.itemsize].view(dt).reshape(LD, S, K)
+        self._c = buf[hb:].view(dt).reshape(LD, S, Hp) if Hp else None
+        self.c = self._c[:, :, :H] if Hp else None
+
+    def put(self, slot: int, h=None, c=None) -> None:
+        """Slot ``slot``'s state: h [L*D, K] and c [L*D, H] (LSTM), or zeros where None."""
+        self.h[:, slot] = 0 if h is None else h
+        if self._c is not None:
+            self._c[:, slot] = 0  # the padding units too
+            if c is not None:
+                self.c[:, slot] = c
 
 
 class _Step:
@@ -433,6 +511,9 @@ class Session:
             for k in range(L * D)
         ]  # fmt: skip
         self._calls = [self._call(k // D, k % D) for k in range(L * D)]
+        # Where run_slots puts the slot table, the h store and (LSTM) the c store (abi._SLOTS).
+        names = abi.JOBS[self._calls[0].job].names()
+        self._slot_at = tuple(names.index(n) for n in ("slot", "h_store", "c") if n in names)
 
     def _call(self, layer: int, d: int) -> abi.Call:
         """Op (layer, d)'s job arguments (abi.JOBS[cell]) but the per-run ones, PER_CALL."""
@@ -472,20 +553,88 @@ class Session:
         """
         return self._run(x, h0, c0, lengths, out, return_sequences, False)
 
-    def _run(self, x, h0, c0, lengths, out, return_sequences: bool, _trusted: bool):
-        """run(); ``_trusted``: a Stream's own state arrays are h0/c0 and out's h_n/c_n
-        (validated when it made them; a streaming step should not pay to check them again)."""
-        spec, dt, op = self.spec, self.dtype, "Session.run"
-        C = spec.input_size
-        names = ("N", "T", "C") if spec.batch_first else ("T", "N", "C")
-        x = _check.array(op, "x", x, dt, (None, None, C), names)
+    def slot_states(self, streams: int) -> SlotStates:
+        """States for ``streams`` slots of this model, all zero, for ``run_slots``. PlanError
+        (before allocating) if they cannot fit in this machine's memory."""
+        S = _check.count_or_none("Session.slot_states", "streams", streams)
+        if S is None:
+            raise ShapeError(f"[Session.slot_states] streams={streams!r}; expected a positive int")
+        return SlotStates(self.weights, S)
+
+    def run_slots(self, x, states: SlotStates, slot, lengths=None, out=None):
+        """Run the stack over ``x`` with sample n's state in slot ``slot[n]`` of ``states``:
+        read there before its first step, written there after its last (``lengths[n]``), no
+        copies in or out of the call (the kernels index the slots). Slots not in ``slot``,
+        and slots of samples with length 0, are left as they are.
+
+        x:       [T, N, C] ([N, T, C] if spec.batch_first), as for ``run``
+        states:  a ``SlotStates`` of this model (``slot_states``)
+        slot:    [N] ints, distinct, in 0..S-1; -1 marks a padding row (its length must be 0)
+        lengths: [N] ints in 0..T, or None = all T
+        out:     None, or y [T, N, D*K] (batch-first: [N, T, D*K]) to write
+        returns  y
+
+        >>> st = session.slot_states(64)
+        >>> y = session.run_slots(x, st, np.array([3, 0, 7]), lengths=np.array([5, 2, 0]))
+        """
+        spec, dt, op = self.spec, self.dtype, "Session.run_slots"
+        x, T, N = self._input(op, x)
+        L, D, K, H = self._LDKH
+        if not isinstance(states, SlotStates):
+            raise ShapeError(
+                f"[{op}] states is a {type(states).__name__}; expected the SlotStates of this "
+                "model: make them with session.slot_states(streams)"
+            )
+        Hp = self.weights.Hp if spec.cell == "lstm" else 0
+        if states.dtype != dt or states.shape != (L * D, K, H, Hp):
+            LD, Ks, Hs, _ = states.shape
+            raise ShapeError(
+                f"[{op}] states hold {states.dtype} states of [L*D={LD}, K={Ks}, H={Hs}]; "
+                f"expected {dt} [L*D={L * D}, K={K}, H={H}] (this model's): make them with "
+                "this session's slot_states(streams)"
+            )
+        if lengths is not None:
+            lengths = _check.lengths(op, lengths, N, T)
+        slot = _slot_table(op, slot, N, states.S, lengths)
+        yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
+        if out is None:
+            y = np.empty(yshape, dt)
+        else:
+            y = _check.array(op, "out (y)", out, dt, yshape, ("T", "N", "D*K"))
+            _check.writable(op, "out y", y)
+            ins = (("x", x), ("states.h", states.h), ("states.c", states._c), ("slot", slot),
+                   ("lengths", lengths))  # fmt: skip
+            _check.disjoint(op, (("y", y),), ins)
+        if not x.flags.aligned:
+            x = x.copy()
+        store = (states, slot)
+        if y.flags.aligned:
+            return self._run_locked(x, None, None, lengths, y, None, None, T, N, True, store)[0]
+        y_out = y
+        y_out[...] = self._run_locked(
+            x, None, None, lengths, np.empty_like(y), None, None, T, N, True, store
+        )[0]
+        return y_out
+
+    def _input(self, op: str, x) -> tuple:
+        """(x, T, N): x checked (dtype, [T, N, C] or batch-first [N, T, C], C-contiguous)."""
+        C = self.spec.input_size
+        names = ("N", "T", "C") if self.spec.batch_first else ("T", "N", "C")
+        x = _check.array(op, "x", x, self.dtype, (None, None, C), names)
         _check.contiguous(op, "x", x)
-        if spec.batch_first:
+        if self.spec.batch_first:
             N, T = x.shape[0], x.shape[1]
         else:
             T, N = x.shape[0], x.shape[1]
         if N == 0 or T == 0:
             raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
+        return x, T, N
+
+    def _run(self, x, h0, c0, lengths, out, return_sequences: bool, _trusted: bool):
+        """run(); ``_trusted``: a Stream's own state arrays are h0/c0 and out's h_n/c_n
+        (validated when it made them; a streaming step should not pay to check them again)."""
+        spec, dt, op = self.spec, self.dtype, "Session.run"
+        x, T, N = self._input(op, x)
         L, D, K, H = self._LDKH
         LD = L * D
         # A Stream passes its own state buffers as h0/c0: validated when it made them.
@@ -515,7 +664,8 @@ class Session:
         y_out[...] = y
         return y_out, h_n, c_n
 
-    def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences):
+    def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences, store=None):
+        """``store``: run_slots's (SlotStates, slot table), in place of h0, c0, h_n, c_n."""
         with self._lock if self.pool is None else self.pool.lock:
             stale = self.pool is not None and self._gen != self.pool.generation
             memo = (N, T, return_sequences, self.chunk)
@@ -527,20 +677,23 @@ class Session:
             if stale or key != self._key_now:
                 self._resize(N, T, None, return_sequences)
             if self._T >= T:
-                self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N)
+                self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
             else:
-                self._execute_chunked(x, h0, c0, lengths, y, h_n, c_n, T, N)
+                self._execute_chunked(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
         return y, h_n, c_n
 
-    def _execute_chunked(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int) -> None:
-        """Advance the whole stack ``self._T`` steps at a time, carrying state in h_n/c_n."""
+    def _execute_chunked(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int,
+                         store=None) -> None:  # fmt: skip
+        """Advance the whole stack ``self._T`` steps at a time, carrying state in h_n/c_n (or
+        in the slots of ``store``)."""
         spec, Tc, v = self.spec, self._T, self._views
         bf = spec.batch_first
         # The final states double as the carried state: each chunk starts from them.
-        if h0 is not None:
-            h_n[:] = h0
-        else:
-            h_n[:] = 0
+        if store is None:
+            if h0 is not None:
+                h_n[:] = h0
+            else:
+                h_n[:] = 0
         if c_n is not None:
             if c0 is not None:
                 c_n[:] = c0
@@ -562,7 +715,7 @@ class Session:
             lens = None
             if lengths is not None:
                 lens = np.clip(lengths - t0, 0, n_steps)
-            self._execute(xs, h_n, c_n, lens, ys, h_n, c_n, n_steps, N)
+            self._execute(xs, h_n, c_n, lens, ys, h_n, c_n, n_steps, N, store)
             if bf and y is not None:
                 y[:, t0:t1] = ys
 
@@ -606,7 +759,7 @@ class Session:
                 _check.writable(op, f"out {name}", a)
         return y, h_n, c_n
 
-    def _execute(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int) -> None:
+    def _execute(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int, store=None) -> None:
         spec, w, v = self.spec, self.weights, self._views
         L, D, K, H = self._LDKH
         cell = spec.cell
@@ -645,11 +798,13 @@ class Session:
                 xw, ha, hb, _, _, c = self._op_views[k]
                 if short:
                     xw = xw[:TN]
-                if h0 is not None:
+                if store is not None:  # the kernel reads and writes the states by slot
+                    pass
+                elif h0 is not None:
                     ha[:, :K] = h0[k]  # padding columns K.. are never read by the kernels
                 else:
                     ha[:] = 0
-                if cell == "lstm":
+                if cell == "lstm" and store is None:
                     if c0 is None:
                         c[:] = 0  # padding units too: the projection reads every column of h(c)
                     elif c.shape[1] == H:
@@ -660,12 +815,18 @@ class Session:
                 a = calls[k].args.copy()
                 a[ix], a[ixw], a[ixbf], a[iT], a[iy], a[iybf], a[ip] = (
                     xin, xw, xin_bf, T, yout, y_bf, parts)  # fmt: skip
+                if store is not None:
+                    states, slot = store
+                    a[self._slot_at[0]], a[self._slot_at[1]] = slot, states.h[k]
+                    if cell == "lstm":
+                        a[self._slot_at[2]] = states._c[k]
                 sync[:] = 0
                 runner.run(calls[k].job, tuple(a), parts)
-                parity = T % 2  # which state buffer the last step wrote
-                if cell == "lstm":
-                    c_n[k] = c[:, :H]
-                h_n[k] = (hb if parity else ha)[:, :K]
+                if store is None:
+                    parity = T % 2  # which state buffer the last step wrote
+                    if cell == "lstm":
+                        c_n[k] = c[:, :H]
+                    h_n[k] = (hb if parity else ha)[:, :K]
                 if log:
                     self._log_events(k, "release")
 

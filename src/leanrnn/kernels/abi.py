@@ -53,17 +53,19 @@ _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after 
 _SCRATCH = "q:B2"
 _BACK = "RT:F3 K:i"  # a backward job's recurrent weights (transposed panels) and their width
 _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
+# The slot table and the hidden states by slot (kernels.recurrent; [0] and [0, *]: no slots).
+_SLOTS = "slot:L1 h_store:F2"
 _OUTPUT = "lengths:L1 T:i reverse:b y:F2 y_off:i y_bf_T:i acts:L1 alphas:F1 betas:F1"
 JOBS = {j.name: j for j in (
     Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i h_a:F2 "
-        f"h_b:F2 c:F2 gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 keep:b sync:L1 "
+        f"h_b:F2 c:F2 {_SLOTS} gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 keep:b sync:L1 "
         f"{_SCRATCH} parts:i",
         ("input_projection K=C", "lstm")),
     Job("gru", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} rb:F1 linear_before_reset:b h_a:F2 h_b:F2 "
-        f"gates:F2 rh:F2 {_OUTPUT} consts:F1 keep:b ghn:F2 sync:L1 {_SCRATCH} parts:i",
+        f"{_SLOTS} gates:F2 rh:F2 {_OUTPUT} consts:F1 keep:b ghn:F2 sync:L1 {_SCRATCH} parts:i",
         ("input_projection K=C", "gru")),
-    Job("rnn", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} h_a:F2 h_b:F2 gates:F2 {_OUTPUT} consts:F1 "
-        f"keep:b sync:L1 {_SCRATCH} parts:i", ("input_projection K=C", "rnn")),
+    Job("rnn", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} h_a:F2 h_b:F2 {_SLOTS} gates:F2 {_OUTPUT} "
+        f"consts:F1 keep:b sync:L1 {_SCRATCH} parts:i", ("input_projection K=C", "rnn")),
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
     Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 sync:L1 {_SCRATCH} parts:i",
         ("input_projection xw=y",)),

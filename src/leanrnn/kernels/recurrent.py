@@ -17,10 +17,20 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
            n*T + t when xw_bf_T = T > 0 (it follows the layout of the layer input)
   Rt:      [U, Kp, ng*B] gate-fused recurrent panels;  K = real recurrent width (P or H)
-  h_a/h_b: [N, Kp]   state double buffer; h_a holds h0 on entry. The return value says which
-                     holds the final state (0: h_a, 1: h_b). Blocks read h_prev while others
-                     write h_next, so h cannot be updated in place; c can, and is.
-  c:       [N, Hp]   LSTM cell state, in/out
+  h_a/h_b: [N, Kp]   state double buffer; h_a holds h0 on entry (without a slot table). The
+                     return value says which holds the final state (0: h_a, 1: h_b). Blocks
+                     read h_prev while others write h_next, so h cannot be updated in place;
+                     c can, and is.
+  c:       [N, Hp]   LSTM cell state, in/out; with a slot table [S, Hp], row slot[n] for n
+  slot:    [N] int64 slot table, or [0]: no slots. With one, the states live in fixed rows of
+           a store that outlives the call (serve's streams): h_a's rows are gathered from
+           h_store[slot[n]] (zeros where slot[n] < 0, rows of lengths 0) before the first step,
+           a sample's last valid step also writes its h there, and c is the store itself
+           (updated in place at row slot[n]). Frozen samples and rows of other slots are
+           never touched. The steps in between run on the dense double buffer, so every
+           step's GEMM stays on contiguous rows. Slots are distinct (the engine checks).
+  h_store: [S, K]    the hidden states by slot (only columns 0..K are read and written, so
+                     unpadded rows will do); [0, 0] without a slot table
   gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
   lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it
   y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
@@ -103,6 +113,36 @@ def _keep_span(xw, xr, col, gates, n, length, zero):
 
 
 @inline
+def _gather(slot, h_store, hp, K, zero, me, parts, sync, g):
+    """h_{-1}: row n of hp from h_store[slot[n]] (zeros for slot[n] < 0), one phase of row
+    slices: the first step's GEMM (and an int8-dynamic operand) reads every row."""
+    N = slot.shape[0]
+    for sl in range(parts):
+        lo, hi = claim(sync, me, sl, parts, g, N)
+        if hi < 0:
+            continue  # another thread has this slice
+        for n in range(lo, hi):
+            sn = slot[n]
+            if sn < 0:
+                for j in range(K):
+                    hp[n, j] = zero
+            else:
+                for j in range(K):
+                    hp[n, j] = h_store[sn, j]
+        finish(sync, parts)
+    return end_phase(sync, parts, g)
+
+
+@inline
+def _put(slotted, slot, h_store, hn, n, c0, K, s, lengths):
+    """At sample n's last valid step, its new h block (real units only) into its slot."""
+    if slotted and s == lengths[n] - 1:
+        sn = slot[n]
+        for j in range(c0, min(c0 + B, K)):
+            h_store[sn, j] = hn[n, j]
+
+
+@inline
 def _emit(hn, n, c0, y, yr, y_off, K):
     """Copy the block's new h (its real units only) into output row yr."""
     if c0 + B <= K:  # a whole block: a constant trip count, so one vector copy
@@ -114,8 +154,9 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 def _lstm(
-    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, gates, hfull, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts, sync,
+    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, slot, h_store, gates, hfull, lengths,
+    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts,
+    sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -136,6 +177,9 @@ def _lstm(
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
+    slotted = slot.shape[0] > 0
+    if slotted:
+        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
         dst = hn if P == 0 else hfull
         A = operand(Rt, hp, q, me, 0, N, K, True)
@@ -153,19 +197,21 @@ def _lstm(
                     if t < 0:
                         continue
                     xr = _yrow(t, n, N, xw_bf_T)
+                    cr = slot[n] if slotted else n  # c's row
                     if fast:
                         if keep:  # the pre-activation stays in xw, stored from registers
-                            lstm_update_keep(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
+                            lstm_update_keep(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
                         else:
-                            lstm_update(gates, n, r0, xw, xr, r0, c, n, c0, dst, n, c0, tiny)
+                            lstm_update(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
                         if P == 0:
                             _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                            _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
                         continue
                     _add_span(gates, n, r0, xw, xr, 4 * B)
                     if use_peep:
                         for j in range(B):
-                            gates[n, ri + j] += peep[0, c0 + j] * c[n, c0 + j]
-                            gates[n, rf + j] += peep[1, c0 + j] * c[n, c0 + j]
+                            gates[n, ri + j] += peep[0, c0 + j] * c[cr, c0 + j]
+                            gates[n, rf + j] += peep[1, c0 + j] * c[cr, c0 + j]
                     if clip > zero:
                         clip_span(clip, gates, n, ri, 3 * B)
                     act_span(af, alf, bef, zero, one, gates, n, ri, B)
@@ -176,22 +222,23 @@ def _lstm(
                         act_span(af, alf, bef, zero, one, gates, n, rf, B)
                     act_span(ag, alg, beg, zero, one, gates, n, rg, B)
                     for j in range(B):
-                        cc = gates[n, rf + j] * c[n, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
-                        c[n, c0 + j] = flush(cc, tiny, zero)
+                        cc = gates[n, rf + j] * c[cr, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
+                        c[cr, c0 + j] = flush(cc, tiny, zero)
                     if use_peep:
                         for j in range(B):
-                            gates[n, ro + j] += peep[2, c0 + j] * c[n, c0 + j]
+                            gates[n, ro + j] += peep[2, c0 + j] * c[cr, c0 + j]
                     if clip > zero:
                         clip_span(clip, gates, n, ro, B)
                     act_span(af, alf, bef, zero, one, gates, n, ro, B)
                     # The g slot is free now: reuse it for h(c).
                     for j in range(B):
-                        gates[n, rg + j] = c[n, c0 + j]
+                        gates[n, rg + j] = c[cr, c0 + j]
                     act_span(ah, alh, beh, zero, one, gates, n, rg, B)
                     if P == 0:
                         for j in range(B):
                             hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
                     else:
                         for j in range(B):
                             hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
@@ -214,6 +261,7 @@ def _lstm(
                             v = flush(hn[n, p], tiny, zero)
                             hn[n, p] = v
                             y[yr, y_off + p] = v
+                        _put(slotted, slot, h_store, hn, n, p0, K, s, lengths)
                 finish(sync, parts)
             g = end_phase(sync, parts, g)
         hp, hn = hn, hp
@@ -222,8 +270,8 @@ def _lstm(
 
 
 def _gru(
-    xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, gates, rh, lengths, T, reverse,
-    y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, me, parts, sync,
+    xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, slot, h_store, gates, rh, lengths, T,
+    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -238,6 +286,9 @@ def _gru(
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
+    slotted = slot.shape[0] > 0
+    if slotted:
+        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
         A = operand(Rt, hp, q, me, 0, N, K, True)
         for sl in range(parts):
@@ -264,6 +315,7 @@ def _gru(
                                 ghn[xr, c0 + j] = gates[n, rn + j] + rb[rn + j]
                         gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
                         continue
                     _add_span(gates, n, rz, xw, xr, 2 * B)
                     if clip > zero:
@@ -278,6 +330,7 @@ def _gru(
                             gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
                         )
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
                     else:
                         for j in range(B):
                             rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
@@ -304,6 +357,7 @@ def _gru(
                             gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
                         )
                         _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
                 finish(sync, parts)
             g = end_phase(sync, parts, g)
         hp, hn = hn, hp
@@ -312,8 +366,8 @@ def _gru(
 
 
 def _rnn(
-    xw, xw_bf_T, Rt, K, h_a, h_b, gates, lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas,
-    consts, keep, q, me, parts, sync,
+    xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
+    alphas, betas, consts, keep, q, me, parts, sync,
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
@@ -325,6 +379,9 @@ def _rnn(
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
+    slotted = slot.shape[0] > 0
+    if slotted:
+        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
         A = operand(Rt, hp, q, me, 0, N, K, True)
         for sl in range(parts):
@@ -344,6 +401,7 @@ def _rnn(
                             _keep_span(xw, xr, r0, gates, n, B, zero)
                         rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
                         _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                        _put(slotted, slot, h_store, hn, n, r0, K, s, lengths)
                         continue
                     _add_span(gates, n, r0, xw, xr, B)
                     if clip > zero:
@@ -355,6 +413,7 @@ def _rnn(
                     for j in range(B):
                         hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
                     _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
+                    _put(slotted, slot, h_store, hn, n, r0, K, s, lengths)
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         hp, hn = hn, hp

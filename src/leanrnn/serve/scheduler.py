@@ -3,8 +3,9 @@ one batched engine call; streams join and leave between calls; states live in fi
 
 Per model (``Lane``):
 
-- **Slots.** One preallocated state array holds h [L, S, K] and (LSTM) c [L, S, H] for
-  S = ``max_streams`` streams; a stream owns slot s from ``sequence_start`` until its
+- **Slots.** One preallocated ``SlotStates`` (engine.session) holds h [L, S, K] and (LSTM)
+  c [L, S, Hp] (the kernels' padded width) for S = ``max_streams`` streams, in one aligned
+  buffer of zeroed pages; a stream owns slot s from ``sequence_start`` until its
   ``sequence_end`` (freed at once) or its eviction after ``idle_timeout`` seconds without a
   request. Beyond S live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
   live ones are unaffected. An idle stream costs its slot's bytes and nothing else: only
@@ -15,11 +16,18 @@ Per model (``Lane``):
   its own steps, so streams with fewer pending steps ride along without being advanced. A
   chunk of steps is thus fed step by step in lockstep with the other streams, and one stream's
   steps are never reordered nor put side by side in one batch (it has one row per call).
-- **Gather and scatter.** The batch's states are gathered from their slots into contiguous
-  [L, N, K] rows (``np.take(..., out=)`` per layer into preallocated buffers), the engine updates
-  them in place (``Session.run`` may write h_n over h0), and they are scattered back. No array
-  is allocated per call; the copies are O(N*L*(K+H)) per call, against O(N*T*G*K) of compute.
-- **Shapes.** ``Session.run`` plans again whenever N or T change (~1-20 ms), so calls come in
+- **States by slot.** A call passes its slot table (int64 [N]: row n is stream slot[n]; -1
+  on padding rows) to ``Session.run_slots``, whose kernels work on the slots themselves
+  (kernels.recurrent): before the first step each layer gathers its rows of h_{t-1} from
+  their slots into the dense double buffer the step's GEMM reads, a row's last valid step
+  (``lengths``) writes its h back to its slot, and c is updated in its slot for the whole
+  call. Neither this module nor the Session copies a state in or out of a call (before: h
+  and c taken from the slots into contiguous rows, copied into the arena's buffers, and both
+  back out the same way: 8 numpy copies per LSTM layer and call); what is left is the kernel's own gather of
+  h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
+  only by its own stream's calls (the table's slots are distinct, and a stream has one call
+  in flight), and a frozen row's slot is not written at all.
+- **Shapes.** ``Session.run_slots`` plans again whenever N or T change (~1-20 ms), so calls come in
   few shapes, each with its own ``Session`` (on the model's weights and the server's shared
   ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
   rows, lengths 0), and T down to a power of two (steps left over go in the next call; rounding
@@ -33,21 +41,6 @@ next request should come before that budget ends (at low load it does not wait a
 steps per call, is chosen from the running per-step time so that a call takes about
 ``max_call`` seconds (at least one step): a stream that joins waits behind at most that much
 of other streams' chunks, while short calls do not multiply the per-call overhead.
-
-Next step, reading states by slot inside the kernels. Today a call copies each state four
-times: slots -> contiguous rows (here), rows -> the arena's double buffer h.{k}.a and c.{k}
-(``Session._execute``), and back out the same way. With a slot table (int64 [N], one more job
-argument in ``kernels.abi.JOBS``) the kernels could work on the store itself:
-
-1. the store laid out with the kernels' padded widths, h [L, S, Kp] and c [L, S, Hp] (today
-   [L, S, K] / [L, S, H]), 64-byte aligned rows, in the planned arena rather than beside it;
-2. ``kernels.recurrent``: the first step's GEMM on R (``panel4`` over rows 0..N of h_{t-1})
-   reads row n from ``h_store[l, slot[n]]``, and row n's last valid step (``lengths[n]``)
-   writes its h there; the steps in between keep the dense double buffer, so the GEMM stays on
-   contiguous rows, and frozen rows need no carry copy. c, updated element-wise per row, can
-   live in the store for the whole call (row n -> slot[n]);
-3. ``Session.run`` taking (store, slot table) in place of h0/c0/h_n/c_n and skipping its copies.
-
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ import time
 
 import numpy as np
 
-from ..engine.session import Pool, Session
+from ..engine.session import Pool, Session, SlotStates
 from ..errors import PlanError, SpecError
 from ..memory.arena import machine_memory
 from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
@@ -191,10 +184,9 @@ class Lane:
         self.max_chunk = max_chunk = pow2_floor(max_chunk)
         nb, T = bucket(max_batch), max_chunk
         self._check_fits(S, nb, T)
-        # The state slots: one array, h then c.
-        store = np.zeros(L * S * (K + (H if self.lstm else 0)), self.dtype)
-        self.h_store = store[: L * S * K].reshape(L, S, K)
-        self.c_store = store[L * S * K :].reshape(L, S, H) if self.lstm else None
+        # The state slots: h [L, S, K], c [L, S, Hp]; h_store and c_store view the real units.
+        self.states = SlotStates(weights, S)
+        self.h_store, self.c_store = self.states.h, self.states.c
         self.free = _Slots(S)
         self.seqs: dict = {}
         self.ready: collections.deque[Sequence] = collections.deque()
@@ -202,10 +194,8 @@ class Lane:
         # Call buffers for the largest call; each call uses contiguous leading parts of them.
         self._x = np.zeros(T * nb * C, self.dtype)
         self._y = np.zeros(T * nb * K, self.dtype)
-        self._h = np.zeros(L * nb * K, self.dtype)
-        self._c = np.zeros(L * nb * H, self.dtype) if self.lstm else None
         self._lens = np.zeros(nb, np.int64)
-        self._idx = np.zeros(nb, np.int64)
+        self._slot = np.full(nb, -1, np.int64)
         self._calls: dict[tuple[int, int], tuple] = {}
         self.step_seconds = 0.0  # running mean of one call's seconds per step
         self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
@@ -214,9 +204,9 @@ class Lane:
         """The state slots and call buffers, by arithmetic, before any is allocated: past the
         machine's memory numpy said 'out of memory' naming no option, or (below it, with
         overcommit) the server started and died later."""
-        L, K, H, C, it = self.L, self.K, self.H, self.C, self.dtype.itemsize
-        HC = K + (H if self.lstm else 0)
-        state, calls = L * S * HC * it, (T * nb * (C + K) + L * nb * HC) * it
+        L, K, C, it = self.L, self.K, self.C, self.dtype.itemsize
+        state = L * S * (K + (self.weights.Hp if self.lstm else 0)) * it  # as SlotStates
+        calls = (T * nb * (C + K)) * it + 16 * nb
         limit = machine_memory()
         if state + calls > limit:
             raise PlanError(
@@ -236,20 +226,19 @@ class Lane:
         return out
 
     def _call(self, nb: int, T: int) -> tuple:
-        """(session, x [T, nb, C], y [T, nb, K], h [L, nb, K], c [L, nb, H] | None, lengths [nb])
-        for a call of nb rows and T steps: views of the call buffers, and a session of its own
-        so its plan stays made."""
+        """(session, x [T, nb, C], y [T, nb, K], lengths [nb], slot table [nb]) for a call of
+        nb rows and T steps: views of the call buffers, and a session of its own so its plan
+        stays made."""
         c = self._calls.get((nb, T))
         if c is None:
-            L, K, H, C = self.L, self.K, self.H, self.C
+            K, C = self.K, self.C
             session = Session(self.weights, threads=self.threads, pool=self.pool)
             c = self._calls[(nb, T)] = (
                 session,
                 self._x[: T * nb * C].reshape(T, nb, C),
                 self._y[: T * nb * K].reshape(T, nb, K),
-                self._h[: L * nb * K].reshape(L, nb, K),
-                self._c[: L * nb * H].reshape(L, nb, H) if self.lstm else None,
                 self._lens[:nb],
+                self._slot[:nb],
             )
         return c
 
@@ -262,16 +251,14 @@ class Lane:
 
     def warm_up(self) -> None:
         """Plan every call shape, the largest first (the shared arena then never grows while
-        serving), and run the largest once (the kernels load)."""
+        serving), and run the largest once (the kernels load), on padding rows only (slot -1,
+        length 0: no slot is read or written)."""
         for nb, T in self.shapes:
             self._call(nb, T)[0].resize(nb, T)
         nb = bucket(self.max_batch)
-        session, x, y, h, c, lens = self._call(nb, self.max_chunk)
-        lens[:] = self.max_chunk
-        session.run(x, h, c, lens, out=(y, h, c) if self.lstm else (y, h))
-        h[:] = 0
-        if c is not None:
-            c[:] = 0
+        session, x, y, lens, slot = self._call(nb, self.max_chunk)
+        lens[:], slot[:] = 0, -1
+        session.run_slots(x, self.states, slot, lens, out=y)
 
     # ------------------------------------------------------------ requests (under the lock)
     def submit(self, key, start: bool, end: bool, x, h0, c0, want_state: bool, on_done,
@@ -298,12 +285,7 @@ class Lane:
             slot = self.free.pop()
             s = self.seqs[key] = Sequence(key, slot, now)
             self.evicted.pop(key, None)
-            if h0 is None:
-                self.h_store[:, slot] = 0
-            else:
-                self.h_store[:, slot] = h0
-            if self.lstm:
-                self.c_store[:, slot] = 0 if c0 is None else c0
+            self.states.put(slot, h0, c0)
         else:
             if s is None:
                 ev = self.evicted.get(key)
@@ -384,12 +366,12 @@ class Lane:
         n = len(picked)
         heads = [s.queue[0] for s in picked]
         T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
-        session, x, y, h, c, lens = self._call(bucket(n), T)
+        session, x, y, lens, slot = self._call(bucket(n), T)
         ks = [min(r.T - r.pos, T) for r in heads]
-        idx = self._idx[:n]
-        idx[:] = [s.slot for s in picked]
+        slot[:n] = [s.slot for s in picked]
+        slot[n:] = -1  # padding rows (bucket): no slot, never advanced
         lens[:n] = ks
-        lens[n:] = 0  # padding rows (bucket): never advanced, never read back
+        lens[n:] = 0
         for i, r in enumerate(heads):
             k, p = ks[i], r.pos
             x[:k, i] = r.x[p : p + k]
@@ -397,16 +379,7 @@ class Lane:
                 x[k:, i] = 0  # frozen rows still pass through the input projection
             if r.t_first is None:
                 r.t_first = now
-        hs, cs = self.h_store, self.c_store
-        for layer in range(self.L):
-            np.take(hs[layer], idx, axis=0, out=h[layer, :n], mode="clip")
-            if cs is not None:
-                np.take(cs[layer], idx, axis=0, out=c[layer, :n], mode="clip")
-        session.run(x, h, c, lens, out=(y, h, c) if self.lstm else (y, h))
-        for layer in range(self.L):
-            hs[layer, idx] = h[layer, :n]
-            if cs is not None:
-                cs[layer, idx] = c[layer, :n]
+        session.run_slots(x, self.states, slot, lens, out=y)  # the states in place, by slot
         for i, r in enumerate(heads):
             k, p = ks[i], r.pos
             r.y[p : p + k] = y[:k, i]
