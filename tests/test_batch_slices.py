@@ -11,7 +11,7 @@ import pytest
 import leanrnn
 from helpers import random_layers
 from leanrnn.formats.packing import pack
-from leanrnn.kernels import _sync, abi
+from leanrnn.kernels import _cpu, _sync, abi
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
 from tolerances import RTOL, atol
@@ -110,3 +110,29 @@ def test_small_batch_still_splits_blocks(many_cores):
     assert session._sync[abi.CLAIM0 * abi.LINE] > 0
     want = reference_forward(spec, layers, x, None, None, None)[0]
     np.testing.assert_allclose(y, want, rtol=RTOL[np.float64], atol=atol(np.float64))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_engine_and_kernels_agree_on_when_batches_are_sliced(parts):
+    """The engine plans its chunks with _cpu.batch_slices; the kernels cut with _sync.share."""
+    for N in range(1, _smallest_split(max(parts, 2)) + 8):
+        sliced = _sync.share.py_func(N, 0, parts)[2] == 1 and parts > 1
+        assert sliced == _cpu.batch_slices(N, parts)
+
+
+def test_sliced_runs_take_chunks_of_a_quarter_of_the_last_level_cache(many_cores):
+    """Threads on batch slices meet only where chunks end: their automatic chunk fills a quarter
+    of the L3 instead of XW_BUDGET; one thread, or small batches, keep XW_BUDGET."""
+    from leanrnn.engine import session as engine
+
+    spec = RNNSpec("lstm", 64, 128)
+    model = leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(0)), np.float32))
+    s = model.session
+    N = _smallest_split(2)
+    step = N * s.weights.Gp * 4
+    budget = max(engine.XW_BUDGET, _cpu.caches()["L3"] // 4)
+    s.threads = 2
+    assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, budget // step)
+    assert s.auto_chunk(N - 1) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // (step - step // N))
+    s.threads = 1
+    assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // step)

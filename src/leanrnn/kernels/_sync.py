@@ -13,7 +13,7 @@ lines, zeroed by the caller before the jobs start):
 - **Never a deadlock.** Nobody waits for a particular thread: a job that starts late (a busy
   pool, the OS) finds its slices taken and the caller's thread having done them — slower, never
   stuck. A single thread (parts == 1) skips the atomics entirely.
-- **Batch slices** (``share``): from SHARE_TILES register tiles of rows per thread on, the
+- **Batch slices** (``share``): from _cpu.SHARE_TILES register tiles of rows per thread on, the
   threads instead take tile-aligned slices of the batch, each running every step of its own
   samples: they never meet inside the recurrence, so a thread the OS preempts (a shared VM,
   another process) delays only its own samples instead of stalling the others at every step's
@@ -46,11 +46,7 @@ from .abi import CLAIM0, LINE, PROJ_DONE, PROJ_TICKET, STEP_DONE
 # results are bit-identical across thread counts (a lone leftover row, say, would otherwise be
 # a GEMV, whose k loop may be split into several accumulator sets).
 ALIGN = _cpu.blocking(_cpu.isa())[0]
-# Tiles of rows per thread from which the batch is split: a thread then streams all of R per
-# step instead of 1/parts of it, and each weight it loads serves >= 4 tiles of rows (at most
-# 1/6 byte per multiply-add on a 6-row tile: what the block split already needs at N=24);
-# below, the block split's halved weight stream matters more than the barrier it costs.
-SHARE_TILES = 4
+SHARE_TILES = _cpu.SHARE_TILES  # share() is _cpu.batch_slices' rule (the engine plans with it)
 
 
 def _slot_ptr(context, builder, sig, args):
