@@ -46,7 +46,7 @@ import numpy as np
 from .. import config
 from ..errors import DTypeError, PlanError, ShapeError
 from ..formats.packing import PackedWeights
-from ..kernels import abi, runner
+from ..kernels import _cpu, abi, runner
 from ..memory.arena import ALIGN, Arena, check_fits, round_up
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
@@ -416,11 +416,17 @@ class Session:
     def auto_chunk(self, batch: int) -> int | None:
         """The chunk ``chunk=None`` means: steps whose input projection fits XW_BUDGET, for
         time-major input; None (whole sequences) for batch-first input, whose chunks would be
-        staged through copies (H=128, N=64, 2 threads: 4.9 ms whole vs 5.7 ms chunked)."""
+        staged through copies (H=128, N=64, 2 threads: 4.9 ms whole vs 5.7 ms chunked).
+        Threads on batch slices (kernels._cpu.batch_slices) meet only where a chunk ends, so
+        any of them the OS preempts stalls the others there: their chunks fill a quarter of the
+        last-level cache instead (the rest left to the weights), fewer and longer."""
         if self.spec.batch_first:
             return None
         step_bytes = batch * self.weights.Gp * self.dtype.itemsize
-        return max(MIN_AUTO_CHUNK, XW_BUDGET // step_bytes)
+        budget = XW_BUDGET
+        if _cpu.batch_slices(batch, self._threads()):
+            budget = max(budget, _cpu.caches()["L3"] // 4)
+        return max(MIN_AUTO_CHUNK, budget // step_bytes)
 
     def _key(self, batch: int, steps: int, return_sequences: bool) -> tuple:
         """(N, planned steps, staged, discard): what a plan depends on besides the model."""

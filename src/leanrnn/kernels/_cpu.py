@@ -206,6 +206,20 @@ def blocking(isa_: Isa) -> tuple[int, int, int]:
     return align, kc_, row_chunk(l2, kc_, align)
 
 
+# Register tiles of rows per thread from which the threads of a recurrence take batch slices
+# (kernels._sync.share) instead of splitting every step's unit blocks: a thread then streams all
+# of R per step instead of 1/parts of it, and each weight it loads serves >= 4 tiles of rows (at
+# most 1/6 byte per multiply-add on a 6-row tile: what the block split already needs at N=24);
+# below, the block split's smaller weight stream matters more than the barrier it costs.
+SHARE_TILES = 4
+
+
+def batch_slices(N: int, parts: int, isa_: Isa | None = None) -> bool:
+    """Whether ``parts`` threads run a recurrence of batch ``N`` on batch slices (each thread
+    its own samples, kernels._sync.share): each would get SHARE_TILES tiles of ALIGN rows."""
+    return parts > 1 and N >= SHARE_TILES * blocking(isa_ or isa())[0] * parts
+
+
 def cpu_model(cpuinfo: str) -> str:
     """The CPU's name in /proc/cpuinfo text, with its x86 family and model numbers: a VM may
     name only the brand ("AMD EPYC" for Zen 3 and Zen 5 alike), and the numbers tell the core

@@ -13,6 +13,12 @@ lines, zeroed by the caller before the jobs start):
 - **Never a deadlock.** Nobody waits for a particular thread: a job that starts late (a busy
   pool, the OS) finds its slices taken and the caller's thread having done them — slower, never
   stuck. A single thread (parts == 1) skips the atomics entirely.
+- **Batch slices** (``share``): from _cpu.SHARE_TILES register tiles of rows per thread on, the
+  threads instead take tile-aligned slices of the batch, each running every step of its own
+  samples: they never meet inside the recurrence, so a thread the OS preempts (a shared VM,
+  another process) delays only its own samples instead of stalling the others at every step's
+  barrier. onnxruntime's LSTM splits batches above 4 the same way. A slice job must run (no
+  thread can take it over), which both backends guarantee: every job index runs exactly once.
 - **Ticket queues** (``take``): the input projection's row x panel tasks are handed out by an
   atomic counter, so whichever threads are running share them; ``done`` again tells when all
   are finished.
@@ -30,8 +36,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import _cpu
 from ._jit import inline
 from .abi import CLAIM0, LINE, PROJ_DONE, PROJ_TICKET, STEP_DONE
+
+# Slice boundaries are multiples of every dtype's tile height (ALIGN, as the projection's row
+# chunks): each slice then starts a register tile where the whole batch would, so every row is
+# computed by the same tile shape and summation order whichever way the threads split — the
+# results are bit-identical across thread counts (a lone leftover row, say, would otherwise be
+# a GEMV, whose k loop may be split into several accumulator sets).
+ALIGN = _cpu.blocking(_cpu.isa())[0]
+SHARE_TILES = _cpu.SHARE_TILES  # share() is _cpu.batch_slices' rule (the engine plans with it)
 
 
 def _slot_ptr(context, builder, sig, args):
@@ -140,3 +155,14 @@ def task_done(sync):
 def wait_tasks(sync, ntasks):
     while atomic_load(sync, PROJ_DONE * LINE) < ntasks:
         cpu_relax()
+
+
+@inline
+def share(N, me, parts):
+    """(n0, n1, slices): thread ``me``'s samples n0..n1 and the number of block slices per phase
+    its recurrence claims from — its own tile-aligned batch slice and 1 (no barrier) when every
+    thread gets at least SHARE_TILES tiles of ALIGN rows, else every sample and ``parts``."""
+    if parts > 1 and N >= SHARE_TILES * ALIGN * parts:
+        tiles = (N + ALIGN - 1) // ALIGN  # the last one may be short
+        return (min(N, tiles * me // parts * ALIGN), min(N, tiles * (me + 1) // parts * ALIGN), 1)
+    return 0, N, parts

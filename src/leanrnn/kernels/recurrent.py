@@ -9,9 +9,10 @@ projection (needs the whole unprojected h) and the GRU n gate with linear_before
 (needs r*h of all units).
 
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
-``parts``; each phase (step, or half-step) is cut into ``parts`` slices of unit blocks that the
-threads claim and finish before any of them moves on. parts == 1 is the plain serial loop.
-(Splitting the blocks rather than the batch measured faster even at N=64 — see ops.py.)
+``parts``. A batch large enough (_sync.share) is cut into tile-aligned sample slices, one per
+thread, each running every step on its own with no barrier at all; otherwise each phase (step,
+or half-step) is cut into ``parts`` slices of unit blocks that the threads claim and finish
+before any of them moves on. parts == 1 is the plain serial loop.
 
 Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   xw:      [T*N, Gp] input projection with folded bias, rows t*N + n (time-major) or
@@ -53,7 +54,7 @@ from __future__ import annotations
 from ._cells import gru_update, lstm_update, lstm_update_keep, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
-from ._sync import claim, end_phase, finish
+from ._sync import claim, end_phase, finish, share
 from .abi import B
 from .gemm import operand, panel1, panel2, panel3, panel4
 
@@ -160,6 +161,8 @@ def _lstm(
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
+    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
+    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
     U = Rt.shape[0]
     H = hfull.shape[1]
     NP = proj.shape[0]  # projection blocks
@@ -182,7 +185,7 @@ def _lstm(
         g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
         dst = hn if P == 0 else hfull
-        A = operand(Rt, hp, q, me, 0, N, K, True)
+        A = operand(Rt, hp, q, me, n0, n1, K, True)
         for sl in range(parts):
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
@@ -191,8 +194,8 @@ def _lstm(
                 r0 = u * 4 * B
                 ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
                 c0 = u * B
-                panel4(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
-                for n in range(N):
+                panel4(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
+                for n in range(n0, n1):
                     t = _time_of(s, n, lengths, reverse, P == 0, hp, hn, c0)
                     if t < 0:
                         continue
@@ -251,8 +254,8 @@ def _lstm(
                     continue  # another thread has this slice
                 for pb in range(lo, hi):
                     p0 = pb * B
-                    panel1(proj, pb, 0, hfull, 0, N, H, hn, p0, consts, -1)
-                    for n in range(N):
+                    panel1(proj, pb, 0, hfull, n0, n1, H, hn, p0, consts, -1)
+                    for n in range(n0, n1):
                         t = _time_of(s, n, lengths, reverse, True, hp, hn, p0)
                         if t < 0:
                             continue
@@ -275,6 +278,8 @@ def _gru(
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
+    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
+    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
     U = Rt.shape[0]
     af, ag = acts[0], acts[1]
     alf, alg = alphas[0], alphas[1]
@@ -290,7 +295,7 @@ def _gru(
     if slotted:
         g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
-        A = operand(Rt, hp, q, me, 0, N, K, True)
+        A = operand(Rt, hp, q, me, n0, n1, K, True)
         for sl in range(parts):
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
@@ -300,10 +305,10 @@ def _gru(
                 rz, rr, rn = r0, r0 + B, r0 + 2 * B
                 c0 = u * B
                 if linear_before_reset:
-                    panel3(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
+                    panel3(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
                 else:
-                    panel2(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
-                for n in range(N):
+                    panel2(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
+                for n in range(n0, n1):
                     t = _time_of(s, n, lengths, reverse, linear_before_reset, hp, hn, c0)
                     if t < 0:
                         continue
@@ -337,7 +342,7 @@ def _gru(
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         if not linear_before_reset:
-            Ah = operand(Rt, rh, q, me, 0, N, K, True)
+            Ah = operand(Rt, rh, q, me, n0, n1, K, True)
             for sl in range(parts):
                 lo, hi = claim(sync, me, sl, parts, g, U)
                 if hi < 0:
@@ -346,8 +351,8 @@ def _gru(
                     r0 = u * 3 * B
                     rz, rn = r0, r0 + 2 * B
                     c0 = u * B
-                    panel1(Rt, u, 2, Ah, 0, N, K, gates, rn, consts, -1)
-                    for n in range(N):
+                    panel1(Rt, u, 2, Ah, 0, n1 - n0, K, gs, rn, consts, -1)
+                    for n in range(n0, n1):
                         t = _time_of(s, n, lengths, reverse, True, hp, hn, c0)
                         if t < 0:
                             continue
@@ -371,6 +376,8 @@ def _rnn(
 ):  # fmt: skip
     zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
     N = h_a.shape[0]
+    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
+    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
     U = Rt.shape[0]
     af, alf, bef = acts[0], alphas[0], betas[0]
     if me == 0:  # one thread zeroes the steps past each length
@@ -383,15 +390,15 @@ def _rnn(
     if slotted:
         g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
     for s in range(T):
-        A = operand(Rt, hp, q, me, 0, N, K, True)
+        A = operand(Rt, hp, q, me, n0, n1, K, True)
         for sl in range(parts):
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
             for u in range(lo, hi):
                 r0 = u * B
-                panel1(Rt, u, 0, A, 0, N, K, gates, r0, consts, -1)
-                for n in range(N):
+                panel1(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
+                for n in range(n0, n1):
                     t = _time_of(s, n, lengths, reverse, True, hp, hn, r0)
                     if t < 0:
                         continue

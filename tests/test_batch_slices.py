@@ -1,0 +1,138 @@
+"""Threads on batch slices (kernels._sync.share): from SHARE_TILES register tiles of rows per
+thread, each thread runs every step of its own tile-aligned samples with no barrier. The results
+must equal the float64 reference and be bit-identical to one thread's, for every cell option
+that adds a phase (LSTM projection, GRU r*h), odd batches, short sequences and small H."""
+
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import random_layers
+from leanrnn.formats.packing import pack
+from leanrnn.kernels import _cpu, _sync, abi
+from leanrnn.kernels.reference import reference_forward
+from leanrnn.spec import RNNSpec
+from tolerances import RTOL, atol
+
+SPECS = [
+    RNNSpec("lstm", 40, 24, direction="bidirectional", peepholes=True, clip=2.0),
+    RNNSpec("lstm", 20, 40, num_layers=2, proj_size=12),
+    RNNSpec("lstm", 16, 8),  # the fused default path, one unit block (H < 16)
+    RNNSpec("gru", 24, 40, direction="bidirectional", linear_before_reset=False, clip=2.0),
+    RNNSpec("gru", 24, 40),
+    RNNSpec("rnn", 24, 37, direction="reverse"),
+]
+
+
+def _smallest_split(parts: int) -> int:
+    return _sync.SHARE_TILES * _sync.ALIGN * parts
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """Sessions may run more threads than this machine has cores (only speed suffers)."""
+    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
+
+
+@pytest.fixture(params=["native", "jit"])
+def backend(request, monkeypatch):
+    if request.param == "jit":
+        request.getfixturevalue("jit_compiled")  # (conftest: compiled aside, meanwhile)
+    monkeypatch.setattr(leanrnn.config, "_backend", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 1, 5, 29])
+def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):
+    N = _smallest_split(parts) + extra
+    got = [_sync.share.py_func(N, me, parts) for me in range(parts)]
+    assert all(s == 1 for _, _, s in got)  # no block slices: no barrier
+    bounds = [(a, b) for a, b, _ in got]
+    assert bounds[0][0] == 0 and bounds[-1][1] == N
+    for (_, b), (a, _) in pairwise(bounds):
+        assert a == b  # disjoint and covering
+    for a, b in bounds:
+        assert a % _sync.ALIGN == 0 and b - a >= (_sync.SHARE_TILES - 1) * _sync.ALIGN
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_share_keeps_small_batches_on_block_slices(parts):
+    N = max(1, _smallest_split(parts) - 1) if parts > 1 else 1000
+    for me in range(parts):
+        assert _sync.share.py_func(N, me, parts) == (0, N, parts)
+
+
+def _run(spec, layers, x, h0, c0, lengths, threads, dtype):
+    model = leanrnn.Model(pack(spec, layers, dtype))
+    model.session.threads = threads
+    out = model.session.run(x, h0, c0, lengths)
+    return out, model.session
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize("threads,extra", [(2, 1), (2, 16), (3, 5)])
+def test_batch_slices_match_reference_and_one_thread(spec, threads, extra, many_cores, backend):
+    N, T = _smallest_split(threads) + extra, 5
+    for dtype in (np.float64, np.float32):
+        if dtype == np.float32 and spec.proj_size:
+            continue  # (random weights at this scale drive a float32 LSTMP chaotic)
+        rng = np.random.default_rng(11)
+        layers = random_layers(spec, rng, dtype, scale=0.3)
+        C, K, H = spec.input_size, spec.output_size, spec.hidden_size
+        LD = spec.num_layers * spec.num_directions
+        x = rng.standard_normal((T, N, C)).astype(dtype)
+        lengths = rng.integers(0, T + 1, size=N)
+        h0 = rng.standard_normal((LD, N, K)).astype(dtype)
+        c0 = rng.standard_normal((LD, N, H)).astype(dtype) if spec.cell == "lstm" else None
+        got, session = _run(spec, layers, x, h0, c0, lengths, threads, dtype)
+        # the slices ran: no thread claimed a block slice (kernels._sync: claim)
+        assert session._sync[abi.CLAIM0 * abi.LINE] == 0
+        one, _ = _run(spec, layers, x, h0, c0, lengths, 1, dtype)
+        want = reference_forward(spec, layers, x, h0, c0, lengths)
+        for g, o, w in zip(got, one, want, strict=True):
+            if w is None:
+                continue
+            np.testing.assert_array_equal(g, o)  # the same tiles, the same bits
+            np.testing.assert_allclose(g, w, rtol=RTOL[dtype], atol=atol(dtype))
+
+
+def test_small_batch_still_splits_blocks(many_cores):
+    """Below the threshold the threads split each step's unit blocks (and claim slices)."""
+    spec = RNNSpec("lstm", 16, 40)
+    rng = np.random.default_rng(2)
+    layers = random_layers(spec, rng, np.float64, scale=0.3)
+    N = _smallest_split(2) - 1
+    x = rng.standard_normal((4, N, 16))
+    (y, _, _), session = _run(spec, layers, x, None, None, None, 2, np.float64)
+    assert session._sync[abi.CLAIM0 * abi.LINE] > 0
+    want = reference_forward(spec, layers, x, None, None, None)[0]
+    np.testing.assert_allclose(y, want, rtol=RTOL[np.float64], atol=atol(np.float64))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_engine_and_kernels_agree_on_when_batches_are_sliced(parts):
+    """The engine plans its chunks with _cpu.batch_slices; the kernels cut with _sync.share."""
+    for N in range(1, _smallest_split(max(parts, 2)) + 8):
+        sliced = _sync.share.py_func(N, 0, parts)[2] == 1 and parts > 1
+        assert sliced == _cpu.batch_slices(N, parts)
+
+
+def test_sliced_runs_take_chunks_of_a_quarter_of_the_last_level_cache(many_cores):
+    """Threads on batch slices meet only where chunks end: their automatic chunk fills a quarter
+    of the L3 instead of XW_BUDGET; one thread, or small batches, keep XW_BUDGET."""
+    from leanrnn.engine import session as engine
+
+    spec = RNNSpec("lstm", 64, 128)
+    model = leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(0)), np.float32))
+    s = model.session
+    N = _smallest_split(2)
+    step = N * s.weights.Gp * 4
+    budget = max(engine.XW_BUDGET, _cpu.caches()["L3"] // 4)
+    s.threads = 2
+    assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, budget // step)
+    assert s.auto_chunk(N - 1) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // (step - step // N))
+    s.threads = 1
+    assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // step)
