@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from .engine import Session
@@ -30,6 +32,12 @@ class Model:
     def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
         self.weights = weights
         self.session = Session(weights, threads=threads)
+
+    def __reduce__(self):
+        # deepcopy and pickle (a worker process, a copy to fine-tune): the weights (one new
+        # aligned buffer, PackedWeights.__reduce__) and a new session of the same threads; the
+        # session's locks, arena and bound programs belong to this process and this model.
+        return type(self)._from_packed, (self.weights, self.session.threads)
 
     # -- description
     @property
@@ -165,8 +173,20 @@ class Model:
         return torch_format.to_state_dict(self.spec, self.weights.unpack())
 
     def astype(self, dtype) -> Model:
-        """A copy with weights in ``dtype`` (float32 or float64)."""
-        return type(self)._from_packed(pack(self.spec, self.weights.unpack(), dtype))
+        """A copy with weights in ``dtype`` (float32 or float64), on the same threads. Reduced
+        weights (``leanrnn.quantize``) stay reduced: they run float32 only, so float64 is an
+        error rather than a silent dequantization."""
+        w, threads = self.weights, self.session.threads
+        if w.precision != "float":
+            if np.dtype(dtype) != w.dtype:
+                raise DTypeError(
+                    f"[{type(self).__name__}.astype] {np.dtype(dtype)} for a model with "
+                    f"{w.precision} weights; reduced weights run float32 only. For their "
+                    "dequantized values in float64: leanrnn.from_state_dict(model.state_dict(), "
+                    "dtype=np.float64)"
+                )
+            return type(self)._from_packed(copy.deepcopy(w), threads)
+        return type(self)._from_packed(pack(self.spec, w.unpack(), dtype), threads)
 
     @classmethod
     def _from_packed(cls, weights: PackedWeights, threads: int | None = None) -> Model:
