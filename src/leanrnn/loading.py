@@ -47,7 +47,7 @@ def load(
     shapes, ``nonlinearity`` ('tanh'/'relu') and ``batch_first`` are what the file cannot
     record, and ``dtype`` converts the weights (default: as stored).
     """
-    path = os.fspath(path)
+    path = _path(path, "load")
     if not os.path.isfile(path):
         raise ModelFormatError(f"[load] {path!r} does not exist or is not a file")
     kind = checkpoint.sniff(path)
@@ -78,20 +78,31 @@ def load(
     return GraphModel(graph, threads=threads)
 
 
+def _path(path, op: str) -> str:
+    """``path`` as a str: a str, bytes or os.PathLike; anything else is named."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise ModelFormatError(
+            f"[{op}] got a {type(path).__name__} ({path!r:.60}) as the path; expected a file "
+            "path (str, bytes or pathlib.Path)"
+        ) from None
+
+
 def save(model: RunnableModel, path) -> str:
     """Write ``model`` in the native format (``.lrnn``); returns the path."""
     if not callable(getattr(model, "save", None)):
         raise ModelFormatError(
             f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
         )
-    return model.save(os.fspath(path))
+    return model.save(_path(path, "save"))
 
 
 def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
     to ``dst``, its recurrent weights in ``precision`` ("bf16", "int8" or "int8-dynamic", see
     ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
-    dst = os.fspath(dst)
+    src, dst = _path(src, "convert"), _path(dst, "convert")
     if not dst.lower().endswith(".lrnn"):
         raise ModelFormatError(
             f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its native format only)"

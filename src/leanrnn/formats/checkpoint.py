@@ -167,7 +167,10 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
         with z:
             check_zip_sizes(z, path, op)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        # A file object, not the path: torch.load picks its reader by the name (a path ending
+        # in .safetensors goes to the safetensors library), and the content decided already.
+        with open(path, "rb") as f:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise ModelFormatError(
             f"[{op}] {path!r}: torch.load(weights_only=True) refused or failed: "
