@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, SpecError
+from ..memory.arena import check_fits
 from . import _check
 
 
@@ -31,6 +32,9 @@ class Stream:
         self.session = session
         self.batch = int(batch)
         L, K, H, dt = spec.num_layers, spec.output_size, spec.hidden_size, session.dtype
+        # the carried state, sized by the batch asked for: refused by arithmetic, by name
+        check_fits(L * self.batch * (K + H) * dt.itemsize,
+                   f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
         self._h = np.zeros((L, self.batch, K), dt)
         self._c = np.zeros((L, self.batch, H), dt) if spec.cell == "lstm" else None
         self.steps = 0  # steps fed since creation or the last full reset
