@@ -1,0 +1,181 @@
+"""Hardening, fourth pass: reduced-precision models (bf16, int8, int8-dynamic) and their files,
+copies of models, paths and checkpoints a new user hands over, and the CLI in a pipe. Each test
+failed before its fix; each bad call gives a clear leanrnn error and leaves things usable."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn import cli
+from leanrnn.errors import DTypeError, LeanRNNError, ModelFormatError
+
+PRECISIONS = ("bf16", "int8", "int8-dynamic")
+
+
+@pytest.fixture(scope="module")
+def x():
+    return np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+
+
+# ------------------------------------------------ copies keep the one aligned weight buffer
+def _one_buffer(pw) -> bool:
+    """Every packed tensor a 64-byte-aligned view into ``pw.buffer`` (what the engine and the
+    native writer rely on)."""
+    return all(
+        np.shares_memory(pw.buffer, v) and v.ctypes.data % 64 == 0
+        for v in pw.tensors().values()
+        if v.size
+    )
+
+
+_COPIES = {
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda o: pickle.loads(pickle.dumps(o)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_COPIES))
+@pytest.mark.parametrize("precision", ["float", *PRECISIONS])
+def test_copied_weights_stay_one_aligned_buffer_and_save(how, precision, x, tmp_path):
+    # before: each view was copied on its own, out of the buffer and unaligned, and saving the
+    # copy failed with "tensor l0.d0.Wt would leave a hole at byte 0"
+    m = leanrnn.GRU(5, 20, num_layers=2, seed=0)
+    if precision != "float":
+        m = leanrnn.quantize(m, precision)
+    w = _COPIES[how](m.weights)
+    assert w is not m.weights and not np.shares_memory(w.buffer, m.weights.buffer)
+    assert _one_buffer(w) and w.precision == m.weights.precision
+    np.testing.assert_array_equal(w.buffer, m.weights.buffer)
+    back = leanrnn.load(leanrnn.GRU._from_packed(w).save(str(tmp_path / "c.lrnn")))
+    np.testing.assert_array_equal(back(x)[0], m(x)[0])
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_models_deepcopy_and_pickle(how, x):
+    # before: TypeError: cannot pickle '_thread.RLock' object (the session's lock)
+    m = leanrnn.quantize(leanrnn.LSTM(5, 16, batch_first=True, seed=0, threads=1), "int8")
+    c = _COPIES[how](m)
+    assert type(c) is leanrnn.LSTM and c.session is not m.session
+    assert c.session.threads == 1 and c.spec == m.spec and c.weights.precision == "int8"
+    np.testing.assert_array_equal(c(x)[0], m(x)[0])
+
+
+# ------------------------------------------------ astype keeps the precision it was given
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_astype_float32_keeps_reduced_weights(precision, x, tmp_path):
+    # before: astype(np.float32) (and load(..., dtype=np.float32)) silently dequantized the
+    # panels into a float model: 2-4x the weight bytes, other kernels, other outputs
+    q = leanrnn.quantize(leanrnn.LSTM(5, 16, seed=0, threads=1), precision)
+    a = q.astype(np.float32)
+    assert a.weights.precision == precision and a.session.threads == 1
+    assert not np.shares_memory(a.weights.buffer, q.weights.buffer)
+    np.testing.assert_array_equal(a(x)[0], q(x)[0])
+    path = q.save(str(tmp_path / "q.lrnn"))
+    assert leanrnn.load(path, dtype=np.float32).weights.precision == precision
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_astype_float64_of_reduced_weights_is_refused_by_name(precision, x, tmp_path):
+    q = leanrnn.quantize(leanrnn.LSTM(5, 16, seed=0), precision)
+    with pytest.raises(DTypeError, match=rf"{precision}.*float64.*state_dict"):
+        q.astype(np.float64)
+    path = q.save(str(tmp_path / "q.lrnn"))
+    with pytest.raises(DTypeError, match=precision):
+        leanrnn.load(path, dtype=np.float64)
+    q(x)  # still runs
+
+
+# ------------------------------------------------ paths: what comes in is named
+@pytest.mark.parametrize("bad", [None, 3, 2.5, ["m.lrnn"]])
+@pytest.mark.parametrize("op", ["load", "convert"])
+def test_a_path_that_is_not_a_path_is_named(op, bad, tmp_path):
+    # before: TypeError: expected str, bytes or os.PathLike object, not int
+    call = {"load": lambda: leanrnn.load(bad),
+            "convert": lambda: leanrnn.convert(bad, str(tmp_path / "o.lrnn"))}[op]  # fmt: skip
+    with pytest.raises(ModelFormatError, match=rf"\[{op}\] .*{type(bad).__name__}.*path"):
+        call()
+
+
+def test_a_bytes_path_loads_like_a_str_path(tmp_path, x):
+    # before: AttributeError: 'bytes' object has no attribute 'seek'
+    m = leanrnn.GRU(5, 8, seed=0)
+    path = m.save(str(tmp_path / "m.lrnn"))
+    np.testing.assert_array_equal(leanrnn.load(path.encode())(x)[0], m(x)[0])
+    leanrnn.convert(path.encode(), str(tmp_path / "o.lrnn").encode())
+    assert leanrnn.load(str(tmp_path / "o.lrnn")).spec == m.spec
+
+
+# ------------------------------------------------ the file's content decides, not its name
+def test_a_torch_checkpoint_named_safetensors_loads(tmp_path, x):
+    # before: torch.load picks its safetensors reader by the name: "SafetensorError: Error
+    # while deserializing header: header too large" for a good checkpoint
+    torch = pytest.importorskip("torch")
+    module = torch.nn.GRU(5, 8)
+    path = tmp_path / "gru.safetensors"
+    torch.save(module.state_dict(), path)
+    got = leanrnn.load(path)(x)[0]
+    want = leanrnn.from_torch(module)(x)[0]
+    np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------ the CLI in a pipe that closes early
+@pytest.mark.parametrize("argv", [["inspect"], ["plan", "--batch", "2", "--steps", "3"]])
+def test_output_into_a_closed_pipe_is_not_an_error(argv, monkeypatch, capsys, tmp_path):
+    # `leanrnn inspect m.lrnn | head -1` once head has exited. Before: "leanrnn: error:
+    # BrokenPipeError: [Errno 32] Broken pipe" (or, for output smaller than the buffer,
+    # "Exception ignored ... BrokenPipeError" at exit)
+    path = leanrnn.GRU(5, 8, seed=0).save(str(tmp_path / "m.lrnn"))
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr("sys.stdout", out)
+    rc = cli.main([argv[0], path, *argv[1:]])
+    out.close()  # what the interpreter does at exit: nothing left to fail
+    assert capsys.readouterr().err == ""
+    assert rc == cli.EXIT_BROKEN_PIPE
+
+
+def test_bad_input_still_fails_after_a_closed_pipe(capsys, tmp_path):
+    assert cli.main(["inspect", str(tmp_path / "none.lrnn")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------ leanrnn bench: options that select nothing
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--precision", ","], ["--precision", "comma list"]),
+        (["--engines", ","], ["--engines", "comma list"]),
+        (["--cells", " , "], ["--cells", "comma list"]),
+        (["--precision", "bf16", "--engines", "torch"], ["bf16", "torch", "leanrnn"]),
+    ],
+)
+def test_bench_options_that_select_nothing_are_refused(argv, words, tmp_path, capsys):
+    # before: an empty list meant the default suite, and bf16 with only torch ran no engine and
+    # wrote an empty report over --out
+    from leanrnn.bench.cli import options_from_args
+
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        options_from_args(parser.parse_args(["bench", *argv, "--out", str(tmp_path)]))
+    msg = str(e.value.code) + capsys.readouterr().err
+    assert e.value.code != 0
+    for w in words:
+        assert w in msg, (w, msg)
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------ streams past the machine's memory
+def test_a_stream_past_the_machines_memory_is_a_plan_error(x):
+    # before: numpy's MemoryError "Unable to allocate 32.0 TiB" from the state arrays
+    m = leanrnn.LSTM(5, 8, seed=0)
+    with pytest.raises(LeanRNNError, match=r"\[Session.stream\].*batch=1099511627776"):
+        m.stream(batch=1 << 40)
+    m.stream(batch=2).feed(np.ascontiguousarray(x[:, :2]))
