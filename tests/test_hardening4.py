@@ -215,3 +215,55 @@ def test_int8_dynamic_codes_past_7_bits_are_refused_even_with_matching_correctio
 
     with pytest.raises(ModelFormatError, match=r"layer 1 direction 0 Rt.*\+-63"):
         leanrnn.load(_int8d_file(tmp_path, edit))
+
+
+# ------------------------------------------------ quantizing graphs: say what was made
+def _onnx_lstm(tmp_path, weights_as_inputs: bool, name: str) -> str:
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    C, H = 3, 4
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((1, 4 * H, C)).astype(np.float32)
+    R = rng.standard_normal((1, 4 * H, H)).astype(np.float32)
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "N", C])]
+    inits = []
+    if weights_as_inputs:
+        inputs += [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape)
+               for k, v in (("W", W), ("R", R))]  # fmt: skip
+    else:
+        inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R")]
+    node = helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=H, name="lstm")
+    y = [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)]
+    m = helper.make_model(helper.make_graph([node], "g", inputs, y, inits),
+                          opset_imports=[helper.make_opsetid("", 14)])  # fmt: skip
+    m.ir_version = 8
+    path = str(tmp_path / name)
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_quantizing_a_graph_without_stored_rnn_weights_is_refused(precision, tmp_path, capsys):
+    # before: quantize() returned the float graph and `convert --precision int8` wrote it,
+    # "wrote w8.lrnn", a float32 model the user took for an int8 one
+    path = _onnx_lstm(tmp_path, weights_as_inputs=True, name="w.onnx")
+    with pytest.raises(DTypeError, match=rf"\[quantize\].*{precision}.*'lstm'.*graph inputs"):
+        leanrnn.quantize(leanrnn.load(path), precision)
+    out = str(tmp_path / "w8.lrnn")
+    assert cli.main(["convert", path, out, "--precision", precision]) == 1
+    assert "[convert]" in capsys.readouterr().err and not os.path.exists(out)
+
+
+def test_inspect_of_a_converted_onnx_model_names_its_precision(tmp_path, capsys):
+    # the README's `leanrnn convert model.onnx m.int8d.lrnn --precision int8-dynamic` then
+    # `leanrnn inspect m.int8d.lrnn  # "weight precision: int8-dynamic (...)"`: graphs printed
+    # no such line; and an output of unknown shape printed as "Y float32None"
+    src = _onnx_lstm(tmp_path, weights_as_inputs=False, name="m.onnx")
+    dst = str(tmp_path / "m.int8d.lrnn")
+    assert cli.main(["convert", src, dst, "--precision", "int8-dynamic"]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", dst]) == 0
+    out = capsys.readouterr().out
+    assert "weight precision: int8-dynamic (W and R panels: " in out, out
+    assert "None" not in out and "Y float32[shape unknown]" in out, out

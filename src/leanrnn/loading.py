@@ -113,7 +113,7 @@ def convert(src, dst, precision: str | None = None, **options) -> str:
         check_reduced(precision, "convert")
     model = load(src, **options)
     if precision is not None:
-        from .reduced import quantize
+        from .reduced import _quantize
 
-        model = quantize(model, precision)
+        model = _quantize(model, precision, "convert")
     return save(model, dst)

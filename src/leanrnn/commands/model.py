@@ -198,9 +198,15 @@ def inspect_cmd(args) -> int:
         return 0
     print(f"{args.model}: {info['kind']} model")
     if info["kind"] == "graph":
-        ins = ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in info["inputs"])
-        outs = ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in info["outputs"])
+        ins = ", ".join(_tensor(t) for t in info["inputs"])
+        outs = ", ".join(_tensor(t) for t in info["outputs"])
         print(f"  inputs:  {ins}\n  outputs: {outs}")
+        packed = [layer for layer in info["layers"] if "spec" in layer]
+        if packed:  # the same line as a stack's: what `convert --precision` made of the file
+            kinds = sorted({layer.get("precision", "float") for layer in packed})
+            panels = sum(layer.get("panel_bytes", 0) for layer in packed)
+            print(f"  weight precision: {', '.join(kinds)} (W and R panels: {panels:,} B, "
+                  f"{_mib(panels)})")  # fmt: skip
         print("  nodes:")
         for layer in info["layers"]:
             extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
@@ -229,6 +235,11 @@ def inspect_cmd(args) -> int:
     else:
         print(f"    without reuse: {_mib(a['naive_bytes'])}")
     return 0
+
+
+def _tensor(t: dict) -> str:
+    shape = "[shape unknown]" if t["shape"] is None else t["shape"]
+    return f"{t['name']} {t['dtype']}{shape}"
 
 
 def _precision(layer: dict) -> str:
