@@ -267,3 +267,24 @@ def test_inspect_of_a_converted_onnx_model_names_its_precision(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "weight precision: int8-dynamic (W and R panels: " in out, out
     assert "None" not in out and "Y float32[shape unknown]" in out, out
+
+
+def test_quantizing_a_float64_graph_gives_advice_a_graph_can_follow(tmp_path):
+    # before: "convert the model to float32 first (model.astype(np.float32))": a GraphModel
+    # has no astype
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    W, R = rng.standard_normal((1, 16, 3)), rng.standard_normal((1, 16, 4))
+    node = helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=4, name="lstm")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [2, 1, 3])],
+                          [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, None)],
+                          [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R")])  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "f64.onnx"))
+    model = leanrnn.load(str(tmp_path / "f64.onnx"))
+    with pytest.raises(DTypeError, match=r"'lstm'.*float64.*export the model in float32") as e:
+        leanrnn.quantize(model, "int8")
+    assert "astype" not in str(e.value)

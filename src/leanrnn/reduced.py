@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .errors import DTypeError
 from .formats.packing import PRECISIONS
 from .formats.quantize import quantize_packed
@@ -68,6 +70,11 @@ def _quantize(model, precision: str, op: str):
                    if rnns else "it has no LSTM/GRU/RNN node")  # fmt: skip
             raise DTypeError(f"[{op}] the graph has no packed recurrent weights to store in "
                              f"{precision}: {why}")  # fmt: skip
+        wide = sorted(k for k, pw in g.packed.items() if pw.dtype != np.float32)
+        if wide:  # (quantize_packed's advice, model.astype, is a Model's; a graph has none)
+            raise DTypeError(f"[{op}] RNN nodes {wide[:4]} compute in "
+                             f"{g.packed[wide[0]].dtype}; {precision} weights run float32 "
+                             "activations: export the model in float32 and load that")  # fmt: skip
         packed = {k: quantize_packed(pw, precision) for k, pw in g.packed.items()}
         graph = dataclasses.replace(g, nodes=[dataclasses.replace(n) for n in g.nodes],
                                     constants=dict(g.constants), packed=packed)  # fmt: skip
