@@ -288,3 +288,73 @@ def test_quantizing_a_float64_graph_gives_advice_a_graph_can_follow(tmp_path):
     with pytest.raises(DTypeError, match=r"'lstm'.*float64.*export the model in float32") as e:
         leanrnn.quantize(model, "int8")
     assert "astype" not in str(e.value)
+
+
+# ------------------------------------------------ load options: checked, never ignored
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("load_options")
+    m = leanrnn.LSTM(5, 8, num_layers=2, seed=0)
+    np.savez(d / "sd.npz", **m.state_dict())
+    return {"lrnn": m.save(str(d / "m.lrnn")), "npz": str(d / "sd.npz"),
+            "graph": _graph_file(d)}  # fmt: skip
+
+
+def _graph_file(d) -> str:
+    path = _onnx_lstm(d, weights_as_inputs=False, name="g.onnx")
+    return leanrnn.load(path).save(str(d / "g.lrnn"))
+
+
+@pytest.mark.parametrize("kind", ["lrnn", "npz", "graph"])
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"threads": 0}, ["threads=0"]),
+        ({"threads": 2.5}, ["threads=2.5"]),
+        ({"verify": "no"}, ["verify='no'"]),
+        ({"dtype": "foo"}, ["dtype='foo'", "float32"]),
+        ({"dtype": np.int8}, ["int8", "float32"]),
+    ],
+)
+def test_load_options_are_checked_for_every_kind_of_file(model_files, kind, kw, words):
+    # before: threads=0 or 2.5 loaded a graph (failing at its first run, as [Session]),
+    # dtype='foo' was numpy's TypeError, verify='no' meant True
+    with pytest.raises(LeanRNNError) as e:
+        leanrnn.load(model_files[kind], **kw)
+    assert str(e.value).startswith("[load]"), e.value
+    for w in words:
+        assert w in str(e.value), (w, e.value)
+
+
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("lrnn", {"batch_first": True}),
+        ("lrnn", {"cell": "gru"}),
+        ("lrnn", {"prefix": "enc."}),
+        ("lrnn", {"nonlinearity": "relu"}),
+        ("graph", {"batch_first": True}),
+        ("graph", {"dtype": np.float64}),
+    ],
+)
+def test_state_dict_options_are_not_ignored_for_files_that_record_the_model(
+    model_files, kind, kw, x
+):
+    # before: load("m.lrnn", batch_first=True) returned the time-major model, which then read
+    # [N, T, C] input as [T, N, C]; a graph ignored dtype=np.float64
+    with pytest.raises(ModelFormatError, match=rf"\[load\] {next(iter(kw))}=.*state dicts"):
+        leanrnn.load(model_files[kind], **kw)
+    # what agrees with the file is fine
+    assert leanrnn.load(model_files["lrnn"], batch_first=False, cell="lstm").spec.num_layers == 2
+
+
+@pytest.mark.parametrize(
+    "kw,words", [({"cell": "foo"}, ["cell='foo'", "'lstm'"]), ({"prefix": 3}, ["prefix=3", "str"]),
+                 ({"nonlinearity": "relu"}, ["'relu'", "LSTM", "only an RNN"])],
+)  # fmt: skip
+def test_state_dict_options_are_checked(model_files, kw, words):
+    # before: KeyError 'foo'; TypeError from str.startswith; relu silently ignored for an LSTM
+    with pytest.raises(LeanRNNError) as e:
+        leanrnn.load(model_files["npz"], **kw)
+    for w in words:
+        assert w in str(e.value), (w, e.value)
