@@ -358,3 +358,24 @@ def test_state_dict_options_are_checked(model_files, kw, words):
         leanrnn.load(model_files["npz"], **kw)
     for w in words:
         assert w in str(e.value), (w, e.value)
+
+
+# ------------------------------------------------ saving: the path is a path
+@pytest.mark.parametrize("kind", ["stack", "graph"])
+def test_save_to_what_is_not_a_file_path_is_refused_and_writes_nothing(
+    kind, model_files, tmp_path, monkeypatch
+):
+    # before: save(None) wrote a file named 'None', save(3) one named '3', save(b'm.lrnn') one
+    # named "b'm.lrnn'"; a missing directory was FileNotFoundError naming 'x.lrnn.tmp<pid>'
+    monkeypatch.chdir(tmp_path)
+    m = leanrnn.load(model_files["lrnn" if kind == "stack" else "graph"])
+    for bad, words in [(None, ["NoneType", "path"]), (3, ["int", "path"]),
+                       (str(tmp_path / "no" / "m.lrnn"), ["does not exist"]),
+                       (str(tmp_path), ["is a directory"])]:  # fmt: skip
+        with pytest.raises(ModelFormatError, match=r"\[save\]") as e:
+            m.save(bad)
+        for w in words:
+            assert w in str(e.value), (w, e.value)
+    assert sorted(os.listdir(tmp_path)) == []
+    m.save(b"m.lrnn")
+    assert os.listdir(tmp_path) == ["m.lrnn"]
