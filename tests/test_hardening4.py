@@ -379,3 +379,23 @@ def test_save_to_what_is_not_a_file_path_is_refused_and_writes_nothing(
     assert sorted(os.listdir(tmp_path)) == []
     m.save(b"m.lrnn")
     assert os.listdir(tmp_path) == ["m.lrnn"]
+
+
+# ------------------------------------------------ streams: slots and states by name
+@pytest.mark.parametrize("i", [True, 1.0, [0, 1], "0", 2, -3])
+def test_stream_reset_of_what_is_not_a_slot_is_a_shape_error(i):
+    # before: True reset slot 1, 1.0 was numpy's IndexError, [0, 1] a TypeError
+    st = leanrnn.GRU(5, 8, seed=0).stream(batch=2)
+    with pytest.raises(leanrnn.errors.ShapeError, match=r"\[Stream.reset\].*expected an int"):
+        st.reset(i)
+    st.reset(-1)  # a slot counted from the end, as numpy indexes
+
+
+@pytest.mark.parametrize("value", ["abc", np.zeros((1, 2, 8), np.float32), (1, 2, 3)])
+def test_stream_state_of_what_is_not_a_state_is_a_shape_error(value, x):
+    # before: "abc" and a bare array were ValueError: too many values to unpack
+    st = leanrnn.LSTM(5, 8, seed=0).stream(batch=3)
+    with pytest.raises(leanrnn.errors.ShapeError, match=r"\[Stream.state\].*\(h, c\)"):
+        st.state = value
+    st.state = st.state
+    st.feed(x)
