@@ -399,3 +399,40 @@ def test_stream_state_of_what_is_not_a_state_is_a_shape_error(value, x):
         st.state = value
     st.state = st.state
     st.feed(x)
+
+
+# ------------------------------------------------ two threads writing one path
+def test_two_threads_saving_to_one_path_both_succeed(tmp_path):
+    # before: both wrote the temp file '<path>.tmp<pid>'; the second rename found it gone
+    # (FileNotFoundError), or moved a mix of the two models
+    import threading
+
+    models = [leanrnn.LSTM(5, 16, seed=0), leanrnn.GRU(5, 8, seed=1)]
+    path = str(tmp_path / "m.lrnn")
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def work(m):
+        barrier.wait()
+        for _ in range(40):
+            try:
+                m.save(path)
+            except Exception as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+    assert leanrnn.load(path).spec in (m.spec for m in models)
+    assert os.listdir(tmp_path) == ["m.lrnn"]
+
+
+def test_score_writers_take_a_temp_name_of_their_own():
+    # the same class in leanrnn.score's writers: '.o.npz.tmp-<pid>' was one name for every
+    # writer of that output in the process (two threads scoring into one file collided)
+    from leanrnn.score.writers import temp_name
+
+    assert temp_name("o.npz") != temp_name("o.npz")

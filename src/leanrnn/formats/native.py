@@ -14,6 +14,7 @@ allocated.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -224,6 +225,7 @@ def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
 
 
 # ----------------------------------------------------------------------------------- writing
+_TMP_IDS = itertools.count()  # next() is atomic under the GIL
 _BLOCK_WORDS = 512  # version-2 checksum: 64-bit words per block (4 KiB)
 
 
@@ -306,7 +308,9 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
     text = json.dumps(header, separators=(",", ":")).encode()
     # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
     text += b" " * ((-(8 + len(text))) % 64)
-    tmp = f"{path}.tmp{os.getpid()}"
+    # A name of this call's own: with the pid alone, two threads saving to one path wrote one
+    # temp file, and the second rename found it gone (FileNotFoundError) or moved a mix.
+    tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(text)))
