@@ -436,3 +436,27 @@ def test_score_writers_take_a_temp_name_of_their_own():
     from leanrnn.score.writers import temp_name
 
     assert temp_name("o.npz") != temp_name("o.npz")
+
+
+# ------------------------------------------------ the model protocol: nothing dropped in silence
+def test_model_run_with_more_inputs_than_it_takes_is_refused(x):
+    # before: a fifth positional input was dropped by zip without a word
+    m = leanrnn.LSTM(5, 8, seed=0)
+    with pytest.raises(
+        leanrnn.errors.ShapeError, match=r"\[LSTM.run\] 5 inputs; expected at most 4"
+    ):
+        m.run([x, None, None, None, x])
+    assert len(m.run([x])) == 3
+
+
+@pytest.mark.parametrize(
+    "shapes", [5, {"x": (3, 2, 6)}, [(3, 2, 6)], {"x": (3, 2, 5), "y": (1,)}, {"x": None}]
+)
+def test_model_resize_checks_what_it_plans_for(shapes, x):
+    # before: resize(5) was TypeError: 'int' object is not iterable; C=6 for a C=5 model and
+    # an unknown input name planned without a word
+    m = leanrnn.LSTM(5, 8, seed=0)
+    with pytest.raises(leanrnn.errors.ShapeError, match=r"\[LSTM.resize\]"):
+        m.resize(shapes)
+    m.resize({"x": (4, 3, 5), "lengths": (3,)})
+    m(x)

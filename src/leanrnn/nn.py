@@ -105,6 +105,12 @@ class Model:
         """``[y, h_n]`` (``[y, h_n, c_n]`` for LSTM) for ``feeds``: a dict with ``x`` and
         optionally ``h0``, ``c0``, ``lengths``, or a list in that order; see ``Session.run``."""
         if not isinstance(feeds, dict):
+            feeds = list(feeds)
+            if len(feeds) > len(self._INPUTS):  # zip dropped the rest in silence
+                raise ShapeError(
+                    f"[{type(self).__name__}.run] {len(feeds)} inputs; expected at most "
+                    f"{len(self._INPUTS)}: {', '.join(self._INPUTS)} in that order (or a dict)"
+                )
             feeds = dict(zip(self._INPUTS, feeds, strict=False))
         unknown = sorted(set(feeds) - set(self._INPUTS))
         if unknown or "x" not in feeds:
@@ -122,11 +128,21 @@ class Model:
         """Plan the session for x of shape ``shapes["x"]`` (or ``shapes[0]``): [T, N, C], or
         [N, T, C] with batch_first. ``dtypes`` is accepted for the protocol; x's dtype is the
         weights' (checked at run)."""
-        shape = shapes.get("x") if isinstance(shapes, dict) else (list(shapes) or [None])[0]
-        if shape is None or len(shape) != 3:
+        op, C = f"{type(self).__name__}.resize", self.spec.input_size
+        if isinstance(shapes, dict):
+            unknown = sorted(map(str, set(shapes) - set(self._INPUTS)))
+            if unknown:
+                raise ShapeError(f"[{op}] shapes for unknown inputs {unknown}; the model takes "
+                                 f"{', '.join(self._INPUTS)}")  # fmt: skip
+            shape = shapes.get("x")
+        elif isinstance(shapes, list | tuple):
+            shape = shapes[0] if shapes else None
+        else:
+            shape = None
+        if not isinstance(shape, list | tuple | np.ndarray) or len(shape) != 3 or shape[2] != C:
             raise ShapeError(
-                f"[{type(self).__name__}.resize] x shape {shape!r}; expected [T, N, C] "
-                "([N, T, C] with batch_first)"
+                f"[{op}] x shape {shape!r}; expected [T, N, C={C}] ([N, T, C={C}] with "
+                "batch_first), given as {'x': shape} or [shape]"
             )
         T, N = (shape[1], shape[0]) if self.spec.batch_first else (shape[0], shape[1])
         return self.session.resize(N, T, memory_limit)
