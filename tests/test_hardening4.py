@@ -460,3 +460,38 @@ def test_model_resize_checks_what_it_plans_for(shapes, x):
         m.resize(shapes)
     m.resize({"x": (4, 3, 5), "lengths": (3,)})
     m(x)
+
+
+# ------------------------------------------------ leanrnn.score: arguments by name
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"batch_size": 0}, ["batch_size=0"]),
+        ({"batch_size": 2.5}, ["batch_size=2.5"]),
+        ({"memory_limit": True}, ["memory_limit=True"]),
+        ({"memory_limit": "1M"}, ["memory_limit='1M'"]),
+        ({"bucket": "no"}, ["bucket='no'", "True or False"]),
+        ({"allow_nonfinite": "yes"}, ["allow_nonfinite='yes'"]),
+    ],
+)
+def test_score_arguments_are_checked_by_name(kw, words, tmp_path):
+    # before: batch_size=0 meant "choose", 2.5 and True were truncated, memory_limit='1M' was
+    # int()'s ValueError, bucket='no' meant True
+    src = tmp_path / "x.npy"
+    np.save(src, np.ones((2, 3, 5), np.float32))
+    m = leanrnn.quantize(leanrnn.GRU(5, 8, seed=0), "int8-dynamic")
+    with pytest.raises(LeanRNNError, match=r"\[score\]") as e:
+        leanrnn.score(m, str(src), str(tmp_path / "o.npz"), **kw)
+    for w in words:
+        assert w in str(e.value), (w, e.value)
+    assert sorted(os.listdir(tmp_path)) == ["x.npy"]
+
+
+@pytest.mark.parametrize("which", ["dataset", "output"])
+def test_score_paths_that_are_not_paths_are_named(which, tmp_path):
+    # before: TypeError: expected str, bytes or os.PathLike object, not NoneType
+    src = tmp_path / "x.npy"
+    np.save(src, np.ones((2, 3, 5), np.float32))
+    args = {"dataset": str(src), "output": str(tmp_path / "o.npz"), which: None}
+    with pytest.raises(LeanRNNError, match=rf"\[score\] {which} is a NoneType"):
+        leanrnn.score(leanrnn.GRU(5, 8, seed=0), args["dataset"], args["output"])
