@@ -125,10 +125,19 @@ class PackedWeights:
         self.layers = [flat[i * nd : (i + 1) * nd] for i in range(spec.num_layers)]
 
     def __reduce__(self):
-        # copy, deepcopy and pickle: a new aligned buffer holding the same bytes, its views
-        # made again. Copied one attribute at a time, each view became an unaligned array of
-        # its own, outside the buffer the engine and the native writer read.
+        # deepcopy and pickle: a new aligned buffer holding the same bytes, its views made
+        # again. Copied one attribute at a time, each view became an unaligned array of its
+        # own, outside the buffer the engine and the native writer read.
         return _packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer)
+
+    def __deepcopy__(self, memo) -> PackedWeights:
+        return _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer)
+
+    def __copy__(self) -> PackedWeights:
+        # shallow, as before: the same buffer and views (serve swaps the spec of such a copy)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     @staticmethod
     def layout(spec: RNNSpec, precision: str = "float") -> list[tuple[str, tuple[int, ...]]]:
