@@ -497,3 +497,17 @@ def test_score_paths_that_are_not_paths_are_named(which, tmp_path):
     args = {"dataset": str(src), "output": str(tmp_path / "o.npz"), which: None}
     with pytest.raises(LeanRNNError, match=rf"\[score\] {which} is a NoneType"):
         leanrnn.score(leanrnn.GRU(5, 8, seed=0), args["dataset"], args["output"])
+
+
+# ------------------------------------------------ LEANRNN_LOG: a typo is reported like the others
+def test_an_unknown_log_topic_is_reported_like_every_bad_variable(monkeypatch):
+    # before: LEANRNN_LOG=memroy logged nothing, without a word
+    from leanrnn import config
+
+    monkeypatch.setenv("LEANRNN_LOG", "memory,memroy")
+    with pytest.raises(LeanRNNError, match=r"LEANRNN_LOG='memory,memroy'.*'memory'"):
+        config.check_env(reread=True)
+    monkeypatch.setenv("LEANRNN_LOG", "Memory")
+    config.check_env(reread=True)
+    with pytest.raises(LeanRNNError, match=r"\[set_log\] unknown topics \['memroy'\]"):
+        config.set_log("memroy")
