@@ -511,3 +511,15 @@ def test_an_unknown_log_topic_is_reported_like_every_bad_variable(monkeypatch):
     config.check_env(reread=True)
     with pytest.raises(LeanRNNError, match=r"\[set_log\] unknown topics \['memroy'\]"):
         config.set_log("memroy")
+
+
+def test_a_state_dict_of_mixed_dtypes_is_not_rounded_in_silence(tmp_path):
+    # before: one float64 tensor among float32 ones was rounded to float32 without a word
+    sd = leanrnn.LSTM(5, 8, seed=0).state_dict()
+    sd["weight_hh_l0"] = sd["weight_hh_l0"].astype(np.float64)
+    with pytest.raises(DTypeError, match=r"\['weight_hh_l0'\] are float64.*dtype="):
+        leanrnn.from_state_dict(sd)
+    np.savez(tmp_path / "sd.npz", **sd)
+    with pytest.raises(DTypeError, match="weight_hh_l0"):
+        leanrnn.load(str(tmp_path / "sd.npz"))
+    assert leanrnn.load(str(tmp_path / "sd.npz"), dtype=np.float64).dtype == np.float64

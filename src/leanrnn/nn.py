@@ -236,6 +236,13 @@ class Model:
                     f"[from_state_dict] weights have dtype {dtype}; pass dtype=np.float32 or "
                     "np.float64 to convert explicitly"
                 )
+            others = sorted(k for k, v in sd.items() if v.dtype != dtype)
+            if others:  # were rounded to weight_ih_l0's dtype without a word
+                raise DTypeError(
+                    f"[from_state_dict] weight_ih_l0 is {dtype} but {others[:4]} are "
+                    f"{sd[others[0]].dtype}; pass dtype=np.float32 or np.float64 to convert "
+                    "them all explicitly"
+                )
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
         target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if cls is Model else cls
         return target._from_packed(weights)
