@@ -523,3 +523,24 @@ def test_a_state_dict_of_mixed_dtypes_is_not_rounded_in_silence(tmp_path):
     with pytest.raises(DTypeError, match="weight_hh_l0"):
         leanrnn.load(str(tmp_path / "sd.npz"))
     assert leanrnn.load(str(tmp_path / "sd.npz"), dtype=np.float64).dtype == np.float64
+
+
+# ------------------------------------------------ the CLI can say what a state dict cannot
+def test_cli_takes_the_state_dict_options_its_errors_ask_for(tmp_path, capsys, x):
+    # before: "pass prefix='enc.' to load just the RNN", but convert/run/inspect had no way to
+    # pass it (nor batch_first: a batch-first checkpoint became a time-major .lrnn)
+    m = leanrnn.LSTM(5, 8, seed=0)
+    sd = {f"enc.{k}": v for k, v in m.state_dict().items()}
+    sd["head.weight"] = np.zeros((2, 8), np.float32)
+    src, dst = str(tmp_path / "full.npz"), str(tmp_path / "enc.lrnn")
+    np.savez(src, **sd)
+    assert cli.main(["convert", src, dst]) == 1
+    assert "--prefix enc." in capsys.readouterr().err
+    assert cli.main(["convert", src, dst, "--prefix", "enc.", "--batch-first"]) == 0
+    back = leanrnn.load(dst)
+    assert back.spec.batch_first
+    xb = np.ascontiguousarray(x.transpose(1, 0, 2))
+    np.testing.assert_array_equal(back(xb)[0], m(x)[0].transpose(1, 0, 2))
+    assert cli.main(["inspect", src, "--prefix", "enc."]) == 0
+    np.save(tmp_path / "x.npy", x)
+    assert cli.main(["run", src, "--prefix", "enc.", "--input", str(tmp_path / "x.npy")]) == 0
