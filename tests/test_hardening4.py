@@ -544,3 +544,21 @@ def test_cli_takes_the_state_dict_options_its_errors_ask_for(tmp_path, capsys, x
     assert cli.main(["inspect", src, "--prefix", "enc."]) == 0
     np.save(tmp_path / "x.npy", x)
     assert cli.main(["run", src, "--prefix", "enc.", "--input", str(tmp_path / "x.npy")]) == 0
+
+
+def test_cli_score_takes_the_state_dict_options_too(tmp_path, capsys):
+    m = leanrnn.GRU(5, 8, seed=0)
+    src = str(tmp_path / "full.npz")
+    np.savez(src, **{f"enc.{k}": v for k, v in m.state_dict().items()}, head=np.zeros(2))
+    np.save(tmp_path / "x.npy", np.ones((2, 3, 5), np.float32))
+    out = str(tmp_path / "o.npz")
+    assert (
+        cli.main(["score", src, str(tmp_path / "x.npy"), out, "--prefix", "enc.", "--quiet"]) == 0
+    )
+    assert np.load(out)["h_n"].shape == (2, 1, 8)
+    capsys.readouterr()
+    argv = ["score", src, str(tmp_path / "x.npy"), src, "--prefix", "enc.", "--quiet"]
+    assert cli.main(argv) == 1
+    assert "the model file itself" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # before: --ray-actors 0 and -5 were accepted
+        cli.main(["score", src, str(tmp_path / "x.npy"), out, "--ray-actors", "0"])
