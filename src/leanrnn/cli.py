@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import re
+import select
 import sys
 
 from .errors import LeanRNNError
@@ -40,6 +41,10 @@ INT_MAX = (1 << 63) - 1
 # one line for the user. Anything else (TypeError, AttributeError, ...) is a bug in leanrnn and
 # keeps its traceback. LEANRNN_DEBUG=1 shows the traceback of these too.
 USER_ERRORS = (LeanRNNError, OSError, MemoryError, ValueError, EOFError)
+
+# `leanrnn inspect m.lrnn | head -1`: the reader left; as for any command cut off by SIGPIPE,
+# the shell's 128 + 13, and no message (there is nothing wrong to report).
+EXIT_BROKEN_PIPE = 141
 
 
 def _count(s: str, least: int) -> int:
@@ -175,6 +180,24 @@ def _one_line(e: BaseException) -> str:
     return " ".join(msg.split())
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR); then stdout is
+    pointed at /dev/null, so that what is still buffered does not fail again when the
+    interpreter flushes it at exit. A BrokenPipeError from anything else is reported."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):  # no descriptor, or no poll() (Windows)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -182,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is an ignored exception
+        return rc
     except USER_ERRORS as e:
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            return EXIT_BROKEN_PIPE
         if os.environ.get("LEANRNN_DEBUG", "").strip() not in ("", "0"):
             raise
         print(f"leanrnn: error: {_one_line(e)}", file=sys.stderr)

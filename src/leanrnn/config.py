@@ -77,6 +77,18 @@ def _env_backend() -> str:
     return raw
 
 
+LOG_TOPICS = ("memory",)
+
+
+def _env_log() -> frozenset[str]:
+    raw = os.environ.get("LEANRNN_LOG", "")
+    topics = frozenset(t.strip().lower() for t in raw.split(",") if t.strip())
+    if topics - set(LOG_TOPICS):  # a typo ("memroy") logged nothing, without a word
+        raise LeanRNNError(f"[config] LEANRNN_LOG={raw!r}; expected comma-separated topics "
+                           f"from {LOG_TOPICS} (or unset)")  # fmt: skip
+    return topics
+
+
 def _read_env() -> tuple[int, str, str]:
     """(threads, backend, error): a bad value must not break ``import leanrnn`` (the CLI could
     not then print a one-line error), so it is recorded and raised by check_env(), which
@@ -90,6 +102,10 @@ def _read_env() -> tuple[int, str, str]:
         backend = _env_backend()
     except LeanRNNError as e:
         backend, errors = "auto", [*errors, str(e)]
+    try:
+        _env_log()
+    except LeanRNNError as e:
+        errors = [*errors, str(e)]
     return threads, backend, "; ".join(errors)
 
 
@@ -104,9 +120,12 @@ def check_env(reread: bool = False) -> None:
         raise LeanRNNError(error)
 
 
-_log_topics = frozenset(
-    t.strip().lower() for t in os.environ.get("LEANRNN_LOG", "").split(",") if t.strip()
-)
+try:
+    _log_topics = _env_log()
+except LeanRNNError:  # reported by check_env(); the known topics still log
+    _log_topics = frozenset(
+        t.strip().lower() for t in os.environ.get("LEANRNN_LOG", "").split(",") if t.strip()
+    ) & set(LOG_TOPICS)
 
 
 def cores() -> int:
@@ -167,6 +186,9 @@ def log_enabled(topic: str) -> bool:
 def set_log(*topics: str) -> None:
     """Enable log topics at run time (same as ``LEANRNN_LOG=topic,...``)."""
     global _log_topics
+    unknown = sorted({str(t).lower() for t in topics} - set(LOG_TOPICS))
+    if unknown:
+        raise LeanRNNError(f"[set_log] unknown topics {unknown}; expected some of {LOG_TOPICS}")
     _log_topics = frozenset(t.lower() for t in topics)
     if _log_topics and not _log.handlers:
         h = logging.StreamHandler(sys.stderr)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
+from .engine._check import count_or_none
 from .engine.model import RunnableModel
-from .errors import ModelFormatError
+from .errors import DTypeError, ModelFormatError
 from .formats import checkpoint, native
 from .formats.onnx_import import read_onnx
-from .formats.packing import PackedWeights
+from .formats.packing import SUPPORTED_DTYPES, PackedWeights
 from .graph_model import GraphModel
 from .nn import GRU, LSTM, RNN, Model
 
@@ -33,8 +36,8 @@ def load(
     verify: bool = True,
     prefix: str | None = None,
     cell: str | None = None,
-    nonlinearity: str = "tanh",
-    batch_first: bool = False,
+    nonlinearity: str | None = None,
+    batch_first: bool | None = None,
     dtype=None,
 ) -> RunnableModel:
     """Load a model from ``path``; returns an ``LSTM``/``GRU``/``RNN`` for a recurrent stack or a
@@ -44,24 +47,39 @@ def load(
     torch.nn.LSTM/GRU/RNN as PyTorch checkpoints (needs torch; read with weights_only=True),
     ``.safetensors`` or ``.npz``. For state dicts, ``prefix`` picks the module inside a larger
     state dict (e.g. ``"encoder.lstm."``), ``cell`` overrides the cell read off the weight
-    shapes, ``nonlinearity`` ('tanh'/'relu') and ``batch_first`` are what the file cannot
-    record, and ``dtype`` converts the weights (default: as stored).
+    shapes, ``nonlinearity`` ('tanh' (default) or 'relu', an RNN's) and ``batch_first``
+    (default False) are what the file cannot record, and ``dtype`` converts the weights
+    (default: as stored; also for a ``.lrnn`` stack). A ``.lrnn`` or ONNX file records its cell,
+    layout and dtype: these options are refused there unless they agree with the file, never
+    ignored.
     """
-    path = os.fspath(path)
+    path = _path(path, "load")
+    threads = count_or_none("load", "threads", threads)
+    if not isinstance(verify, bool | np.bool_):
+        raise ModelFormatError(f"[load] verify={verify!r}; expected True or False")
+    dtype = _float_dtype(dtype)
+    asked = {k: v for k, v in (("prefix", prefix), ("cell", cell), ("nonlinearity", nonlinearity),
+                               ("batch_first", batch_first)) if v is not None}  # fmt: skip
     if not os.path.isfile(path):
         raise ModelFormatError(f"[load] {path!r} does not exist or is not a file")
     kind = checkpoint.sniff(path)
     if kind == "lrnn":
         obj = native.load(path, verify=verify)
         if isinstance(obj, PackedWeights):
+            _agree(path, asked, _recorded(obj.spec))
             model = _CELL_MODULES[obj.spec.cell]._from_packed(obj, threads)
-            return model if dtype is None else model.astype(dtype)
+            return model if dtype is None or dtype == model.dtype else model.astype(dtype)
+        _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})}, {})
         return GraphModel(obj, threads=threads)
     if kind in ("safetensors", "npz", "torch-zip", "pickle"):
+        if prefix is not None and not isinstance(prefix, str):
+            raise ModelFormatError(f"[load] prefix={prefix!r}; expected a str such as "
+                                   "'encoder.lstm.' (the keys' common start)")  # fmt: skip
         sd = checkpoint.select_rnn(checkpoint.read_state_dict(path, kind), prefix, path)
         model = Model.from_state_dict(
-            sd, cell=cell, nonlinearity=nonlinearity, batch_first=batch_first, dtype=dtype
-        )
+            sd, cell=cell, nonlinearity="tanh" if nonlinearity is None else nonlinearity,
+            batch_first=False if batch_first is None else batch_first, dtype=dtype,
+        )  # fmt: skip
         if threads is not None:
             model.session.threads = threads
         return model
@@ -75,7 +93,57 @@ def load(
             f"[load] {path!r} is not a recognized model file: expected .lrnn, ONNX, a PyTorch "
             f"checkpoint, .safetensors or .npz (as ONNX: {e})"
         ) from None
+    _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})}, {})
     return GraphModel(graph, threads=threads)
+
+
+def _float_dtype(dtype) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    # by name: np.dtype(None) is float64, and a dtype compares equal to None
+    if dt is None or dt.name not in {d.name for d in SUPPORTED_DTYPES}:
+        raise DTypeError(f"[load] dtype={dtype!r}; expected np.float32, np.float64 or None (as "
+                         "stored)")  # fmt: skip
+    return dt
+
+
+def _recorded(spec) -> dict:
+    """What a stack's .lrnn file records of the options a state dict cannot."""
+    rec = {"cell": spec.cell, "batch_first": spec.batch_first}
+    if spec.cell == "rnn" and spec.activations:
+        rec["nonlinearity"] = spec.activations[0][0].name
+    return rec
+
+
+def _agree(path: str, asked: dict, recorded: dict) -> None:
+    """Refuse options a file has its own answer to, unless they agree with it: ignoring them
+    (batch_first=True on a time-major .lrnn) would run other data than the caller meant."""
+    bad = {k: v for k, v in asked.items() if recorded.get(k, object()) != v}
+    if bad:
+        what = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+        has = ", ".join(f"{k}={recorded[k]!r}" for k in bad if k in recorded)
+        raise ModelFormatError(
+            f"[load] {what} given for {path!r}, a .lrnn/ONNX file that records its own model"
+            + (f" ({has})" if has else "")
+            + "; these options are for state dicts (.pt, .safetensors, .npz), which cannot "
+            "record them: drop them (a stack's dtype converts: load(path, dtype=...) or "
+            "model.astype)"
+        )
+
+
+def _path(path, op: str) -> str:
+    """``path`` as a str: a str, bytes or os.PathLike; anything else is named."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise ModelFormatError(
+            f"[{op}] got a {type(path).__name__} ({path!r:.60}) as the path; expected a file "
+            "path (str, bytes or pathlib.Path)"
+        ) from None
 
 
 def save(model: RunnableModel, path) -> str:
@@ -84,14 +152,14 @@ def save(model: RunnableModel, path) -> str:
         raise ModelFormatError(
             f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
         )
-    return model.save(os.fspath(path))
+    return model.save(_path(path, "save"))
 
 
 def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
     to ``dst``, its recurrent weights in ``precision`` ("bf16", "int8" or "int8-dynamic", see
     ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
-    dst = os.fspath(dst)
+    src, dst = _path(src, "convert"), _path(dst, "convert")
     if not dst.lower().endswith(".lrnn"):
         raise ModelFormatError(
             f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its native format only)"
@@ -102,7 +170,7 @@ def convert(src, dst, precision: str | None = None, **options) -> str:
         check_reduced(precision, "convert")
     model = load(src, **options)
     if precision is not None:
-        from .reduced import quantize
+        from .reduced import _quantize
 
-        model = quantize(model, precision)
+        model = _quantize(model, precision, "convert")
     return save(model, dst)

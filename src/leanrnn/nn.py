@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from .engine import Session
@@ -30,6 +32,12 @@ class Model:
     def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
         self.weights = weights
         self.session = Session(weights, threads=threads)
+
+    def __reduce__(self):
+        # deepcopy and pickle (a worker process, a copy to fine-tune): the weights (one new
+        # aligned buffer, PackedWeights.__reduce__) and a new session of the same threads; the
+        # session's locks, arena and bound programs belong to this process and this model.
+        return type(self)._from_packed, (self.weights, self.session.threads)
 
     # -- description
     @property
@@ -97,6 +105,12 @@ class Model:
         """``[y, h_n]`` (``[y, h_n, c_n]`` for LSTM) for ``feeds``: a dict with ``x`` and
         optionally ``h0``, ``c0``, ``lengths``, or a list in that order; see ``Session.run``."""
         if not isinstance(feeds, dict):
+            feeds = list(feeds)
+            if len(feeds) > len(self._INPUTS):  # zip dropped the rest in silence
+                raise ShapeError(
+                    f"[{type(self).__name__}.run] {len(feeds)} inputs; expected at most "
+                    f"{len(self._INPUTS)}: {', '.join(self._INPUTS)} in that order (or a dict)"
+                )
             feeds = dict(zip(self._INPUTS, feeds, strict=False))
         unknown = sorted(set(feeds) - set(self._INPUTS))
         if unknown or "x" not in feeds:
@@ -114,11 +128,21 @@ class Model:
         """Plan the session for x of shape ``shapes["x"]`` (or ``shapes[0]``): [T, N, C], or
         [N, T, C] with batch_first. ``dtypes`` is accepted for the protocol; x's dtype is the
         weights' (checked at run)."""
-        shape = shapes.get("x") if isinstance(shapes, dict) else (list(shapes) or [None])[0]
-        if shape is None or len(shape) != 3:
+        op, C = f"{type(self).__name__}.resize", self.spec.input_size
+        if isinstance(shapes, dict):
+            unknown = sorted(map(str, set(shapes) - set(self._INPUTS)))
+            if unknown:
+                raise ShapeError(f"[{op}] shapes for unknown inputs {unknown}; the model takes "
+                                 f"{', '.join(self._INPUTS)}")  # fmt: skip
+            shape = shapes.get("x")
+        elif isinstance(shapes, list | tuple):
+            shape = shapes[0] if shapes else None
+        else:
+            shape = None
+        if not isinstance(shape, list | tuple | np.ndarray) or len(shape) != 3 or shape[2] != C:
             raise ShapeError(
-                f"[{type(self).__name__}.resize] x shape {shape!r}; expected [T, N, C] "
-                "([N, T, C] with batch_first)"
+                f"[{op}] x shape {shape!r}; expected [T, N, C={C}] ([N, T, C={C}] with "
+                "batch_first), given as {'x': shape} or [shape]"
             )
         T, N = (shape[1], shape[0]) if self.spec.batch_first else (shape[0], shape[1])
         return self.session.resize(N, T, memory_limit)
@@ -165,8 +189,20 @@ class Model:
         return torch_format.to_state_dict(self.spec, self.weights.unpack())
 
     def astype(self, dtype) -> Model:
-        """A copy with weights in ``dtype`` (float32 or float64)."""
-        return type(self)._from_packed(pack(self.spec, self.weights.unpack(), dtype))
+        """A copy with weights in ``dtype`` (float32 or float64), on the same threads. Reduced
+        weights (``leanrnn.quantize``) stay reduced: they run float32 only, so float64 is an
+        error rather than a silent dequantization."""
+        w, threads = self.weights, self.session.threads
+        if w.precision != "float":
+            if np.dtype(dtype) != w.dtype:
+                raise DTypeError(
+                    f"[{type(self).__name__}.astype] {np.dtype(dtype)} for a model with "
+                    f"{w.precision} weights; reduced weights run float32 only. For their "
+                    "dequantized values in float64: leanrnn.from_state_dict(model.state_dict(), "
+                    "dtype=np.float64)"
+                )
+            return type(self)._from_packed(copy.deepcopy(w), threads)
+        return type(self)._from_packed(pack(self.spec, w.unpack(), dtype), threads)
 
     @classmethod
     def _from_packed(cls, weights: PackedWeights, threads: int | None = None) -> Model:
@@ -199,6 +235,13 @@ class Model:
                 raise DTypeError(
                     f"[from_state_dict] weights have dtype {dtype}; pass dtype=np.float32 or "
                     "np.float64 to convert explicitly"
+                )
+            others = sorted(k for k, v in sd.items() if v.dtype != dtype)
+            if others:  # were rounded to weight_ih_l0's dtype without a word
+                raise DTypeError(
+                    f"[from_state_dict] weight_ih_l0 is {dtype} but {others[:4]} are "
+                    f"{sd[others[0]].dtype}; pass dtype=np.float32 or np.float64 to convert "
+                    "them all explicitly"
                 )
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
         target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if cls is Model else cls

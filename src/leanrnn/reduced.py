@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .errors import DTypeError
 from .formats.packing import PRECISIONS
 from .formats.quantize import quantize_packed
@@ -45,7 +47,12 @@ def quantize(model, precision: str):
     >>> q.weights.precision, q.weights.weight_bytes < m.weights.weight_bytes / 3
     ('int8', True)
     """
-    check_reduced(precision, "quantize")
+    return _quantize(model, precision, "quantize")
+
+
+def _quantize(model, precision: str, op: str):
+    """``quantize``, its errors under ``op`` (``convert`` calls it too)."""
+    check_reduced(precision, op)
     from .graph_model import GraphModel
     from .nn import Model
 
@@ -54,9 +61,23 @@ def quantize(model, precision: str):
                                         model.session.threads)  # fmt: skip
     if isinstance(model, GraphModel):
         g = model.graph
+        if not g.packed:  # nothing would change: the "int8" file would be the float one
+            from .ir import RNN_OPS
+
+            rnns = [n.name for n in g.nodes if n.op in RNN_OPS]
+            why = (f"its RNN nodes {rnns[:4]} take W and R as graph inputs (packed per run, "
+                   "so there are no stored weights to quantize): make them initializers"
+                   if rnns else "it has no LSTM/GRU/RNN node")  # fmt: skip
+            raise DTypeError(f"[{op}] the graph has no packed recurrent weights to store in "
+                             f"{precision}: {why}")  # fmt: skip
+        wide = sorted(k for k, pw in g.packed.items() if pw.dtype != np.float32)
+        if wide:  # (quantize_packed's advice, model.astype, is a Model's; a graph has none)
+            raise DTypeError(f"[{op}] RNN nodes {wide[:4]} compute in "
+                             f"{g.packed[wide[0]].dtype}; {precision} weights run float32 "
+                             "activations: export the model in float32 and load that")  # fmt: skip
         packed = {k: quantize_packed(pw, precision) for k, pw in g.packed.items()}
         graph = dataclasses.replace(g, nodes=[dataclasses.replace(n) for n in g.nodes],
                                     constants=dict(g.constants), packed=packed)  # fmt: skip
         return GraphModel(graph, threads=model.threads)
-    raise DTypeError(f"[quantize] got a {type(model).__name__}; expected a leanrnn Model "
+    raise DTypeError(f"[{op}] got a {type(model).__name__}; expected a leanrnn Model "
                      "(LSTM/GRU/RNN) or GraphModel")  # fmt: skip

@@ -33,7 +33,10 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def _names(s: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in s.split(",") if v.strip())
+    vals = tuple(v.strip() for v in s.split(",") if v.strip())
+    if not vals:  # an empty list silently meant the default suite
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a comma list of names")
+    return vals
 
 
 def register(subparsers) -> None:
@@ -152,6 +155,13 @@ def options_from_args(args):
         kw["engines"] = args.engines
     if args.precision:
         kw["engines"] = with_precisions(kw.get("engines", base.engines), args.precision)
+        if not kw["engines"]:  # ran nothing and wrote an empty report over --out
+            raise SystemExit(
+                f"leanrnn bench: --precision {','.join(args.precision)} with --engines "
+                f"{','.join(args.engines or base.engines)} selects no engine: "
+                "the reduced rows are leanrnn's (int8-dynamic's also torch's and onnxruntime's); "
+                "add leanrnn to --engines, or f32 to --precision"
+            )
     if args.cells:
         bad = [c for c in args.cells if c not in ("lstm", "gru")]
         if bad:

@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a summary)",
     )
     p.add_argument("--threads", type=positive_int, help="kernel threads, >= 1 (default: all)")
+    add_state_dict_options(p)
     p.set_defaults(func=run_cmd)
 
     p = sub.add_parser("inspect", help="describe a model file: layers, parameters, planned memory")
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps", type=positive_int, default=100, help="T for the planned arena (default 100)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_state_dict_options(p)
     p.set_defaults(func=inspect_cmd)
 
     p = sub.add_parser("convert", help="convert any supported model file to the native .lrnn")
@@ -50,7 +52,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "activations as it runs, like torch's and onnxruntime's dynamic quantization "
         "(default: as loaded)",
     )  # fmt: skip
+    add_state_dict_options(p)
     p.set_defaults(func=convert_cmd)
+
+
+def add_state_dict_options(p: argparse.ArgumentParser) -> None:
+    """What leanrnn.load takes for a state dict and a state dict cannot record (a .lrnn or
+    ONNX file records its own: given for one, they are refused unless they agree)."""
+    g = p.add_argument_group("state dicts (.pt/.pth, .safetensors, .npz)")
+    g.add_argument("--prefix", help="the RNN module's key prefix in a larger state dict, e.g. "
+                   "encoder.lstm. (the load error names the prefixes present)")  # fmt: skip
+    g.add_argument("--cell", choices=("lstm", "gru", "rnn"),
+                   help="the cell (default: read off the weight shapes)")  # fmt: skip
+    g.add_argument("--nonlinearity", choices=("tanh", "relu"), help="an RNN's (default tanh)")
+    g.add_argument("--batch-first", action="store_const", const=True, default=None,
+                   help="the module was built with batch_first=True: inputs are [N, T, C]")  # fmt: skip
+
+
+def load_options(args) -> dict:
+    """leanrnn.load's keyword arguments from add_state_dict_options' flags (those given)."""
+    keys = ("prefix", "cell", "nonlinearity", "batch_first")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -149,7 +171,7 @@ def run_cmd(args) -> int:
         output = args.output if args.output.endswith(".npz") else args.output + ".npz"
         for path in {args.output, output}:
             output_file(path, "run --output", ".npz")
-    model = load(args.model, threads=args.threads)
+    model = load(args.model, threads=args.threads, **load_options(args))
     lengths = None if args.lengths is None else _load_array(args.lengths, "--lengths")
     if isinstance(lengths, np.lib.npyio.NpzFile):  # it became an array of member names
         raise ShapeError(
@@ -190,7 +212,7 @@ def run_cmd(args) -> int:
 def inspect_cmd(args) -> int:
     from ..loading import load
 
-    model = load(args.model)
+    model = load(args.model, **load_options(args))
     info = model.describe(args.batch, args.steps)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
@@ -198,9 +220,15 @@ def inspect_cmd(args) -> int:
         return 0
     print(f"{args.model}: {info['kind']} model")
     if info["kind"] == "graph":
-        ins = ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in info["inputs"])
-        outs = ", ".join(f"{t['name']} {t['dtype']}{t['shape']}" for t in info["outputs"])
+        ins = ", ".join(_tensor(t) for t in info["inputs"])
+        outs = ", ".join(_tensor(t) for t in info["outputs"])
         print(f"  inputs:  {ins}\n  outputs: {outs}")
+        packed = [layer for layer in info["layers"] if "spec" in layer]
+        if packed:  # the same line as a stack's: what `convert --precision` made of the file
+            kinds = sorted({layer.get("precision", "float") for layer in packed})
+            panels = sum(layer.get("panel_bytes", 0) for layer in packed)
+            print(f"  weight precision: {', '.join(kinds)} (W and R panels: {panels:,} B, "
+                  f"{_mib(panels)})")  # fmt: skip
         print("  nodes:")
         for layer in info["layers"]:
             extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
@@ -231,6 +259,11 @@ def inspect_cmd(args) -> int:
     return 0
 
 
+def _tensor(t: dict) -> str:
+    shape = "[shape unknown]" if t["shape"] is None else t["shape"]
+    return f"{t['name']} {t['dtype']}{shape}"
+
+
 def _precision(layer: dict) -> str:
     p = layer.get("precision", "float")
     return "" if p == "float" else f", {p} weights: {_mib(layer['panel_bytes'])}"
@@ -242,6 +275,7 @@ def convert_cmd(args) -> int:
     from ..cli import output_file
     from ..loading import convert
 
-    convert(args.src, output_file(args.dst, "convert", ".lrnn"), precision=args.precision)
+    convert(args.src, output_file(args.dst, "convert", ".lrnn"), precision=args.precision,
+            **load_options(args))  # fmt: skip
     print(f"wrote {args.dst} ({os.path.getsize(args.dst):,} bytes)")
     return 0

@@ -39,16 +39,32 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="let NaN/Inf inputs propagate instead of refusing them")  # fmt: skip
     p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                    help="run as a Ray Data pipeline (needs leanrnn[ray])")  # fmt: skip
-    p.add_argument("--ray-actors", type=int, default=None, help="Ray actors (default: cores)")
+    p.add_argument("--ray-actors", type=positive_int, default=None,
+                   help="Ray actors, >= 1 (default: cores)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from .model import add_state_dict_options
+
+    add_state_dict_options(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from leanrnn.score import score
+    import os
 
+    from leanrnn.score import DataError, score
+
+    from .model import load_options
+
+    model = args.model
+    if load_options(args):  # loaded here with them; score() checks the output against the path
+        from ..loading import load
+
+        if os.path.realpath(args.output) == os.path.realpath(args.model):
+            raise DataError(f"[score] output {args.output!r} is the model file itself; writing "
+                            "it would destroy it: pick another output path")  # fmt: skip
+        model = load(args.model, threads=args.threads, **load_options(args))
     summary = score(
-        args.model, args.input, args.output, outputs=args.outputs,
+        model, args.input, args.output, outputs=args.outputs,
         memory_limit=args.memory_limit, threads=args.threads, batch_size=args.batch_size,
         bucket=not args.no_bucket, column=args.column, length_column=args.length_column,
         x_key=args.x_key, lengths_key=args.lengths_key, lengths=args.lengths,

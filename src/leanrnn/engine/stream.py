@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ShapeError, SpecError
+from ..memory.arena import check_fits
 from . import _check
 
 
@@ -31,6 +32,9 @@ class Stream:
         self.session = session
         self.batch = int(batch)
         L, K, H, dt = spec.num_layers, spec.output_size, spec.hidden_size, session.dtype
+        # the carried state, sized by the batch asked for: refused by arithmetic, by name
+        check_fits(L * self.batch * (K + H) * dt.itemsize,
+                   f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
         self._h = np.zeros((L, self.batch, K), dt)
         self._c = np.zeros((L, self.batch, H), dt) if spec.cell == "lstm" else None
         self.steps = 0  # steps fed since creation or the last full reset
@@ -88,6 +92,9 @@ class Stream:
 
     @state.setter
     def state(self, value) -> None:
+        if not isinstance(value, tuple | list) or len(value) != 2:
+            raise ShapeError(f"[Stream.state] got a {type(value).__name__}; expected (h, c) as "
+                             "Stream.state returns it (c None for GRU/RNN)")  # fmt: skip
         h, c = value
         dt = self.session.dtype
         _check.array("Stream.state", "h", h, dt, self._h.shape, ("L", "N", "K"))
@@ -104,8 +111,14 @@ class Stream:
                 self._c[:] = 0
             self.steps = 0
             return
-        if not -self.batch <= i < self.batch:
-            raise ShapeError(f"[Stream.reset] sample {i} out of range for batch={self.batch}")
+        if (
+            not isinstance(i, int | np.integer)
+            or isinstance(i, bool)
+            or not -self.batch <= i < self.batch
+        ):
+            raise ShapeError(f"[Stream.reset] sample {i!r}; expected an int in -{self.batch}.."
+                             f"{self.batch - 1} (a slot of this batch={self.batch} stream) or None "
+                             "(all)")  # fmt: skip
         self._h[:, i] = 0
         if self._c is not None:
             self._c[:, i] = 0

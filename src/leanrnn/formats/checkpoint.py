@@ -167,7 +167,10 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
         with z:
             check_zip_sizes(z, path, op)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        # A file object, not the path: torch.load picks its reader by the name (a path ending
+        # in .safetensors goes to the safetensors library), and the content decided already.
+        with open(path, "rb") as f:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise ModelFormatError(
             f"[{op}] {path!r}: torch.load(weights_only=True) refused or failed: "
@@ -240,14 +243,16 @@ def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict
             )
         if len(prefixes) > 1:
             raise WeightsError(
-                f"[load] {path!r} holds several RNN modules {prefixes}; pass prefix= to pick one"
+                f"[load] {path!r} holds several RNN modules {prefixes}; pass prefix= (on the "
+                "command line: --prefix) to pick one"
             )
         prefix = prefixes[0]
         others = sorted(k for k in sd if not k.startswith(prefix))
         if others:
             raise WeightsError(
                 f"[load] {path!r} holds other parameters besides the RNN {prefix!r}: "
-                f"{others[:8]}; pass prefix={prefix!r} to load just the RNN"
+                f"{others[:8]}; pass prefix={prefix!r} (on the command line: --prefix "
+                f"{prefix}) to load just the RNN"
             )
     picked = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     if not picked:

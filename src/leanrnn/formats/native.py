@@ -14,6 +14,7 @@ allocated.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -224,6 +225,7 @@ def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
 
 
 # ----------------------------------------------------------------------------------- writing
+_TMP_IDS = itertools.count()  # next() is atomic under the GIL
 _BLOCK_WORDS = 512  # version-2 checksum: 64-bit words per block (4 KiB)
 
 
@@ -306,7 +308,9 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
     text = json.dumps(header, separators=(",", ":")).encode()
     # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
     text += b" " * ((-(8 + len(text))) % 64)
-    tmp = f"{path}.tmp{os.getpid()}"
+    # A name of this call's own: with the pid alone, two threads saving to one path wrote one
+    # temp file, and the second rename found it gone (FileNotFoundError) or moved a mix.
+    tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(text)))
@@ -317,6 +321,26 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _out_path(path) -> str:
+    """``path`` as a str, if a file can be written there: str(path) wrote None as a file named
+    'None' and b'm.lrnn' as "b'm.lrnn'", and a missing directory was an OSError naming the
+    temporary file."""
+    try:
+        p = os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise ModelFormatError(f"[save] got a {type(path).__name__} ({path!r:.60}) as the path; "
+                               "expected a file path (str, bytes or pathlib.Path)") from None  # fmt: skip
+    if not p or os.path.isdir(p):
+        raise ModelFormatError(f"[save] {p!r} is a directory; expected a file path in it, e.g. "
+                               f"{os.path.join(p or '.', 'model.lrnn')!r}")  # fmt: skip
+    parent = os.path.dirname(p) or "."
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ModelFormatError(f"[save] cannot write {p!r}: {parent!r} {what}; create the "
+                               "directory first or pick another path")  # fmt: skip
+    return p
 
 
 def _packed_items(pw: PackedWeights) -> list:
@@ -338,7 +362,7 @@ def save_rnn(weights: PackedWeights, path: str) -> None:
     }
     if weights.precision != "float":  # absent: the weights are of the working dtype
         meta["precision"] = weights.precision
-    _write(str(path), meta, [("", _packed_items(weights))])
+    _write(_out_path(path), meta, [("", _packed_items(weights))])
 
 
 def save_graph(graph: Graph, path: str) -> None:
@@ -356,7 +380,7 @@ def save_graph(graph: Graph, path: str) -> None:
     g = graph.to_dict()
     g["packed"] = packed
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "graph", "graph": json.dumps(g)}
-    _write(str(path), meta, blocks)
+    _write(_out_path(path), meta, blocks)
 
 
 # ----------------------------------------------------------------------------------- reading

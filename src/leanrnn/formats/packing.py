@@ -124,6 +124,21 @@ class PackedWeights:
         nd = spec.num_directions
         self.layers = [flat[i * nd : (i + 1) * nd] for i in range(spec.num_layers)]
 
+    def __reduce__(self):
+        # deepcopy and pickle: a new aligned buffer holding the same bytes, its views made
+        # again. Copied one attribute at a time, each view became an unaligned array of its
+        # own, outside the buffer the engine and the native writer read.
+        return _packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer)
+
+    def __deepcopy__(self, memo) -> PackedWeights:
+        return _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer)
+
+    def __copy__(self) -> PackedWeights:
+        # shallow, as before: the same buffer and views (serve swaps the spec of such a copy)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     @staticmethod
     def layout(spec: RNNSpec, precision: str = "float") -> list[tuple[str, tuple[int, ...]]]:
         """(short name, shape) of every packed tensor, per (layer, direction) in buffer order —
@@ -199,6 +214,17 @@ class PackedWeights:
                 layer.append(LayerWeights(W, R, bW, bR, peep, proj))
             out.append(layer)
         return out
+
+
+def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer) -> PackedWeights:
+    """``PackedWeights.__reduce__``'s inverse: the weights laid out anew, ``buffer`` copied in."""
+    pw = PackedWeights(spec, dtype, zero=False, precision=precision)
+    src = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
+    if src.size != pw.nbytes:
+        raise WeightsError(f"[PackedWeights] {src.size} bytes for a layout of {pw.nbytes}; "
+                           "expected the bytes of PackedWeights.buffer for this spec")  # fmt: skip
+    pw.buffer[:] = src
+    return pw
 
 
 def panel_shape(X: int, Wd: int, precision: str) -> tuple[int, int]:

@@ -38,6 +38,13 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
         raise WeightsError(
             f"[from_state_dict] weight_ih_l0 {w_ih}, weight_hh_l0 {w_hh}: expected 2-D"
         )
+    if cell not in (None, "lstm", "gru", "rnn"):
+        raise WeightsError(f"[from_state_dict] cell={cell!r}; expected 'lstm', 'gru', 'rnn' or "
+                           "None (read off the weight shapes)")  # fmt: skip
+    if nonlinearity not in ("tanh", "relu"):
+        raise WeightsError(
+            f"[from_state_dict] nonlinearity={nonlinearity!r}; expected 'tanh' or 'relu'"
+        )
     G, C = w_ih
     proj = np.shape(sd["weight_hr_l0"])[0] if "weight_hr_l0" in sd else 0
     if cell is None:
@@ -68,11 +75,10 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
         )
     bidir = "weight_ih_l0_reverse" in sd
     acts = None
+    if cell != "rnn" and nonlinearity != "tanh":  # torch's LSTM and GRU have no such choice
+        raise WeightsError(f"[from_state_dict] nonlinearity={nonlinearity!r} for a "
+                           f"{cell.upper()}; only an RNN takes one (its default is 'tanh')")  # fmt: skip
     if cell == "rnn":
-        if nonlinearity not in ("tanh", "relu"):
-            raise WeightsError(
-                f"[from_state_dict] nonlinearity={nonlinearity!r}; expected tanh or relu"
-            )
         acts = ((Activation.make(nonlinearity),),) * (2 if bidir else 1)
     return RNNSpec(
         cell, int(C), int(H), num_layers=layers,

@@ -13,6 +13,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..engine._check import count_or_none
 from .batching import OUTPUTS, Scorer, engine_model
 from .data import DataError, Options, Source
 from .writers import open_output
@@ -126,6 +129,15 @@ def _check_output(output, dataset, model, lengths, local: bool) -> None:
         )
 
 
+def _path(what: str, path):
+    """``path`` as a str (str, bytes or os.PathLike); anything else is named."""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise DataError(f"[score] {what} is a {type(path).__name__} ({path!r:.60}); expected a "
+                        "file or directory path (str or pathlib.Path)") from None  # fmt: skip
+
+
 def _load(model, threads):
     if isinstance(model, str | os.PathLike):
         from ..loading import load
@@ -166,6 +178,14 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     >>> s = leanrnn.score(leanrnn.load("lstm.lrnn"), "utterances.parquet", "states.parquet")  # doctest: +SKIP
     >>> print(s)                                                                # doctest: +SKIP
     """
+    dataset, output = _path("dataset", dataset), _path("output", output)
+    for name, v in (("memory_limit", memory_limit), ("threads", threads),
+                    ("batch_size", batch_size), ("ray_actors", ray_actors)):  # fmt: skip
+        count_or_none("score", name, v)  # 2.5 or True were truncated, 0 meant "default"
+    for name, v in (("bucket", bucket), ("allow_nonfinite", allow_nonfinite),
+                    ("progress", progress)):  # fmt: skip
+        if not isinstance(v, bool | np.bool_):  # bucket="no" meant True
+            raise DataError(f"[score] {name}={v!r}; expected True or False")
     opts = Options(column, length_column, x_key, lengths_key, lengths, allow_nonfinite)
     # This process writes the output unless Ray's write tasks do (a directory OUTPUT).
     here = ray is None or os.fspath(output).lower().endswith((".parquet", ".pq"))

@@ -13,6 +13,7 @@ Parquet stores h_n/c_n as fixed_size_list<fixed_size_list<float>[K]>[L*D].
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -40,8 +41,13 @@ class Results:
 
 
 def temp_name(path: str) -> str:
+    """A hidden name next to ``path`` that is this call's own: the pid alone was shared by two
+    threads writing one output (the second rename then found the file gone)."""
     d, base = os.path.split(os.path.abspath(path))
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}")
+    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{next(_TMP_IDS)}")
+
+
+_TMP_IDS = itertools.count()  # next() is atomic under the GIL
 
 
 def to_arrow(r: Results):
