@@ -233,3 +233,35 @@ def test_the_scheduler_runs_every_call_on_the_slots(monkeypatch):
         assert all(r.error is None for r in reqs), [r.error for r in reqs]
         y = np.concatenate([r.y for r in reqs])
         np.testing.assert_allclose(y, want, rtol=0, atol=ATOL_SAME_ARITHMETIC[np.float32])
+
+
+@pytest.mark.parametrize("backend", ["native", "jit"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+def test_slots_on_batch_slices(cell, backend, monkeypatch, request):
+    """A batch large enough that 2 threads each run their own samples (kernels._sync.share, no
+    barrier): each gathers only its own rows from the store (gathering all of them raced with
+    the other thread, whose rows may be past their first step)."""
+    from leanrnn.kernels._cpu import batch_slices
+
+    _backend(backend, monkeypatch, request)
+    n = 96
+    assert batch_slices(n, 2)
+    spec = RNNSpec(cell, 5, 24)
+    model, layers = _model(spec, np.float32, seed=3)
+    session = model.session
+    session.threads = 2
+    rng = np.random.default_rng(5)
+    S = n + 9
+    st = session.slot_states(S)
+    _fill(st, rng, np.float32)
+    h, c = st.h.copy(), None if st.c is None else st.c.copy()
+    for T in (4, 3, 5):
+        slot = rng.permutation(S)[:n].astype(np.int64)
+        lengths = rng.integers(0, T + 1, n).astype(np.int64)
+        x = rng.standard_normal((T, n, 5)).astype(np.float32)
+        y = session.run_slots(x, st, slot, lengths)
+        want, h0, c0 = _gathered(session, x, h, c, slot, lengths)
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(st.h, h)
+        y64 = reference_forward(spec, layers, x, h0, c0, lengths)[0]
+        np.testing.assert_allclose(y, y64, rtol=RTOL[np.float32], atol=atol(np.float32))

@@ -114,15 +114,16 @@ def _keep_span(xw, xr, col, gates, n, length, zero):
 
 
 @inline
-def _gather(slot, h_store, hp, K, zero, me, parts, sync, g):
-    """h_{-1}: row n of hp from h_store[slot[n]] (zeros for slot[n] < 0), one phase of row
-    slices: the first step's GEMM (and an int8-dynamic operand) reads every row."""
-    N = slot.shape[0]
+def _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g):
+    """h_{-1}: rows n0..n1 of hp from h_store[slot[n]] (zeros for slot[n] < 0), one phase of
+    row slices: the first step's GEMM (and an int8-dynamic operand) reads every row. On batch
+    slices (_sync.share: parts 1, no barrier) a thread gathers only its own samples: another
+    thread's rows may already be past their first step."""
     for sl in range(parts):
-        lo, hi = claim(sync, me, sl, parts, g, N)
+        lo, hi = claim(sync, me, sl, parts, g, n1 - n0)
         if hi < 0:
             continue  # another thread has this slice
-        for n in range(lo, hi):
+        for n in range(n0 + lo, n0 + hi):
             sn = slot[n]
             if sn < 0:
                 for j in range(K):
@@ -182,7 +183,7 @@ def _lstm(
     g = 0  # phase counter, the same on every thread
     slotted = slot.shape[0] > 0
     if slotted:
-        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
+        g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
         dst = hn if P == 0 else hfull
         A = operand(Rt, hp, q, me, n0, n1, K, True)
@@ -293,7 +294,7 @@ def _gru(
     g = 0  # phase counter, the same on every thread
     slotted = slot.shape[0] > 0
     if slotted:
-        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
+        g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
         A = operand(Rt, hp, q, me, n0, n1, K, True)
         for sl in range(parts):
@@ -388,7 +389,7 @@ def _rnn(
     g = 0  # phase counter, the same on every thread
     slotted = slot.shape[0] > 0
     if slotted:
-        g = _gather(slot, h_store, hp, K, zero, me, parts, sync, g)
+        g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
         A = operand(Rt, hp, q, me, n0, n1, K, True)
         for sl in range(parts):
