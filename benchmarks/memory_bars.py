@@ -6,7 +6,8 @@
 2. LSTM H=512, N=1, return_sequences=False: peak RSS of a T=10,000 run vs a T=100 run, and the
    arena of a single step (weights excluded).
 3. N=64, T=1,000, 2-layer LSTM H=512: peak memory beyond weights and the returned output, and
-   time, for leanrnn (its automatic chunk: xw of a chunk within 2 MiB, here 4 steps) vs torch
+   time, for leanrnn (its automatic chunk: xw of a chunk within 2 MiB, or a quarter of the last-level cache
+   when 2 threads run batch slices) vs torch
    vs onnxruntime.
 Peak RSS is VmHWM after resetting it through /proc/self/clear_refs, minus RSS just before the
 measured call: it counts everything the process touched (allocator caches included).

@@ -3,11 +3,11 @@ recurrence, with numba's pool started once per op instead of once per step.
 
 Each of the ``parts`` iterations of the one ``prange`` below runs the projection (tasks handed
 out by ticket, see _sync) and then its share of the recurrence: a slice of every step's unit
-blocks, all samples (the threads meet through atomics at each phase). Should the pool run two
-iterations one after the other on one thread, the later one finds its work claimed and done:
-correct either way, only slower. Splitting the blocks rather than the batch also at N=64 was
-faster on 2 threads (H=1024: 258 vs 283 ms): each thread streams half the weights, and its GEMM
-tiles cover all 64 rows instead of 32 (5 tiles of 6 and a 2-row remainder).
+blocks, all samples (the threads meet through atomics at each phase), or, for a batch of at
+least 4 register tiles of rows per thread (_sync.share), every step of its own samples with
+no barrier. Should the pool run two iterations one after the other on one thread, the later
+one finds its work claimed and done: correct either way, only slower (on batch slices the
+pool runs every iteration, each its own samples).
 
 The *jobs* are what one thread runs and the *ops* start ``parts`` jobs on numba's pool; both
 are generated here from their declarations (abi.JOBS), each kernel called with its own
