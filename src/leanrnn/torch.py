@@ -60,6 +60,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
 from .errors import DTypeError, ShapeError, SpecError, WeightsError
@@ -474,6 +475,7 @@ class _EagerRNN(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (a double backward is refused, as the ops' is, not silently 0)
     def backward(ctx, dy, dh_n, dc_n, _dhandle):
         handle, _x, _y, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
