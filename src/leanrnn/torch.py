@@ -26,6 +26,11 @@ Design.
   containing these modules into one graph (PackedSequence input graph-breaks on its
   data-dependent indexing) and torch.export keeps the op in the exported program. The ops take
   time-major input; batch_first, unbatched input and PackedSequence are torch ops around them.
+  An eager call (nothing tracing, no dispatch or function mode, no functorch transform, plain
+  tensors: ``_eager``) skips the dispatcher: an autograd.Function (``_EagerRNN``) runs the ops'
+  bodies with the same saved tensors and checks, so both ways give the same bits; the custom
+  op's wrapper cost ~1.3 ms of Python per forward and backward. Backward computes dx only
+  when the input needs it, as torch's modules do.
 - **Tapes.** A tape (what backward needs) is numpy memory, not a tensor, so the forward op
   returns an int64 *handle* tensor into a registry of live tapes, and autograd saves the
   handle. The handle's storage is a numpy array with a finalizer: when the last tensor sharing
