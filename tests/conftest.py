@@ -63,3 +63,19 @@ def jit_compiled() -> str:
     from leanrnn.kernels import _jit  # noqa: F401 - sets NUMBA_CACHE_DIR (keyed)
 
     return os.environ.get("NUMBA_CACHE_DIR", "")
+
+
+@pytest.fixture
+def many_cores(monkeypatch):
+    """Let sessions run more threads than this machine has cores (the kernels must be right
+    for any thread count; only speed suffers)."""
+    monkeypatch.setattr("leanrnn.config.max_threads", lambda: 4)
+
+
+@pytest.fixture(params=["native", "jit"])
+def backend(request, monkeypatch):
+    """Each kernel backend (kernels.runner): the ahead-of-time module and numba's JIT."""
+    if request.param == "jit":
+        request.getfixturevalue("jit_compiled")  # compiled aside, meanwhile
+    monkeypatch.setattr("leanrnn.config._backend", request.param)
+    return request.param

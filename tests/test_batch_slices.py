@@ -30,20 +30,6 @@ def _smallest_split(parts: int) -> int:
     return _sync.SHARE_TILES * _sync.ALIGN * parts
 
 
-@pytest.fixture
-def many_cores(monkeypatch):
-    """Sessions may run more threads than this machine has cores (only speed suffers)."""
-    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
-
-
-@pytest.fixture(params=["native", "jit"])
-def backend(request, monkeypatch):
-    if request.param == "jit":
-        request.getfixturevalue("jit_compiled")  # (conftest: compiled aside, meanwhile)
-    monkeypatch.setattr(leanrnn.config, "_backend", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("parts", [2, 3, 4])
 @pytest.mark.parametrize("extra", [0, 1, 5, 29])
 def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):

@@ -128,22 +128,6 @@ BARRIER_SPECS = [
 ]
 
 
-@pytest.fixture
-def many_cores(monkeypatch):
-    """Let sessions run more threads than this machine has cores (the kernels must be right
-    for any thread count; only speed suffers)."""
-    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
-
-
-@pytest.fixture(params=["native", "jit"])
-def backend(request, monkeypatch):
-    """Each kernel backend (kernels.runner): the ahead-of-time module and numba's JIT."""
-    if request.param == "jit":
-        request.getfixturevalue("jit_compiled")  # (conftest: compiled aside, meanwhile)
-    monkeypatch.setattr(leanrnn.config, "_backend", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("spec", BARRIER_SPECS, ids=repr)
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threads_meeting_every_step_match_reference(spec, threads, many_cores, backend):
