@@ -196,3 +196,21 @@ def tile_gemm(name: str):
             g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
 
     return run
+
+
+def compile_recording(module):
+    """torch.compile(module) on dynamo + AOTAutograd without inductor (whose C++ build takes
+    minutes on 2 cores); returns (compiled, codes): the forward and backward graphs' code as
+    they are compiled."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes: list[str] = []
+
+    def keep(gm, _):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    return torch.compile(module, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)), codes

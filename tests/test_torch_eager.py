@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import compile_recording
 from tolerances import ATOL, RTOL_GRAD
 
 pytestmark = pytest.mark.torch
@@ -141,19 +142,9 @@ def test_torch_compile_takes_the_custom_ops_and_eager_calls_do_not():
     """Under torch.compile the module calls the ops (the graph holds them, with x's gradient
     skipped when x needs none); the same module called eagerly takes _EagerRNN; the two give
     the same bits."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     ref, m = _module("GRU", {"num_layers": 2})
     x, states = _inputs(ref)
-    codes = []
-
-    def keep(gm, _):
-        codes.append(gm.code)
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    cm = torch.compile(m, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    cm, codes = compile_recording(m)
     compiled = _step(cm, x, states, x_grad=False)
     assert len(codes) == 2
     assert "leanrnn.rnn_forward" in codes[0] and "leanrnn.rnn_backward" in codes[1]

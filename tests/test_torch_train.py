@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from helpers import finish_process, src_env
+from helpers import compile_recording, finish_process, src_env
 from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_GRAD
 
 pytestmark = pytest.mark.torch
@@ -390,20 +390,8 @@ def _twin_nets(cell="LSTM", dtype=torch.float64, **kw):
 
 
 def test_torch_compile_traces_the_leanrnn_ops_and_matches_eager():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     _, net = _twin_nets(num_layers=2)
-    codes = []
-
-    def keep(gm, _):
-        codes.append(gm.code)
-        return make_boxed_func(gm.forward)
-
-    torch._dynamo.reset()
-    # aot_eager-style backend: dynamo + AOTAutograd (fake tensors, the joint graph) without
-    # inductor's C++ build, which takes minutes on 2 cores
-    cnet = torch.compile(net, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    cnet, codes = compile_recording(net)  # dynamo + AOTAutograd (fake tensors, the joint graph)
     tok = torch.randint(0, 11, (T, N), generator=torch.Generator().manual_seed(7))
     out, _ = cnet(tok)
     (out**2).sum().backward()
