@@ -65,6 +65,17 @@ def _yrow(t, n, N, y_bf_T):
 
 
 @inline
+def _block(i, lo, hi, s):
+    """The unit block a slice lo..hi walks i-th at step s: forward on even steps, backward on
+    odd ones. Where a thread's share of R is larger than its L2, a forward-only walk misses on
+    every block (the LRU cache has just evicted what comes next); turning round at each end
+    starts every step on the blocks the last one left in L2, so about an L2's worth of R per
+    step comes from there instead of L3. Blocks are independent within a phase, so the order
+    changes no result."""
+    return i if s % 2 == 0 else lo + hi - 1 - i
+
+
+@inline
 def _time_of(s, n, lengths, reverse, carry, hp, hn, j0):
     """Sample n's time index at step s of the loop, or -1 once s is past its length: its state
     then freezes, so (if ``carry``) block j0..j0+B of h is carried from hp to hn."""
@@ -191,7 +202,8 @@ def _lstm(
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
-            for u in range(lo, hi):
+            for i in range(lo, hi):
+                u = _block(i, lo, hi, s)
                 r0 = u * 4 * B
                 ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
                 c0 = u * B
@@ -301,7 +313,8 @@ def _gru(
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
-            for u in range(lo, hi):
+            for i in range(lo, hi):
+                u = _block(i, lo, hi, s)
                 r0 = u * 3 * B
                 rz, rr, rn = r0, r0 + B, r0 + 2 * B
                 c0 = u * B
@@ -348,7 +361,8 @@ def _gru(
                 lo, hi = claim(sync, me, sl, parts, g, U)
                 if hi < 0:
                     continue  # another thread has this slice
-                for u in range(lo, hi):
+                for i in range(lo, hi):
+                    u = _block(i, lo, hi, s)
                     r0 = u * 3 * B
                     rz, rn = r0, r0 + 2 * B
                     c0 = u * B
@@ -396,7 +410,8 @@ def _rnn(
             lo, hi = claim(sync, me, sl, parts, g, U)
             if hi < 0:
                 continue  # another thread has this slice
-            for u in range(lo, hi):
+            for i in range(lo, hi):
+                u = _block(i, lo, hi, s)
                 r0 = u * B
                 panel1(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
                 for n in range(n0, n1):
