@@ -40,6 +40,7 @@ from . import _cpu
 from ._ir import row_tiles, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
+
 def tile(isa: _cpu.Isa):
     """The register tile (rows x groups of 16 columns) for ``isa``: the float32 rule of
     _cpu.tile_for — on 64-byte vectors with VNNI (one int32 accumulator per 16-column group,
