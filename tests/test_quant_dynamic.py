@@ -178,15 +178,18 @@ def test_the_jit_backend_runs_int8_dynamic_jobs_too(monkeypatch):
 
 
 # ---------------------------------------------------- the kernels' own pieces, on any machine
-@pytest.mark.parametrize("name", ["avx2", "sse"])
-def test_the_integer_tile_on_avx2_and_on_plain_integer_ops(name):
-    """AVX2's vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one
-    (every other CPU): exact integer sums, codes at the extremes (255 x +-63: the largest
-    pair sums, which must not saturate), the lone-row GEMV and several rows, one and four
-    groups, panel 1 of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
+@pytest.mark.parametrize("K", [11, 37])
+@pytest.mark.parametrize("name", ["avx512", "avx2", "sse"])
+def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
+    """AVX-512 VNNI's vpdpbusd tile (where this CPU has VNNI; AVX2's elsewhere), AVX2's
+    vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one (every other
+    CPU): exact integer sums, codes at the extremes (255 x +-63: the largest pair sums, which
+    must not saturate), the lone-row GEMV (its k loop split over accumulator sets with VNNI:
+    K=37 has an odd number of 4-input steps) and several rows, one and four groups, panel 1
+    of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
     run = tile_gemm(name)
     rng = np.random.default_rng(4)
-    Wd, Xp, K = 4 * B, 16, 11
+    Wd, Xp = 4 * B, 40
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)
     w[:, K:] = 0
     w[1, :, 0] = [63.0] * K + [0.0] * (Xp - K)  # codes +63 all along column 0 ...

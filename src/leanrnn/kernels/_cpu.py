@@ -154,6 +154,18 @@ def isa() -> Isa:
     return ISAS[host_isa()]
 
 
+def int8_dot(isa_: Isa) -> str:
+    """The integer dot product of int8-dynamic's tile (kernels._qdot) on ``isa_``: ``vnni``
+    (AVX-512 VNNI's vpdpbusd on 512-bit vectors: 64 u8 x s8 products summed into 16 int32 in
+    one instruction) where the AVX-512 tile is compiled and this CPU has VNNI; ``avx2``
+    (vpmaddubsw + vpmaddwd on 256-bit vectors, three instructions for 32) on other x86 with
+    AVX2 (``LEANRNN_ISA=avx2`` selects it on a VNNI machine too); ``plain`` LLVM integer IR
+    elsewhere. Every path gives the same exact int32 sums."""
+    if isa_.name == "avx512" and "avx512_vnni" in _flags()[0]:
+        return "vnni"
+    return "avx2" if isa_.name in ("avx2", "avx512") else "plain"
+
+
 def _size(text: str) -> int:
     text = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
@@ -262,4 +274,4 @@ def describe() -> str:
 def signature() -> str:
     """Everything here that compiled code depends on (for the native build's fingerprint)."""
     a = isa()
-    return f"isa={a.name} caches={sorted(caches().items())}"
+    return f"isa={a.name} dot={int8_dot(a)} caches={sorted(caches().items())}"

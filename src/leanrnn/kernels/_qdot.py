@@ -5,7 +5,10 @@ Where ``_simd``'s tiles widen each weight to float32 and do one FMA per weight (
 instruction on AVX2), this one multiplies 32 byte pairs per instruction: ``vpmaddubsw``
 (u8 x s8, adjacent pairs summed to int16) then ``vpmaddwd`` by ones (pairs of int16 summed to
 int32), so each int32 lane gets the dot product of 4 consecutive inputs with 4 weights of one
-column. Three instructions per 32 multiply-adds, against four FMAs and four widenings.
+column. Three instructions per 32 multiply-adds, against four FMAs and four widenings. Where
+the CPU has AVX-512 VNNI (Ice Lake / Sapphire Rapids and later Xeons, Zen 4 and later),
+``vpdpbusd`` does all of that and the accumulation in one instruction on 64-byte vectors: 64
+multiply-adds per instruction, a 16-column group per register (_cpu.int8_dot picks the path).
 
 Operands (formats.quantize has the packing side):
 
@@ -37,24 +40,32 @@ from . import _cpu
 from ._ir import row_tiles, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
-LANES = 8  # int32 accumulators (= output columns) per vector; a 16-column group is 2 vectors
-
 
 def tile(isa: _cpu.Isa):
     """The register tile (rows x groups of 16 columns) for ``isa``: the float32 rule of
-    _cpu.tile_for on 32-byte vectors (the intrinsics below are AVX2's, which AVX-512 machines
-    run too) with two registers kept back, for the ones of vpmaddwd and a product."""
+    _cpu.tile_for — on 64-byte vectors with VNNI (one int32 accumulator per 16-column group,
+    as float32 on AVX-512), else on 32-byte vectors (the intrinsics below are AVX2's, which
+    AVX-512 machines without VNNI run too) with two registers kept back, for the ones of
+    vpmaddwd and a product."""
+    if _cpu.int8_dot(isa) == "vnni":
+        return _cpu.tile_for(isa, 4)
     return _cpu.tile_for(_cpu.Isa(isa.name, isa.regs - 2, 32), 4)
 
 
 def codegen(nvec: int, isa: _cpu.Isa):
     t = tile(isa)
-    use_avx2 = isa.name in ("avx2", "avx512")
+    dot = _cpu.int8_dot(isa)
+    lanes = 16 if dot == "vnni" else 8  # int32 accumulators (= output columns) per vector
+    vbytes = 4 * lanes
+    vecs_per_group = 16 // lanes
+    # A lone row (GEMV) with VNNI has one vpdpbusd per vector and k step, so its accumulator
+    # chains are latency-bound (~5 cycles each): split its k loop over GEMV_SETS sets of
+    # accumulators, summed at the store, for enough products in flight.
+    gemv_sets = 2 if dot == "vnni" else 1
 
     def gen(context, builder, signature, args):
         P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
         MR = t.rows
-        vecs_per_group = 2
 
         def chunks_of(ng):
             ng = min(ng, nvec)
@@ -71,40 +82,47 @@ def codegen(nvec: int, isa: _cpu.Isa):
         _, s1, s2 = cgutils.unpack_tuple(builder, parr.shape, 3)
         i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
         f32 = ir.FloatType()
-        v32i8 = ir.VectorType(i8, 4 * LANES)
-        v16i16 = ir.VectorType(i16, 2 * LANES)
-        v8i32 = ir.VectorType(i32, LANES)
-        v8f = ir.VectorType(f32, LANES)
-        zero_i = ir.Constant(v8i32, [0] * LANES)
-        zero_f = ir.Constant(v8f, [0.0] * LANES)
-        splat = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+        vqi8 = ir.VectorType(i8, vbytes)
+        vqi32 = ir.VectorType(i32, lanes)
+        vqf = ir.VectorType(f32, lanes)
+        zero_i = ir.Constant(vqi32, [0] * lanes)
+        zero_f = ir.Constant(vqf, [0.0] * lanes)
+        splat = ir.Constant(vqi32, [0] * lanes)
 
         def const(v):
             return ir.Constant(i64, v)
 
-        if use_avx2:
+        if dot == "vnni":
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vqi32, [vqi32, vqi8, vqi8]),
+                "llvm.x86.avx512.vpdpbusd.512",
+            )  # fmt: skip
+
+            def dot_add(acc, a, w):
+                return builder.call(dpbusd, [acc, a, w])
+        elif dot == "avx2":
+            v16i16 = ir.VectorType(i16, 16)
             maddubs = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw"
+                builder.module, ir.FunctionType(v16i16, [vqi8, vqi8]), "llvm.x86.avx2.pmadd.ub.sw"
             )
             maddwd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd"
+                builder.module, ir.FunctionType(vqi32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd"
             )
-            ones = ir.Constant(v16i16, [1] * (2 * LANES))
+            ones = ir.Constant(v16i16, [1] * 16)
 
-            def dot4(a, w):
-                return builder.call(maddwd, [builder.call(maddubs, [a, w]), ones])
+            def dot_add(acc, a, w):
+                return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [a, w]), ones]))
         else:
-            v32i32 = ir.VectorType(i32, 4 * LANES)
+            vwide = ir.VectorType(i32, vbytes)
 
-            def dot4(a, w):
-                prod = builder.mul(builder.zext(a, v32i32), builder.sext(w, v32i32))
-                tot = None
+            def dot_add(acc, a, w):
+                prod = builder.mul(builder.zext(a, vwide), builder.sext(w, vwide))
                 for m in range(4):
                     lane = builder.shuffle_vector(
-                        prod, prod, ir.Constant(v8i32, [4 * j + m for j in range(LANES)])
+                        prod, prod, ir.Constant(vqi32, [4 * j + m for j in range(lanes)])
                     )
-                    tot = lane if tot is None else builder.add(tot, lane)
-                return tot
+                    acc = builder.add(acc, lane)
+                return acc
 
         # The panel slice's column scales and corrections (its tail rows, see the docstring):
         # panel u = poff // (S1*S2), the slice's first column byte poff % S2 (4 per column).
@@ -118,8 +136,9 @@ def codegen(nvec: int, isa: _cpu.Isa):
             builder.gep(pa, [builder.add(builder.add(tail, s2), colbyte)]), i32.as_pointer()
         )
         k4s = builder.sdiv(builder.add(K, const(3)), const(4))
+        nsets = max(MR, gemv_sets)
         acc = [[cgutils.alloca_once_value(builder, zero_i) for _ in range(nvmax)]
-               for _ in range(MR)]  # fmt: skip
+               for _ in range(nsets)]  # fmt: skip
 
         def rows_block(i, nrows):
             arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
@@ -127,25 +146,40 @@ def codegen(nvec: int, isa: _cpu.Isa):
             for v0, nv in gemv_chunks if nrows == 1 else chunks:
                 chunk(i, nrows, arow, v0, nv)
 
+        def k_step(k4, nrows, arow, v0, nv, sets):
+            """One k4 step (4 inputs) of every row into accumulator set ``sets`` (a lone row's
+            set) or rows 0..nrows-1 (a row tile)."""
+            wrow = builder.add(builder.add(poff, builder.mul(k4, kstride)), const(v0 * vbytes))
+            ws = []
+            for v in range(nv):
+                p = builder.gep(pa, [builder.add(wrow, const(v * vbytes))])
+                ws.append(builder.load(builder.bitcast(p, vqi8.as_pointer()), align=1))
+            for r in range(nrows):
+                p = builder.gep(aa, [builder.add(arow[r], builder.mul(k4, const(4)))])
+                quad = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
+                av = builder.insert_element(ir.Constant(vqi32, ir.Undefined), quad,
+                                            ir.Constant(i32, 0))  # fmt: skip
+                av = builder.bitcast(builder.shuffle_vector(av, av, splat), vqi8)
+                for v in range(nv):
+                    slot = acc[sets if nrows == 1 else r][v]
+                    builder.store(dot_add(builder.load(slot), av, ws[v]), slot)
+
         def chunk(i, nrows, arow, v0, nv):
-            for a in acc[:nrows]:
+            used = gemv_sets if nrows == 1 else nrows
+            for a in acc[:used]:
                 for v in range(nv):
                     builder.store(zero_i, a[v])
-            with cgutils.for_range_slice(builder, const(0), k4s, const(1)) as (k4, _):
-                wrow = builder.add(builder.add(poff, builder.mul(k4, kstride)), const(v0 * 32))
-                ws = []
-                for v in range(nv):
-                    p = builder.gep(pa, [builder.add(wrow, const(v * 32))])
-                    ws.append(builder.load(builder.bitcast(p, v32i8.as_pointer()), align=1))
-                for r in range(nrows):
-                    p = builder.gep(aa, [builder.add(arow[r], builder.mul(k4, const(4)))])
-                    quad = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
-                    av = builder.insert_element(ir.Constant(v8i32, ir.Undefined), quad,
-                                                ir.Constant(i32, 0))  # fmt: skip
-                    av = builder.bitcast(builder.shuffle_vector(av, av, splat), v32i8)
-                    for v in range(nv):
-                        slot = acc[r][v]
-                        builder.store(builder.add(builder.load(slot), dot4(av, ws[v])), slot)
+            if nrows == 1 and gemv_sets > 1:
+                step = const(gemv_sets)
+                k_main = builder.mul(builder.sdiv(k4s, step), step)
+                with cgutils.for_range_slice(builder, const(0), k_main, step) as (k4, _):
+                    for st in range(gemv_sets):
+                        k_step(builder.add(k4, const(st)), 1, arow, v0, nv, st)
+                with cgutils.for_range_slice(builder, k_main, k4s, const(1)) as (k4, _):
+                    k_step(k4, 1, arow, v0, nv, 0)
+            else:
+                with cgutils.for_range_slice(builder, const(0), k4s, const(1)) as (k4, _):
+                    k_step(k4, nrows, arow, v0, nv, 0)
 
             def store_rows(init_of):
                 for r in range(nrows):
@@ -154,21 +188,26 @@ def codegen(nvec: int, isa: _cpu.Isa):
                                                       const(4))])  # fmt: skip
                     s_row = builder.load(builder.bitcast(sp, f32.as_pointer()), align=1)
                     s_rowv = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(v8f, ir.Undefined), s_row,
-                                               ir.Constant(i32, 0)), ir.Constant(v8f, ir.Undefined),
+                        builder.insert_element(ir.Constant(vqf, ir.Undefined), s_row,
+                                               ir.Constant(i32, 0)), ir.Constant(vqf, ir.Undefined),
                         splat,
                     )  # fmt: skip
                     base = builder.add(coff, builder.mul(row, ldc))
                     for v in range(nv):
-                        col = (v0 + v) * LANES
+                        col = (v0 + v) * lanes
                         corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
-                                                            v8i32.as_pointer()), align=1)  # fmt: skip
+                                                            vqi32.as_pointer()), align=1)  # fmt: skip
                         s_col = builder.load(builder.bitcast(builder.gep(scale_p, [const(col)]),
-                                                             v8f.as_pointer()), align=1)  # fmt: skip
-                        tot = builder.sitofp(builder.sub(builder.load(acc[r][v]), corr), v8f)
+                                                             vqf.as_pointer()), align=1)  # fmt: skip
+                        sets = range(gemv_sets) if nrows == 1 else (r,)
+                        tot = None
+                        for st in sets:
+                            part = builder.load(acc[st][v])
+                            tot = part if tot is None else builder.add(tot, part)
+                        tot = builder.sitofp(builder.sub(tot, corr), vqf)
                         tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
                         ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
-                                              v8f.as_pointer())  # fmt: skip
+                                              vqf.as_pointer())  # fmt: skip
                         builder.store(builder.fadd(tot, init_of(ptr, col)), ptr, align=4)
 
             def old(ptr, col):
@@ -176,7 +215,7 @@ def codegen(nvec: int, isa: _cpu.Isa):
 
             def bias(ptr, col):
                 bp = builder.gep(ba, [builder.add(boff, const(col))])
-                return builder.load(builder.bitcast(bp, v8f.as_pointer()), align=4)
+                return builder.load(builder.bitcast(bp, vqf.as_pointer()), align=4)
 
             store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, col: zero_f)
 
