@@ -176,7 +176,7 @@ def fails_in_one_line(capsys, argv: list[str], *words: str) -> str:
 
 
 def tile_gemm(name: str):
-    """panel_gemm1 and 4 of ISA ``name``'s tiles (float, reduced-weight and int8-dynamic alike:
+    """panel_gemm1..4 of ISA ``name``'s tiles (float, reduced-weight and int8-dynamic alike:
     the panel's dtype picks) behind one jit function ``run(nvec, P, poff, A, i0, i1, K, C,
     mode, bias)``, so each ISA's tile is tested on any machine."""
     import numba
@@ -185,13 +185,17 @@ def tile_gemm(name: str):
 
     isa = _cpu.ISAS[name]
     tiles = _simd.tiles(isa)
-    g1, g4 = _simd.make(1, tiles, isa), _simd.make(4, tiles, isa)
+    g1, g2, g3, g4 = (_simd.make(n, tiles, isa) for n in (1, 2, 3, 4))
 
     @numba.njit
     def run(nvec, P, poff, A, i0, i1, K, C, mode, bias):
         ks, lda, ldc = P.shape[2], A.shape[1], C.shape[1]
         if nvec == 1:
             g1(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+        elif nvec == 2:
+            g2(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+        elif nvec == 3:
+            g3(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
         else:
             g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
 

@@ -136,7 +136,8 @@ def test_the_jit_backend_runs_reduced_jobs_too(monkeypatch):
 def test_every_isa_tile_reads_reduced_panels(name, precision):
     """The AVX2 tile (the fallback everywhere) and the AVX-512 one, whatever this CPU has: the
     lone-row GEMV and several rows, one and four groups, the second panel of two (so an int8
-    tile finds panel 1's scales, not panel 0's), modes 0 (zero), 1 (add to C) and 2 (bias)."""
+    tile finds panel 1's scales, not panel 0's), modes 0 (zero), 1 (add to C) and 2 (bias);
+    one to four groups (AVX-512 loads bf16 groups in pairs: 3 is a pair and a lone group)."""
     run = tile_gemm(name)
     rng = np.random.default_rng(2)
     Wd, Kp, K = 4 * B, 16, 11
@@ -152,7 +153,7 @@ def test_every_isa_tile_reads_reduced_panels(name, precision):
         _set_int8(pw, q, s)
         P, deq = pw, q.astype(np.float64) * s.astype(np.float64)[:, None, :]
     bias = rng.standard_normal(Wd).astype(np.float32)
-    for nvec in (1, 4):
+    for nvec in (1, 2, 3, 4):
         cols = nvec * B
         for M in (1, 7):
             A = rng.standard_normal((M, K)).astype(np.float32)

@@ -86,6 +86,34 @@ def _bf16_loader(builder, pa, vt: ir.VectorType):
     return load
 
 
+def bf16_pairs(builder, pa, vt: ir.VectorType):
+    """For 16-lane vectors (AVX-512): (a loader of two adjacent groups of 16 columns from one
+    64-byte load, the inverse of its column order). The loader's two vectors are the lanes
+    shifted left by 16 and masked: columns 0..7 of both groups, then columns 8..15 of both —
+    in that permuted order, so a group costs one integer op instead of a half-width load, an
+    op and a lane shuffle each (_bf16_loader's way to a full vector). A tile accumulates its
+    paired groups permuted and ``unpair(a, b)`` puts the sums back in column order once, at
+    the store."""
+    i64, i32 = ir.IntType(64), ir.IntType(32)
+    it = ir.VectorType(i32, 16)
+    sixteen = ir.Constant(it, [16] * 16)
+    high = ir.Constant(it, [-65536] * 16)  # 0xFFFF0000
+
+    def load(row, col):  # col: the first column of the first group (a multiple of 16)
+        ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, col))])
+        bits = builder.load(builder.bitcast(ptr, it.as_pointer()), align=2)
+        return (builder.bitcast(builder.shl(bits, sixteen), vt),
+                builder.bitcast(builder.and_(bits, high), vt))  # fmt: skip
+
+    first = ir.Constant(it, [*range(8), *range(16, 24)])
+    second = ir.Constant(it, [*range(8, 16), *range(24, 32)])
+
+    def unpair(a, b):
+        return builder.shuffle_vector(a, b, first), builder.shuffle_vector(a, b, second)
+
+    return load, unpair
+
+
 def scale_base(builder, wfmt: str | None, pa, P_, P_type, poff, context):
     """A float32 pointer to the scale of the first column of the panel slice at flat offset
     ``poff`` of an int8 panel array (None for other formats): panel u = poff // (S1*S2), its

@@ -36,7 +36,7 @@ from numba.extending import intrinsic
 
 from . import _cpu, _qdot
 from ._ir import row_tiles, store_by_mode
-from ._qsimd import WEIGHT_FORMATS, scale_base, weight_loader
+from ._qsimd import WEIGHT_FORMATS, bf16_pairs, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
 
@@ -91,6 +91,9 @@ def _codegen(nvec: int, tiles_: dict):
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvmax)]
                for _ in range(max(MR, S))]  # fmt: skip
         load_w = weight_loader(builder, wfmt, pa, vt)
+        pairs = unpair = None
+        if wfmt == "bf16" and lanes == 16:
+            pairs, unpair = bf16_pairs(builder, pa, vt)
         # int8 panels carry their column scales (see _qsimd): one multiply per output at the
         # store, since a per-column scale factors out of the sum over k.
         sa = scale_base(builder, wfmt, pa, P_, signature.args[0], poff, context)
@@ -126,7 +129,10 @@ def _codegen(nvec: int, tiles_: dict):
                                                 ir.Constant(i32, 1)])  # fmt: skip
                 ws = []
                 for v in range(nv):
-                    ws.append(load_w(krow, (v0 + v) * lanes))
+                    if v % 2 == 0 and v + 1 < nv and pairs is not None:
+                        ws.extend(pairs(krow, (v0 + v) * lanes))  # two groups, permuted
+                    elif not (v % 2 == 1 and pairs is not None):
+                        ws.append(load_w(krow, (v0 + v) * lanes))
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
                     xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
@@ -146,10 +152,17 @@ def _codegen(nvec: int, tiles_: dict):
             def store_rows(init_of):
                 for r in range(nrows):
                     base = builder.add(coff, builder.mul(builder.add(i, const(r)), ldc))
+                    tots = []
                     for v in range(nv):
                         tot = builder.load(acc[r * nsplit][v])
                         for s in range(1, nsplit):
                             tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
+                        tots.append(tot)
+                    if pairs is not None:  # the paired groups' columns back in order
+                        for v in range(0, nv - 1, 2):
+                            tots[v], tots[v + 1] = unpair(tots[v], tots[v + 1])
+                    for v in range(nv):
+                        tot = tots[v]
                         if sa is not None:
                             sp = builder.gep(sa, [const((v0 + v) * lanes)])
                             sv = builder.load(builder.bitcast(sp, vt.as_pointer()), align=4)
