@@ -126,6 +126,16 @@ def test_a_step_on_two_threads(spec, many_cores):
     _one_step(spec, 5, N=3, threads=2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", [RNNSpec("lstm", 24, 96), RNNSpec("gru", 70, 80)], ids=repr)
+def test_a_step_of_a_batch_in_tiles_of_16_rows(spec, threads, many_cores):
+    """A batch of 70: on an AMX machine the projection's and the recurrence's rows in whole
+    tiles of 16 run on AMX, the rest on VNNI (one thread: 64 + 6; two: each thread's share);
+    K = 24 (under one k tile: all on VNNI), 70 (a K tail of 2 k4 steps), 80, 96. Elsewhere
+    the same on VNNI or AVX2."""
+    _one_step(spec, 11, N=70, threads=threads)
+
+
 def test_a_two_layer_step_quantizes_the_first_layers_output():
     """Layer 2's input is layer 1's float32 output: the oracle rounds it to float32 first too
     (a tie flipped by float32 noise would show as one code's step, far above the tolerance)."""
