@@ -13,6 +13,7 @@ float32 model within the format's error instead."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -125,6 +126,16 @@ def test_a_step_on_two_threads(spec, many_cores):
     _one_step(spec, 5, N=3, threads=2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", [RNNSpec("lstm", 24, 96), RNNSpec("gru", 70, 80)], ids=repr)
+def test_a_step_of_a_batch_in_tiles_of_16_rows(spec, threads, many_cores):
+    """A batch of 70: on an AMX machine the projection's and the recurrence's rows in whole
+    tiles of 16 run on AMX, the rest on VNNI (one thread: 64 + 6; two: each thread's share);
+    K = 24 (under one k tile: all on VNNI), 70 (a K tail of 2 k4 steps), 80, 96. Elsewhere
+    the same on VNNI or AVX2."""
+    _one_step(spec, 11, N=70, threads=threads)
+
+
 def test_a_two_layer_step_quantizes_the_first_layers_output():
     """Layer 2's input is layer 1's float32 output: the oracle rounds it to float32 first too
     (a tie flipped by float32 noise would show as one code's step, far above the tolerance)."""
@@ -215,6 +226,87 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
                 C = C0.copy()
                 run(nvec, panel, panel.shape[1] * panel.shape[2], A, 0, M, K, C, mode, bias)
                 np.testing.assert_allclose(C, prod + init, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
+
+
+def _dot_operands(rng, K, M):
+    """A two-panel int8-dynamic panel of 64 columns over K inputs (panel 1: codes +63 along
+    column 0, -63 along column 1) with its float64 dequantized weights [2, K, 64], and M
+    activation rows (row 0 all 255, row 1 all 1: the extremes) with their float64 values."""
+    Wd, Xp = 4 * B, (K + 3) // 4 * 4
+    w = rng.standard_normal((2, Xp, Wd)).astype(F32)
+    w[:, K:] = 0
+    w[1, :K, 0], w[1, :K, 1] = 63.0, -63.0
+    panel = dot_panel(w)
+    q, s, _ = dot_codes(panel)
+    deq = q.astype(np.float64)[:, :K] * s.astype(np.float64)[:, None, :]
+    ld = quantized_row_bytes(K)
+    A = np.zeros((M, ld), np.uint8)
+    codes = rng.integers(1, 256, (M, K))
+    codes[0], codes[1] = 255, 1
+    A[:, :K] = codes
+    srow = rng.random(M).astype(F32)
+    A[:, ld - 4 :] = srow.view(np.uint8).reshape(M, 4)
+    return panel, deq, A, (codes - CODE_OFFSET) * srow.astype(np.float64)[:, None]
+
+
+def test_the_amx_tile_on_whole_and_partial_tiles_of_rows():
+    """int8-dynamic's AMX tile (_qdot: tdpbusd on 2 x 2 blocks of 16-row tiles, the rows and
+    k4 steps past whole tiles on VNNI) where this process can run AMX — and then it must be
+    AMX: the machine code has tdpbusd, and a CPU listing AMX must grant the tile state, so the
+    test cannot pass on the VNNI fallback by accident; elsewhere the tile int8_dot picks, on
+    the same shapes, and int8_dot never says "amx" nor does the AMX tile compile. Rows 16 (one
+    tile), 17, 33, 64 (two 2 x 2 blocks), 70; K 11 (no whole k tile), 64, 100, 130 (K tails of
+    9 and 1 k4 steps), 512; one and four groups; modes 0, 1, 2; exact integer sums, so
+    bit-for-bit the VNNI tile's output."""
+    from leanrnn.kernels import _cpu, _qdot
+
+    avx512 = _cpu.ISAS["avx512"]
+    flags = _cpu._flags()[0]
+    if {"amx_tile", "amx_int8", "avx512_vnni"} <= flags:
+        assert _cpu.amx_permitted(), "Linux refused the AMX tile state (arch_prctl)"
+    if _cpu.amx_usable():
+        run, vnni = tile_gemm("avx512", "amx"), tile_gemm("avx512", "vnni")
+    else:
+        assert _cpu.int8_dot(avx512) != "amx"
+        with pytest.raises(ValueError, match="AMX"):
+            _qdot.codegen(4, avx512, "amx")
+        run, vnni = tile_gemm("avx512"), None
+    rng = np.random.default_rng(7)
+    for K in (11, 64, 100, 130, 512):
+        panel, deq, A0, act0 = _dot_operands(rng, K, 70)
+        bias = rng.standard_normal(4 * B).astype(F32)
+        for nvec in (1, 4):
+            cols = nvec * B
+            for M in (16, 17, 33, 64, 70):
+                A, act = A0[:M], act0[:M]
+                C0 = rng.standard_normal((M, cols)).astype(F32)
+                prod = act @ deq[1, :, :cols]
+                for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                    C = C0.copy()
+                    run(nvec, panel, panel.shape[1] * panel.shape[2], A, 0, M, K, C, mode, bias)
+                    np.testing.assert_allclose(C, prod + init, rtol=2e-7,
+                                               atol=ATOL_REDUCED[np.uint8])  # fmt: skip
+                    if vnni is not None:
+                        C2 = C0.copy()
+                        vnni(nvec, panel, panel.shape[1] * panel.shape[2], A, 0, M, K, C2, mode,
+                             bias)  # fmt: skip
+                        np.testing.assert_array_equal(C, C2)
+    if vnni is not None:
+        asm = "\n".join(run.inspect_asm().values())
+        assert re.search(r"\btdpbusd\b", asm) and re.search(r"\bldtilecfg\b", asm)
+        assert not re.search(r"\btdpbusd\b", "\n".join(vnni.inspect_asm().values()))
+
+
+def test_a_cpu_without_amx_never_gets_amx_code(monkeypatch):
+    """int8_dot's choice from the CPU's flags (whatever this machine has): AVX-512 VNNI
+    without AMX-INT8 is "vnni", and the AMX tile refuses to compile there."""
+    from leanrnn.kernels import _cpu, _qdot
+
+    monkeypatch.setattr(_cpu, "_flags", lambda: ({"avx512f", "avx512_vnni", "amx_tile"}, "x86_64"))
+    avx512 = _cpu.ISAS["avx512"]
+    assert _cpu.int8_dot(avx512) == "vnni" and not _cpu.amx_usable()
+    with pytest.raises(ValueError, match="AMX"):
+        _qdot.codegen(4, avx512, "amx")
 
 
 def test_activation_codes_are_numpys_float32_rounding():

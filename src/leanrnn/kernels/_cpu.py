@@ -9,6 +9,7 @@ the bench reports print ``describe()`` beside their tables.
 CPU — LLVM splits or spills what the hardware lacks — so each tile path can be tested anywhere).
 It changes the native build's fingerprint; numba's on-disk JIT cache does not see it, so with
 the JIT backend it takes effect only for kernels compiled after it is set.
+``LEANRNN_AMX=0`` keeps int8-dynamic's tile off AMX on a CPU that has it (see int8_dot).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from pathlib import Path
 from .abi import B
 
 ENV_ISA = "LEANRNN_ISA"
+ENV_AMX = "LEANRNN_AMX"
+# Linux x86-64's arch_prctl: the syscall, its permission requests, the AMX tile data feature.
+_SYS_ARCH_PRCTL, _XFEATURE_XTILEDATA = 158, 18
+_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
 # Widest a tile's columns may be, in groups of B: the LSTM's 4-gate block panel. Chunks divide
 # it, so an LSTM panel is never cut into unequal chunks.
 MAX_GROUPS = 4
@@ -155,15 +160,58 @@ def isa() -> Isa:
 
 
 def int8_dot(isa_: Isa) -> str:
-    """The integer dot product of int8-dynamic's tile (kernels._qdot) on ``isa_``: ``vnni``
-    (AVX-512 VNNI's vpdpbusd on 512-bit vectors: 64 u8 x s8 products summed into 16 int32 in
-    one instruction) where the AVX-512 tile is compiled and this CPU has VNNI; ``avx2``
-    (vpmaddubsw + vpmaddwd on 256-bit vectors, three instructions for 32) on other x86 with
-    AVX2 (``LEANRNN_ISA=avx2`` selects it on a VNNI machine too); ``plain`` LLVM integer IR
-    elsewhere. Every path gives the same exact int32 sums."""
+    """The integer dot product of int8-dynamic's tile (kernels._qdot) on ``isa_``: ``amx``
+    (AMX tiles' tdpbusd for 16 rows and more at once: 16 x 16 x 64 u8 x s8 products into a
+    16 x 16 int32 tile per instruction; VNNI for the rest) where ``vnni`` would be chosen and
+    the CPU has AMX-INT8, the OS granted this process the AMX tile state (amx_permitted) and
+    ``LEANRNN_AMX=0`` does not turn it off; ``vnni`` (AVX-512 VNNI's vpdpbusd on 512-bit
+    vectors: 64 u8 x s8 products summed into 16 int32 in one instruction) where the AVX-512
+    tile is compiled and this CPU has VNNI; ``avx2`` (vpmaddubsw + vpmaddwd on 256-bit
+    vectors, three instructions for 32) on other x86 with AVX2 (``LEANRNN_ISA=avx2`` selects
+    it on a VNNI machine too); ``plain`` LLVM integer IR elsewhere. Every path gives the same
+    exact int32 sums.
+
+    The choice is part of signature(), so of every compiled kernel's fingerprint (the native
+    build's and numba's cache directory, kernels.native and _jit): a process loads kernels
+    with AMX code only after this function has asked for, and got, the tile state."""
     if isa_.name == "avx512" and "avx512_vnni" in _flags()[0]:
-        return "vnni"
+        return "amx" if amx_enabled() and amx_usable() else "vnni"
     return "avx2" if isa_.name in ("avx2", "avx512") else "plain"
+
+
+def amx_usable() -> bool:
+    """Whether this process may run AMX's int8 tiles: the CPU has them (and VNNI, which the
+    AMX tile runs its leftover rows on) and Linux granted the tile state (amx_permitted)."""
+    need = {"amx_tile", "amx_int8", "avx512_vnni"}
+    return need <= _flags()[0] and amx_permitted()
+
+
+@functools.lru_cache(maxsize=1)
+def amx_enabled() -> bool:
+    """Whether ``LEANRNN_AMX`` leaves AMX on (anything but ``0``), read once per process: the
+    fingerprint taken at import (numba's cache directory) and every kernel compiled later
+    must agree, or a cache keyed "no AMX" could come to hold AMX code."""
+    return os.environ.get(ENV_AMX, "").strip() != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def amx_permitted() -> bool:
+    """Ask Linux, once per process, for the AMX tile data state (arch_prctl
+    ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it the first AMX instruction of any
+    thread raises SIGILL. The grant is process-wide (every thread, later ones included). False
+    off Linux x86-64 or if the kernel refuses (too old, or a sandbox's seccomp)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        req = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        mask = ctypes.c_uint64(0)
+        got = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask))
+    except (OSError, AttributeError):
+        return False
+    return req == 0 and got == 0 and bool(mask.value >> _XFEATURE_XTILEDATA & 1)
 
 
 def _size(text: str) -> int:

@@ -40,21 +40,31 @@ from . import _cpu
 from ._ir import row_tiles, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
+TR = 16  # rows of an AMX tile: of A and C, and the k4 steps of a B tile
 
-def tile(isa: _cpu.Isa):
-    """The register tile (rows x groups of 16 columns) for ``isa``: the float32 rule of
-    _cpu.tile_for — on 64-byte vectors with VNNI (one int32 accumulator per 16-column group,
-    as float32 on AVX-512), else on 32-byte vectors (the intrinsics below are AVX2's, which
-    AVX-512 machines without VNNI run too) with two registers kept back, for the ones of
-    vpmaddwd and a product."""
-    if _cpu.int8_dot(isa) == "vnni":
+
+def tile(isa: _cpu.Isa, dot: str | None = None):
+    """The register tile (rows x groups of 16 columns) for ``isa`` and its dot product ``dot``
+    (default _cpu.int8_dot's): the float32 rule of _cpu.tile_for — on 64-byte vectors with
+    VNNI (one int32 accumulator per 16-column group, as float32 on AVX-512), else on 32-byte
+    vectors (the intrinsics below are AVX2's, which AVX-512 machines without VNNI run too)
+    with two registers kept back, for the ones of vpmaddwd and a product. With AMX, the rows
+    AMX tiles leave over (fewer than 16) run on the VNNI tile."""
+    if (dot or _cpu.int8_dot(isa)) in ("vnni", "amx"):
         return _cpu.tile_for(isa, 4)
     return _cpu.tile_for(_cpu.Isa(isa.name, isa.regs - 2, 32), 4)
 
 
-def codegen(nvec: int, isa: _cpu.Isa):
-    t = tile(isa)
-    dot = _cpu.int8_dot(isa)
+def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
+    """The tile's IR generator for panel slices of ``nvec`` groups on ``isa`` with the dot
+    product ``dot`` (default _cpu.int8_dot's; the tests pass each one this CPU runs)."""
+    dot = dot or _cpu.int8_dot(isa)
+    t = tile(isa, dot)
+    amx = dot == "amx"
+    if amx and not _cpu.amx_usable():  # SIGILL at the first tile instruction otherwise
+        raise ValueError("int8-dynamic's AMX tile asked for where this process cannot run AMX")
+    if amx:
+        dot = "vnni"  # AMX's leftover rows, K tail and lone rows
     lanes = 16 if dot == "vnni" else 8  # int32 accumulators (= output columns) per vector
     vbytes = 4 * lanes
     vecs_per_group = 16 // lanes
@@ -183,42 +193,153 @@ def codegen(nvec: int, isa: _cpu.Isa):
 
             def store_rows(init_of):
                 for r in range(nrows):
-                    row = builder.add(i, const(r))
-                    sp = builder.gep(aa, [builder.sub(builder.mul(builder.add(row, const(1)), lda),
-                                                      const(4))])  # fmt: skip
-                    s_row = builder.load(builder.bitcast(sp, f32.as_pointer()), align=1)
-                    s_rowv = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(vqf, ir.Undefined), s_row,
-                                               ir.Constant(i32, 0)), ir.Constant(vqf, ir.Undefined),
-                        splat,
-                    )  # fmt: skip
-                    base = builder.add(coff, builder.mul(row, ldc))
-                    for v in range(nv):
-                        col = (v0 + v) * lanes
-                        corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
-                                                            vqi32.as_pointer()), align=1)  # fmt: skip
-                        s_col = builder.load(builder.bitcast(builder.gep(scale_p, [const(col)]),
-                                                             vqf.as_pointer()), align=1)  # fmt: skip
+
+                    def total(v, r=r):
                         sets = range(gemv_sets) if nrows == 1 else (r,)
                         tot = None
                         for st in sets:
                             part = builder.load(acc[st][v])
                             tot = part if tot is None else builder.add(tot, part)
-                        tot = builder.sitofp(builder.sub(tot, corr), vqf)
-                        tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
-                        ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
-                                              vqf.as_pointer())  # fmt: skip
-                        builder.store(builder.fadd(tot, init_of(ptr, col)), ptr, align=4)
+                        return tot
 
-            def old(ptr, col):
-                return builder.load(ptr, align=4)
+                    store_row(builder.add(i, const(r)), v0, nv, total, init_of)
 
-            def bias(ptr, col):
-                bp = builder.gep(ba, [builder.add(boff, const(col))])
-                return builder.load(builder.bitcast(bp, vqf.as_pointer()), align=4)
+            store_by_mode(builder, mode, store_rows, old, bias, zero)
 
-            store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, col: zero_f)
+        def store_row(row, v0, nv, total, init_of):
+            """C's row ``row``, vectors v0..v0+nv-1, from their int32 sums ``total(v)``."""
+            sp = builder.gep(aa, [builder.sub(builder.mul(builder.add(row, const(1)), lda),
+                                              const(4))])  # fmt: skip
+            s_row = builder.load(builder.bitcast(sp, f32.as_pointer()), align=1)
+            s_rowv = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(vqf, ir.Undefined), s_row,
+                                       ir.Constant(i32, 0)), ir.Constant(vqf, ir.Undefined),
+                splat,
+            )  # fmt: skip
+            base = builder.add(coff, builder.mul(row, ldc))
+            for v in range(nv):
+                col = (v0 + v) * lanes
+                corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
+                                                    vqi32.as_pointer()), align=1)  # fmt: skip
+                s_col = builder.load(builder.bitcast(builder.gep(scale_p, [const(col)]),
+                                                     vqf.as_pointer()), align=1)  # fmt: skip
+                tot = builder.sitofp(builder.sub(total(v), corr), vqf)
+                tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
+                ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
+                                      vqf.as_pointer())  # fmt: skip
+                builder.store(builder.fadd(tot, init_of(ptr, col)), ptr, align=4)
 
+        def old(ptr, col):
+            return builder.load(ptr, align=4)
+
+        def bias(ptr, col):
+            bp = builder.gep(ba, [builder.add(boff, const(col))])
+            return builder.load(builder.bitcast(bp, vqf.as_pointer()), align=4)
+
+        def zero(ptr, col):
+            return zero_f
+
+        if amx:
+            void, i8p = ir.VoidType(), i8.as_pointer()
+
+            def tile_op(name, *args):
+                fn = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(void, [a.type for a in args]), name
+                )
+                return builder.call(fn, list(args))
+
+            def tmm(n):  # an AMX tile register: an immediate operand
+                return ir.Constant(i8, n)
+
+            with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
+                cfg = builder.alloca(ir.ArrayType(i8, 64))
+                sums = builder.alloca(ir.ArrayType(i32, 2 * TR * 2 * TR))
+            cfg.align = sums.align = 64
+            k4_main = builder.mul(builder.sdiv(k4s, const(TR)), const(TR))
+            sum_ld = 2 * TR  # int32 per row of ``sums``: two tiles of C side by side
+
+            def sums_at(r, v):
+                """&sums[r, v*16]: row r (an i64 value) of the block's int32 sums, vector v."""
+                off = builder.add(builder.mul(r, const(sum_ld)), const(v * lanes))
+                return builder.bitcast(builder.gep(builder.bitcast(sums, i32.as_pointer()),
+                                                   [off]), vqi32.as_pointer())  # fmt: skip
+
+            def amx_block(i, mr, c0, nc):
+                """Rows i..i+16*mr-1 x groups c0..c0+nc-1: C tile 2r+c += A tile 4+r x B tile
+                6+c over the k4 steps in whole tiles of 16, stored into ``sums``, which the
+                k4 steps past them then finish on VNNI; then the store, from ``sums``."""
+                for r in range(mr):
+                    for c in range(nc):
+                        tile_op("llvm.x86.tilezero", tmm(2 * r + c))
+                with cgutils.for_range_slice(builder, const(0), k4_main, const(TR)) as (k4, _):
+                    for r in range(mr):
+                        row = builder.add(i, const(TR * r))
+                        off = builder.add(builder.add(builder.mul(row, lda), acol),
+                                          builder.mul(k4, const(4)))  # fmt: skip
+                        tile_op("llvm.x86.tileloadd64", tmm(4 + r),
+                                builder.bitcast(builder.gep(aa, [off]), i8p), lda)  # fmt: skip
+                    for c in range(nc):
+                        off = builder.add(builder.add(poff, builder.mul(k4, kstride)),
+                                          const((c0 + c) * vbytes))  # fmt: skip
+                        tile_op("llvm.x86.tileloadd64", tmm(6 + c),
+                                builder.bitcast(builder.gep(pa, [off]), i8p), kstride)  # fmt: skip
+                    for r in range(mr):
+                        for c in range(nc):
+                            tile_op("llvm.x86.tdpbusd", tmm(2 * r + c), tmm(4 + r), tmm(6 + c))
+                for r in range(mr):
+                    for c in range(nc):
+                        tile_op("llvm.x86.tilestored64", tmm(2 * r + c),
+                                builder.bitcast(sums_at(const(TR * r), c), i8p),
+                                const(4 * sum_ld))  # fmt: skip
+                with builder.if_then(builder.icmp_signed("<", k4_main, k4s)):
+                    # The K tail (fewer than 16 k4 steps): A tile rows would need another
+                    # tile configuration, which would clear the C tiles.
+                    with cgutils.for_range(builder, const(TR * mr)) as loop:
+                        r = loop.index
+                        for v in range(nc):
+                            builder.store(builder.load(sums_at(r, v), align=64), acc[0][v])
+                        arow = [builder.add(builder.mul(builder.add(i, r), lda), acol)]
+                        with cgutils.for_range_slice(builder, k4_main, k4s, const(1)) as (k4, _):
+                            k_step(k4, 1, arow, c0, nc, 0)
+                        for v in range(nc):
+                            builder.store(builder.load(acc[0][v]), sums_at(r, v), align=64)
+
+                def store_rows(init_of):
+                    with cgutils.for_range(builder, const(TR * mr)) as loop:
+                        r = loop.index
+                        store_row(builder.add(i, r), c0, nc,
+                                  lambda v: builder.load(sums_at(r, v), align=64), init_of)  # fmt: skip
+
+                store_by_mode(builder, mode, store_rows, old, bias, zero)
+
+            def amx_rows(a0, a1):
+                """Rows a0..a1 (whole tiles of 16) in blocks of 2 x 2 AMX tiles, 32 rows x 32
+                columns (C in tiles 0-3, A in 4-5, B in 6-7: all eight), loads per tdpbusd 1;
+                a last 16 rows as 1 x 2. B tiles are the panel's rows as they are: 16 k4 rows
+                x 64 bytes of a 16-column group is AMX's VNNI layout for B. The configuration
+                is loaded per call and released after it: the pool's threads all run tiles."""
+                conf = [0] * 64
+                conf[0] = 1  # palette 1; every tile 16 rows x 64 bytes
+                for n in range(8):
+                    conf[16 + 2 * n], conf[48 + n] = 4 * TR, TR
+                builder.store(ir.Constant(ir.ArrayType(i8, 64), conf), cfg)
+                tile_op("llvm.x86.ldtilecfg", builder.bitcast(cfg, i8p))
+                pair_end = builder.add(
+                    a0, builder.mul(builder.sdiv(builder.sub(a1, a0), const(2 * TR)),
+                                    const(2 * TR)))  # fmt: skip
+                for c0 in range(0, nvec, 2):
+                    with cgutils.for_range_slice(builder, a0, pair_end, const(2 * TR)) as (i, _):
+                        amx_block(i, 2, c0, min(2, nvec - c0))
+                    with builder.if_then(builder.icmp_signed("<", pair_end, a1)):
+                        amx_block(pair_end, 1, c0, min(2, nvec - c0))
+                tile_op("llvm.x86.tilerelease")
+
+            # Rows in whole AMX tiles of 16 (amx_rows), the 0..15 left over on the register
+            # tile; a lone row (GEMV) never touches AMX.
+            whole = builder.mul(builder.sdiv(builder.sub(i1, i0), const(TR)), const(TR))
+            with builder.if_then(builder.icmp_signed(">", whole, const(0))):
+                amx_rows(i0, builder.add(i0, whole))
+            i0 = builder.add(i0, whole)
         row_tiles(builder, i0, i1, MR, rows_block)
         return context.get_dummy_value()
 

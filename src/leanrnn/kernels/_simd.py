@@ -189,10 +189,12 @@ def _codegen(nvec: int, tiles_: dict):
     return gen
 
 
-def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None):
+def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
+         dot: str | None = None):  # fmt: skip
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
-    (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile (default the compiled
-    one); the tests pass others to run every ISA's tile on any machine."""
+    (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile with the dot product
+    ``dot`` (default the compiled one, _cpu.int8_dot); the tests pass others to run every
+    ISA's tile on any machine."""
     tiles_ = tiles_ or TILES
 
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
@@ -202,7 +204,7 @@ def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None):
         if P.dtype == types.uint8 or A.dtype == types.uint8:  # int8-dynamic: both or neither
             if P.dtype != A.dtype or C.dtype != types.float32:
                 return None
-            gen = _qdot.codegen(nvec, isa or _cpu.isa())
+            gen = _qdot.codegen(nvec, isa or _cpu.isa(), dot)
             return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
         if P.dtype not in _DTYPES and not (P.dtype in WEIGHT_FORMATS and A.dtype == types.float32):
             return None
