@@ -204,18 +204,17 @@ def test_int8_dynamic_load_checks_its_codes_in_place(tmp_path):
     assert mem.peak < 1.5 * size, (mem.peak, size)
 
 
-def test_int8_dynamic_codes_past_7_bits_are_refused_even_with_matching_corrections(tmp_path):
+def test_int8_dynamic_code_minus_128_is_refused_even_with_matching_corrections(tmp_path):
     from leanrnn.formats.quantize import _dot_corrections, dot_codes
 
     def edit(panel):
         X4 = panel.shape[1] - 2
         codes = panel[:, :X4].view(np.int8)
         codes[0, 0, 0] = -128  # the one code whose absolute value int8 cannot hold
-        codes[1, 2, 3] = 64
         corr = _dot_corrections(dot_codes(panel)[0])  # consistent with the bad codes
         panel[:, X4 + 1] = corr.view(np.uint8).reshape(panel.shape[0], -1)
 
-    with pytest.raises(ModelFormatError, match=r"layer 1 direction 0 Rt.*\+-63"):
+    with pytest.raises(ModelFormatError, match=r"layer 1 direction 0 Rt.*\+-127"):
         leanrnn.load(_int8d_file(tmp_path, edit))
 
 

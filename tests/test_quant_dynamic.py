@@ -33,12 +33,12 @@ F32 = np.float32
 
 
 # ------------------------------------------------------------------------------- the oracle
-def _weights(w: np.ndarray) -> np.ndarray:
-    """Per row (output unit and gate) of canonical W or R: s = max|w| / 63 (float32),
-    w ~ s * clip(rint(w / s), -63, 63)."""
+def _weights(w: np.ndarray, qmax: int = DOT_QMAX) -> np.ndarray:
+    """Per row (output unit and gate) of canonical W or R: s = max|w| / qmax (float32),
+    w ~ s * clip(rint(w / s), -qmax, qmax)."""
     w = np.asarray(w, np.float64)
-    s = (np.abs(w).max(axis=1) / DOT_QMAX).astype(F32).astype(np.float64)[:, None]
-    q = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s > 0)), -DOT_QMAX, DOT_QMAX)
+    s = (np.abs(w).max(axis=1) / qmax).astype(F32).astype(np.float64)[:, None]
+    q = np.clip(np.rint(np.divide(w, s, out=np.zeros_like(w), where=s > 0)), -qmax, qmax)
     return q * s
 
 
@@ -194,8 +194,8 @@ def test_the_jit_backend_runs_int8_dynamic_jobs_too(monkeypatch):
 def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
     """AVX-512 VNNI's vpdpbusd tile (where this CPU has VNNI; AVX2's elsewhere), AVX2's
     vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one (every other
-    CPU): exact integer sums, codes at the extremes (255 x +-63: the largest pair sums, which
-    must not saturate), the lone-row GEMV (its k loop split over accumulator sets with VNNI:
+    CPU): exact integer sums, codes at the extremes (255 x +-127, and 1: the largest products
+    of each path, whose pair sums must not saturate int16 on AVX2), the lone-row GEMV (its k loop split over accumulator sets with VNNI:
     K=37 has an odd number of 4-input steps) and several rows, one and four groups, panel 1
     of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
     run = tile_gemm(name)
@@ -203,8 +203,8 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
     Wd, Xp = 4 * B, 40
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)
     w[:, K:] = 0
-    w[1, :, 0] = [63.0] * K + [0.0] * (Xp - K)  # codes +63 all along column 0 ...
-    w[1, :, 1] = [-63.0] * K + [0.0] * (Xp - K)  # ... and -63 along column 1
+    w[1, :, 0] = [127.0] * K + [0.0] * (Xp - K)  # codes +127 all along column 0 ...
+    w[1, :, 1] = [-127.0] * K + [0.0] * (Xp - K)  # ... and -127 along column 1
     panel = dot_panel(w)
     q, s, _ = dot_codes(panel)
     deq = q.astype(np.float64) * s.astype(np.float64)[:, None, :]
@@ -215,7 +215,8 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
             ld = quantized_row_bytes(K)
             A = np.zeros((M, ld), np.uint8)
             codes = rng.integers(1, 256, (M, K))
-            codes[0] = 255  # the extreme: 255 * 63 * 2 per pair
+            codes[0] = 255  # the extremes: d = +127 ...
+            codes[-1] = 1  # ... and -127 (M=1: the lone row is 255)
             A[:, :K] = codes
             srow = rng.random(M).astype(F32)
             A[:, ld - 4 :] = srow.view(np.uint8).reshape(M, 4)
@@ -229,13 +230,13 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
 
 
 def _dot_operands(rng, K, M):
-    """A two-panel int8-dynamic panel of 64 columns over K inputs (panel 1: codes +63 along
-    column 0, -63 along column 1) with its float64 dequantized weights [2, K, 64], and M
+    """A two-panel int8-dynamic panel of 64 columns over K inputs (panel 1: codes +127 along
+    column 0, -127 along column 1) with its float64 dequantized weights [2, K, 64], and M
     activation rows (row 0 all 255, row 1 all 1: the extremes) with their float64 values."""
     Wd, Xp = 4 * B, (K + 3) // 4 * 4
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)
     w[:, K:] = 0
-    w[1, :K, 0], w[1, :K, 1] = 63.0, -63.0
+    w[1, :K, 0], w[1, :K, 1] = 127.0, -127.0
     panel = dot_panel(w)
     q, s, _ = dot_codes(panel)
     deq = q.astype(np.float64)[:, :K] * s.astype(np.float64)[:, None, :]
@@ -337,7 +338,7 @@ def test_activation_codes_are_numpys_float32_rounding():
     assert (out[1, :K] == CODE_OFFSET).all() and scales[1] == 0
 
 
-def test_panel_codes_are_7_bit_and_dequantize_within_half_a_step():
+def test_panel_codes_are_8_bit_and_dequantize_within_half_a_step():
     rng = np.random.default_rng(8)
     w = rng.standard_normal((3, 32, 64)).astype(F32)
     q, s, corr = dot_codes(dot_panel(w))
@@ -363,6 +364,54 @@ def test_lrnn_round_trip_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(back.weights.tensors()[name], a)
     x = np.random.default_rng(0).standard_normal((4, 2, 5)).astype(F32)
     np.testing.assert_array_equal(back(x)[0], m(x)[0])
+
+
+def test_a_file_with_7_bit_codes_still_runs_to_its_own_rounding(tmp_path, monkeypatch):
+    """Files written before the codes were 8-bit (s = max|w| / 63) load and run as they are:
+    one step against the oracle that rounds the weights to 7 bits — and 8 bits would be
+    farther off, so the kernels really did use the file's codes and scales."""
+    from leanrnn.formats import quantize as fq
+
+    spec = RNNSpec("lstm", 5, 19)
+    rng = np.random.default_rng(11)
+    layers = random_layers(spec, rng, F32, scale=0.3)
+    with monkeypatch.context() as mp:
+        mp.setattr(fq, "DOT_QMAX", 63)
+        old = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P)
+        path = leanrnn.save(old, tmp_path / "old.lrnn")
+    model = leanrnn.load(path)
+    x = rng.standard_normal((1, 3, 5)).astype(F32)
+    h0, c0 = _states(spec, rng, 3)
+    y = model.session.run(x, h0, c0)[0]
+    tol = ATOL_REDUCED[np.uint8]
+
+    def oracle(qmax):
+        w = [[dataclasses.replace(lw, W=_weights(lw.W, qmax), R=_weights(lw.R, qmax)) for lw in d]
+             for d in layers]  # fmt: skip
+        return reference_forward(spec, w, x, h0, c0, operand=_operand)[0]
+
+    np.testing.assert_allclose(y, oracle(63), rtol=0, atol=tol)
+    assert np.abs(y - oracle(DOT_QMAX)).max() > 10 * tol
+
+
+def test_8_bit_codes_halve_the_weights_error():
+    """The same model's outputs over T=200 against float32: 8-bit codes (this format) against
+    7-bit ones (the format before): clearly closer, as half the weight step should make them."""
+    spec = RNNSpec("lstm", 16, 64)
+    rng = np.random.default_rng(12)
+    layers = random_layers(spec, rng, F32, scale=0.15)
+    x = rng.standard_normal((200, 2, 16)).astype(F32)
+    want = reference_forward(spec, layers, x)[0]
+    err = {}
+    for qmax in (63, DOT_QMAX):
+        w = [[dataclasses.replace(lw, W=_weights(lw.W, qmax), R=_weights(lw.R, qmax)) for lw in d]
+             for d in layers]  # fmt: skip
+        got = reference_forward(spec, w, x, operand=_operand)[0]
+        err[qmax] = np.abs(got - want).mean()
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P)
+    mine = np.abs(model.session.run(x)[0] - want).mean()
+    assert err[DOT_QMAX] < 0.75 * err[63]
+    assert mine < 0.75 * err[63]
 
 
 def test_a_file_with_corrections_that_do_not_match_its_codes_is_refused(tmp_path):

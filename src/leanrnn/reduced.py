@@ -33,14 +33,14 @@ def quantize(model, precision: str):
     ``GraphModel`` (its packed RNN nodes). The model must be float32; ``model`` is unchanged.
 
     "int8-dynamic" is what torch's ``quantize_dynamic`` and onnxruntime's dynamic quantization
-    do: int8 weights (7-bit codes, one scale per output unit and gate) and the activations (x,
+    do: int8 weights (one scale per output unit and gate) and the activations (x,
     h) quantized per row as the kernels run, multiplied with integer dot products and summed
     exactly in int32 (kernels._qdot) — the fast int8 mode, at the accuracy of the peers' int8.
 
     Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
     at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8
-    relative; int8 by <= scale/2 = max|w_column| / 254 absolute (int8-dynamic / 126, plus each
-    activation by max|row| / 254).
+    relative; int8 and int8-dynamic by <= scale/2 = max|w_column| / 254 absolute (and
+    int8-dynamic each activation by max|row| / 254).
 
     >>> m = leanrnn.LSTM(64, 128, seed=0)
     >>> q = leanrnn.quantize(m, "int8")          # q(x) ~= m(x), weights ~1/4 of the bytes

@@ -11,9 +11,11 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
 - ``int8-dynamic``: what torch's and onnxruntime's dynamic quantization do — int8 weights and
   activations quantized per row as the kernels run (kernels._qdot), summed exactly in int32.
-  Weights symmetric per packed column in 7 bits, s_j = max_k |w_kj| / 63 (the u8 x s8 pair
-  sums of AVX2's vpmaddubsw then never saturate), error <= s_j / 2 per weight; laid out 4
+  Weights symmetric per packed column in 8 bits, s_j = max_k |w_kj| / 127 (codes -127..127;
+  -128 unused, see kernels._qdot's AVX2 path), error <= s_j / 2 per weight; laid out 4
   inputs per row (dot_panel) with two tail rows: the column scales and 128 * sum_k q_kj.
+  Files written with 7-bit codes (s_j = max|w| / 63, before 2026-12-01) load and run as they
+  are: their codes lie within the range.
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeig
 def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     """After reading reduced weights from a file: every int8 scale finite and >= 0 (one pass
     over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs; for
-    int8-dynamic also the codes within 7 bits and the corrections equal to what the codes give
+    int8-dynamic also the codes within +-DOT_QMAX and the corrections equal to what the codes give
     (one pass over the codes: a wrong correction would shift every output silently)."""
     if pw.precision not in ("int8", "int8-dynamic"):
         return

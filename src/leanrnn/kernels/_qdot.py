@@ -2,27 +2,31 @@
 summed exactly in int32, scaled to float32 once at the store.
 
 Where ``_simd``'s tiles widen each weight to float32 and do one FMA per weight (8 per
-instruction on AVX2), this one multiplies 32 byte pairs per instruction: ``vpmaddubsw``
-(u8 x s8, adjacent pairs summed to int16) then ``vpmaddwd`` by ones (pairs of int16 summed to
-int32), so each int32 lane gets the dot product of 4 consecutive inputs with 4 weights of one
-column. Three instructions per 32 multiply-adds, against four FMAs and four widenings. Where
-the CPU has AVX-512 VNNI (Ice Lake / Sapphire Rapids and later Xeons, Zen 4 and later),
-``vpdpbusd`` does all of that and the accumulation in one instruction on 64-byte vectors: 64
-multiply-adds per instruction, a 16-column group per register (_cpu.int8_dot picks the path).
+instruction on AVX2), this one multiplies 32 byte pairs per instruction. Where the CPU has
+AVX-512 VNNI (Ice Lake / Sapphire Rapids and later Xeons, Zen 4 and later), ``vpdpbusd``
+multiplies u8 codes by s8 weights and sums each 4 into an int32 lane in one instruction on
+64-byte vectors (64 multiply-adds, a 16-column group per register), and AMX's ``tdpbusd``
+does the same for 16 x 16 x 64 tiles; _cpu.int8_dot picks the path. AVX2 has only
+``vpmaddubsw`` (u8 x s8, adjacent pairs summed to int16 *with saturation*) then ``vpmaddwd``
+by ones (pairs of int16 to int32): u8 codes up to 255 against 8-bit weights would saturate, so
+there each code becomes d = code - 128 in [-127, 127] and ``vpmaddubsw(|d|, sign(w, d))``
+multiplies |d| by w with d's sign — pair sums <= 2 * 127 * 127 fit int16, the sum is exact, and
+no offset is to be taken out. Four instructions per 32 multiply-adds, against four FMAs and
+four widenings.
 
 Operands (formats.quantize has the packing side):
 
 - **weights** P, uint8 [U, X/4 + DOT_TAIL_ROWS, 4*Wd] (uint8 is only the tag that selects this
   tile: the bytes are int8 codes, and LLVM's integers are signless): row k4 of panel u holds,
-  for each column j, its 4 weights of inputs 4*k4..4*k4+3. Codes are in [-63, 63] (7 bits),
-  so a pair sum u8*s8 + u8*s8 <= 2*255*63 = 32130 never saturates the int16 of vpmaddubsw:
-  the integer sum is exact. Row X/4 holds the Wd float32 column scales, row X/4 + 1 the Wd
-  int32 corrections 128 * sum_k q_kj (the activations' offset, below).
+  for each column j, its 4 weights of inputs 4*k4..4*k4+3. Codes are in [-127, 127]. Row X/4
+  holds the Wd float32 column scales, row X/4 + 1 the Wd int32 corrections 128 * sum_k q_kj
+  (the activations' offset, below; the AVX2 path, summing d * w, does not need them).
 - **activations** A, uint8 [rows, lda]: row i holds round(a_ik / s_i) + 128 for its inputs
   (kernels.gemm.quantize_rows; symmetric per row, s_i = max_k |a_ik| / 127, codes 1..255) and
   its float32 scale s_i in its last 4 bytes.
 
     C[i, j] = init + float(sum_k A[i, k] * q_kj - corr_j) * (s_i * s_j)
+            = init + float(sum_k (A[i, k] - 128) * q_kj) * (s_i * s_j)
 
 No k loop is split (the caller never slices K: an int8 panel of 1024 inputs is 64 KiB, it
 stays in L2 whole), so the correction covers exactly the inputs summed.
@@ -110,6 +114,8 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
 
             def dot_add(acc, a, w):
                 return builder.call(dpbusd, [acc, a, w])
+
+            prep = None
         elif dot == "avx2":
             v16i16 = ir.VectorType(i16, 16)
             maddubs = cgutils.get_or_insert_function(
@@ -118,10 +124,25 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
             maddwd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(vqi32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd"
             )
+            sign = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vqi8, [vqi8, vqi8]), "llvm.x86.avx2.psign.b"
+            )
+            absb = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vqi8, [vqi8, ir.IntType(1)]), "llvm.abs.v32i8"
+            )
             ones = ir.Constant(v16i16, [1] * 16)
+            flip = ir.Constant(vqi8, [-128] * vbytes)  # code ^ 0x80 = code - 128 as a signed byte
+
+            def prep(a):
+                """A row's broadcast codes -> (|d|, d), d = code - 128 in [-127, 127]."""
+                d = builder.xor(a, flip)
+                return builder.call(absb, [d, ir.Constant(ir.IntType(1), 0)]), d
 
             def dot_add(acc, a, w):
-                return builder.add(acc, builder.call(maddwd, [builder.call(maddubs, [a, w]), ones]))
+                # |d| * (w with d's sign) = d * w, each <= 127 * 127: a pair sum fits int16
+                mag, d = a
+                prod = builder.call(maddubs, [mag, builder.call(sign, [w, d])])
+                return builder.add(acc, builder.call(maddwd, [prod, ones]))
         else:
             vwide = ir.VectorType(i32, vbytes)
 
@@ -133,6 +154,8 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
                     )
                     acc = builder.add(acc, lane)
                 return acc
+
+            prep = None
 
         # The panel slice's column scales and corrections (its tail rows, see the docstring):
         # panel u = poff // (S1*S2), the slice's first column byte poff % S2 (4 per column).
@@ -170,6 +193,8 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
                 av = builder.insert_element(ir.Constant(vqi32, ir.Undefined), quad,
                                             ir.Constant(i32, 0))  # fmt: skip
                 av = builder.bitcast(builder.shuffle_vector(av, av, splat), vqi8)
+                if prep is not None:
+                    av = prep(av)
                 for v in range(nv):
                     slot = acc[sets if nrows == 1 else r][v]
                     builder.store(dot_add(builder.load(slot), av, ws[v]), slot)
@@ -219,11 +244,14 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
             base = builder.add(coff, builder.mul(row, ldc))
             for v in range(nv):
                 col = (v0 + v) * lanes
-                corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
-                                                    vqi32.as_pointer()), align=1)  # fmt: skip
                 s_col = builder.load(builder.bitcast(builder.gep(scale_p, [const(col)]),
                                                      vqf.as_pointer()), align=1)  # fmt: skip
-                tot = builder.sitofp(builder.sub(total(v), corr), vqf)
+                tot = total(v)
+                if prep is None:  # the sums include the codes' offset 128: take it back out
+                    corr = builder.load(builder.bitcast(builder.gep(corr_p, [const(col)]),
+                                                        vqi32.as_pointer()), align=1)  # fmt: skip
+                    tot = builder.sub(tot, corr)
+                tot = builder.sitofp(tot, vqf)
                 tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
                 ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
                                       vqf.as_pointer())  # fmt: skip

@@ -238,8 +238,9 @@ B = 16  # units per block; 16 float32 = one 64-byte row segment (formats.packing
 
 # int8-dynamic (kernels._qdot): rows after a dot panel's codes (its column scales, then its
 # corrections), the activations' code offset (code = round(a / s) + 128, an unsigned byte) and
-# the weights' code range (7 bits, so u8 x s8 pair sums never saturate int16).
-DOT_TAIL_ROWS, CODE_OFFSET, DOT_QMAX = 2, 128, 63
+# the weights' code range (+-127: -128 left out, so AVX2's sign trick (kernels._qdot) cannot
+# overflow a byte and its s8 x s8 pair sums, <= 2 * 127 * 127, fit int16).
+DOT_TAIL_ROWS, CODE_OFFSET, DOT_QMAX = 2, 128, 127
 
 
 def quantized_row_bytes(K: int) -> int:
