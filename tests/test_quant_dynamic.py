@@ -336,6 +336,24 @@ def test_activation_codes_are_numpys_float32_rounding():
     assert (out[1, :K] == CODE_OFFSET).all() and scales[1] == 0
 
 
+@pytest.mark.parametrize("backend", ["native", "jit"])
+def test_huge_finite_inputs_keep_their_codes_inside_the_kernels(backend, monkeypatch):
+    """Input rows whose every |x| is past float32's max / 127 (~2.7e36): their codes are
+    rint(x * (127 / max|x|)) as numpy's float32 gives them. quantize_rows runs inside the
+    fast-math kernels, and numba compiles a callee with its caller's fast-math flags unless
+    it sets its own: reassociated to (x * 127) / max|x|, every product overflowed to inf and
+    the whole row's codes became 0 — outputs of tanh(b + R h) instead of +-1."""
+    monkeypatch.setattr(leanrnn.config, "_backend", backend)
+    spec = RNNSpec("rnn", 5, 17)
+    model, layers, rng = _model(spec, 13)
+    mag = rng.uniform(0.3, 1.0, (1, 3, 5)) * np.where(rng.random((1, 3, 5)) < 0.5, -1, 1)
+    x = (mag * 1e37).astype(F32)
+    h0, _ = _states(spec, rng, 3)
+    y = model.session.run(x, h0)[0]
+    ry = reference_forward(spec, rounded(layers), x, h0, operand=_operand)[0]
+    np.testing.assert_allclose(y, ry, rtol=0, atol=ATOL_REDUCED[np.uint8])
+
+
 def test_panel_codes_are_8_bit_and_dequantize_within_half_a_step():
     rng = np.random.default_rng(8)
     w = rng.standard_normal((3, 32, 64)).astype(F32)

@@ -71,8 +71,12 @@ def _off_impl(P, u, v0, k0):
     return lambda P, u, v0, k0: (u * P.shape[1] + k0) * P.shape[2] + v0 * B
 
 
-@numba.njit(cache=CACHE, error_model="numpy", nogil=True)  # no fast-math: the codes must be
-def quantize_rows(A, i0, i1, K, out):  # exactly what numpy's float32 arithmetic gives
+# No fast-math: the codes must be exactly what numpy's float32 arithmetic gives. Said
+# explicitly: numba compiles a callee that leaves fastmath unset with its caller's flags (the
+# fast-math kernels'), and reassociated, a * (127 / amax) became (a * 127) / amax, inf for
+# every |a| past ~2.7e36 (codes 0); the cache then kept that build for direct calls too.
+@numba.njit(cache=CACHE, error_model="numpy", nogil=True, fastmath=False)
+def quantize_rows(A, i0, i1, K, out):
     """Rows i0..i1 of float32 A [rows, >=K] -> int8-dynamic activation rows in the flat uint8
     ``out``, row r at r * ld, ld = quantized_row_bytes(K) (kernels._qdot): symmetric per row,
     s = max_k |a_k| / 127, code round(a_k / s) + 128 (ties to even), s in the row's last 4
