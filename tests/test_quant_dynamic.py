@@ -47,9 +47,10 @@ def _codes(a: np.ndarray) -> tuple[np.ndarray, np.float32]:
     kernels compute them."""
     a = np.asarray(a, F32)
     amax = np.abs(a).max(initial=F32(0))
-    if amax == 0:
+    with np.errstate(divide="ignore", over="ignore"):
+        inv = F32(127) / amax
+    if not np.isfinite(inv):  # zero, or too small for 127 / max to be a float32: zero
         return np.zeros(a.shape, np.int64), F32(0)
-    inv = F32(127) / amax
     return np.rint(a * inv).astype(np.int64), amax / F32(127)
 
 
@@ -310,23 +311,25 @@ def test_a_cpu_without_amx_never_gets_amx_code(monkeypatch):
 
 def test_activation_codes_are_numpys_float32_rounding():
     """quantize_rows against numpy in float32: the same codes (ties to even) and scale bytes;
-    an all-zero row, a NaN row and an inf row."""
+    an all-zero row, a NaN row, an inf row, and a row so small (max 2e-37, a denormal among
+    them) that 127 / max overflows: it quantizes as zero, scale 0."""
     from leanrnn.kernels.gemm import quantize_rows
 
     rng = np.random.default_rng(6)
     K = 13
-    A = rng.standard_normal((6, K + 3)).astype(F32)
+    A = rng.standard_normal((7, K + 3)).astype(F32)
     A[1, :K] = np.arange(K, dtype=F32) - 6.0  # max 6: codes 127 * v / 6 hit .5 ties
     A[2] = 0
     A[3, 4] = np.nan
     A[4, 5] = np.inf
+    A[6, :K] = np.linspace(-2e-37, 1e-39, K, dtype=F32)
     ld = quantized_row_bytes(K)
-    flat = np.full(5 * ld + 3, 7, np.uint8)
-    quantize_rows(A, 1, 6, K, flat)
-    assert (flat[5 * ld :] == 7).all()  # nothing past the rows
-    out = flat[: 5 * ld].reshape(5, ld)
+    flat = np.full(6 * ld + 3, 7, np.uint8)
+    quantize_rows(A, 1, 7, K, flat)
+    assert (flat[6 * ld :] == 7).all()  # nothing past the rows
+    out = flat[: 6 * ld].reshape(6, ld)
     scales = out[:, ld - 4 :].copy().view(F32).ravel()
-    for r, row in enumerate(A[1:6]):
+    for r, row in enumerate(A[1:7]):
         if not np.isfinite(row[:K]).all():
             assert np.isnan(scales[r])
             continue
@@ -334,6 +337,7 @@ def test_activation_codes_are_numpys_float32_rounding():
         np.testing.assert_array_equal(out[r, :K].astype(np.int64) - CODE_OFFSET, q)
         assert scales[r] == s
     assert (out[1, :K] == CODE_OFFSET).all() and scales[1] == 0
+    assert (out[5, :K] == CODE_OFFSET).all() and scales[5] == 0
 
 
 @pytest.mark.parametrize("backend", ["native", "jit"])

@@ -80,7 +80,9 @@ def quantize_rows(A, i0, i1, K, out):
     """Rows i0..i1 of float32 A [rows, >=K] -> int8-dynamic activation rows in the flat uint8
     ``out``, row r at r * ld, ld = quantized_row_bytes(K) (kernels._qdot): symmetric per row,
     s = max_k |a_k| / 127, code round(a_k / s) + 128 (ties to even), s in the row's last 4
-    bytes. An all-zero row gets codes 128 and s = 0; a row holding NaN or inf gets s = NaN,
+    bytes. An all-zero row gets codes 128 and s = 0, and so does a row too small for
+    127 / max|a| to be a float32 (max|a| < ~3.7e-37: its outputs then err by less than that;
+    converting the inf codes to integers would be undefined); a row holding NaN or inf gets s = NaN,
     so its outputs are NaN (non-finite input propagates). Flat, not [rows, ld]: a reshape
     needs a numba runtime helper the native build does not link."""
     ld = _row_bytes(K)
@@ -94,8 +96,8 @@ def quantize_rows(A, i0, i1, K, out):
             if not v < np.inf:
                 finite = False
         scale = np.float32(np.nan)
-        if finite and amax > 0:
-            inv = _QMAX / amax
+        inv = _QMAX / amax if amax > 0 else np.float32(np.inf)
+        if finite and inv < np.inf:
             for k in range(K):
                 out[r * ld + k] = np.uint8(np.int32(np.rint(A[i0 + r, k] * inv)) + CODE_OFFSET)
             scale = amax / _QMAX
