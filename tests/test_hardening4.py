@@ -204,6 +204,29 @@ def test_int8_dynamic_load_checks_its_codes_in_place(tmp_path):
     assert mem.peak < 1.5 * size, (mem.peak, size)
 
 
+@pytest.mark.parametrize("where", ["last group", "past it"])
+def test_int8_dynamic_codes_past_a_panels_inputs_are_refused(tmp_path, where):
+    """Codes for inputs K.. (the padding; K = 19 here: inputs 19 and 20.. of Rt) with
+    corrections that match them: the kernels multiply the last group's padding by scratch
+    bytes nobody writes, and the VNNI / AMX corrections would count codes never summed."""
+    from leanrnn.formats.quantize import _dot_corrections, dot_codes
+
+    m = leanrnn.quantize(leanrnn.GRU(5, 19, seed=0), "int8-dynamic")
+    panel = m.weights.layers[0][0].Rt
+    X4 = panel.shape[1] - 2
+    by_input = panel[:, :X4].view(np.int8).reshape(panel.shape[0], X4, -1, 4)
+    if where == "last group":
+        by_input[1, 19 // 4, 2, 19 % 4] = 5  # input 19 of column 2 (group 4 holds 16..19)
+    else:
+        assert X4 > 5  # a whole group of padding exists
+        by_input[0, 5, 0, 0] = -7  # input 20
+    corr = _dot_corrections(dot_codes(panel)[0])
+    panel[:, X4 + 1] = corr.view(np.uint8).reshape(panel.shape[0], -1)
+    path = leanrnn.save(m, str(tmp_path / "q.lrnn"))
+    with pytest.raises(ModelFormatError, match=r"layer 0 direction 0 Rt.*past its 19 inputs"):
+        leanrnn.load(path)
+
+
 def test_int8_dynamic_code_minus_128_is_refused_even_with_matching_corrections(tmp_path):
     from leanrnn.formats.quantize import _dot_corrections, dot_codes
 

@@ -240,8 +240,10 @@ def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeig
 def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     """After reading reduced weights from a file: every int8 scale finite and >= 0 (one pass
     over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs; for
-    int8-dynamic also the codes within +-DOT_QMAX and the corrections equal to what the codes give
-    (one pass over the codes: a wrong correction would shift every output silently)."""
+    int8-dynamic also the codes within +-DOT_QMAX, zero past the panel's K inputs (the padding
+    of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
+    equal to what the codes give (one pass over the codes: a wrong correction would shift
+    every output silently)."""
     if pw.precision not in ("int8", "int8-dynamic"):
         return
     for li, dirs in enumerate(pw.layers):
@@ -253,24 +255,31 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
                     s = panel_scales(panel)
                 else:
                     s = np.ascontiguousarray(panel[:, -DOT_TAIL_ROWS]).view(np.float32)
-                    if not _dot_panel_consistent(panel):
-                        raise ModelFormatError(f"{tag} has int8-dynamic codes beyond +-{DOT_QMAX} "
-                                               "or corrections that do not match them; the file "
-                                               "is corrupt")  # fmt: skip
+                    K = pw.spec.layer_input_size(li) if name == "Wt" else pw.spec.output_size
+                    if not _dot_panel_consistent(panel, K):
+                        raise ModelFormatError(f"{tag} has int8-dynamic codes beyond +-{DOT_QMAX}, "
+                                               f"codes past its {K} inputs, or corrections that "
+                                               "do not match them; the file is corrupt")  # fmt: skip
                 if not (np.isfinite(s).all() and (s >= 0).all()):
                     raise ModelFormatError(f"{tag} has int8 scales that are negative or not "
                                            "finite; the file is corrupt")  # fmt: skip
 
 
-def _dot_panel_consistent(panel: np.ndarray) -> bool:
+def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     """Whether an int8-dynamic panel [U, X/4 + DOT_TAIL_ROWS, 4*Wd] holds codes within
-    +-DOT_QMAX and the corrections its codes give, reading the codes in place (reductions
+    +-DOT_QMAX, zeros for inputs K.. (the padding) and the corrections its codes give, reading
+    the codes in place (reductions
     widen as they go): widening the whole panel to int16 and int32 first (dot_codes,
     _dot_corrections) made a load's peak 2.5x the file and its time 3x a float32 file's."""
     U, R, W4 = panel.shape
     X4, Wd = R - DOT_TAIL_ROWS, W4 // 4
     codes = panel[:, :X4].view(np.int8)  # [U, X/4, 4*Wd]: each column's 4 codes side by side
     if codes.size and (codes.min() < -DOT_QMAX or codes.max() > DOT_QMAX):
+        return False
+    by_input = codes.reshape(U, X4, Wd, 4)  # [u, k4, j, m]: input 4*k4 + m of column j
+    if K % 4 and K // 4 < X4 and by_input[:, K // 4, :, K % 4 :].any():
+        return False
+    if by_input[:, -(-K // 4) :].any():
         return False
     sums = codes.sum(axis=1, dtype=np.int32).reshape(U, Wd, 4).sum(axis=2)
     corr = np.ascontiguousarray(panel[:, X4 + 1]).view(np.int32).reshape(U, Wd)
