@@ -68,6 +68,7 @@ def collect(measure_compile: bool) -> dict:
 
     import leanrnn
     from leanrnn import config
+    from leanrnn.kernels import _cpu
 
     info = {
         "leanrnn": leanrnn.__version__,
@@ -75,8 +76,9 @@ def collect(measure_compile: bool) -> dict:
         "numpy": np.__version__,
         "numba": numba.__version__,
         "platform": platform.platform(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu.cpu_name(),
         "cpu_features": _cpu_features(),
+        "kernels_for": _cpu.describe().split("; ", 1)[1],  # the tiles and int8 path chosen
         "cores": config.cores(),
         "threads": config.get_num_threads(),
         "kernel_backend": config.backend(),

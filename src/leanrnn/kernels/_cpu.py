@@ -308,15 +308,16 @@ def cpu_name() -> str:
 
 
 def describe() -> str:
-    """One line naming the CPU, its vector ISA and caches, for the bench reports."""
+    """One line naming the CPU, its vector ISA, int8 dot product (int8_dot) and caches, for
+    the bench reports and ``leanrnn info``."""
     model = cpu_name()
     c = caches()
     a = isa()
     forced = f" (forced by {ENV_ISA})" if os.environ.get(ENV_ISA) else ""
     t = tile_for(a, 4)
     return (f"{model}, {os.cpu_count()} logical CPUs; {a.name}{forced}: {a.regs} x "
-            f"{a.width * 8}-bit vector registers, float32 tile {t.rows}x{t.groups * B}; "
-            f"L1d {c['L1d'] >> 10} KiB, L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
+            f"{a.width * 8}-bit vector registers, float32 tile {t.rows}x{t.groups * B}, "
+            f"int8 dot {int8_dot(a)}; L1d {c['L1d'] >> 10} KiB, L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
 
 
 def signature() -> str:
