@@ -194,8 +194,8 @@ def build(directory: Path | None = None, *, expect: str | None = None,
     directory = Path(directory) if directory else native.build_dir(fp)
     cc = _compiler()  # fail before the long part
     # One process per dtype when there are cores for it: their kernels share no compiled code,
-    # so the build takes about half the time (a cold build is ~120 s of CPU, float32 a bit more
-    # than half of it: about 80 s on 2 idle cores, runner.BUILD_TIME).
+    # so the build takes about half the time (a cold build is ~340 s of CPU with the reduced-
+    # precision jobs, float32 a bit more than half of it: ~210 s on 2 idle cores, runner.BUILD_TIME).
     groups = _groups()
     if config.cores() > 1:
         ctx = multiprocessing.get_context("spawn")

@@ -40,9 +40,11 @@ _log = logging.getLogger("leanrnn")
 # What a cold build (numba's cache cold too) costs, as told to whoever waits for one. `leanrnn
 # compile` into empty caches, on the README's 2-core VM: ~120 s of CPU (121 s and 127 s, in 216 s
 # and 499 s of wall time while other jobs loaded it), split over the 2 cores with float32 the
-# larger half; a first `leanrnn demo` on an idle new machine took 82 s. The help texts of
-# commands/compile.py and info.py state the same figure.
-BUILD_TIME = "about 80 s on 2 cores"
+# larger half; a first `leanrnn demo` on an idle new machine took 82 s. Since then the reduced-
+# precision jobs (bf16, int8, int8-dynamic with its VNNI/AMX tiles) roughly tripled it: 2026-12-01
+# on an idle 2-core Xeon, 340 s of CPU in 213 s of wall time (about 5 minutes on a Zen 3). The
+# help texts of commands/compile.py and info.py state the same figure.
+BUILD_TIME = "about 2-5 minutes on 2 cores"
 _BUILD = [sys.executable, "-m", "leanrnn.kernels.aot"]  # + directory, fingerprint
 _RESOLVE = threading.Lock()
 pool_threads = _threads.pool_threads  # looked up here at each launch (tests replace it)
