@@ -59,8 +59,8 @@ def _operand(a):
     return q * np.float64(s)
 
 
-def rounded(layers):
-    return [[dataclasses.replace(lw, W=_weights(lw.W), R=_weights(lw.R)) for lw in d]
+def rounded(layers, qmax: int = DOT_QMAX):
+    return [[dataclasses.replace(lw, W=_weights(lw.W, qmax), R=_weights(lw.R, qmax)) for lw in d]
             for d in layers]  # fmt: skip
 
 
@@ -201,40 +201,25 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
     of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
     run = tile_gemm(name)
     rng = np.random.default_rng(4)
-    Wd, Xp = 4 * B, 40
-    w = rng.standard_normal((2, Xp, Wd)).astype(F32)
-    w[:, K:] = 0
-    w[1, :, 0] = [127.0] * K + [0.0] * (Xp - K)  # codes +127 all along column 0 ...
-    w[1, :, 1] = [-127.0] * K + [0.0] * (Xp - K)  # ... and -127 along column 1
-    panel = dot_panel(w)
-    q, s, _ = dot_codes(panel)
-    deq = q.astype(np.float64) * s.astype(np.float64)[:, None, :]
-    bias = rng.standard_normal(Wd).astype(F32)
+    bias = rng.standard_normal(4 * B).astype(F32)
     for nvec in (1, 4):
         cols = nvec * B
         for M in (1, 7):
-            ld = quantized_row_bytes(K)
-            A = np.zeros((M, ld), np.uint8)
-            codes = rng.integers(1, 256, (M, K))
-            codes[0] = 255  # the extremes: d = +127 ...
-            codes[-1] = 1  # ... and -127 (M=1: the lone row is 255)
-            A[:, :K] = codes
-            srow = rng.random(M).astype(F32)
-            A[:, ld - 4 :] = srow.view(np.uint8).reshape(M, 4)
-            act = (codes - CODE_OFFSET) * srow.astype(np.float64)[:, None]
+            panel, deq, A, act = _dot_operands(rng, K, M, Xp=40)  # panel rows past K: zero
             C0 = rng.standard_normal((M, cols)).astype(F32)
-            prod = act @ deq[1, :K, :cols]
+            prod = act @ deq[1, :, :cols]
             for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
                 C = C0.copy()
                 run(nvec, panel, panel.shape[1] * panel.shape[2], A, 0, M, K, C, mode, bias)
                 np.testing.assert_allclose(C, prod + init, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
 
 
-def _dot_operands(rng, K, M):
-    """A two-panel int8-dynamic panel of 64 columns over K inputs (panel 1: codes +127 along
-    column 0, -127 along column 1) with its float64 dequantized weights [2, K, 64], and M
-    activation rows (row 0 all 255, row 1 all 1: the extremes) with their float64 values."""
-    Wd, Xp = 4 * B, (K + 3) // 4 * 4
+def _dot_operands(rng, K, M, Xp=None):
+    """A two-panel int8-dynamic panel of 64 columns over K inputs (Xp rows, default K rounded
+    up to 4; panel 1: codes +127 along column 0, -127 along column 1) with its float64
+    dequantized weights [2, K, 64], and M activation rows (row 0 all 255, row 1 all 1: the
+    extremes; a lone row all 1) with their float64 values."""
+    Wd, Xp = 4 * B, Xp or (K + 3) // 4 * 4
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)
     w[:, K:] = 0
     w[1, :K, 0], w[1, :K, 1] = 127.0, -127.0
@@ -244,7 +229,7 @@ def _dot_operands(rng, K, M):
     ld = quantized_row_bytes(K)
     A = np.zeros((M, ld), np.uint8)
     codes = rng.integers(1, 256, (M, K))
-    codes[0], codes[1] = 255, 1
+    codes[0], codes[min(1, M - 1)] = 255, 1
     A[:, :K] = codes
     srow = rng.random(M).astype(F32)
     A[:, ld - 4 :] = srow.view(np.uint8).reshape(M, 4)
@@ -406,9 +391,7 @@ def test_a_file_with_7_bit_codes_still_runs_to_its_own_rounding(tmp_path, monkey
     tol = ATOL_REDUCED[np.uint8]
 
     def oracle(qmax):
-        w = [[dataclasses.replace(lw, W=_weights(lw.W, qmax), R=_weights(lw.R, qmax)) for lw in d]
-             for d in layers]  # fmt: skip
-        return reference_forward(spec, w, x, h0, c0, operand=_operand)[0]
+        return reference_forward(spec, rounded(layers, qmax), x, h0, c0, operand=_operand)[0]
 
     np.testing.assert_allclose(y, oracle(63), rtol=0, atol=tol)
     assert np.abs(y - oracle(DOT_QMAX)).max() > 10 * tol
@@ -424,9 +407,7 @@ def test_8_bit_codes_halve_the_weights_error():
     want = reference_forward(spec, layers, x)[0]
     err = {}
     for qmax in (63, DOT_QMAX):
-        w = [[dataclasses.replace(lw, W=_weights(lw.W, qmax), R=_weights(lw.R, qmax)) for lw in d]
-             for d in layers]  # fmt: skip
-        got = reference_forward(spec, w, x, operand=_operand)[0]
+        got = reference_forward(spec, rounded(layers, qmax), x, operand=_operand)[0]
         err[qmax] = np.abs(got - want).mean()
     model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P)
     mine = np.abs(model.session.run(x)[0] - want).mean()

@@ -78,7 +78,7 @@ def collect(measure_compile: bool) -> dict:
         "platform": platform.platform(),
         "cpu": _cpu.cpu_name(),
         "cpu_features": _cpu_features(),
-        "kernels_for": _cpu.describe().split("; ", 1)[1],  # the tiles and int8 path chosen
+        "kernels_for": _cpu.compiled_for(),
         "cores": config.cores(),
         "threads": config.get_num_threads(),
         "kernel_backend": config.backend(),

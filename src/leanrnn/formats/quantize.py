@@ -268,8 +268,7 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
 def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     """Whether an int8-dynamic panel [U, X/4 + DOT_TAIL_ROWS, 4*Wd] holds codes within
     +-DOT_QMAX, zeros for inputs K.. (the padding) and the corrections its codes give, reading
-    the codes in place (reductions
-    widen as they go): widening the whole panel to int16 and int32 first (dot_codes,
+    the codes in place (reductions widen as they go): widening the whole panel to int16 and int32 first (dot_codes,
     _dot_corrections) made a load's peak 2.5x the file and its time 3x a float32 file's."""
     U, R, W4 = panel.shape
     X4, Wd = R - DOT_TAIL_ROWS, W4 // 4

@@ -166,8 +166,8 @@ def int8_dot(isa_: Isa) -> str:
     the CPU has AMX-INT8, the OS granted this process the AMX tile state (amx_permitted) and
     ``LEANRNN_AMX=0`` does not turn it off; ``vnni`` (AVX-512 VNNI's vpdpbusd on 512-bit
     vectors: 64 u8 x s8 products summed into 16 int32 in one instruction) where the AVX-512
-    tile is compiled and this CPU has VNNI; ``avx2`` (vpmaddubsw + vpmaddwd on 256-bit
-    vectors, three instructions for 32) on other x86 with AVX2 (``LEANRNN_ISA=avx2`` selects
+    tile is compiled and this CPU has VNNI; ``avx2`` (vpsignb, vpmaddubsw, vpmaddwd and an add
+    on 256-bit vectors: four instructions for 32) on other x86 with AVX2 (``LEANRNN_ISA=avx2`` selects
     it on a VNNI machine too); ``plain`` LLVM integer IR elsewhere. Every path gives the same
     exact int32 sums.
 
@@ -308,16 +308,21 @@ def cpu_name() -> str:
 
 
 def describe() -> str:
-    """One line naming the CPU, its vector ISA, int8 dot product (int8_dot) and caches, for
-    the bench reports and ``leanrnn info``."""
-    model = cpu_name()
+    """One line naming the CPU and what the kernels are compiled for (compiled_for), for the
+    bench reports."""
+    return f"{cpu_name()}, {os.cpu_count()} logical CPUs; {compiled_for()}"
+
+
+def compiled_for() -> str:
+    """The vector ISA, float32 tile, int8 dot product (int8_dot) and caches the kernels are
+    compiled for (``leanrnn info``'s kernels_for)."""
     c = caches()
     a = isa()
     forced = f" (forced by {ENV_ISA})" if os.environ.get(ENV_ISA) else ""
     t = tile_for(a, 4)
-    return (f"{model}, {os.cpu_count()} logical CPUs; {a.name}{forced}: {a.regs} x "
-            f"{a.width * 8}-bit vector registers, float32 tile {t.rows}x{t.groups * B}, "
-            f"int8 dot {int8_dot(a)}; L1d {c['L1d'] >> 10} KiB, L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
+    return (f"{a.name}{forced}: {a.regs} x {a.width * 8}-bit vector registers, float32 tile "
+            f"{t.rows}x{t.groups * B}, int8 dot {int8_dot(a)}; L1d {c['L1d'] >> 10} KiB, "
+            f"L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
 
 
 def signature() -> str:

@@ -1,5 +1,6 @@
 """LLVM IR pieces every register tile shares (the float tiles of _simd, the integer tile of
-_qdot): how a tile's stores start (its ``mode``) and how rows are cut into tiles."""
+_qdot): how a tile's stores start (its ``mode``), how a lone row splits its k loop and how
+rows are cut into tiles."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ def store_by_mode(builder, mode, store_rows, old, bias, zero) -> None:
                     store_rows(bias)
                 with otherwise2:
                     store_rows(zero)
+
+
+def split_loop(builder, n, sets: int, step) -> None:
+    """Steps 0..n-1 (an i64 value) with ``sets`` accumulator sets taking turns: ``step(k,
+    s)`` for k in whole rounds of ``sets`` (set s gets k = round + s), then the 0..sets-1 steps
+    left over on set 0. A lone row's k loop is split this way so its multiply-add chains do
+    not wait on each other (the float tiles' GEMV, and the int8 one's with VNNI)."""
+    i64 = ir.IntType(64)
+    sc = ir.Constant(i64, sets)
+    main = builder.mul(builder.sdiv(n, sc), sc)
+    with cgutils.for_range_slice(builder, ir.Constant(i64, 0), main, sc) as (k, _):
+        for s in range(sets):
+            step(builder.add(k, ir.Constant(i64, s)), s)
+    with cgutils.for_range_slice(builder, main, n, ir.Constant(i64, 1)) as (k, _):
+        step(k, 0)
 
 
 def row_tiles(builder, i0, i1, rows: int, rows_block) -> None:

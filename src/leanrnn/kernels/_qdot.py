@@ -41,7 +41,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from . import _cpu
-from ._ir import row_tiles, store_by_mode
+from ._ir import row_tiles, split_loop, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
 TR = 16  # rows of an AMX tile: of A and C, and the k4 steps of a B tile
@@ -52,7 +52,8 @@ def tile(isa: _cpu.Isa, dot: str | None = None):
     (default _cpu.int8_dot's): the float32 rule of _cpu.tile_for — on 64-byte vectors with
     VNNI (one int32 accumulator per 16-column group, as float32 on AVX-512), else on 32-byte
     vectors (the intrinsics below are AVX2's, which AVX-512 machines without VNNI run too)
-    with two registers kept back, for the ones of vpmaddwd and a product. With AMX, the rows
+    with two registers kept back, chosen for the ones of vpmaddwd and a product (since the
+    8-bit codes each row also holds |d| beside d, see the module docstring). With AMX, the rows
     AMX tiles leave over (fewer than 16) run on the VNNI tile."""
     if (dot or _cpu.int8_dot(isa)) in ("vnni", "amx"):
         return _cpu.tile_for(isa, 4)
@@ -205,13 +206,7 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
                 for v in range(nv):
                     builder.store(zero_i, a[v])
             if nrows == 1 and gemv_sets > 1:
-                step = const(gemv_sets)
-                k_main = builder.mul(builder.sdiv(k4s, step), step)
-                with cgutils.for_range_slice(builder, const(0), k_main, step) as (k4, _):
-                    for st in range(gemv_sets):
-                        k_step(builder.add(k4, const(st)), 1, arow, v0, nv, st)
-                with cgutils.for_range_slice(builder, k_main, k4s, const(1)) as (k4, _):
-                    k_step(k4, 1, arow, v0, nv, 0)
+                split_loop(builder, k4s, gemv_sets, lambda k4, st: k_step(k4, 1, arow, v0, nv, st))
             else:
                 with cgutils.for_range_slice(builder, const(0), k4s, const(1)) as (k4, _):
                     k_step(k4, nrows, arow, v0, nv, 0)

@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _cpu, _qdot
-from ._ir import row_tiles, store_by_mode
+from ._ir import row_tiles, split_loop, store_by_mode
 from ._qsimd import WEIGHT_FORMATS, bf16_pairs, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
@@ -128,11 +128,12 @@ def _codegen(nvec: int, tiles_: dict):
                         builder.call(prefetch, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3),
                                                 ir.Constant(i32, 1)])  # fmt: skip
                 ws = []
-                for v in range(nv):
-                    if v % 2 == 0 and v + 1 < nv and pairs is not None:
-                        ws.extend(pairs(krow, (v0 + v) * lanes))  # two groups, permuted
-                    elif not (v % 2 == 1 and pairs is not None):
-                        ws.append(load_w(krow, (v0 + v) * lanes))
+                while len(ws) < nv:
+                    col = (v0 + len(ws)) * lanes
+                    if pairs is not None and len(ws) + 1 < nv:
+                        ws.extend(pairs(krow, col))  # two groups, permuted
+                    else:
+                        ws.append(load_w(krow, col))
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
                     xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
@@ -141,13 +142,7 @@ def _codegen(nvec: int, tiles_: dict):
                         slot = acc[r * nsplit + s][v]
                         builder.store(builder.call(fma, [xv, ws[v], builder.load(slot)]), slot)
 
-            sc = const(nsplit)
-            kmain = builder.mul(builder.sdiv(K, sc), sc)
-            with cgutils.for_range_slice(builder, const(0), kmain, sc) as (k, _):
-                for s in range(nsplit):
-                    step(builder.add(k, const(s)), s)
-            with cgutils.for_range_slice(builder, kmain, K, const(1)) as (k, _):
-                step(k, 0)
+            split_loop(builder, K, nsplit, step)
 
             def store_rows(init_of):
                 for r in range(nrows):

@@ -151,6 +151,9 @@ def _without_cache() -> None:
                     v._cache = NullCache()
 
 
+_PR_SET_PDEATHSIG = 1  # prctl's "signal me when my parent dies"
+
+
 def _die_with_parent() -> None:
     """A build worker's initializer: ask Linux to kill it when the process that started it
     dies (prctl PR_SET_PDEATHSIG). Without it, killing a build (Ctrl-C in a terminal that
@@ -168,9 +171,6 @@ def _die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the parent died before the request: go now
         os._exit(1)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _groups() -> list[list[tuple[str, str]]]:

@@ -82,8 +82,8 @@ def quantize_rows(A, i0, i1, K, out):
     s = max_k |a_k| / 127, code round(a_k / s) + 128 (ties to even), s in the row's last 4
     bytes. An all-zero row gets codes 128 and s = 0, and so does a row too small for
     127 / max|a| to be a float32 (max|a| < ~3.7e-37: its outputs then err by less than that;
-    converting the inf codes to integers would be undefined); a row holding NaN or inf gets s = NaN,
-    so its outputs are NaN (non-finite input propagates). Flat, not [rows, ld]: a reshape
+    converting the inf codes to integers would be undefined); a row holding NaN or inf gets
+    s = NaN, so its outputs are NaN (non-finite input propagates). Flat, not [rows, ld]: a reshape
     needs a numba runtime helper the native build does not link."""
     ld = _row_bytes(K)
     for r in range(i1 - i0):
