@@ -3,6 +3,7 @@ the float64 oracle, a process that never loads numba, and clear fallbacks when a
 
 import multiprocessing as mp
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,21 @@ def test_native_equals_jit_and_oracle(jit_compiled, cell, dtype, H, N, T, thread
         # The same numba code compiled twice: equal to rounding (it was bit-equal when written).
         np.testing.assert_allclose(n, j, rtol=0, atol=ATOL_SAME_ARITHMETIC[dtype])
         np.testing.assert_allclose(n, w, atol=atol(dtype), rtol=RTOL[dtype])
+
+
+def test_native_entries_make_no_reference_count_calls():
+    """numba leaves its NRT_incref / NRT_decref out of line; in a native entry they can only
+    return at once (no array there owns memory, see native.c), and in a loop each call spills
+    every vector register. aot removes them: the matmul entry had 32 such calls, now none,
+    and it still defines its C entry point."""
+    from numba.core.registry import cpu_target
+
+    from leanrnn.kernels import aot
+
+    tm = aot._target_machine(cpu_target.target_context.codegen())
+    text = str(aot._compile_entry("matmul", "float32", tm))
+    assert re.findall(r"call [^\n]*@NRT_(?:incref|decref)\(", text) == []
+    assert f"define i32 @{abi.entry_name('matmul', 'float32')}(" in text
 
 
 def test_marshaller_rejects_arguments_that_break_the_abi(monkeypatch):

@@ -4,9 +4,15 @@ Per step, each unit block u (B units; all gates of those units are one panel, se
 formats.packing) is one task: it computes its gate pre-activations with the register-tiled panel
 GEMM (gemm.py), then finishes the fused, in-place cell/hidden update for its units without
 waiting for the other blocks — one vector pass for the default activations (_cells: explicit
-vector IR), per-gate passes with the ONNX activation switch otherwise. Only two things need a barrier inside a step: the LSTM
-projection (needs the whole unprojected h) and the GRU n gate with linear_before_reset = 0
-(needs r*h of all units).
+vector IR), per-gate passes with the ONNX activation switch otherwise. Only two things need a
+barrier inside a step, and take a second phase: the LSTM projection (needs the whole
+unprojected h) and the GRU n gate with linear_before_reset = 0 (needs r*h of all units).
+
+The step loop is written once (_steps: the steps, each one or two phases; _phase: a phase's
+unit blocks, each a GEMM then every live sample's update). A cell is the hooks it hands in —
+per phase a GEMM of one block and an update of one sample's block — and a tuple of its own
+arrays and settings; the hooks are functions passed as arguments, inlined where they are
+called, so each kernel compiles to its own cell's loop with no branch on the cell.
 
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
 ``parts``. A batch large enough (_sync.share) is cut into tile-aligned sample slices, one per
@@ -166,282 +172,310 @@ def _emit(hn, n, c0, y, yr, y_off, K):
             y[yr, y_off + c0 + j] = hn[n, c0 + j]
 
 
-def _lstm(
-    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, slot, h_store, gates, hfull, lengths,
-    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts,
-    sync,
-):  # fmt: skip
-    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
+# --------------------------------------------------------------------------- the step loop
+# Written once: every cell runs _steps, which runs each step's phases through _phase. A cell is
+# what it passes in: per phase, a ``gemm`` hook (the panel GEMM of one unit block) and an
+# ``update`` hook (one sample's update of that block), both inlined; ``cell``, a tuple of its
+# own arrays and settings read once per call, goes to every hook. Hooks are handed in as
+# functions rather than picked by a branch on the cell, so each kernel compiles only its own
+# cell's code.
+
+
+@inline
+def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf_T, K, gates,
+           slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me, parts, sync):  # fmt: skip
+    """One phase of step s: the unit blocks of W (one per task, claimed by slices, walked by
+    _block), each its GEMM for rows n0..n1 then every live sample's update; returns the next
+    phase counter. Samples past their length are skipped (their h block carried to hn if
+    ``carry``: the phase that writes h). (Python passes a call of more than 30 arguments as
+    *args, which numba cannot inline: hence k4 and gs made here, not passed.)"""
+    N = hp.shape[0]
+    k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
+    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
+    for sl in range(parts):
+        lo, hi = claim(sync, me, sl, parts, g, W.shape[0])
+        if hi < 0:
+            continue  # another thread has this slice
+        for i in range(lo, hi):
+            u = _block(i, lo, hi, s)
+            gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts)
+            for n in range(n0, n1):
+                t = _time_of(s, n, lengths, reverse, carry, hp, hn, u * B)
+                if t >= 0:
+                    update(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
+                           lengths, y, y_off, y_bf_T, k4, keep)  # fmt: skip
+        finish(sync, parts)
+    return end_phase(sync, parts, g)
+
+
+@inline
+def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt, K, h_a, h_b,
+           slot, h_store, gates, lengths, T, reverse, y, y_off, Kout, y_bf_T, consts, keep, q, me,
+           parts, sync):  # fmt: skip
+    """Every step of one (layer, direction): phase 1 on Rt and h_prev, then, where second =
+    (run, W2, src2, K2) says run, phase 2 on W2 and src2 (K2 inputs); returns which buffer
+    holds the final h (see the module docstring)."""
+    run2, W2, src2, K2 = second
+    zero = consts[0]
     N = h_a.shape[0]
     n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
-    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
-    U = Rt.shape[0]
-    H = hfull.shape[1]
-    NP = proj.shape[0]  # projection blocks
-    Kout = P if P > 0 else K
-    af, ag, ah = acts[0], acts[1], acts[2]
-    alf, alg, alh = alphas[0], alphas[1], alphas[2]
-    bef, beg, beh = betas[0], betas[1], betas[2]
-    # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
-    # cell and the hidden update in registers, one vector pass — no per-gate passes.
-    fast = af == SIGMOID and ag == TANH and ah == TANH and not use_peep
-    fast = fast and not input_forget and not clip > zero
     if me == 0:  # one thread zeroes the steps past each length
         _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
     hp = h_a
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
-    slotted = slot.shape[0] > 0
-    if slotted:
+    if slot.shape[0] > 0:
         g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
-        dst = hn if P == 0 else hfull
         A = operand(Rt, hp, q, me, n0, n1, K, True)
-        for sl in range(parts):
-            lo, hi = claim(sync, me, sl, parts, g, U)
-            if hi < 0:
-                continue  # another thread has this slice
-            for i in range(lo, hi):
-                u = _block(i, lo, hi, s)
-                r0 = u * 4 * B
-                ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
-                c0 = u * B
-                panel4(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
-                for n in range(n0, n1):
-                    t = _time_of(s, n, lengths, reverse, P == 0, hp, hn, c0)
-                    if t < 0:
-                        continue
-                    xr = _yrow(t, n, N, xw_bf_T)
-                    cr = slot[n] if slotted else n  # c's row
-                    if fast:
-                        if keep:  # the pre-activation stays in xw, stored from registers
-                            lstm_update_keep(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
-                        else:
-                            lstm_update(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
-                        if P == 0:
-                            _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                            _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
-                        continue
-                    _add_span(gates, n, r0, xw, xr, 4 * B)
-                    if use_peep:
-                        for j in range(B):
-                            gates[n, ri + j] += peep[0, c0 + j] * c[cr, c0 + j]
-                            gates[n, rf + j] += peep[1, c0 + j] * c[cr, c0 + j]
-                    if clip > zero:
-                        clip_span(clip, gates, n, ri, 3 * B)
-                    act_span(af, alf, bef, zero, one, gates, n, ri, B)
-                    if input_forget:
-                        for j in range(B):
-                            gates[n, rf + j] = one - gates[n, ri + j]
-                    else:
-                        act_span(af, alf, bef, zero, one, gates, n, rf, B)
-                    act_span(ag, alg, beg, zero, one, gates, n, rg, B)
-                    for j in range(B):
-                        cc = gates[n, rf + j] * c[cr, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
-                        c[cr, c0 + j] = flush(cc, tiny, zero)
-                    if use_peep:
-                        for j in range(B):
-                            gates[n, ro + j] += peep[2, c0 + j] * c[cr, c0 + j]
-                    if clip > zero:
-                        clip_span(clip, gates, n, ro, B)
-                    act_span(af, alf, bef, zero, one, gates, n, ro, B)
-                    # The g slot is free now: reuse it for h(c).
-                    for j in range(B):
-                        gates[n, rg + j] = c[cr, c0 + j]
-                    act_span(ah, alh, beh, zero, one, gates, n, rg, B)
-                    if P == 0:
-                        for j in range(B):
-                            hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
-                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
-                    else:
-                        for j in range(B):
-                            hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
-            finish(sync, parts)
-        g = end_phase(sync, parts, g)
-        if P > 0:
-            for sl in range(parts):
-                lo, hi = claim(sync, me, sl, parts, g, NP)
-                if hi < 0:
-                    continue  # another thread has this slice
-                for pb in range(lo, hi):
-                    p0 = pb * B
-                    panel1(proj, pb, 0, hfull, n0, n1, H, hn, p0, consts, -1)
-                    for n in range(n0, n1):
-                        t = _time_of(s, n, lengths, reverse, True, hp, hn, p0)
-                        if t < 0:
-                            continue
-                        yr = _yrow(t, n, N, y_bf_T)
-                        for p in range(p0, min(p0 + B, P)):
-                            v = flush(hn[n, p], tiny, zero)
-                            hn[n, p] = v
-                            y[yr, y_off + p] = v
-                        _put(slotted, slot, h_store, hn, n, p0, K, s, lengths)
-                finish(sync, parts)
-            g = end_phase(sync, parts, g)
+        g = _phase(gemm1, update1, cell, Rt, A, K, carry1, s, hp, hn, n0, n1, g, xw, xw_bf_T, K,
+                   gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me,
+                   parts, sync)  # fmt: skip
+        if run2:
+            A = operand(W2, src2, q, me, n0, n1, K2, True)
+            g = _phase(gemm2, update2, cell, W2, A, K2, True, s, hp, hn, n0, n1, g, xw,
+                       xw_bf_T, K, gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T,
+                       consts, keep, me, parts, sync)  # fmt: skip
         hp, hn = hn, hp
         parity = 1 - parity
     return parity
+
+
+@inline
+def _done(slot, h_store, hn, n, c0, K, s, lengths, y, yr, y_off):
+    """A sample's new h block is final: into its output row and, at its last step, its slot."""
+    _emit(hn, n, c0, y, yr, y_off, K)
+    _put(slot.shape[0] > 0, slot, h_store, hn, n, c0, K, s, lengths)
+
+
+# ---------------------------------------------------------------------------------- LSTM
+# cell: (peep, use_peep, P, c, hfull, input_forget, fast, acts, alphas, betas) — the last three
+# as tuples of scalars (f, g, h), read once per call.
+
+
+@inline
+def _lstm_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+    panel4(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 4 * B, consts, -1)
+
+
+@inline
+def _lstm_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store, lengths, y,
+               y_off, y_bf_T, k4, keep):  # fmt: skip
+    peep, use_peep, P, c = cell[0], cell[1], cell[2], cell[3]
+    hfull, input_forget, fast = cell[4], cell[5], cell[6]
+    af, ag, ah = cell[7]
+    alf, alg, alh = cell[8]
+    bef, beg, beh = cell[9]
+    zero, one, tiny, clip = k4
+    r0 = u * 4 * B
+    ri, rf, rg, ro = r0, r0 + B, r0 + 2 * B, r0 + 3 * B
+    c0 = u * B
+    xr = _yrow(t, n, N, xw_bf_T)
+    cr = slot[n] if slot.shape[0] > 0 else n  # c's row
+    if fast:
+        dst = hn if P == 0 else hfull
+        if keep:  # the pre-activation stays in xw, stored from registers
+            lstm_update_keep(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
+        else:
+            lstm_update(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
+        if P == 0:
+            _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
+        return
+    _add_span(gates, n, r0, xw, xr, 4 * B)
+    if use_peep:
+        for j in range(B):
+            gates[n, ri + j] += peep[0, c0 + j] * c[cr, c0 + j]
+            gates[n, rf + j] += peep[1, c0 + j] * c[cr, c0 + j]
+    if clip > zero:
+        clip_span(clip, gates, n, ri, 3 * B)
+    act_span(af, alf, bef, zero, one, gates, n, ri, B)
+    if input_forget:
+        for j in range(B):
+            gates[n, rf + j] = one - gates[n, ri + j]
+    else:
+        act_span(af, alf, bef, zero, one, gates, n, rf, B)
+    act_span(ag, alg, beg, zero, one, gates, n, rg, B)
+    for j in range(B):
+        cc = gates[n, rf + j] * c[cr, c0 + j] + gates[n, ri + j] * gates[n, rg + j]
+        c[cr, c0 + j] = flush(cc, tiny, zero)
+    if use_peep:
+        for j in range(B):
+            gates[n, ro + j] += peep[2, c0 + j] * c[cr, c0 + j]
+    if clip > zero:
+        clip_span(clip, gates, n, ro, B)
+    act_span(af, alf, bef, zero, one, gates, n, ro, B)
+    # The g slot is free now: reuse it for h(c).
+    for j in range(B):
+        gates[n, rg + j] = c[cr, c0 + j]
+    act_span(ah, alh, beh, zero, one, gates, n, rg, B)
+    if P == 0:
+        for j in range(B):
+            hn[n, c0 + j] = flush(gates[n, ro + j] * gates[n, rg + j], tiny, zero)
+        _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
+    else:
+        for j in range(B):
+            hfull[n, c0 + j] = gates[n, ro + j] * gates[n, rg + j]
+
+
+@inline
+def _lstm_projection(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+    """h = hfull proj^T, block u of the projected units, straight into hn."""
+    panel1(W, u, 0, cell[4], n0, n1, Kin, hn, u * B, consts, -1)
+
+
+@inline
+def _lstm_projected(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store, lengths,
+                    y, y_off, y_bf_T, k4, keep):  # fmt: skip
+    zero, tiny = k4[0], k4[2]
+    p0 = u * B
+    yr = _yrow(t, n, N, y_bf_T)
+    for p in range(p0, min(p0 + B, cell[2])):  # the P projected units
+        v = flush(hn[n, p], tiny, zero)
+        hn[n, p] = v
+        y[yr, y_off + p] = v
+    _put(slot.shape[0] > 0, slot, h_store, hn, n, p0, K, s, lengths)
+
+
+def _lstm(
+    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, slot, h_store, gates, hfull, lengths,
+    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts,
+    sync,
+):  # fmt: skip
+    # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
+    # cell and the hidden update in registers, one vector pass — no per-gate passes.
+    fast = acts[0] == SIGMOID and acts[1] == TANH and acts[2] == TANH and not use_peep
+    fast = fast and not input_forget and not consts[3] > consts[0]
+    cell = (peep, use_peep, P, c, hfull, input_forget, fast, (acts[0], acts[1], acts[2]),
+            (alphas[0], alphas[1], alphas[2]), (betas[0], betas[1], betas[2]))  # fmt: skip
+    Kout = P if P > 0 else K  # output columns
+    second = (P > 0, proj, hfull, hfull.shape[1])  # the projection
+    return _steps(_lstm_gates, _lstm_cell, P == 0, _lstm_projection, _lstm_projected, second, cell,
+                  xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off,
+                  Kout, y_bf_T, consts, keep, q, me, parts, sync)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- GRU
+# cell: (rb, linear_before_reset, rh, ghn, fast, acts, alphas, betas) — the last three (f, g).
+
+
+@inline
+def _gru_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+    if cell[1]:  # linear_before_reset: all three gates' R h here
+        panel3(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1)
+    else:  # n's R (r*h) comes in the second phase
+        panel2(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1)
+
+
+@inline
+def _gru_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store, lengths, y,
+              y_off, y_bf_T, k4, keep):  # fmt: skip
+    rb, linear_before_reset, rh, ghn, fast = cell[0], cell[1], cell[2], cell[3], cell[4]
+    af, ag = cell[5]
+    alf, alg = cell[6]
+    bef, beg = cell[7]
+    zero, one, tiny, clip = k4
+    r0 = u * 3 * B
+    rz, rr, rn = r0, r0 + B, r0 + 2 * B
+    c0 = u * B
+    xr = _yrow(t, n, N, xw_bf_T)
+    if fast:  # PyTorch's GRU in one fused pass
+        if keep:
+            _keep_span(xw, xr, rz, gates, n, 2 * B, zero)
+            for j in range(B):
+                ghn[xr, c0 + j] = gates[n, rn + j] + rb[rn + j]
+        gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
+        _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
+        return
+    _add_span(gates, n, rz, xw, xr, 2 * B)
+    if clip > zero:
+        clip_span(clip, gates, n, rz, 2 * B)
+    act_span(af, alf, bef, zero, one, gates, n, rz, 2 * B)
+    if linear_before_reset:
+        for j in range(B):
+            gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (gates[n, rn + j] + rb[rn + j])
+        _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+        _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
+    else:
+        for j in range(B):
+            rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
+
+
+@inline
+def _gru_reset_gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+    """R_n (r*h) for block u: the n gate's panel group (2) into its gate columns."""
+    panel1(W, u, 2, A, 0, n1 - n0, Kin, gs, u * 3 * B + 2 * B, consts, -1)
+
+
+@inline
+def _gru_reset_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store, lengths,
+                    y, y_off, y_bf_T, k4, keep):  # fmt: skip
+    ag, alg, beg = cell[5][1], cell[6][1], cell[7][1]
+    zero, one, tiny, clip = k4
+    rz, rn = u * 3 * B, u * 3 * B + 2 * B
+    c0 = u * B
+    _add_span(gates, n, rn, xw, _yrow(t, n, N, xw_bf_T), B)
+    _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny)
+    _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
 
 
 def _gru(
     xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, slot, h_store, gates, rh, lengths, T,
     reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, me, parts, sync,
 ):  # fmt: skip
-    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
-    N = h_a.shape[0]
-    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
-    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
-    U = Rt.shape[0]
-    af, ag = acts[0], acts[1]
-    alf, alg = alphas[0], alphas[1]
-    bef, beg = betas[0], betas[1]
-    fast = af == SIGMOID and ag == TANH and not clip > zero and linear_before_reset
-    if me == 0:  # one thread zeroes the steps past each length
-        _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
-    hp = h_a
-    hn = h_b
-    parity = 0
-    g = 0  # phase counter, the same on every thread
-    slotted = slot.shape[0] > 0
-    if slotted:
-        g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
-    for s in range(T):
-        A = operand(Rt, hp, q, me, n0, n1, K, True)
-        for sl in range(parts):
-            lo, hi = claim(sync, me, sl, parts, g, U)
-            if hi < 0:
-                continue  # another thread has this slice
-            for i in range(lo, hi):
-                u = _block(i, lo, hi, s)
-                r0 = u * 3 * B
-                rz, rr, rn = r0, r0 + B, r0 + 2 * B
-                c0 = u * B
-                if linear_before_reset:
-                    panel3(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
-                else:
-                    panel2(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
-                for n in range(n0, n1):
-                    t = _time_of(s, n, lengths, reverse, linear_before_reset, hp, hn, c0)
-                    if t < 0:
-                        continue
-                    xr = _yrow(t, n, N, xw_bf_T)
-                    if fast:  # PyTorch's GRU in one fused pass
-                        if keep:
-                            _keep_span(xw, xr, rz, gates, n, 2 * B, zero)
-                            for j in range(B):
-                                ghn[xr, c0 + j] = gates[n, rn + j] + rb[rn + j]
-                        gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
-                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
-                        continue
-                    _add_span(gates, n, rz, xw, xr, 2 * B)
-                    if clip > zero:
-                        clip_span(clip, gates, n, rz, 2 * B)
-                    act_span(af, alf, bef, zero, one, gates, n, rz, 2 * B)
-                    if linear_before_reset:
-                        for j in range(B):
-                            gates[n, rn + j] = xw[xr, rn + j] + gates[n, rr + j] * (
-                                gates[n, rn + j] + rb[rn + j]
-                            )
-                        _gru_finish(
-                            gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
-                        )
-                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
-                    else:
-                        for j in range(B):
-                            rh[n, c0 + j] = gates[n, rr + j] * hp[n, c0 + j]
-            finish(sync, parts)
-        g = end_phase(sync, parts, g)
-        if not linear_before_reset:
-            Ah = operand(Rt, rh, q, me, n0, n1, K, True)
-            for sl in range(parts):
-                lo, hi = claim(sync, me, sl, parts, g, U)
-                if hi < 0:
-                    continue  # another thread has this slice
-                for i in range(lo, hi):
-                    u = _block(i, lo, hi, s)
-                    r0 = u * 3 * B
-                    rz, rn = r0, r0 + 2 * B
-                    c0 = u * B
-                    panel1(Rt, u, 2, Ah, 0, n1 - n0, K, gs, rn, consts, -1)
-                    for n in range(n0, n1):
-                        t = _time_of(s, n, lengths, reverse, True, hp, hn, c0)
-                        if t < 0:
-                            continue
-                        xr = _yrow(t, n, N, xw_bf_T)
-                        _add_span(gates, n, rn, xw, xr, B)
-                        _gru_finish(
-                            gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tiny
-                        )
-                        _emit(hn, n, c0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                        _put(slotted, slot, h_store, hn, n, c0, K, s, lengths)
-                finish(sync, parts)
-            g = end_phase(sync, parts, g)
-        hp, hn = hn, hp
-        parity = 1 - parity
-    return parity
+    fast = acts[0] == SIGMOID and acts[1] == TANH and not consts[3] > consts[0]
+    fast = fast and linear_before_reset
+    cell = (rb, linear_before_reset, rh, ghn, fast, (acts[0], acts[1]), (alphas[0], alphas[1]),
+            (betas[0], betas[1]))  # fmt: skip
+    second = (not linear_before_reset, Rt, rh, K)  # R_n (r*h) after r
+    return _steps(_gru_gates, _gru_cell, linear_before_reset, _gru_reset_gemm, _gru_reset_cell,
+                  second, cell, xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T,
+                  reverse, y, y_off, K, y_bf_T, consts, keep, q, me, parts, sync)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- RNN
+# cell: (f, alpha, beta) of its activation.
+
+
+@inline
+def _rnn_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+    panel1(W, u, 0, A, 0, n1 - n0, Kin, gs, u * B, consts, -1)
+
+
+@inline
+def _rnn_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store, lengths, y,
+              y_off, y_bf_T, k4, keep):  # fmt: skip
+    af, alf, bef = cell
+    zero, one, tiny, clip = k4
+    r0 = u * B
+    xr = _yrow(t, n, N, xw_bf_T)
+    if af == TANH and not clip > zero:  # the common case, fused
+        if keep:
+            _keep_span(xw, xr, r0, gates, n, B, zero)
+        rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
+    else:
+        _add_span(gates, n, r0, xw, xr, B)
+        if clip > zero:
+            clip_span(clip, gates, n, r0, B)
+        if keep:  # RNN relu (trainable): the pre-activation is in gates now
+            for j in range(B):
+                xw[xr, r0 + j] = gates[n, r0 + j]
+        act_span(af, alf, bef, zero, one, gates, n, r0, B)
+        for j in range(B):
+            hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
+    _done(slot, h_store, hn, n, r0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
 
 
 def _rnn(
     xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
     alphas, betas, consts, keep, q, me, parts, sync,
 ):  # fmt: skip
-    zero, one, tiny, clip = consts[0], consts[1], consts[2], consts[3]
-    N = h_a.shape[0]
-    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
-    gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
-    U = Rt.shape[0]
-    af, alf, bef = acts[0], alphas[0], betas[0]
-    if me == 0:  # one thread zeroes the steps past each length
-        _zero_tails(y, y_off, K, lengths, T, N, y_bf_T, zero)
-    hp = h_a
-    hn = h_b
-    parity = 0
-    g = 0  # phase counter, the same on every thread
-    slotted = slot.shape[0] > 0
-    if slotted:
-        g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
-    for s in range(T):
-        A = operand(Rt, hp, q, me, n0, n1, K, True)
-        for sl in range(parts):
-            lo, hi = claim(sync, me, sl, parts, g, U)
-            if hi < 0:
-                continue  # another thread has this slice
-            for i in range(lo, hi):
-                u = _block(i, lo, hi, s)
-                r0 = u * B
-                panel1(Rt, u, 0, A, 0, n1 - n0, K, gs, r0, consts, -1)
-                for n in range(n0, n1):
-                    t = _time_of(s, n, lengths, reverse, True, hp, hn, r0)
-                    if t < 0:
-                        continue
-                    xr = _yrow(t, n, N, xw_bf_T)
-                    if af == TANH and not clip > zero:  # the common case, fused
-                        if keep:
-                            _keep_span(xw, xr, r0, gates, n, B, zero)
-                        rnn_update(gates, n, r0, xw, xr, r0, hn, n, r0, tiny)
-                        _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                        _put(slotted, slot, h_store, hn, n, r0, K, s, lengths)
-                        continue
-                    _add_span(gates, n, r0, xw, xr, B)
-                    if clip > zero:
-                        clip_span(clip, gates, n, r0, B)
-                    if keep:  # RNN relu (trainable): the pre-activation is in gates now
-                        for j in range(B):
-                            xw[xr, r0 + j] = gates[n, r0 + j]
-                    act_span(af, alf, bef, zero, one, gates, n, r0, B)
-                    for j in range(B):
-                        hn[n, r0 + j] = flush(gates[n, r0 + j], tiny, zero)
-                    _emit(hn, n, r0, y, _yrow(t, n, N, y_bf_T), y_off, K)
-                    _put(slotted, slot, h_store, hn, n, r0, K, s, lengths)
-            finish(sync, parts)
-        g = end_phase(sync, parts, g)
-        hp, hn = hn, hp
-        parity = 1 - parity
-    return parity
+    cell = (acts[0], alphas[0], betas[0])
+    # one phase: the second's hooks are the first's, never run
+    second = (False, Rt, h_a, K)
+    return _steps(_rnn_gates, _rnn_cell, True, _rnn_gates, _rnn_cell, second, cell, xw, xw_bf_T,
+                  Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off, K, y_bf_T,
+                  consts, keep, q, me, parts, sync)  # fmt: skip
 
 
 lstm = kernel(_lstm)
