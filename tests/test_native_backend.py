@@ -72,10 +72,10 @@ def test_native_equals_jit_and_oracle(jit_compiled, cell, dtype, H, N, T, thread
 
 
 def test_native_entries_make_no_reference_count_calls():
-    """numba leaves its NRT_incref / NRT_decref out of line; in a native entry they can only
+    """numba leaves its NRT_incref / NRT_decref out of line; in a kernel they could only
     return at once (no array there owns memory, see native.c), and in a loop each call spills
-    every vector register. aot removes them: the matmul entry had 32 such calls, now none,
-    and it still defines its C entry point."""
+    every vector register. The kernels compile without them (_jit): the matmul entry had 32
+    such calls, now none, and it still defines its C entry point."""
     from numba.core.registry import cpu_target
 
     from leanrnn.kernels import aot

@@ -72,18 +72,28 @@ def _cache() -> bool:
 CACHE = _cache()
 
 
+# Every kernel compiles without numba's reference counting (_nrt=False): a kernel only ever
+# takes views of memory it is handed, never allocates, and no array it sees outlives the call,
+# so the counts would guard nothing — while each NRT_incref / NRT_decref numba emits stays an
+# out-of-line call (its refcount pruning needs that), and one left in a loop spills every
+# vector register around it (the recurrence's step loop, which passes arrays to inlined hooks,
+# ran 1.2-2x slower with them). The price: such a function can return no array but one of its
+# arguments (see gemm.operand).
+_FLAGS = {"cache": CACHE, "fastmath": set(FASTMATH), "error_model": "numpy", "_nrt": False}
+
+
 def jit(fn):
     """A cached, fast-math kernel compiled on first call."""
-    return numba.njit(cache=CACHE, fastmath=set(FASTMATH), error_model="numpy")(fn)
+    return numba.njit(**_FLAGS)(fn)
 
 
 def inline(fn):
     """A tiny helper inlined at numba's IR level. Only for a few lines: IR inlining multiplies
     compile time, and LLVM inlines ordinary ``jit`` callees where it pays anyway."""
-    return numba.njit(cache=CACHE, fastmath=set(FASTMATH), error_model="numpy", inline="always")(fn)
+    return numba.njit(inline="always", **_FLAGS)(fn)
 
 
 def kernel(fn):
     """An entry point called from Python: like ``jit``, and it releases the GIL, because the
     engine runs one job per thread over the same op (see _sync)."""
-    return numba.njit(cache=CACHE, fastmath=set(FASTMATH), error_model="numpy", nogil=True)(fn)
+    return numba.njit(nogil=True, **_FLAGS)(fn)

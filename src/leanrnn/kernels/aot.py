@@ -9,8 +9,8 @@ How, per (job, dtype):
 1. an entry ``entry(slots, me)`` is generated from abi.JOBS (abi.entry_source): it turns the int64 slots back
    into arrays (``numba.carray`` over the address and dimensions) and calls the numba job;
 2. numba compiles it without its CPython/cfunc wrappers (those would need the Python C API
-   and numba's helper library), so the object code needs only libm and one NRT stub; its
-   reference-count calls are removed and the module optimized again (_without_refcounts);
+   and numba's helper library), so the object code needs only libm and one NRT stub (the
+   kernels it calls compile without reference counting, see _jit);
 3. a two-line LLVM wrapper gives it a C name and signature (numba's calling convention puts a
    return slot and an exception slot in front);
 4. the module is emitted as position-independent object code for this CPU (numba's own CPU
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -79,28 +78,6 @@ def entry_source(job: str, dtype: str) -> str:
     return abi.entry_source(job, dtype)[1]
 
 
-_REFCOUNT = re.compile(r"^define [^\n]*@(NRT_incref|NRT_decref)\((ptr|i8\*) [^)]*\)[^\n]*\{\n.*?^\}\n",
-                       re.M | re.S)  # fmt: skip
-
-
-def _without_refcounts(ir_text: str, tm) -> llvm.ModuleRef:
-    """The entry's module with numba's reference counting gone, re-optimized. Every array a
-    native kernel sees wraps engine memory and has no meminfo (see native.c), so each
-    NRT_incref / NRT_decref is a call that returns at once — but a call all the same, which
-    numba keeps out of line (its refcount pruning needs that) and which costs the kernels
-    where it stays in a loop: every vector register is caller-saved, so the loop spills
-    around it, and loads it might alias are not hoisted. Their bodies become empty and
-    always-inline, and the O3 pipeline runs again, so the calls vanish and the loops are
-    optimized without them."""
-    empty = "define linkonce_odr void @{}({} %p) alwaysinline {{\n  ret void\n}}\n"
-    text, n = _REFCOUNT.subn(lambda m: empty.format(m[1], m[2]), ir_text)
-    mod = llvm.parse_assembly(text)
-    if n:
-        pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
-        pb.getModulePassManager().run(mod, pb)
-    return mod
-
-
 def _compile_entry(job: str, dtype: str, tm) -> llvm.ModuleRef:
     ns = {"carray": carray, "job": JOBS[job], **{f"ptr_{k}": v for k, v in _PTR.items()}}
     name, source = abi.entry_source(job, dtype)
@@ -112,7 +89,7 @@ def _compile_entry(job: str, dtype: str, tm) -> llvm.ModuleRef:
     sig = (types.CPointer(types.int64), types.int64)
     disp.compile(sig)
     cres = disp.overloads[sig]
-    mod = _without_refcounts(str(cres.library._final_module), tm)
+    mod = llvm.parse_assembly(str(cres.library._final_module))
     # numba's convention: i32 status fn(ret*, excinfo**, args...); the C name hides it.
     wrapper = llvm.parse_assembly(
         f'declare i32 @"{cres.fndesc.mangled_name}"(ptr, ptr, ptr, i64)\n'

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from . import _cpu
 from ._jit import CACHE, inline, kernel
@@ -109,26 +110,58 @@ def quantize_rows(A, i0, i1, K, out):
         out[(r + 1) * ld - 4 : (r + 1) * ld].view(np.float32)[0] = scale
 
 
-def operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - replaced by the overload
+def _quantize_operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - overloaded
     pass
 
 
-@overload(operand)
-def _operand_impl(P, A, q, me, i0, i1, K, fresh):
+@overload(_quantize_operand)
+def _quantize_operand_impl(P, A, q, me, i0, i1, K, fresh):
+    if P.dtype == types.uint8:
+
+        def quantized(P, A, q, me, i0, i1, K, fresh):
+            if fresh:
+                quantize_rows(A, i0, i1, K, q[me])
+
+        return quantized
+    return lambda P, A, q, me, i0, i1, K, fresh: None
+
+
+@intrinsic
+def _operand_view(typingctx, P, A, q, me, i0):
+    """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q: a view made in IR,
+    since the kernels compile without numba's reference counting, and a function compiled so
+    may return no array but its argument."""
+    quantized = P.dtype == types.uint8
+    rt = types.Array(types.uint8, 1, "C") if quantized else A
+
+    def gen(context, builder, sig, args):
+        src_t = sig.args[2] if quantized else sig.args[1]
+        src = context.make_array(src_t)(context, builder, args[2] if quantized else args[1])
+        row = args[3] if quantized else args[4]
+        shape = cgutils.unpack_tuple(builder, src.shape)
+        strides = cgutils.unpack_tuple(builder, src.strides)
+        base = builder.ptrtoint(src.data, strides[0].type)
+        data = builder.inttoptr(builder.add(base, builder.mul(row, strides[0])), src.data.type)
+        out = context.make_array(rt)(context, builder)
+        if quantized:
+            new_shape, new_strides = [shape[1]], [strides[1]]
+        else:
+            new_shape, new_strides = [builder.sub(shape[0], row), *shape[1:]], strides
+        context.populate_array(out, data=data, shape=new_shape, strides=new_strides,
+                               itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
+        return out._getvalue()
+
+    return rt(P, A, q, me, i0), gen
+
+
+@inline
+def operand(P, A, q, me, i0, i1, K, fresh):
     """What the panel GEMMs of P multiply: rows i0.. of A itself, or for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows; only
     when ``fresh``, else q[me] holds them from the last call). Row 0 of the result is A's row
     i0; _lda gives its row stride."""
-    if P.dtype == types.uint8:
-
-        def quantized(P, A, q, me, i0, i1, K, fresh):
-            out = q[me]
-            if fresh:
-                quantize_rows(A, i0, i1, K, out)
-            return out
-
-        return quantized
-    return lambda P, A, q, me, i0, i1, K, fresh: A[i0:]
+    _quantize_operand(P, A, q, me, i0, i1, K, fresh)
+    return _operand_view(P, A, q, me, i0)
 
 
 def _columns(P):  # pragma: no cover - replaced by the overload inside kernels
