@@ -116,9 +116,28 @@ def test_sliced_runs_take_chunks_of_a_quarter_of_the_last_level_cache(many_cores
     s = model.session
     N = _smallest_split(2)
     step = N * s.weights.Gp * 4
-    budget = max(engine.XW_BUDGET, _cpu.caches()["L3"] // 4)
+    budget = max(engine.XW_BUDGET, min(_cpu.caches()["L3"] // 4, 2 * engine.SLICED_XW_PER_THREAD))
     s.threads = 2
     assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, budget // step)
     assert s.auto_chunk(N - 1) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // (step - step // N))
     s.threads = 1
     assert s.auto_chunk(N) == max(engine.MIN_AUTO_CHUNK, engine.XW_BUDGET // step)
+
+
+def test_sliced_chunks_stay_a_few_mib_per_thread_where_l3_is_a_socket(many_cores, monkeypatch):
+    """A VM reports its whole socket's L3 (300 MiB on a 2-vCPU Xeon): a quarter of it made the
+    chunk of an N=64 LSTM 512 hold 75 MiB of xw (memory_bars: 148 MiB of scratch at T=1000
+    where torch needs 254). The chunk's xw stays within SLICED_XW_PER_THREAD per thread."""
+    from leanrnn.engine import session as engine
+
+    monkeypatch.setattr(_cpu, "caches", lambda: {"L1d": 48 << 10, "L2": 2 << 20, "L3": 300 << 20})
+    spec = RNNSpec("lstm", 512, 512)
+    model = leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(0)), np.float32))
+    s = model.session
+    s.threads = 2
+    N = 64
+    assert _cpu.batch_slices(N, 2)
+    step = N * s.weights.Gp * 4
+    chunk = s.auto_chunk(N)
+    assert chunk * step <= 2 * engine.SLICED_XW_PER_THREAD
+    assert chunk * step > engine.XW_BUDGET  # still longer than an unsliced run's

@@ -63,6 +63,11 @@ DEFAULT_CHUNK = 32
 # at least MIN_AUTO_CHUNK steps, so per-chunk overhead stays small.
 XW_BUDGET = 2 << 20
 MIN_AUTO_CHUNK = 4
+# Threads on batch slices take longer chunks (auto_chunk): a quarter of the last-level cache,
+# but at most this much xw per thread — a VM reports its whole socket's L3 (300 MiB on a 2-vCPU
+# Xeon), of which its own cores get a share, and a quarter of that made an N=64 T=1000 2-layer
+# LSTM hold 148 MiB of scratch instead of ~16.
+SLICED_XW_PER_THREAD = 4 << 20
 # The job arguments (abi.JOBS) an op's launch sets; Session._call fixes all others per plan.
 PER_CALL = ("x", "xw", "xw_bf_T", "T", "y", "y_bf_T", "parts")
 # Outputs that may be the very same arrays as inputs: op k reads its state slot, then writes it.
@@ -419,13 +424,16 @@ class Session:
         staged through copies (H=128, N=64, 2 threads: 4.9 ms whole vs 5.7 ms chunked).
         Threads on batch slices (kernels._cpu.batch_slices) meet only where a chunk ends, so
         any of them the OS preempts stalls the others there: their chunks fill a quarter of the
-        last-level cache instead (the rest left to the weights), fewer and longer."""
+        last-level cache instead (the rest left to the weights), fewer and longer, up to
+        SLICED_XW_PER_THREAD per thread."""
         if self.spec.batch_first:
             return None
         step_bytes = batch * self.weights.Gp * self.dtype.itemsize
         budget = XW_BUDGET
-        if _cpu.batch_slices(batch, self._threads()):
-            budget = max(budget, _cpu.caches()["L3"] // 4)
+        threads = self._threads()
+        if _cpu.batch_slices(batch, threads):
+            share = min(_cpu.caches()["L3"] // 4, threads * SLICED_XW_PER_THREAD)
+            budget = max(budget, share)
         return max(MIN_AUTO_CHUNK, budget // step_bytes)
 
     def _key(self, batch: int, steps: int, return_sequences: bool) -> tuple:
