@@ -149,7 +149,10 @@ def _operand_view(typingctx, P, A, q, me, i0):
             new_shape, new_strides = [builder.sub(shape[0], row), *shape[1:]], strides
         context.populate_array(out, data=data, shape=new_shape, strides=new_strides,
                                itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
-        return out._getvalue()
+        view = out._getvalue()
+        if context.enable_nrt:  # a caller that counts references (a test's) owns one more
+            context.nrt.incref(builder, rt, view)
+        return view
 
     return rt(P, A, q, me, i0), gen
 
