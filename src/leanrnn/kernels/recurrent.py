@@ -173,12 +173,7 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 # --------------------------------------------------------------------------- the step loop
-# Written once: every cell runs _steps, which runs each step's phases through _phase. A cell is
-# what it passes in: per phase, a ``gemm`` hook (the panel GEMM of one unit block) and an
-# ``update`` hook (one sample's update of that block), both inlined; ``cell``, a tuple of its
-# own arrays and settings read once per call, goes to every hook. Hooks are handed in as
-# functions rather than picked by a branch on the cell, so each kernel compiles only its own
-# cell's code.
+# (the module docstring says how cells hand in their hooks)
 
 
 @inline
