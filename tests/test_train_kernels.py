@@ -30,10 +30,18 @@ def _rel(a, b):
     return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
 
 
-def _transposed_panels(Rd):
-    """RT [Kp/B, Gp, B] with RT[v, g, j] = Rd[g, v*B + j] (what Trainer._refresh packs)."""
+def _transposed_panels(Rd, groups):
+    """RT [V, Gp, W] with RT[v, g, j] = Rd[g, v*W + j], W = groups*B columns per panel, zero
+    past Rd's Kp columns (the layout Trainer._refresh packs, written out element by element)."""
     Gp, Kp = Rd.shape
-    return np.ascontiguousarray(Rd.reshape(Gp, Kp // B, B).transpose(1, 0, 2))
+    W = groups * B
+    V = -(-Kp // W)
+    RT = np.zeros((V, Gp, W))
+    for v in range(V):
+        for j in range(W):
+            if v * W + j < Kp:
+                RT[v, :, j] = Rd[:, v * W + j]
+    return RT
 
 
 def _common(rng, dtype, ng, H, K, lengths_full):
@@ -49,24 +57,28 @@ def _common(rng, dtype, ng, H, K, lengths_full):
     return Hp, Kp, Gp, G, Rd, dy, dh, lengths
 
 
-def _run(job, parts, dtype, Gp, Kp, **named):
+def _run(job, parts, dtype, Gp, **named):
     f = {k: (np.ascontiguousarray(v, dtype) if isinstance(v, np.ndarray) and v.dtype.kind == "f"
              else v) for k, v in named.items()}  # fmt: skip
     sync = np.zeros(abi.sync_size(parts), np.int64)
     consts = np.array([0.0, 1.0, np.finfo(dtype).tiny, 0.0], dtype)
-    call = abi.Call(job, ("parts",), dgs=np.zeros((N, Gp), dtype), dhn=np.zeros((N, Kp), dtype),
+    call = abi.Call(job, ("parts",), dgs=np.zeros((N, Gp), dtype), dhn=np.full((N, named["RT"].shape[0] * named["RT"].shape[2]), np.nan, dtype),
                     T=T, consts=consts, sync=sync, **f)  # fmt: skip
     runner.run(job, call.bind(parts=parts), parts)
     return f
 
 
-CASES = [(lf, rev, parts) for lf in (True, False) for rev in (False, True) for parts in (1, 2)]
+# the panel width of RT (groups of B columns: Trainer._dh_groups picks 1, 2 or 4) cycles over
+# the cases, so each width meets 1 and 2 threads and a padded last panel (Kp not a multiple)
+CASES = [(lf, rev, parts, (1, 2, 4)[i % 3])
+         for i, (lf, rev, parts) in enumerate((lf, rev, parts) for lf in (True, False)
+                                              for rev in (False, True) for parts in (1, 2))]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
 @pytest.mark.parametrize(("H", "P"), [(20, 0), (33, 0), (20, 7), (24, 18)])
-def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, dtype):
+def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, dtype):
     rng = np.random.default_rng(H + P + 10 * reverse)
     K = P or H
     Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 4, H, K, full)
@@ -86,8 +98,8 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, dtype):
     steps.lstm_backward(G1, None, c0, cs1, dy, y_off, dh1, dc1, Rd, K, rows, proj,
                         hf1 if P else None, dhs1 if P else None)  # fmt: skip
     nan = np.full((T * N, Hp), np.nan)  # scratch the kernel must fill, not read
-    f = _run("lstm_back", parts, dtype, Gp, Kp, G=G, c0=c0, cs=nan.copy(), dy=dy, y_off=y_off,
-             dh=dh, dc=dc, RT=_transposed_panels(Rd), K=K, projd=projd, P=P,
+    f = _run("lstm_back", parts, dtype, Gp, G=G, c0=c0, cs=nan.copy(), dy=dy, y_off=y_off,
+             dh=dh, dc=dc, RT=_transposed_panels(Rd, groups), K=K, projd=projd, P=P,
              hf=nan.copy() if P else np.zeros((0, Hp)),
              dhs=np.full((T * N, P), np.nan), lengths=lengths, reverse=reverse)  # fmt: skip
     tol = _tol(dtype)
@@ -103,9 +115,9 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
 @pytest.mark.parametrize("H", [20, 48])
-def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, dtype):
+def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, groups, dtype):
     rng = np.random.default_rng(H + 10 * reverse)
     Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 3, H, H, full)
     ghn = rng.standard_normal((T * N, Hp))
@@ -115,8 +127,8 @@ def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, dtype):
     ghn1 = ghn.astype(dtype).astype(np.float64)
     dh1 = dh.copy()
     steps.gru_backward(G1, ghn1, hprev.astype(dtype).astype(np.float64), dy, 0, dh1, Rd, H, rows)
-    f = _run("gru_back", parts, dtype, Gp, Kp, G=G, ghn=ghn, hprev=hprev, dy=dy, y_off=0, dh=dh,
-             RT=_transposed_panels(Rd), K=H, lengths=lengths, reverse=reverse)  # fmt: skip
+    f = _run("gru_back", parts, dtype, Gp, G=G, ghn=ghn, hprev=hprev, dy=dy, y_off=0, dh=dh,
+             RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse)  # fmt: skip
     tol = _tol(dtype)
     assert _rel(f["G"], G1) < tol
     assert _rel(f["ghn"], ghn1) < tol
@@ -124,17 +136,17 @@ def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
 @pytest.mark.parametrize(("H", "relu"), [(20, False), (20, True), (32, False)])
-def test_rnn_back_equals_the_numpy_loop(H, relu, full, reverse, parts, dtype):
+def test_rnn_back_equals_the_numpy_loop(H, relu, full, reverse, parts, groups, dtype):
     rng = np.random.default_rng(H + 10 * reverse + relu)
     Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 1, H, H, full)
     rows = steps.step_rows(lengths, T, N, reverse)
     G1 = G.astype(dtype).astype(np.float64)
     dh1 = dh.copy()
     steps.rnn_backward(G1, dy, H, dh1, Rd, H, rows, relu)
-    f = _run("rnn_back", parts, dtype, Gp, Kp, G=G, dy=dy, y_off=H, dh=dh,
-             RT=_transposed_panels(Rd), K=H, lengths=lengths, reverse=reverse, relu=relu)  # fmt: skip
+    f = _run("rnn_back", parts, dtype, Gp, G=G, dy=dy, y_off=H, dh=dh,
+             RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse, relu=relu)  # fmt: skip
     tol = _tol(dtype)
     assert _rel(f["G"], G1) < tol
     assert _rel(f["dh"], dh1) < tol

@@ -13,6 +13,7 @@ Nothing here imports numba or engine code: kernels.runner, the engine and config
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -29,18 +30,71 @@ POOL_LAUNCH = threading.Lock()  # one multi-threaded kernel launch at a time (mo
 _POOL_MADE = threading.Lock()  # guards the creation of the matmul pool
 _controller = None
 _matmul_pool = None
+_forked = False  # this process is a fork's child (_renew_locks)
 
 
 def _renew_locks() -> None:
     """In a forked child: another thread of the parent may have held a lock mid-op (the GIL is
     released while kernels run), and no thread of the child will ever release it. The matmul
     pool's threads do not exist in the child either."""
-    global POOL_LAUNCH, _POOL_MADE, _matmul_pool
+    global POOL_LAUNCH, _POOL_MADE, _matmul_pool, _forked
     POOL_LAUNCH, _POOL_MADE, _matmul_pool = threading.Lock(), threading.Lock(), None
+    _forked = True  # GNU OpenMP's teams do not survive a fork: no openmp_team here
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_renew_locks)
+
+
+_launches = threading.local()  # .openmp: this thread's launches run on its OpenMP team
+
+
+@contextlib.contextmanager
+def openmp_team():
+    """Within: this thread's multi-threaded kernel launches run on the GNU OpenMP team of the
+    thread (kernels/native.c: GOMP_parallel) instead of leanrnn's own threads, where the
+    process has loaded GNU OpenMP (gnu_openmp_parallel) and the native backend runs.
+
+    For callers that interleave the kernels with a framework's OpenMP ops on this thread
+    (leanrnn.torch): that team's workers spin for milliseconds after each op, on the cores
+    leanrnn's threads need, so the two teams took turns instead of running together."""
+    before = getattr(_launches, "openmp", False)
+    _launches.openmp = True
+    try:
+        yield
+    finally:
+        _launches.openmp = before
+
+
+def on_openmp() -> bool:
+    """Whether this thread's launches go to its OpenMP team (openmp_team)."""
+    return getattr(_launches, "openmp", False)
+
+
+def gnu_openmp_parallel() -> int:
+    """The address of ``GOMP_parallel`` in the GNU OpenMP runtime this process has already
+    loaded (torch's bundled libgomp, say), 0 if it has none. Loads nothing: a library not yet
+    mapped is not opened (RTLD_NOLOAD). Always 0 in a fork's child: a parent's OpenMP team
+    hangs there (the native team starts afresh instead)."""
+    import ctypes
+
+    if _forked:
+        return 0
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split(None, 5)[5].strip() for line in f
+                            if "/libgomp" in line and len(line.split(None, 5)) == 6})  # fmt: skip
+        mode = os.RTLD_NOLOAD | os.RTLD_LAZY
+    except (OSError, AttributeError):  # no /proc (not Linux), or no RTLD_NOLOAD
+        return 0
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=mode)
+            return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
+        except (OSError, AttributeError):
+            continue
+    return 0
 
 
 def pool_threads(parts: int) -> int:

@@ -54,6 +54,7 @@ Design.
 - CPU only; float32 and float64 parameters.
 """
 
+import contextlib
 import itertools
 import json
 import math
@@ -72,6 +73,7 @@ from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import torch_format
 from .formats.packing import TORCH_ORDER, PackedWeights
 from .spec import Activation, RNNSpec
+from .threads import openmp_team
 from .train.session import TapeError, Trainer
 
 __all__ = ["GRU", "LSTM", "RNN", "from_module"]
@@ -121,6 +123,7 @@ class _Engine:
             # themselves come from torch (Trainer.forward(masks=)), never from the trainer
             self.tr = Trainer(pw, dropout=0.5 if dropout else 0.0)
             self.tr.training = False
+            self.tr.matmul = _matmul
             self.model = Model._from_packed(pw)
             self.copies = [np.empty(tuple(w.shape), dt) for w in weights]
             self.seen = [None] * len(weights)
@@ -334,10 +337,28 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape):
     return y, h_n, c_n, handle
 
 
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out = a @ b by torch (Trainer.matmul): threaded on torch's own team, as _team's kernels."""
+    torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+
+
+@lru_cache(maxsize=1)
+def _torch_on_openmp() -> bool:
+    """Whether torch runs its intra-op work on OpenMP (its CPU wheels do)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _team():
+    """Where the kernels run: on torch's own OpenMP team where torch has one (threads.
+    openmp_team: its workers, spinning after each torch op, starved leanrnn's threads of the
+    cores), else on leanrnn's threads."""
+    return openmp_team() if _torch_on_openmp() else contextlib.nullcontext()
+
+
 def _forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
     """rnn_forward's body, for the op and for the eager path (_EagerRNN)."""
     eng = _engine(key, spec)
-    with eng.lock:
+    with eng.lock, _team():
         y, h_n, c_n, handle = _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape)
     c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
     return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
@@ -355,7 +376,7 @@ def _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad):
             "another process); run the forward again"
         )
     eng, tape, versions = entry
-    with eng.lock:
+    with eng.lock, _team():
         if [w._version for w in weights] != versions:
             raise TapeError(
                 f"[{op}] a parameter was modified in place after this forward (an optimizer step "

@@ -41,7 +41,7 @@ from ._jit import inline, kernel
 from ._math import sigmoid_, tanh_
 from ._sync import claim, end_phase, finish
 from .abi import B
-from .gemm import panel1
+from .gemm import panel1, panel2, panel4
 
 # ---------------------------------------------------------------- the cells' backward, per block
 # float32 as explicit 16-lane vector IR (_cells._Vec), as the forward's cells: LLVM left these
@@ -303,24 +303,35 @@ def _dh_in(tmp, n, col, dh, dy, row, y_off, c0, K, zero):
 
 @inline
 def _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, add, me, parts, sync, g, consts):
-    """Phase B: dh[n, v-block] = (dh if add else 0) + dgs[n] @ R[:, v-block], active n."""
-    V = RT.shape[0]
+    """Phase B: dh[n, v-block] = (dh if add else 0) + dgs[n] @ R[:, v-block], active n.
+    A block is one panel of RT: 4 groups of B columns where there are enough of them (the
+    6 x 64 tile does 24 FMAs per 10 loads; a 1-group panel's 6 x 16 tile 6 per 7, and phase
+    B ran at a third of the forward step's GEMM rate), fewer where the threads would
+    otherwise run out of blocks (Trainer._refresh chooses)."""
+    V, Wb = RT.shape[0], RT.shape[2]
+    Kp = dh.shape[1]
     for q in range(parts):
         lo, hi = claim(sync, me, q, parts, g, V)
         if hi < 0:
             continue
         for v in range(lo, hi):
-            c0 = v * B
-            panel1(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+            c0 = v * Wb
+            if Wb == 4 * B:
+                panel4(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+            elif Wb == 2 * B:
+                panel2(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+            else:
+                panel1(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+            c1 = min(c0 + Wb, Kp)  # the last panel's columns past Kp are zero weights
             for n in range(N):
                 if _row(s, n, N, lengths, reverse) < 0:
                     continue
                 if add:
-                    for j in range(B):
-                        dh[n, c0 + j] += dhn[n, c0 + j]
+                    for j in range(c0, c1):
+                        dh[n, j] += dhn[n, j]
                 else:
-                    for j in range(B):
-                        dh[n, c0 + j] = dhn[n, c0 + j]
+                    for j in range(c0, c1):
+                        dh[n, j] = dhn[n, j]
         finish(sync, parts)
     return end_phase(sync, parts, g)
 

@@ -10,6 +10,13 @@
  * (a child's first parallel region hangs, measured), and servers fork workers. Here the child
  * simply starts new threads. Workers spin briefly after each op, because the next op (the next
  * layer or chunk) usually follows within microseconds, then sleep on a condition variable.
+ *
+ * Except inside a framework that already keeps a GNU OpenMP team busy on the caller's thread
+ * (torch's ops): its workers spin for milliseconds after each op (GOMP_SPINCOUNT), on the
+ * very cores our team needs, so our threads and theirs took turns on the cores and the
+ * second thread gained nothing (leanrnn.torch's LSTM step on 2 threads no faster than on 1).
+ * There, a launch the caller marks `openmp` runs the same jobs on that OpenMP team instead
+ * (GOMP_parallel, found in the process by the caller: set_openmp). A forked child forgets it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -122,7 +129,17 @@ static void *worker(void *arg) {
 /* A forked child has none of the parent's workers: start afresh. (Another Python thread may
  * fork while an op runs here without the GIL: the child then has no op in flight, and
  * kernels/runner.py renews its Python locks after a fork too.) */
+/* GNU OpenMP's GOMP_parallel(fn, data, threads, flags) in this process, or NULL (set_openmp). */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn GOMP_PARALLEL = NULL;
+
+static void omp_body(void *unused) {
+    (void)unused;
+    take_jobs();
+}
+
 static void after_fork_in_child(void) {
+    GOMP_PARALLEL = NULL; /* the parent's OpenMP team does not exist here (nor survives fork) */
     pthread_mutex_init(&LAUNCH, NULL);
     pthread_mutex_init(&T.mu, NULL);
     pthread_cond_init(&T.wake, NULL);
@@ -192,9 +209,25 @@ static int32_t launch_locked(const Entry *e, int64_t *slots, int64_t parts, int6
     return T.status;
 }
 
-static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t threads) {
+/* The same jobs on the caller's OpenMP team: every job index still runs exactly once (take_jobs
+ * claims them), and GOMP_parallel returns when its team is done. */
+static int32_t launch_openmp_locked(const Entry *e, int64_t *slots, int64_t parts,
+                                    int64_t threads) {
+    if (threads > parts) threads = parts;
+    T.entry = e;
+    T.slots = slots;
+    T.parts = parts;
+    T.next = 0;
+    T.status = 0;
+    GOMP_PARALLEL(omp_body, NULL, (unsigned)threads, 0);
+    return T.status;
+}
+
+static int32_t launch(const Entry *e, int64_t *slots, int64_t parts, int64_t threads,
+                      int openmp) {
     pthread_mutex_lock(&LAUNCH);
-    int32_t status = launch_locked(e, slots, parts, threads);
+    int32_t status = openmp && GOMP_PARALLEL ? launch_openmp_locked(e, slots, parts, threads)
+                                             : launch_locked(e, slots, parts, threads);
     pthread_mutex_unlock(&LAUNCH);
     return status;
 }
@@ -252,13 +285,17 @@ static const Entry *entry_at(PyObject *o) {
     return &ENTRIES[index];
 }
 
-/* run(entry, args, parts, threads): jobs me = 0..parts-1 of one op, on `threads` threads. */
+/* run(entry, args, parts, threads[, openmp]): jobs me = 0..parts-1 of one op, on `threads`
+ * threads (with openmp true: on the caller's OpenMP team, if set_openmp gave one). */
 static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     (void)self;
-    if (argc != 4 || !PyTuple_Check(argv[1])) {
-        PyErr_SetString(PyExc_TypeError, "run(entry: int, args: tuple, parts: int, threads: int)");
+    if ((argc != 4 && argc != 5) || !PyTuple_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "run(entry: int, args: tuple, parts: int, threads: int, openmp: bool)");
         return NULL;
     }
+    int openmp = argc == 5 ? PyObject_IsTrue(argv[4]) : 0;
+    if (openmp < 0) return NULL;
     const Entry *e = entry_at(argv[0]);
     if (!e) return NULL;
     long long parts = PyLong_AsLongLong(argv[2]);
@@ -276,7 +313,7 @@ static PyObject *run(PyObject *self, PyObject *const *argv, Py_ssize_t argc) {
     if (threads == 1) {
         for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
     } else {
-        status = launch(e, slots, parts, threads);
+        status = launch(e, slots, parts, threads, openmp);
     }
     Py_END_ALLOW_THREADS
     if (status) {
@@ -411,7 +448,7 @@ static PyObject *run_program(PyObject *self, PyObject *const *argv, Py_ssize_t a
         if (threads == 1) {
             for (int64_t me = 0; me < parts; me++) status |= e->fn(slots, me);
         } else {
-            status = launch(e, slots, parts, threads);
+            status = launch(e, slots, parts, threads, 0);
         }
         if (status) failed = e;
         else copies(c + 1, c[0]);
@@ -442,6 +479,18 @@ static PyObject *entries(PyObject *self, PyObject *unused) {
     return out;
 }
 
+/* set_openmp(address): GOMP_parallel's address in this process (0: none), for launches marked
+ * openmp. The caller vouches that the address is GNU OpenMP's GOMP_parallel. */
+static PyObject *set_openmp(PyObject *self, PyObject *arg) {
+    (void)self;
+    unsigned long long address = PyLong_AsUnsignedLongLong(arg);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&LAUNCH);
+    GOMP_PARALLEL = (gomp_parallel_fn)(uintptr_t)address;
+    pthread_mutex_unlock(&LAUNCH);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef METHODS[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(entry, args, parts, threads): one op's jobs on `threads` threads"},
@@ -451,6 +500,7 @@ static PyMethodDef METHODS[] = {
      "run_program(program, x, y, threads): a bound program's ops with x and y; False if they "
      "do not fit"},
     {"entries", entries, METH_NOARGS, "((symbol, kinds), ...) in entry order"},
+    {"set_openmp", set_openmp, METH_O, "set_openmp(address): GOMP_parallel for openmp launches"},
     {NULL, NULL, 0, NULL},
 };
 

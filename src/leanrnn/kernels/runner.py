@@ -66,6 +66,7 @@ class _Native:
 
     def __init__(self, mod) -> None:
         self._run, self._bind, self._run_program = mod.run, mod.bind, mod.run_program
+        self._set_openmp, self._openmp_set = mod.set_openmp, False
         self.path = mod.__file__
         # (job, dtype char) -> entry index; checked against abi so a stale build cannot run.
         rows = {symbol: (i, kinds) for i, (symbol, kinds) in enumerate(mod.entries())}
@@ -82,8 +83,11 @@ class _Native:
                 self._index[job, letter] = i
                 self._kinds[i] = kinds
 
-    def run(self, job: str, args: tuple, parts: int, threads: int) -> None:
-        self._run(self._index[job, args[0].dtype.char], args, parts, threads)
+    def run(self, job: str, args: tuple, parts: int, threads: int, openmp: bool = False) -> None:
+        if openmp and not self._openmp_set:  # once: a forked child keeps its own threads
+            self._set_openmp(_threads.gnu_openmp_parallel())
+            self._openmp_set = True
+        self._run(self._index[job, args[0].dtype.char], args, parts, threads, openmp)
 
     def program(self, ops: list, x_at: tuple[int, str], y_at: tuple[int, str]) -> Program:
         """See program(); the layout is native.c's (programs)."""
@@ -118,7 +122,8 @@ class _Jit:
 
         self._numba, self._jobs, self._ops = numba, ops.JOBS, ops.OPS
 
-    def run(self, job: str, args: tuple, parts: int, threads: int) -> None:
+    def run(self, job: str, args: tuple, parts: int, threads: int, openmp: bool = False) -> None:
+        # (openmp: numba's own threading layer runs the ops; see threads.openmp_team)
         if parts == 1:  # no pool launch: the job itself, on this thread
             self._jobs[job](*args, 0)
             return
@@ -137,7 +142,7 @@ def run(job: str, args: tuple, parts: int) -> None:
         b.run(job, args, 1, 1)
         return
     with _threads.POOL_LAUNCH:
-        b.run(job, args, parts, pool_threads(parts))
+        b.run(job, args, parts, pool_threads(parts), _threads.on_openmp())
 
 
 class Program:

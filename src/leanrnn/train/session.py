@@ -128,7 +128,15 @@ class Trainer:
     >>> m = leanrnn.LSTM(8, 16, seed=0); tr = Trainer(m)
     >>> tape = tr.forward(x)                      # x [T, N, 8]
     >>> dx, dh0, dc0 = tr.backward(tape, dy)      # dy like tape.y; grads accumulate in tr.grad
+
+    ``matmul``: backward's big products (weight gradients over all steps, dx) are numpy's
+    (single-threaded BLAS, split over threads.matmul_pool) unless a caller sets this to a
+    multi-threaded ``f(a, b, out)`` of its own (leanrnn.torch: torch's, on the same OpenMP
+    team its kernels then run on; a pool of Python threads beside that team would fight it
+    for the cores). ``a``, ``b`` may be strided views; ``out`` is C-contiguous.
     """
+
+    matmul = None
 
     def __init__(self, model, threads: int | None = None, segment: int | None = None,
                  recompute: bool = False, memory_limit: int | None = None,
@@ -230,6 +238,7 @@ class Trainer:
         and remake the dense copies backward's GEMMs read. Cheap next to a training step."""
         spec, w = self.spec, self.weights
         self._dense = []
+        groups = self._dh_groups()
         for li, dirs in enumerate(w.layers):
             Cin = spec.layer_input_size(li)
             row = []
@@ -237,9 +246,7 @@ class Trainer:
                 fold_biases(spec, pl)
                 Wd = np.ascontiguousarray(from_panels(pl.Wt)[:, :Cin])
                 Rd = np.ascontiguousarray(from_panels(pl.Rt))
-                # the backward step's dh_prev = dG_t R, on panels of R's columns (gemm.panel1):
-                # RT[v, g, j] = Rd[g, v*B + j]
-                RT = np.ascontiguousarray(Rd.reshape(w.Gp, w.Kp // w.B, w.B).transpose(1, 0, 2))
+                RT = _column_panels(Rd, groups)
                 P, H = spec.proj_size, spec.hidden_size
                 projd = np.zeros((P, w.Hp), self.dtype)  # [P, Hp] (P = 0: none)
                 proj = None
@@ -250,6 +257,12 @@ class Trainer:
             self._dense.append(row)
         self._seen = [p.version for p in self._params]
         self._version += 1
+
+    def _dh_groups(self) -> int:
+        """Groups of B columns per panel of RT (_column_panels): 4, the widest tile, while every
+        thread still gets a panel of each step's dh_prev GEMM, else fewer."""
+        groups, threads = self.weights.Kp // self.weights.B, self._threads()
+        return next((g for g in (4, 2) if -(-groups // g) >= threads), 1)
 
     def _check_weights(self) -> None:
         if [p.version for p in self._params] != self._seen:
@@ -584,7 +597,9 @@ class Trainer:
         # backward scratch
         add("dh", (N, w.Kp), 2, end)
         add("dgs", (N, w.Gp), 2, end)
-        add("dhn", (N, w.Kp), 2, end)
+        # as wide as RT's widest panels make it (_dh_groups: the width may change with the
+        # threads when the weights change, and a cached plan must still hold it)
+        add("dhn", (N, -(-w.Kp // (4 * w.B)) * 4 * w.B), 2, end)
         if lstm:
             add("dc", (N, w.Hp), 2, end)
             add("cb", (N, w.Hp), 2, end)
@@ -923,7 +938,8 @@ class Trainer:
         # direction 0 writes dx, direction 1 adds its part through a planned scratch
         part = mem[f"dxd.{layer}"][:TN] if dxin is not None and d == 1 else None
         gw = mem["gw"]
-        wgrad = self._weight_gradients(gl, xin, hprev, G, ghn)
+        matmul = self.matmul or np.matmul
+        wgrad = self._weight_gradients(gl, xin, hprev, G, ghn, matmul)
 
         def job(i: int, threads: int) -> None:
             wgrad(gw[i], i, threads)
@@ -931,9 +947,9 @@ class Trainer:
                 return  # input_grad=False: the layer below is the caller's input
             lo, hi = TN * i // threads, TN * (i + 1) // threads
             if part is None:
-                np.matmul(G[lo:hi], Wd, out=dxin[lo:hi])
+                matmul(G[lo:hi], Wd, out=dxin[lo:hi])
             else:
-                np.matmul(G[lo:hi], Wd, out=part[lo:hi])
+                matmul(G[lo:hi], Wd, out=part[lo:hi])
                 dxin[lo:hi] += part[lo:hi]
 
         # at most the threads planned: a later set_num_threads may ask for more than this
@@ -944,6 +960,8 @@ class Trainer:
             TN * G.shape[1] * (xin.shape[1] + hprev.shape[1] + (0 if dxin is None else Wd.shape[1]))
         )
         threads = 1 if macs < PARALLEL_MATMUL_MACS else min(self._threads(), gw.shape[0], TN)
+        if self.matmul is not None:  # threaded itself
+            threads = 1
         self._team(job, threads)
 
     def _threads(self) -> int:
@@ -964,7 +982,7 @@ class Trainer:
             for f in futures:
                 f.result()
 
-    def _weight_gradients(self, gl, xin, hprev, G, ghn):
+    def _weight_gradients(self, gl, xin, hprev, G, ghn, matmul):
         """dW += X^T dG and dR += H_prev^T dG (GRU: R_n's columns from ghn, which holds
         d(R_n h + bR_n)), a few panels' columns per GEMM (_GEMM_COLS), each into a planned
         scratch and added from there into the panels. Returns f(out, i, threads): thread i's
@@ -983,7 +1001,7 @@ class Trainer:
                 for panels, rows in ((gl.Wt, xin), (gl.Rt, hprev)):
                     X = rows.shape[1]
                     out = gw[: X * (u1 - u0) * Wd].reshape(X, (u1 - u0) * Wd)
-                    np.matmul(rows.T, G[:, cols], out=out)
+                    matmul(rows.T, G[:, cols], out=out)
                     if ghn is not None and panels is gl.Rt:
                         out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
                             rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
@@ -996,6 +1014,18 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+def _column_panels(Rd: np.ndarray, groups: int) -> np.ndarray:
+    """R's columns in panels for the backward step's dh_prev = dG_t R (kernels.backward
+    ._dh_gemm): RT[v, g, j] = Rd[g, v*W + j], W = groups*B columns per panel, zero past R's
+    columns (the last panel's padding: its products land in dhn's spare columns)."""
+    Gp, Kp = Rd.shape
+    W = groups * abi.B
+    V = -(-Kp // W)
+    padded = np.zeros((Gp, V * W), Rd.dtype)
+    padded[:, :Kp] = Rd
+    return np.ascontiguousarray(padded.reshape(Gp, V, W).transpose(1, 0, 2))
 
 
 def _doubling(n: int):
