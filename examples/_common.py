@@ -109,13 +109,13 @@ def import_leanrnn_torch():
 
 
 def set_threads(n: int, engine: str):
-    """``n`` threads for what runs the recurrent layers: leanrnn's kernels, or torch's intra-op
-    pool for torch.nn. The rest of a step (embedding, head, loss, optimizer: small) runs on one
-    thread when leanrnn runs the layers: BLAS's and torch's idle OpenMP workers spin after every
-    call and took the core that leanrnn's kernel team needed next (char_lm's numpy-only loop on
-    2 threads ran 35 ms a step, slower than on 1; 20 ms with one BLAS thread; leanrnn.torch 34
-    -> 23 ms with one torch thread). Returns a function that puts the previous counts back
-    (main() run in-process)."""
+    """``n`` threads for the recurrent layers and for torch's ops. leanrnn.torch's kernels run
+    on torch's own OpenMP team (threads.openmp_team), so both share one team of ``n``. The
+    numpy-only loop keeps BLAS (embedding, head, loss: small) on one thread: OpenBLAS's idle
+    workers spin after every call and took the core that leanrnn's kernel team needed next
+    (char_lm's numpy-only loop on 2 threads ran 35 ms a step, slower than on 1; 20 ms with
+    one BLAS thread). Returns a function that puts the previous counts back (main() run
+    in-process)."""
     import leanrnn
 
     before = leanrnn.get_num_threads()
@@ -129,7 +129,7 @@ def set_threads(n: int, engine: str):
         import torch
 
         torch_before = torch.get_num_threads()
-        torch.set_num_threads(1 if engine == "leanrnn-torch" else n)
+        torch.set_num_threads(n)
 
     def restore() -> None:
         leanrnn.set_num_threads(before)

@@ -218,6 +218,15 @@ def cross_entropy(logits: np.ndarray, target: np.ndarray, scale: float):
     return loss, logits
 
 
+def embedding_grad(grad: np.ndarray, ids: np.ndarray, d: np.ndarray) -> None:
+    """grad[ids[i]] += d[i] for every row i, repeated ids summed: the rows sorted by id and
+    each run of one id reduced at once (np.add.at, unbuffered, took ~1 ms a step here)."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    grad[sorted_ids[starts]] += np.add.reduceat(d[order], starts, axis=0)
+
+
 def train_numpy(args, data: dict, init: dict) -> dict:
     """The same model with numpy only: the LSTM on leanrnn's kernels (leanrnn.train.Trainer),
     the embedding, head and loss written here, Adam and clipping from leanrnn.train.optim."""
@@ -268,7 +277,7 @@ def train_numpy(args, data: dict, init: dict) -> dict:
             bo.grad += dlogits.sum(axis=0)
             dy = (dlogits @ Wo.value).reshape(tape.y.shape)
             dx, _, _ = tr.backward(tape, dy)
-            np.add.at(emb.grad, x.reshape(-1), dx.reshape(-1, args.embed))
+            embedding_grad(emb.grad, x.reshape(-1), dx.reshape(-1, args.embed))
             total += loss
         optim.clip_grad_norm(params, args.clip)
         opt.step()

@@ -89,6 +89,43 @@ def test_gradients_match_torch(cell, kw, lengths, dtype):
         assert _rel(grads[name], p.grad.numpy()) <= rtol, name
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {"bidirectional": True}),
+    ("LSTM", {"proj_size": 40}),
+    ("GRU", {"num_layers": 2}),
+    ("RNN", {"bidirectional": True}),
+])  # fmt: skip
+def test_gradients_match_torch_at_a_batch_with_wide_panels_and_batch_slices(cell, kw, threads):
+    """H = 72 (5 groups of 16 columns: dh_prev's GEMM on 4-group panels, the last one padded;
+    proj 40: 2-group panels) and N = 30 (2 threads: each runs its own tile-aligned batch slice
+    of every backward step, kernels.backward.BACK_SHARE_TILES), with ragged lengths."""
+    torch.manual_seed(0)
+    T, N, C, H = 6, 30, 7, 72
+    m = getattr(torch.nn, cell)(C, H, **kw).double()
+    L = kw.get("num_layers", 1)
+    D = 2 if kw.get("bidirectional") else 1
+    K = kw.get("proj_size") or H
+    lengths = [T - (n % 4) for n in range(N)]
+    x = torch.randn(T, N, C, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(L * D, N, K, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(L * D, N, H, dtype=torch.float64, requires_grad=True)
+    hx = (h0, c0) if cell == "LSTM" else h0
+    _, cot = _torch_grads(m, x, hx, lengths, False)
+    tr = Trainer(leanrnn.from_torch(m), threads=threads)
+    assert tr._parts(N) == threads
+    hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
+    dx, dh0, dc0 = tr.backward(tr.forward(x.detach().numpy(), hxn, lengths=lengths), *cot)
+    rtol = RTOL_GRAD[np.float64]
+    assert _rel(dx, x.grad.numpy()) <= rtol
+    assert _rel(dh0, h0.grad.numpy()) <= rtol
+    if cell == "LSTM":
+        assert _rel(dc0, c0.grad.numpy()) <= rtol
+    grads = torch_format.to_state_dict(tr.spec, tr.gradients())
+    for name, p in m.named_parameters():
+        assert _rel(grads[name], p.grad.numpy()) <= rtol, name
+
+
 def _loss(tr, x, hx, lengths, cot):
     tape = tr.forward(x, hx, lengths=lengths)
     outs = [tape.y, tape.h_n] + ([tape.c_n] if tape.c_n is not None else [])

@@ -158,11 +158,12 @@ def wait_tasks(sync, ntasks):
 
 
 @inline
-def share(N, me, parts):
+def share(N, me, parts, tiles_each):
     """(n0, n1, slices): thread ``me``'s samples n0..n1 and the number of block slices per phase
     its recurrence claims from — its own tile-aligned batch slice and 1 (no barrier) when every
-    thread gets at least SHARE_TILES tiles of ALIGN rows, else every sample and ``parts``."""
-    if parts > 1 and N >= SHARE_TILES * ALIGN * parts:
+    thread gets at least ``tiles_each`` tiles of ALIGN rows (SHARE_TILES for the forward),
+    else every sample and ``parts``."""
+    if parts > 1 and N >= tiles_each * ALIGN * parts:
         tiles = (N + ALIGN - 1) // ALIGN  # the last one may be short
         return (min(N, tiles * me // parts * ALIGN), min(N, tiles * (me + 1) // parts * ALIGN), 1)
     return 0, N, parts

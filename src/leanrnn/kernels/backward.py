@@ -39,9 +39,15 @@ from numba.extending import intrinsic, overload
 from ._cells import _Vec
 from ._jit import inline, kernel
 from ._math import sigmoid_, tanh_
-from ._sync import claim, end_phase, finish
+from ._sync import claim, end_phase, finish, share
 from .abi import B
 from .gemm import panel1, panel2, panel4
+
+# Batch slices (_sync.share: each thread runs every step of its own samples, never meeting the
+# others) from this many register tiles of rows per thread on. Lower than the forward's
+# SHARE_TILES: a backward step meets twice (cell backward, then dh_prev's GEMM), and that GEMM
+# reads every thread's gate gradients of the step, 4x the h the forward's step shares.
+BACK_SHARE_TILES = 2
 
 # ---------------------------------------------------------------- the cells' backward, per block
 # float32 as explicit 16-lane vector IR (_cells._Vec), as the forward's cells: LLVM left these
@@ -302,7 +308,8 @@ def _dh_in(tmp, n, col, dh, dy, row, y_off, c0, K, zero):
 
 
 @inline
-def _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, add, me, parts, sync, g, consts):
+def _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, add, me, parts, sync, g,
+             consts):  # fmt: skip
     """Phase B: dh[n, v-block] = (dh if add else 0) + dgs[n] @ R[:, v-block], active n.
     A block is one panel of RT: 4 groups of B columns where there are enough of them (the
     6 x 64 tile does 24 FMAs per 10 loads; a 1-group panel's 6 x 16 tile 6 per 7, and phase
@@ -317,13 +324,13 @@ def _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, add, me, parts, sync,
         for v in range(lo, hi):
             c0 = v * Wb
             if Wb == 4 * B:
-                panel4(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+                panel4(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
             elif Wb == 2 * B:
-                panel2(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+                panel2(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
             else:
-                panel1(RT, v, 0, dgs, 0, N, Gp, dhn, c0, consts, -1)
+                panel1(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
             c1 = min(c0 + Wb, Kp)  # the last panel's columns past Kp are zero weights
-            for n in range(N):
+            for n in range(n0, n1):
                 if _row(s, n, N, lengths, reverse) < 0:
                     continue
                 if add:
@@ -346,6 +353,7 @@ def _lstm_back(
     U = Hp // B
     Gp = G.shape[1]
     NP = (P + B - 1) // B
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
     g = 0  # phase counter, the same on every thread
     # The cell state of every step, oldest first (the forward kept only pre-activations).
     for q in range(parts):
@@ -355,7 +363,7 @@ def _lstm_back(
         for u in range(lo, hi):
             r0 = u * 4 * B
             cb = u * B
-            for n in range(N):
+            for n in range(n0, n1):
                 for s in range(T):
                     row = _row(s, n, N, lengths, reverse)
                     if row < 0:
@@ -375,7 +383,7 @@ def _lstm_back(
                 for pb in range(lo, hi):
                     p0 = pb * B
                     p1 = min(p0 + B, P)
-                    for n in range(N):
+                    for n in range(n0, n1):
                         row = _row(s, n, N, lengths, reverse)
                         if row < 0:
                             _zero(dhs, s * N + n, p0, p1 - p0, zero)
@@ -392,7 +400,7 @@ def _lstm_back(
                 r0 = u * 4 * B
                 ro = r0 + 3 * B
                 cb = u * B
-                for n in range(N):
+                for n in range(n0, n1):
                     row = _row(s, n, N, lengths, reverse)
                     if row < 0:  # frozen: dh, dc pass through; the row was never reached
                         _zero(G, s * N + n, r0, 4 * B, zero)
@@ -419,7 +427,7 @@ def _lstm_back(
                                    hf, row if P > 0 else 0, cb, P > 0)  # fmt: skip
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
                      consts)  # fmt: skip
     return 0
 
@@ -432,6 +440,7 @@ def _gru_back(
     Hp = ghn.shape[1]
     U = Hp // B
     Gp = G.shape[1]
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
     g = 0
     for s in range(T - 1, -1, -1):
         for q in range(parts):
@@ -442,7 +451,7 @@ def _gru_back(
                 r0 = u * 3 * B
                 rz, rn = r0, r0 + 2 * B
                 cb = u * B
-                for n in range(N):
+                for n in range(n0, n1):
                     row = _row(s, n, N, lengths, reverse)
                     if row < 0:
                         _zero(G, s * N + n, r0, 3 * B, zero)
@@ -460,7 +469,7 @@ def _gru_back(
                     gru_cell_back(G, row, r0, ghn, row, cb, dgs, n, r0, dh, n, cb)  # dh = dh*z
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, True, me, parts, sync, g,
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, True, me, parts, sync, g,
                      consts)  # fmt: skip
     return 0
 
@@ -472,6 +481,7 @@ def _rnn_back(
     N = dh.shape[0]
     Gp = G.shape[1]
     U = Gp // B
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
     g = 0
     for s in range(T - 1, -1, -1):
         for q in range(parts):
@@ -480,7 +490,7 @@ def _rnn_back(
                 continue
             for u in range(lo, hi):
                 cb = u * B
-                for n in range(N):
+                for n in range(n0, n1):
                     row = _row(s, n, N, lengths, reverse)
                     if row < 0:
                         _zero(G, s * N + n, cb, B, zero)
@@ -490,7 +500,7 @@ def _rnn_back(
                     rnn_cell_back(G, row, cb, dgs, n, cb, relu)
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
                      consts)  # fmt: skip
     return 0
 

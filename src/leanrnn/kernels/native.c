@@ -148,11 +148,6 @@ static void after_fork_in_child(void) {
 
 /* Start workers until `want` run (at most MAX_WORKERS); the caller uses as many as started. */
 static void start_workers(int64_t want) {
-    static int registered = 0;
-    if (!registered) {
-        pthread_atfork(NULL, NULL, after_fork_in_child);
-        registered = 1;
-    }
     sigset_t all, old;
     sigfillset(&all); /* signals stay with Python's main thread */
     pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -509,6 +504,12 @@ static struct PyModuleDef MODULE = {
 
 PyMODINIT_FUNC PyInit__leanrnn_native(void) {
     import_array();
+    /* at import, not when the first worker starts: a process whose launches all went to an
+     * OpenMP team has none, and its child must still forget that team */
+    if (pthread_atfork(NULL, NULL, after_fork_in_child)) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&MODULE);
     if (m && PyModule_AddStringConstant(m, "fingerprint", LEANRNN_FINGERPRINT) < 0) {
         Py_DECREF(m);

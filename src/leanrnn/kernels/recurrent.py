@@ -60,7 +60,7 @@ from __future__ import annotations
 from ._cells import gru_update, lstm_update, lstm_update_keep, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
-from ._sync import claim, end_phase, finish, share
+from ._sync import SHARE_TILES, claim, end_phase, finish, share
 from .abi import B
 from .gemm import operand, panel1, panel2, panel3, panel4
 
@@ -213,7 +213,8 @@ def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt
     run2, W2, src2, K2 = second
     zero = consts[0]
     N = h_a.shape[0]
-    n0, n1, parts = share(N, me, parts)  # this thread's samples; parts: its block slices
+    # this thread's samples; parts: its block slices
+    n0, n1, parts = share(N, me, parts, SHARE_TILES)
     if me == 0:  # one thread zeroes the steps past each length
         _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
     hp = h_a
