@@ -51,6 +51,11 @@ Design.
   it computes in the parameters' dtype (float32) and returns what torch's modules return under
   CPU autocast: float32 outputs for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for RNN (torch
   builds its RNN cell from autocast matmuls); gradients reach float32 parameters as in torch.
+- **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's
+  own team (threads.openmp_team: ``GOMP_parallel``), and backward's big GEMMs on torch's
+  matmul (Trainer.matmul): torch's idle workers spin for milliseconds after each op, so a
+  second team of leanrnn's own got no core while they did (a 2-thread LSTM step ran as slow
+  as on 1 thread).
 - CPU only; float32 and float64 parameters.
 """
 

@@ -17,7 +17,8 @@ lines, zeroed by the caller before the jobs start):
   threads instead take tile-aligned slices of the batch, each running every step of its own
   samples: they never meet inside the recurrence, so a thread the OS preempts (a shared VM,
   another process) delays only its own samples instead of stalling the others at every step's
-  barrier. onnxruntime's LSTM splits batches above 4 the same way. A slice job must run (no
+  barrier. onnxruntime's LSTM splits batches above 4 the same way (the backward kernels do
+  from fewer tiles: backward.BACK_SHARE_TILES). A slice job must run (no
   thread can take it over), which both backends guarantee: every job index runs exactly once.
 - **Ticket queues** (``take``): the input projection's row x panel tasks are handed out by an
   atomic counter, so whichever threads are running share them; ``done`` again tells when all

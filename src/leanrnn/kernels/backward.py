@@ -5,9 +5,13 @@ Per step two phases (threads as in kernels.recurrent, see _sync):
   A. each unit block u (its gates are one panel of G): the cell's backward for its units, in
      place over the gate pre-activations of the step's rows, which become gate gradients;
      those gradients also go to ``dgs`` (rows n = sample, as the GEMM wants them).
-  B. each block v of B output columns: ``dh_prev[:, v] = dgs @ R[:, v]`` with the register-tiled
-     panel GEMM (gemm.panel1) on ``RT``, the transposed panels of R; a sample past its length
-     keeps its dh (its state is frozen there, so the gradient passes through unchanged).
+  B. each panel v of RT (R's columns in panels of up to 4 groups of B, _dh_gemm):
+     ``dh_prev[:, v] = dgs @ R[:, v]`` with the register-tiled panel GEMM (gemm.panel4/2/1);
+     a sample past its length keeps its dh (its state is frozen there, so the gradient passes
+     through unchanged).
+From BACK_SHARE_TILES register tiles of rows per thread on, each thread instead runs both
+phases of every step for its own tile-aligned batch slice (_sync.share): no barrier, and no
+thread reads the gate gradients another one wrote.
 The LSTM recomputes its cell states first (one phase: every unit is independent over time) and,
 with a projection, adds a phase per step for the projected h's gradient (phase A needs all of it).
 
@@ -20,11 +24,13 @@ Arrays (packed column order; ``Gp`` gate columns, ``Hp``/``Kp`` padded; rows t*N
   dy:    [T*N, >=K] gradient of the layer output, columns y_off..y_off+K
   dh:    [N, Kp]    in: gradient of the last h; out: of h0 (padding columns stay 0).
   dc:    [N, Hp]    the same for the LSTM's c
-  RT:    [Kp/B, Gp, B] recurrent weights, transposed panels: RT[v, g, j] = R[g, v*B + j]
+  RT:    [V, Gp, W] recurrent weights, transposed panels of W = 1, 2 or 4 groups of B
+                    columns: RT[v, g, j] = R[g, v*W + j], zero past Kp (train.session
+                    ._column_panels)
   projd: [P, Hp]    LSTM projection, dense (P = 0: no projection); hf [T*N, Hp] and dhs
                     [T*N, P] receive o*tanh(c) and the projected h's gradient (zero past a
                     sample's length), for the projection's weight GEMM
-  dgs:   [N, Gp], dhn: [N, Kp] scratch
+  dgs:   [N, Gp], dhn: [N, >= V*W] scratch
   lengths: [N] int64 valid steps per sample (<= T); reverse: the direction runs backward in time
   consts: [zero, one, tiny, clip] in the working dtype; me, parts, sync: see _sync
 No argument may alias another.
