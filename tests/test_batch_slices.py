@@ -34,7 +34,7 @@ def _smallest_split(parts: int) -> int:
 @pytest.mark.parametrize("extra", [0, 1, 5, 29])
 def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):
     N = _smallest_split(parts) + extra
-    got = [_sync.share.py_func(N, me, parts) for me in range(parts)]
+    got = [_sync.share.py_func(N, me, parts, _sync.SHARE_TILES) for me in range(parts)]
     assert all(s == 1 for _, _, s in got)  # no block slices: no barrier
     bounds = [(a, b) for a, b, _ in got]
     assert bounds[0][0] == 0 and bounds[-1][1] == N
@@ -48,7 +48,7 @@ def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):
 def test_share_keeps_small_batches_on_block_slices(parts):
     N = max(1, _smallest_split(parts) - 1) if parts > 1 else 1000
     for me in range(parts):
-        assert _sync.share.py_func(N, me, parts) == (0, N, parts)
+        assert _sync.share.py_func(N, me, parts, _sync.SHARE_TILES) == (0, N, parts)
 
 
 def _run(spec, layers, x, h0, c0, lengths, threads, dtype):
@@ -102,7 +102,7 @@ def test_small_batch_still_splits_blocks(many_cores):
 def test_engine_and_kernels_agree_on_when_batches_are_sliced(parts):
     """The engine plans its chunks with _cpu.batch_slices; the kernels cut with _sync.share."""
     for N in range(1, _smallest_split(max(parts, 2)) + 8):
-        sliced = _sync.share.py_func(N, 0, parts)[2] == 1 and parts > 1
+        sliced = _sync.share.py_func(N, 0, parts, _sync.SHARE_TILES)[2] == 1 and parts > 1
         assert sliced == _cpu.batch_slices(N, parts)
 
 

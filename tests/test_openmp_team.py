@@ -72,6 +72,43 @@ def test_openmp_launches_give_the_same_bits_and_start_no_threads_of_ours():
     assert "equal True" in out, out
 
 
+def test_torchs_runtime_is_found_among_several_libgomp_copies(tmp_path):
+    """MNN and scikit-learn bundle libgomp copies of their own; one mapped before torch's (its
+    path sorts first) must not become the team the kernels run on (a second runtime beside
+    torch's spinning one). Here: a copy of torch's own libgomp under another name."""
+    import glob
+    import os
+
+    libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    if not libs:  # pragma: no cover - torch's wheels bundle it
+        pytest.skip("torch bundles no libgomp here")
+    copy = tmp_path / "aaa" / "libgomp-copy.so.1"
+    copy.parent.mkdir()
+    copy.write_bytes(open(libs[0], "rb").read())
+    # loaded after torch, by path: a second runtime (loaded first, it would have been the one
+    # torch's libraries bind to by its soname, the same in the copy)
+    out = _run(
+        f"""
+        import ctypes
+        extra = ctypes.CDLL({str(copy)!r})
+        two = threads.gnu_openmp_parallel()  # no library named yet: two copies, no guess
+        import leanrnn.torch as lt
+        assert lt._torch_on_openmp()
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        want = ctypes.cast(ctypes.CDLL(lib, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).GOMP_parallel,
+                           ctypes.c_void_p).value
+        other = ctypes.cast(extra.GOMP_parallel, ctypes.c_void_p).value
+        print("ambiguous", two == 0, "torch's", threads.gnu_openmp_parallel() == want != other)
+        before = tasks()
+        with threads.openmp_team():
+            step()
+        print("started", tasks() - before)
+        """
+    )
+    assert "ambiguous True torch's True" in out, out
+    assert "started 0" in out, out
+
+
 def test_a_forked_child_runs_on_its_own_threads_instead_of_the_parents_openmp_team():
     out = _run("""
         import select, signal, time

@@ -44,7 +44,7 @@ def _transposed_panels(Rd, groups):
     return RT
 
 
-def _common(rng, dtype, ng, H, K, lengths_full):
+def _common(rng, dtype, ng, H, K, lengths_full, N):
     Hp, Kp = _pad(H), _pad(K)
     Gp = ng * Hp
     G = rng.standard_normal((T * N, Gp))
@@ -53,35 +53,43 @@ def _common(rng, dtype, ng, H, K, lengths_full):
     dy = rng.standard_normal((T * N, 2 * K + 3))  # a second direction's columns beside ours
     dh = np.zeros((N, Kp))
     dh[:, :K] = rng.standard_normal((N, K))
-    lengths = np.full(N, T, np.int64) if lengths_full else LENGTHS
+    lengths = np.full(N, T, np.int64) if lengths_full else np.resize(LENGTHS, N)
     return Hp, Kp, Gp, G, Rd, dy, dh, lengths
 
 
-def _run(job, parts, dtype, Gp, **named):
+def _run(job, parts, dtype, Gp, N, **named):
     f = {k: (np.ascontiguousarray(v, dtype) if isinstance(v, np.ndarray) and v.dtype.kind == "f"
              else v) for k, v in named.items()}  # fmt: skip
     sync = np.zeros(abi.sync_size(parts), np.int64)
     consts = np.array([0.0, 1.0, np.finfo(dtype).tiny, 0.0], dtype)
-    call = abi.Call(job, ("parts",), dgs=np.zeros((N, Gp), dtype), dhn=np.full((N, named["RT"].shape[0] * named["RT"].shape[2]), np.nan, dtype),
-                    T=T, consts=consts, sync=sync, **f)  # fmt: skip
+    RT = named["RT"]
+    dhn = np.full((N, RT.shape[0] * RT.shape[2]), np.nan, dtype)
+    call = abi.Call(job, ("parts",), dgs=np.zeros((N, Gp), dtype), dhn=dhn, T=T, consts=consts,
+                    sync=sync, **f)  # fmt: skip
     runner.run(job, call.bind(parts=parts), parts)
     return f
 
 
 # the panel width of RT (groups of B columns: Trainer._dh_groups picks 1, 2 or 4) cycles over
-# the cases, so each width meets 1 and 2 threads and a padded last panel (Kp not a multiple)
-CASES = [(lf, rev, parts, (1, 2, 4)[i % 3])
-         for i, (lf, rev, parts) in enumerate((lf, rev, parts) for lf in (True, False)
-                                              for rev in (False, True) for parts in (1, 2))]  # fmt: skip
+# the cases, so each width meets 1 and 2 threads and a padded last panel (Kp not a multiple);
+# at N = 7 two threads split unit blocks, and three more cases take a batch of 26, which two
+# threads cut into batch slices (kernels.backward.BACK_SHARE_TILES: from 2 tiles of 6 rows)
+CASES = [
+    (lf, rev, parts, (1, 2, 4)[i % 3], N)
+    for i, (lf, rev, parts) in enumerate(
+        (lf, rev, parts) for lf in (True, False) for rev in (False, True) for parts in (1, 2)
+    )
+]
+CASES += [(False, True, 2, 1, 26), (False, False, 2, 4, 26), (True, False, 2, 2, 26)]
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups", "N"), CASES)
 @pytest.mark.parametrize(("H", "P"), [(20, 0), (33, 0), (20, 7), (24, 18)])
-def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, dtype):
+def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, N, dtype):
     rng = np.random.default_rng(H + P + 10 * reverse)
     K = P or H
-    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 4, H, K, full)
+    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 4, H, K, full, N)
     c0 = np.zeros((N, Hp))
     c0[:, :H] = rng.standard_normal((N, H))
     dc = np.zeros((N, Hp))
@@ -98,7 +106,7 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, dty
     steps.lstm_backward(G1, None, c0, cs1, dy, y_off, dh1, dc1, Rd, K, rows, proj,
                         hf1 if P else None, dhs1 if P else None)  # fmt: skip
     nan = np.full((T * N, Hp), np.nan)  # scratch the kernel must fill, not read
-    f = _run("lstm_back", parts, dtype, Gp, G=G, c0=c0, cs=nan.copy(), dy=dy, y_off=y_off,
+    f = _run("lstm_back", parts, dtype, Gp, N, G=G, c0=c0, cs=nan.copy(), dy=dy, y_off=y_off,
              dh=dh, dc=dc, RT=_transposed_panels(Rd, groups), K=K, projd=projd, P=P,
              hf=nan.copy() if P else np.zeros((0, Hp)),
              dhs=np.full((T * N, P), np.nan), lengths=lengths, reverse=reverse)  # fmt: skip
@@ -115,11 +123,11 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, dty
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups", "N"), CASES)
 @pytest.mark.parametrize("H", [20, 48])
-def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, groups, dtype):
+def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, groups, N, dtype):
     rng = np.random.default_rng(H + 10 * reverse)
-    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 3, H, H, full)
+    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 3, H, H, full, N)
     ghn = rng.standard_normal((T * N, Hp))
     hprev = rng.standard_normal((T * N, H))
     rows = steps.step_rows(lengths, T, N, reverse)
@@ -127,7 +135,7 @@ def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, groups, dtype):
     ghn1 = ghn.astype(dtype).astype(np.float64)
     dh1 = dh.copy()
     steps.gru_backward(G1, ghn1, hprev.astype(dtype).astype(np.float64), dy, 0, dh1, Rd, H, rows)
-    f = _run("gru_back", parts, dtype, Gp, G=G, ghn=ghn, hprev=hprev, dy=dy, y_off=0, dh=dh,
+    f = _run("gru_back", parts, dtype, Gp, N, G=G, ghn=ghn, hprev=hprev, dy=dy, y_off=0, dh=dh,
              RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse)  # fmt: skip
     tol = _tol(dtype)
     assert _rel(f["G"], G1) < tol
@@ -136,16 +144,16 @@ def test_gru_back_equals_the_numpy_loop(H, full, reverse, parts, groups, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("full", "reverse", "parts", "groups"), CASES)
+@pytest.mark.parametrize(("full", "reverse", "parts", "groups", "N"), CASES)
 @pytest.mark.parametrize(("H", "relu"), [(20, False), (20, True), (32, False)])
-def test_rnn_back_equals_the_numpy_loop(H, relu, full, reverse, parts, groups, dtype):
+def test_rnn_back_equals_the_numpy_loop(H, relu, full, reverse, parts, groups, N, dtype):
     rng = np.random.default_rng(H + 10 * reverse + relu)
-    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 1, H, H, full)
+    Hp, Kp, Gp, G, Rd, dy, dh, lengths = _common(rng, dtype, 1, H, H, full, N)
     rows = steps.step_rows(lengths, T, N, reverse)
     G1 = G.astype(dtype).astype(np.float64)
     dh1 = dh.copy()
     steps.rnn_backward(G1, dy, H, dh1, Rd, H, rows, relu)
-    f = _run("rnn_back", parts, dtype, Gp, G=G, dy=dy, y_off=H, dh=dh,
+    f = _run("rnn_back", parts, dtype, Gp, N, G=G, dy=dy, y_off=H, dh=dh,
              RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse, relu=relu)  # fmt: skip
     tol = _tol(dtype)
     assert _rel(f["G"], G1) < tol

@@ -31,6 +31,7 @@ _POOL_MADE = threading.Lock()  # guards the creation of the matmul pool
 _controller = None
 _matmul_pool = None
 _forked = False  # this process is a fork's child (_renew_locks)
+_openmp_library: str | None = None  # use_openmp_of
 
 
 def _renew_locks() -> None:
@@ -57,7 +58,8 @@ def openmp_team():
 
     For callers that interleave the kernels with a framework's OpenMP ops on this thread
     (leanrnn.torch): that team's workers spin for milliseconds after each op, on the cores
-    leanrnn's threads need, so the two teams took turns instead of running together."""
+    leanrnn's threads need, so the two teams took turns instead of running together. Bound
+    programs (engine streaming steps, runner.run_program) keep leanrnn's threads."""
     before = getattr(_launches, "openmp", False)
     _launches.openmp = True
     try:
@@ -71,30 +73,38 @@ def on_openmp() -> bool:
     return getattr(_launches, "openmp", False)
 
 
+def use_openmp_of(library: str | None) -> None:
+    """Resolve ``GOMP_parallel`` (gnu_openmp_parallel) through ``library``, a loaded shared
+    library that links GNU OpenMP (leanrnn.torch: libtorch_cpu): the runtime *it* uses, where a
+    process may hold several (MNN and scikit-learn bundle their own libgomp)."""
+    global _openmp_library
+    _openmp_library = library
+
+
 def gnu_openmp_parallel() -> int:
-    """The address of ``GOMP_parallel`` in the GNU OpenMP runtime this process has already
-    loaded (torch's bundled libgomp, say), 0 if it has none. Loads nothing: a library not yet
-    mapped is not opened (RTLD_NOLOAD). Always 0 in a fork's child: a parent's OpenMP team
-    hangs there (the native team starts afresh instead)."""
+    """The address of ``GOMP_parallel`` in the GNU OpenMP runtime of the library named by
+    use_openmp_of, else of the one libgomp this process has mapped; 0 if there is none, or
+    several and no library says which. Loads nothing (RTLD_NOLOAD: a library not yet mapped is
+    not opened). Always 0 in a fork's child: a parent's OpenMP team hangs there (the native
+    team starts afresh instead)."""
     import ctypes
 
     if _forked:
         return 0
-
     try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({line.split(None, 5)[5].strip() for line in f
-                            if "/libgomp" in line and len(line.split(None, 5)) == 6})  # fmt: skip
         mode = os.RTLD_NOLOAD | os.RTLD_LAZY
-    except (OSError, AttributeError):  # no /proc (not Linux), or no RTLD_NOLOAD
+        if _openmp_library is not None:
+            paths = [_openmp_library]  # dlsym searches the library, then what it links
+        else:
+            with open("/proc/self/maps") as f:
+                paths = sorted({line.split(None, 5)[5].strip() for line in f
+                                if "/libgomp" in line and len(line.split(None, 5)) == 6})  # fmt: skip
+            if len(paths) != 1:  # none, or which one would be a guess
+                return 0
+        lib = ctypes.CDLL(paths[0], mode=mode)
+        return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):  # no /proc or RTLD_NOLOAD (not Linux), not loaded, no symbol
         return 0
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path, mode=mode)
-            return ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
-        except (OSError, AttributeError):
-            continue
-    return 0
 
 
 def pool_threads(parts: int) -> int:

@@ -64,6 +64,7 @@ import itertools
 import json
 import math
 import numbers
+import os
 import threading
 import warnings
 import weakref
@@ -78,7 +79,7 @@ from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import torch_format
 from .formats.packing import TORCH_ORDER, PackedWeights
 from .spec import Activation, RNNSpec
-from .threads import openmp_team
+from .threads import openmp_team, use_openmp_of
 from .train.session import TapeError, Trainer
 
 __all__ = ["GRU", "LSTM", "RNN", "from_module"]
@@ -349,8 +350,14 @@ def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
 @lru_cache(maxsize=1)
 def _torch_on_openmp() -> bool:
-    """Whether torch runs its intra-op work on OpenMP (its CPU wheels do)."""
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    """Whether torch runs its intra-op work on OpenMP (its CPU wheels do); if so, the kernels
+    will find torch's runtime through torch's own library: a process may map several libgomp
+    copies (MNN's, scikit-learn's), and the first one in /proc/self/maps was MNN's."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    use_openmp_of(lib if os.path.exists(lib) else None)
+    return True
 
 
 def _team():

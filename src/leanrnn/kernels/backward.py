@@ -52,7 +52,7 @@ from .gemm import panel1, panel2, panel4
 # Batch slices (_sync.share: each thread runs every step of its own samples, never meeting the
 # others) from this many register tiles of rows per thread on. Lower than the forward's
 # SHARE_TILES: a backward step meets twice (cell backward, then dh_prev's GEMM), and that GEMM
-# reads every thread's gate gradients of the step, 4x the h the forward's step shares.
+# reads every thread's gate gradients of the step (LSTM: 4x the h the forward's step shares).
 BACK_SHARE_TILES = 2
 
 # ---------------------------------------------------------------- the cells' backward, per block

@@ -126,9 +126,6 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-/* A forked child has none of the parent's workers: start afresh. (Another Python thread may
- * fork while an op runs here without the GIL: the child then has no op in flight, and
- * kernels/runner.py renews its Python locks after a fork too.) */
 /* GNU OpenMP's GOMP_parallel(fn, data, threads, flags) in this process, or NULL (set_openmp). */
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
 static gomp_parallel_fn GOMP_PARALLEL = NULL;
@@ -138,6 +135,9 @@ static void omp_body(void *unused) {
     take_jobs();
 }
 
+/* A forked child has none of the parent's workers: start afresh. (Another Python thread may
+ * fork while an op runs here without the GIL: the child then has no op in flight, and
+ * kernels/runner.py renews its Python locks after a fork too.) */
 static void after_fork_in_child(void) {
     GOMP_PARALLEL = NULL; /* the parent's OpenMP team does not exist here (nor survives fork) */
     pthread_mutex_init(&LAUNCH, NULL);
@@ -488,7 +488,8 @@ static PyObject *set_openmp(PyObject *self, PyObject *arg) {
 
 static PyMethodDef METHODS[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
-     "run(entry, args, parts, threads): one op's jobs on `threads` threads"},
+     "run(entry, args, parts, threads[, openmp]): one op's jobs on `threads` threads (on the "
+     "caller's OpenMP team if openmp and set_openmp gave one)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(entry, args): the args' slots, as an int64 array"},
     {"run_program", (PyCFunction)(void (*)(void))run_program, METH_FASTCALL,

@@ -130,8 +130,8 @@ class Trainer:
     >>> dx, dh0, dc0 = tr.backward(tape, dy)      # dy like tape.y; grads accumulate in tr.grad
 
     ``matmul``: backward's big products (weight gradients over all steps, dx) are numpy's
-    (single-threaded BLAS, split over threads.matmul_pool) unless a caller sets this to a
-    multi-threaded ``f(a, b, out)`` of its own (leanrnn.torch: torch's, on the same OpenMP
+    (single-threaded BLAS, split over threads.matmul_pool) unless a caller sets this, on the
+    instance, to a multi-threaded ``f(a, b, out)`` of its own (leanrnn.torch: torch's, on the same OpenMP
     team its kernels then run on; a pool of Python threads beside that team would fight it
     for the cores). ``a``, ``b`` may be strided views; ``out`` is C-contiguous.
     """
@@ -199,6 +199,9 @@ class Trainer:
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
         self.__dict__.update(state)
         self._views = weakref.WeakKeyDictionary()
+        # planned afresh: a plan pickled by another version may size its buffers otherwise
+        # (dhn was [N, Kp] before RT's panels grew to 4 groups: the kernel would write past it)
+        self._plans = {}
         for prm in self._params:
             prm._owner = weakref.ref(self)
 
