@@ -136,6 +136,7 @@ def test_a_forked_child_runs_on_its_own_threads_instead_of_the_parents_openmp_te
         if len(got) < a.nbytes:
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        print("child", len(got) == a.nbytes and bool(np.array_equal(np.frombuffer(got, a.dtype), a)))
+        same = len(got) == a.nbytes and np.array_equal(np.frombuffer(got, a.dtype), a)
+        print("child", bool(same))
     """)
     assert "child True" in out, out

@@ -103,8 +103,9 @@ def test_gradients_match_torch(cell, kw, lengths, dtype):
 ])  # fmt: skip
 def test_gradients_match_torch_at_a_batch_with_wide_panels_and_batch_slices(cell, kw, threads):
     """H = 72 (5 groups of 16 columns: dh_prev's GEMM on 4-group panels, the last one padded;
-    proj 40: 2-group panels on 2 threads, one padded 4-group panel on 1) and N = 30 (2 threads: each runs its own tile-aligned batch slice
-    of every backward step, kernels.backward.BACK_SHARE_TILES), with ragged lengths."""
+    proj 40: 2-group panels on 2 threads, one padded 4-group panel on 1) and N = 30 (2
+    threads: each runs its own tile-aligned batch slice of every backward step,
+    kernels.backward.BACK_SHARE_TILES), with ragged lengths."""
     torch.manual_seed(0)
     T, N, C, H = 6, 30, 7, 72
     m = getattr(torch.nn, cell)(C, H, **kw).double()

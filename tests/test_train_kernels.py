@@ -154,7 +154,8 @@ def test_rnn_back_equals_the_numpy_loop(H, relu, full, reverse, parts, groups, N
     dh1 = dh.copy()
     steps.rnn_backward(G1, dy, H, dh1, Rd, H, rows, relu)
     f = _run("rnn_back", parts, dtype, Gp, N, G=G, dy=dy, y_off=H, dh=dh,
-             RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse, relu=relu)  # fmt: skip
+             RT=_transposed_panels(Rd, groups), K=H, lengths=lengths, reverse=reverse,
+             relu=relu)  # fmt: skip
     tol = _tol(dtype)
     assert _rel(f["G"], G1) < tol
     assert _rel(f["dh"], dh1) < tol

@@ -96,9 +96,9 @@ def gnu_openmp_parallel() -> int:
         if _openmp_library is not None:
             paths = [_openmp_library]  # dlsym searches the library, then what it links
         else:
-            with open("/proc/self/maps") as f:
-                paths = sorted({line.split(None, 5)[5].strip() for line in f
-                                if "/libgomp" in line and len(line.split(None, 5)) == 6})  # fmt: skip
+            with open("/proc/self/maps") as f:  # address perms offset dev inode [path]
+                rows = [line.split(None, 5) for line in f]
+            paths = sorted({r[5].strip() for r in rows if len(r) == 6 and "/libgomp" in r[5]})
             if len(paths) != 1:  # none, or which one would be a guess
                 return 0
         lib = ctypes.CDLL(paths[0], mode=mode)

@@ -320,7 +320,7 @@ def _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, add, me, part
     A block is one panel of RT: 4 groups of B columns where there are enough of them (the
     6 x 64 tile does 24 FMAs per 10 loads; a 1-group panel's 6 x 16 tile 6 per 7, and phase
     B ran at a third of the forward step's GEMM rate), fewer where the threads would
-    otherwise run out of blocks (Trainer._refresh chooses)."""
+    otherwise run out of blocks (Trainer._dh_groups chooses)."""
     V, Wb = RT.shape[0], RT.shape[2]
     Kp = dh.shape[1]
     for q in range(parts):
@@ -433,8 +433,8 @@ def _lstm_back(
                                    hf, row if P > 0 else 0, cb, P > 0)  # fmt: skip
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
-                     consts)  # fmt: skip
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts,
+                     sync, g, consts)  # fmt: skip
     return 0
 
 
@@ -475,8 +475,8 @@ def _gru_back(
                     gru_cell_back(G, row, r0, ghn, row, cb, dgs, n, r0, dh, n, cb)  # dh = dh*z
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, True, me, parts, sync, g,
-                     consts)  # fmt: skip
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, True, me, parts,
+                     sync, g, consts)  # fmt: skip
     return 0
 
 
@@ -506,8 +506,8 @@ def _rnn_back(
                     rnn_cell_back(G, row, cb, dgs, n, cb, relu)
             finish(sync, parts)
         g = end_phase(sync, parts, g)
-        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts, sync, g,
-                     consts)  # fmt: skip
+        g = _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, False, me, parts,
+                     sync, g, consts)  # fmt: skip
     return 0
 
 

@@ -131,9 +131,9 @@ class Trainer:
 
     ``matmul``: backward's big products (weight gradients over all steps, dx) are numpy's
     (single-threaded BLAS, split over threads.matmul_pool) unless a caller sets this, on the
-    instance, to a multi-threaded ``f(a, b, out)`` of its own (leanrnn.torch: torch's, on the same OpenMP
-    team its kernels then run on; a pool of Python threads beside that team would fight it
-    for the cores). ``a``, ``b`` may be strided views; ``out`` is C-contiguous.
+    instance, to a multi-threaded ``f(a, b, out)`` of its own (leanrnn.torch: torch's, on the
+    same OpenMP team its kernels then run on; a pool of Python threads beside that team would
+    fight it for the cores). ``a``, ``b`` may be strided views; ``out`` is C-contiguous.
     """
 
     matmul = None
@@ -962,9 +962,9 @@ class Trainer:
         macs = (
             TN * G.shape[1] * (xin.shape[1] + hprev.shape[1] + (0 if dxin is None else Wd.shape[1]))
         )
-        threads = 1 if macs < PARALLEL_MATMUL_MACS else min(self._threads(), gw.shape[0], TN)
-        if self.matmul is not None:  # threaded itself
-            threads = 1
+        # (a caller's matmul is threaded itself: one call at a time)
+        serial = self.matmul is not None or macs < PARALLEL_MATMUL_MACS
+        threads = 1 if serial else min(self._threads(), gw.shape[0], TN)
         self._team(job, threads)
 
     def _threads(self) -> int:
