@@ -963,8 +963,8 @@ class Trainer:
             TN * G.shape[1] * (xin.shape[1] + hprev.shape[1] + (0 if dxin is None else Wd.shape[1]))
         )
         # (a caller's matmul is threaded itself: one call at a time)
-        serial = self.matmul is not None or macs < PARALLEL_MATMUL_MACS
-        threads = 1 if serial else min(self._threads(), gw.shape[0], TN)
+        one_call = self.matmul is not None or macs < PARALLEL_MATMUL_MACS
+        threads = 1 if one_call else min(self._threads(), gw.shape[0], TN)
         self._team(job, threads)
 
     def _threads(self) -> int:
