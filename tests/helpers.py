@@ -175,10 +175,11 @@ def fails_in_one_line(capsys, argv: list[str], *words: str) -> str:
     return lines[0]
 
 
-def tile_gemm(name: str, dot: str | None = None):
+def tile_gemm(name: str, dot: str | None = None, bf16: str | None = None):
     """panel_gemm1..4 of ISA ``name``'s tiles (float, reduced-weight and int8-dynamic alike:
     the panel's dtype picks; int8-dynamic's with the dot product ``dot``, default what
-    _cpu.int8_dot picks) behind one jit function ``run(nvec, P, poff, A, i0, i1, K, C, mode,
+    _cpu.int8_dot picks; bf16 panels' rows in 16s on ``bf16``, "amx" or "fma", default
+    _cpu.bf16_dot's) behind one jit function ``run(nvec, P, poff, A, i0, i1, K, C, mode,
     bias)``, so each ISA's tile is tested on any machine (its machine code:
     ``run.inspect_asm()``)."""
     import numba
@@ -187,7 +188,7 @@ def tile_gemm(name: str, dot: str | None = None):
 
     isa = _cpu.ISAS[name]
     tiles = _simd.tiles(isa)
-    g1, g2, g3, g4 = (_simd.make(n, tiles, isa, dot) for n in (1, 2, 3, 4))
+    g1, g2, g3, g4 = (_simd.make(n, tiles, isa, dot, bf16) for n in (1, 2, 3, 4))
 
     @numba.njit
     def run(nvec, P, poff, A, i0, i1, K, C, mode, bias):

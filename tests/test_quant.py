@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import struct
 
 import numpy as np
@@ -22,10 +23,12 @@ from leanrnn.formats.quantize import (
     bf16_panel,
     bf16_round,
     bf16_value,
+    dequantize_panel,
     pack_int8,
     panel_scales,
     quantize_packed,
 )
+from leanrnn.kernels import _cpu
 from leanrnn.kernels.abi import B
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
@@ -137,7 +140,7 @@ def test_every_isa_tile_reads_reduced_panels(name, precision):
     """The AVX2 tile (the fallback everywhere) and the AVX-512 one, whatever this CPU has: the
     lone-row GEMV and several rows, one and four groups, the second panel of two (so an int8
     tile finds panel 1's scales, not panel 0's), modes 0 (zero), 1 (add to C) and 2 (bias);
-    one to four groups (AVX-512 loads bf16 groups in pairs: 3 is a pair and a lone group)."""
+    one to four groups."""
     run = tile_gemm(name)
     rng = np.random.default_rng(2)
     Wd, Kp, K = 4 * B, 16, 11
@@ -161,7 +164,7 @@ def test_every_isa_tile_reads_reduced_panels(name, precision):
             prod = A.astype(np.float64) @ deq[1, :K, :cols]
             for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
                 C = C0.copy()
-                run(nvec, P, P.shape[1] * Wd, A, 0, M, K, C, mode, bias)
+                run(nvec, P, P.shape[1] * P.shape[2], A, 0, M, K, C, mode, bias)
                 np.testing.assert_allclose(C, prod + init, rtol=0,
                                            atol=ATOL_REDUCED[PANEL[precision]] * 10)  # fmt: skip
 
@@ -406,3 +409,104 @@ def test_scales_of_a_loaded_panel_are_where_the_kernel_reads_them(int8_file):
     # every column's largest code is +-127 (or the column is all zero)
     assert ((np.abs(q).max(axis=1) == 127) | (s == 0)).all()
     assert (s > 0).any()
+
+
+# --------------------------------------------------------------- bf16 panels in input pairs
+@pytest.mark.parametrize("dot", ["fma", "amx"])
+def test_bf16_rows_in_whole_tiles_match_float64(dot):
+    """The bf16 tile at several rows: on AMX (activations split in two bf16 terms, tile
+    products of 32 inputs: K off 32 and past one split slice of KB, rows in blocks of 32 and a
+    last 1..31; fewer than MIN_ROWS rows on the float32 tile) and on the float32 tile, against float64 on
+    the same rounded weights, tightly (the weights' rounding is the oracle's too); a row of
+    inf and one of NaN stay non-finite where float64's do. The second panel of two, so the
+    AMX block's tail copy of the last k step reads the right panel's rows."""
+    if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
+        pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
+    run = tile_gemm("avx512", bf16=dot)
+    rng = np.random.default_rng(4)
+    Wd = 4 * B
+    for K in (11, 37, 64, 100, 300):
+        Kp = (K + 15) // 16 * 16
+        w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)
+        w[:, K:] = 0
+        P, deq = bf16_panel(w), bf16_value(bf16_round(w)).astype(np.float64)
+        bias = rng.standard_normal(Wd).astype(np.float32)
+        for nvec in (1, 2, 3, 4):
+            cols = nvec * B
+            for M in (3, 5, 16, 35, 64):
+                A = rng.standard_normal((M, K)).astype(np.float32)
+                A[1, 5] = np.inf
+                A[M - 2, 0] = np.nan
+                C0 = rng.standard_normal((M, cols)).astype(np.float32)
+                with np.errstate(invalid="ignore"):
+                    prod = A.astype(np.float64) @ deq[1, :K, :cols]
+                # the split's 2**-16 per product and float32 sums' rounding, per output
+                with np.errstate(invalid="ignore"):
+                    mags = np.abs(A).astype(np.float64) @ np.abs(deq[1, :K, :cols])
+                for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                    C = C0.copy()
+                    run(nvec, P, P.shape[1] * P.shape[2], A, 0, M, K, C, mode, bias)
+                    want = prod + init
+                    bound = (2.0**-16 + (K + 2) * 2.0**-24) * (mags + np.abs(init))
+                    np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
+                    ok = np.isfinite(want)
+                    assert (np.abs(C - want)[ok] <= bound[ok]).all(), np.abs(C - want).max()
+
+
+def test_bf16_panels_hold_input_pairs():
+    """Row k2 of a bf16 panel holds each column's inputs 2*k2 and 2*k2 + 1 side by side (what
+    AMX's B tiles and the float32 tile's pair loads read), and dequantize inverts it."""
+    w = np.arange(2 * 4 * 16, dtype=np.float32).reshape(2, 4, 16)  # exact in bf16
+    P = bf16_panel(w)
+    assert P.shape == (2, 2, 32)
+    assert bf16_value(P[1, 1, 2 * 5 : 2 * 5 + 2]).tolist() == [w[1, 2, 5], w[1, 3, 5]]
+    np.testing.assert_array_equal(dequantize_panel(P, "bf16"), w)
+
+
+def _legacy_items(pw):
+    """``pw`` (bf16) with its panels in the layout before 2026-12-02, as a file held them."""
+    from leanrnn.formats.quantize import BF16_ORDER, _grouped, _unpaired
+
+    old = pickle.loads(pickle.dumps(pw))  # a deep copy (copy.copy shares the buffer)
+    for dirs in old.layers:
+        for pl in dirs:
+            for name in ("Wt", "Rt"):
+                a = getattr(pl, name)
+                legacy = _grouped(_unpaired(a), BF16_ORDER)
+                view = a.reshape(legacy.shape)
+                view[...] = legacy
+                setattr(pl, name, view)
+    return old
+
+
+def test_a_bf16_file_of_the_earlier_layout_loads_as_the_same_model(tmp_path, monkeypatch):
+    """Files written before bf16 panels held input pairs: no "bf16_layout" in the header, each
+    row's groups of 16 columns interleaved. They load (checksum verified on the bytes as
+    stored) and run the same as the model they were saved from."""
+    m = leanrnn.quantize(leanrnn.LSTM(5, 19, num_layers=2, seed=0), "bf16")
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    path = str(tmp_path / "old.lrnn")
+    with monkeypatch.context() as mp:
+        mp.setattr(native, "_layout_meta", lambda precision: {})
+        native.save_rnn(_legacy_items(m.weights), path)
+    assert "bf16_layout" not in native._Container(path, "test").metadata
+    back = leanrnn.load(path)
+    np.testing.assert_array_equal(back.weights.buffer, m.weights.buffer)
+    np.testing.assert_array_equal(back(x)[0], m(x)[0])
+
+
+def test_a_bf16_file_with_weights_past_its_inputs_is_refused(tmp_path):
+    """AMX multiplies the panel's padding by zero activations: an inf there would be NaN."""
+    path = str(tmp_path / "b.lrnn")
+    leanrnn.quantize(leanrnn.LSTM(5, 19, seed=0), "bf16").save(path)
+
+    def inf_padding(name, b):  # Wt: K = 5 inputs, pair row 2 holds inputs 4 and 5
+        if name != "l0.d0.Wt":
+            return b
+        a = np.frombuffer(b, np.uint16).copy()
+        a[2 * 2 * 4 * B + 1] = 0x7F80  # input 5 of column 0: +inf
+        return a.tobytes()
+
+    _rewrite(path, data_edit=inf_padding)
+    with pytest.raises(ModelFormatError, match="past its 5 inputs"):
+        native.load(path, verify=False)

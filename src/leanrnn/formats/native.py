@@ -36,7 +36,7 @@ from .packing import (
     check_precision,
     tensor_dtype,
 )
-from .quantize import check_loaded
+from .quantize import bf16_pairs_from_interleaved, check_loaded
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -362,6 +362,7 @@ def save_rnn(weights: PackedWeights, path: str) -> None:
     }
     if weights.precision != "float":  # absent: the weights are of the working dtype
         meta["precision"] = weights.precision
+        meta.update(_layout_meta(weights.precision))
     _write(_out_path(path), meta, [("", _packed_items(weights))])
 
 
@@ -374,6 +375,7 @@ def save_graph(graph: Graph, path: str) -> None:
         packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
         if pw.precision != "float":
             packed[node_name]["precision"] = pw.precision
+            packed[node_name].update(_layout_meta(pw.precision))
     # Constants after the packed regions, widest items first, so each stays aligned to its itemsize.
     consts = sorted(graph.constants.items(), key=lambda kv: (-kv[1].dtype.itemsize, kv[0]))
     blocks.append(("const:", [(k, np.asarray(v, order="C"), -1) for k, v in consts]))
@@ -425,14 +427,17 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
             spec = _spec(meta.get("spec"), op, path)
             dtype = _dtype(meta.get("dtype"), op, path)
             precision = _precision(meta.get("precision", "float"), dtype, op, path)
-            begin = _check_packed(c, "", spec, dtype, precision)
-            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype, precision)
+            legacy = _legacy_bf16(meta, precision)
+            begin = _check_packed(c, "", spec, dtype, precision, legacy)
+            result: PackedWeights | Graph = _read_packed(c, f, begin, spec, dtype, precision,
+                                                         legacy)  # fmt: skip
             regions = [result.buffer]
+            legacy_packed = [result] if legacy else []
             extra = sorted(set(c.entries) - set(result.tensors()))
             if extra:
                 raise ModelFormatError(f"[{op}] {path!r}: unexpected tensors {extra[:8]}")
         elif kind == "graph":
-            result, regions = _read_graph(c, f, meta)
+            result, regions, legacy_packed = _read_graph(c, f, meta)
         else:
             raise ModelFormatError(f"[{op}] {path!r} has kind {kind!r}; expected 'rnn' or 'graph'")
     if verify:
@@ -444,7 +449,36 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
                 f"[{op}] {path!r}: checksum mismatch (stored {want}, computed {got}); the file "
                 "is corrupt"
             )
+    for pw in legacy_packed:  # after the checksum, which covers the bytes as stored
+        _pair_legacy_bf16(pw)
+        check_loaded(pw, op, path)
     return result
+
+
+# bf16 panels in input pairs (formats.quantize.bf16_panel): files say so in "bf16_layout";
+# files without it hold the earlier layout, converted as they are read (same bytes per panel).
+BF16_LAYOUT = "pairs"
+
+
+def _layout_meta(precision: str) -> dict[str, str]:
+    return {"bf16_layout": BF16_LAYOUT} if precision == "bf16" else {}
+
+
+def _legacy_bf16(meta: dict, precision: str) -> bool:
+    return precision == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT
+
+
+def _legacy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A bf16 panel's shape in the earlier layout: [U, X, Wd] for [U, X/2, 2*Wd]."""
+    U, X2, W2 = shape
+    return U, 2 * X2, W2 // 2
+
+
+def _pair_legacy_bf16(pw: PackedWeights) -> None:
+    for pl in (pl for dirs in pw.layers for pl in dirs):
+        for name in ("Wt", "Rt"):
+            a = getattr(pl, name)
+            a[...] = bf16_pairs_from_interleaved(a.reshape(_legacy_shape(a.shape)))
 
 
 def _spec(text, op, path) -> RNNSpec:
@@ -475,18 +509,22 @@ def _precision(name, dtype: np.dtype, op, path) -> str:
     return name
 
 
-def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float") -> tuple[dict, int]:
+def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float",
+                   legacy_bf16: bool = False) -> tuple[dict, int]:  # fmt: skip
     """({name: (shape, byte offset or -1 if empty, dtype)}, total bytes) of
     ``PackedWeights(spec, dtype, precision=precision)``, computed from ``PackedWeights.layout``
     with Python ints, nothing allocated (an int8 panel's shape includes its scale rows, so the
     scale count is checked with the shape). The caller bounds ``spec.num_layers`` by the
-    tensors present first: this loops per tensor."""
+    tensors present first: this loops per tensor. ``legacy_bf16``: bf16 panels declared in the
+    earlier layout's shape (the same offsets)."""
     fields = len(PackedLayer.__dataclass_fields__)
     per_layer = fields * spec.num_directions
     out, off = {}, 0
     for i, (name, shape) in enumerate(PackedWeights.layout(spec, precision)):
         dt = tensor_dtype(name, dtype, precision)
         n = math.prod(shape) * dt.itemsize
+        if legacy_bf16 and name in ("Wt", "Rt"):
+            shape = _legacy_shape(shape)
         key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
         out[key] = (tuple(shape), off if n else -1, dt)
         off += round_up(n, 64)
@@ -494,7 +532,7 @@ def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float") -> 
 
 
 def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
-                  precision: str = "float") -> int:  # fmt: skip
+                  precision: str = "float", legacy_bf16: bool = False) -> int:  # fmt: skip
     """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
     that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
@@ -515,7 +553,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
             f"{want_n} packed tensors of at least {floor} bytes in all, but the file holds "
             f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt"
         )
-    want, nbytes = _packed_layout(spec, dtype, precision)
+    want, nbytes = _packed_layout(spec, dtype, precision, legacy_bf16)
     got = {
         e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1, e.dtype)
         for e in mine
@@ -532,13 +570,15 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
 
 
 def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype,
-                 precision: str = "float") -> PackedWeights:  # fmt: skip
-    """The packed weights at ``begin``, which ``_check_packed`` returned for this spec."""
+                 precision: str = "float", legacy_bf16: bool = False) -> PackedWeights:  # fmt: skip
+    """The packed weights at ``begin``, which ``_check_packed`` returned for this spec
+    (``legacy_bf16``: checked by the caller once converted, _pair_legacy_bf16)."""
     # Bounded: exactly the bytes the file holds (checked there). No zero-fill: read_into fills
     # the whole buffer, padding included.
     pw = PackedWeights(spec, dtype, zero=False, precision=precision)
     c.read_into(f, begin, pw.buffer)
-    check_loaded(pw, c.op, c.path)
+    if not legacy_bf16:
+        check_loaded(pw, c.op, c.path)
     return pw
 
 
@@ -614,7 +654,7 @@ def _bare(e: Exception, where: str = "") -> str:
     return msg[len(where) + 2 :] if where and msg.startswith(where + ": ") else msg
 
 
-def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
+def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray], list]:
     op, path = c.op, c.path
     try:
         g = json.loads(meta.get("graph", ""))
@@ -644,7 +684,7 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
     for node in rnn_nodes.values():
         if node.name not in packed_meta:  # packed ones are checked against their spec below
             _check_rnn_node(node, None, None, op, path)
-    regions = []
+    regions, legacy_packed = [], []
     used = set()
     for node_name, pm in packed_meta.items():
         if not isinstance(pm, dict):
@@ -660,11 +700,14 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
         prefix = f"rnn:{node_name}:"
         # sizes first (against the file), then the node's attributes against the spec, then
         # the weights are read
-        begin = _check_packed(c, prefix, spec, dtype, precision)
+        legacy = _legacy_bf16(pm, precision)
+        begin = _check_packed(c, prefix, spec, dtype, precision, legacy)
         _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
-        pw = _read_packed(c, f, begin, spec, dtype, precision)
+        pw = _read_packed(c, f, begin, spec, dtype, precision, legacy)
         graph.packed[str(node_name)] = pw
         regions.append(pw.buffer)
+        if legacy:
+            legacy_packed.append(pw)
         used |= {prefix + k for k in pw.tensors()}
     consts = {k: e for k, e in c.entries.items() if k.startswith("const:")}
     unknown = sorted(set(c.entries) - used - set(consts))
@@ -686,4 +729,4 @@ def _read_graph(c: _Container, f, meta: dict) -> tuple[Graph, list[np.ndarray]]:
             arr = arr.reshape(e.shape)
             arr.flags.writeable = False
             graph.constants[k[len("const:") :]] = arr
-    return graph, regions
+    return graph, regions, legacy_packed

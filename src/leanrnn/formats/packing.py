@@ -228,9 +228,12 @@ def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer) -> PackedWe
 
 
 def panel_shape(X: int, Wd: int, precision: str) -> tuple[int, int]:
-    """One panel's [rows, columns] for X (padded) inputs and Wd outputs: float and bf16 [X, Wd];
-    int8 SCALE_ROWS more rows (the column scales); int8-dynamic 4 inputs per row, 4 bytes per
-    column, then DOT_TAIL_ROWS rows of scales and corrections (kernels._qdot)."""
+    """One panel's [rows, columns] for X (padded) inputs and Wd outputs: float [X, Wd]; bf16 2
+    inputs per row (formats.quantize.bf16_panel); int8 SCALE_ROWS more rows (the column
+    scales); int8-dynamic 4 inputs per row, 4 bytes per column, then DOT_TAIL_ROWS rows of
+    scales and corrections (kernels._qdot)."""
+    if precision == "bf16":
+        return X // 2, 2 * Wd
     if precision == "int8":
         return X + SCALE_ROWS, Wd
     if precision == "int8-dynamic":

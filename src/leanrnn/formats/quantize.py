@@ -5,7 +5,13 @@ the LSTM projection stay float32, and so do activations, states and every sum (t
 widen each weight vector to float32 right after its load, kernels._qsimd).
 
 - ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
-  float32, stored as uint16; each group of 16 columns interleaved in pairs, BF16_ORDER). Relative error <= 2**-8.
+  float32, stored as uint16), laid out in input pairs: panel row k2 holds, for each column j,
+  its weights of inputs 2*k2 and 2*k2 + 1 side by side in one 32-bit lane ([U, X/2, 2*Wd]).
+  That is AMX's layout for a bf16 B tile (kernels._simd's AMX block loads panel rows as they
+  are), and the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift
+  and a mask. Relative error <= 2**-8. Files written before 2026-12-02 hold the earlier layout
+  (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); formats.native converts
+  them as it reads them (bf16_pairs_from_interleaved).
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -39,9 +45,8 @@ from .packing import (
 )
 
 QMAX = 127  # symmetric int8: -128 is never used, so -q is always representable
-# A bf16 panel row stores each group of 16 columns interleaved: 16-bit element m holds column
-# BF16_ORDER[m] (pairs (i, i+8)), so the kernel widens 8 columns with one shift or one mask of
-# the 32-bit lanes (kernels._qsimd._bf16_loader). BF16_INVERSE puts them back in column order.
+# The bf16 layout before 2026-12-02 (files of then still load): a row's groups of 16 columns
+# interleaved, 16-bit element m holding column BF16_ORDER[m]; BF16_INVERSE undoes it.
 BF16_ORDER = np.array([j for i in range(8) for j in (i, i + 8)])
 BF16_INVERSE = np.argsort(BF16_ORDER)
 
@@ -68,9 +73,31 @@ def _grouped(a: np.ndarray, order: np.ndarray) -> np.ndarray:
     return a.reshape(*shape[:-1], shape[-1] // 16, 16)[..., order].reshape(shape)
 
 
+def _paired(bits: np.ndarray) -> np.ndarray:
+    """[..., X, Wd] (X even) -> [..., X/2, 2*Wd]: row k2 holds (row 2*k2, row 2*k2 + 1) of each
+    column side by side (a copy)."""
+    *lead, X, Wd = bits.shape
+    pairs = bits.reshape(*lead, X // 2, 2, Wd).swapaxes(-1, -2)
+    return np.ascontiguousarray(pairs).reshape(*lead, X // 2, 2 * Wd)
+
+
+def _unpaired(panel: np.ndarray) -> np.ndarray:
+    """_paired's inverse: [..., X/2, 2*Wd] -> [..., X, Wd]."""
+    *lead, X2, W2 = panel.shape
+    rows = panel.reshape(*lead, X2, W2 // 2, 2).swapaxes(-1, -2)
+    return np.ascontiguousarray(rows).reshape(*lead, 2 * X2, W2 // 2)
+
+
 def bf16_panel(w: np.ndarray) -> np.ndarray:
-    """A float32 panel [..., X, Wd] -> its bf16 panel (rounded, columns interleaved)."""
-    return _grouped(bf16_round(w), BF16_ORDER)
+    """A float32 panel [..., X, Wd] (X even) -> its bf16 panel [..., X/2, 2*Wd] (rounded, in
+    input pairs)."""
+    return _paired(bf16_round(w))
+
+
+def bf16_pairs_from_interleaved(panel: np.ndarray) -> np.ndarray:
+    """A bf16 panel of the layout before 2026-12-02 ([..., X, Wd], BF16_ORDER) -> the same
+    weights in input pairs (bf16_panel's layout, the same number of elements)."""
+    return _paired(_grouped(panel, BF16_INVERSE))
 
 
 def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +169,7 @@ def dequantize_panel(panel: np.ndarray, precision: str, dtype=np.float32) -> np.
     """A reduced panel as ``dtype`` numbers [U, X, Wd] (the scale rows dropped): exactly the
     weights the kernels multiply by (up to the int8 scale, applied after the sum there)."""
     if precision == "bf16":
-        return bf16_value(_grouped(panel, BF16_INVERSE)).astype(dtype)
+        return bf16_value(_unpaired(panel)).astype(dtype)
     if precision == "int8":
         q = panel[:, : panel.shape[1] - SCALE_ROWS]
         return (q.astype(np.float64) * panel_scales(panel)[:, None, :]).astype(dtype)
@@ -237,6 +264,15 @@ def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeig
     return out
 
 
+def _bf16_padding_zero(panel: np.ndarray, K: int) -> bool:
+    """Whether a bf16 panel [U, X/2, 2*Wd] holds zeros (either sign) past its K inputs: AMX
+    multiplies whole pairs and 32-input tiles (kernels._simd), the padding by zero
+    activations, so an inf there would make NaN."""
+    if (panel[:, (K + 1) // 2 :] & 0x7FFF).any():
+        return False
+    return not (K % 2 and (panel[:, K // 2, 1::2] & 0x7FFF).any())
+
+
 def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     """After reading reduced weights from a file: every int8 scale finite and >= 0 (one pass
     over U*Wd floats per panel), so a corrupt scale is an error, not a model of NaNs; for
@@ -244,18 +280,23 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
     equal to what the codes give (one pass over the codes: a wrong correction would shift
     every output silently)."""
-    if pw.precision not in ("int8", "int8-dynamic"):
+    if pw.precision not in ("bf16", "int8", "int8-dynamic"):
         return
     for li, dirs in enumerate(pw.layers):
         for di, pl in enumerate(dirs):
             for name in _PANELS:
                 tag = f"[{op}] {path!r}: layer {li} direction {di} {name}"
                 panel = getattr(pl, name)
+                K = pw.spec.layer_input_size(li) if name == "Wt" else pw.spec.output_size
+                if pw.precision == "bf16":
+                    if not _bf16_padding_zero(panel, K):
+                        raise ModelFormatError(f"{tag} has bf16 weights past its {K} inputs; "
+                                               "the file is corrupt")  # fmt: skip
+                    continue
                 if pw.precision == "int8":
                     s = panel_scales(panel)
                 else:
                     s = np.ascontiguousarray(panel[:, -DOT_TAIL_ROWS]).view(np.float32)
-                    K = pw.spec.layer_input_size(li) if name == "Wt" else pw.spec.output_size
                     if not _dot_panel_consistent(panel, K):
                         raise ModelFormatError(f"{tag} has int8-dynamic codes beyond +-{DOT_QMAX}, "
                                                f"codes past its {K} inputs, or corrections that "

@@ -9,7 +9,8 @@ the bench reports print ``describe()`` beside their tables.
 CPU — LLVM splits or spills what the hardware lacks — so each tile path can be tested anywhere).
 It changes the native build's fingerprint; numba's on-disk JIT cache does not see it, so with
 the JIT backend it takes effect only for kernels compiled after it is set.
-``LEANRNN_AMX=0`` keeps int8-dynamic's tile off AMX on a CPU that has it (see int8_dot).
+``LEANRNN_AMX=0`` keeps int8-dynamic's and bf16's tiles off AMX on a CPU that has it (see
+int8_dot, bf16_dot).
 """
 
 from __future__ import annotations
@@ -179,6 +180,19 @@ def int8_dot(isa_: Isa) -> str:
     return "avx2" if isa_.name in ("avx2", "avx512") else "plain"
 
 
+def bf16_dot(isa_: Isa) -> str:
+    """The product of bf16 panels at 16 rows and more (kernels._simd's AMX block): ``amx``
+    (AMX-BF16's tdpbf16ps on 16 x 16 x 32 tiles, activations split in two bf16 terms) where
+    the AVX-512 tile is compiled, the CPU has AMX-BF16 and AVX512-BF16 (the split's
+    conversion), the OS granted the tile state and ``LEANRNN_AMX=0`` does not turn it off;
+    else ``fma``: every row on the float32 tile, each weight widened after its load. Part of
+    signature(), like int8_dot."""
+    need = {"amx_tile", "amx_bf16", "avx512_bf16"}
+    if isa_.name == "avx512" and need <= _flags()[0] and amx_enabled() and amx_permitted():
+        return "amx"
+    return "fma"
+
+
 def amx_usable() -> bool:
     """Whether this process may run AMX's int8 tiles: the CPU has them (and VNNI, which the
     AMX tile runs its leftover rows on) and Linux granted the tile state (amx_permitted)."""
@@ -321,11 +335,11 @@ def compiled_for() -> str:
     forced = f" (forced by {ENV_ISA})" if os.environ.get(ENV_ISA) else ""
     t = tile_for(a, 4)
     return (f"{a.name}{forced}: {a.regs} x {a.width * 8}-bit vector registers, float32 tile "
-            f"{t.rows}x{t.groups * B}, int8 dot {int8_dot(a)}; L1d {c['L1d'] >> 10} KiB, "
+            f"{t.rows}x{t.groups * B}, int8 dot {int8_dot(a)}, bf16 {bf16_dot(a)}; L1d {c['L1d'] >> 10} KiB, "
             f"L2 {c['L2'] >> 10} KiB, L3 {c['L3'] >> 20} MiB")  # fmt: skip
 
 
 def signature() -> str:
     """Everything here that compiled code depends on (for the native build's fingerprint)."""
     a = isa()
-    return f"isa={a.name} dot={int8_dot(a)} caches={sorted(caches().items())}"
+    return f"isa={a.name} dot={int8_dot(a)} bf16={bf16_dot(a)} caches={sorted(caches().items())}"

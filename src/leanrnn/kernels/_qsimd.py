@@ -4,8 +4,8 @@ one panel row segment to float32, and where an int8 panel keeps its column scale
 The tiles stay float32 throughout (activations, states, accumulators); only the bytes each step
 streams shrink. A weight vector is widened right after its load:
 
-- ``bf16`` (panel dtype uint16, the top half of a float32; columns interleaved in pairs, see
-  _bf16_loader): shift left by 16 or mask the low half, reinterpret as float32 — exact;
+- ``bf16`` (panel dtype uint16, the top half of a float32; 2 inputs per panel row, see
+  bf16_pair_loader): shift left by 16 or mask the low half, reinterpret as float32 — exact;
 - ``int8`` (panel dtype int8, symmetric): sign-extend and convert to float32 — exact too; the
   sum over k is then multiplied once by the column's scale s_j at the store, since
   ``sum_k h_k * (s_j q_kj) = s_j * sum_k h_k q_kj``.
@@ -44,74 +44,36 @@ def weight_loader(builder, wfmt: str | None, pa, vt: ir.VectorType):
             return builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4)
 
         return load
-    if wfmt == "int8":
-        qt = ir.VectorType(ir.IntType(8), lanes)
-
-        def load(row, col):
-            ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, col))])
-            return builder.sitofp(builder.load(builder.bitcast(ptr, qt.as_pointer()), align=1), vt)
-
-        return load
-    return _bf16_loader(builder, pa, vt)
-
-
-def _bf16_loader(builder, pa, vt: ir.VectorType):
-    """bf16 panels store each group of 16 columns interleaved (formats.quantize.BF16_ORDER):
-    32-bit lane i holds column i in its low half and column i + 8 in its high half. So a
-    vector of columns 0..7 is the lanes shifted left by 16, and of columns 8..15 the lanes with
-    their low half masked off: one integer op per 8 weights, where zero-extending the 16-bit
-    values first (vpmovzxwd) took a shuffle more, and the widening bounded the step (Zen 3)."""
-    lanes = vt.count
-    i64, i32 = ir.IntType(64), ir.IntType(32)
-    n = min(lanes, 8)  # 32-bit lanes per load
-    it = ir.VectorType(i32, n)
-    ft = ir.VectorType(vt.element, n)
-    sixteen = ir.Constant(it, [16] * n)
-    high = ir.Constant(it, [-65536] * n)  # 0xFFFF0000
-
-    def half(row, col):  # columns col..col+n of one group, col % 16 in {0, 8} or any < 16
-        g, c = col // 16 * 16, col % 16
-        first = g + 2 * (c % 8)  # 16-bit element of lane c % 8
-        ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, first))])
-        bits = builder.load(builder.bitcast(ptr, it.as_pointer()), align=2)
-        bits = builder.shl(bits, sixteen) if c < 8 else builder.and_(bits, high)
-        return builder.bitcast(bits, ft)
+    assert wfmt == "int8", "bf16 panels hold input pairs: bf16_pair_loader"
+    qt = ir.VectorType(ir.IntType(8), lanes)
 
     def load(row, col):
-        if lanes <= 8:
-            return half(row, col)
-        lo, hi = half(row, col), half(row, col + 8)  # lanes == 16: one group, concatenated
-        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 16), list(range(16))))
+        ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, col))])
+        return builder.sitofp(builder.load(builder.bitcast(ptr, qt.as_pointer()), align=1), vt)
 
     return load
 
 
-def bf16_pairs(builder, pa, vt: ir.VectorType):
-    """For 16-lane vectors (AVX-512): (a loader of two adjacent groups of 16 columns from one
-    64-byte load, the inverse of its column order). The loader's two vectors are the lanes
-    shifted left by 16 and masked: columns 0..7 of both groups, then columns 8..15 of both —
-    in that permuted order, so a group costs one integer op instead of a half-width load, an
-    op and a lane shuffle each (_bf16_loader's way to a full vector). A tile accumulates its
-    paired groups permuted and ``unpair(a, b)`` puts the sums back in column order once, at
-    the store."""
+def bf16_pair_loader(builder, pa, vt: ir.VectorType):
+    """A function (flat element index of a bf16 panel row, first column: a multiple of the
+    vector width) -> (weights of the row's first input, of its second) as float vectors
+    ``vt``. A bf16 panel row holds 2 inputs (formats.quantize.bf16_panel): 32-bit lane j is
+    column j's pair, the first input in its low half. So one load gives both inputs' columns,
+    the first input's as the lanes shifted left by 16 and the second's as the lanes with their
+    low half masked off: one integer op per vector of weights."""
+    lanes = vt.count
     i64, i32 = ir.IntType(64), ir.IntType(32)
-    it = ir.VectorType(i32, 16)
-    sixteen = ir.Constant(it, [16] * 16)
-    high = ir.Constant(it, [-65536] * 16)  # 0xFFFF0000
+    it = ir.VectorType(i32, lanes)
+    sixteen = ir.Constant(it, [16] * lanes)
+    high = ir.Constant(it, [-65536] * lanes)  # 0xFFFF0000
 
-    def load(row, col):  # col: the first column of the first group (a multiple of 16)
-        ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, col))])
+    def load(row, col):
+        ptr = builder.gep(pa, [builder.add(row, ir.Constant(i64, 2 * col))])
         bits = builder.load(builder.bitcast(ptr, it.as_pointer()), align=2)
         return (builder.bitcast(builder.shl(bits, sixteen), vt),
                 builder.bitcast(builder.and_(bits, high), vt))  # fmt: skip
 
-    first = ir.Constant(it, [*range(8), *range(16, 24)])
-    second = ir.Constant(it, [*range(8, 16), *range(24, 32)])
-
-    def unpair(a, b):
-        return builder.shuffle_vector(a, b, first), builder.shuffle_vector(a, b, second)
-
-    return load, unpair
+    return load
 
 
 def scale_base(builder, wfmt: str | None, pa, P_, P_type, poff, context):

@@ -34,9 +34,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import _cpu, _qdot
+from . import _bf16amx, _cpu, _qdot
 from ._ir import row_tiles, split_loop, store_by_mode
-from ._qsimd import WEIGHT_FORMATS, bf16_pairs, scale_base, weight_loader
+from ._qsimd import WEIGHT_FORMATS, bf16_pair_loader, scale_base, weight_loader
 
 _DTYPES = {types.float32: 4, types.float64: 8}
 
@@ -50,7 +50,7 @@ def tiles(isa: _cpu.Isa | None = None) -> dict:
 TILES = tiles()
 
 
-def _codegen(nvec: int, tiles_: dict):
+def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
     def gen(context, builder, signature, args):
         P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
         dt = signature.args[3].dtype  # A's: the working dtype (P may hold reduced weights)
@@ -90,10 +90,10 @@ def _codegen(nvec: int, tiles_: dict):
         # Accumulators as entry-block allocas: mem2reg/SROA turn them into registers.
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvmax)]
                for _ in range(max(MR, S))]  # fmt: skip
-        load_w = weight_loader(builder, wfmt, pa, vt)
-        pairs = unpair = None
-        if wfmt == "bf16" and lanes == 16:
-            pairs, unpair = bf16_pairs(builder, pa, vt)
+        if wfmt == "bf16":  # 2 inputs per panel row: the k loop walks pairs of inputs
+            load_pair, load_w = bf16_pair_loader(builder, pa, vt), None
+        else:
+            load_pair, load_w = None, weight_loader(builder, wfmt, pa, vt)
         # int8 panels carry their column scales (see _qsimd): one multiply per output at the
         # store, since a per-column scale factors out of the sum over k.
         sa = scale_base(builder, wfmt, pa, P_, signature.args[0], poff, context)
@@ -114,6 +114,26 @@ def _codegen(nvec: int, tiles_: dict):
                 for v in range(nv):
                     builder.store(zero, a[v])
 
+            def pair_step(k2, s, both=True):
+                """Inputs 2*k2 and 2*k2 + 1 (``both``; else only the first: an odd K's last)
+                into accumulator set s."""
+                krow = builder.add(poff, builder.mul(k2, kstride))
+                ws = [load_pair(krow, (v0 + v) * lanes) for v in range(nv)]
+                k = builder.mul(k2, const(2))
+                for r in range(nrows):
+                    xs = []
+                    for h in range(2 if both else 1):
+                        x = builder.load(builder.gep(aa, [builder.add(arow[r],
+                                                                      builder.add(k, const(h)))]))
+                        xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
+                        xs.append(builder.shuffle_vector(xv, undef, splat))
+                    for v in range(nv):
+                        slot = acc[r * nsplit + s][v]
+                        a = builder.load(slot)
+                        for h, xv in enumerate(xs):
+                            a = builder.call(fma, [xv, ws[v][h], a])
+                        builder.store(a, slot)
+
             def step(k, s):
                 krow = builder.add(poff, builder.mul(k, kstride))
                 if nrows == 1 and tile.prefetch and wfmt is None:
@@ -127,13 +147,7 @@ def _codegen(nvec: int, tiles_: dict):
                         # read, high locality, data cache; a prefetch never faults
                         builder.call(prefetch, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3),
                                                 ir.Constant(i32, 1)])  # fmt: skip
-                ws = []
-                while len(ws) < nv:
-                    col = (v0 + len(ws)) * lanes
-                    if pairs is not None and len(ws) + 1 < nv:
-                        ws.extend(pairs(krow, col))  # two groups, permuted
-                    else:
-                        ws.append(load_w(krow, col))
+                ws = [load_w(krow, (v0 + v) * lanes) for v in range(nv)]
                 for r in range(nrows):
                     x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
                     xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
@@ -142,7 +156,13 @@ def _codegen(nvec: int, tiles_: dict):
                         slot = acc[r * nsplit + s][v]
                         builder.store(builder.call(fma, [xv, ws[v], builder.load(slot)]), slot)
 
-            split_loop(builder, K, nsplit, step)
+            if load_pair is None:
+                split_loop(builder, K, nsplit, step)
+            else:
+                k2s = builder.sdiv(K, const(2))
+                split_loop(builder, k2s, nsplit, pair_step)
+                with builder.if_then(builder.icmp_signed("<", builder.mul(k2s, const(2)), K)):
+                    pair_step(k2s, 0, both=False)
 
             def store_rows(init_of):
                 for r in range(nrows):
@@ -153,9 +173,6 @@ def _codegen(nvec: int, tiles_: dict):
                         for s in range(1, nsplit):
                             tot = builder.fadd(tot, builder.load(acc[r * nsplit + s][v]))
                         tots.append(tot)
-                    if pairs is not None:  # the paired groups' columns back in order
-                        for v in range(0, nv - 1, 2):
-                            tots[v], tots[v + 1] = unpair(tots[v], tots[v + 1])
                     for v in range(nv):
                         tot = tots[v]
                         if sa is not None:
@@ -177,20 +194,54 @@ def _codegen(nvec: int, tiles_: dict):
 
             store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, v: zero)
 
-        # a 1-row tile: every row is a GEMV, split S ways
-        row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
+        def amx_store(i, rows, sum_at):
+            """C rows i..i+rows-1 from the AMX block's float32 sums, by the tile's mode."""
+
+            def store_rows(init_of):
+                with cgutils.for_range(builder, rows) as loop:
+                    r = loop.index
+                    base = builder.add(coff, builder.mul(builder.add(i, r), ldc))
+                    for v in range(nvec):
+                        tot = builder.load(sum_at(r, v), align=64)
+                        ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(16 * v))]),
+                                              vt.as_pointer())  # fmt: skip
+                        builder.store(builder.fadd(tot, init_of(ptr, v)), ptr, align=4)
+
+            def bias(ptr, v):
+                bp = builder.gep(ba, [builder.add(boff, const(16 * v))])
+                return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
+
+            store_by_mode(builder, mode, store_rows, lambda ptr, v: builder.load(ptr, align=4),
+                          bias, lambda ptr, v: zero)  # fmt: skip
+
+        def fma_rows():  # a 1-row tile: every row is a GEMV, split S ways
+            row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
+
+        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:  # from MIN_ROWS rows: _bf16amx
+            few = builder.icmp_signed("<", builder.sub(i1, i0), const(_bf16amx.MIN_ROWS))
+            with builder.if_else(few) as (then, otherwise):
+                with then:
+                    fma_rows()
+                with otherwise:
+                    _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, i0,
+                                       i1, amx_store)  # fmt: skip
+        else:
+            fma_rows()
         return context.get_dummy_value()
 
     return gen
 
 
 def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
-         dot: str | None = None):  # fmt: skip
+         dot: str | None = None, bf16: str | None = None):  # fmt: skip
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
     (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile with the dot product
-    ``dot`` (default the compiled one, _cpu.int8_dot); the tests pass others to run every
-    ISA's tile on any machine."""
+    ``dot`` (default the compiled one, _cpu.int8_dot); bf16 panels' rows in whole tiles of 16
+    on ``bf16`` ("amx": _bf16amx, or "fma"; default _cpu.bf16_dot's). The tests pass others
+    to run every ISA's tile on any machine."""
     tiles_ = tiles_ or TILES
+    if bf16 == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":  # else SIGILL
+        raise ValueError("bf16's AMX block asked for where this process cannot run AMX-BF16")
 
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
         if not isinstance(P, types.Array) or not isinstance(A, types.Array):
@@ -203,7 +254,8 @@ def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
             return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
         if P.dtype not in _DTYPES and not (P.dtype in WEIGHT_FORMATS and A.dtype == types.float32):
             return None
-        return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), _codegen(nvec, tiles_)
+        gen = _codegen(nvec, tiles_, bf16 or _cpu.bf16_dot(isa or _cpu.isa()))
+        return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
 
     typer.__name__ = f"panel_gemm{nvec}"
     return intrinsic(typer)

@@ -66,9 +66,11 @@ def _off(P, u, v0, k0):  # pragma: no cover - replaced by the overload inside ke
 @overload(_off)
 def _off_impl(P, u, v0, k0):
     """Flat offset of panel u's row k0, column group v0 (int8-dynamic panels hold 4 inputs per
-    row and 4 bytes per column, see _qdot)."""
+    row and 4 bytes per column, see _qdot; bf16 ones 2 and 2, see _simd; k0 is a multiple)."""
     if P.dtype == types.uint8:
         return lambda P, u, v0, k0: (u * P.shape[1] + k0 // 4) * P.shape[2] + v0 * B * 4
+    if P.dtype == types.uint16:  # bf16: 2 inputs per row, each column's side by side
+        return lambda P, u, v0, k0: (u * P.shape[1] + k0 // 2) * P.shape[2] + v0 * B * 2
     return lambda P, u, v0, k0: (u * P.shape[1] + k0) * P.shape[2] + v0 * B
 
 
@@ -173,9 +175,12 @@ def _columns(P):  # pragma: no cover - replaced by the overload inside kernels
 
 @overload(_columns)
 def _columns_impl(P):
-    """Output columns per panel (an int8-dynamic panel row holds 4 bytes per column)."""
+    """Output columns per panel (an int8-dynamic panel row holds 4 bytes per column, a bf16
+    one 2 inputs)."""
     if P.dtype == types.uint8:
         return lambda P: P.shape[2] // 4
+    if P.dtype == types.uint16:
+        return lambda P: P.shape[2] // 2
     return lambda P: P.shape[2]
 
 

@@ -1,0 +1,227 @@
+"""bf16 panels on AMX: a panel GEMM of MIN_ROWS rows or more as AMX-BF16's ``tdpbf16ps``
+(16 x 16 outputs, 32 inputs, float32 sums) instead of one FMA per weight.
+
+The float32 tile of ``_simd`` widens every bf16 weight and does one multiply-add per weight:
+at 16 rows and more the GEMM is compute-bound, and halving the weight bytes gains nothing
+there. AMX multiplies bf16 by bf16, so the activations must be bf16 too. Rounding them once
+would cost accuracy a float32 activation keeps; instead each activation a is split in two:
+
+    hi = bf16(a)  (nearest, ties to even),   lo = bf16(a - hi),   |a - hi - lo| <= 2**-16 |a|
+
+and both terms are multiplied (two tile products per tile of work): the sums carry the
+weights' rounding only (2**-8, as on the float32 tile), not the activations'. A non-finite
+hi (a inf, NaN or past bfloat16's range) gets lo = 0, so an infinite input stays infinite.
+
+Per block of 32 rows (or a last 1..31) and K slice of up to KB inputs, the rows are split into
+this thread's stack buffer once (AVX512-BF16's ``vcvtneps2bf16``), and every 2-group column
+pair of the panel slice multiplies them: C tiles 0-3 (2 x 2), hi and lo tiles 4 and 5, weight
+tiles 6 and 7, loaded straight from the panel (a bf16 panel row of a 16-column group is 16
+columns x 2 inputs x 2 bytes, AMX's B layout). Float32 sums go through a stack buffer
+(``sums``) between K slices and to the caller's store, which applies the tile's ``mode``. The
+last k step of a K not a multiple of 32 reads the panel through a zero-filled copy of its
+rows (``btail``): the rows past K belong to the next panel or lie past the array. The
+activations past K are zero in the split buffer; the panel's own padding is zero too
+(packing writes it so; formats.quantize.check_loaded refuses a file that does not).
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+from numba.core import cgutils
+
+# vcvtneps2bf16 goes in as inline asm (see split_ir), which LLVM assembles only with the
+# native asm parser, which numba does not initialize.
+llvm.initialize_native_asmparser()
+
+TR = 16  # rows of an AMX tile (of A and C) and input pairs of a B tile
+# Rows from which a panel GEMM runs on AMX: a 16-row tile product costs the same for 4 rows as
+# for 16, and 4 rows already take the float32 tile 4 FMAs per 64 multiply-adds against AMX's
+# two tile products per 8192; one to three rows (a stream's step) stay there.
+MIN_ROWS = 4
+KSTEP = 2 * TR  # inputs per tile product
+KB = 256  # inputs per K slice split at once: 2 x 32 rows x KB x 2 bytes = 32 KiB of stack
+
+
+def split_ir(builder, v):
+    """(hi, lo) <16 x i16> bfloat16 bits of the float32 vector ``v`` (see the module
+    docstring). vcvtneps2bf16 through inline asm: llvmlite has no bfloat type for the
+    intrinsic's result."""
+    f32, i16, i32 = ir.FloatType(), ir.IntType(16), ir.IntType(32)
+    vf, vh, vi = ir.VectorType(f32, 16), ir.VectorType(i16, 16), ir.VectorType(i32, 16)
+    cvt_t = ir.FunctionType(vh, [vf])
+
+    def cvt(x):
+        return builder.asm(cvt_t, "vcvtneps2bf16 $1, $0", "=v,v", [x], side_effect=False)
+
+    hi = cvt(v)
+    hi_f = builder.bitcast(builder.shl(builder.zext(hi, vi), ir.Constant(vi, [16] * 16)), vf)
+    fabs = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vf, [vf]), "llvm.fabs.v16f32"
+    )
+    finite = builder.fcmp_ordered("<", builder.call(fabs, [hi_f]),
+                                  ir.Constant(vf, [float("inf")] * 16))  # fmt: skip
+    lo = builder.select(finite, builder.fsub(v, hi_f), ir.Constant(vf, [0.0] * 16))
+    return hi, cvt(lo)
+
+
+def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_block):
+    """Rows a0..a1 (i64 values) of the panel slice on AMX, in blocks of 32 rows and a last
+    block of 1..31 (its tiles' rows past a1 multiply whatever the split buffer holds there:
+    each C row depends on its own A row only, and those C rows are not stored). ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its
+    flat offset and row stride (elements); ``aa``: A's float pointer, row r's input k at
+    r * lda + acol + k. ``store_block(i, rows, sum_at)`` stores C rows i..i+rows-1 (rows an
+    i64 value), ``sum_at(r, v)`` giving the <16 x float> pointer to the float32 sums of row r
+    (an i64 value, 0-based within the block) and group v."""
+    i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+    f32 = ir.FloatType()
+    vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
+    void, i8p = ir.VoidType(), i8.as_pointer()
+    ld = nvec * 16  # floats per row of ``sums``
+
+    def const(v):
+        return ir.Constant(i64, v)
+
+    def tile_op(name, *args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(void, [a.type for a in args]), name
+        )
+        return builder.call(fn, list(args))
+
+    def tmm(n):  # an AMX tile register: an immediate operand
+        return ir.Constant(i8, n)
+
+    with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
+        cfg = builder.alloca(ir.ArrayType(i8, 64))
+        split = builder.alloca(ir.ArrayType(i16, 2 * 2 * TR * KB))  # hi rows, then lo rows
+        sums = builder.alloca(ir.ArrayType(f32, 2 * TR * ld))
+        btail = builder.alloca(ir.ArrayType(i16, 2 * TR * 32))  # two groups' last k step
+    cfg.align = split.align = sums.align = btail.align = 64
+    hbase = builder.bitcast(split, i16.as_pointer())
+    sbase = builder.bitcast(sums, f32.as_pointer())
+    tbase = builder.bitcast(btail, i16.as_pointer())
+
+    def sum_at(r, v):
+        off = builder.add(builder.mul(r, const(ld)), const(16 * v))
+        return builder.bitcast(builder.gep(sbase, [off]), vf.as_pointer())
+
+    def split_rows(i, rows, kc0, kb, ksteps):
+        """A's rows i..i+rows-1, inputs kc0..kc0+kb-1, into the split buffer (row r's hi at
+        r * KB, its lo TR*2*KB further), zeros up to ksteps * 32."""
+        ztail = builder.mul(ksteps, const(KSTEP))
+        with cgutils.for_range(builder, rows) as loop:
+            r = loop.index
+            src = builder.add(builder.add(builder.mul(builder.add(i, r), lda), acol), kc0)
+            dst = builder.mul(r, const(KB))
+
+            def put(k, v):
+                hi, lo = split_ir(builder, v)
+                for part, vec in ((0, hi), (2 * TR * KB, lo)):
+                    p = builder.gep(hbase, [builder.add(builder.add(dst, k), const(part))])
+                    builder.store(vec, builder.bitcast(p, vh.as_pointer()), align=2)
+
+            whole = builder.mul(builder.sdiv(kb, const(16)), const(16))
+            with cgutils.for_range_slice(builder, const(0), whole, const(16)) as (k, _):
+                p = builder.gep(aa, [builder.add(src, k)])
+                put(k, builder.load(builder.bitcast(p, vf.as_pointer()), align=4))
+            with builder.if_then(builder.icmp_signed("<", whole, ztail)):
+                # the last 0..15 inputs one by one into a zero vector (no read past the row),
+                # then zeros to the k step's end
+                vec = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16))
+                builder.store(ir.Constant(vf, [0.0] * 16), vec)
+                fp = builder.bitcast(vec, f32.as_pointer())
+                with cgutils.for_range_slice(builder, whole, kb, const(1)) as (k, _):
+                    x = builder.load(builder.gep(aa, [builder.add(src, k)]))
+                    builder.store(x, builder.gep(fp, [builder.sub(k, whole)]))
+                put(whole, builder.load(vec))
+                with cgutils.for_range_slice(builder, builder.add(whole, const(16)), ztail,
+                                             const(16)) as (k, _):  # fmt: skip
+                    put(k, ir.Constant(vf, [0.0] * 16))
+
+    def block(i, mr, rows):
+        """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows: every K slice split once,
+        multiplied by every column pair."""
+        with cgutils.for_range_slice(builder, const(0), K, const(KB)) as (kc0, _):
+            kb = builder.sub(K, kc0)
+            kb = builder.select(builder.icmp_signed("<", kb, const(KB)), kb, const(KB))
+            ksteps = builder.sdiv(builder.add(kb, const(KSTEP - 1)), const(KSTEP))
+            split_rows(i, rows, kc0, kb, ksteps)
+            first = builder.icmp_signed("==", kc0, const(0))
+            for c0 in range(0, nvec, 2):
+                nc = min(2, nvec - c0)
+                with builder.if_else(first) as (then, otherwise):
+                    with then:
+                        for r in range(mr):
+                            for c in range(nc):
+                                tile_op("llvm.x86.tilezero", tmm(2 * r + c))
+                    with otherwise:
+                        for r in range(mr):
+                            for c in range(nc):
+                                p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
+                                tile_op("llvm.x86.tileloadd64", tmm(2 * r + c), p, const(4 * ld))
+                with cgutils.for_range(builder, ksteps) as loop:
+                    s = loop.index
+                    k = builder.add(kc0, builder.mul(s, const(KSTEP)))  # even: a pair row
+                    inside = builder.icmp_signed("<=", builder.add(k, const(KSTEP)), K)
+                    for c in range(nc):
+                        wp = builder.add(builder.add(poff, builder.mul(builder.sdiv(k, const(2)),
+                                                                       kstride)),
+                                         const(32 * (c0 + c)))  # fmt: skip
+                        with builder.if_else(inside) as (then, otherwise):
+                            with then:
+                                tile_op("llvm.x86.tileloadd64", tmm(6 + c),
+                                        builder.bitcast(builder.gep(pa, [wp]), i8p),
+                                        builder.mul(kstride, const(2)))  # fmt: skip
+                            with otherwise:
+                                tail_b(wp, builder.sub(K, k), c)
+                    for r in range(mr):
+                        for part, t in ((0, 4), (2 * TR * KB, 5)):
+                            off = builder.add(const(TR * r * KB + part), builder.mul(s, const(KSTEP)))
+                            tile_op("llvm.x86.tileloadd64", tmm(t),
+                                    builder.bitcast(builder.gep(hbase, [off]), i8p),
+                                    const(2 * KB))  # fmt: skip
+                            for c in range(nc):
+                                tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
+                for r in range(mr):
+                    for c in range(nc):
+                        p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
+                        tile_op("llvm.x86.tilestored64", tmm(2 * r + c), p, const(4 * ld))
+        store_block(i, rows, sum_at)
+
+    def tail_b(wp, left, c):
+        """Weight tile 6+c from the panel's pair rows holding inputs k..K-1 (``left`` of them),
+        copied into ``btail`` after zeros."""
+        base = builder.gep(tbase, [const(c * TR * 32)])
+        zero = ir.Constant(vh, [0] * 16)
+        for n in range(2 * TR):
+            builder.store(zero, builder.bitcast(builder.gep(base, [const(16 * n)]),
+                                                vh.as_pointer()))  # fmt: skip
+        pairs = builder.sdiv(builder.add(left, const(1)), const(2))
+        with cgutils.for_range(builder, pairs) as loop:
+            q = loop.index
+            src = builder.gep(pa, [builder.add(wp, builder.mul(q, kstride))])
+            dst = builder.gep(base, [builder.mul(q, const(32))])
+            for h in (0, 16):
+                v = builder.load(builder.bitcast(builder.gep(src, [const(h)]), vh.as_pointer()),
+                                 align=2)  # fmt: skip
+                builder.store(v, builder.bitcast(builder.gep(dst, [const(h)]), vh.as_pointer()))
+        tile_op("llvm.x86.tileloadd64", tmm(6 + c), builder.bitcast(base, i8p), const(64))
+
+    conf = [0] * 64
+    conf[0] = 1  # palette 1; every tile 16 rows x 64 bytes
+    for n in range(8):
+        conf[16 + 2 * n], conf[48 + n] = 64, TR
+    builder.store(ir.Constant(ir.ArrayType(i8, 64), conf), cfg)
+    tile_op("llvm.x86.ldtilecfg", builder.bitcast(cfg, i8p))
+    pair_end = builder.add(a0, builder.mul(builder.sdiv(builder.sub(a1, a0), const(2 * TR)),
+                                           const(2 * TR)))  # fmt: skip
+    with cgutils.for_range_slice(builder, a0, pair_end, const(2 * TR)) as (i, _):
+        block(i, 2, const(2 * TR))
+    rest = builder.sub(a1, pair_end)
+    with builder.if_else(builder.icmp_signed(">", rest, const(TR))) as (two, one):
+        with two:
+            block(pair_end, 2, rest)
+        with one:
+            with builder.if_then(builder.icmp_signed(">", rest, const(0))):
+                block(pair_end, 1, rest)
+    tile_op("llvm.x86.tilerelease")
