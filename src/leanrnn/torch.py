@@ -47,8 +47,9 @@ Design.
   masks with torch's generator in the order and shapes torch.nn.LSTM draws them (bernoulli over
   each non-last layer's output; over the packed rows for PackedSequence input), so a module
   seeded like torch's drops the same units, and passes them to Trainer.forward(masks=).
-- **Autocast** (``torch.autocast("cpu", torch.bfloat16)``): leanrnn has no bf16 kernels yet, so
-  it computes in the parameters' dtype (float32) and returns what torch's modules return under
+- **Autocast** (``torch.autocast("cpu", torch.bfloat16)``): leanrnn's bf16 kernels (AMX, see
+  kernels._bf16amx) serve inference on bf16-rounded weights, not training yet (no backward
+  on them), so it computes in the parameters' dtype (float32) and returns what torch's modules return under
   CPU autocast: float32 outputs for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for RNN (torch
   builds its RNN cell from autocast matmuls); gradients reach float32 parameters as in torch.
 - **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's

@@ -176,7 +176,9 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
                                 tail_b(wp, builder.sub(K, k), c)
                     for r in range(mr):
                         for part, t in ((0, 4), (2 * TR * KB, 5)):
-                            off = builder.add(const(TR * r * KB + part), builder.mul(s, const(KSTEP)))
+                            off = builder.add(
+                                const(TR * r * KB + part), builder.mul(s, const(KSTEP))
+                            )
                             tile_op("llvm.x86.tileloadd64", tmm(t),
                                     builder.bitcast(builder.gep(hbase, [off]), i8p),
                                     const(2 * KB))  # fmt: skip

@@ -123,8 +123,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                 for r in range(nrows):
                     xs = []
                     for h in range(2 if both else 1):
-                        x = builder.load(builder.gep(aa, [builder.add(arow[r],
-                                                                      builder.add(k, const(h)))]))
+                        x = builder.load(
+                            builder.gep(aa, [builder.add(arow[r], builder.add(k, const(h)))])
+                        )
                         xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
                         xs.append(builder.shuffle_vector(xv, undef, splat))
                     for v in range(nv):
