@@ -102,6 +102,15 @@ def test_reduced_kernels_match_the_reference_on_the_same_rounded_weights(spec, p
     _check(spec, precision, 3, N=3, T=7)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_bf16_at_a_batch_matches_the_reference(spec, threads, many_cores):
+    """A batch of 21 rows: on AMX (where this CPU has it) each step's operand and each
+    projection chunk is split once into q (kernels.gemm.operand) and multiplied in blocks of
+    16 rows and a partial one; 2 threads take batch slices or block slices."""
+    _check(spec, "bf16", 6, N=21, T=5, threads=threads)
+
+
 @pytest.fixture
 def many_cores(monkeypatch):
     monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)

@@ -98,6 +98,28 @@ NO_SCRATCH = np.zeros((1, 0), np.uint8)  # the q of jobs whose weights need none
 NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLOTS)
 
 
+def _bf16_on_amx() -> bool:
+    from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
+
+    return _cpu.bf16_dot(_cpu.isa()) == "amx"
+
+
+def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
+    """Bytes per thread of a bf16 op's q where its GEMMs run on AMX (kernels.gemm.operand):
+    split rows (abi.split_row_floats) of a projection task's chunk of layer input or of the
+    ``batch`` rows of recurrent input a step multiplies, whichever is larger, each count
+    rounded up to 32 (an AMX block of the last rows reads whole tiles of 16 past them)."""
+    from ..kernels import _cpu
+
+    align, _, chunk = _cpu.blocking(_cpu.isa())
+    C = spec.input_size if layer == 0 else spec.num_directions * spec.output_size
+
+    def need(n: int, K: int) -> int:
+        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K)
+
+    return max(need(min(rows, chunk + align), C), need(batch, spec.output_size))
+
+
 def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
     """Bytes per thread of an int8-dynamic op's q (kernels.gemm.operand): the largest of a
     projection task's rows of layer input (a chunk of at most ROWS + ALIGN of the op's ``rows``
@@ -332,8 +354,12 @@ class Session:
                     out.append(Buffer(f"c.{k}", N * w.Hp * it, k, k))
                 if spec.proj_size or (spec.cell == "gru" and not spec.linear_before_reset):
                     out.append(Buffer(f"aux.{k}", N * w.Hp * it, k, k))
+                q = 0
                 if w.precision == "int8-dynamic":
                     q = quantized_scratch_bytes(spec, layer, T * N, N)
+                elif w.precision == "bf16" and _bf16_on_amx():
+                    q = split_scratch_bytes(spec, layer, T * N, N)
+                if q:
                     out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))
             if layer < L - 1:
                 out.append(Buffer(f"y.{layer}", T * N * D * K * it, layer * D, (layer + 2) * D - 1))

@@ -1,4 +1,4 @@
-"""bf16 panels on AMX: a panel GEMM of MIN_ROWS rows or more as AMX-BF16's ``tdpbf16ps``
+"""bf16 panels on AMX: a panel GEMM of SPLIT_MIN_ROWS rows or more as AMX-BF16's ``tdpbf16ps``
 (16 x 16 outputs, 32 inputs, float32 sums) instead of one FMA per weight.
 
 The float32 tile of ``_simd`` widens every bf16 weight and does one multiply-add per weight:
@@ -12,15 +12,22 @@ and both terms are multiplied (two tile products per tile of work): the sums car
 weights' rounding only (2**-8, as on the float32 tile), not the activations'. A non-finite
 hi (a inf, NaN or past bfloat16's range) gets lo = 0, so an infinite input stays infinite.
 
-Per block of 32 rows (or a last 1..31) and K slice of up to KB inputs, the rows are split into
-this thread's stack buffer once (AVX512-BF16's ``vcvtneps2bf16``), and every 2-group column
-pair of the panel slice multiplies them: C tiles 0-3 (2 x 2), hi and lo tiles 4 and 5, weight
-tiles 6 and 7, loaded straight from the panel (a bf16 panel row of a 16-column group is 16
-columns x 2 inputs x 2 bytes, AMX's B layout). Float32 sums go through a stack buffer
-(``sums``) between K slices and to the caller's store, which applies the tile's ``mode``. The
+The split (AVX512-BF16's ``vcvtneps2bf16``) is done once per operand: kernels.gemm.operand
+splits a step's rows, or a projection task's chunk of rows, into the thread's scratch
+(``split_rows``: hi terms, then lo terms from round_up(K, 32), rows of
+abi.split_row_floats(K) floats — a stride no plain operand has, by which the tile knows it),
+and every panel multiplies them. Splitting per panel instead, in the tile, cost ~35% of the
+input projection's time (one split per 64 columns); the tile still does so (a stack buffer,
+per block of rows and KB inputs) for an operand handed over unsplit (``presplit`` off).
+
+Per block of 32 rows (or a last 1..31), every 2-group column pair of the panel slice is
+multiplied: C tiles 0-3 (2 x 2), hi and lo tiles 4 and 5, weight tiles 6 and 7, loaded
+straight from the panel (a bf16 panel row of a 16-column group is 16 columns x 2 inputs x 2
+bytes, AMX's B layout). Float32 sums go through a stack buffer (``sums``) between K slices
+and to the caller's store, which applies the tile's ``mode``. The
 last k step of a K not a multiple of 32 reads the panel through a zero-filled copy of its
 rows (``btail``): the rows past K belong to the next panel or lie past the array. The
-activations past K are zero in the split buffer; the panel's own padding is zero too
+activations past K are zero in the split rows; the panel's own padding is zero too
 (packing writes it so; formats.quantize.check_loaded refuses a file that does not).
 """
 
@@ -28,17 +35,22 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm
 from llvmlite import ir
+from numba import types
 from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ._ir import amx_ops
+from .abi import SPLIT_PAD
 
 # vcvtneps2bf16 goes in as inline asm (see split_ir), which LLVM assembles only with the
 # native asm parser, which numba does not initialize.
 llvm.initialize_native_asmparser()
 
 TR = 16  # rows of an AMX tile (of A and C) and input pairs of a B tile
-# Rows from which a panel GEMM runs on AMX: a 16-row tile product costs the same for 4 rows as
-# for 16, and 4 rows already take the float32 tile 4 FMAs per 64 multiply-adds against AMX's
-# two tile products per 8192; one to three rows (a stream's step) stay there.
-MIN_ROWS = 4
+# Rows from which a panel GEMM runs on AMX (abi.SPLIT_MIN_ROWS): a 16-row tile product costs
+# the same for 4 rows as for 16, and 4 rows already take the float32 tile 4 FMAs per 64
+# multiply-adds against AMX's two tile products per 8192; one to three rows (a stream's step)
+# stay there.
 KSTEP = 2 * TR  # inputs per tile product
 KB = 256  # inputs per K slice split at once: 2 x 32 rows x KB x 2 bytes = 32 KiB of stack
 
@@ -65,7 +77,42 @@ def split_ir(builder, v):
     return hi, cvt(lo)
 
 
-def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_block):
+def split_row(builder, aa, src, kb, dst, lo_off, kpad) -> None:
+    """Emit: inputs src..src+kb-1 of the float pointer ``aa`` split into bfloat16 hi at the
+    i16 pointer ``dst`` and lo at dst + lo_off, then zeros up to kpad (a multiple of 16);
+    i64 values. Whole vectors of 16, the last 0..15 inputs read one by one (nothing past the
+    row is read)."""
+    f32, i16, i64 = ir.FloatType(), ir.IntType(16), ir.IntType(64)
+    vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
+    zero = ir.Constant(vf, [0.0] * 16)
+
+    def put(k, v):
+        hi, lo = split_ir(builder, v)
+        for off, vec in ((k, hi), (builder.add(k, lo_off), lo)):
+            builder.store(vec, builder.bitcast(builder.gep(dst, [off]), vh.as_pointer()), align=2)
+
+    sixteen = ir.Constant(i64, 16)
+    whole = builder.mul(builder.sdiv(kb, sixteen), sixteen)
+    with cgutils.for_range_slice(builder, ir.Constant(i64, 0), whole, sixteen) as (k, _):
+        p = builder.gep(aa, [builder.add(src, k)])
+        put(k, builder.load(builder.bitcast(p, vf.as_pointer()), align=4))
+    with builder.if_then(builder.icmp_signed("<", whole, kpad)):
+        vec = cgutils.alloca_once_value(builder, zero)
+        builder.store(zero, vec)
+        fp = builder.bitcast(vec, f32.as_pointer())
+        with cgutils.for_range_slice(builder, whole, kb, ir.Constant(i64, 1)) as (k, _):
+            x = builder.load(builder.gep(aa, [builder.add(src, k)]))
+            builder.store(x, builder.gep(fp, [builder.sub(k, whole)]))
+        put(whole, builder.load(vec))
+        with cgutils.for_range_slice(builder, builder.add(whole, sixteen), kpad, sixteen) as (
+            k,
+            _,
+        ):
+            put(k, zero)
+
+
+def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_block,
+              presplit=False):  # fmt: skip
     """Rows a0..a1 (i64 values) of the panel slice on AMX, in blocks of 32 rows and a last
     block of 1..31 (its tiles' rows past a1 multiply whatever the split buffer holds there:
     each C row depends on its own A row only, and those C rows are not stored). ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its
@@ -76,24 +123,17 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
     i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
     f32 = ir.FloatType()
     vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
-    void, i8p = ir.VoidType(), i8.as_pointer()
+    i8p = i8.as_pointer()
     ld = nvec * 16  # floats per row of ``sums``
 
     def const(v):
         return ir.Constant(i64, v)
 
-    def tile_op(name, *args):
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(void, [a.type for a in args]), name
-        )
-        return builder.call(fn, list(args))
-
-    def tmm(n):  # an AMX tile register: an immediate operand
-        return ir.Constant(i8, n)
+    tile_op, tmm = amx_ops(builder)
 
     with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
         cfg = builder.alloca(ir.ArrayType(i8, 64))
-        split = builder.alloca(ir.ArrayType(i16, 2 * 2 * TR * KB))  # hi rows, then lo rows
+        split = builder.alloca(ir.ArrayType(i16, 1 if presplit else 2 * 2 * TR * KB))
         sums = builder.alloca(ir.ArrayType(f32, 2 * TR * ld))
         btail = builder.alloca(ir.ArrayType(i16, 2 * TR * 32))  # two groups' last k step
     cfg.align = split.align = sums.align = btail.align = 64
@@ -108,44 +148,39 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
     def split_rows(i, rows, kc0, kb, ksteps):
         """A's rows i..i+rows-1, inputs kc0..kc0+kb-1, into the split buffer (row r's hi at
         r * KB, its lo TR*2*KB further), zeros up to ksteps * 32."""
-        ztail = builder.mul(ksteps, const(KSTEP))
         with cgutils.for_range(builder, rows) as loop:
             r = loop.index
             src = builder.add(builder.add(builder.mul(builder.add(i, r), lda), acol), kc0)
-            dst = builder.mul(r, const(KB))
+            dst = builder.gep(hbase, [builder.mul(r, const(KB))])
+            split_row(
+                builder, aa, src, kb, dst, const(2 * TR * KB), builder.mul(ksteps, const(KSTEP))
+            )
 
-            def put(k, v):
-                hi, lo = split_ir(builder, v)
-                for part, vec in ((0, hi), (2 * TR * KB, lo)):
-                    p = builder.gep(hbase, [builder.add(builder.add(dst, k), const(part))])
-                    builder.store(vec, builder.bitcast(p, vh.as_pointer()), align=2)
+    # presplit: A's rows are split already (kernels.gemm.split_rows: hi, then lo from
+    # round_up(K, 32), row stride lda floats), whole K at once; else split here per KB slice
+    chunk = const(1 << 40) if presplit else const(KB)
+    kpad = builder.mul(builder.sdiv(builder.add(K, const(KSTEP - 1)), const(KSTEP)), const(KSTEP))
+    a16 = builder.bitcast(aa, i16.as_pointer())
 
-            whole = builder.mul(builder.sdiv(kb, const(16)), const(16))
-            with cgutils.for_range_slice(builder, const(0), whole, const(16)) as (k, _):
-                p = builder.gep(aa, [builder.add(src, k)])
-                put(k, builder.load(builder.bitcast(p, vf.as_pointer()), align=4))
-            with builder.if_then(builder.icmp_signed("<", whole, ztail)):
-                # the last 0..15 inputs one by one into a zero vector (no read past the row),
-                # then zeros to the k step's end
-                vec = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * 16))
-                builder.store(ir.Constant(vf, [0.0] * 16), vec)
-                fp = builder.bitcast(vec, f32.as_pointer())
-                with cgutils.for_range_slice(builder, whole, kb, const(1)) as (k, _):
-                    x = builder.load(builder.gep(aa, [builder.add(src, k)]))
-                    builder.store(x, builder.gep(fp, [builder.sub(k, whole)]))
-                put(whole, builder.load(vec))
-                with cgutils.for_range_slice(builder, builder.add(whole, const(16)), ztail,
-                                             const(16)) as (k, _):  # fmt: skip
-                    put(k, ir.Constant(vf, [0.0] * 16))
+    def a_tile(i, r, s, lo):
+        """&(hi or lo term of row block i's tile r, k step s), its row stride in bytes."""
+        if presplit:
+            off = builder.add(builder.mul(builder.add(i, const(TR * r)), builder.mul(lda, const(2))),
+                              builder.add(builder.mul(s, const(KSTEP)), kpad if lo else const(0)))  # fmt: skip
+            return builder.gep(a16, [off]), builder.mul(lda, const(4))
+        off = builder.add(const(TR * r * KB + (2 * TR * KB if lo else 0)),
+                          builder.mul(s, const(KSTEP)))  # fmt: skip
+        return builder.gep(hbase, [off]), const(2 * KB)
 
     def block(i, mr, rows):
         """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows: every K slice split once,
         multiplied by every column pair."""
-        with cgutils.for_range_slice(builder, const(0), K, const(KB)) as (kc0, _):
+        with cgutils.for_range_slice(builder, const(0), K, chunk) as (kc0, _):
             kb = builder.sub(K, kc0)
-            kb = builder.select(builder.icmp_signed("<", kb, const(KB)), kb, const(KB))
+            kb = builder.select(builder.icmp_signed("<", kb, chunk), kb, chunk)
             ksteps = builder.sdiv(builder.add(kb, const(KSTEP - 1)), const(KSTEP))
-            split_rows(i, rows, kc0, kb, ksteps)
+            if not presplit:
+                split_rows(i, rows, kc0, kb, ksteps)
             first = builder.icmp_signed("==", kc0, const(0))
             for c0 in range(0, nvec, 2):
                 nc = min(2, nvec - c0)
@@ -175,13 +210,10 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
                             with otherwise:
                                 tail_b(wp, builder.sub(K, k), c)
                     for r in range(mr):
-                        for part, t in ((0, 4), (2 * TR * KB, 5)):
-                            off = builder.add(
-                                const(TR * r * KB + part), builder.mul(s, const(KSTEP))
-                            )
-                            tile_op("llvm.x86.tileloadd64", tmm(t),
-                                    builder.bitcast(builder.gep(hbase, [off]), i8p),
-                                    const(2 * KB))  # fmt: skip
+                        for lo, t in ((False, 4), (True, 5)):
+                            ptr, stride = a_tile(i, r, s, lo)
+                            tile_op("llvm.x86.tileloadd64", tmm(t), builder.bitcast(ptr, i8p),
+                                    stride)  # fmt: skip
                             for c in range(nc):
                                 tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
                 for r in range(mr):
@@ -227,3 +259,33 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
             with builder.if_then(builder.icmp_signed(">", rest, const(0))):
                 block(pair_end, 1, rest)
     tile_op("llvm.x86.tilerelease")
+
+
+@intrinsic
+def split_rows(typingctx, A, i0, i1, K, out):
+    """Rows i0..i1 of float32 A [rows, >=K] (C-contiguous) split into the flat uint8 ``out``
+    as kernels.gemm.operand hands them to the tile: row r at r * 4 * ld bytes, ld =
+    abi.split_row_floats(K); its hi terms at uint16 element 0.., its lo terms at kp =
+    round_up(K, 32).., each zero from K to kp. One split per operand, for every panel."""
+    if not (
+        isinstance(A, types.Array) and A.dtype == types.float32 and isinstance(out, types.Array)
+    ):
+        return None
+
+    def gen(context, builder, sig, args):
+        A_, i0_, i1_, K_, out_ = args
+        arr = context.make_array(sig.args[0])(context, builder, A_)
+        lda = cgutils.unpack_tuple(builder, arr.shape)[1]
+        i16, i64 = ir.IntType(16), ir.IntType(64)
+        dst0 = builder.bitcast(context.make_array(sig.args[4])(context, builder, out_).data,
+                               i16.as_pointer())  # fmt: skip
+        kp = builder.mul(builder.sdiv(builder.add(K_, i64(KSTEP - 1)), i64(KSTEP)), i64(KSTEP))
+        row16 = builder.mul(builder.add(kp, i64(SPLIT_PAD)), i64(2))  # uint16 per row
+        with cgutils.for_range(builder, builder.sub(i1_, i0_)) as loop:
+            r = loop.index
+            src = builder.mul(builder.add(i0_, r), lda)
+            dst = builder.gep(dst0, [builder.mul(r, row16)])
+            split_row(builder, arr.data, src, K_, dst, kp, kp)
+        return context.get_dummy_value()
+
+    return types.void(A, types.intp, types.intp, types.intp, out), gen

@@ -28,6 +28,23 @@ def store_by_mode(builder, mode, store_rows, old, bias, zero) -> None:
                     store_rows(zero)
 
 
+def amx_ops(builder):
+    """(tile_op(name, *args): a call of the AMX intrinsic ``name``, tmm(n): tile register n as
+    the immediate operand the intrinsics take) for the AMX blocks of _qdot and _bf16amx."""
+    i8 = ir.IntType(8)
+
+    def tile_op(name, *args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [a.type for a in args]), name
+        )
+        return builder.call(fn, list(args))
+
+    def tmm(n):
+        return ir.Constant(i8, n)
+
+    return tile_op, tmm
+
+
 def split_loop(builder, n, sets: int, step) -> None:
     """Steps 0..n-1 (an i64 value) with ``sets`` accumulator sets taking turns: ``step(k,
     s)`` for k in whole rounds of ``sets`` (set s gets k = round + s), then the 0..sets-1 steps

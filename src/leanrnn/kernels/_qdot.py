@@ -41,7 +41,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from . import _cpu
-from ._ir import row_tiles, split_loop, store_by_mode
+from ._ir import amx_ops, row_tiles, split_loop, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
 TR = 16  # rows of an AMX tile: of A and C, and the k4 steps of a B tile
@@ -263,16 +263,8 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
             return zero_f
 
         if amx:
-            void, i8p = ir.VoidType(), i8.as_pointer()
-
-            def tile_op(name, *args):
-                fn = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(void, [a.type for a in args]), name
-                )
-                return builder.call(fn, list(args))
-
-            def tmm(n):  # an AMX tile register: an immediate operand
-                return ir.Constant(i8, n)
+            i8p = i8.as_pointer()
+            tile_op, tmm = amx_ops(builder)
 
             with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
                 cfg = builder.alloca(ir.ArrayType(i8, 64))

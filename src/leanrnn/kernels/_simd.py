@@ -37,6 +37,7 @@ from numba.extending import intrinsic
 from . import _bf16amx, _cpu, _qdot
 from ._ir import row_tiles, split_loop, store_by_mode
 from ._qsimd import WEIGHT_FORMATS, bf16_pair_loader, scale_base, weight_loader
+from .abi import SPLIT_MIN_ROWS, SPLIT_PAD
 
 _DTYPES = {types.float32: 4, types.float64: 8}
 
@@ -218,14 +219,20 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         def fma_rows():  # a 1-row tile: every row is a GEMV, split S ways
             row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
 
-        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:  # from MIN_ROWS rows: _bf16amx
-            few = builder.icmp_signed("<", builder.sub(i1, i0), const(_bf16amx.MIN_ROWS))
+        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:  # from SPLIT_MIN_ROWS: _bf16amx
+            few = builder.icmp_signed("<", builder.sub(i1, i0), const(SPLIT_MIN_ROWS))
+            # an operand split already (gemm.operand) has a row stride no plain A has
+            kp = builder.mul(builder.sdiv(builder.add(K, const(31)), const(32)), const(32))
+            presplit = builder.icmp_signed("==", lda, builder.add(kp, const(SPLIT_PAD)))
             with builder.if_else(few) as (then, otherwise):
                 with then:
                     fma_rows()
                 with otherwise:
-                    _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, i0,
-                                       i1, amx_store)  # fmt: skip
+                    with builder.if_else(presplit) as (split, plain):
+                        for done, flag in ((split, True), (plain, False)):
+                            with done:
+                                _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, acol,
+                                                   lda, K, i0, i1, amx_store, flag)  # fmt: skip
         else:
             fma_rows()
         return context.get_dummy_value()

@@ -249,6 +249,19 @@ def quantized_row_bytes(K: int) -> int:
     return (K + 3) // 4 * 4 + 4
 
 
+# bf16 on AMX (kernels._bf16amx): a panel GEMM of at least SPLIT_MIN_ROWS rows multiplies its
+# rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile steps of 32
+# inputs; a row of the split operand is SPLIT_PAD floats longer than that (64 bytes), so its
+# stride is one no plain operand has (kernels.gemm.operand).
+SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
+
+
+def split_row_floats(K: int) -> int:
+    """float32 slots of one split activation row of K inputs: 2 x round_up(K, 32) bfloat16
+    terms (hi, lo) and SPLIT_PAD floats."""
+    return (K + 31) // 32 * 32 + SPLIT_PAD
+
+
 # ----------------------------------------------------------------------- the sync array layout
 LINE = 16  # int64 slots per cache-line pair: slot r lives at index r*LINE, alone in its line
 # Slot rows of a sync array (see _sync).

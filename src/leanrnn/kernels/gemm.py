@@ -9,7 +9,8 @@ of 16 columns,
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
-rows quantized into a flat uint8 scratch; K is then never sliced. There are four of them, not one taking N, because each must name its
+rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
+the rows split into two bfloat16 terms; K is then never sliced. There are four of them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
 more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
 L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
@@ -24,17 +25,31 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import _cpu
+from ._bf16amx import split_rows
 from ._jit import CACHE, inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
-from .abi import CODE_OFFSET, B, quantized_row_bytes
+from .abi import (
+    CODE_OFFSET,
+    SPLIT_MIN_ROWS,
+    SPLIT_PAD,
+    B,
+    quantized_row_bytes,
+    split_row_floats,
+)
 
-_row_bytes = numba.njit(quantized_row_bytes)  # the engine sizes q with the same function
+_row_bytes = numba.njit(quantized_row_bytes)  # the engine sizes q with the same functions
+_split_ld = numba.njit(split_row_floats)
+# bf16 panels' GEMMs of SPLIT_MIN_ROWS rows or more run on AMX where compiled so (_bf16amx):
+# their operand is then split once per call of operand() (a step, a projection chunk), not once
+# per panel by the tile.
+_BF16_AMX = _cpu.bf16_dot(_cpu.isa()) == "amx"
 
 # Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers;
 # KC inputs per K slice of the multi-row panel GEMM, ROWS input rows per projection task.
@@ -48,7 +63,7 @@ def _kc(P, K, i0, i1):  # pragma: no cover - replaced by the overload inside ker
 
 @overload(_kc)
 def _kc_impl(P, K, i0, i1):
-    if P.dtype == types.uint8:  # int8-dynamic: never sliced (see _qdot: its K is whole)
+    if P.dtype in (types.uint8, types.uint16):  # int8-dynamic, bf16: K whole (_qdot, _bf16amx)
         return lambda P, K, i0, i1: K
     return lambda P, K, i0, i1: K if i1 - i0 == 1 else KC
 
@@ -112,61 +127,100 @@ def quantize_rows(A, i0, i1, K, out):
         out[(r + 1) * ld - 4 : (r + 1) * ld].view(np.float32)[0] = scale
 
 
-def _quantize_operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - overloaded
+def _prepare_operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - overloaded
     pass
 
 
-@overload(_quantize_operand)
-def _quantize_operand_impl(P, A, q, me, i0, i1, K, fresh):
+@overload(_prepare_operand)
+def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh):
+    """Fill q[me] for the panels' tile and say whether the operand is q[me]: int8-dynamic's
+    codes always; bf16 on AMX the split rows from SPLIT_MIN_ROWS rows on (when q holds them:
+    the engine sizes it so); otherwise A itself."""
     if P.dtype == types.uint8:
 
         def quantized(P, A, q, me, i0, i1, K, fresh):
             if fresh:
                 quantize_rows(A, i0, i1, K, q[me])
+            return True
 
         return quantized
-    return lambda P, A, q, me, i0, i1, K, fresh: None
+    if P.dtype == types.uint16 and _BF16_AMX:
+
+        def split(P, A, q, me, i0, i1, K, fresh):
+            # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
+            rows = (i1 - i0 + 31) // 32 * 32
+            use = i1 - i0 >= SPLIT_MIN_ROWS and q.shape[1] >= rows * 4 * _split_ld(K)
+            if use and fresh:
+                split_rows(A, i0, i1, K, q[me])
+            return use
+
+        return split
+    return lambda P, A, q, me, i0, i1, K, fresh: False
 
 
 @intrinsic
-def _operand_view(typingctx, P, A, q, me, i0):
-    """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q: a view made in IR,
+def _operand_view(typingctx, P, A, q, me, i0, K, in_q):
+    """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q, or for bf16 ones
+    where ``in_q`` row ``me`` of q as float32 rows of split_row_floats(K): a view made in IR,
     since the kernels compile without numba's reference counting, and a function compiled so
     may return no array but its argument."""
     quantized = P.dtype == types.uint8
     rt = types.Array(types.uint8, 1, "C") if quantized else A
 
-    def gen(context, builder, sig, args):
-        src_t = sig.args[2] if quantized else sig.args[1]
-        src = context.make_array(src_t)(context, builder, args[2] if quantized else args[1])
-        row = args[3] if quantized else args[4]
+    def rows_of(context, builder, src, row):
+        """(data, shape, strides) of rows ``row``.. of array ``src``."""
         shape = cgutils.unpack_tuple(builder, src.shape)
         strides = cgutils.unpack_tuple(builder, src.strides)
         base = builder.ptrtoint(src.data, strides[0].type)
         data = builder.inttoptr(builder.add(base, builder.mul(row, strides[0])), src.data.type)
+        return data, shape, strides
+
+    def gen(context, builder, sig, args):
         out = context.make_array(rt)(context, builder)
         if quantized:
-            new_shape, new_strides = [shape[1]], [strides[1]]
+            src = context.make_array(sig.args[2])(context, builder, args[2])
+            data, shape, strides = rows_of(context, builder, src, args[3])
+            context.populate_array(out, data=data, shape=[shape[1]], strides=[strides[1]],
+                                   itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
         else:
-            new_shape, new_strides = [builder.sub(shape[0], row), *shape[1:]], strides
-        context.populate_array(out, data=data, shape=new_shape, strides=new_strides,
-                               itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
+            src = context.make_array(sig.args[1])(context, builder, args[1])
+            data, shape, strides = rows_of(context, builder, src, args[4])
+            shape, strides = [builder.sub(shape[0], args[4]), *shape[1:]], list(strides)
+            if P.dtype == types.uint16:  # bf16: q[me] as split rows where in_q
+                qa = context.make_array(sig.args[2])(context, builder, args[2])
+                qdata, qshape, _ = rows_of(context, builder, qa, args[3])
+                i64 = shape[0].type
+                # split_row_floats(K)
+                ld = builder.add(builder.mul(builder.sdiv(builder.add(args[5], i64(31)), i64(32)),
+                                             i64(32)), i64(SPLIT_PAD))  # fmt: skip
+                four = i64(4)
+                use = builder.icmp_unsigned("!=", args[6], ir.Constant(args[6].type, 0))
+                data = builder.select(use, builder.bitcast(qdata, data.type), data)
+                shape[0] = builder.select(use, builder.sdiv(qshape[1], builder.mul(ld, four)),
+                                          shape[0])  # fmt: skip
+                shape[1] = builder.select(use, ld, shape[1])
+                strides[0] = builder.select(use, builder.mul(ld, four), strides[0])
+                strides[1] = builder.select(use, four, strides[1])
+            context.populate_array(out, data=data, shape=shape, strides=strides,
+                                   itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
         view = out._getvalue()
         if context.enable_nrt:  # a caller that counts references (a test's) owns one more
             context.nrt.incref(builder, rt, view)
         return view
 
-    return rt(P, A, q, me, i0), gen
+    return rt(P, A, q, me, i0, K, in_q), gen
 
 
 @inline
 def operand(P, A, q, me, i0, i1, K, fresh):
-    """What the panel GEMMs of P multiply: rows i0.. of A itself, or for int8-dynamic panels
-    (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows; only
-    when ``fresh``, else q[me] holds them from the last call). Row 0 of the result is A's row
-    i0; _lda gives its row stride."""
-    _quantize_operand(P, A, q, me, i0, i1, K, fresh)
-    return _operand_view(P, A, q, me, i0)
+    """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
+    (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
+    bf16 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
+    q[me] (split_rows), as float32 rows of split_row_floats(K) — a row stride no plain A has,
+    by which the tile tells them apart. q[me] is refilled only when ``fresh``, else it holds
+    the rows of the last call. Row 0 of the result is A's row i0; _lda gives its row stride."""
+    in_q = _prepare_operand(P, A, q, me, i0, i1, K, fresh)
+    return _operand_view(P, A, q, me, i0, K, in_q)
 
 
 def _columns(P):  # pragma: no cover - replaced by the overload inside kernels
