@@ -9,7 +9,9 @@ import dataclasses
 import json
 import pickle
 import struct
+from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
@@ -29,7 +31,8 @@ from leanrnn.formats.quantize import (
     quantize_packed,
 )
 from leanrnn.kernels import _cpu
-from leanrnn.kernels.abi import B
+from leanrnn.kernels._bf16amx import split_rows
+from leanrnn.kernels.abi import SPLIT_MIN_ROWS, B, split_row_floats
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
 from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC, INT8_HALF_STEP, RTOL_BF16_ROUNDING
@@ -102,13 +105,15 @@ def test_reduced_kernels_match_the_reference_on_the_same_rounded_weights(spec, p
     _check(spec, precision, 3, N=3, T=7)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("spec", SPECS, ids=repr)
-def test_bf16_at_a_batch_matches_the_reference(spec, threads, many_cores):
-    """A batch of 21 rows: on AMX (where this CPU has it) each step's operand and each
-    projection chunk is split once into q (kernels.gemm.operand) and multiplied in blocks of
-    16 rows and a partial one; 2 threads take batch slices or block slices."""
-    _check(spec, "bf16", 6, N=21, T=5, threads=threads)
+@pytest.mark.parametrize("N, threads", [(21, 1), (21, 2), (50, 2)])
+@pytest.mark.parametrize("spec", [*SPECS, RNNSpec("gru", 40, 70, linear_before_reset=False)],
+                         ids=repr)  # fmt: skip
+def test_bf16_at_a_batch_matches_the_reference(spec, N, threads, many_cores):
+    """A batch: on AMX (where this CPU has it) each step's operand and each projection chunk is
+    split once into q (kernels.gemm.operand) and multiplied in blocks of 32 rows and a partial
+    one; on 2 threads, 21 rows split every step's unit blocks, 50 take batch slices
+    (_sync.share); K off and past 64 (H=70)."""
+    _check(spec, "bf16", 6, N=N, T=5, threads=threads)
 
 
 @pytest.fixture
@@ -423,15 +428,17 @@ def test_scales_of_a_loaded_panel_are_where_the_kernel_reads_them(int8_file):
 # --------------------------------------------------------------- bf16 panels in input pairs
 @pytest.mark.parametrize("dot", ["fma", "amx"])
 def test_bf16_rows_in_whole_tiles_match_float64(dot):
-    """The bf16 tile at several rows: on AMX (activations split in two bf16 terms, tile
-    products of 32 inputs: K off 32 and past one split slice of KB, rows in blocks of 32 and a
-    last 1..31; fewer than MIN_ROWS rows on the float32 tile) and on the float32 tile, against float64 on
+    """The bf16 tile at several rows: on AMX (the operand split into two bf16 terms as
+    gemm.operand does, the scratch past its rows NaN; tile products of 32 inputs, K off 32;
+    rows in blocks of 32 and a last 1..31; fewer than SPLIT_MIN_ROWS rows on the float32 tile)
+    and on the float32 tile, against float64 on
     the same rounded weights, tightly (the weights' rounding is the oracle's too); a row of
     inf and one of NaN stay non-finite where float64's do. The second panel of two, so the
     AMX block's tail copy of the last k step reads the right panel's rows."""
     if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
         pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
     run = tile_gemm("avx512", bf16=dot)
+    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out))
     rng = np.random.default_rng(4)
     Wd = 4 * B
     for K in (11, 37, 64, 100, 300):
@@ -452,9 +459,15 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot):
                 # the split's 2**-16 per product and float32 sums' rounding, per output
                 with np.errstate(invalid="ignore"):
                     mags = np.abs(A).astype(np.float64) @ np.abs(deq[1, :K, :cols])
+                operand = A
+                if dot == "amx" and M >= SPLIT_MIN_ROWS:  # as gemm.operand hands it over
+                    ld = split_row_floats(K)
+                    q = np.full((M + 31) // 32 * 32 * 4 * ld, 0xFF, np.uint8)  # NaN past M
+                    split(A, K, q)
+                    operand = q.view(np.float32).reshape(-1, ld)
                 for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
                     C = C0.copy()
-                    run(nvec, P, P.shape[1] * P.shape[2], A, 0, M, K, C, mode, bias)
+                    run(nvec, P, P.shape[1] * P.shape[2], operand, 0, M, K, C, mode, bias)
                     want = prod + init
                     bound = (2.0**-16 + (K + 2) * 2.0**-24) * (mags + np.abs(init))
                     np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
@@ -472,36 +485,30 @@ def test_bf16_panels_hold_input_pairs():
     np.testing.assert_array_equal(dequantize_panel(P, "bf16"), w)
 
 
-def _legacy_items(pw):
-    """``pw`` (bf16) with its panels in the layout before 2026-12-02, as a file held them."""
-    from leanrnn.formats.quantize import BF16_ORDER, _grouped, _unpaired
-
-    old = pickle.loads(pickle.dumps(pw))  # a deep copy (copy.copy shares the buffer)
-    for dirs in old.layers:
-        for pl in dirs:
-            for name in ("Wt", "Rt"):
-                a = getattr(pl, name)
-                legacy = _grouped(_unpaired(a), BF16_ORDER)
-                view = a.reshape(legacy.shape)
-                view[...] = legacy
-                setattr(pl, name, view)
-    return old
+DATA = Path(__file__).parent / "data"
 
 
-def test_a_bf16_file_of_the_earlier_layout_loads_as_the_same_model(tmp_path, monkeypatch):
-    """Files written before bf16 panels held input pairs: no "bf16_layout" in the header, each
-    row's groups of 16 columns interleaved. They load (checksum verified on the bytes as
-    stored) and run the same as the model they were saved from."""
+def test_a_bf16_file_of_the_earlier_layout_loads_as_the_same_model():
+    """A file written by leanrnn at commit 56323a9, before bf16 panels held input pairs
+    (``quantize(LSTM(5, 19, num_layers=2, seed=0), "bf16").save(...)``): it has no
+    "bf16_layout" in its header; it loads (checksum verified on the bytes as stored) to the
+    weights quantizing that model gives today, and runs the same."""
     m = leanrnn.quantize(leanrnn.LSTM(5, 19, num_layers=2, seed=0), "bf16")
-    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
-    path = str(tmp_path / "old.lrnn")
-    with monkeypatch.context() as mp:
-        mp.setattr(native, "_layout_meta", lambda precision: {})
-        native.save_rnn(_legacy_items(m.weights), path)
+    path = str(DATA / "lstm_bf16_before_pairs.lrnn")
     assert "bf16_layout" not in native._Container(path, "test").metadata
     back = leanrnn.load(path)
     np.testing.assert_array_equal(back.weights.buffer, m.weights.buffer)
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
     np.testing.assert_array_equal(back(x)[0], m(x)[0])
+
+
+def test_a_bf16_pickle_of_the_earlier_layout_unpickles_as_the_same_weights():
+    """PackedWeights pickled at commit 56323a9 (the same model): its bf16 panels are converted
+    too; a pickle made now round-trips as it is."""
+    m = leanrnn.quantize(leanrnn.LSTM(5, 19, num_layers=2, seed=0), "bf16")
+    old = pickle.loads((DATA / "lstm_bf16_before_pairs.pkl").read_bytes())
+    np.testing.assert_array_equal(old.buffer, m.weights.buffer)
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(m.weights)).buffer, m.weights.buffer)
 
 
 def test_a_bf16_file_with_weights_past_its_inputs_is_refused(tmp_path):

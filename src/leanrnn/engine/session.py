@@ -114,8 +114,8 @@ def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int
     align, _, chunk = _cpu.blocking(_cpu.isa())
     C = spec.input_size if layer == 0 else spec.num_directions * spec.output_size
 
-    def need(n: int, K: int) -> int:
-        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K)
+    def need(n: int, K: int) -> int:  # none below SPLIT_MIN_ROWS: those rows are not split
+        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K) if n >= abi.SPLIT_MIN_ROWS else 0
 
     return max(need(min(rows, chunk + align), C), need(batch, spec.output_size))
 

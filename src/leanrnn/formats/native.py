@@ -36,7 +36,7 @@ from .packing import (
     check_precision,
     tensor_dtype,
 )
-from .quantize import bf16_pairs_from_interleaved, check_loaded
+from .quantize import check_loaded, pair_legacy_bf16
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -450,7 +450,7 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
                 "is corrupt"
             )
     for pw in legacy_packed:  # after the checksum, which covers the bytes as stored
-        _pair_legacy_bf16(pw)
+        pair_legacy_bf16(pw)
         check_loaded(pw, op, path)
     return result
 
@@ -472,13 +472,6 @@ def _legacy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """A bf16 panel's shape in the earlier layout: [U, X, Wd] for [U, X/2, 2*Wd]."""
     U, X2, W2 = shape
     return U, 2 * X2, W2 // 2
-
-
-def _pair_legacy_bf16(pw: PackedWeights) -> None:
-    for pl in (pl for dirs in pw.layers for pl in dirs):
-        for name in ("Wt", "Rt"):
-            a = getattr(pl, name)
-            a[...] = bf16_pairs_from_interleaved(a.reshape(_legacy_shape(a.shape)))
 
 
 def _spec(text, op, path) -> RNNSpec:
@@ -572,7 +565,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
 def _read_packed(c: _Container, f, begin: int, spec: RNNSpec, dtype: np.dtype,
                  precision: str = "float", legacy_bf16: bool = False) -> PackedWeights:  # fmt: skip
     """The packed weights at ``begin``, which ``_check_packed`` returned for this spec
-    (``legacy_bf16``: checked by the caller once converted, _pair_legacy_bf16)."""
+    (``legacy_bf16``: checked by the caller once converted, pair_legacy_bf16)."""
     # Bounded: exactly the bytes the file holds (checked there). No zero-fill: read_into fills
     # the whole buffer, padding included.
     pw = PackedWeights(spec, dtype, zero=False, precision=precision)

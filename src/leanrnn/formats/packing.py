@@ -128,10 +128,10 @@ class PackedWeights:
         # deepcopy and pickle: a new aligned buffer holding the same bytes, its views made
         # again. Copied one attribute at a time, each view became an unaligned array of its
         # own, outside the buffer the engine and the native writer read.
-        return _packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer)
+        return _packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer, "pairs")
 
     def __deepcopy__(self, memo) -> PackedWeights:
-        return _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer)
+        return _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer, "pairs")
 
     def __copy__(self) -> PackedWeights:
         # shallow, as before: the same buffer and views (serve swaps the spec of such a copy)
@@ -216,14 +216,21 @@ class PackedWeights:
         return out
 
 
-def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer) -> PackedWeights:
-    """``PackedWeights.__reduce__``'s inverse: the weights laid out anew, ``buffer`` copied in."""
+def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer,
+                       bf16_layout: str = "interleaved") -> PackedWeights:  # fmt: skip
+    """``PackedWeights.__reduce__``'s inverse: the weights laid out anew, ``buffer`` copied in.
+    Pickles from before bf16 panels held input pairs (no ``bf16_layout``) have their bf16
+    panels converted (formats.quantize.bf16_pairs_from_interleaved)."""
     pw = PackedWeights(spec, dtype, zero=False, precision=precision)
     src = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
     if src.size != pw.nbytes:
         raise WeightsError(f"[PackedWeights] {src.size} bytes for a layout of {pw.nbytes}; "
                            "expected the bytes of PackedWeights.buffer for this spec")  # fmt: skip
     pw.buffer[:] = src
+    if precision == "bf16" and bf16_layout != "pairs":
+        from .quantize import pair_legacy_bf16
+
+        pair_legacy_bf16(pw)
     return pw
 
 

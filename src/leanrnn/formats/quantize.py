@@ -7,8 +7,7 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
 - ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
   float32, stored as uint16), laid out in input pairs: panel row k2 holds, for each column j,
   its weights of inputs 2*k2 and 2*k2 + 1 side by side in one 32-bit lane ([U, X/2, 2*Wd]).
-  That is AMX's layout for a bf16 B tile (kernels._simd's AMX block loads panel rows as they
-  are), and the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift
+  That is AMX's layout for a bf16 B tile (kernels._bf16amx loads panel rows as they are), and the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift
   and a mask. Relative error <= 2**-8. Files written before 2026-12-02 hold the earlier layout
   (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); formats.native converts
   them as it reads them (bf16_pairs_from_interleaved).
@@ -98,6 +97,16 @@ def bf16_pairs_from_interleaved(panel: np.ndarray) -> np.ndarray:
     """A bf16 panel of the layout before 2026-12-02 ([..., X, Wd], BF16_ORDER) -> the same
     weights in input pairs (bf16_panel's layout, the same number of elements)."""
     return _paired(_grouped(panel, BF16_INVERSE))
+
+
+def pair_legacy_bf16(pw: PackedWeights) -> None:
+    """``pw``'s bf16 W and R panels, holding the bytes of the layout before 2026-12-02 (a file's
+    or a pickle's), converted to input pairs in place."""
+    for pl in (pl for dirs in pw.layers for pl in dirs):
+        for name in _PANELS:
+            a = getattr(pl, name)
+            U, X2, W2 = a.shape
+            a[...] = bf16_pairs_from_interleaved(a.reshape(U, 2 * X2, W2 // 2))
 
 
 def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:

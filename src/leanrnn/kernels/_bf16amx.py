@@ -15,16 +15,20 @@ hi (a inf, NaN or past bfloat16's range) gets lo = 0, so an infinite input stays
 The split (AVX512-BF16's ``vcvtneps2bf16``) is done once per operand: kernels.gemm.operand
 splits a step's rows, or a projection task's chunk of rows, into the thread's scratch
 (``split_rows``: hi terms, then lo terms from round_up(K, 32), rows of
-abi.split_row_floats(K) floats — a stride no plain operand has, by which the tile knows it),
-and every panel multiplies them. Splitting per panel instead, in the tile, cost ~35% of the
-input projection's time (one split per 64 columns); the tile still does so (a stack buffer,
-per block of rows and KB inputs) for an operand handed over unsplit (``presplit`` off).
+abi.split_row_floats(K) floats — a stride the engine's plain operands never have, by which
+the tile knows it), and every panel multiplies them. Splitting per panel, in the tile (this
+module's first version), cost ~35% of the input projection's time: one split per 64 columns.
+A plain operand (fewer than abi.SPLIT_MIN_ROWS rows) goes to the float32 tile. The split is
+exact to 2**-16 for |a| from ~2**-117 (AMX and the conversion flush bfloat16 denormals, so
+smaller lo terms and inputs count as 0) up to bfloat16's largest (beyond, hi is inf). A
+weight of +-inf (bf16 keeps non-finite weights) gives NaN here where the float32 tile gives
++-inf: its lo term multiplies inf by 0 or by the opposite sign; both are non-finite.
 
 Per block of 32 rows (or a last 1..31), every 2-group column pair of the panel slice is
 multiplied: C tiles 0-3 (2 x 2), hi and lo tiles 4 and 5, weight tiles 6 and 7, loaded
 straight from the panel (a bf16 panel row of a 16-column group is 16 columns x 2 inputs x 2
-bytes, AMX's B layout). Float32 sums go through a stack buffer (``sums``) between K slices
-and to the caller's store, which applies the tile's ``mode``. The
+bytes, AMX's B layout). Float32 sums go through a stack buffer (``sums``) to the caller's
+store, which applies the tile's ``mode``. The
 last k step of a K not a multiple of 32 reads the panel through a zero-filled copy of its
 rows (``btail``): the rows past K belong to the next panel or lie past the array. The
 activations past K are zero in the split rows; the panel's own padding is zero too
@@ -47,12 +51,11 @@ from .abi import SPLIT_PAD
 llvm.initialize_native_asmparser()
 
 TR = 16  # rows of an AMX tile (of A and C) and input pairs of a B tile
-# Rows from which a panel GEMM runs on AMX (abi.SPLIT_MIN_ROWS): a 16-row tile product costs
-# the same for 4 rows as for 16, and 4 rows already take the float32 tile 4 FMAs per 64
-# multiply-adds against AMX's two tile products per 8192; one to three rows (a stream's step)
-# stay there.
 KSTEP = 2 * TR  # inputs per tile product
-KB = 256  # inputs per K slice split at once: 2 x 32 rows x KB x 2 bytes = 32 KiB of stack
+# Rows from which a panel GEMM runs on AMX: abi.SPLIT_MIN_ROWS = 4. Measured (JIT, bf16 LSTM
+# H=512 T=100, 1 thread, this Xeon): the step on 2 rows 6.3 ms on the float32 tile, 9.7 on AMX;
+# on 3 rows 8.1 and 9.3; 4 rows on AMX 10.0 (a 16-row tile product costs the same for 4 rows
+# as for 16; a stream's lone row stays on the float32 tile's GEMV).
 
 
 def split_ir(builder, v):
@@ -111,16 +114,16 @@ def split_row(builder, aa, src, kb, dst, lo_off, kpad) -> None:
             put(k, zero)
 
 
-def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_block,
-              presplit=False):  # fmt: skip
+def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block):
     """Rows a0..a1 (i64 values) of the panel slice on AMX, in blocks of 32 rows and a last
-    block of 1..31 (its tiles' rows past a1 multiply whatever the split buffer holds there:
-    each C row depends on its own A row only, and those C rows are not stored). ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its
-    flat offset and row stride (elements); ``aa``: A's float pointer, row r's input k at
-    r * lda + acol + k. ``store_block(i, rows, sum_at)`` stores C rows i..i+rows-1 (rows an
-    i64 value), ``sum_at(r, v)`` giving the <16 x float> pointer to the float32 sums of row r
-    (an i64 value, 0-based within the block) and group v."""
-    i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+    block of 1..31 (its tiles' rows past a1 multiply whatever the split rows' scratch holds
+    there: each C row depends on its own A row only, and those C rows are not stored).
+    ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its flat offset and row stride
+    (elements); ``aa``: the split operand's float pointer (split_rows: row r at r * lda
+    floats, hi terms then lo terms from round_up(K, 32)), K whole. ``store_block(i, rows,
+    sum_at)`` stores C rows i..i+rows-1 (rows an i64 value), ``sum_at(r, v)`` giving the
+    <16 x float> pointer to the float32 sums of row r (0-based within the block) and group v."""
+    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
     f32 = ir.FloatType()
     vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
     i8p = i8.as_pointer()
@@ -130,96 +133,59 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, acol, lda, K, a0, a1, store_
         return ir.Constant(i64, v)
 
     tile_op, tmm = amx_ops(builder)
-
     with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
         cfg = builder.alloca(ir.ArrayType(i8, 64))
-        split = builder.alloca(ir.ArrayType(i16, 1 if presplit else 2 * 2 * TR * KB))
         sums = builder.alloca(ir.ArrayType(f32, 2 * TR * ld))
         btail = builder.alloca(ir.ArrayType(i16, 2 * TR * 32))  # two groups' last k step
-    cfg.align = split.align = sums.align = btail.align = 64
-    hbase = builder.bitcast(split, i16.as_pointer())
+    cfg.align = sums.align = btail.align = 64
     sbase = builder.bitcast(sums, f32.as_pointer())
     tbase = builder.bitcast(btail, i16.as_pointer())
+    a16 = builder.bitcast(aa, i16.as_pointer())
+    kp = builder.mul(builder.sdiv(builder.add(K, const(KSTEP - 1)), const(KSTEP)), const(KSTEP))
+    ksteps = builder.sdiv(kp, const(KSTEP))
 
     def sum_at(r, v):
         off = builder.add(builder.mul(r, const(ld)), const(16 * v))
         return builder.bitcast(builder.gep(sbase, [off]), vf.as_pointer())
 
-    def split_rows(i, rows, kc0, kb, ksteps):
-        """A's rows i..i+rows-1, inputs kc0..kc0+kb-1, into the split buffer (row r's hi at
-        r * KB, its lo TR*2*KB further), zeros up to ksteps * 32."""
-        with cgutils.for_range(builder, rows) as loop:
-            r = loop.index
-            src = builder.add(builder.add(builder.mul(builder.add(i, r), lda), acol), kc0)
-            dst = builder.gep(hbase, [builder.mul(r, const(KB))])
-            split_row(
-                builder, aa, src, kb, dst, const(2 * TR * KB), builder.mul(ksteps, const(KSTEP))
-            )
-
-    # presplit: A's rows are split already (kernels.gemm.split_rows: hi, then lo from
-    # round_up(K, 32), row stride lda floats), whole K at once; else split here per KB slice
-    chunk = const(1 << 40) if presplit else const(KB)
-    kpad = builder.mul(builder.sdiv(builder.add(K, const(KSTEP - 1)), const(KSTEP)), const(KSTEP))
-    a16 = builder.bitcast(aa, i16.as_pointer())
-
     def a_tile(i, r, s, lo):
-        """&(hi or lo term of row block i's tile r, k step s), its row stride in bytes."""
-        if presplit:
-            off = builder.add(builder.mul(builder.add(i, const(TR * r)), builder.mul(lda, const(2))),
-                              builder.add(builder.mul(s, const(KSTEP)), kpad if lo else const(0)))  # fmt: skip
-            return builder.gep(a16, [off]), builder.mul(lda, const(4))
-        off = builder.add(const(TR * r * KB + (2 * TR * KB if lo else 0)),
-                          builder.mul(s, const(KSTEP)))  # fmt: skip
-        return builder.gep(hbase, [off]), const(2 * KB)
+        """&(the hi or lo terms of rows i + 16r.., k step s) as an i8 pointer."""
+        row = builder.mul(builder.add(i, const(TR * r)), builder.mul(lda, const(2)))
+        k = builder.add(builder.mul(s, const(KSTEP)), kp if lo else const(0))
+        return builder.bitcast(builder.gep(a16, [builder.add(row, k)]), i8p)
 
     def block(i, mr, rows):
-        """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows: every K slice split once,
-        multiplied by every column pair."""
-        with cgutils.for_range_slice(builder, const(0), K, chunk) as (kc0, _):
-            kb = builder.sub(K, kc0)
-            kb = builder.select(builder.icmp_signed("<", kb, chunk), kb, chunk)
-            ksteps = builder.sdiv(builder.add(kb, const(KSTEP - 1)), const(KSTEP))
-            if not presplit:
-                split_rows(i, rows, kc0, kb, ksteps)
-            first = builder.icmp_signed("==", kc0, const(0))
-            for c0 in range(0, nvec, 2):
-                nc = min(2, nvec - c0)
-                with builder.if_else(first) as (then, otherwise):
-                    with then:
-                        for r in range(mr):
-                            for c in range(nc):
-                                tile_op("llvm.x86.tilezero", tmm(2 * r + c))
-                    with otherwise:
-                        for r in range(mr):
-                            for c in range(nc):
-                                p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
-                                tile_op("llvm.x86.tileloadd64", tmm(2 * r + c), p, const(4 * ld))
-                with cgutils.for_range(builder, ksteps) as loop:
-                    s = loop.index
-                    k = builder.add(kc0, builder.mul(s, const(KSTEP)))  # even: a pair row
-                    inside = builder.icmp_signed("<=", builder.add(k, const(KSTEP)), K)
-                    for c in range(nc):
-                        wp = builder.add(builder.add(poff, builder.mul(builder.sdiv(k, const(2)),
-                                                                       kstride)),
-                                         const(32 * (c0 + c)))  # fmt: skip
-                        with builder.if_else(inside) as (then, otherwise):
-                            with then:
-                                tile_op("llvm.x86.tileloadd64", tmm(6 + c),
-                                        builder.bitcast(builder.gep(pa, [wp]), i8p),
-                                        builder.mul(kstride, const(2)))  # fmt: skip
-                            with otherwise:
-                                tail_b(wp, builder.sub(K, k), c)
-                    for r in range(mr):
-                        for lo, t in ((False, 4), (True, 5)):
-                            ptr, stride = a_tile(i, r, s, lo)
-                            tile_op("llvm.x86.tileloadd64", tmm(t), builder.bitcast(ptr, i8p),
-                                    stride)  # fmt: skip
-                            for c in range(nc):
-                                tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
+        """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows, by every column pair."""
+        for c0 in range(0, nvec, 2):
+            nc = min(2, nvec - c0)
+            for r in range(mr):
+                for c in range(nc):
+                    tile_op("llvm.x86.tilezero", tmm(2 * r + c))
+            with cgutils.for_range(builder, ksteps) as loop:
+                s = loop.index
+                k = builder.mul(s, const(KSTEP))  # even: a pair row
+                inside = builder.icmp_signed("<=", builder.add(k, const(KSTEP)), K)
+                for c in range(nc):
+                    wp = builder.add(builder.add(poff, builder.mul(builder.sdiv(k, const(2)),
+                                                                   kstride)),
+                                     const(32 * (c0 + c)))  # fmt: skip
+                    with builder.if_else(inside) as (then, otherwise):
+                        with then:
+                            tile_op("llvm.x86.tileloadd64", tmm(6 + c),
+                                    builder.bitcast(builder.gep(pa, [wp]), i8p),
+                                    builder.mul(kstride, const(2)))  # fmt: skip
+                        with otherwise:
+                            tail_b(wp, builder.sub(K, k), c)
                 for r in range(mr):
-                    for c in range(nc):
-                        p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
-                        tile_op("llvm.x86.tilestored64", tmm(2 * r + c), p, const(4 * ld))
+                    for lo, t in ((False, 4), (True, 5)):
+                        tile_op("llvm.x86.tileloadd64", tmm(t), a_tile(i, r, s, lo),
+                                builder.mul(lda, const(4)))  # fmt: skip
+                        for c in range(nc):
+                            tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
+            for r in range(mr):
+                for c in range(nc):
+                    p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
+                    tile_op("llvm.x86.tilestored64", tmm(2 * r + c), p, const(4 * ld))
         store_block(i, rows, sum_at)
 
     def tail_b(wp, left, c):

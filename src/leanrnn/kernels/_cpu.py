@@ -181,7 +181,7 @@ def int8_dot(isa_: Isa) -> str:
 
 
 def bf16_dot(isa_: Isa) -> str:
-    """The product of bf16 panels at 16 rows and more (kernels._simd's AMX block): ``amx``
+    """The product of bf16 panels at 4 rows and more (kernels._bf16amx): ``amx``
     (AMX-BF16's tdpbf16ps on 16 x 16 x 32 tiles, activations split in two bf16 terms) where
     the AVX-512 tile is compiled, the CPU has AMX-BF16 and AVX512-BF16 (the split's
     conversion), the OS granted the tile state and ``LEANRNN_AMX=0`` does not turn it off;

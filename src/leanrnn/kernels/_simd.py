@@ -219,20 +219,21 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         def fma_rows():  # a 1-row tile: every row is a GEMV, split S ways
             row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
 
-        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:  # from SPLIT_MIN_ROWS: _bf16amx
-            few = builder.icmp_signed("<", builder.sub(i1, i0), const(SPLIT_MIN_ROWS))
-            # an operand split already (gemm.operand) has a row stride no plain A has
+        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:
+            # An operand gemm.operand split (from SPLIT_MIN_ROWS rows) runs on AMX (_bf16amx);
+            # its row stride, split_row_floats(K), tells it apart: the engine's plain operands
+            # are at most 15 floats wider than K (abi). Its K is whole (gemm._kc), acol 0.
             kp = builder.mul(builder.sdiv(builder.add(K, const(31)), const(32)), const(32))
-            presplit = builder.icmp_signed("==", lda, builder.add(kp, const(SPLIT_PAD)))
-            with builder.if_else(few) as (then, otherwise):
+            split = builder.and_(
+                builder.icmp_signed(">=", builder.sub(i1, i0), const(SPLIT_MIN_ROWS)),
+                builder.icmp_signed("==", lda, builder.add(kp, const(SPLIT_PAD))),
+            )
+            with builder.if_else(split) as (then, otherwise):
                 with then:
-                    fma_rows()
+                    _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, i0, i1,
+                                       amx_store)  # fmt: skip
                 with otherwise:
-                    with builder.if_else(presplit) as (split, plain):
-                        for done, flag in ((split, True), (plain, False)):
-                            with done:
-                                _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, acol,
-                                                   lda, K, i0, i1, amx_store, flag)  # fmt: skip
+                    fma_rows()
         else:
             fma_rows()
         return context.get_dummy_value()

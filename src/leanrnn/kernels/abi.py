@@ -252,7 +252,8 @@ def quantized_row_bytes(K: int) -> int:
 # bf16 on AMX (kernels._bf16amx): a panel GEMM of at least SPLIT_MIN_ROWS rows multiplies its
 # rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile steps of 32
 # inputs; a row of the split operand is SPLIT_PAD floats longer than that (64 bytes), so its
-# stride is one no plain operand has (kernels.gemm.operand).
+# stride is one no plain operand the engine hands the kernels has (each is at most 15 floats
+# wider than its K), and the tile tells the two apart by it (kernels.gemm.operand).
 SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
 
 

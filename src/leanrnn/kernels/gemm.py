@@ -10,7 +10,8 @@ of 16 columns,
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
 rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
-the rows split into two bfloat16 terms; K is then never sliced. There are four of them, not one taking N, because each must name its
+the rows split into two bfloat16 terms; K is then never sliced. A plain A's row stride must
+not be abi.split_row_floats(K) (the engine's are at most 15 wider than K). There are four of them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
 more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
 L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
@@ -63,7 +64,9 @@ def _kc(P, K, i0, i1):  # pragma: no cover - replaced by the overload inside ker
 
 @overload(_kc)
 def _kc_impl(P, K, i0, i1):
-    if P.dtype in (types.uint8, types.uint16):  # int8-dynamic, bf16: K whole (_qdot, _bf16amx)
+    if P.dtype == types.uint8 or (P.dtype == types.uint16 and _BF16_AMX):
+        # int8-dynamic, and bf16 on AMX: K whole (_qdot; _bf16amx reads a split operand
+        # from its first input: the AMX block has no K offset)
         return lambda P, K, i0, i1: K
     return lambda P, K, i0, i1: K if i1 - i0 == 1 else KC
 
