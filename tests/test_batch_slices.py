@@ -34,7 +34,7 @@ def _smallest_split(parts: int) -> int:
 @pytest.mark.parametrize("extra", [0, 1, 5, 29])
 def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):
     N = _smallest_split(parts) + extra
-    got = [_sync.share.py_func(N, me, parts, _sync.SHARE_TILES) for me in range(parts)]
+    got = [_sync.share.py_func(N, me, parts, _sync.SHARE_TILES, _sync.ALIGN) for me in range(parts)]
     assert all(s == 1 for _, _, s in got)  # no block slices: no barrier
     bounds = [(a, b) for a, b, _ in got]
     assert bounds[0][0] == 0 and bounds[-1][1] == N
@@ -44,11 +44,24 @@ def test_share_cuts_tile_aligned_disjoint_slices(parts, extra):
         assert a % _sync.ALIGN == 0 and b - a >= (_sync.SHARE_TILES - 1) * _sync.ALIGN
 
 
+def test_share_cuts_bf16_on_amx_at_whole_amx_tiles():
+    """bf16 on AMX cuts at 16 rows (kernels.gemm.slice_rows): N=64 on 2 threads is 32 / 32
+    rows, where 6-row cuts gave 30 / 34 (the 34: a 32-row AMX block and a 2-row one costing
+    16); whether to slice is the engine's rule still (ALIGN's), so N=48 slices as before."""
+    assert [_sync.share.py_func(64, me, 2, _sync.SHARE_TILES, 16) for me in (0, 1)] == [
+        (0, 32, 1), (32, 64, 1)]  # fmt: skip
+    N = _smallest_split(2)
+    got = [_sync.share.py_func(N, me, 2, _sync.SHARE_TILES, 16) for me in (0, 1)]
+    plain = [_sync.share.py_func(N, me, 2, _sync.SHARE_TILES, _sync.ALIGN) for me in (0, 1)]
+    assert [s for _, _, s in got] == [s for _, _, s in plain] == [1, 1]
+    assert got[0][0] == 0 and got[0][1] == got[1][0] and got[1][1] == N and got[0][1] % 16 == 0
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_share_keeps_small_batches_on_block_slices(parts):
     N = max(1, _smallest_split(parts) - 1) if parts > 1 else 1000
     for me in range(parts):
-        assert _sync.share.py_func(N, me, parts, _sync.SHARE_TILES) == (0, N, parts)
+        assert _sync.share.py_func(N, me, parts, _sync.SHARE_TILES, _sync.ALIGN) == (0, N, parts)
 
 
 def _run(spec, layers, x, h0, c0, lengths, threads, dtype):
@@ -102,7 +115,9 @@ def test_small_batch_still_splits_blocks(many_cores):
 def test_engine_and_kernels_agree_on_when_batches_are_sliced(parts):
     """The engine plans its chunks with _cpu.batch_slices; the kernels cut with _sync.share."""
     for N in range(1, _smallest_split(max(parts, 2)) + 8):
-        sliced = _sync.share.py_func(N, 0, parts, _sync.SHARE_TILES)[2] == 1 and parts > 1
+        sliced = (
+            _sync.share.py_func(N, 0, parts, _sync.SHARE_TILES, _sync.ALIGN)[2] == 1 and parts > 1
+        )
         assert sliced == _cpu.batch_slices(N, parts)
 
 

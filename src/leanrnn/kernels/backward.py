@@ -45,7 +45,7 @@ from numba.extending import intrinsic, overload
 from ._cells import _Vec
 from ._jit import inline, kernel
 from ._math import sigmoid_, tanh_
-from ._sync import claim, end_phase, finish, share
+from ._sync import ALIGN, claim, end_phase, finish, share
 from .abi import B
 from .gemm import panel1, panel2, panel4
 
@@ -359,7 +359,7 @@ def _lstm_back(
     U = Hp // B
     Gp = G.shape[1]
     NP = (P + B - 1) // B
-    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES, ALIGN)  # this thread's samples
     g = 0  # phase counter, the same on every thread
     # The cell state of every step, oldest first (the forward kept only pre-activations).
     for q in range(parts):
@@ -446,7 +446,7 @@ def _gru_back(
     Hp = ghn.shape[1]
     U = Hp // B
     Gp = G.shape[1]
-    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES, ALIGN)  # this thread's samples
     g = 0
     for s in range(T - 1, -1, -1):
         for q in range(parts):
@@ -487,7 +487,7 @@ def _rnn_back(
     N = dh.shape[0]
     Gp = G.shape[1]
     U = Gp // B
-    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES)  # this thread's samples
+    n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES, ALIGN)  # this thread's samples
     g = 0
     for s in range(T - 1, -1, -1):
         for q in range(parts):

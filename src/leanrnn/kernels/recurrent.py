@@ -62,7 +62,7 @@ from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import SHARE_TILES, claim, end_phase, finish, share
 from .abi import B
-from .gemm import operand, panel1, panel2, panel3, panel4
+from .gemm import operand, panel1, panel2, panel3, panel4, slice_rows
 
 
 @inline
@@ -214,7 +214,7 @@ def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt
     zero = consts[0]
     N = h_a.shape[0]
     # this thread's samples; parts: its block slices
-    n0, n1, parts = share(N, me, parts, SHARE_TILES)
+    n0, n1, parts = share(N, me, parts, SHARE_TILES, slice_rows(Rt))
     if me == 0:  # one thread zeroes the steps past each length
         _zero_tails(y, y_off, Kout, lengths, T, N, y_bf_T, zero)
     hp = h_a
