@@ -104,32 +104,32 @@ def _bf16_on_amx() -> bool:
     return _cpu.bf16_dot(_cpu.isa()) == "amx"
 
 
-def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
-    """Bytes per thread of a bf16 op's q where its GEMMs run on AMX (kernels.gemm.operand):
-    split rows (abi.split_row_floats) of a projection task's chunk of layer input or of the
-    ``batch`` rows of recurrent input a step multiplies, whichever is larger, each count
-    rounded up to 32 (an AMX block of the last rows reads whole tiles of 16 past them)."""
-    from ..kernels import _cpu
-
-    align, _, chunk = _cpu.blocking(_cpu.isa())
-    C = spec.input_size if layer == 0 else spec.num_directions * spec.output_size
-
-    def need(n: int, K: int) -> int:  # none below SPLIT_MIN_ROWS: those rows are not split
-        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K) if n >= abi.SPLIT_MIN_ROWS else 0
-
-    return max(need(min(rows, chunk + align), C), need(batch, spec.output_size))
-
-
-def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
-    """Bytes per thread of an int8-dynamic op's q (kernels.gemm.operand): the largest of a
-    projection task's rows of layer input (a chunk of at most ROWS + ALIGN of the op's ``rows``
-    input rows) and the ``batch`` rows of recurrent input each step quantizes."""
+def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -> int:
+    """Bytes per thread of an op's q (kernels.gemm.operand): the larger of ``nbytes(n, K)``
+    for a projection task's rows of layer input (a chunk of at most ROWS + ALIGN of the op's
+    ``rows`` input rows, K its input size) and for the ``batch`` rows of recurrent input each
+    step multiplies."""
     from ..kernels import _cpu  # pure Python: the same blocking the kernels are compiled with
 
     align, _, chunk = _cpu.blocking(_cpu.isa())
     C = spec.input_size if layer == 0 else spec.num_directions * spec.output_size
-    return max(min(rows, chunk + align) * abi.quantized_row_bytes(C),
-               batch * abi.quantized_row_bytes(spec.output_size))  # fmt: skip
+    return max(nbytes(min(rows, chunk + align), C), nbytes(batch, spec.output_size))
+
+
+def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
+    """Bytes per thread of a bf16 op's q where its GEMMs run on AMX: split rows
+    (abi.split_row_floats), each count rounded up to 32 (an AMX block of the last rows reads
+    whole tiles of 16 past them); none below SPLIT_MIN_ROWS rows (those are not split)."""
+
+    def nbytes(n: int, K: int) -> int:
+        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K) if n >= abi.SPLIT_MIN_ROWS else 0
+
+    return _operand_scratch(spec, layer, rows, batch, nbytes)
+
+
+def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
+    """Bytes per thread of an int8-dynamic op's q: its quantized rows."""
+    return _operand_scratch(spec, layer, rows, batch, lambda n, K: n * abi.quantized_row_bytes(K))
 
 
 def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h_a, h_b, gates,

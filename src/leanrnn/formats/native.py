@@ -36,7 +36,7 @@ from .packing import (
     check_precision,
     tensor_dtype,
 )
-from .quantize import check_loaded, pair_legacy_bf16
+from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -468,12 +468,6 @@ def _legacy_bf16(meta: dict, precision: str) -> bool:
     return precision == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT
 
 
-def _legacy_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A bf16 panel's shape in the earlier layout: [U, X, Wd] for [U, X/2, 2*Wd]."""
-    U, X2, W2 = shape
-    return U, 2 * X2, W2 // 2
-
-
 def _spec(text, op, path) -> RNNSpec:
     try:
         return RNNSpec.from_dict(json.loads(text) if isinstance(text, str) else text)
@@ -517,7 +511,7 @@ def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float",
         dt = tensor_dtype(name, dtype, precision)
         n = math.prod(shape) * dt.itemsize
         if legacy_bf16 and name in ("Wt", "Rt"):
-            shape = _legacy_shape(shape)
+            shape = legacy_bf16_shape(shape)
         key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
         out[key] = (tuple(shape), off if n else -1, dt)
         off += round_up(n, 64)

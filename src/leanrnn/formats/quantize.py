@@ -7,10 +7,11 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
 - ``bf16``: each weight rounded to the nearest bfloat16, ties to even (the top 16 bits of a
   float32, stored as uint16), laid out in input pairs: panel row k2 holds, for each column j,
   its weights of inputs 2*k2 and 2*k2 + 1 side by side in one 32-bit lane ([U, X/2, 2*Wd]).
-  That is AMX's layout for a bf16 B tile (kernels._bf16amx loads panel rows as they are), and the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift
-  and a mask. Relative error <= 2**-8. Files written before 2026-12-02 hold the earlier layout
-  (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); formats.native converts
-  them as it reads them (bf16_pairs_from_interleaved).
+  That is AMX's layout for a bf16 B tile (kernels._bf16amx loads panel rows as they are), and
+  the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift and a
+  mask. Relative error <= 2**-8. Files and pickles made before 2026-12-02 hold the earlier
+  layout (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); they are
+  converted as they are read (pair_legacy_bf16).
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -99,14 +100,20 @@ def bf16_pairs_from_interleaved(panel: np.ndarray) -> np.ndarray:
     return _paired(_grouped(panel, BF16_INVERSE))
 
 
+def legacy_bf16_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A bf16 panel's shape in the layout before 2026-12-02: [U, X, Wd] for [U, X/2, 2*Wd]
+    (the same elements)."""
+    U, X2, W2 = shape
+    return U, 2 * X2, W2 // 2
+
+
 def pair_legacy_bf16(pw: PackedWeights) -> None:
     """``pw``'s bf16 W and R panels, holding the bytes of the layout before 2026-12-02 (a file's
     or a pickle's), converted to input pairs in place."""
     for pl in (pl for dirs in pw.layers for pl in dirs):
         for name in _PANELS:
             a = getattr(pl, name)
-            U, X2, W2 = a.shape
-            a[...] = bf16_pairs_from_interleaved(a.reshape(U, 2 * X2, W2 // 2))
+            a[...] = bf16_pairs_from_interleaved(a.reshape(legacy_bf16_shape(a.shape)))
 
 
 def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
@@ -275,7 +282,7 @@ def pack_int8(spec: RNNSpec, layers: list[list[Int8LayerWeights]]) -> PackedWeig
 
 def _bf16_padding_zero(panel: np.ndarray, K: int) -> bool:
     """Whether a bf16 panel [U, X/2, 2*Wd] holds zeros (either sign) past its K inputs: AMX
-    multiplies whole pairs and 32-input tiles (kernels._simd), the padding by zero
+    multiplies whole pairs and 32-input tiles (kernels._bf16amx), the padding by zero
     activations, so an inf there would make NaN."""
     if (panel[:, (K + 1) // 2 :] & 0x7FFF).any():
         return False
@@ -288,7 +295,7 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     int8-dynamic also the codes within +-DOT_QMAX, zero past the panel's K inputs (the padding
     of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
     equal to what the codes give (one pass over the codes: a wrong correction would shift
-    every output silently)."""
+    every output silently); for bf16 the padding past K inputs zero (_bf16_padding_zero)."""
     if pw.precision not in ("bf16", "int8", "int8-dynamic"):
         return
     for li, dirs in enumerate(pw.layers):
