@@ -44,6 +44,15 @@
    peak RSS; a row passes if its losses are within LOSS_RTOL and its wall time is below
    torch's.
 
+4. **Mixed precision** (``--only autocast``; issue 14 item 5, no bar of its own). The speed rows'
+   training step under ``torch.autocast("cpu", torch.bfloat16)``: torch's module (oneDNN's bf16
+   path, AMX where the CPU has it) and leanrnn (``Trainer(autocast="bf16")``, what
+   ``leanrnn.torch`` runs under autocast: bf16 forward kernels, float32 backward through the
+   rounded weights) beside both float32 steps, interleaved as above. Reported: the medians,
+   leanrnn's autocast step against torch's and against its own float32 step, and each
+   autocast engine's gradient error (relative to the largest value) against torch's float32
+   gradients; the run fails if leanrnn's error exceeds torch's.
+
 Writes ``train_bars.json`` and ``train_bars.md`` in --out, prints the tables with the CPU line
 (ISA, caches) and the load average. Exit status 1 if a bar is missed or a gradient is wrong.
 """
@@ -65,6 +74,8 @@ import numpy as np
 
 ENGINES = ("leanrnn", "torch", "torch-nodnnl")
 TORCHES = ("torch", "torch-nodnnl")
+# (torch float32 first: the gradients' reference in speed_child)
+AUTOCAST_ENGINES = ("torch", "torch-bf16", "leanrnn", "leanrnn-bf16")
 SPEED_T = 100
 SETTLE_S = 0.05  # pause before each timed step: the previous engine's spinning threads idle
 MIN_REPS = 3  # per engine, row and round, however long a step takes
@@ -175,7 +186,8 @@ class LeanStep:
 class TorchStep:
     """torch's training step: y = m(x), torch.autograd.backward(y, dy); x requires grad."""
 
-    def __init__(self, sd: dict, x, dy, threads: int, cell: str, onednn: bool = True) -> None:
+    def __init__(self, sd: dict, x, dy, threads: int, cell: str, onednn: bool = True,
+                 autocast: bool = False) -> None:  # fmt: skip
         import torch
 
         self.torch = torch
@@ -187,6 +199,7 @@ class TorchStep:
         with torch.no_grad():
             self.m.load_state_dict({k: torch.from_numpy(v) for k, v in sd.items()})
         self.onednn = onednn
+        self.autocast = autocast
         self.set_inputs(x, dy)
 
     def set_inputs(self, x, dy) -> None:
@@ -201,21 +214,25 @@ class TorchStep:
 
     def step(self) -> None:
         torch = self.torch
-        with torch.backends.mkldnn.flags(enabled=self.onednn):
+        with (
+            torch.backends.mkldnn.flags(enabled=self.onednn),
+            torch.autocast("cpu", torch.bfloat16, enabled=self.autocast),
+        ):
             y, _ = self.m(self.x)
-            torch.autograd.backward(y, self.dy)
+        torch.autograd.backward(y, self.dy.to(y.dtype))
         self.y = y
 
     def grads(self) -> dict:
         g = {k: p.grad.numpy() for k, p in self.m.named_parameters()}
-        return {"y": self.y.detach().numpy(), "dx": self.x.grad.numpy(),
+        return {"y": self.y.detach().float().numpy(), "dx": self.x.grad.numpy(),
                 **{k: g[k] for k in sorted(g)}}  # fmt: skip
 
 
 def _make(engine: str, sd, x, dy, threads: int, cell: str):
-    if engine == "leanrnn":
-        return LeanStep(sd, x, dy, threads)
-    return TorchStep(sd, x, dy, threads, cell, onednn=(engine == "torch"))
+    if engine in ("leanrnn", "leanrnn-bf16"):
+        return LeanStep(sd, x, dy, threads, autocast="bf16" if engine.endswith("bf16") else None)
+    return TorchStep(sd, x, dy, threads, cell, onednn=(engine != "torch-nodnnl"),
+                     autocast=engine == "torch-bf16")  # fmt: skip
 
 
 def _settle() -> None:
@@ -595,6 +612,26 @@ def speed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def autocast_table(rows: list[dict]) -> tuple[str, bool]:
+    """The mixed-precision rows, and whether leanrnn's autocast gradients were no less
+    accurate than torch's in every row."""
+    head = ("| cell | H | N | thr | torch f32 | torch autocast | leanrnn f32 | leanrnn autocast | "
+            "leanrnn autocast vs torch autocast | vs leanrnn f32 | grad error torch autocast / "
+            "leanrnn autocast |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    lines, ok = [head], bool(rows)
+    for r in rows:
+        med, err = r["median_s"], r["grad_rel_error"]
+        cells = [_ms(med.get(n)) for n in AUTOCAST_ENGINES]
+        lb = med.get("leanrnn-bf16")
+        vs_t = f"{med['torch-bf16'] / lb:.2f}x" if lb and "torch-bf16" in med else "—"
+        vs_f = f"{med['leanrnn'] / lb:.2f}x" if lb and "leanrnn" in med else "—"
+        et, el = err.get("torch-bf16", float("nan")), err.get("leanrnn-bf16", float("nan"))
+        ok &= el <= et
+        lines.append(f"| {r['cell'].upper()} | {r['H']} | {r['N']} | {r['threads']} | "
+                     f"{' | '.join(cells)} | {vs_t} | {vs_f} | {et:.1e} / {el:.1e} |")  # fmt: skip
+    return "\n".join(lines), ok
+
+
 def memory_table(m: dict) -> str:
     lines = [f"2-layer LSTM, H={m['H']}, N={m['N']}, T={m['T']}, {m['threads']} thread(s):", "",
              "| variant | peak beyond weights & inputs | of which y + dx | the rest | time | "
@@ -660,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="T of the memory bar's step")
     ap.add_argument("--speed-steps", type=int, default=SPEED_T, help="T of the speed rows")
     ap.add_argument("--mem-rounds", type=int, default=1, help="fresh processes per memory variant")
-    ap.add_argument("--only", choices=("speed", "memory", "examples"), default=None)
+    ap.add_argument("--only", choices=("speed", "memory", "examples", "autocast"), default=None)
     ap.add_argument("--examples", type=lambda s: tuple(s.split(",")), default=EXAMPLE_NAMES,
                     help="with --only examples: which examples")  # fmt: skip
     ap.add_argument("--example-steps", type=int, default=None,
@@ -684,10 +721,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.only == "examples":
         res["examples"] = run_examples(a.examples, a.example_steps, a.example_threads, a.rounds)
-    if a.only not in ("memory", "examples"):
+    if a.only == "autocast":
+        res["autocast"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
+                                    T=a.speed_steps, engines=AUTOCAST_ENGINES)  # fmt: skip
+    if a.only not in ("memory", "examples", "autocast"):
         res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
                                  T=a.speed_steps, save=save)  # fmt: skip
-    if a.only not in ("speed", "examples"):
+    if a.only not in ("speed", "examples", "autocast"):
         res["memory"] = run_memory(max(a.hidden), max(a.batch), a.steps, max(a.threads),
                                    a.mem_rounds)  # fmt: skip
     res["machine"]["loadavg_end"] = os.getloadavg()
@@ -701,6 +741,13 @@ def main(argv: list[str] | None = None) -> int:
                   "engines interleaved; ratio = faster torch (*) / leanrnn)", "",
                   speed_table(rows), "", _load_line(res["speed"]["rounds"]), ""]  # fmt: skip
         ok &= bool(rows) and all(r.get("passed") and r["grads_ok"] for r in rows)
+    if "autocast" in res:
+        table, good = autocast_table(res["autocast"]["rows"])
+        parts += [f"## Mixed precision: the training step under torch.autocast(bfloat16) (T="
+                  f"{a.speed_steps}, C=H; median of {a.rounds} round(s), engines interleaved; "
+                  "gradient error relative to torch's float32 gradients)", "", table, "",
+                  _load_line(res["autocast"]["rounds"]), ""]  # fmt: skip
+        ok &= good
     if "examples" in res:
         rows = res["examples"]["rows"]
         parts += [f"## End to end: the examples ({a.example_threads} threads, median wall time of "

@@ -4,6 +4,7 @@ word-language-model loop, torch.compile, torch.export, autocast, no_grad and DDP
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import socket
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import compile_recording, finish_process, src_env
-from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_GRAD
+from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_AUTOCAST_BF16, RTOL_GRAD
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -336,16 +337,32 @@ def test_bad_input_is_refused_and_module_stays_usable():
     assert m.weight_ih_l0.grad is not None
 
 
+def _rounded_twin(mod):
+    """A float64 torch module with ``mod``'s input and recurrent weights rounded to bfloat16 by
+    torch (biases and an LSTM's projection as they are, as in leanrnn's bf16 models): the
+    model leanrnn's autocast computes, as an independent oracle."""
+    twin = (mod.to_module() if isinstance(mod, lt.LSTM | lt.GRU | lt.RNN) else
+            copy.deepcopy(mod)).double()  # fmt: skip
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if name.startswith(("weight_ih", "weight_hh")):
+                p.copy_(getattr(mod, name).detach().to(torch.bfloat16).double())
+    return twin
+
+
 @pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
 def test_autocast_bfloat16_like_torch(cell):
-    """Output dtypes and gradient flow as torch's module under CPU autocast; values as torch's
-    bf16 matmuls give them (leanrnn computes in float32, so its gradients are float32's)."""
+    """Output dtypes and gradient flow as torch's module under CPU autocast, values as torch's
+    bf16 matmuls give them; and exactly (to the bf16 kernels' tolerance) the outputs and
+    gradients of the model with its weights rounded to bf16 — in float32 they differ from the
+    float32 model's by ~1e-3, so the float32 path would fail here."""
     ref, m = _pair(cell, {"num_layers": 2}, torch.float32)
+    twin = _rounded_twin(m)
     x = torch.randn(T, N, C)
     res = []
-    for mod, autocast in ((ref, True), (m, True), (ref, False)):
+    for mod, autocast in ((ref, True), (m, True), (twin, False)):
         mod.zero_grad()
-        xi = x.clone().requires_grad_()
+        xi = x.clone().to(next(mod.parameters()).dtype).requires_grad_()
         # torch's oneDNN LSTM cannot run bf16 on every CPU: its native kernels are the oracle
         with (
             torch.backends.mkldnn.flags(enabled=False),
@@ -353,16 +370,67 @@ def test_autocast_bfloat16_like_torch(cell):
         ):
             y, hn = mod(xi)
         h = hn[0] if isinstance(hn, tuple) else hn
-        (y.float().sum() + h.float().sum()).backward()
+        # outside the autocast region, as training loops call it
+        (y.double().sum() + h.double().sum()).backward()
         res.append((y, h, xi.grad, [p.grad for p in mod.parameters()]))
-    (y_ref, h_ref, gx_ref, gp_ref), (y, h, gx, gp), (_, _, gx32, gp32) = res
+    (y_ref, h_ref, gx_ref, gp_ref), (y, h, gx, gp), (y64, _, gx64, gp64) = res
     assert (y.dtype, h.dtype, gx.dtype) == (y_ref.dtype, h_ref.dtype, gx_ref.dtype)
     assert y.dtype == (torch.bfloat16 if cell == "RNN" else torch.float32)
     assert _diff(y.float() - y_ref.float()) <= ATOL_AUTOCAST_BF16[np.float32]
-    assert _rel(gx, gx32) <= RTOL_GRAD[np.float32]
-    for a, b, c in zip(gp, gp_ref, gp32, strict=True):
+    # (an RNN's outputs come back rounded to bf16, as torch's; its gradients do not)
+    tol = RTOL_AUTOCAST_BF16 if cell != "RNN" else 2.0**-8
+    assert _rel(y, y64) <= tol
+    assert _rel(gx, gx64) <= RTOL_AUTOCAST_BF16
+    for a, b, c in zip(gp, gp_ref, gp64, strict=True):
         assert a.dtype == b.dtype == torch.float32
-        assert _rel(a, c) <= RTOL_GRAD[np.float32]
+        assert _rel(a, c) <= RTOL_AUTOCAST_BF16
+
+
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {"num_layers": 2, "proj_size": 24}),
+    ("GRU", {"bidirectional": True}),
+    ("RNN", {"nonlinearity": "relu"}),
+])  # fmt: skip
+def test_autocast_runs_the_bf16_kernels_at_a_batch(cell, kw):
+    """N=21 (the AMX block where the CPU has one: activations split in two bf16 terms), with
+    h0: training, a second backward through the retained graph (a replay, in the tape's
+    mode, though autocast is off by then), no_grad inference and torch.compile against the
+    float64 model on the rounded weights."""
+    Tb, Nb, Cb, Hb = 6, 21, 40, 48
+    torch.manual_seed(1)
+    m = lt.from_module(getattr(torch.nn, cell)(Cb, Hb, **kw))
+    twin = _rounded_twin(m)
+    L, D = m.num_layers, 2 if m.bidirectional else 1
+    x = torch.randn(Tb, Nb, Cb)
+    h0 = torch.randn(L * D, Nb, kw.get("proj_size") or Hb) * 0.5
+    hx64 = h0.double()
+    if cell == "LSTM":
+        c0 = torch.randn(L * D, Nb, Hb) * 0.5
+        hx, hx64 = (h0, c0), (hx64, c0.double())
+    else:
+        hx = h0
+    y64, _ = twin(x.double(), hx64)
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    # an RNN's y comes back in bf16 (as torch's), so the gradient reaching it is rounded too
+    (y64 * (dy.to(torch.bfloat16).double() if cell == "RNN" else dy)).sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        y, _ = m(x, hx)
+    loss = (y.double() * dy).sum()
+    grads = []
+    for _ in range(2):  # the second backward replays the forward from the tape
+        m.zero_grad()
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert _rel(y, y64) <= (RTOL_AUTOCAST_BF16 if cell != "RNN" else 2.0**-8)
+    for g1, g2, ref in zip(*grads, twin.parameters(), strict=True):
+        assert torch.equal(g1, g2)
+        assert _rel(g1, ref.grad) <= RTOL_AUTOCAST_BF16
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        yi, _ = m(x, hx)
+        yc, _ = torch.compile(m, backend="eager")(x, hx)
+    assert torch.equal(yi, y) and torch.equal(yc, y)
+    with torch.no_grad():  # and without autocast, the float32 model again
+        assert _rel(m(x, hx)[0], y64) > 3 * RTOL_AUTOCAST_BF16
 
 
 class _Net(torch.nn.Module):

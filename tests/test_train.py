@@ -4,14 +4,16 @@ when stale."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
 import leanrnn
-from leanrnn.errors import PlanError, ShapeError, SpecError
+from leanrnn.errors import DTypeError, PlanError, ShapeError, SpecError
 from leanrnn.formats import torch_format
 from leanrnn.train import TapeError, Trainer
-from tolerances import ATOL, RTOL_FINITE_DIFF, RTOL_GRAD
+from tolerances import ATOL, RTOL_AUTOCAST_BF16, RTOL_FINITE_DIFF, RTOL_GRAD
 
 torch = pytest.importorskip("torch")
 
@@ -409,3 +411,92 @@ def test_backward_leaves_the_process_blas_threads_as_they_were():
         tr = Trainer(m, threads=1)
         tr.backward(tr.forward(x), np.ones((6, 3, 16), np.float32))
         assert {i["num_threads"] for i in c.select(user_api="blas").info()} == {2}
+
+
+def _rounded_torch(m32):
+    """float64 copy of torch module ``m32`` with its input and recurrent weights rounded to
+    bfloat16 by torch: the model Trainer(autocast="bf16") computes (an independent oracle)."""
+    ref = copy.deepcopy(m32).double()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.startswith(("weight_ih", "weight_hh")):
+                p.copy_(getattr(m32, name).detach().to(torch.bfloat16).double())
+    return ref
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {"num_layers": 2}),
+    ("LSTM", {"proj_size": 24, "bidirectional": True}),
+    ("GRU", {"bidirectional": True}),
+    ("RNN", {"nonlinearity": "relu", "num_layers": 2}),
+])  # fmt: skip
+def test_autocast_gradients_are_those_of_the_rounded_model(cell, kw, threads):
+    """Trainer(autocast="bf16") at N=21 (the AMX block where the CPU has one, batch slices on
+    2 threads), ragged lengths and h0: outputs and every gradient equal those of the float64
+    model on the bf16-rounded weights (float32's are ~1e-3 away); after an optimizer-like
+    change of the weights the next forward runs on their new rounding."""
+    torch.manual_seed(0)
+    T, N, C, H = 6, 21, 40, 48
+    m32 = getattr(torch.nn, cell)(C, H, **kw)
+    L = kw.get("num_layers", 1)
+    D = 2 if kw.get("bidirectional") else 1
+    K = kw.get("proj_size") or H
+    lengths = [T - (n % 3) for n in range(N)]
+    x = torch.randn(T, N, C, dtype=torch.float64, requires_grad=True)
+    h0 = (0.5 * torch.randn(L * D, N, K, dtype=torch.float64)).requires_grad_()
+    c0 = (0.5 * torch.randn(L * D, N, H, dtype=torch.float64)).requires_grad_()
+    hx = (h0, c0) if cell == "LSTM" else h0
+    tr = Trainer(leanrnn.from_torch(m32), threads=threads, autocast="bf16")
+    f32 = lambda t: t.detach().float().numpy()  # noqa: E731
+    hxn = (f32(h0), f32(c0)) if cell == "LSTM" else f32(h0)
+    for _ in range(2):
+        ref = _rounded_torch(m32)
+        for t in (x, h0, c0):
+            t.grad = None
+        y_ref, cot = _torch_grads(ref, x, hx, lengths, False)
+        tape = tr.forward(f32(x), hxn, lengths=lengths)
+        assert _rel(tape.y, y_ref) <= RTOL_AUTOCAST_BF16
+        tr.zero_grad()
+        got = tr.backward(tape, *[c.astype(np.float32) for c in cot])
+        _assert_grads_match(tr, ref, (x, h0, c0), got, RTOL_AUTOCAST_BF16)
+        # an optimizer-like step on both: the same float32 weights, changed in place
+        with torch.no_grad():
+            for p in m32.parameters():
+                p.mul_(1.01)
+        for prm in tr.parameters():
+            np.multiply(prm.value, np.float32(1.01), out=prm.value)
+            prm.version += 1
+
+
+def test_autocast_recompute_equals_storing_and_modes_are_per_tape():
+    """Recomputing replays the bf16 forward (the same bits as storing); a tape made under
+    autocast goes back through the bf16 forward even once the trainer's mode is off, and the
+    float32 mode still gives float32's results."""
+    rng = np.random.default_rng(0)
+    m = leanrnn.LSTM(40, 48, num_layers=2, seed=2)
+    x = rng.standard_normal((11, 21, 40)).astype(np.float32)
+    out = []
+    for rec in (False, True):
+        tr = Trainer(m, segment=3, recompute=rec, autocast="bf16")
+        tape = tr.forward(x)
+        tr.autocast = None
+        dx, dh0, _ = tr.backward(tape, np.ones_like(tape.y))
+        out.append((tape.y, dx, dh0, tr.grad.buffer.copy()))
+    for a, b in zip(*out, strict=True):
+        assert np.array_equal(a, b)
+    tr = Trainer(m)
+    tape = tr.forward(x)
+    dx32, _, _ = tr.backward(tape, np.ones_like(tape.y))
+    assert _rel(tape.y, out[0][0]) > 3 * RTOL_AUTOCAST_BF16
+    assert _rel(dx32, out[0][1]) > 3 * RTOL_AUTOCAST_BF16
+
+
+def test_autocast_refuses_what_it_cannot_do():
+    m64 = leanrnn.LSTM(4, 8, dtype=np.float64, seed=0)
+    with pytest.raises(DTypeError, match="float32"):
+        Trainer(m64, autocast="bf16")
+    tr = Trainer(leanrnn.LSTM(4, 8, seed=0))
+    with pytest.raises(SpecError, match="autocast"):
+        tr.autocast = "fp16"
+    assert tr.autocast is None

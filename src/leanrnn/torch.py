@@ -47,11 +47,15 @@ Design.
   masks with torch's generator in the order and shapes torch.nn.LSTM draws them (bernoulli over
   each non-last layer's output; over the packed rows for PackedSequence input), so a module
   seeded like torch's drops the same units, and passes them to Trainer.forward(masks=).
-- **Autocast** (``torch.autocast("cpu", torch.bfloat16)``): leanrnn's bf16 kernels (AMX, see
-  kernels._bf16amx) serve inference on bf16-rounded weights, not training yet (no backward
-  on them), so it computes in the parameters' dtype (float32) and returns what torch's modules return under
-  CPU autocast: float32 outputs for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for RNN (torch
-  builds its RNN cell from autocast matmuls); gradients reach float32 parameters as in torch.
+- **Autocast** (``torch.autocast("cpu", torch.bfloat16)``): mixed precision as
+  Trainer.autocast does it — the forward (training or not) runs leanrnn's bf16 kernels (AMX
+  where the CPU has it, kernels._bf16amx) on the float32 parameters rounded to bfloat16, with
+  float32 activations, states and sums; backward computes in float32 through the same rounded
+  weights (a backward outside the autocast region still goes through the forward that ran),
+  and the gradients reach the float32 parameters, as in torch. Outputs are what torch's
+  modules return under CPU autocast: float32 for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for
+  RNN (torch builds its RNN cell from autocast matmuls). float64 modules and float16 autocast
+  compute in the parameters' dtype.
 - **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's
   own team (threads.openmp_team: ``GOMP_parallel``), and backward's big GEMMs on torch's
   matmul (Trainer.matmul): torch's idle workers spin for milliseconds after each op, so a
@@ -112,6 +116,7 @@ class _Engine:
         self.spec = spec
         self.tr: Trainer | None = None
         self.model = None
+        self.bf16_model = None  # inference under autocast: on the trainer's bf16 rounding
         self.copies: list[np.ndarray] = []
         self.seen: list[tuple] = []
         # One forward or backward at a time per module: they share the trainer's arena, sync
@@ -132,6 +137,7 @@ class _Engine:
             self.tr.training = False
             self.tr.matmul = _matmul
             self.model = Model._from_packed(pw)
+            self.bf16_model = None
             self.copies = [np.empty(tuple(w.shape), dt) for w in weights]
             self.seen = [None] * len(weights)
         params = self.tr.parameters()
@@ -292,8 +298,10 @@ def _free(hid: int) -> None:
 
 
 def _replay(tr: Trainer, tape):
-    """A fresh tape of the same forward, for a second backward through a retained graph."""
+    """A fresh tape of the same forward (the same autocast mode), for a second backward
+    through a retained graph."""
     sv = tape._saved
+    tr.autocast = sv["autocast"]
     T, N = sv["T"], sv["N"]
     x = sv["x"].reshape(T, N, -1)  # time-major rows, whatever the spec's layout
     if tr.spec.batch_first:
@@ -307,10 +315,11 @@ def _np(t):
     return None if t is None else t.detach().contiguous().numpy()
 
 
-def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape):
+def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, bf16):
     """The body of rnn_forward, run under the engine's lock."""
     s = eng.spec
     tr = eng.sync(weights, masks is not None)
+    tr.autocast = "bf16" if bf16 else None
     xn = _np(x)
     hx = None
     if h0 is not None or c0 is not None:
@@ -337,7 +346,17 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape):
         y, h_n, c_n = tp.y, tp.h_n, tp.c_n
         handle = _handle(eng, tp if tape else None, weights)
     else:
-        y, h_n, c_n = eng.model.session.run(
+        model = eng.model
+        if bf16:
+            # the trainer's rounding of the current weights, refilled in place when they
+            # change: one model on it serves every later step
+            pw = tr._forward_weights("bf16")
+            if eng.bf16_model is None or eng.bf16_model.session.weights is not pw:
+                from .nn import Model
+
+                eng.bf16_model = Model._from_packed(pw)
+            model = eng.bf16_model
+        y, h_n, c_n = model.session.run(
             np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
         )
         handle = _handle(None, None, weights)
@@ -368,11 +387,13 @@ def _team():
     return openmp_team() if _torch_on_openmp() else contextlib.nullcontext()
 
 
-def _forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
-    """rnn_forward's body, for the op and for the eager path (_EagerRNN)."""
+def _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
+    """rnn_forward's body, for the op and for the eager path (_EagerRNN). ``bf16``: under
+    torch.autocast(bfloat16), on the weights rounded to bf16 (Trainer.autocast)."""
     eng = _engine(key, spec)
     with eng.lock, _team():
-        y, h_n, c_n, handle = _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape)
+        y, h_n, c_n, handle = _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape,
+                                              bf16)  # fmt: skip
     c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
     return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
 
@@ -424,16 +445,18 @@ def _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad):
     mutates_args=(),
     device_types="cpu",
     schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
-    "Tensor? masks, int key, str spec, bool tape) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? masks, int key, str spec, bool tape, bool bf16) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
 )
-def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape):
+def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16):
     """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
-    [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None."""
-    return _forward(x, h0, c0, weights, lengths, masks, key, spec, tape)
+    [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None;
+    ``bf16``: mixed precision (Trainer.autocast)."""
+    return _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16)
 
 
 @_rnn_forward.register_fake
-def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape):
+def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16):
     s = _spec(spec)
     T, N = x.shape[0], x.shape[1]
     LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
@@ -478,7 +501,7 @@ def _save(ctx, x, h0, c0, spec, output, weights) -> None:
 
 
 def _setup_context(ctx, inputs, output):
-    x, h0, c0, weights, lengths, masks, key, spec, tape = inputs
+    x, h0, c0, weights, lengths, masks, key, spec, tape, _bf16 = inputs
     _save(ctx, x, h0, c0, spec, output, weights)
 
 
@@ -490,7 +513,7 @@ def _backward(ctx, dy, dh_n, dc_n, _dhandle):
     )
     dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
     return (dx if ctx.needs_input_grad[0] else None, dh0 if ctx.has[0] else None,
-            dc0 if ctx.has[1] else None, dw, None, None, None, None, None)  # fmt: skip
+            dc0 if ctx.has[1] else None, dw, None, None, None, None, None, None)  # fmt: skip
 
 
 _rnn_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -505,8 +528,8 @@ class _EagerRNN(torch.autograd.Function):
     constants."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, lengths, masks, key, spec, *weights):
-        out = _forward(x, h0, c0, weights, lengths, masks, key, spec, True)
+    def forward(ctx, x, h0, c0, lengths, masks, key, spec, bf16, *weights):
+        out = _forward(x, h0, c0, weights, lengths, masks, key, spec, True, bf16)
         ctx.mark_non_differentiable(out[3])
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
@@ -520,7 +543,8 @@ class _EagerRNN(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
-                grads[2] if ctx.has[1] else None, None, None, None, None, *grads[3:])  # fmt: skip
+                grads[2] if ctx.has[1] else None, None, None, None, None, None,
+                *grads[3:])  # fmt: skip
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -900,13 +924,17 @@ class _RNNBase(torch.nn.Module):
         if self.training and self.dropout > 0 and self.num_layers > 1:
             masks = self._dropout_masks(T, N, D * K, wdt, rows if packed else None)
         args = (x, h0, c0, weights, lengths, masks, self._key, self._spec_str)
+        # mixed precision: bf16 kernels on the weights rounded to bf16 (float32 parameters,
+        # states and outputs; float64 modules and float16 autocast compute as they are)
+        bf16 = (autocast and wdt == torch.float32
+                and torch.get_autocast_dtype("cpu") == torch.bfloat16)  # fmt: skip
         if not _eager((x, h0, c0, lengths, masks, *weights)):
-            y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad)
+            y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad, bf16)
         elif need_grad:
             y, h_n, c_n, _ = _EagerRNN.apply(x, h0, c0, lengths, masks, self._key,
-                                             self._spec_str, *weights)  # fmt: skip
+                                             self._spec_str, bf16, *weights)  # fmt: skip
         else:
-            y, h_n, c_n, _ = _forward(*args, False)
+            y, h_n, c_n, _ = _forward(*args, False, bf16)
         if autocast and self._cell == "rnn":
             # torch's RNN cell is autocast matmuls: its outputs come out in the autocast dtype
             adt = torch.get_autocast_dtype("cpu")

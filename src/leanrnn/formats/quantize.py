@@ -205,18 +205,25 @@ def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
                     getattr(pd, name)[...] = getattr(ps, name)
 
 
-def quantize_packed(pw: PackedWeights, precision: str) -> PackedWeights:
+def quantize_packed(pw: PackedWeights, precision: str,
+                    out: PackedWeights | None = None) -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` ("bf16" or "int8";
     "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the panels'
     bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
-    twice): quantize the float32 model."""
+    twice): quantize the float32 model. ``out``: weights of this spec and precision made so
+    before, refilled in place (mixed-precision training rounds its master weights again after
+    every optimizer step, train.session)."""
     check_precision(precision, pw.dtype, "quantize")
     if precision == pw.precision:
         return pw
     if pw.precision != "float":
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
                          f"weights: quantize the float32 model to {precision!r}")  # fmt: skip
-    out = PackedWeights(pw.spec, pw.dtype, precision=precision)
+    if out is None:
+        out = PackedWeights(pw.spec, pw.dtype, precision=precision)
+    elif out.spec != pw.spec or out.precision != precision:
+        raise DTypeError(f"[quantize] out holds {out.precision} weights of {out.spec}; expected "
+                         f"{precision} weights of {pw.spec}")  # fmt: skip
     _copy_rest(pw, out)
     for ls, ld in zip(pw.layers, out.layers, strict=True):
         for ps, pd in zip(ls, ld, strict=True):

@@ -51,9 +51,15 @@ import numpy as np
 
 from .. import config
 from ..engine import _check
-from ..engine.session import kernel_constants, recurrence_arguments
+from ..engine.session import (
+    _bf16_on_amx,
+    kernel_constants,
+    recurrence_arguments,
+    split_scratch_bytes,
+)
 from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels
+from ..formats.quantize import bf16_round, bf16_value, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
@@ -140,7 +146,8 @@ class Trainer:
 
     def __init__(self, model, threads: int | None = None, segment: int | None = None,
                  recompute: bool = False, memory_limit: int | None = None,
-                 dropout: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
+                 dropout: float = 0.0, seed: int | None = None,
+                 autocast: str | None = None) -> None:  # fmt: skip
         w = _check.packed_weights("Trainer", model)
         if w.precision != "float":  # reduced weights are for inference (leanrnn.quantize)
             raise DTypeError(f"[Trainer] the model has {w.precision} weights; training updates "
@@ -149,6 +156,7 @@ class Trainer:
         self.spec = w.spec
         self.dtype = w.dtype
         trainable(self.spec)
+        self.autocast = autocast
         if recompute and self.spec.direction != "forward":
             raise SpecError(
                 f"[Trainer] recompute=True needs a forward stack; this one is "
@@ -176,6 +184,9 @@ class Trainer:
             prm._owner = weakref.ref(self)
         self._version = -1
         self._seen = None
+        self._dense: dict = {}  # autocast mode -> backward's dense weights (_dense_for)
+        self._bf16: PackedWeights | None = None  # the master weights rounded (_forward_weights)
+        self._bf16_version = -1
         self._serial = 0
         self._arena: Arena | None = None
         self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
@@ -183,7 +194,7 @@ class Trainer:
         # arena -> {plan key: its views}: made once per arena and shape (_memory); weak, so
         # an arena's views (which hold its buffer) go with it
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._limited: dict = {}  # (N, T, memory_limit) -> segment (_limited_segment)
+        self._limited: dict = {}  # (N, T, memory_limit, autocast) -> segment (_limited_segment)
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
@@ -197,6 +208,10 @@ class Trainer:
         return state
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
+        # (trainers pickled before autocast existed computed in float32)
+        state = {"_autocast": None, "_bf16": None, "_bf16_version": -1, **state}
+        if isinstance(state.get("_dense"), list):
+            state["_dense"] = {}
         self.__dict__.update(state)
         self._views = weakref.WeakKeyDictionary()
         # planned afresh: a plan pickled by another version may size its buffers otherwise
@@ -204,6 +219,29 @@ class Trainer:
         self._plans = {}
         for prm in self._params:
             prm._owner = weakref.ref(self)
+
+    @property
+    def autocast(self) -> str | None:
+        """None (compute in the weights' dtype) or ``"bf16"``: mixed precision, as under
+        ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets it per forward). The
+        forward then runs the bf16 kernels (kernels._bf16amx on AMX) on the master weights
+        rounded to bfloat16 — remade after every change of them, like the folded biases —
+        with float32 activations, states and sums; backward computes in float32 through the
+        same rounded weights, so its gradients are exactly those of the rounded model (up to
+        float32 rounding and the forward's activation split, <= 2**-16 per product), and
+        reach the float32 master weights as they are (the rounding passes gradients straight
+        through, as torch's autocast casts do). A tape remembers its mode: a backward outside
+        the autocast region goes back through the forward that was run."""
+        return self._autocast
+
+    @autocast.setter
+    def autocast(self, value) -> None:
+        if value is not None and value != "bf16":
+            raise SpecError(f"[Trainer] autocast={value!r}; expected None or 'bf16'")
+        if value is not None and self.dtype != np.float32:
+            raise DTypeError(f"[Trainer] autocast={value!r} needs float32 (master) weights; these "
+                             f"are {self.dtype}")  # fmt: skip
+        self._autocast = value
 
     # ------------------------------------------------------------------ parameters
     def _make_parameters(self) -> list[Parameter]:
@@ -237,29 +275,56 @@ class Trainer:
             self._spare.append(arena)
 
     def _refresh(self) -> None:
-        """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb)
-        and remake the dense copies backward's GEMMs read. Cheap next to a training step."""
+        """After the weights changed: refold the biases the kernels add (b = bW + bR, GRU's rb);
+        the dense copies backward's GEMMs read and the bf16 rounding are remade when next
+        needed (_dense_for, _forward_weights). Cheap next to a training step."""
+        for dirs in self.weights.layers:
+            for pl in dirs:
+                fold_biases(self.spec, pl)
+        self._dense = {}
+        self._seen = [p.version for p in self._params]
+        self._version += 1
+
+    def _forward_weights(self, autocast: str | None) -> PackedWeights:
+        """The packed weights a forward in ``autocast`` mode runs on: the master weights, or
+        their bf16 rounding (one buffer, refilled after each change of the master weights)."""
+        if autocast is None:
+            return self.weights
+        if self._bf16_version != self._version:
+            self._bf16 = quantize_packed(self.weights, "bf16", out=self._bf16)
+            self._bf16_version = self._version
+        return self._bf16
+
+    def _dense_for(self, autocast: str | None) -> list:
+        """Per layer and direction, (Wd, Rd, proj, RT, projd): dense copies of the weights the
+        forward in ``autocast`` mode multiplied by (rounded to bf16 under autocast), for
+        backward's GEMMs; made once per change of the weights."""
+        made = self._dense.get(autocast)
+        if made is not None:
+            return made
         spec, w = self.spec, self.weights
-        self._dense = []
         groups = self._dh_groups()
+
+        def seen(panels):  # the values the forward multiplied by
+            return panels if autocast is None else bf16_value(bf16_round(panels))
+
+        made = self._dense[autocast] = []
         for li, dirs in enumerate(w.layers):
             Cin = spec.layer_input_size(li)
             row = []
             for pl in dirs:
-                fold_biases(spec, pl)
-                Wd = np.ascontiguousarray(from_panels(pl.Wt)[:, :Cin])
-                Rd = np.ascontiguousarray(from_panels(pl.Rt))
+                Wd = np.ascontiguousarray(from_panels(seen(pl.Wt))[:, :Cin])
+                Rd = np.ascontiguousarray(from_panels(seen(pl.Rt)))
                 RT = _column_panels(Rd, groups)
                 P, H = spec.proj_size, spec.hidden_size
                 projd = np.zeros((P, w.Hp), self.dtype)  # [P, Hp] (P = 0: none)
                 proj = None
-                if P:
+                if P:  # float32 in every mode (as in the bf16 model: formats.quantize)
                     proj = np.ascontiguousarray(from_panels(pl.proj)[:P, :H])
                     projd[:, :H] = proj
                 row.append((Wd, Rd, proj, RT, projd))
-            self._dense.append(row)
-        self._seen = [p.version for p in self._params]
-        self._version += 1
+            made.append(row)
+        return made
 
     def _dh_groups(self) -> int:
         """Groups of B columns per panel of RT (_column_panels): 4, the widest tile, while every
@@ -323,7 +388,8 @@ class Trainer:
         stage = spec.batch_first or not x.flags.c_contiguous
         # Every check is above this line: from here the shared arena is overwritten, so the
         # live tape in it (if any) is stale from now on, and only then.
-        mem = self._memory(N, T, S, recompute, own_memory, stage)
+        mode = self.autocast
+        mem = self._memory(N, T, S, recompute, own_memory, stage, mode)
         if mem["_arena"] is self._arena:
             self._serial += 1
         if stage:
@@ -342,7 +408,8 @@ class Trainer:
         # boundary states (untouched pages of it cost nothing)
         dx = np.empty((T * N, C), dt)
         saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks, x=xt,
-                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, dx=dx)  # fmt: skip
+                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, dx=dx,
+                     autocast=mode)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
         ckh, ckc = self._boundaries(dx, T, N, S)
@@ -352,7 +419,7 @@ class Trainer:
                 ckc[j][:] = cs
             s1 = min(T, s0 + S)
             self._forward_segment(mem, xt, y[s0 * N : s1 * N], hs, cs, lens, s0, s1, N, masks,
-                                  0 if recompute else s0 * N)  # fmt: skip
+                                  0 if recompute else s0 * N, mode)  # fmt: skip
         saved.update(ckh=ckh, ckc=ckc)
         h_n[:] = hs
         if c_n is not None:
@@ -365,7 +432,7 @@ class Trainer:
     def _segment(self, T: int, N: int) -> int:
         if self.memory_limit is not None:
             # the search plans a few dozen segment lengths (~20 ms): once per step shape
-            key = (N, T, self.memory_limit)
+            key = (N, T, self.memory_limit, self.autocast)
             S = self._limited.get(key)
             if S is None:
                 S = self._limited_segment(T, N)
@@ -405,7 +472,8 @@ class Trainer:
         (``checkpoint_bytes``: 0 when they live in dx's not yet written rows)."""
         S = self._segment(steps, batch)
         recompute = (self.recompute or self.memory_limit is not None) and S < steps
-        p = plan(self._buffers(batch, steps, S, recompute, self.spec.batch_first)[0])
+        p = plan(self._buffers(batch, steps, S, recompute, self.spec.batch_first,
+                               self.autocast)[0])  # fmt: skip
         arena = p.total
         ops = self._ops()
 
@@ -461,7 +529,8 @@ class Trainer:
     def _need(self, N: int, T: int, S: int, recompute: bool) -> int:
         """Bytes of a step of N x T in segments of S: arena + boundary states (the same count
         that ``memory_limit`` is held to and that its errors report)."""
-        need = plan(self._buffers(N, T, S, recompute, self.spec.batch_first)[0]).total
+        need = plan(self._buffers(N, T, S, recompute, self.spec.batch_first,
+                                  self.autocast)[0]).total  # fmt: skip
         return need + self._checkpoint_bytes(N, T, S)
 
     def _limited_segment(self, T: int, N: int) -> int:
@@ -522,10 +591,12 @@ class Trainer:
             ops += [f"l{layer} step loop", f"l{layer} GEMMs"]
         return ops
 
-    def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True):
+    def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True,
+                 autocast: str | None = None):  # fmt: skip
         """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
         with lifetimes (op indices as ``_ops`` names them), and their shapes. ``stage_x``: a
-        time-major copy of x (batch-first or non-contiguous input).
+        time-major copy of x (batch-first or non-contiguous input); ``autocast``: the forward's
+        mode (bf16 on AMX: the threads' split activation rows, kernels.gemm.operand).
 
         Each backward buffer lives only while its layer needs it, so the planner stacks a
         lower layer's scratch on the upper layer's spent gates. In a forward stack a layer's
@@ -597,6 +668,10 @@ class Trainer:
         add("c", (N, w.Hp), 0, fl)
         if P:
             add("aux", (N, w.Hp), 0, fl)
+        if autocast == "bf16" and _bf16_on_amx():
+            q = max(split_scratch_bytes(spec, layer, R * N, N) for layer in range(L))
+            if q:
+                add("q", (config.max_threads(), q), 0, fl, np.uint8)
         # backward scratch
         add("dh", (N, w.Kp), 2, end)
         add("dgs", (N, w.Gp), 2, end)
@@ -624,16 +699,17 @@ class Trainer:
         cols = max(_GEMM_COLS, _GEMM_OUT_BYTES // (self._gemm_rows() * self.dtype.itemsize))
         return min(w.Gp, max(1, cols // Wd) * Wd)
 
-    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool) -> dict:
+    def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool,
+                autocast: str | None = None) -> dict:  # fmt: skip
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
         scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
         per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
-        key = (N, T, S, recompute, stage_x)
+        key = (N, T, S, recompute, stage_x, autocast)
         made = self._plans.get(key)
         if made is None:
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            bufs, shapes = self._buffers(N, T, S, recompute, stage_x)
+            bufs, shapes = self._buffers(N, T, S, recompute, stage_x, autocast)
             made = self._plans[key] = (plan(bufs), shapes)
         p, shapes = made
         spec = self.spec
@@ -666,27 +742,31 @@ class Trainer:
         # (the arena itself only in the caller's copy: in the cache it would keep itself alive)
         return {**views, "_arena": arena}
 
-    def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn):
+    def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn,
+             autocast: str | None = None) -> abi.Call:  # fmt: skip
         """The inference job of op (layer, d) with its arguments by name (abi.JOBS), keeping
-        the gate pre-activations in xw (and GRU's R_n h + bR_n in ghn) for backward."""
+        the gate pre-activations in xw (and GRU's R_n h + bR_n in ghn) for backward; under
+        autocast the bf16 job on the rounded weights."""
         spec = self.spec
         aux = mem["aux"] if spec.proj_size else np.zeros((N, 0), self.dtype)
+        w = self._forward_weights(autocast)
         named = recurrence_arguments(
-            spec, self.weights.layers[layer][d], d, self._constants, self._sync, h_a=mem["h.a"],
+            spec, w.layers[layer][d], d, self._constants, self._sync, h_a=mem["h.a"],
             h_b=mem["h.b"], gates=mem["gates"], aux=aux, c=mem["c"], lengths=lens, keep=True,
-            ghn=ghn,
+            ghn=ghn, **({"q": mem["q"]} if "q" in mem else {}),
         )  # fmt: skip
-        return abi.Call(spec.cell, ("parts",), x=xin, C=xin.shape[1], xw=xw, xw_bf_T=0, T=T,
-                        y=yout, y_bf_T=0, **named)  # fmt: skip
+        return abi.Call(abi.job_for(spec.cell, w.precision), ("parts",), x=xin, C=xin.shape[1],
+                        xw=xw, xw_bf_T=0, T=T, y=yout, y_bf_T=0, **named)  # fmt: skip
 
     def _parts(self, N: int) -> int:
         w = self.weights
         threads = config.threads_for(self.threads)
         return threads if N * w.Gp * w.Kp >= PARALLEL_MIN_MACS else 1
 
-    def _forward_segment(self, mem, xt, ytop, hs, cs, lens, s0, s1, N, masks, off) -> None:
-        """Every layer over steps s0..s1 from the states in hs/cs, which are left holding the
-        states after s1. The layer buffers' rows for the segment start at ``off`` (s0*N when
+    def _forward_segment(self, mem, xt, ytop, hs, cs, lens, s0, s1, N, masks, off,
+                         autocast) -> None:  # fmt: skip
+        """Every layer over steps s0..s1 (in ``autocast`` mode) from the states in hs/cs,
+        which are left holding the states after s1. The layer buffers' rows for the segment start at ``off`` (s0*N when
         they hold every step, 0 when they hold one segment) after their leading block of N
         rows (forward stacks: the block holds the state the layer's rows start from, so its
         h_prev is a view, see _buffers); the top layer writes ``ytop``."""
@@ -722,9 +802,9 @@ class Trainer:
                     c[:, : spec.hidden_size] = cs[k]
                 xw = mem[f"xw.{k}"][off : off + TN]
                 ghn = mem[f"ghn.{k}"][off : off + TN] if spec.cell == "gru" else None
-                call = self._job(layer, d, mem, xin, xw, yout, seg_lens, T, N, ghn)
+                call = self._job(layer, d, mem, xin, xw, yout, seg_lens, T, N, ghn, autocast)
                 self._sync[:] = 0
-                runner.run(spec.cell, call.bind(parts=parts), parts)
+                runner.run(call.job, call.bind(parts=parts), parts)
                 hs[k] = (mem["h.b"] if T % 2 else ha)[:, :K]
                 if spec.cell == "lstm":
                     cs[k] = mem["c"][:, : spec.hidden_size]
@@ -826,7 +906,8 @@ class Trainer:
                 ytop = mem["ytop"]
                 ytop[:N] = h0s[L - 1]  # the top layer's h_prev is ytop, one block up
                 self._forward_segment(mem, sv["x"], ytop[N : N + (s1 - s0) * N], hs, cs,
-                                      sv["lens"], s0, s1, N, sv["masks"], 0)  # fmt: skip
+                                      sv["lens"], s0, s1, N, sv["masks"], 0,
+                                      sv["autocast"])  # fmt: skip
             self._backward_segment(sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replay)
 
     def _backward_segment(self, sv, mem, dyt, dx, dh, dc, h0s, c0s, s0, s1, replayed) -> None:
@@ -874,7 +955,7 @@ class Trainer:
         spec = self.spec
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
-        Wd, _, proj, RT, projd = self._dense[layer][d]
+        Wd, _, proj, RT, projd = self._dense_for(sv["autocast"])[layer][d]
         gl = self.grad.layers[layer][d]
         reverse = spec.reversed_direction(d)
         G = mem[f"xw.{k}"][off : off + TN]
