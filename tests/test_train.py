@@ -285,6 +285,16 @@ def test_plan_train_command(capsys):
         return int(text.split("total")[1].split("B")[0].replace(",", ""))
 
     assert total(out) < total(stored) / 3
+    assert cli.main(["plan", "lstm:32x2", "--train", "--autocast", "--batch", "8",
+                     "--steps", "100"]) == 0  # fmt: skip
+    mixed = capsys.readouterr().out
+    assert "store, autocast bf16, segments of 100 steps" in mixed
+    # the split activation rows of the bf16 forward, where it runs on AMX (engine.session)
+    from leanrnn.engine.session import _bf16_on_amx
+
+    assert ("\nq " in mixed) == _bf16_on_amx()
+    assert cli.main(["plan", "lstm:32x2", "--autocast"]) == 1
+    assert "--autocast plans a training step: add --train" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("cell", ["LSTM", "GRU"])

@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --train: keep only the states at segment boundaries and recompute each "
         "segment's forward during backward (O(sqrt(T)) memory; --chunk sets the segment)",
     )
+    p.add_argument(
+        "--autocast",
+        action="store_true",
+        help="with --train: mixed precision (Trainer(autocast='bf16')): the bf16 forward's "
+        "scratch (q: split activation rows, where the CPU has AMX) in the plan",
+    )
     p.set_defaults(func=run)
 
 
@@ -128,10 +134,11 @@ def run(args) -> int:
         return 1
     if args.train:
         return _run_train(args, pairs)
-    if args.recompute:
-        from leanrnn.errors import LeanRNNError
+    for flag in ("recompute", "autocast"):
+        if getattr(args, flag):
+            from leanrnn.errors import LeanRNNError
 
-        raise LeanRNNError("[plan] --recompute plans a training step: add --train")
+            raise LeanRNNError(f"[plan] --{flag} plans a training step: add --train")
     for name, base in pairs:
         s = Session(base.weights, chunk=args.chunk)
         p = s.resize(args.batch, args.steps, memory_limit=args.memory_limit)
@@ -173,14 +180,16 @@ def _run_train(args, pairs) -> int:
 
     for name, base in pairs:
         tr = Trainer(base.weights, segment=args.chunk, recompute=args.recompute,
-                     memory_limit=args.memory_limit)  # fmt: skip
+                     memory_limit=args.memory_limit,
+                     autocast="bf16" if args.autocast else None)  # fmt: skip
         info = tr.plan(args.batch, args.steps)
         p, spec = info["plan"], tr.spec
         # as the inference plan does at resize: a step that cannot fit is refused, not drawn
         check_fits(info["total_bytes"], f"a training step of {spec.cell.upper()} "
                    f"H={spec.hidden_size} layers={spec.num_layers} N={args.batch} "
                    f"T={args.steps}", "plan --train")  # fmt: skip
-        mode = "recompute" if info["recompute"] else "store"
+        mode = ("recompute" if info["recompute"] else "store") + (
+            ", autocast bf16" if args.autocast else "")  # fmt: skip
         print(f"{name}: training step, {spec.cell.upper()} C={spec.input_size} "
               f"H={spec.hidden_size} layers={spec.num_layers} "
               f"directions={spec.num_directions}  N={args.batch} T={args.steps}  "

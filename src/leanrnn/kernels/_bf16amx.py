@@ -58,6 +58,18 @@ KSTEP = 2 * TR  # inputs per tile product
 # as for 16; a stream's lone row stays on the float32 tile's GEMV).
 
 
+def _round_up(builder, K, step: int):
+    """round_up(K, step) of an integer IR value."""
+    c = ir.Constant(K.type, step)
+    return builder.mul(builder.sdiv(builder.add(K, ir.Constant(K.type, step - 1)), c), c)
+
+
+def split_ld(builder, K):
+    """abi.split_row_floats(K) of an integer IR value: a split operand's row stride in floats,
+    by which the tile (_simd) and gemm's operand view know one."""
+    return builder.add(_round_up(builder, K, KSTEP), ir.Constant(K.type, SPLIT_PAD))
+
+
 def split_ir(builder, v):
     """(hi, lo) <16 x i16> bfloat16 bits of the float32 vector ``v`` (see the module
     docstring). vcvtneps2bf16 through inline asm: llvmlite has no bfloat type for the
@@ -141,7 +153,7 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block)
     sbase = builder.bitcast(sums, f32.as_pointer())
     tbase = builder.bitcast(btail, i16.as_pointer())
     a16 = builder.bitcast(aa, i16.as_pointer())
-    kp = builder.mul(builder.sdiv(builder.add(K, const(KSTEP - 1)), const(KSTEP)), const(KSTEP))
+    kp = _round_up(builder, K, KSTEP)
     ksteps = builder.sdiv(kp, const(KSTEP))
 
     def sum_at(r, v):
@@ -245,8 +257,8 @@ def split_rows(typingctx, A, i0, i1, K, out):
         i16, i64 = ir.IntType(16), ir.IntType(64)
         dst0 = builder.bitcast(context.make_array(sig.args[4])(context, builder, out_).data,
                                i16.as_pointer())  # fmt: skip
-        kp = builder.mul(builder.sdiv(builder.add(K_, i64(KSTEP - 1)), i64(KSTEP)), i64(KSTEP))
-        row16 = builder.mul(builder.add(kp, i64(SPLIT_PAD)), i64(2))  # uint16 per row
+        kp = _round_up(builder, K_, KSTEP)
+        row16 = builder.mul(split_ld(builder, K_), i64(2))  # uint16 per row
         with cgutils.for_range(builder, builder.sub(i1_, i0_)) as loop:
             r = loop.index
             src = builder.mul(builder.add(i0_, r), lda)

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from . import _bf16amx, _cpu, _qdot
 from ._ir import row_tiles, split_loop, store_by_mode
 from ._qsimd import WEIGHT_FORMATS, bf16_pair_loader, scale_base, weight_loader
-from .abi import SPLIT_MIN_ROWS, SPLIT_PAD
+from .abi import SPLIT_MIN_ROWS
 
 _DTYPES = {types.float32: 4, types.float64: 8}
 
@@ -101,6 +101,13 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
 
         def const(v):
             return ir.Constant(i64, v)
+
+        def load_c(ptr, v):  # a store's init in mode 1: what C holds
+            return builder.load(ptr, align=4)
+
+        def bias_at(col):  # a store's init in mode 2: the bias vector of C column ``col``
+            bp = builder.gep(ba, [builder.add(boff, col)])
+            return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
 
         def rows_block(i, nrows, nsplit):
             """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
@@ -187,14 +194,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                         )
                         builder.store(builder.fadd(tot, init_of(ptr, v)), ptr, align=4)
 
-            def old(ptr, v):
-                return builder.load(ptr, align=4)
-
-            def bias(ptr, v):
-                bp = builder.gep(ba, [builder.add(boff, const((v0 + v) * lanes))])
-                return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
-
-            store_by_mode(builder, mode, store_rows, old, bias, lambda ptr, v: zero)
+            store_by_mode(builder, mode, store_rows, load_c,
+                          lambda ptr, v: bias_at(const((v0 + v) * lanes)),
+                          lambda ptr, v: zero)  # fmt: skip
 
         def amx_store(i, rows, sum_at):
             """C rows i..i+rows-1 from the AMX block's float32 sums, by the tile's mode."""
@@ -209,12 +211,8 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                                               vt.as_pointer())  # fmt: skip
                         builder.store(builder.fadd(tot, init_of(ptr, v)), ptr, align=4)
 
-            def bias(ptr, v):
-                bp = builder.gep(ba, [builder.add(boff, const(16 * v))])
-                return builder.load(builder.bitcast(bp, vt.as_pointer()), align=4)
-
-            store_by_mode(builder, mode, store_rows, lambda ptr, v: builder.load(ptr, align=4),
-                          bias, lambda ptr, v: zero)  # fmt: skip
+            store_by_mode(builder, mode, store_rows, load_c, lambda ptr, v: bias_at(const(16 * v)),
+                          lambda ptr, v: zero)  # fmt: skip
 
         def fma_rows():  # a 1-row tile: every row is a GEMV, split S ways
             row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
@@ -223,10 +221,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
             # An operand gemm.operand split (from SPLIT_MIN_ROWS rows) runs on AMX (_bf16amx);
             # its row stride, split_row_floats(K), tells it apart: the engine's plain operands
             # are at most 15 floats wider than K (abi). Its K is whole (gemm._kc), acol 0.
-            kp = builder.mul(builder.sdiv(builder.add(K, const(31)), const(32)), const(32))
             split = builder.and_(
                 builder.icmp_signed(">=", builder.sub(i1, i0), const(SPLIT_MIN_ROWS)),
-                builder.icmp_signed("==", lda, builder.add(kp, const(SPLIT_PAD))),
+                builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K)),
             )
             with builder.if_else(split) as (then, otherwise):
                 with then:

@@ -11,7 +11,8 @@ P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contigu
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
 rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
 the rows split into two bfloat16 terms; K is then never sliced. A plain A's row stride must
-not be abi.split_row_floats(K) (the engine's are at most 15 wider than K). There are four of them, not one taking N, because each must name its
+not be abi.split_row_floats(K) (the engine's are at most 15 wider than K). There are four of
+them, not one taking N, because each must name its
 intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
 more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
 L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
@@ -32,14 +33,13 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import _cpu
-from ._bf16amx import split_rows
+from ._bf16amx import split_ld, split_rows
 from ._jit import CACHE, inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
 from .abi import (
     CODE_OFFSET,
     SPLIT_MIN_ROWS,
-    SPLIT_PAD,
     B,
     quantized_row_bytes,
     split_row_floats,
@@ -193,9 +193,7 @@ def _operand_view(typingctx, P, A, q, me, i0, K, in_q):
                 qa = context.make_array(sig.args[2])(context, builder, args[2])
                 qdata, qshape, _ = rows_of(context, builder, qa, args[3])
                 i64 = shape[0].type
-                # split_row_floats(K)
-                ld = builder.add(builder.mul(builder.sdiv(builder.add(args[5], i64(31)), i64(32)),
-                                             i64(32)), i64(SPLIT_PAD))  # fmt: skip
+                ld = split_ld(builder, args[5])
                 four = i64(4)
                 use = builder.icmp_unsigned("!=", args[6], ir.Constant(args[6].type, 0))
                 data = builder.select(use, builder.bitcast(qdata, data.type), data)
