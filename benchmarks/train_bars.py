@@ -214,12 +214,10 @@ class TorchStep:
 
     def step(self) -> None:
         torch = self.torch
-        with (
-            torch.backends.mkldnn.flags(enabled=self.onednn),
-            torch.autocast("cpu", torch.bfloat16, enabled=self.autocast),
-        ):
-            y, _ = self.m(self.x)
-        torch.autograd.backward(y, self.dy.to(y.dtype))
+        with torch.backends.mkldnn.flags(enabled=self.onednn):
+            with torch.autocast("cpu", torch.bfloat16, enabled=self.autocast):
+                y, _ = self.m(self.x)
+            torch.autograd.backward(y, self.dy.to(y.dtype))  # (outside autocast, as loops do)
         self.y = y
 
     def grads(self) -> dict:
@@ -722,8 +720,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.only == "examples":
         res["examples"] = run_examples(a.examples, a.example_steps, a.example_threads, a.rounds)
     if a.only == "autocast":
+
+        def save_autocast(partial: dict) -> None:
+            res["autocast"] = partial
+            (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
+
         res["autocast"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
-                                    T=a.speed_steps, engines=AUTOCAST_ENGINES)  # fmt: skip
+                                    T=a.speed_steps, engines=AUTOCAST_ENGINES,
+                                    save=save_autocast)  # fmt: skip
     if a.only not in ("memory", "examples", "autocast"):
         res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
                                  T=a.speed_steps, save=save)  # fmt: skip

@@ -475,6 +475,24 @@ def test_torch_compile_traces_the_leanrnn_ops_and_matches_eager():
         assert _rel(a, p.grad) <= RTOL_GRAD[np.float64]
 
 
+def test_the_op_called_without_its_bf16_argument_still_trains():
+    """rnn_forward's ``bf16`` came later, with a default: a program traced or exported before
+    calls it with the nine earlier arguments, and its backward must return one gradient per
+    argument it was given (autograd refused one more)."""
+    _, m = _pair("LSTM", {"num_layers": 2})
+    x = torch.randn(T, N, C, dtype=torch.float64)
+    weights = list(m.parameters())
+    grads = []
+    for extra in ((), (False,)):
+        m.zero_grad()
+        y = torch.ops.leanrnn.rnn_forward(x, None, None, weights, None, None, m._key,
+                                          m._spec_str, True, *extra)[0]  # fmt: skip
+        (y**2).sum().backward()
+        grads.append([p.grad.clone() for p in weights])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_torch_export_produces_a_program_that_runs():
     _, net = _twin_nets("GRU", num_layers=2, bidirectional=False)
     tok = torch.randint(0, 11, (T, N), generator=torch.Generator().manual_seed(8))

@@ -502,6 +502,27 @@ def test_autocast_recompute_equals_storing_and_modes_are_per_tape():
     assert _rel(dx32, out[0][1]) > 3 * RTOL_AUTOCAST_BF16
 
 
+def test_an_autocast_trainer_pickles_without_its_derived_weights():
+    """A pickled autocast trainer carries its mode but not the bf16 rounding or the dense
+    copies (derived from the weights, remade when needed): the same gradients."""
+    import pickle
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 21, 12)).astype(np.float32)
+    tr = Trainer(leanrnn.GRU(12, 32, seed=1), autocast="bf16")
+    tape = tr.forward(x)
+    tr.backward(tape, np.ones_like(tape.y))
+    blob = pickle.dumps(tr)
+    assert tr._bf16 is not None and tr._dense
+    tr2 = pickle.loads(blob)
+    assert tr2.autocast == "bf16" and tr2._bf16 is None and tr2._dense == {}
+    for t in (tr, tr2):
+        t.zero_grad()
+        tape = t.forward(x)
+        t.backward(tape, np.ones_like(tape.y))
+    assert np.array_equal(tr.grad.buffer, tr2.grad.buffer)
+
+
 def test_autocast_refuses_what_it_cannot_do():
     m64 = leanrnn.LSTM(4, 8, dtype=np.float64, seed=0)
     with pytest.raises(DTypeError, match="float32"):

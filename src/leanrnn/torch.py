@@ -445,10 +445,10 @@ def _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad):
     mutates_args=(),
     device_types="cpu",
     schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
-    "Tensor? masks, int key, str spec, bool tape, bool bf16) -> "
+    "Tensor? masks, int key, str spec, bool tape, bool bf16=False) -> "
     "(Tensor, Tensor, Tensor, Tensor)",
 )
-def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16):
+def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
     """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
     [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None;
     ``bf16``: mixed precision (Trainer.autocast)."""
@@ -456,7 +456,7 @@ def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16):
 
 
 @_rnn_forward.register_fake
-def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16):
+def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
     s = _spec(spec)
     T, N = x.shape[0], x.shape[1]
     LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
@@ -501,7 +501,7 @@ def _save(ctx, x, h0, c0, spec, output, weights) -> None:
 
 
 def _setup_context(ctx, inputs, output):
-    x, h0, c0, weights, lengths, masks, key, spec, tape, _bf16 = inputs
+    x, h0, c0, weights, lengths, masks, key, spec, tape = inputs[:9]
     _save(ctx, x, h0, c0, spec, output, weights)
 
 
@@ -513,7 +513,10 @@ def _backward(ctx, dy, dh_n, dc_n, _dhandle):
     )
     dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
     return (dx if ctx.needs_input_grad[0] else None, dh0 if ctx.has[0] else None,
-            dc0 if ctx.has[1] else None, dw, None, None, None, None, None, None)  # fmt: skip
+            dc0 if ctx.has[1] else None, dw,
+            # one None per other input: bf16 is not one where a call left it at its default
+            # (then torch's autograd wrapper expects one gradient fewer)
+            *[None] * (len(ctx.needs_input_grad) - 4))  # fmt: skip
 
 
 _rnn_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -134,11 +134,11 @@ def run(args) -> int:
         return 1
     if args.train:
         return _run_train(args, pairs)
-    for flag in ("recompute", "autocast"):
-        if getattr(args, flag):
-            from leanrnn.errors import LeanRNNError
+    flag = next((f for f in ("recompute", "autocast") if getattr(args, f)), None)
+    if flag:
+        from leanrnn.errors import LeanRNNError
 
-            raise LeanRNNError(f"[plan] --{flag} plans a training step: add --train")
+        raise LeanRNNError(f"[plan] --{flag} plans a training step: add --train")
     for name, base in pairs:
         s = Session(base.weights, chunk=args.chunk)
         p = s.resize(args.batch, args.steps, memory_limit=args.memory_limit)
@@ -198,7 +198,9 @@ def _run_train(args, pairs) -> int:
         for row in p.table():
             life = info["lifetimes"][row["name"]]
             print(f"{row['name']:<12}{row['bytes']:>14,}{row['offset']:>14,}  {life}")
-        print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients)")
+        print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients"
+              + (", + about half again for their bf16 rounding" if args.autocast else "")
+              + ")")  # fmt: skip
         print(f"arena       {p.total:>14,} B (without reuse {p.naive_total:,} B)")
         print(f"boundaries  {info['checkpoint_bytes']:>14,} B (every layer's state at each "
               "segment start" + (", in dx's rows" if info["boundaries_in_dx"] else "") + ")")  # fmt: skip

@@ -12,15 +12,16 @@ not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand()
 rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
 the rows split into two bfloat16 terms; K is then never sliced. A plain A's row stride must
 not be abi.split_row_floats(K) (the engine's are at most 15 wider than K). There are four of
-them, not one taking N, because each must name its
-intrinsic statically: a branch on N would expand all four tile bodies into every caller. With
-more than one row, K is cut into KC-long slices so the panel slice the row tiles share stays in
-L2 (the tile needs 256 B of weights per 12 cycles, which L2 sustains; L1 residency does not
-matter); a single row (GEMV) streams the whole panel once instead. KC and ROWS come from this
-CPU's L2 (_cpu.kc, _cpu.row_chunk: the panel slice a quarter of it, the chunk of x the rest);
-the rule reproduces what a sweep found on a Zen 5 (1 MiB L2): KC 64 -> 256 and ROWS 96 -> 192
-took the H=1024 projection from 195 to 234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024)
-gained another 1-3% at H=1024.
+them, not one taking N, because each must name its intrinsic statically: a branch on N
+would expand all four tile bodies into every caller. With more than one row, K is cut into
+KC-long slices so the panel slice the row tiles share stays in L2 (the tile needs 256 B of
+weights per 12 cycles, which L2 sustains; L1 residency does not matter: KC 128 or 256 instead
+of the whole K = 512 gained nothing on a Xeon with 48 KiB of L1, 2026-12-01); a single row
+(GEMV) streams the whole panel once instead. KC and ROWS come from this CPU's L2 (_cpu.kc,
+_cpu.row_chunk: the panel slice a quarter of it, the chunk of x the rest); the rule
+reproduces what a sweep found on a Zen 5 (1 MiB L2): KC 64 -> 256 and ROWS 96 -> 192 took the
+H=1024 projection from 195 to 234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024) gained
+another 1-3% at H=1024.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from ..engine.session import (
 )
 from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels
-from ..formats.quantize import bf16_round, bf16_value, quantize_packed
+from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
@@ -190,7 +190,7 @@ class Trainer:
         self._serial = 0
         self._arena: Arena | None = None
         self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
-        self._plans: dict = {}  # (N, T, S, recompute, stage_x) -> (plan, shapes)
+        self._plans: dict = {}  # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes)
         # arena -> {plan key: its views}: made once per arena and shape (_memory); weak, so
         # an arena's views (which hold its buffer) go with it
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -205,6 +205,8 @@ class Trainer:
         # dictionary does not pickle)
         state = self.__dict__.copy()
         state.pop("_views", None)
+        # derived from the weights (remade when next needed): not worth their bytes
+        state.update(_dense={}, _bf16=None, _bf16_version=-1)
         return state
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
@@ -304,17 +306,19 @@ class Trainer:
             return made
         spec, w = self.spec, self.weights
         groups = self._dh_groups()
+        fw = self._forward_weights(autocast)
 
-        def seen(panels):  # the values the forward multiplied by
-            return panels if autocast is None else bf16_value(bf16_round(panels))
+        def seen(pl, name):  # the values the forward multiplied by
+            panels = getattr(pl, name)
+            return panels if autocast is None else dequantize_panel(panels, fw.precision)
 
-        made = self._dense[autocast] = []
-        for li, dirs in enumerate(w.layers):
+        made = []
+        for li, (dirs, fdirs) in enumerate(zip(w.layers, fw.layers, strict=True)):
             Cin = spec.layer_input_size(li)
             row = []
-            for pl in dirs:
-                Wd = np.ascontiguousarray(from_panels(seen(pl.Wt))[:, :Cin])
-                Rd = np.ascontiguousarray(from_panels(seen(pl.Rt)))
+            for pl, fl in zip(dirs, fdirs, strict=True):
+                Wd = np.ascontiguousarray(from_panels(seen(fl, "Wt"))[:, :Cin])
+                Rd = np.ascontiguousarray(from_panels(seen(fl, "Rt")))
                 RT = _column_panels(Rd, groups)
                 P, H = spec.proj_size, spec.hidden_size
                 projd = np.zeros((P, w.Hp), self.dtype)  # [P, Hp] (P = 0: none)
@@ -324,6 +328,7 @@ class Trainer:
                     projd[:, :H] = proj
                 row.append((Wd, Rd, proj, RT, projd))
             made.append(row)
+        self._dense[autocast] = made  # (only whole: a failure half-way caches nothing)
         return made
 
     def _dh_groups(self) -> int:
@@ -766,9 +771,9 @@ class Trainer:
     def _forward_segment(self, mem, xt, ytop, hs, cs, lens, s0, s1, N, masks, off,
                          autocast) -> None:  # fmt: skip
         """Every layer over steps s0..s1 (in ``autocast`` mode) from the states in hs/cs,
-        which are left holding the states after s1. The layer buffers' rows for the segment start at ``off`` (s0*N when
-        they hold every step, 0 when they hold one segment) after their leading block of N
-        rows (forward stacks: the block holds the state the layer's rows start from, so its
+        which are left holding the states after s1. The layer buffers' rows for the segment
+        start at ``off`` (s0*N when they hold every step, 0 when they hold one segment) after
+        their leading block of N rows (forward stacks: the block holds the state the layer's rows start from, so its
         h_prev is a view, see _buffers); the top layer writes ``ytop``."""
         spec = self.spec
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
