@@ -713,24 +713,24 @@ def main(argv: list[str] | None = None) -> int:
     }
     a.out.mkdir(parents=True, exist_ok=True)
 
-    def save(partial: dict) -> None:
-        res["speed"] = partial
-        (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
+    def saver(key: str):
+        """save(partial): res[key] = partial, written out (an interrupted run keeps it)."""
+
+        def save(partial: dict) -> None:
+            res[key] = partial
+            (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
+
+        return save
 
     if a.only == "examples":
         res["examples"] = run_examples(a.examples, a.example_steps, a.example_threads, a.rounds)
     if a.only == "autocast":
-
-        def save_autocast(partial: dict) -> None:
-            res["autocast"] = partial
-            (a.out / "train_bars.json").write_text(json.dumps(res, indent=1, default=float))
-
         res["autocast"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
                                     T=a.speed_steps, engines=AUTOCAST_ENGINES,
-                                    save=save_autocast)  # fmt: skip
+                                    save=saver("autocast"))  # fmt: skip
     if a.only not in ("memory", "examples", "autocast"):
         res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
-                                 T=a.speed_steps, save=save)  # fmt: skip
+                                 T=a.speed_steps, save=saver("speed"))  # fmt: skip
     if a.only not in ("speed", "examples", "autocast"):
         res["memory"] = run_memory(max(a.hidden), max(a.batch), a.steps, max(a.threads),
                                    a.mem_rounds)  # fmt: skip

@@ -290,9 +290,9 @@ def test_plan_train_command(capsys):
     mixed = capsys.readouterr().out
     assert "store, autocast bf16, segments of 100 steps" in mixed
     # the split activation rows of the bf16 forward, where it runs on AMX (engine.session)
-    from leanrnn.engine.session import _bf16_on_amx
+    from leanrnn.engine.session import bf16_on_amx
 
-    assert ("\nq " in mixed) == _bf16_on_amx()
+    assert ("\nq " in mixed) == bf16_on_amx()
     assert cli.main(["plan", "lstm:32x2", "--autocast"]) == 1
     assert "--autocast plans a training step: add --train" in capsys.readouterr().err
 

@@ -98,7 +98,9 @@ NO_SCRATCH = np.zeros((1, 0), np.uint8)  # the q of jobs whose weights need none
 NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLOTS)
 
 
-def _bf16_on_amx() -> bool:
+def bf16_on_amx() -> bool:
+    """Whether bf16 panel GEMMs of abi.SPLIT_MIN_ROWS rows or more run on AMX here (their
+    split operands then need a planned q); pure Python, without importing the kernels."""
     from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
 
     return _cpu.bf16_dot(_cpu.isa()) == "amx"
@@ -357,7 +359,7 @@ class Session:
                 q = 0
                 if w.precision == "int8-dynamic":
                     q = quantized_scratch_bytes(spec, layer, T * N, N)
-                elif w.precision == "bf16" and _bf16_on_amx():
+                elif w.precision == "bf16" and bf16_on_amx():
                     q = split_scratch_bytes(spec, layer, T * N, N)
                 if q:
                     out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))

@@ -52,7 +52,7 @@ import numpy as np
 from .. import config
 from ..engine import _check
 from ..engine.session import (
-    _bf16_on_amx,
+    bf16_on_amx,
     kernel_constants,
     recurrence_arguments,
     split_scratch_bytes,
@@ -673,7 +673,7 @@ class Trainer:
         add("c", (N, w.Hp), 0, fl)
         if P:
             add("aux", (N, w.Hp), 0, fl)
-        if autocast == "bf16" and _bf16_on_amx():
+        if autocast == "bf16" and bf16_on_amx():
             q = max(split_scratch_bytes(spec, layer, R * N, N) for layer in range(L))
             if q:
                 add("q", (config.max_threads(), q), 0, fl, np.uint8)
