@@ -1,9 +1,9 @@
 """Compiles numba's JIT jobs and ops into numba's cache, in a process of its own, while the suite
 runs other tests (conftest.py starts it; the JIT tests wait for it, then load what it cached).
 
-Why: the tests of the JIT backend need every job (lstm, gru, rnn) for both dtypes, called
-directly (one part) and from its op (several parts): ~2 min of compiling on one core, which the
-suite's own process used to do with the machine's other core idle. The code they run is the same
+Why: the tests of the JIT backend need every job (lstm, gru, rnn) for both dtypes: ~2 min of
+compiling on one core, which the suite's own process used to do with the machine's other core
+idle (a job runs on any number of threads once compiled: kernels.runner). The code they run is the same
 either way: numba's cache (kernels._jit: keyed by the fingerprint of every kernel source) holds
 what this process compiled, and a signature it missed is compiled by the test as before.
 """
@@ -37,17 +37,12 @@ def main() -> int:
     from leanrnn.spec import RNNSpec
 
     config.set_backend("jit")
-    config.max_threads = lambda: 2  # the ops on two parts, even on a 1-core machine
     for dtype in (np.float32, np.float64):
         for cell in ("lstm", "gru", "rnn"):
-            # Big enough for several parts (threads.PARALLEL_MIN_MACS), small enough to run fast.
             spec = RNNSpec(cell, 40, 100)
             rng = np.random.default_rng(0)
             model = leanrnn.Model(pack(spec, random_layers(spec, rng, dtype), dtype))
-            x = rng.standard_normal((2, 3, 40)).astype(dtype)
-            for threads in (1, 2):
-                model.session.threads = threads
-                model.session.run(x)
+            model.session.run(rng.standard_normal((2, 3, 40)).astype(dtype))
     return 0
 
 

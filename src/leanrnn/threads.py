@@ -1,12 +1,11 @@
 """Threading policy in one place: when work is worth splitting, how many threads a launch gets,
-the BLAS limits, the Python pool for row-split matrix products, and the lock that lets one
-multi-threaded kernel launch run at a time.
+the BLAS limits, the Python pools (row-split matrix products; the JIT backend's job launches),
+and the lock that lets one multi-threaded kernel launch run at a time.
 
 Below the thresholds, threads wait on each other longer than they work. Launches are serialized
 (POOL_LAUNCH): two at once would oversubscribe the cores, and threads that spin-wait for each
-other every step (kernels._sync) would then wait on descheduled ones; numba's fallback
-threading layer also aborts the process on concurrent launches. Sessions on different Python
-threads take turns.
+other every step (kernels._sync) would then wait on descheduled ones. Sessions on different
+Python threads take turns.
 
 Nothing here imports numba or engine code: kernels.runner, the engine and config all use it.
 """
@@ -27,19 +26,19 @@ PARALLEL_MATMUL_MACS = 1 << 24
 PACKED_MATMUL_PARALLEL_MACS = 1 << 20
 
 POOL_LAUNCH = threading.Lock()  # one multi-threaded kernel launch at a time (module docstring)
-_POOL_MADE = threading.Lock()  # guards the creation of the matmul pool
+_POOL_MADE = threading.Lock()  # guards the creation of the Python pools
 _controller = None
-_matmul_pool = None
+_pools: dict = {}  # purpose -> ThreadPoolExecutor (_pool)
 _forked = False  # this process is a fork's child (_renew_locks)
 _openmp_library: str | None = None  # use_openmp_of
 
 
 def _renew_locks() -> None:
     """In a forked child: another thread of the parent may have held a lock mid-op (the GIL is
-    released while kernels run), and no thread of the child will ever release it. The matmul
-    pool's threads do not exist in the child either."""
-    global POOL_LAUNCH, _POOL_MADE, _matmul_pool, _forked
-    POOL_LAUNCH, _POOL_MADE, _matmul_pool = threading.Lock(), threading.Lock(), None
+    released while kernels run), and no thread of the child will ever release it. The Python
+    pools' threads do not exist in the child either."""
+    global POOL_LAUNCH, _POOL_MADE, _pools, _forked
+    POOL_LAUNCH, _POOL_MADE, _pools = threading.Lock(), threading.Lock(), {}
     _forked = True  # GNU OpenMP's teams do not survive a fork: no openmp_team here
 
 
@@ -133,18 +132,31 @@ def limit_blas(n: int) -> None:
         c.limit(limits=n, user_api="blas")
 
 
-def matmul_pool(threads: int):
-    """A ThreadPoolExecutor of at least ``threads`` workers for row-split numpy matrix products
-    (engine graphs): idle Python threads sleep instead of spinning like BLAS's own pool, so they
-    never starve the RNN kernels' threads. Made on first use, grown when asked for more."""
-    global _matmul_pool
-    pool = _matmul_pool
+def _pool(purpose: str, threads: int):
+    """The ThreadPoolExecutor for ``purpose``, of at least ``threads`` workers: made on first
+    use, replaced by a larger one when asked for more (the smaller one's idle threads exit)."""
+    pool = _pools.get(purpose)
     if pool is not None and pool._max_workers >= threads:
         return pool
     with _POOL_MADE:
-        if _matmul_pool is None or _matmul_pool._max_workers < threads:
+        pool = _pools.get(purpose)
+        if pool is None or pool._max_workers < threads:
             from concurrent.futures import ThreadPoolExecutor
 
-            _matmul_pool = ThreadPoolExecutor(max_workers=threads,
-                                              thread_name_prefix="leanrnn-matmul")  # fmt: skip
-        return _matmul_pool
+            pool = _pools[purpose] = ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=f"leanrnn-{purpose}"
+            )
+        return pool
+
+
+def matmul_pool(threads: int):
+    """A pool of at least ``threads`` workers for row-split numpy matrix products (engine
+    graphs, training's GEMMs): idle Python threads sleep instead of spinning like BLAS's own
+    pool, so they never starve the RNN kernels' threads."""
+    return _pool("matmul", threads)
+
+
+def job_pool(threads: int):
+    """A pool of at least ``threads`` workers that run the JIT backend's jobs (kernels.runner):
+    one of its own, so a job launch never waits behind matrix products queued by its caller."""
+    return _pool("jit", threads)

@@ -27,9 +27,9 @@ last step, so it needs xw [T, N, G] per direction and the layer output [T, N, D*
 sequence; ``chunk`` (and memory_limit's choice of one) is ignored for them.
 
 Threads: each op (the input projection, then the recurrence) is one launch of a thread team
-(kernels.runner: the native module's thread team, or numba's pool): its threads hand out
-projection tasks by ticket, then split every step's unit blocks, meeting through atomics rather
-than a fork/join per step (kernels._sync).
+(kernels.runner: the native module's thread team, or the JIT's Python threads): its threads
+hand out projection tasks by ticket, then split every step's unit blocks, meeting through
+atomics rather than a fork/join per step (kernels._sync).
 
 Shared pools: sessions made with the same ``Pool`` share one arena, sized to the largest plan;
 the pool's lock serializes their runs (two threads running two sessions of one pool take turns;

@@ -1,17 +1,13 @@
-"""One op on every thread at once: the input projection of a (layer, direction), then its
-recurrence, with numba's pool started once per op instead of once per step.
+"""The JIT backend's jobs: what one thread of an op runs, generated from their declarations
+(abi.JOBS), each kernel called with its own parameters by name. kernels.aot compiles the same
+jobs ahead of time; kernels.runner starts ``parts`` of them (one per ``me``) for an op.
 
-Each of the ``parts`` iterations of the one ``prange`` below runs the projection (tasks handed
-out by ticket, see _sync) and then its share of the recurrence: a slice of every step's unit
-blocks, all samples (the threads meet through atomics at each phase), or, for a batch of at
-least 4 register tiles of rows per thread (_sync.share), every step of its own samples with
-no barrier. Should the pool run two iterations one after the other on one thread, the later
-one finds its work claimed and done: correct either way, only slower (on batch slices the
-pool runs every iteration, each its own samples).
-
-The *jobs* are what one thread runs and the *ops* start ``parts`` jobs on numba's pool; both
-are generated here from their declarations (abi.JOBS), each kernel called with its own
-parameters by name. kernels.aot compiles the same jobs ahead of time.
+A job runs the input projection of a (layer, direction) (tasks handed out by ticket, see _sync)
+and then its share of the recurrence: a slice of every step's unit blocks, all samples (the
+threads meet through atomics at each phase), or, for a batch of at least 4 register tiles of
+rows per thread (_sync.share), every step of its own samples with no barrier. Should one thread
+run two jobs one after the other, the later one finds its work claimed and done: correct
+either way, only slower (on batch slices every job runs, each its own samples).
 """
 
 from __future__ import annotations
@@ -20,11 +16,8 @@ import hashlib
 import inspect
 from pathlib import Path
 
-import numba
-from numba import prange  # noqa: F401 - the generated ops use it (defined in this module)
-
 from . import abi
-from ._jit import CACHE, FASTMATH, kernel
+from ._jit import kernel
 from .backward import gru_back, lstm_back, rnn_back
 from .gemm import input_projection
 from .recurrent import gru, lstm, rnn
@@ -32,12 +25,6 @@ from .recurrent import gru, lstm, rnn
 # The kernels a job may call (abi.Job.calls), by name.
 KERNELS = {"input_projection": input_projection, "lstm": lstm, "gru": gru, "rnn": rnn,
            "lstm_back": lstm_back, "gru_back": gru_back, "rnn_back": rnn_back}  # fmt: skip
-
-
-def _op(fn):
-    return numba.njit(
-        cache=CACHE, fastmath=set(FASTMATH), error_model="numpy", parallel=True, nogil=True
-    )(fn)
 
 
 def signature(fn) -> list[str]:
@@ -61,16 +48,14 @@ def _define(name: str, source: str):
     return globals()[name]
 
 
-def _generate() -> tuple[dict, dict]:
+def _generate() -> dict:
     sigs = {k: signature(f) for k, f in KERNELS.items()}
     salt = _sources_digest()
-    jobs, ops = {}, {}
+    jobs = {}
     for job in abi.JOBS:
         name, src = abi.job_source(job, sigs, salt)
         jobs[job] = globals()[name] = kernel(_define(name, src))
-        op_name, op_src = abi.op_source(job, name)
-        ops[job] = _op(_define(op_name, op_src))
-    return jobs, ops
+    return jobs
 
 
-JOBS, OPS = _generate()
+JOBS = _generate()

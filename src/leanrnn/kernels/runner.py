@@ -112,23 +112,39 @@ class _Native:
 
 
 class _Jit:
+    """numba's JIT: each job (kernels.ops) runs on a Python thread of threads.job_pool, the GIL
+    released (nogil), as the native module runs them on its C team. Not on numba's own pool (a
+    ``prange`` over the jobs, as it once was): compiling that op cost as much again as the job
+    itself, for every job and dtype (~3 of a cold JIT's 6 CPU minutes on the README's VM),
+    and one more thread pool would have come into the process."""
+
     name = "jit"
     path = None
 
     def __init__(self) -> None:
-        import numba
-
         from . import ops
 
-        self._numba, self._jobs, self._ops = numba, ops.JOBS, ops.OPS
+        self._jobs = ops.JOBS
 
     def run(self, job: str, args: tuple, parts: int, threads: int, openmp: bool = False) -> None:
-        # (openmp: numba's own threading layer runs the ops; see threads.openmp_team)
-        if parts == 1:  # no pool launch: the job itself, on this thread
-            self._jobs[job](*args, 0)
+        # (openmp: the native team's mode; these threads are Python's in either case)
+        fn = self._jobs[job]
+        threads = min(threads, parts)
+        if threads < 2:  # every job on this thread, in turn (each finds what the others left)
+            for me in range(parts):
+                fn(*args, me)
             return
-        self._numba.set_num_threads(threads)
-        self._ops[job](*args)
+
+        def jobs(first: int) -> None:  # as a static prange schedule: me = first, first+threads..
+            for me in range(first, parts, threads):
+                fn(*args, me)
+
+        futures = [_threads.job_pool(threads - 1).submit(jobs, i) for i in range(1, threads)]
+        try:
+            jobs(0)
+        finally:
+            for f in futures:
+                f.result()
 
 
 _backend: _Native | _Jit | None = None
