@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -27,8 +28,18 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 1:  # the suite's pid (conftest.py)
+    """argv: the pid of the suite's process that started it, and a file to write when done
+    (conftest.py: other xdist workers wait for it)."""
+    if len(sys.argv) > 1:
         threading.Thread(target=_exit_with_parent, args=(int(sys.argv[1]),), daemon=True).start()
+    try:
+        return _compile()
+    finally:
+        if len(sys.argv) > 2:
+            Path(sys.argv[2]).write_text("done")
+
+
+def _compile() -> int:
     if not _jit.CACHE:  # nothing would be kept for the suite
         return 0
     import leanrnn

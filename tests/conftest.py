@@ -1,6 +1,9 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +25,13 @@ def rng():
 # ------------------------------------------------------------------ numba's JIT, compiled aside
 # The JIT backend's tests need every job for both dtypes compiled (~2 min on one core). A process
 # of its own (_warm_jit.py) compiles them into numba's cache while the suite runs the other
-# tests on the other core; those tests run last and wait for it (fixture jit_compiled), then load
-# the same code from the cache. Should it fail or miss a signature, the test compiles it itself.
+# tests; those tests run last and wait for it (fixture jit_compiled), then load the same code
+# from the cache. Should it fail or miss a signature, the test compiles it itself.
+# With pytest-xdist (the suite's default, pyproject.toml) one worker of the run starts it: the
+# run's directory (WARM_DIR, made by the controller before the workers start, so they inherit
+# it) holds "started" (its pid; created exclusively, so by one worker) and "done" (written by
+# _warm_jit.py as it exits), which the other workers wait for.
+WARM_DIR = "LEANRNN_TEST_WARM_DIR"
 _warm: subprocess.Popen | None = None
 
 
@@ -34,6 +42,11 @@ def _uses_jit(item) -> bool:
     )
 
 
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the xdist controller, or a run without xdist
+        os.environ[WARM_DIR] = tempfile.mkdtemp(prefix="leanrnn-warm-jit-")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     jit = [i for i in items if _uses_jit(i)]
@@ -41,17 +54,48 @@ def pytest_collection_modifyitems(session, config, items):
         return
     items[:] = [i for i in items if not _uses_jit(i)] + jit  # stable: otherwise in order
     global _warm
-    if _warm is None and not config.option.collectonly:
-        _warm = subprocess.Popen(  # the same environment, so the same numba cache
-            [sys.executable, str(Path(__file__).with_name("_warm_jit.py")), str(os.getpid())],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+    if _warm is not None or config.option.collectonly:
+        return
+    run = Path(os.environ[WARM_DIR])
+    try:
+        fd = os.open(run / "started", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # another worker of this run started it
+        return
+    _warm = subprocess.Popen(  # the same environment, so the same numba cache
+        [sys.executable, str(Path(__file__).with_name("_warm_jit.py")), str(os.getpid()),
+         str(run / "done")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    os.write(fd, str(_warm.pid).encode())
+    os.close(fd)
+
+
+def _running(pid: int) -> bool:
+    """pid is a live process (not gone, not a zombie its parent has yet to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_for_warm(run: Path, limit: float = 900.0) -> None:
+    """Until another worker's _warm_jit.py is done or gone (at most ``limit`` seconds: then the
+    tests compile what they need themselves)."""
+    started, deadline = run / "started", time.monotonic() + limit
+    while started.exists() and not (run / "done").exists() and time.monotonic() < deadline:
+        pid = started.read_text()
+        if pid and not _running(int(pid)):
+            return
+        time.sleep(0.5)
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _warm is not None and _warm.poll() is None:  # interrupted early: it stops with us
         _warm.kill()
         _warm.wait()
+    if not hasattr(session.config, "workerinput") and os.environ.get(WARM_DIR):
+        shutil.rmtree(os.environ[WARM_DIR], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +104,8 @@ def jit_compiled() -> str:
     that run the JIT in a child process with a cache of their own choosing."""
     if _warm is not None:
         _warm.wait()
+    elif os.environ.get(WARM_DIR):
+        _wait_for_warm(Path(os.environ[WARM_DIR]))
     from leanrnn.kernels import _jit  # noqa: F401 - sets NUMBA_CACHE_DIR (keyed)
 
     return os.environ.get("NUMBA_CACHE_DIR", "")

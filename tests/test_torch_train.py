@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -549,11 +548,14 @@ def test_import_leanrnn_does_not_import_torch():
 CONNECTED = "gloo connected"
 
 
-def _ddp_worker(rank, world, port, path):
-    """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients."""
+def _ddp_worker(rank, world, path):
+    """One rank: DDP over the twin net, loss on its half of the batch; saves its gradients.
+    The ranks meet through a file (torch's FileStore), not a TCP store on a port found free
+    beforehand: another process (the suite runs on two xdist workers) could take that port
+    in between."""
     torch.distributed.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{path}.store",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=60),
@@ -577,9 +579,6 @@ def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
     minutes), so no rank runs inside pytest: each child has a hard deadline and is killed with
     its process group when it passes. GLOO_SOCKET_IFNAME=lo keeps gloo's pair connections on
     loopback instead of the address the host name resolves to."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(src_env(), GLOO_SOCKET_IFNAME="lo")
     with tempfile.TemporaryDirectory() as d:
@@ -588,7 +587,7 @@ def test_ddp_two_processes_equal_one_process_on_the_whole_batch():
         for rank in range(2):
             code = (
                 f"import sys; sys.path.insert(0, {here!r}); import test_torch_train as t; "
-                f"t._ddp_worker({rank}, 2, {port}, {path!r})"
+                f"t._ddp_worker({rank}, 2, {path!r})"
             )
             ranks.append(
                 subprocess.Popen(
