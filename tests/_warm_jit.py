@@ -1,11 +1,12 @@
-"""Compiles numba's JIT jobs and ops into numba's cache, in a process of its own, while the suite
-runs other tests (conftest.py starts it; the JIT tests wait for it, then load what it cached).
+"""Compiles numba's JIT jobs into numba's cache, in a process of its own, while the suite runs
+other tests (conftest.py starts it; the JIT tests wait for it, then load what it cached).
 
 Why: the tests of the JIT backend need every job (lstm, gru, rnn) for both dtypes: ~2 min of
 compiling on one core, which the suite's own process used to do with the machine's other core
-idle (a job runs on any number of threads once compiled: kernels.runner). The code they run is the same
-either way: numba's cache (kernels._jit: keyed by the fingerprint of every kernel source) holds
-what this process compiled, and a signature it missed is compiled by the test as before.
+idle (once compiled, a job runs on any number of threads: kernels.runner). The code they run is
+the same either way: numba's cache (kernels._jit: keyed by the fingerprint of every kernel
+source) holds what this process compiled, and a signature it missed is compiled by the test as
+before.
 """
 
 import os
