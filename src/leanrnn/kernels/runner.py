@@ -115,8 +115,8 @@ class _Jit:
     """numba's JIT: each job (kernels.ops) runs on a Python thread of threads.job_pool, the GIL
     released (nogil), as the native module runs them on its C team. Not on numba's own pool (a
     ``prange`` over the jobs, as it once was): compiling that op cost as much again as the job
-    itself, for every job and dtype (~3 of a cold JIT's 6 CPU minutes on the README's VM),
-    and one more thread pool would have come into the process."""
+    itself, for every job and dtype (the tests' JIT warm-up on an idle 2-core Xeon: 338 s of
+    compiling with the ops, 129 s without), and one more thread pool came into the process."""
 
     name = "jit"
     path = None
@@ -130,15 +130,14 @@ class _Jit:
         # (openmp: the native team's mode; these threads are Python's in either case)
         fn = self._jobs[job]
         threads = min(threads, parts)
-        if threads < 2:  # every job on this thread, in turn (each finds what the others left)
-            for me in range(parts):
-                fn(*args, me)
-            return
 
         def jobs(first: int) -> None:  # as a static prange schedule: me = first, first+threads..
-            for me in range(first, parts, threads):
+            for me in range(first, parts, threads):  # (each finds what the others left)
                 fn(*args, me)
 
+        if threads < 2:  # every job on this thread, in turn
+            jobs(0)
+            return
         futures = [_threads.job_pool(threads - 1).submit(jobs, i) for i in range(1, threads)]
         try:
             jobs(0)

@@ -773,8 +773,9 @@ class Trainer:
         """Every layer over steps s0..s1 (in ``autocast`` mode) from the states in hs/cs,
         which are left holding the states after s1. The layer buffers' rows for the segment
         start at ``off`` (s0*N when they hold every step, 0 when they hold one segment) after
-        their leading block of N rows (forward stacks: the block holds the state the layer's rows start from, so its
-        h_prev is a view, see _buffers); the top layer writes ``ytop``."""
+        their leading block of N rows (forward stacks: the block holds the state the layer's
+        rows start from, so its h_prev is a view, see _buffers); the top layer writes
+        ``ytop``."""
         spec = self.spec
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         T = s1 - s0
