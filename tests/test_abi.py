@@ -91,15 +91,15 @@ def test_the_session_names_every_argument_of_its_job_once(spec):
 def test_a_call_names_each_argument_exactly_once():
     W, b, y = np.zeros((1, 8, 64), np.float32), np.zeros(64, np.float32), np.zeros((4, 64))
     sync, q = np.zeros(abi.sync_size(1), np.int64), np.zeros((1, 0), np.uint8)
-    c = abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, sync=sync, q=q)
+    c = abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, sync=sync, q=q, bf16_act=False)
     x = np.ones((4, 8), np.float32)
-    assert c.bind(x=x, y=y, parts=1) == (x, W, b, 8, y, sync, q, 1)
+    assert c.bind(x=x, y=y, parts=1) == (x, W, b, 8, y, sync, q, False, 1)
     with pytest.raises(TypeError, match=r"missing \['sync'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, q=q)
+        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, q=q, bf16_act=False)
     with pytest.raises(TypeError, match=r"named twice \['y'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, y=y, sync=sync, q=q)
+        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, y=y, sync=sync, q=q, bf16_act=False)
     with pytest.raises(TypeError, match=r"unknown \['C'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, C=8, sync=sync, q=q)
+        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, C=8, sync=sync, q=q, bf16_act=False)
     with pytest.raises(TypeError, match="per call"):
         c.bind(x=x, y=y)
 

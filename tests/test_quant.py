@@ -1,5 +1,5 @@
 """Reduced-precision weights (leanrnn.quantize, issue 14): bf16 and int8 W/R panels, float32
-activations and sums. The kernels against the float64 oracle run on weights rounded the same
+activations and sums (bf16-act: the activations rounded to bfloat16 too). The kernels against the float64 oracle run on weights rounded the same
 way (computed here from the canonical weights, independently of the packing), the formats'
 rounding bounds, .lrnn round trips and bad input."""
 
@@ -33,9 +33,16 @@ from leanrnn.formats.quantize import (
 from leanrnn.kernels import _cpu
 from leanrnn.kernels._bf16amx import split_rows
 from leanrnn.kernels.abi import SPLIT_MIN_ROWS, B, split_row_floats
+from leanrnn.kernels.gemm import round_rows
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
-from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC, INT8_HALF_STEP, RTOL_BF16_ROUNDING
+from tolerances import (
+    ATOL_BF16_ACT,
+    ATOL_REDUCED,
+    ATOL_SAME_ARITHMETIC,
+    INT8_HALF_STEP,
+    RTOL_BF16_ROUNDING,
+)
 
 PRECISIONS = ["bf16", "int8"]
 PANEL = {"bf16": np.uint16, "int8": np.int8}
@@ -257,7 +264,7 @@ def test_pack_int8_takes_quantized_weights_without_rounding_again():
 
 
 # ------------------------------------------------------------------------------- files and API
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", [*PRECISIONS, "bf16-act"])
 def test_lrnn_round_trip_is_bit_exact(tmp_path, precision):
     m = leanrnn.quantize(leanrnn.GRU(5, 19, num_layers=2, bidirectional=True, seed=0), precision)
     assert type(m) is leanrnn.GRU
@@ -426,19 +433,20 @@ def test_scales_of_a_loaded_panel_are_where_the_kernel_reads_them(int8_file):
 
 
 # --------------------------------------------------------------- bf16 panels in input pairs
-@pytest.mark.parametrize("dot", ["fma", "amx"])
-def test_bf16_rows_in_whole_tiles_match_float64(dot):
+@pytest.mark.parametrize("dot, one_term", [("fma", False), ("amx", False), ("amx", True)])
+def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
     """The bf16 tile at several rows: on AMX (the operand split into two bf16 terms as
-    gemm.operand does, the scratch past its rows NaN; tile products of 32 inputs, K off 32;
-    rows in blocks of 32 and a last 1..31; fewer than SPLIT_MIN_ROWS rows on the float32 tile)
-    and on the float32 tile, against float64 on
-    the same rounded weights, tightly (the weights' rounding is the oracle's too); a row of
-    inf and one of NaN stay non-finite where float64's do. The second panel of two, so the
-    AMX block's tail copy of the last k step reads the right panel's rows."""
+    gemm.operand does, or rounded to one for bf16-act, the scratch past its rows NaN; tile
+    products of 32 inputs, K off 32; rows in blocks of 32 and a last 1..31; fewer than
+    SPLIT_MIN_ROWS rows on the float32 tile) and on the float32 tile, against float64 on the
+    same rounded weights (and for one term the same rounded activations), tightly: the
+    roundings are the oracle's too; a row of inf and one of NaN stay non-finite where
+    float64's do. The second panel of two, so the AMX block's tail copy of the last k step
+    reads the right panel's rows."""
     if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
         pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
     run = tile_gemm("avx512", bf16=dot)
-    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out))
+    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, one_term))
     rng = np.random.default_rng(4)
     Wd = 4 * B
     for K in (11, 37, 64, 100, 300):
@@ -454,14 +462,17 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot):
                 A[1, 5] = np.inf
                 A[M - 2, 0] = np.nan
                 C0 = rng.standard_normal((M, cols)).astype(np.float32)
+                amx = dot == "amx" and M >= SPLIT_MIN_ROWS
+                A64 = _bf16(A) if amx and one_term else A.astype(np.float64)
                 with np.errstate(invalid="ignore"):
-                    prod = A.astype(np.float64) @ deq[1, :K, :cols]
-                # the split's 2**-16 per product and float32 sums' rounding, per output
+                    prod = A64 @ deq[1, :K, :cols]
+                # the split's 2**-16 per product (none for one term: bf16 x bf16 is exact)
+                # and float32 sums' rounding, per output
                 with np.errstate(invalid="ignore"):
-                    mags = np.abs(A).astype(np.float64) @ np.abs(deq[1, :K, :cols])
+                    mags = np.abs(A64) @ np.abs(deq[1, :K, :cols])
                 operand = A
-                if dot == "amx" and M >= SPLIT_MIN_ROWS:  # as gemm.operand hands it over
-                    ld = split_row_floats(K)
+                if amx:  # as gemm.operand hands it over
+                    ld = split_row_floats(K, one_term)
                     q = np.full((M + 31) // 32 * 32 * 4 * ld, 0xFF, np.uint8)  # NaN past M
                     split(A, K, q)
                     operand = q.view(np.float32).reshape(-1, ld)
@@ -469,10 +480,118 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot):
                     C = C0.copy()
                     run(nvec, P, P.shape[1] * P.shape[2], operand, 0, M, K, C, mode, bias)
                     want = prod + init
-                    bound = (2.0**-16 + (K + 2) * 2.0**-24) * (mags + np.abs(init))
+                    split_err = 0.0 if one_term else 2.0**-16
+                    bound = (split_err + (K + 2) * 2.0**-24) * (mags + np.abs(init))
                     np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
                     ok = np.isfinite(want)
-                    assert (np.abs(C - want)[ok] <= bound[ok]).all(), np.abs(C - want).max()
+                    err = np.abs(C[ok] - want[ok])
+                    assert (err <= bound[ok]).all(), err.max()
+
+
+def _specials(rng, rows, K):
+    """float32 rows with ties, subnormals, the largest finite values, inf and NaNs (one with
+    its payload in the low 16 bits alone) among random ones."""
+    A = (rng.standard_normal((rows, K)) * 3).astype(np.float32)
+    bits = [0x3F808000, 0x3F818000, 0xBF808000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF,
+            0x7F7F7FFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x00800000]  # fmt: skip
+    A[0, : len(bits)] = np.array(bits, np.uint32).view(np.float32)
+    return A
+
+
+def test_round_rows_rounds_to_nearest_bfloat16():
+    """bf16-act's operand for the float32 tile (kernels.gemm.round_rows): nearest bfloat16,
+    ties to even, as the float64 oracle rounds; subnormals to a zero of their sign, past the
+    largest bfloat16 to inf, inf kept, NaN (even one whose payload lies in the low bits
+    alone) NaN; rows from i0, K of a longer row."""
+    rng = np.random.default_rng(8)
+    A = _specials(rng, 7, 37)
+    out = np.full(5 * 33 * 4, 0xFF, np.uint8)
+    round_rows(A, 2, 7, 33, out)
+    got = out.view(np.float32).reshape(5, 33)
+    A[2:, :33] = _specials(rng, 5, 33)
+    round_rows(A, 2, 7, 33, out)
+    src = A[2:7, :33]
+    tiny = np.abs(src) < np.finfo(np.float32).tiny
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.where(tiny, np.copysign(0.0, src), _bf16(src)).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(src))
+    ok = ~np.isnan(src)
+    np.testing.assert_array_equal(got[ok], want[ok])
+    assert np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
+    assert (got.view(np.uint32) & 0xFFFF == 0).all()  # bfloat16 values
+    if _cpu.bf16_dot(_cpu.ISAS["avx512"]) == "amx":  # the same bits as AMX's conversion
+        split = numba.njit(lambda A, K, out: split_rows(A, 2, 7, K, out, True))
+        q = np.zeros(5 * 4 * split_row_floats(33, True), np.uint8)
+        split(A, 33, q)
+        hi = q.view(np.uint16).reshape(5, -1)[:, :33].astype(np.uint32) << 16
+        np.testing.assert_array_equal(hi, got.view(np.uint32))
+
+
+ACT_SPECS = [
+    RNNSpec("lstm", 5, 16),
+    RNNSpec("lstm", 6, 13, proj_size=5),  # the projection's weights stay float32: not rounded
+    RNNSpec("gru", 7, 21, direction="bidirectional", linear_before_reset=False),  # r*h too
+    RNNSpec("gru", 40, 70),
+    RNNSpec("rnn", 9, 17, direction="bidirectional", batch_first=True),
+]
+
+
+@pytest.mark.parametrize("N, threads", [(1, 1), (3, 1), (21, 1), (21, 2), (50, 2)])
+@pytest.mark.parametrize("spec", ACT_SPECS, ids=repr)
+def test_bf16_act_rounds_every_operand_on_every_path(spec, N, threads, many_cores):
+    """bf16-act: x, h and the GRU's r*h rounded to bfloat16 before every product with W and
+    R, on AMX (4 rows or more, one tile product) and on the float32 tile (fewer rows, or a
+    CPU without AMX: kernels.gemm.round_rows) alike, on 1 and 2 threads. One step from
+    float32 states, so that the kernels and the oracle round the very same numbers: tightly
+    against the float64 oracle that rounds them, far from the one that does not."""
+    rng = np.random.default_rng(9)
+    layers = random_layers(spec, rng, np.float32, scale=0.3)
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, np.float32)), "bf16-act")
+    model.session.threads = threads
+    shape = (N, 1, spec.input_size) if spec.batch_first else (1, N, spec.input_size)
+    x = rng.standard_normal(shape).astype(np.float32)
+    h0 = rng.standard_normal((spec.num_directions, N, spec.output_size)).astype(np.float32)
+    c0 = None
+    if spec.cell == "lstm":
+        c0 = rng.standard_normal((1, N, spec.hidden_size)).astype(np.float32)
+    y, h_n, c_n = model.session.run(x, h0, c0)
+    weights = rounded(layers, "bf16")
+    ry, rh, rc = reference_forward(spec, weights, x, h0, c0, operand=_bf16)
+    tol = ATOL_BF16_ACT[np.float32]
+    np.testing.assert_allclose(y, ry, rtol=0, atol=tol)
+    np.testing.assert_allclose(h_n, rh, rtol=0, atol=tol)
+    if c_n is not None:
+        np.testing.assert_allclose(c_n, rc, rtol=0, atol=tol)
+    assert np.abs(y - reference_forward(spec, weights, x, h0, c0)[0]).max() > 10 * tol
+
+
+def test_bf16_act_runs_a_batch_as_its_rows_one_by_one(many_cores):
+    """The activations are rounded whichever tile multiplies them, so a batch (on AMX: one
+    tile product per tile) gives each sample what it gets alone (the float32 tile), over
+    several steps and layers: bf16-act's results do not depend on the batch."""
+    m = leanrnn.quantize(leanrnn.LSTM(12, 40, num_layers=2, seed=3), "bf16-act")
+    m.session.threads = 2
+    x = np.random.default_rng(3).standard_normal((4, 21, 12)).astype(np.float32)
+    y = m(x)[0]
+    alone = np.concatenate([m(np.ascontiguousarray(x[:, n : n + 1]))[0] for n in range(21)], 1)
+    np.testing.assert_allclose(y, alone, rtol=0, atol=ATOL_BF16_ACT[np.float32])
+    # ... where bf16 rounds only what AMX multiplies (the batch), not the rows alone
+    b = leanrnn.quantize(leanrnn.LSTM(12, 40, num_layers=2, seed=3), "bf16")
+    assert np.abs(y - b(x)[0]).max() > 10 * ATOL_BF16_ACT[np.float32]
+
+
+def test_bf16_and_bf16_act_share_their_panels():
+    """Between the two bf16 precisions quantize copies the panels (no second rounding); a
+    bf16-act file stores bf16's panels."""
+    m = leanrnn.LSTM(6, 20, seed=2)
+    b, a = leanrnn.quantize(m, "bf16"), leanrnn.quantize(m, "bf16-act")
+    assert a.weights.buffer.tobytes() == b.weights.buffer.tobytes()
+    again = leanrnn.quantize(b, "bf16-act")
+    assert again.weights.precision == "bf16-act"
+    assert again.weights.buffer.tobytes() == b.weights.buffer.tobytes()
+    assert again.weights.buffer is not b.weights.buffer
+    with pytest.raises(DTypeError, match="already"):
+        leanrnn.quantize(a, "int8")
 
 
 def test_bf16_panels_hold_input_pairs():

@@ -1,5 +1,5 @@
-"""``leanrnn.quantize``: a model with reduced-precision weights (bf16, int8, int8-dynamic), of the
-same kind.
+"""``leanrnn.quantize``: a model with reduced-precision weights (bf16, bf16-act, int8,
+int8-dynamic), of the same kind.
 
 Sits above the models (nn.Model, GraphModel) and formats.quantize, which owns the number
 formats; the engine runs the result with the reduced-precision jobs (kernels.abi.job_for).
@@ -37,10 +37,17 @@ def quantize(model, precision: str):
     h) quantized per row as the kernels run, multiplied with integer dot products and summed
     exactly in int32 (kernels._qdot) — the fast int8 mode, at the accuracy of the peers' int8.
 
+    "bf16-act" is bf16's weights with the activations (x, h, the GRU's r*h) rounded to
+    bfloat16 too before each product, as torch's autocast and oneDNN's bf16 do: on AMX one
+    tile product where bf16 does two (it splits each activation into two bfloat16 terms to
+    keep float32's accuracy), so batches run up to ~1.7x faster than bf16; on every path and
+    CPU alike, so results do not depend on the batch. Sums, states and gates stay float32.
+
     Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
     at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8
     relative; int8 and int8-dynamic by <= scale/2 = max|w_column| / 254 absolute (and
-    int8-dynamic each activation by max|row| / 254).
+    int8-dynamic each activation by max|row| / 254); bf16-act also each activation by <=
+    2**-8 relative.
 
     >>> m = leanrnn.LSTM(64, 128, seed=0)
     >>> q = leanrnn.quantize(m, "int8")          # q(x) ~= m(x), weights ~1/4 of the bytes

@@ -137,6 +137,12 @@ class LeanRNNBf16(LeanRNNReduced):
     precision = "bf16"
 
 
+class LeanRNNBf16Act(LeanRNNReduced):
+    name = "leanrnn-bf16-act"
+    description = "leanrnn, bfloat16 weights and activations (quantize(m, 'bf16-act'))"
+    precision = "bf16-act"
+
+
 # --------------------------------------------------------------------------------- NumPy
 def _sigmoid(z):
     return 1.0 / (1.0 + np.exp(-z))
@@ -549,12 +555,14 @@ def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:
 ENGINES: dict[str, type[Engine]] = {
     e.name: e
     for e in (LeanRNN, NumpyNaive, NumpyPrealloc, Torch, TorchNoDNNL, OnnxRuntime, MNNEngine,
-              LeanRNNBf16, LeanRNNInt8, LeanRNNInt8Dynamic, TorchQint8, OnnxRuntimeInt8)
+              LeanRNNBf16, LeanRNNBf16Act, LeanRNNInt8, LeanRNNInt8Dynamic, TorchQint8,
+              OnnxRuntimeInt8)
 }  # fmt: skip
 # ``--precision`` (bench.cli): the engines of each reduced precision — leanrnn's own and the
 # peers' paths of the same kind (int8 weights and activations, quantized as they run).
 PRECISION_ENGINES = {
     "bf16": ("leanrnn-bf16",),
+    "bf16-act": ("leanrnn-bf16-act",),
     "int8": ("leanrnn-int8",),
     "int8-dynamic": ("leanrnn-int8-dynamic", "torch-qint8", "onnxruntime-int8"),
 }

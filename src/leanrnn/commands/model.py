@@ -46,10 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dst", help="output path, ending in .lrnn (its directory must exist)")
     p.add_argument(
-        "--precision", choices=("bf16", "int8", "int8-dynamic"),
+        "--precision", choices=("bf16", "bf16-act", "int8", "int8-dynamic"),
         help="store the recurrent weights in reduced precision (leanrnn.quantize): bf16 halves "
         "them, int8 quarters them (activations stay float32); int8-dynamic also quantizes the "
-        "activations as it runs, like torch's and onnxruntime's dynamic quantization "
+        "activations as it runs, like torch's and onnxruntime's dynamic quantization; bf16-act "
+        "rounds them to bfloat16, like torch's autocast (faster batches on AMX) "
         "(default: as loaded)",
     )  # fmt: skip
     add_state_dict_options(p)

@@ -118,13 +118,19 @@ def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -
     return max(nbytes(min(rows, chunk + align), C), nbytes(batch, spec.output_size))
 
 
-def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) -> int:
+def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int,
+                        one_term: bool = False) -> int:  # fmt: skip
     """Bytes per thread of a bf16 op's q where its GEMMs run on AMX: split rows
     (abi.split_row_floats), each count rounded up to 32 (an AMX block of the last rows reads
-    whole tiles of 16 past them); none below SPLIT_MIN_ROWS rows (those are not split)."""
+    whole tiles of 16 past them); none below SPLIT_MIN_ROWS rows (those are not split).
+    ``one_term`` (bf16-act, any CPU): rows rounded to one term, and room for every count of
+    rows, since the float32 tile's rows are rounded too (kernels.gemm.round_rows: K floats
+    per row, fewer than the split's)."""
 
     def nbytes(n: int, K: int) -> int:
-        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K) if n >= abi.SPLIT_MIN_ROWS else 0
+        if n < abi.SPLIT_MIN_ROWS and not one_term:
+            return 0
+        return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K, one_term)
 
     return _operand_scratch(spec, layer, rows, batch, nbytes)
 
@@ -135,20 +141,21 @@ def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) ->
 
 
 def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h_a, h_b, gates,
-                         aux, c, lengths, keep: bool, ghn, q=NO_SCRATCH) -> dict:  # fmt: skip
+                         aux, c, lengths, keep: bool, ghn, q=NO_SCRATCH,
+                         bf16_act: bool = False) -> dict:  # fmt: skip
     """The arguments of direction ``d``'s recurrence job (abi.JOBS[spec.cell]) that stay the
     same from run to run of one plan: ``pl``'s weights, the state and scratch views, the
     activations and ``constants`` (kernel_constants). ``aux`` [N, Hp] is the LSTM's unprojected
     h or the GRU's r*h (an [N, 0] stand-in when the cell needs none); ``c`` the LSTM cell
-    state; ``keep``, ``ghn`` and ``q``: see kernels.recurrent. No slot table (run_slots sets
-    slot, h_store and c per run). Not included: C and the per-run x, xw, xw_bf_T, T, y,
-    y_bf_T, parts (engine.session PER_CALL)."""
+    state; ``keep``, ``ghn``, ``q`` and ``bf16_act``: see kernels.recurrent. No slot table
+    (run_slots sets slot, h_store and c per run). Not included: C and the per-run x, xw,
+    xw_bf_T, T, y, y_bf_T, parts (engine.session PER_CALL)."""
     consts, acts, alphas, betas = constants
     K = spec.output_size
     named = dict(
         W=pl.Wt, b=pl.b, Rt=pl.Rt, K=K, h_a=h_a, h_b=h_b, gates=gates, lengths=lengths,
         reverse=spec.reversed_direction(d), y_off=d * K, acts=acts[d], alphas=alphas[d],
-        betas=betas[d], consts=consts, sync=sync, keep=keep, q=q, slot=NO_SLOTS,
+        betas=betas[d], consts=consts, sync=sync, keep=keep, q=q, bf16_act=bf16_act, slot=NO_SLOTS,
         h_store=h_a[:0, :0],
     )  # fmt: skip
     if spec.cell == "lstm":
@@ -359,6 +366,8 @@ class Session:
                 q = 0
                 if w.precision == "int8-dynamic":
                     q = quantized_scratch_bytes(spec, layer, T * N, N)
+                elif w.precision == "bf16-act":  # rounded rows on every CPU
+                    q = split_scratch_bytes(spec, layer, T * N, N, one_term=True)
                 elif w.precision == "bf16" and bf16_on_amx():
                     q = split_scratch_bytes(spec, layer, T * N, N)
                 if q:
@@ -565,7 +574,7 @@ class Session:
         named = recurrence_arguments(
             spec, pl, d, self._constants, self._sync, h_a=ha, h_b=hb, gates=gates, aux=aux, c=c,
             lengths=self._views["lengths"], keep=False, ghn=self._empty,
-            q=self._views.get(f"q.{k}", NO_SCRATCH),
+            q=self._views.get(f"q.{k}", NO_SCRATCH), bf16_act=self.weights.precision == "bf16-act",
         )  # fmt: skip
         job = abi.job_for(spec.cell, self.weights.precision)  # reduced weights: their own job
         return abi.Call(job, PER_CALL, C=spec.input_size if layer == 0 else D * K, **named)

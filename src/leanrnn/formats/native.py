@@ -34,6 +34,7 @@ from .packing import (
     PackedLayer,
     PackedWeights,
     check_precision,
+    panel_format,
     tensor_dtype,
 )
 from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
@@ -461,11 +462,11 @@ BF16_LAYOUT = "pairs"
 
 
 def _layout_meta(precision: str) -> dict[str, str]:
-    return {"bf16_layout": BF16_LAYOUT} if precision == "bf16" else {}
+    return {"bf16_layout": BF16_LAYOUT} if panel_format(precision) == "bf16" else {}
 
 
 def _legacy_bf16(meta: dict, precision: str) -> bool:
-    return precision == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT
+    return panel_format(precision) == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT
 
 
 def _spec(text, op, path) -> RNNSpec:

@@ -34,10 +34,21 @@ ROW_ALIGN = 16  # elements: row strides are multiples of this
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Weight precisions of the W and R panels (formats.quantize): "float" is the working dtype;
 # the reduced ones need a float32 working dtype (activations, states and sums stay float32).
-PRECISIONS = ("float", "bf16", "int8", "int8-dynamic")
+# "bf16-act" holds bf16's panels; it only lets the kernels round the activations to bfloat16
+# too where that makes them faster (AMX; kernels.abi._SCRATCH's bf16_act).
+PRECISIONS = ("float", "bf16", "int8", "int8-dynamic", "bf16-act")
 # bf16: its bits; int8-dynamic: int8 codes tagged uint8 (the kernels pick its tile by it)
 PANEL_DTYPES = {"bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8),
-                "int8-dynamic": np.dtype(np.uint8)}  # fmt: skip
+                "int8-dynamic": np.dtype(np.uint8), "bf16-act": np.dtype(np.uint16)}  # fmt: skip
+_SAME_PANELS = {"bf16-act": "bf16"}
+
+
+def panel_format(precision: str) -> str:
+    """The format of ``precision``'s W and R panels: itself, or the one it shares ("bf16-act"
+    has bf16's panels)."""
+    return _SAME_PANELS.get(precision, precision)
+
+
 SCALE_ROWS = 4  # an int8 panel's extra rows: its columns' float32 scales (kernels._qsimd)
 _PANELS = ("Wt", "Rt")  # the packed tensors a reduced precision applies to
 
@@ -227,7 +238,7 @@ def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer,
         raise WeightsError(f"[PackedWeights] {src.size} bytes for a layout of {pw.nbytes}; "
                            "expected the bytes of PackedWeights.buffer for this spec")  # fmt: skip
     pw.buffer[:] = src
-    if precision == "bf16" and bf16_layout != "pairs":
+    if panel_format(precision) == "bf16" and bf16_layout != "pairs":
         from .quantize import pair_legacy_bf16
 
         pair_legacy_bf16(pw)
@@ -239,6 +250,7 @@ def panel_shape(X: int, Wd: int, precision: str) -> tuple[int, int]:
     inputs per row (formats.quantize.bf16_panel); int8 SCALE_ROWS more rows (the column
     scales); int8-dynamic 4 inputs per row, 4 bytes per column, then DOT_TAIL_ROWS rows of
     scales and corrections (kernels._qdot)."""
+    precision = panel_format(precision)
     if precision == "bf16":
         return X // 2, 2 * Wd
     if precision == "int8":

@@ -12,6 +12,9 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   mask. Relative error <= 2**-8. Files and pickles made before 2026-12-02 hold the earlier
   layout (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); they are
   converted as they are read (pair_legacy_bf16).
+- ``bf16-act``: bf16's panels, and the activations rounded to bfloat16 too where AMX multiplies
+  them (panel GEMMs of 4 rows or more: one tile product where bf16 does two, as torch's
+  autocast and oneDNN do); everywhere else it runs exactly as bf16.
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -41,6 +44,7 @@ from .packing import (
     PackedWeights,
     check_precision,
     pack,
+    panel_format,
     rows_to_panels,
 )
 
@@ -184,6 +188,7 @@ def _set_int8(panel: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
 def dequantize_panel(panel: np.ndarray, precision: str, dtype=np.float32) -> np.ndarray:
     """A reduced panel as ``dtype`` numbers [U, X, Wd] (the scale rows dropped): exactly the
     weights the kernels multiply by (up to the int8 scale, applied after the sum there)."""
+    precision = panel_format(precision)
     if precision == "bf16":
         return bf16_value(_unpaired(panel)).astype(dtype)
     if precision == "int8":
@@ -210,12 +215,17 @@ def quantize_packed(pw: PackedWeights, precision: str,
     """``pw`` (float32 weights) with its W and R panels in ``precision`` ("bf16" or "int8";
     "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the panels'
     bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
-    twice): quantize the float32 model. ``out``: weights of this spec and precision made so
-    before, refilled in place (mixed-precision training rounds its master weights again after
-    every optimizer step, train.session)."""
+    twice): quantize the float32 model; between precisions of the same panels ("bf16",
+    "bf16-act") the panels are copied as they are. ``out``: weights of this spec and precision
+    made so before, refilled in place (mixed-precision training rounds its master weights
+    again after every optimizer step, train.session)."""
     check_precision(precision, pw.dtype, "quantize")
     if precision == pw.precision:
         return pw
+    if pw.precision != "float" and panel_format(pw.precision) == panel_format(precision):
+        same = PackedWeights(pw.spec, pw.dtype, zero=False, precision=precision)
+        same.buffer[:] = pw.buffer
+        return same
     if pw.precision != "float":
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
                          f"weights: quantize the float32 model to {precision!r}")  # fmt: skip
@@ -229,7 +239,7 @@ def quantize_packed(pw: PackedWeights, precision: str,
         for ps, pd in zip(ls, ld, strict=True):
             for name in _PANELS:
                 src, dst = getattr(ps, name), getattr(pd, name)
-                if precision == "bf16":
+                if panel_format(precision) == "bf16":
                     dst[...] = bf16_panel(src)
                 elif precision == "int8-dynamic":
                     dst[...] = dot_panel(src)
@@ -303,7 +313,8 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
     equal to what the codes give (one pass over the codes: a wrong correction would shift
     every output silently); for bf16 the padding past K inputs zero (_bf16_padding_zero)."""
-    if pw.precision not in ("bf16", "int8", "int8-dynamic"):
+    fmt = panel_format(pw.precision)
+    if fmt not in ("bf16", "int8", "int8-dynamic"):
         return
     for li, dirs in enumerate(pw.layers):
         for di, pl in enumerate(dirs):
@@ -311,12 +322,12 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
                 tag = f"[{op}] {path!r}: layer {li} direction {di} {name}"
                 panel = getattr(pl, name)
                 K = pw.spec.layer_input_size(li) if name == "Wt" else pw.spec.output_size
-                if pw.precision == "bf16":
+                if fmt == "bf16":
                     if not _bf16_padding_zero(panel, K):
                         raise ModelFormatError(f"{tag} has bf16 weights past its {K} inputs; "
                                                "the file is corrupt")  # fmt: skip
                     continue
-                if pw.precision == "int8":
+                if fmt == "int8":
                     s = panel_scales(panel)
                 else:
                     s = np.ascontiguousarray(panel[:, -DOT_TAIL_ROWS]).view(np.float32)

@@ -18,7 +18,11 @@ splits a step's rows, or a projection task's chunk of rows, into the thread's sc
 abi.split_row_floats(K) floats — a stride the engine's plain operands never have, by which
 the tile knows it), and every panel multiplies them. Splitting per panel, in the tile (this
 module's first version), cost ~35% of the input projection's time: one split per 64 columns.
-A plain operand (fewer than abi.SPLIT_MIN_ROWS rows) goes to the float32 tile. The split is
+A plain operand (fewer than abi.SPLIT_MIN_ROWS rows) goes to the float32 tile.
+bf16-act (the ``bf16_act`` job argument) rounds the activations instead, as torch's autocast
+does: ``split_rows(..., one_term=True)`` writes the hi terms only, at a row stride of
+abi.split_row_floats(K, True), and for that stride the block skips the lo product — half the
+tile loads and products (kernels.gemm.round_rows rounds the operands the float32 tile takes). The split is
 exact to 2**-16 for |a| from ~2**-117 (AMX and the conversion flush bfloat16 denormals, so
 smaller lo terms and inputs count as 0) up to bfloat16's largest (beyond, hi is inf). A
 weight of +-inf (bf16 keeps non-finite weights) gives NaN here where the float32 tile gives
@@ -64,10 +68,11 @@ def _round_up(builder, K, step: int):
     return builder.mul(builder.sdiv(builder.add(K, ir.Constant(K.type, step - 1)), c), c)
 
 
-def split_ld(builder, K):
-    """abi.split_row_floats(K) of an integer IR value: a split operand's row stride in floats,
-    by which the tile (_simd) and gemm's operand view know one."""
-    return builder.add(_round_up(builder, K, KSTEP), ir.Constant(K.type, SPLIT_PAD))
+def split_ld(builder, K, one_term: bool = False):
+    """abi.split_row_floats(K, one_term) of an integer IR value: a split operand's row stride
+    in floats, by which the tile (_simd) and gemm's operand view know one (and which kind)."""
+    pad = 2 * SPLIT_PAD if one_term else SPLIT_PAD
+    return builder.add(_round_up(builder, K, KSTEP), ir.Constant(K.type, pad))
 
 
 def split_ir(builder, v):
@@ -94,16 +99,17 @@ def split_ir(builder, v):
 
 def split_row(builder, aa, src, kb, dst, lo_off, kpad) -> None:
     """Emit: inputs src..src+kb-1 of the float pointer ``aa`` split into bfloat16 hi at the
-    i16 pointer ``dst`` and lo at dst + lo_off, then zeros up to kpad (a multiple of 16);
-    i64 values. Whole vectors of 16, the last 0..15 inputs read one by one (nothing past the
-    row is read)."""
+    i16 pointer ``dst`` and lo at dst + lo_off (lo_off None: hi only, the inputs rounded),
+    then zeros up to kpad (a multiple of 16); i64 values. Whole vectors of 16, the last 0..15
+    inputs read one by one (nothing past the row is read)."""
     f32, i16, i64 = ir.FloatType(), ir.IntType(16), ir.IntType(64)
     vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
     zero = ir.Constant(vf, [0.0] * 16)
 
     def put(k, v):
         hi, lo = split_ir(builder, v)
-        for off, vec in ((k, hi), (builder.add(k, lo_off), lo)):
+        terms = [(k, hi)] if lo_off is None else [(k, hi), (builder.add(k, lo_off), lo)]
+        for off, vec in terms:
             builder.store(vec, builder.bitcast(builder.gep(dst, [off]), vh.as_pointer()), align=2)
 
     sixteen = ir.Constant(i64, 16)
@@ -126,13 +132,14 @@ def split_row(builder, aa, src, kb, dst, lo_off, kpad) -> None:
             put(k, zero)
 
 
-def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block):
+def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, store_block):
     """Rows a0..a1 (i64 values) of the panel slice on AMX, in blocks of 32 rows and a last
     block of 1..31 (its tiles' rows past a1 multiply whatever the split rows' scratch holds
     there: each C row depends on its own A row only, and those C rows are not stored).
     ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its flat offset and row stride
     (elements); ``aa``: the split operand's float pointer (split_rows: row r at r * lda
-    floats, hi terms then lo terms from round_up(K, 32)), K whole. ``store_block(i, rows,
+    floats, hi terms then lo terms from round_up(K, 32); ``two_terms`` an i1 value, false for
+    rows of hi terms only, whose lo product is skipped), K whole. ``store_block(i, rows,
     sum_at)`` stores C rows i..i+rows-1 (rows an i64 value), ``sum_at(r, v)`` giving the
     <16 x float> pointer to the float32 sums of row r (0-based within the block) and group v."""
     i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
@@ -166,6 +173,13 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block)
         k = builder.add(builder.mul(s, const(KSTEP)), kp if lo else const(0))
         return builder.bitcast(builder.gep(a16, [builder.add(row, k)]), i8p)
 
+    def product(i, r, s, nc, lo):
+        """Rows i + 16r.. (hi or lo terms, A tile 4 or 5) times weight tiles 6.. into C."""
+        t = 5 if lo else 4
+        tile_op("llvm.x86.tileloadd64", tmm(t), a_tile(i, r, s, lo), builder.mul(lda, const(4)))
+        for c in range(nc):
+            tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
+
     def block(i, mr, rows):
         """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows, by every column pair."""
         for c0 in range(0, nvec, 2):
@@ -189,11 +203,9 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block)
                         with otherwise:
                             tail_b(wp, builder.sub(K, k), c)
                 for r in range(mr):
-                    for lo, t in ((False, 4), (True, 5)):
-                        tile_op("llvm.x86.tileloadd64", tmm(t), a_tile(i, r, s, lo),
-                                builder.mul(lda, const(4)))  # fmt: skip
-                        for c in range(nc):
-                            tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
+                    product(i, r, s, nc, False)
+                    with builder.if_then(two_terms, likely=True):
+                        product(i, r, s, nc, True)
             for r in range(mr):
                 for c in range(nc):
                     p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
@@ -240,30 +252,37 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, store_block)
 
 
 @intrinsic
-def split_rows(typingctx, A, i0, i1, K, out):
+def split_rows(typingctx, A, i0, i1, K, out, one_term):
     """Rows i0..i1 of float32 A [rows, >=K] (C-contiguous) split into the flat uint8 ``out``
     as kernels.gemm.operand hands them to the tile: row r at r * 4 * ld bytes, ld =
-    abi.split_row_floats(K); its hi terms at uint16 element 0.., its lo terms at kp =
-    round_up(K, 32).., each zero from K to kp. One split per operand, for every panel."""
+    abi.split_row_floats(K, one_term); its hi terms at uint16 element 0.., its lo terms at
+    kp = round_up(K, 32).. (none where ``one_term``: the rows rounded to bfloat16), each zero
+    from K to kp. One split per operand, for every panel."""
     if not (
         isinstance(A, types.Array) and A.dtype == types.float32 and isinstance(out, types.Array)
     ):
         return None
 
     def gen(context, builder, sig, args):
-        A_, i0_, i1_, K_, out_ = args
+        A_, i0_, i1_, K_, out_, one_ = args
         arr = context.make_array(sig.args[0])(context, builder, A_)
         lda = cgutils.unpack_tuple(builder, arr.shape)[1]
         i16, i64 = ir.IntType(16), ir.IntType(64)
         dst0 = builder.bitcast(context.make_array(sig.args[4])(context, builder, out_).data,
                                i16.as_pointer())  # fmt: skip
         kp = _round_up(builder, K_, KSTEP)
-        row16 = builder.mul(split_ld(builder, K_), i64(2))  # uint16 per row
-        with cgutils.for_range(builder, builder.sub(i1_, i0_)) as loop:
-            r = loop.index
-            src = builder.mul(builder.add(i0_, r), lda)
-            dst = builder.gep(dst0, [builder.mul(r, row16)])
-            split_row(builder, arr.data, src, K_, dst, kp, kp)
+        one = builder.icmp_unsigned("!=", one_, ir.Constant(one_.type, 0))
+        with builder.if_else(one) as (hi_only, both):
+            for lo_off, branch in ((None, hi_only), (kp, both)):
+                with branch:
+                    ld = split_ld(builder, K_, one_term=lo_off is None)
+                    row16 = builder.mul(ld, i64(2))  # uint16 per row
+                    with cgutils.for_range(builder, builder.sub(i1_, i0_)) as loop:
+                        r = loop.index
+                        src = builder.mul(builder.add(i0_, r), lda)
+                        dst = builder.gep(dst0, [builder.mul(r, row16)])
+                        split_row(builder, arr.data, src, K_, dst, lo_off, kp)
         return context.get_dummy_value()
 
-    return types.void(A, types.intp, types.intp, types.intp, out), gen
+    sig = types.void(A, types.intp, types.intp, types.intp, out, types.boolean)
+    return sig, gen

@@ -219,16 +219,19 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
 
         if bf16 == "amx" and wfmt == "bf16" and lanes == 16:
             # An operand gemm.operand split (from SPLIT_MIN_ROWS rows) runs on AMX (_bf16amx);
-            # its row stride, split_row_floats(K), tells it apart: the engine's plain operands
-            # are at most 15 floats wider than K (abi). Its K is whole (gemm._kc), acol 0.
+            # its row stride, split_row_floats(K, one_term), tells it apart and says whether it
+            # holds lo terms: the engine's plain operands are at most 15 floats wider than K
+            # (abi). Its K is whole (gemm._kc), acol 0.
+            two = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K))
+            one = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K, one_term=True))
             split = builder.and_(
                 builder.icmp_signed(">=", builder.sub(i1, i0), const(SPLIT_MIN_ROWS)),
-                builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K)),
+                builder.or_(two, one),
             )
             with builder.if_else(split) as (then, otherwise):
                 with then:
                     _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, i0, i1,
-                                       amx_store)  # fmt: skip
+                                       two, amx_store)  # fmt: skip
                 with otherwise:
                     fma_rows()
         else:

@@ -49,8 +49,10 @@ class Job:
 
 
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
-# q: per-thread scratch for int8-dynamic activations (kernels.gemm.operand); [1, 0] otherwise.
-_SCRATCH = "q:B2"
+# q: per-thread scratch for int8-dynamic activations and bf16's split ones (kernels.gemm.operand);
+# [1, 0] otherwise. bf16_act: bf16 panels on AMX multiply activations rounded to bfloat16
+# (one tile product) instead of split in two terms (two products; precision "bf16-act").
+_SCRATCH = "q:B2 bf16_act:b"
 _BACK = "RT:F3 K:i"  # a backward job's recurrent weights (transposed panels) and their width
 _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
 # The slot table and the hidden states by slot (kernels.recurrent; [0] and [0, *]: no slots).
@@ -85,9 +87,15 @@ PRECISIONS = {"bf16": "U", "int8": "Q", "int8-dynamic": "B"}  # -> the kind of W
 REDUCED_CELLS = ("lstm", "gru", "rnn")
 
 
+# Precisions that run another's jobs on its panels, told apart by a job argument (bf16_act).
+SAME_JOBS = {"bf16-act": "bf16"}
+
+
 def job_for(cell: str, precision: str | None) -> str:
     """The job that runs ``cell`` with weights of ``precision`` (None/"float": the float jobs)."""
-    return cell if precision in (None, "float") else f"{cell}_{precision.replace('-', '_')}"
+    if precision in (None, "float"):
+        return cell
+    return f"{cell}_{SAME_JOBS.get(precision, precision).replace('-', '_')}"
 
 
 def _reduced(job: Job, precision: str) -> Job:
@@ -246,14 +254,16 @@ def quantized_row_bytes(K: int) -> int:
 # rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile steps of 32
 # inputs; a row of the split operand is SPLIT_PAD floats longer than that (64 bytes), so its
 # stride is one no plain operand the engine hands the kernels has (each is at most 15 floats
-# wider than its K), and the tile tells the two apart by it (kernels.gemm.operand).
+# wider than its K), and the tile tells the two apart by it (kernels.gemm.operand). Rows
+# rounded to one term (bf16_act) are laid out alike, the lo terms' room unused, with twice the
+# pad: a third stride, by which the tile knows to skip the lo product.
 SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
 
 
-def split_row_floats(K: int) -> int:
+def split_row_floats(K: int, one_term: bool = False) -> int:
     """float32 slots of one split activation row of K inputs: 2 x round_up(K, 32) bfloat16
-    terms (hi, lo) and SPLIT_PAD floats."""
-    return (K + 31) // 32 * 32 + SPLIT_PAD
+    terms (hi, lo) and SPLIT_PAD floats, or 2 x SPLIT_PAD for rows of hi terms only."""
+    return (K + 31) // 32 * 32 + (2 * SPLIT_PAD if one_term else SPLIT_PAD)
 
 
 # ----------------------------------------------------------------------- the sync array layout

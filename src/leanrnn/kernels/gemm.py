@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import _cpu
-from ._bf16amx import split_ld, split_rows
+from ._bf16amx import split_rows
 from ._jit import CACHE, inline, kernel
 from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
@@ -131,43 +130,77 @@ def quantize_rows(A, i0, i1, K, out):
         out[(r + 1) * ld - 4 : (r + 1) * ld].view(np.float32)[0] = scale
 
 
-def _prepare_operand(P, A, q, me, i0, i1, K, fresh):  # pragma: no cover - overloaded
+# No fast-math, as quantize_rows: the rounding is done on the bits.
+@numba.njit(cache=CACHE, error_model="numpy", nogil=True, fastmath=False)
+def round_rows(A, i0, i1, K, out):
+    """Rows i0..i1 of float32 A [rows, >=K] rounded to bfloat16 as vcvtneps2bf16 rounds
+    (nearest, ties to even; subnormals to a zero of their sign; NaN stays NaN), as float32
+    rows of K in the flat uint8 ``out``: bf16-act's operand where the float32 tile multiplies
+    (fewer than SPLIT_MIN_ROWS rows, or no AMX), so that its activations are rounded on every
+    path (a bf16 x bf16 product is exact in float32)."""
+    o = out.view(np.uint32)
+    for r in range(i1 - i0):
+        a = A[i0 + r].view(np.uint32)
+        for k in range(K):
+            u = a[k]
+            e = u & 0x7F800000
+            if e == 0x7F800000:  # inf stays; NaN stays NaN, made quiet (its payload may
+                v = u & 0xFFFF0000  # lie in the low bits alone)
+                if u & 0x7FFFFF:
+                    v |= 0x400000
+            elif e == 0:
+                v = u & 0x80000000
+            else:
+                v = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+            o[r * K + k] = v
+
+
+def _prepare_operand(P, A, q, me, i0, i1, K, fresh, bf16_act):  # pragma: no cover - overloaded
     pass
 
 
 @overload(_prepare_operand)
-def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh):
-    """Fill q[me] for the panels' tile and say whether the operand is q[me]: int8-dynamic's
-    codes always; bf16 on AMX the split rows from SPLIT_MIN_ROWS rows on (when q holds them:
-    the engine sizes it so); otherwise A itself."""
+def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
+    """Fill q[me] for the panels' tile and return the row stride (floats) of the operand it
+    holds there, 0 if the operand is A itself: int8-dynamic's codes always (any stride: they
+    are flat); bf16 on AMX from SPLIT_MIN_ROWS rows on the split rows (rounded ones where
+    bf16_act; split_row_floats(K, bf16_act)); bf16_act's other operands rounded into float32
+    rows of K (round_rows). q holds them where the engine sized it so."""
     if P.dtype == types.uint8:
 
-        def quantized(P, A, q, me, i0, i1, K, fresh):
+        def quantized(P, A, q, me, i0, i1, K, fresh, bf16_act):
             if fresh:
                 quantize_rows(A, i0, i1, K, q[me])
-            return True
+            return 1
 
         return quantized
-    if P.dtype == types.uint16 and _BF16_AMX:
+    if P.dtype == types.uint16:
+        amx = _BF16_AMX
 
-        def split(P, A, q, me, i0, i1, K, fresh):
-            # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
-            rows = (i1 - i0 + 31) // 32 * 32
-            use = i1 - i0 >= SPLIT_MIN_ROWS and q.shape[1] >= rows * 4 * _split_ld(K)
-            if use and fresh:
-                split_rows(A, i0, i1, K, q[me])
-            return use
+        def bf16(P, A, q, me, i0, i1, K, fresh, bf16_act):
+            if amx and i1 - i0 >= SPLIT_MIN_ROWS:
+                # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
+                ld = _split_ld(K, bf16_act)
+                if q.shape[1] >= (i1 - i0 + 31) // 32 * 32 * 4 * ld:
+                    if fresh:
+                        split_rows(A, i0, i1, K, q[me], bf16_act)
+                    return ld
+            if bf16_act and q.shape[1] >= (i1 - i0) * 4 * K:
+                if fresh:
+                    round_rows(A, i0, i1, K, q[me])
+                return K
+            return 0
 
-        return split
-    return lambda P, A, q, me, i0, i1, K, fresh: False
+        return bf16
+    return lambda P, A, q, me, i0, i1, K, fresh, bf16_act: 0
 
 
 @intrinsic
-def _operand_view(typingctx, P, A, q, me, i0, K, in_q):
+def _operand_view(typingctx, P, A, q, me, i0, ld):
     """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q, or for bf16 ones
-    where ``in_q`` row ``me`` of q as float32 rows of split_row_floats(K): a view made in IR,
-    since the kernels compile without numba's reference counting, and a function compiled so
-    may return no array but its argument."""
+    where ``ld`` > 0 row ``me`` of q as float32 rows of ld: a view made in IR, since the
+    kernels compile without numba's reference counting, and a function compiled so may
+    return no array but its argument."""
     quantized = P.dtype == types.uint8
     rt = types.Array(types.uint8, 1, "C") if quantized else A
 
@@ -190,18 +223,18 @@ def _operand_view(typingctx, P, A, q, me, i0, K, in_q):
             src = context.make_array(sig.args[1])(context, builder, args[1])
             data, shape, strides = rows_of(context, builder, src, args[4])
             shape, strides = [builder.sub(shape[0], args[4]), *shape[1:]], list(strides)
-            if P.dtype == types.uint16:  # bf16: q[me] as split rows where in_q
+            if P.dtype == types.uint16:  # bf16: q[me] as rows of ld where ld > 0
                 qa = context.make_array(sig.args[2])(context, builder, args[2])
                 qdata, qshape, _ = rows_of(context, builder, qa, args[3])
                 i64 = shape[0].type
-                ld = split_ld(builder, args[5])
+                ld = builder.sext(args[5], i64) if args[5].type.width < 64 else args[5]
                 four = i64(4)
-                use = builder.icmp_unsigned("!=", args[6], ir.Constant(args[6].type, 0))
+                use = builder.icmp_signed(">", ld, i64(0))
+                row = builder.mul(builder.select(use, ld, i64(1)), four)
                 data = builder.select(use, builder.bitcast(qdata, data.type), data)
-                shape[0] = builder.select(use, builder.sdiv(qshape[1], builder.mul(ld, four)),
-                                          shape[0])  # fmt: skip
+                shape[0] = builder.select(use, builder.sdiv(qshape[1], row), shape[0])
                 shape[1] = builder.select(use, ld, shape[1])
-                strides[0] = builder.select(use, builder.mul(ld, four), strides[0])
+                strides[0] = builder.select(use, row, strides[0])
                 strides[1] = builder.select(use, four, strides[1])
             context.populate_array(out, data=data, shape=shape, strides=strides,
                                    itemsize=src.itemsize, meminfo=src.meminfo)  # fmt: skip
@@ -210,19 +243,21 @@ def _operand_view(typingctx, P, A, q, me, i0, K, in_q):
             context.nrt.incref(builder, rt, view)
         return view
 
-    return rt(P, A, q, me, i0, K, in_q), gen
+    return rt(P, A, q, me, i0, ld), gen
 
 
 @inline
-def operand(P, A, q, me, i0, i1, K, fresh):
+def operand(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
     bf16 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
-    q[me] (split_rows), as float32 rows of split_row_floats(K) — a row stride no plain A has,
-    by which the tile tells them apart. q[me] is refilled only when ``fresh``, else it holds
-    the rows of the last call. Row 0 of the result is A's row i0; _lda gives its row stride."""
-    in_q = _prepare_operand(P, A, q, me, i0, i1, K, fresh)
-    return _operand_view(P, A, q, me, i0, K, in_q)
+    q[me] (split_rows; rounded to one where ``bf16_act``), as float32 rows of
+    split_row_floats(K, bf16_act) — row strides no plain A has, by which the tile tells them
+    apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
+    (round_rows). q[me] is refilled only when ``fresh``, else it holds the rows of the last
+    call. Row 0 of the result is A's row i0; _lda gives its row stride."""
+    ld = _prepare_operand(P, A, q, me, i0, i1, K, fresh, bf16_act)
+    return _operand_view(P, A, q, me, i0, ld)
 
 
 def slice_rows(P):  # pragma: no cover - replaced by the overload inside kernels
@@ -299,13 +334,14 @@ def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
 
 
 @kernel
-def input_projection(x, W, b, K, xw, sync, q, me):
+def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     """xw = x W^T + b for every input row at once (rows in x's own order).
 
     x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input — the recurrent kernels
         are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output;
     q:  [threads, bytes] uint8 scratch, row ``me`` this thread's: int8-dynamic panels (uint8
-        W) multiply its quantized copy of the task's rows (operand); unused otherwise.
+        W) multiply its quantized copy of the task's rows (operand), bf16 ones on AMX its split
+        (bf16_act: rounded) copy; unused otherwise.
     Tasks (a chunk of rows x one panel) are handed out by ticket from ``sync`` (see _sync), so
     any number of threads may call this at once on the same arrays: each returns when all
     tasks are done. Row chunks are the outer order: a chunk of x stays in cache while the
@@ -331,7 +367,7 @@ def input_projection(x, W, b, K, xw, sync, q, me):
         # quarter of the time at H=128. Rounding rows up to the tile height can leave the
         # last chunk empty. Row 0 of A and of C is row i0.
         if i0 < i1:
-            A = operand(W, x, q, me, i0, i1, K, i0 != last)
+            A = operand(W, x, q, me, i0, i1, K, i0 != last, bf16_act)
             last = i0
             C = xw[i0:]
             if Wd == 4 * B:

@@ -46,7 +46,10 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   consts:  [zero, one, tiny, clip] in the working dtype (clip <= 0: no clip)
   q:       [threads, bytes] uint8 scratch: with int8-dynamic panels (uint8 Rt) each thread
            quantizes the rows it multiplies (h_prev, the GRU's r*h) into its own row q[me]
-           once per phase (gemm.operand) — N*K element ops against N*K*G multiply-adds
+           once per phase (gemm.operand) — N*K element ops against N*K*G multiply-adds;
+           with bf16 panels on AMX it holds those rows split into bfloat16 terms
+  bf16_act: bf16 panels on AMX multiply those rows rounded to bfloat16 (one tile product,
+           as torch's autocast does) instead of split in two (precision "bf16-act")
   keep:    training (train.session): leave each step's gate pre-activations in its xw row
            (backward reads them instead of recomputing h_prev R^T); GRU also writes R_n h + bR_n
            to ghn [rows, Hp]. Only the fused paths of PyTorch's cells keep (the others are
@@ -205,8 +208,8 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
 
 @inline
 def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt, K, h_a, h_b,
-           slot, h_store, gates, lengths, T, reverse, y, y_off, Kout, y_bf_T, consts, keep, q, me,
-           parts, sync):  # fmt: skip
+           slot, h_store, gates, lengths, T, reverse, y, y_off, Kout, y_bf_T, consts, keep, q,
+           bf16_act, me, parts, sync):  # fmt: skip
     """Every step of one (layer, direction): phase 1 on Rt and h_prev, then, where second =
     (run, W2, src2, K2) says run, phase 2 on W2 and src2 (K2 inputs); returns which buffer
     holds the final h (see the module docstring)."""
@@ -224,12 +227,12 @@ def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt
     if slot.shape[0] > 0:
         g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
-        A = operand(Rt, hp, q, me, n0, n1, K, True)
+        A = operand(Rt, hp, q, me, n0, n1, K, True, bf16_act)
         g = _phase(gemm1, update1, cell, Rt, A, K, carry1, s, hp, hn, n0, n1, g, xw, xw_bf_T, K,
                    gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me,
                    parts, sync)  # fmt: skip
         if run2:
-            A = operand(W2, src2, q, me, n0, n1, K2, True)
+            A = operand(W2, src2, q, me, n0, n1, K2, True, bf16_act)
             g = _phase(gemm2, update2, cell, W2, A, K2, True, s, hp, hn, n0, n1, g, xw,
                        xw_bf_T, K, gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T,
                        consts, keep, me, parts, sync)  # fmt: skip
@@ -335,8 +338,8 @@ def _lstm_projected(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_
 
 def _lstm(
     xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, slot, h_store, gates, hfull, lengths,
-    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, me, parts,
-    sync,
+    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, bf16_act, me,
+    parts, sync,
 ):  # fmt: skip
     # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
     # cell and the hidden update in registers, one vector pass — no per-gate passes.
@@ -348,7 +351,7 @@ def _lstm(
     second = (P > 0, proj, hfull, hfull.shape[1])  # the projection
     return _steps(_lstm_gates, _lstm_cell, P == 0, _lstm_projection, _lstm_projected, second, cell,
                   xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off,
-                  Kout, y_bf_T, consts, keep, q, me, parts, sync)  # fmt: skip
+                  Kout, y_bf_T, consts, keep, q, bf16_act, me, parts, sync)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- GRU
@@ -417,7 +420,8 @@ def _gru_reset_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_
 
 def _gru(
     xw, xw_bf_T, Rt, K, rb, linear_before_reset, h_a, h_b, slot, h_store, gates, rh, lengths, T,
-    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, me, parts, sync,
+    reverse, y, y_off, y_bf_T, acts, alphas, betas, consts, keep, ghn, q, bf16_act, me, parts,
+    sync,
 ):  # fmt: skip
     fast = acts[0] == SIGMOID and acts[1] == TANH and not consts[3] > consts[0]
     fast = fast and linear_before_reset
@@ -426,7 +430,8 @@ def _gru(
     second = (not linear_before_reset, Rt, rh, K)  # R_n (r*h) after r
     return _steps(_gru_gates, _gru_cell, linear_before_reset, _gru_reset_gemm, _gru_reset_cell,
                   second, cell, xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T,
-                  reverse, y, y_off, K, y_bf_T, consts, keep, q, me, parts, sync)  # fmt: skip
+                  reverse, y, y_off, K, y_bf_T, consts, keep, q, bf16_act, me, parts,
+                  sync)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------- RNN
@@ -464,14 +469,14 @@ def _rnn_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
 
 def _rnn(
     xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off, y_bf_T, acts,
-    alphas, betas, consts, keep, q, me, parts, sync,
+    alphas, betas, consts, keep, q, bf16_act, me, parts, sync,
 ):  # fmt: skip
     cell = (acts[0], alphas[0], betas[0])
     # one phase: the second's hooks are the first's, never run
     second = (False, Rt, h_a, K)
     return _steps(_rnn_gates, _rnn_cell, True, _rnn_gates, _rnn_cell, second, cell, xw, xw_bf_T,
                   Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off, K, y_bf_T,
-                  consts, keep, q, me, parts, sync)  # fmt: skip
+                  consts, keep, q, bf16_act, me, parts, sync)  # fmt: skip
 
 
 lstm = kernel(_lstm)

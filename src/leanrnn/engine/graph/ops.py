@@ -350,7 +350,7 @@ def _packed_product(ctx, pm: PackedMatmul, a, out, tail) -> None:
             sync[:] = 0
             call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
                             b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
-                            q=NO_SCRATCH)  # fmt: skip
+                            q=NO_SCRATCH, bf16_act=False)  # fmt: skip
             runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
     if full < U:
         out[:, full * PANEL :] = tail[:, : pm.M - full * PANEL]
