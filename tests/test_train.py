@@ -191,6 +191,25 @@ def test_recompute_equals_storing_to_the_bit(cell):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("lstm", {"num_layers": 2, "proj_size": 7}), ("lstm", {}), ("gru", {"num_layers": 2}),
+    ("rnn", {}),
+])  # fmt: skip
+@pytest.mark.parametrize("N", [1, 21])
+def test_the_training_forward_gives_the_inference_forwards_bits(cell, kw, N, dtype):
+    """The training forward is the inference one with each step's gates kept for backward;
+    storing them must not change what is computed (it did: the fast-math kernels rewrote the
+    LSTM's cell update differently once its gates had a second use, ~1e-8 apart)."""
+    make = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU, "rnn": leanrnn.RNN}[cell]
+    m = make(6, 20, seed=4, **kw).astype(dtype)
+    x = np.random.default_rng(4).standard_normal((5, N, 6)).astype(dtype)
+    tape = Trainer(m).forward(x)
+    y, h_n = m(x)[:2]
+    assert np.array_equal(tape.y, y)
+    assert np.array_equal(tape.h_n, h_n[0] if cell == "lstm" else h_n)
+
+
 def test_accumulation_of_micro_batches_equals_one_batch():
     rng = np.random.default_rng(1)
     m = leanrnn.GRU(4, 16, dtype=np.float64, seed=0)

@@ -14,6 +14,8 @@ first one. The math (PyTorch's, ONNX's default activations; flush() as in _math)
     gru_update:   z, r = sig(gates + xw)[0:B], sig(..)[B:2B]
                   n = tanh(xw[2B:3B] + r * (gates[2B:3B] + rb[2B:3B]))    (linear_before_reset)
                   h_new = flush((1 - z)*n + z*h_prev)
+    (lstm_update_keep / gru_update_keep also leave the activated gates in xw's row, for
+    training's backward)
     rnn_update:   h_new = flush(tanh(gates + xw))
 
 No argument may alias another, except that the rows read may be anywhere (they are loaded before
@@ -92,6 +94,16 @@ class _Vec:
     def fma(self, x, y, z):
         return self.b.call(self._fma, [x, y, z])
 
+    def fence(self, x):
+        """x behind llvm.arithmetic.fence: the kernels compile with reassoc/contract, and LLVM
+        rewrites an expression by how many uses its parts have; a gate the training forward
+        also stores has one use more than in inference, and without the fence the two got
+        different bits (the fence costs no instruction)."""
+        fence = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(self.vt, [self.vt]), "llvm.arithmetic.fence.v16f32"
+        )
+        return self.b.call(fence, [x])
+
     def tanh(self, x):
         """The rational tanh of _math, lane-wise (clamped by compares: NaN passes through)."""
         hi, lo = self.const(TANH_CLAMP), self.const(-TANH_CLAMP)
@@ -115,6 +127,21 @@ class _Vec:
         return self.b.select(small, self.const(0.0), v)
 
 
+@intrinsic
+def fence_(typingctx, x):
+    """The scalar x behind llvm.arithmetic.fence (see _Vec.fence), for the float64 loops."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def gen(context, builder, sig, args):
+        t = context.get_value_type(sig.args[0])
+        name = f"llvm.arithmetic.fence.f{sig.args[0].bitwidth}"
+        fence = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t]), name)
+        return builder.call(fence, args)
+
+    return x(x), gen
+
+
 def _f32_arrays(*arrays) -> bool:
     return all(isinstance(a, types.Array) and a.dtype == _F32 and a.ndim == 2 for a in arrays)
 
@@ -125,8 +152,10 @@ def lstm_update(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):  # pragm
 
 
 def lstm_update_keep(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):  # pragma: no cover
-    """lstm_update that also leaves the pre-activation gates + xw in xw's row (training keeps
-    it for backward): the same bits as lstm_update, one vector store per gate more."""
+    """lstm_update that also leaves the activated gates i, f, g, o in xw's row (training keeps
+    them for backward, which then needs no activation function but tanh(c): it recomputed
+    eight per unit and step from the pre-activations, over half of its time at H=128): the
+    same bits as lstm_update, one vector store per gate more."""
     raise NotImplementedError("numba-only")
 
 
@@ -134,10 +163,11 @@ def _lstm_gen(keep: bool):
     def gen(context, builder, sig, args):
         v = _Vec(context, builder, sig, args)
         pre = [v.add(v.load(0, k), v.load(3, k)) for k in range(4)]
+        acts = (v.sigmoid(pre[0]), v.sigmoid(pre[1]), v.tanh(pre[2]), v.sigmoid(pre[3]))
+        ig, fg, gg, og = (v.fence(a) for a in acts)  # the same bits with keep and without
         if keep:
-            for k in range(4):
-                v.store(pre[k], 3, k)
-        ig, fg, gg, og = v.sigmoid(pre[0]), v.sigmoid(pre[1]), v.tanh(pre[2]), v.sigmoid(pre[3])
+            for k, act in enumerate((ig, fg, gg, og)):
+                v.store(act, 3, k)
         tiny_v = v.splat(args[12])
         cnew = v.flush(v.fma(fg, v.load(6), v.mul(ig, gg)), tiny_v)
         v.store(cnew, 6)
@@ -174,12 +204,13 @@ def _lstm_loop(keep: bool):
             pf = gates[gr, gc + B + j] + xw[xr, xc + B + j]
             pg = gates[gr, gc + 2 * B + j] + xw[xr, xc + 2 * B + j]
             po = gates[gr, gc + 3 * B + j] + xw[xr, xc + 3 * B + j]
+            i_, f_ = fence_(sigmoid_(pi)), fence_(sigmoid_(pf))  # see _Vec.fence
+            g_, o_ = fence_(tanh_(pg)), fence_(sigmoid_(po))
             if keep:
-                xw[xr, xc + j] = pi
-                xw[xr, xc + B + j] = pf
-                xw[xr, xc + 2 * B + j] = pg
-                xw[xr, xc + 3 * B + j] = po
-            i_, f_, g_, o_ = sigmoid_(pi), sigmoid_(pf), tanh_(pg), sigmoid_(po)
+                xw[xr, xc + j] = i_
+                xw[xr, xc + B + j] = f_
+                xw[xr, xc + 2 * B + j] = g_
+                xw[xr, xc + 3 * B + j] = o_
             cv = flush(f_ * c[cr, cc + j] + i_ * g_, tiny, zero)
             c[cr, cc + j] = cv
             h[hr, hc + j] = flush(o_ * tanh_(cv), tiny, zero)
@@ -210,31 +241,78 @@ def gru_update(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):  # 
     raise NotImplementedError("numba-only")
 
 
-@intrinsic
-def _gru_f32(typingctx, gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
-    if not _f32_arrays(gates, xw, hp, hn) or not (
-        isinstance(rb, types.Array) and rb.dtype == _F32 and rb.ndim == 1
-    ):
-        return None
-    i = types.intp
+def gru_update_keep(
+    gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
+):  # pragma: no cover
+    """gru_update that also leaves z, r and n in xw's row (training keeps them for backward,
+    which then needs no activation function at all): the same bits as gru_update."""
+    raise NotImplementedError("numba-only")
 
+
+def _gru_gen(keep: bool):
     def gen(context, builder, sig, args):
         v = _Vec(context, builder, sig, args)
-        z = v.sigmoid(v.add(v.load(0, 0), v.load(3, 0)))
-        r = v.sigmoid(v.add(v.load(0, 1), v.load(3, 1)))
+        z = v.fence(v.sigmoid(v.add(v.load(0, 0), v.load(3, 0))))  # fenced: see _Vec.fence
+        r = v.fence(v.sigmoid(v.add(v.load(0, 1), v.load(3, 1))))
         # rb is 1-D: its block starts at gate column gc (the same columns as the gates row)
         rb_t = sig.args[6]
         rba = cgutils.create_struct_proxy(rb_t)(context, builder, value=args[6])
         rbp = builder.gep(rba.data, [builder.add(args[2], ir.Constant(args[2].type, 2 * B))])
         rbv = builder.load(builder.bitcast(rbp, v.vt.as_pointer()), align=4)
-        n = v.tanh(v.fma(r, v.add(v.load(0, 2), rbv), v.load(3, 2)))
+        n = v.fence(v.tanh(v.fma(r, v.add(v.load(0, 2), rbv), v.load(3, 2))))
         hprev = v.load(7)
         # (1 - z)*n + z*h = n + z*(h - n)
         hnew = v.fma(z, v.b.fsub(hprev, n), n)
         v.store(v.flush(hnew, v.splat(args[13])), 10)
+        if keep:  # after n: the row's n slot is n's input
+            for k, act in enumerate((z, r, n)):
+                v.store(act, 3, k)
         return context.get_dummy_value()
 
-    return types.void(gates, i, i, xw, i, i, rb, hp, i, i, hn, i, i, tiny), gen
+    return gen
+
+
+def _gru_types(gates, xw, hp, hn, rb):
+    return _f32_arrays(gates, xw, hp, hn) and (
+        isinstance(rb, types.Array) and rb.dtype == _F32 and rb.ndim == 1
+    )
+
+
+def _gru_sig(gates, xw, rb, hp, hn, tiny):
+    i = types.intp
+    return types.void(gates, i, i, xw, i, i, rb, hp, i, i, hn, i, i, tiny)
+
+
+@intrinsic
+def _gru_f32(typingctx, gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
+    if not _gru_types(gates, xw, hp, hn, rb):
+        return None
+    return _gru_sig(gates, xw, rb, hp, hn, tiny), _gru_gen(False)
+
+
+@intrinsic
+def _gru_keep_f32(typingctx, gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
+    if not _gru_types(gates, xw, hp, hn, rb):
+        return None
+    return _gru_sig(gates, xw, rb, hp, hn, tiny), _gru_gen(True)
+
+
+def _gru_loop(keep: bool):
+    def loop(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
+        zero = tiny - tiny
+        one = zero + 1
+        for j in range(B):
+            z = fence_(sigmoid_(gates[gr, gc + j] + xw[xr, xc + j]))  # see _Vec.fence
+            r = fence_(sigmoid_(gates[gr, gc + B + j] + xw[xr, xc + B + j]))
+            m = 2 * B + j
+            n = fence_(tanh_(xw[xr, xc + m] + r * (gates[gr, gc + m] + rb[gc + m])))
+            hn[nr, nc + j] = flush((one - z) * n + z * hp[pr, pc + j], tiny, zero)
+            if keep:
+                xw[xr, xc + j] = z
+                xw[xr, xc + B + j] = r
+                xw[xr, xc + m] = n
+
+    return loop
 
 
 @overload(gru_update, inline="always")
@@ -243,18 +321,16 @@ def _gru_ov(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
         return lambda gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny: _gru_f32(
             gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
         )
+    return _gru_loop(False)
 
-    def loop(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
-        zero = tiny - tiny
-        one = zero + 1
-        for j in range(B):
-            z = sigmoid_(gates[gr, gc + j] + xw[xr, xc + j])
-            r = sigmoid_(gates[gr, gc + B + j] + xw[xr, xc + B + j])
-            m = 2 * B + j
-            n = tanh_(xw[xr, xc + m] + r * (gates[gr, gc + m] + rb[gc + m]))
-            hn[nr, nc + j] = flush((one - z) * n + z * hp[pr, pc + j], tiny, zero)
 
-    return loop
+@overload(gru_update_keep, inline="always")
+def _gru_keep_ov(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
+    if _f32_arrays(gates, xw, hp, hn):
+        return lambda gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny: _gru_keep_f32(
+            gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
+        )
+    return _gru_loop(True)
 
 
 # ------------------------------------------------------------------------------------ RNN

@@ -3,7 +3,8 @@ direction) over a segment of ``T`` steps, newest first (train.steps is their Num
 
 Per step two phases (threads as in kernels.recurrent, see _sync):
   A. each unit block u (its gates are one panel of G): the cell's backward for its units, in
-     place over the gate pre-activations of the step's rows, which become gate gradients;
+     place over what the forward kept of the step's rows (LSTM and GRU: the activated gates;
+     RNN: the pre-activations), which become gate gradients;
      those gradients also go to ``dgs`` (rows n = sample, as the GEMM wants them).
   B. each panel v of RT (R's columns in panels of up to 4 groups of B, _dh_gemm):
      ``dh_prev[:, v] = dgs @ R[:, v]`` with the register-tiled panel GEMM (gemm.panel4/2/1);
@@ -16,8 +17,10 @@ The LSTM recomputes its cell states first (one phase: every unit is independent 
 with a projection, adds a phase per step for the projected h's gradient (phase A needs all of it).
 
 Arrays (packed column order; ``Gp`` gate columns, ``Hp``/``Kp`` padded; rows t*N + n):
-  G:     [T*N, Gp]  in: gate pre-activations; out: their gradients (zero on steps past a
-                    sample's length). GRU: the n block holds ``W_n x + bW_n`` in, ``d(pre_n)`` out
+  G:     [T*N, Gp]  in: the activated gates (LSTM i, f, g, o; GRU z, r, n), RNN the
+                    pre-activations; out: the pre-activations' gradients (zero on steps past
+                    a sample's length; GRU's n block ``d(pre_n)``, pre_n = W_n x + bW_n +
+                    r * (R_n h + bR_n))
   ghn:   [T*N, Hp]  GRU: in ``R_n h + bR_n``, out its gradient ``d(pre_n) * r``
   hprev: [T*N, >=K] GRU: the state each step started from
   c0:    [N, Hp]    LSTM cell state before the segment;  cs: [T*N, Hp] scratch (c of each step)
@@ -44,7 +47,7 @@ from numba.extending import intrinsic, overload
 
 from ._cells import _Vec
 from ._jit import inline, kernel
-from ._math import sigmoid_, tanh_
+from ._math import tanh_
 from ._sync import ALIGN, claim, end_phase, finish, share
 from .abi import B
 from .gemm import panel1, panel2, panel4
@@ -67,7 +70,7 @@ def _f32(*arrays) -> bool:
 
 
 def lstm_c(G, gr, gc, cp, pr, pc, cs, sr, sc):  # pragma: no cover
-    """cs[sr, sc:+B] = sig(f)*cp[pr, pc:+B] + sig(i)*tanh(g), gates from G[gr, gc:+4B]."""
+    """cs[sr, sc:+B] = f*cp[pr, pc:+B] + i*g, the activated gates from G[gr, gc:+4B]."""
     raise NotImplementedError("numba-only")
 
 
@@ -79,7 +82,7 @@ def _lstm_c_f32(typingctx, G, gr, gc, cp, pr, pc, cs, sr, sc):
 
     def gen(context, builder, sig, args):
         v = _Vec(context, builder, sig, args)
-        ig, fg, gg = v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)), v.tanh(v.load(0, 2))
+        ig, fg, gg = v.load(0, 0), v.load(0, 1), v.load(0, 2)
         v.store(v.fma(fg, v.load(3), v.mul(ig, gg)), 6)
         return context.get_dummy_value()
 
@@ -94,9 +97,9 @@ def _lstm_c_ov(G, gr, gc, cp, pr, pc, cs, sr, sc):
 
     def loop(G, gr, gc, cp, pr, pc, cs, sr, sc):
         for j in range(B):
-            i = sigmoid_(G[gr, gc + j])
-            f = sigmoid_(G[gr, gc + B + j])
-            g = tanh_(G[gr, gc + 2 * B + j])
+            i = G[gr, gc + j]
+            f = G[gr, gc + B + j]
+            g = G[gr, gc + 2 * B + j]
             cs[sr, sc + j] = f * cp[pr, pc + j] + i * g
 
     return loop
@@ -104,7 +107,7 @@ def _lstm_c_ov(G, gr, gc, cp, pr, pc, cs, sr, sc):
 
 def lstm_cell_back(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc,
                    keep):  # pragma: no cover  # fmt: skip
-    """One block's LSTM backward: G[gr, gc:+4B] pre-activations -> gate gradients (also into
+    """One block's LSTM backward: G[gr, gc:+4B] activated gates -> gate gradients (also into
     dgs[dr, dcol:+4B], whose o slot holds dh of the block's units on entry); c from cs, the
     previous c from cp; dc[cr, cc:+B] in/out; keep: hf[hr, hc:+B] = o*tanh(c)."""
     raise NotImplementedError("numba-only")
@@ -120,8 +123,7 @@ def _lstm_back_f32(typingctx, G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, 
     def gen(context, builder, sig, args):
         v = _Vec(context, builder, sig, args)
         one = v.const(1.0)
-        ig, fg, gg, og = (v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)),
-                          v.tanh(v.load(0, 2)), v.sigmoid(v.load(0, 3)))  # fmt: skip
+        ig, fg, gg, og = (v.load(0, k) for k in range(4))
         tc = v.tanh(v.load(3))
         dhu = v.load(9, 3)
         dct = v.fma(v.mul(dhu, og), v.b.fsub(one, v.mul(tc, tc)), v.load(12))
@@ -151,10 +153,10 @@ def _lstm_back_ov(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, 
 
     def loop(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc, keep):
         for j in range(B):
-            i = sigmoid_(G[gr, gc + j])
-            f = sigmoid_(G[gr, gc + B + j])
-            gg = tanh_(G[gr, gc + 2 * B + j])
-            o = sigmoid_(G[gr, gc + 3 * B + j])
+            i = G[gr, gc + j]
+            f = G[gr, gc + B + j]
+            gg = G[gr, gc + 2 * B + j]
+            o = G[gr, gc + 3 * B + j]
             tc = tanh_(cs[sr, sc + j])
             dhu = dgs[dr, dcol + 3 * B + j]
             dct = dc[cr, cc + j] + dhu * o * (1 - tc * tc)
@@ -178,8 +180,8 @@ def _lstm_back_ov(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, 
 
 
 def gru_cell_back(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):  # pragma: no cover
-    """One block's GRU backward: G[gr, gc:+3B] (z, r pre-activations, W_n x + bW_n) -> their
-    gradients, also into dgs[dr, dcol:+3B] (the n slot with d(pre_n)*r), whose z slot holds
+    """One block's GRU backward: G[gr, gc:+3B] (z, r, n as the forward kept them) -> the
+    gradients of their pre-activations, also into dgs[dr, dcol:+3B] (the n slot with d(pre_n)*r), whose z slot holds
     h_prev and n slot dh on entry; ghn[hr, hc:+B] R_n h + bR_n -> d(pre_n)*r; dh = dh*z."""
     raise NotImplementedError("numba-only")
 
@@ -194,8 +196,7 @@ def _gru_back_f32(typingctx, G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):
         v = _Vec(context, builder, sig, args)
         one = v.const(1.0)
         dht, h0 = v.load(6, 2), v.load(6, 0)
-        z, r, gh = v.sigmoid(v.load(0, 0)), v.sigmoid(v.load(0, 1)), v.load(3)
-        nn = v.tanh(v.fma(r, gh, v.load(0, 2)))
+        z, r, nn, gh = v.load(0, 0), v.load(0, 1), v.load(0, 2), v.load(3)
         dnp = v.mul(v.mul(dht, v.b.fsub(one, z)), v.b.fsub(one, v.mul(nn, nn)))
         dzp = v.mul(v.mul(dht, v.b.fsub(h0, nn)), v.mul(z, v.b.fsub(one, z)))
         drp = v.mul(v.mul(dnp, gh), v.mul(r, v.b.fsub(one, r)))
@@ -221,10 +222,10 @@ def _gru_back_ov(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):
         for j in range(B):
             dht = dgs[dr, dcol + 2 * B + j]
             h0 = dgs[dr, dcol + j]
-            z = sigmoid_(G[gr, gc + j])
-            r = sigmoid_(G[gr, gc + B + j])
+            z = G[gr, gc + j]
+            r = G[gr, gc + B + j]
             gh = ghn[hr, hc + j]
-            nn = tanh_(G[gr, gc + 2 * B + j] + r * gh)
+            nn = G[gr, gc + 2 * B + j]
             dnp = dht * (1 - z) * (1 - nn * nn)
             dzp = dht * (h0 - nn) * z * (1 - z)
             drp = dnp * gh * r * (1 - r)

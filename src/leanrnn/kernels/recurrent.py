@@ -51,7 +51,8 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   bf16_act: bf16 panels on AMX multiply those rows rounded to bfloat16 (one tile product,
            as torch's autocast does) instead of split in two (precision "bf16-act")
   keep:    training (train.session): leave each step's gate pre-activations in its xw row
-           (backward reads them instead of recomputing h_prev R^T); GRU also writes R_n h + bR_n
+           (the LSTM's and GRU's activated gates; backward reads them instead of recomputing
+           h_prev R^T and the activations); GRU also writes R_n h + bR_n
            to ghn [rows, Hp]. Only the fused paths of PyTorch's cells keep (the others are
            ONNX-only and never trained); the outputs are the same bits either way.
   me, parts, sync: this thread's index, the thread count and their sync array (see _sync)
@@ -60,7 +61,7 @@ No argument may alias another.
 
 from __future__ import annotations
 
-from ._cells import gru_update, lstm_update, lstm_update_keep, rnn_update
+from ._cells import gru_update, gru_update_keep, lstm_update, lstm_update_keep, rnn_update
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import SHARE_TILES, claim, end_phase, finish, share
@@ -126,8 +127,8 @@ def _gru_finish(gates, n, rz, rn, c0, hp, hn, clip, ag, alg, beg, zero, one, tin
 
 @inline
 def _keep_span(xw, xr, col, gates, n, length, zero):
-    """xw row += gates row (the pre-activation stays in xw), gates row = 0: the fused update
-    that follows adds the two again and gets the same bits."""
+    """xw row += gates row (the pre-activation stays in xw: the RNN's), gates row = 0: the
+    fused update that follows adds the two again and gets the same bits."""
     for j in range(length):
         xw[xr, col + j] += gates[n, col + j]
         gates[n, col + j] = zero
@@ -274,7 +275,7 @@ def _lstm_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store
     cr = slot[n] if slot.shape[0] > 0 else n  # c's row
     if fast:
         dst = hn if P == 0 else hfull
-        if keep:  # the pre-activation stays in xw, stored from registers
+        if keep:  # the activated gates stay in xw, stored from registers
             lstm_update_keep(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
         else:
             lstm_update(gates, n, r0, xw, xr, r0, c, cr, c0, dst, n, c0, tiny)
@@ -379,11 +380,12 @@ def _gru_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
     c0 = u * B
     xr = _yrow(t, n, N, xw_bf_T)
     if fast:  # PyTorch's GRU in one fused pass
-        if keep:
-            _keep_span(xw, xr, rz, gates, n, 2 * B, zero)
+        if keep:  # z, r and n stay in xw, stored from registers
             for j in range(B):
                 ghn[xr, c0 + j] = gates[n, rn + j] + rb[rn + j]
-        gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
+            gru_update_keep(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
+        else:
+            gru_update(gates, n, r0, xw, xr, r0, rb, hp, n, c0, hn, n, c0, tiny)
         _done(slot, h_store, hn, n, c0, K, s, lengths, y, _yrow(t, n, N, y_bf_T), y_off)
         return
     _add_span(gates, n, rz, xw, xr, 2 * B)

@@ -2,8 +2,10 @@
 
 Design. The training forward *is* the inference forward: the same kernels (kernels.recurrent)
 run every (layer, direction), with ``keep`` set: each step leaves its gate pre-activations
-``G = xW + hR + b`` in its row of the input projection ``xw`` (GRU: ``R_n h + bR_n`` in ``ghn``
-as well), and xw and every layer output are kept (the *reserve*) instead of being released.
+``G = xW + hR + b`` in its row of the input projection ``xw`` (the LSTM and GRU their
+activations, i, f, g, o and z, r, n, so that backward needs no activation function but the
+LSTM's tanh(c); GRU: ``R_n h + bR_n`` in ``ghn`` as well), and xw and every layer output are kept (the *reserve*) instead of being
+released.
 Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
 reverse order:
 
@@ -750,7 +752,8 @@ class Trainer:
     def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn,
              autocast: str | None = None) -> abi.Call:  # fmt: skip
         """The inference job of op (layer, d) with its arguments by name (abi.JOBS), keeping
-        the gate pre-activations in xw (and GRU's R_n h + bR_n in ghn) for backward; under
+        the gate pre-activations in xw (the LSTM's and GRU's activations; GRU's R_n h + bR_n
+        in ghn) for backward; under
         autocast the bf16 job on the rounded weights."""
         spec = self.spec
         aux = mem["aux"] if spec.proj_size else np.zeros((N, 0), self.dtype)
@@ -978,8 +981,8 @@ class Trainer:
                 hprev[TN - N :] = 0
                 ok = lens > 0
                 hprev[(lens[ok] - 1) * N + np.nonzero(ok)[0]] = h_start[ok]
-        # G: the forward kernels left each step's gate pre-activations in xw (keep); GRU's
-        # n block holds W_n x + bW_n there and R_n h + bR_n in ghn.
+        # G: the forward kernels left each step's activated gates in xw (keep; the RNN's
+        # pre-activations); GRU's R_n h + bR_n is in ghn.
         gru = spec.cell == "gru"
         ghn = mem[f"ghn.{k}"][off : off + TN] if gru else None
         dhk = mem["dh"]

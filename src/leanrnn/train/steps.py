@@ -7,9 +7,10 @@ step) are the oracle the backward kernels (kernels.backward, which train.session
 tested against in tests/test_train_kernels.py.
 
 Arrays (packed column order, see formats.packing; ``Gp`` gate columns, ``Hp``/``Kp`` padded):
-  G:     [T*N, Gp]  in: gate pre-activations of every step, rows t*N + n (time-major);
-                    out: their gradients (zero on steps past a sample's length). GRU: the n
-                    block holds the input part ``W_n x + bW_n`` in, ``d(pre_n)`` out.
+  G:     [T*N, Gp]  in: what the forward kept of every step, rows t*N + n (time-major):
+                    the activated gates (LSTM i, f, g, o; GRU z, r, n), RNN the
+                    pre-activations; out: the pre-activations' gradients (zero on steps
+                    past a sample's length; GRU's n block ``d(pre_n)``).
   ghn:   [T*N, Hp]  GRU only: in ``R_n h + bR_n``, out its gradient ``d(pre_n) * r``
   hprev: [T*N, K]   the state each step started from (h0 or the step before)
   c0:    [N, Hp]    LSTM cell state before the first step; cs: [T*N, Hp] scratch (c per step)
@@ -26,10 +27,6 @@ Arrays (packed column order, see formats.packing; ``Gp`` gate columns, ``Hp``/``
 from __future__ import annotations
 
 import numpy as np
-
-
-def _sig(x):
-    return 0.5 * np.tanh(0.5 * x) + 0.5
 
 
 def step_rows(lengths: np.ndarray, T: int, N: int, reverse: bool) -> np.ndarray:
@@ -62,7 +59,7 @@ def lstm_backward(G, hprev, c0, cs, dy, y_off, dh, dc, Rd, K, rows, proj, hf, dh
         # both are zeroed, as arena garbage may be NaN and 0 * NaN is NaN
         dhs[:] = 0
         hf[:] = 0
-    # Recompute c of every step, oldest first (the forward kept only the pre-activations).
+    # Recompute c of every step, oldest first (the forward kept only the activated gates).
     c = c0.copy()
     for s in range(T):
         act = np.nonzero(rows[s] >= 0)[0]
@@ -70,15 +67,14 @@ def lstm_backward(G, hprev, c0, cs, dy, y_off, dh, dc, Rd, K, rows, proj, hf, dh
             continue
         r = rows[s, act]
         i, f, g, _ = _gates(G, r, 4, U, B)
-        c[act] = _sig(f) * c[act] + _sig(i) * np.tanh(g)
+        c[act] = f * c[act] + i * g
         cs[r] = c[act]
     for s in range(T - 1, -1, -1):
         act = np.nonzero(rows[s] >= 0)[0]
         if len(act) == 0:
             continue
         r = rows[s, act]
-        pi, pf, pg, po = _gates(G, r, 4, U, B)
-        i, f, g, o = _sig(pi), _sig(pf), np.tanh(pg), _sig(po)
+        i, f, g, o = _gates(G, r, 4, U, B)
         c_t = cs[r]
         prev = rows[s - 1, act] if s > 0 else np.full(len(act), -1)
         c_prev = np.where((prev >= 0)[:, None], cs[np.maximum(prev, 0)], c0[act])
@@ -113,10 +109,8 @@ def gru_backward(G, ghn, hprev, dy, y_off, dh, Rd, K, rows):
         if len(act) == 0:
             continue
         r_ = rows[s, act]
-        pz, pr, xn = _gates(G, r_, 3, U, B)
-        z, r = _sig(pz), _sig(pr)
+        z, r, n = _gates(G, r_, 3, U, B)
         gh = ghn[r_]
-        n = np.tanh(xn + r * gh)
         h0 = np.zeros((len(act), Hp), G.dtype)
         h0[:, :K] = hprev[r_]
         dh_t = np.zeros((len(act), Hp), G.dtype)
@@ -155,7 +149,7 @@ def rnn_backward(G, dy, y_off, dh, Rd, K, rows, relu: bool):
 
 
 def _zero_inactive(G, rows):
-    """Rows no step reached (past every length) hold pre-activations still: zero them."""
+    """Rows no step reached (past every length) hold the forward's values still: zero them."""
     T, N = rows.shape
     seen = np.zeros(T * N, bool)
     seen[rows[rows >= 0]] = True
