@@ -218,22 +218,23 @@ def _lstm_loop(keep: bool):
     return loop
 
 
-@overload(lstm_update, inline="always")
-def _lstm_ov(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
-    if _f32_arrays(gates, xw, c, h):
-        return lambda gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny: _lstm_f32(
-            gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny
-        )
-    return _lstm_loop(False)
+def _lstm_ov(keep: bool):
+    """lstm_update's (keep: lstm_update_keep's) overload: the vector IR for float32, else the
+    loop."""
+    vector = _lstm_keep_f32 if keep else _lstm_f32
+
+    def ov(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
+        if _f32_arrays(gates, xw, c, h):
+            return lambda gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny: vector(
+                gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny
+            )
+        return _lstm_loop(keep)
+
+    return ov
 
 
-@overload(lstm_update_keep, inline="always")
-def _lstm_keep_ov(gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny):
-    if _f32_arrays(gates, xw, c, h):
-        return lambda gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny: _lstm_keep_f32(
-            gates, gr, gc, xw, xr, xc, c, cr, cc, h, hr, hc, tiny
-        )
-    return _lstm_loop(True)
+overload(lstm_update, inline="always")(_lstm_ov(False))
+overload(lstm_update_keep, inline="always")(_lstm_ov(True))
 
 
 # ------------------------------------------------------------------------------------ GRU
@@ -315,22 +316,22 @@ def _gru_loop(keep: bool):
     return loop
 
 
-@overload(gru_update, inline="always")
-def _gru_ov(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
-    if _f32_arrays(gates, xw, hp, hn):
-        return lambda gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny: _gru_f32(
-            gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
-        )
-    return _gru_loop(False)
+def _gru_ov(keep: bool):
+    """gru_update's (keep: gru_update_keep's) overload, as _lstm_ov."""
+    vector = _gru_keep_f32 if keep else _gru_f32
+
+    def ov(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
+        if _f32_arrays(gates, xw, hp, hn):
+            return lambda gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny: vector(
+                gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
+            )
+        return _gru_loop(keep)
+
+    return ov
 
 
-@overload(gru_update_keep, inline="always")
-def _gru_keep_ov(gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny):
-    if _f32_arrays(gates, xw, hp, hn):
-        return lambda gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny: _gru_keep_f32(
-            gates, gr, gc, xw, xr, xc, rb, hp, pr, pc, hn, nr, nc, tiny
-        )
-    return _gru_loop(True)
+overload(gru_update, inline="always")(_gru_ov(False))
+overload(gru_update_keep, inline="always")(_gru_ov(True))
 
 
 # ------------------------------------------------------------------------------------ RNN
