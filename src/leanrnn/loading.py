@@ -157,8 +157,8 @@ def save(model: RunnableModel, path) -> str:
 
 def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
-    to ``dst``, its recurrent weights in ``precision`` ("bf16", "int8" or "int8-dynamic", see
-    ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
+    to ``dst``, its recurrent weights in ``precision`` ("bf16", "bf16-act", "int8" or
+    "int8-dynamic", see ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
     src, dst = _path(src, "convert"), _path(dst, "convert")
     if not dst.lower().endswith(".lrnn"):
         raise ModelFormatError(

@@ -40,8 +40,9 @@ def quantize(model, precision: str):
     "bf16-act" is bf16's weights with the activations (x, h, the GRU's r*h) rounded to
     bfloat16 too before each product, as torch's autocast and oneDNN's bf16 do: on AMX one
     tile product where bf16 does two (it splits each activation into two bfloat16 terms to
-    keep float32's accuracy), so batches run up to ~1.7x faster than bf16; on every path and
-    CPU alike, so results do not depend on the batch. Sums, states and gates stay float32.
+    keep float32's accuracy), so batches run ~1.2-1.6x faster than bf16; on every path and
+    CPU alike, so results do not depend on the batch beyond float32 summation order. Sums,
+    states and gates stay float32.
 
     Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
     at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8

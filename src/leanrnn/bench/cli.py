@@ -68,8 +68,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--precision",
         type=_names,
-        help="comma list of f32,bf16,int8,int8-dynamic: adds leanrnn's reduced-precision rows "
-        "(int8-dynamic also torch-qint8 and onnxruntime-int8); without f32 only those run",
+        help="comma list of f32,bf16,bf16-act,int8,int8-dynamic: adds leanrnn's "
+        "reduced-precision rows (int8-dynamic also torch-qint8 and onnxruntime-int8); without "
+        "f32 only those run",
     )
     p.add_argument("--cells", type=_names, help="comma list: lstm,gru")
     p.add_argument("--hidden", type=_ints, help="hidden sizes, e.g. 128,512,1024")

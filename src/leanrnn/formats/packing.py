@@ -34,8 +34,8 @@ ROW_ALIGN = 16  # elements: row strides are multiples of this
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 # Weight precisions of the W and R panels (formats.quantize): "float" is the working dtype;
 # the reduced ones need a float32 working dtype (activations, states and sums stay float32).
-# "bf16-act" holds bf16's panels; it only lets the kernels round the activations to bfloat16
-# too where that makes them faster (AMX; kernels.abi._SCRATCH's bf16_act).
+# "bf16-act" holds bf16's panels; the kernels round the activations to bfloat16 too, on every
+# path (one AMX tile product instead of two; kernels.abi._SCRATCH's bf16_act).
 PRECISIONS = ("float", "bf16", "int8", "int8-dynamic", "bf16-act")
 # bf16: its bits; int8-dynamic: int8 codes tagged uint8 (the kernels pick its tile by it)
 PANEL_DTYPES = {"bf16": np.dtype(np.uint16), "int8": np.dtype(np.int8),

@@ -12,9 +12,10 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   mask. Relative error <= 2**-8. Files and pickles made before 2026-12-02 hold the earlier
   layout (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); they are
   converted as they are read (pair_legacy_bf16).
-- ``bf16-act``: bf16's panels, and the activations rounded to bfloat16 too where AMX multiplies
-  them (panel GEMMs of 4 rows or more: one tile product where bf16 does two, as torch's
-  autocast and oneDNN do); everywhere else it runs exactly as bf16.
+- ``bf16-act``: bf16's panels, and the activations rounded to bfloat16 too before every
+  product, as torch's autocast and oneDNN do: on AMX (panel GEMMs of 4 rows or more) one tile
+  product where bf16 does two; on every other path and CPU the rows rounded for the float32
+  tile (kernels.gemm.round_rows), so the results do not depend on which path ran.
 - ``int8``: symmetric, one scale per packed column — per output unit and gate, separately for
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
@@ -212,9 +213,9 @@ def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
 
 def quantize_packed(pw: PackedWeights, precision: str,
                     out: PackedWeights | None = None) -> PackedWeights:  # fmt: skip
-    """``pw`` (float32 weights) with its W and R panels in ``precision`` ("bf16" or "int8";
-    "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the panels'
-    bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
+    """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
+    PRECISIONS; "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the
+    panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
     twice): quantize the float32 model; between precisions of the same panels ("bf16",
     "bf16-act") the panels are copied as they are. ``out``: weights of this spec and precision
     made so before, refilled in place (mixed-precision training rounds its master weights
@@ -222,18 +223,18 @@ def quantize_packed(pw: PackedWeights, precision: str,
     check_precision(precision, pw.dtype, "quantize")
     if precision == pw.precision:
         return pw
-    if pw.precision != "float" and panel_format(pw.precision) == panel_format(precision):
-        same = PackedWeights(pw.spec, pw.dtype, zero=False, precision=precision)
-        same.buffer[:] = pw.buffer
-        return same
-    if pw.precision != "float":
+    same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
+    if pw.precision != "float" and not same:
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
                          f"weights: quantize the float32 model to {precision!r}")  # fmt: skip
     if out is None:
-        out = PackedWeights(pw.spec, pw.dtype, precision=precision)
+        out = PackedWeights(pw.spec, pw.dtype, zero=not same, precision=precision)
     elif out.spec != pw.spec or out.precision != precision:
         raise DTypeError(f"[quantize] out holds {out.precision} weights of {out.spec}; expected "
                          f"{precision} weights of {pw.spec}")  # fmt: skip
+    if same:
+        out.buffer[:] = pw.buffer
+        return out
     _copy_rest(pw, out)
     for ls, ld in zip(pw.layers, out.layers, strict=True):
         for ps, pd in zip(ls, ld, strict=True):

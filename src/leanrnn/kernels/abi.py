@@ -49,9 +49,10 @@ class Job:
 
 
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
-# q: per-thread scratch for int8-dynamic activations and bf16's split ones (kernels.gemm.operand);
-# [1, 0] otherwise. bf16_act: bf16 panels on AMX multiply activations rounded to bfloat16
-# (one tile product) instead of split in two terms (two products; precision "bf16-act").
+# q: per-thread scratch for int8-dynamic activations, bf16's split ones on AMX and bf16-act's
+# rounded ones (kernels.gemm.operand); [1, 0] otherwise. bf16_act: bf16 panels multiply the
+# activations rounded to bfloat16 (on AMX one tile product instead of the two a split takes;
+# precision "bf16-act").
 _SCRATCH = "q:B2 bf16_act:b"
 _BACK = "RT:F3 K:i"  # a backward job's recurrent weights (transposed panels) and their width
 _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"

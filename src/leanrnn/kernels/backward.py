@@ -181,8 +181,9 @@ def _lstm_back_ov(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, 
 
 def gru_cell_back(G, gr, gc, ghn, hr, hc, dgs, dr, dcol, dh, nr, nc):  # pragma: no cover
     """One block's GRU backward: G[gr, gc:+3B] (z, r, n as the forward kept them) -> the
-    gradients of their pre-activations, also into dgs[dr, dcol:+3B] (the n slot with d(pre_n)*r), whose z slot holds
-    h_prev and n slot dh on entry; ghn[hr, hc:+B] R_n h + bR_n -> d(pre_n)*r; dh = dh*z."""
+    gradients of their pre-activations, also into dgs[dr, dcol:+3B] (the n slot with
+    d(pre_n)*r), whose z slot holds h_prev and n slot dh on entry; ghn[hr, hc:+B] R_n h +
+    bR_n -> d(pre_n)*r; dh = dh*z."""
     raise NotImplementedError("numba-only")
 
 
@@ -362,7 +363,7 @@ def _lstm_back(
     NP = (P + B - 1) // B
     n0, n1, parts = share(N, me, parts, BACK_SHARE_TILES, ALIGN)  # this thread's samples
     g = 0  # phase counter, the same on every thread
-    # The cell state of every step, oldest first (the forward kept only pre-activations).
+    # The cell state of every step, oldest first (the forward kept only the gates).
     for q in range(parts):
         lo, hi = claim(sync, me, q, parts, g, U)
         if hi < 0:

@@ -10,8 +10,10 @@ of 16 columns,
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
 rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
-the rows split into two bfloat16 terms; K is then never sliced. A plain A's row stride must
-not be abi.split_row_floats(K) (the engine's are at most 15 wider than K). There are four of
+the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its own,
+abi.split_row_floats(K, True)); K is then never sliced; bf16-act's other operands rounded
+into float32 rows of K (round_rows). A plain A's row stride must not be a split one (the
+engine's are at most 15 wider than K). There are four of
 them, not one taking N, because each must name its intrinsic statically: a branch on N
 would expand all four tile bodies into every caller. With more than one row, K is cut into
 KC-long slices so the panel slice the row tiles share stays in L2 (the tile needs 256 B of
@@ -174,25 +176,34 @@ def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
             return 1
 
         return quantized
-    if P.dtype == types.uint16:
-        amx = _BF16_AMX
+    if P.dtype == types.uint16 and _BF16_AMX:  # chosen here: split_rows is AVX512-BF16 code
 
-        def bf16(P, A, q, me, i0, i1, K, fresh, bf16_act):
-            if amx and i1 - i0 >= SPLIT_MIN_ROWS:
+        def split(P, A, q, me, i0, i1, K, fresh, bf16_act):
+            if i1 - i0 >= SPLIT_MIN_ROWS:
                 # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
                 ld = _split_ld(K, bf16_act)
                 if q.shape[1] >= (i1 - i0 + 31) // 32 * 32 * 4 * ld:
                     if fresh:
                         split_rows(A, i0, i1, K, q[me], bf16_act)
                     return ld
-            if bf16_act and q.shape[1] >= (i1 - i0) * 4 * K:
-                if fresh:
-                    round_rows(A, i0, i1, K, q[me])
-                return K
-            return 0
+            return _rounded(A, q, me, i0, i1, K, fresh, bf16_act)
 
-        return bf16
+        return split
+    if P.dtype == types.uint16:
+        return lambda P, A, q, me, i0, i1, K, fresh, bf16_act: _rounded(A, q, me, i0, i1, K,
+                                                                        fresh, bf16_act)  # fmt: skip
     return lambda P, A, q, me, i0, i1, K, fresh, bf16_act: 0
+
+
+@inline
+def _rounded(A, q, me, i0, i1, K, fresh, bf16_act):
+    """bf16 panels' operand for the float32 tile: bf16_act's rows rounded into q[me] (stride
+    K), else A itself (0)."""
+    if bf16_act and q.shape[1] >= (i1 - i0) * 4 * K:
+        if fresh:
+            round_rows(A, i0, i1, K, q[me])
+        return K
+    return 0
 
 
 @intrinsic

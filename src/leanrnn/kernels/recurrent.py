@@ -47,9 +47,10 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   q:       [threads, bytes] uint8 scratch: with int8-dynamic panels (uint8 Rt) each thread
            quantizes the rows it multiplies (h_prev, the GRU's r*h) into its own row q[me]
            once per phase (gemm.operand) — N*K element ops against N*K*G multiply-adds;
-           with bf16 panels on AMX it holds those rows split into bfloat16 terms
-  bf16_act: bf16 panels on AMX multiply those rows rounded to bfloat16 (one tile product,
-           as torch's autocast does) instead of split in two (precision "bf16-act")
+           with bf16 panels on AMX it holds those rows split into bfloat16 terms, with
+           bf16_act those rows rounded
+  bf16_act: bf16 panels multiply those rows rounded to bfloat16 (as torch's autocast does;
+           on AMX one tile product instead of the split's two; precision "bf16-act")
   keep:    training (train.session): leave each step's gate pre-activations in its xw row
            (the LSTM's and GRU's activated gates; backward reads them instead of recomputing
            h_prev R^T and the activations); GRU also writes R_n h + bR_n

@@ -1,10 +1,10 @@
 """Trainer: backpropagation through time for one model, with planned memory.
 
 Design. The training forward *is* the inference forward: the same kernels (kernels.recurrent)
-run every (layer, direction), with ``keep`` set: each step leaves its gate pre-activations
-``G = xW + hR + b`` in its row of the input projection ``xw`` (the LSTM and GRU their
-activations, i, f, g, o and z, r, n, so that backward needs no activation function but the
-LSTM's tanh(c); GRU: ``R_n h + bR_n`` in ``ghn`` as well), and xw and every layer output are kept (the *reserve*) instead of being
+run every (layer, direction), with ``keep`` set: each step leaves its gates in its row of the
+input projection ``xw`` — the LSTM's and GRU's activated (i, f, g, o; z, r, n), so that
+backward needs no activation function but the LSTM's tanh(c), the RNN's pre-activation
+``xW + hR + b`` (GRU: ``R_n h + bR_n`` in ``ghn`` as well), and xw and every layer output are kept (the *reserve*) instead of being
 released.
 Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
 reverse order:
@@ -752,8 +752,8 @@ class Trainer:
     def _job(self, layer: int, d: int, mem: dict, xin, xw, yout, lens, T: int, N: int, ghn,
              autocast: str | None = None) -> abi.Call:  # fmt: skip
         """The inference job of op (layer, d) with its arguments by name (abi.JOBS), keeping
-        the gate pre-activations in xw (the LSTM's and GRU's activations; GRU's R_n h + bR_n
-        in ghn) for backward; under
+        each step's gates in xw (activated; the RNN's pre-activations) and GRU's R_n h + bR_n
+        in ghn for backward; under
         autocast the bf16 job on the rounded weights."""
         spec = self.spec
         aux = mem["aux"] if spec.proj_size else np.zeros((N, 0), self.dtype)
