@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from leanrnn.bench import report
+from leanrnn.bench import harness, report
 from leanrnn.bench.harness import Options, run_suite
 from leanrnn.bench.problem import Config, compare, make_problem, reference, reference_file
 from tolerances import ATOL_FLOAT64_TWINS
@@ -210,6 +210,18 @@ def fake_results():
     bw = {"1": {"ok": True, "threads": 1, "dram_bytes": 1 << 27, "dram_copy_Bps": 4e10,
                 "copy_Bps": {str(512 * 2048 * 4): 1e11}}}  # fmt: skip
     return {"rows": rows, "bandwidth": bw, "machine": {}, "created": "now"}
+
+
+def test_children_ignore_modules_in_the_working_directory(tmp_path, monkeypatch):
+    """A bench run from a directory holding a module named like a standard one (a scratch
+    grp.py did it: every torch row failed with a KeyError) runs its children as from anywhere
+    else: they start with -P, so the working directory is not on their sys.path."""
+    for name in ("json", "grp", "numpy"):
+        (tmp_path / f"{name}.py").write_text("raise SystemExit('the shadowing module ran')\n")
+    monkeypatch.chdir(tmp_path)
+    res = harness.spawn({"kind": "bandwidth", "threads": 1, "sizes": [1 << 16], "big": 1 << 20},
+                        1, 120)  # fmt: skip
+    assert res["ok"], res
 
 
 def test_time_format_keeps_three_digits():

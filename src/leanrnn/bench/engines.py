@@ -538,6 +538,7 @@ def convert_mnn_command(onnx_path: Path, mnn_path: Path) -> list[str]:
 
     return [
         sys.executable,
+        "-P",  # not the working directory on sys.path: its modules could shadow others
         "-c",
         _MNN_CONVERT,
         "mnnconvert",

@@ -372,7 +372,9 @@ def spawn(job: dict, threads: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
         jp, rp = Path(d) / "job.json", Path(d) / "result.json"
         jp.write_text(json.dumps(job))
-        cmd = [sys.executable, "-m", "leanrnn.bench.harness", str(jp), str(rp)]
+        # -P: not the caller's working directory on sys.path (a scratch grp.py there stood in
+        # for the standard library's and failed every torch row)
+        cmd = [sys.executable, "-P", "-m", "leanrnn.bench.harness", str(jp), str(rp)]
         busy0, mine0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
         try:
             proc = subprocess.run(

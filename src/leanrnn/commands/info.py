@@ -50,8 +50,9 @@ def _time_first_run(cache_dir: str | None) -> float:
         env["NUMBA_CACHE_DIR"] = os.path.join(cache_dir, "numba")
         env["LEANRNN_CACHE_DIR"] = os.path.join(cache_dir, "leanrnn")
     # stderr passes through: a cold build shows its progress there (kernels.runner.Progress).
-    out = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True,
-                         check=False)  # fmt: skip
+    # -P: not the working directory on the child's sys.path (its modules could shadow others)
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, stdout=subprocess.PIPE,
+                         text=True, check=False)  # fmt: skip
     if out.returncode != 0:
         from leanrnn.errors import LeanRNNError
 

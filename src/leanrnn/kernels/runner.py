@@ -45,7 +45,9 @@ _log = logging.getLogger("leanrnn")
 # on an idle 2-core Xeon, 340 s of CPU in 213 s of wall time (about 5 minutes on a Zen 3). The
 # help texts of commands/compile.py and info.py state the same figure.
 BUILD_TIME = "about 2-5 minutes on 2 cores"
-_BUILD = [sys.executable, "-m", "leanrnn.kernels.aot"]  # + directory, fingerprint
+# + directory, fingerprint. -P: the caller's working directory stays off the child's sys.path
+# (a json.py or grp.py lying there would stand in for the standard library's; it did for bench).
+_BUILD = [sys.executable, "-P", "-m", "leanrnn.kernels.aot"]
 _RESOLVE = threading.Lock()
 pool_threads = _threads.pool_threads  # looked up here at each launch (tests replace it)
 
