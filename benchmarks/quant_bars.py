@@ -3,8 +3,9 @@ own reduced paths, side by side in one process, plus the accuracy table.
 
 Rows: LSTM and GRU, batch 1, T=100, H in {512, 1024}, 1 and 2 threads; engines: leanrnn
 f32/bf16/bf16-act (bf16 weights and activations, as torch's autocast rounds)/int8 (weights
-only)/int8-dynamic (weights and activations, as the peers' int8 paths quantize), torch f32, torch ``quantize_dynamic`` qint8 and float16 (the RNN wrapped in a
-container: quantize_dynamic swaps child modules only), torch ``autocast(bfloat16)``,
+only)/int8-dynamic (weights and activations, as the peers' int8 paths quantize), torch f32,
+torch ``quantize_dynamic`` qint8 and float16 (the RNN wrapped in a container:
+quantize_dynamic swaps child modules only), torch ``autocast(bfloat16)``,
 onnxruntime f32 and onnxruntime ``quantize_dynamic`` (``DynamicQuantizeLSTM``; onnxruntime
 quantizes LSTM only, so the GRU rows have no onnxruntime int8). Same torch-initialised weights
 everywhere. Each engine is timed in blocks (median of a block of runs), blocks of all engines

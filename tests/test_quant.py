@@ -1,7 +1,8 @@
 """Reduced-precision weights (leanrnn.quantize, issue 14): bf16 and int8 W/R panels, float32
-activations and sums (bf16-act: the activations rounded to bfloat16 too). The kernels against the float64 oracle run on weights rounded the same
-way (computed here from the canonical weights, independently of the packing), the formats'
-rounding bounds, .lrnn round trips and bad input."""
+activations and sums (bf16-act: the activations rounded to bfloat16 too). The kernels against
+the float64 oracle run on weights rounded the same way (computed here from the canonical
+weights, independently of the packing), the formats' rounding bounds, .lrnn round trips and
+bad input."""
 
 from __future__ import annotations
 

@@ -215,8 +215,8 @@ def quantize_packed(pw: PackedWeights, precision: str,
                     out: PackedWeights | None = None) -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
     PRECISIONS; "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the
-    panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would round
-    twice): quantize the float32 model; between precisions of the same panels ("bf16",
+    panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would
+    round twice): quantize the float32 model; between precisions of the same panels ("bf16",
     "bf16-act") the panels are copied as they are. ``out``: weights of this spec and precision
     made so before, refilled in place (mixed-precision training rounds its master weights
     again after every optimizer step, train.session)."""

@@ -22,11 +22,12 @@ A plain operand (fewer than abi.SPLIT_MIN_ROWS rows) goes to the float32 tile.
 bf16-act (the ``bf16_act`` job argument) rounds the activations instead, as torch's autocast
 does: ``split_rows(..., one_term=True)`` writes the hi terms only, at a row stride of
 abi.split_row_floats(K, True), and for that stride the block skips the lo product — half the
-tile loads and products (kernels.gemm.round_rows rounds the operands the float32 tile takes). The split is
-exact to 2**-16 for |a| from ~2**-117 (AMX and the conversion flush bfloat16 denormals, so
-smaller lo terms and inputs count as 0) up to bfloat16's largest (beyond, hi is inf). A
-weight of +-inf (bf16 keeps non-finite weights) gives NaN here where the float32 tile gives
-+-inf: its lo term multiplies inf by 0 or by the opposite sign; both are non-finite.
+tile loads and products (kernels.gemm.round_rows rounds the operands the float32 tile takes).
+The two-term split is exact to 2**-16 for |a| from ~2**-117 (AMX and the conversion flush
+bfloat16 denormals, so smaller lo terms and inputs count as 0) up to bfloat16's largest
+(beyond, hi is inf). A weight of +-inf (bf16 keeps non-finite weights) gives NaN here where the
+float32 tile gives +-inf: its lo term multiplies inf by 0 or by the opposite sign; both are
+non-finite.
 
 Per block of 32 rows (or a last 1..31), every 2-group column pair of the panel slice is
 multiplied: C tiles 0-3 (2 x 2), hi and lo tiles 4 and 5, weight tiles 6 and 7, loaded

@@ -13,13 +13,13 @@ rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) 
 the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its own,
 abi.split_row_floats(K, True)); K is then never sliced; bf16-act's other operands rounded
 into float32 rows of K (round_rows). A plain A's row stride must not be a split one (the
-engine's are at most 15 wider than K). There are four of
-them, not one taking N, because each must name its intrinsic statically: a branch on N
-would expand all four tile bodies into every caller. With more than one row, K is cut into
-KC-long slices so the panel slice the row tiles share stays in L2 (the tile needs 256 B of
-weights per 12 cycles, which L2 sustains; L1 residency does not matter: KC 128 or 256 instead
-of the whole K = 512 gained nothing on a Xeon with 48 KiB of L1, 2026-12-01); a single row
-(GEMV) streams the whole panel once instead. KC and ROWS come from this CPU's L2 (_cpu.kc,
+engine's are at most 15 wider than K). There are four of them, not one taking N, because
+each must name its intrinsic statically: a branch on N would expand all four tile bodies into
+every caller. With more than one row, K is cut into KC-long slices so the panel slice the
+row tiles share stays in L2 (the tile needs 256 B of weights per 12 cycles, which L2
+sustains; L1 residency does not matter: KC 128 or 256 instead of the whole K = 512 gained
+nothing on a Xeon with 48 KiB of L1, 2026-12-01); a single row (GEMV) streams the whole panel
+once instead. KC and ROWS come from this CPU's L2 (_cpu.kc,
 _cpu.row_chunk: the panel slice a quarter of it, the chunk of x the rest); the rule
 reproduces what a sweep found on a Zen 5 (1 MiB L2): KC 64 -> 256 and ROWS 96 -> 192 took the
 H=1024 projection from 195 to 234 GFLOP/s; KC 256 -> 1024 (no slicing up to K = 1024) gained
@@ -190,8 +190,11 @@ def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
 
         return split
     if P.dtype == types.uint16:
-        return lambda P, A, q, me, i0, i1, K, fresh, bf16_act: _rounded(A, q, me, i0, i1, K,
-                                                                        fresh, bf16_act)  # fmt: skip
+
+        def rounded(P, A, q, me, i0, i1, K, fresh, bf16_act):
+            return _rounded(A, q, me, i0, i1, K, fresh, bf16_act)
+
+        return rounded
     return lambda P, A, q, me, i0, i1, K, fresh, bf16_act: 0
 
 

@@ -51,9 +51,9 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            bf16_act those rows rounded
   bf16_act: bf16 panels multiply those rows rounded to bfloat16 (as torch's autocast does;
            on AMX one tile product instead of the split's two; precision "bf16-act")
-  keep:    training (train.session): leave each step's gate pre-activations in its xw row
-           (the LSTM's and GRU's activated gates; backward reads them instead of recomputing
-           h_prev R^T and the activations); GRU also writes R_n h + bR_n
+  keep:    training (train.session): leave each step's gates in its xw row (the LSTM's and
+           GRU's activated, the RNN's pre-activations; backward reads them instead of
+           recomputing h_prev R^T and the activations); GRU also writes R_n h + bR_n
            to ghn [rows, Hp]. Only the fused paths of PyTorch's cells keep (the others are
            ONNX-only and never trained); the outputs are the same bits either way.
   me, parts, sync: this thread's index, the thread count and their sync array (see _sync)

@@ -4,8 +4,8 @@ Design. The training forward *is* the inference forward: the same kernels (kerne
 run every (layer, direction), with ``keep`` set: each step leaves its gates in its row of the
 input projection ``xw`` — the LSTM's and GRU's activated (i, f, g, o; z, r, n), so that
 backward needs no activation function but the LSTM's tanh(c), the RNN's pre-activation
-``xW + hR + b`` (GRU: ``R_n h + bR_n`` in ``ghn`` as well), and xw and every layer output are kept (the *reserve*) instead of being
-released.
+``xW + hR + b`` (GRU: ``R_n h + bR_n`` in ``ghn`` as well), and xw and every layer output are
+kept (the *reserve*) instead of being released.
 Backward then works on segments of ``segment`` steps, newest first, each (layer, direction) in
 reverse order:
 
