@@ -113,15 +113,16 @@ def test_reduced_kernels_match_the_reference_on_the_same_rounded_weights(spec, p
     _check(spec, precision, 3, N=3, T=7)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("N, threads", [(21, 1), (21, 2), (50, 2)])
 @pytest.mark.parametrize("spec", [*SPECS, RNNSpec("gru", 40, 70, linear_before_reset=False)],
                          ids=repr)  # fmt: skip
-def test_bf16_at_a_batch_matches_the_reference(spec, N, threads, many_cores):
+def test_reduced_weights_at_a_batch_match_the_reference(spec, N, threads, precision, many_cores):
     """A batch: on AMX (where this CPU has it) each step's operand and each projection chunk is
     split once into q (kernels.gemm.operand) and multiplied in blocks of 32 rows and a partial
-    one; on 2 threads, 21 rows split every step's unit blocks, 50 take batch slices
-    (_sync.share); K off and past 64 (H=70)."""
-    _check(spec, "bf16", 6, N=N, T=5, threads=threads)
+    one (int8's codes widened to bfloat16); on 2 threads, 21 rows split every step's unit
+    blocks, 50 take batch slices (_sync.share); K off and past 64 (H=70)."""
+    _check(spec, precision, 6, N=N, T=5, threads=threads)
 
 
 @pytest.fixture
@@ -487,6 +488,58 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
                     ok = np.isfinite(want)
                     err = np.abs(C[ok] - want[ok])
                     assert (err <= bound[ok]).all(), err.max()
+
+
+@pytest.mark.parametrize("dot", ["fma", "amx"])
+def test_int8_rows_in_whole_tiles_match_float64(dot):
+    """The weight-only int8 tile at several rows: on AMX (4 rows or more: the operand split
+    into two bf16 terms as gemm.operand does, the scratch past its rows NaN; the codes widened
+    to bfloat16 a column pair and _bf16amx.KCH inputs at a time, so K = 600 and 1100 take 2
+    and 3 chunks, the later ones adding to C) and on the float32 tile, against float64 on the
+    same codes and scales, within the split's 2**-16 and float32's sums; the second panel of
+    two (its own scales); a row of inf and one of NaN stay non-finite where float64's do."""
+    if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
+        pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
+    from leanrnn.formats.quantize import _set_int8, int8_columns
+
+    run = tile_gemm("avx512", bf16=dot)
+    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, False))
+    rng = np.random.default_rng(5)
+    Wd = 4 * B
+    for K in (11, 37, 300, 600, 1100):
+        Kp = (K + 15) // 16 * 16
+        w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)
+        w[:, K:] = 0
+        P = np.zeros((2, Kp + SCALE_ROWS, Wd), np.int8)
+        codes, scales = int8_columns(w)
+        _set_int8(P, codes, scales)
+        deq = codes.astype(np.float64) * scales.astype(np.float64)[:, None, :]
+        bias = rng.standard_normal(Wd).astype(np.float32)
+        for nvec in (1, 3, 4):
+            cols = nvec * B
+            for M in (3, 5, 35, 64):
+                A = rng.standard_normal((M, K)).astype(np.float32)
+                A[1, 5] = np.inf
+                A[M - 2, 0] = np.nan
+                C0 = rng.standard_normal((M, cols)).astype(np.float32)
+                with np.errstate(invalid="ignore"):
+                    prod = A.astype(np.float64) @ deq[1, :K, :cols]
+                    mags = np.abs(A.astype(np.float64)) @ np.abs(deq[1, :K, :cols])
+                operand = A
+                if dot == "amx" and M >= SPLIT_MIN_ROWS:  # as gemm.operand hands it over
+                    ld = split_row_floats(K)
+                    q = np.full((M + 31) // 32 * 32 * 4 * ld, 0xFF, np.uint8)  # NaN past M
+                    split(A, K, q)
+                    operand = q.view(np.float32).reshape(-1, ld)
+                for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                    C = C0.copy()
+                    run(nvec, P, P.shape[1] * P.shape[2], operand, 0, M, K, C, mode, bias)
+                    want = prod + init
+                    bound = (2.0**-16 + (K + 4) * 2.0**-24) * (mags + np.abs(init))
+                    np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
+                    ok = np.isfinite(want)
+                    err = np.abs(C[ok] - want[ok])
+                    assert (err <= bound[ok]).all(), (K, nvec, M, mode, err.max())
 
 
 def _specials(rng, rows, K):

@@ -99,8 +99,9 @@ NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLO
 
 
 def bf16_on_amx() -> bool:
-    """Whether bf16 panel GEMMs of abi.SPLIT_MIN_ROWS rows or more run on AMX here (their
-    split operands then need a planned q); pure Python, without importing the kernels."""
+    """Whether bf16 and int8 panel GEMMs of abi.SPLIT_MIN_ROWS rows or more run on AMX here
+    (their split operands then need a planned q); pure Python, without importing the
+    kernels."""
     from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
 
     return _cpu.bf16_dot(_cpu.isa()) == "amx"
@@ -120,7 +121,7 @@ def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -
 
 def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int,
                         one_term: bool = False) -> int:  # fmt: skip
-    """Bytes per thread of a bf16 op's q where its GEMMs run on AMX: split rows
+    """Bytes per thread of a bf16 or int8 op's q where its GEMMs run on AMX: split rows
     (abi.split_row_floats), each count rounded up to 32 (an AMX block of the last rows reads
     whole tiles of 16 past them); none below SPLIT_MIN_ROWS rows (those are not split).
     ``one_term`` (bf16-act, any CPU): rows rounded to one term, and room for every count of
@@ -368,7 +369,7 @@ class Session:
                     q = quantized_scratch_bytes(spec, layer, T * N, N)
                 elif w.precision == "bf16-act":  # rounded rows on every CPU
                     q = split_scratch_bytes(spec, layer, T * N, N, one_term=True)
-                elif w.precision == "bf16" and bf16_on_amx():
+                elif w.precision in ("bf16", "int8") and bf16_on_amx():
                     q = split_scratch_bytes(spec, layer, T * N, N)
                 if q:
                     out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))

@@ -35,7 +35,7 @@ straight from the panel (a bf16 panel row of a 16-column group is 16 columns x 2
 bytes, AMX's B layout). Float32 sums go through a stack buffer (``sums``) to the caller's
 store, which applies the tile's ``mode``. The
 last k step of a K not a multiple of 32 reads the panel through a zero-filled copy of its
-rows (``btail``): the rows past K belong to the next panel or lie past the array. The
+rows (in ``wide``): the rows past K belong to the next panel or lie past the array. The
 activations past K are zero in the split rows; the panel's own padding is zero too
 (packing writes it so; formats.quantize.check_loaded refuses a file that does not).
 """
@@ -57,6 +57,10 @@ llvm.initialize_native_asmparser()
 
 TR = 16  # rows of an AMX tile (of A and C) and input pairs of a B tile
 KSTEP = 2 * TR  # inputs per tile product
+# int8 panels (emit_rows(int8=True)): inputs per widened chunk of a column pair — 2 x 16
+# columns x 512 inputs x 2 bytes = 32 KiB of stack, which stays in L1 while the row blocks
+# multiply it.
+KCH = 512
 # Rows from which a panel GEMM runs on AMX: abi.SPLIT_MIN_ROWS = 4. Measured (JIT, bf16 LSTM
 # H=512 T=100, 1 thread, this Xeon): the step on 2 rows 6.3 ms on the float32 tile, 9.7 on AMX;
 # on 3 rows 8.1 and 9.3; 4 rows on AMX 10.0 (a 16-row tile product costs the same for 4 rows
@@ -133,19 +137,29 @@ def split_row(builder, aa, src, kb, dst, lo_off, kpad) -> None:
             put(k, zero)
 
 
-def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, store_block):
+def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, store_block,
+              int8: bool = False):  # fmt: skip
     """Rows a0..a1 (i64 values) of the panel slice on AMX, in blocks of 32 rows and a last
     block of 1..31 (its tiles' rows past a1 multiply whatever the split rows' scratch holds
     there: each C row depends on its own A row only, and those C rows are not stored).
-    ``pa``: the panel's i16 data pointer, ``poff``/``kstride`` its flat offset and row stride
+    ``pa``: the panel's data pointer, ``poff``/``kstride`` its flat offset and row stride
     (elements); ``aa``: the split operand's float pointer (split_rows: row r at r * lda
     floats, hi terms then lo terms from round_up(K, 32); ``two_terms`` an i1 value, false for
     rows of hi terms only, whose lo product is skipped), K whole. ``store_block(i, rows,
-    sum_at)`` stores C rows i..i+rows-1 (rows an i64 value), ``sum_at(r, v)`` giving the
-    <16 x float> pointer to the float32 sums of row r (0-based within the block) and group v."""
-    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+    sum_at, v0, nv, more)`` stores C rows i..i+rows-1 (rows an i64 value) of groups
+    v0..v0+nv-1, ``sum_at(r, v)`` giving the <16 x float> pointer to the float32 sums of row
+    r (0-based within the block) and group v; ``more`` (an i1 value, or None: false) says
+    the sums add to C's (a later chunk of K).
+
+    ``int8``: ``pa`` points at an int8 panel (one input per row, one byte per column:
+    kernels._qsimd) and its codes are widened to bfloat16 — exactly: |q| <= 127 needs 7
+    significant bits, bfloat16 has 8 — a column pair and KCH inputs at a time into a stack
+    buffer, which every row block of the slice then multiplies (so the widening is paid once
+    per weight and call, not once per row block); the sums are the codes', the caller's store
+    scales them. K is taken in chunks of KCH there, the pair's sums stored after each."""
+    i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
     f32 = ir.FloatType()
-    vf, vh = ir.VectorType(f32, 16), ir.VectorType(i16, 16)
+    vf, vh, vi = ir.VectorType(f32, 16), ir.VectorType(i16, 16), ir.VectorType(i32, 16)
     i8p = i8.as_pointer()
     ld = nvec * 16  # floats per row of ``sums``
 
@@ -156,13 +170,14 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, s
     with builder.goto_entry_block():  # not cgutils.alloca_once: it zero-fills them
         cfg = builder.alloca(ir.ArrayType(i8, 64))
         sums = builder.alloca(ir.ArrayType(f32, 2 * TR * ld))
-        btail = builder.alloca(ir.ArrayType(i16, 2 * TR * 32))  # two groups' last k step
-    cfg.align = sums.align = btail.align = 64
+        if int8:  # two groups' widened pair rows of a K chunk
+            wide = builder.alloca(ir.ArrayType(i32, 2 * (KCH // 2) * 16))
+        else:
+            wide = builder.alloca(ir.ArrayType(i16, 2 * TR * 32))  # two groups' last k step
+    cfg.align = sums.align = wide.align = 64
     sbase = builder.bitcast(sums, f32.as_pointer())
-    tbase = builder.bitcast(btail, i16.as_pointer())
     a16 = builder.bitcast(aa, i16.as_pointer())
     kp = _round_up(builder, K, KSTEP)
-    ksteps = builder.sdiv(kp, const(KSTEP))
 
     def sum_at(r, v):
         off = builder.add(builder.mul(r, const(ld)), const(16 * v))
@@ -181,14 +196,29 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, s
         for c in range(nc):
             tile_op("llvm.x86.tdpbf16ps", tmm(2 * r + c), tmm(t), tmm(6 + c))
 
+    def products(i, mr, s, nc):
+        for r in range(mr):
+            product(i, r, s, nc, False)
+            with builder.if_then(two_terms, likely=True):
+                product(i, r, s, nc, True)
+
+    def zero_c(mr, nc):
+        for r in range(mr):
+            for c in range(nc):
+                tile_op("llvm.x86.tilezero", tmm(2 * r + c))
+
+    def store_c(mr, c0, nc):
+        for r in range(mr):
+            for c in range(nc):
+                p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
+                tile_op("llvm.x86.tilestored64", tmm(2 * r + c), p, const(4 * ld))
+
     def block(i, mr, rows):
         """Rows i..i+rows-1 (rows <= 16*mr) in mr tiles of rows, by every column pair."""
         for c0 in range(0, nvec, 2):
             nc = min(2, nvec - c0)
-            for r in range(mr):
-                for c in range(nc):
-                    tile_op("llvm.x86.tilezero", tmm(2 * r + c))
-            with cgutils.for_range(builder, ksteps) as loop:
+            zero_c(mr, nc)
+            with cgutils.for_range(builder, builder.sdiv(kp, const(KSTEP))) as loop:
                 s = loop.index
                 k = builder.mul(s, const(KSTEP))  # even: a pair row
                 inside = builder.icmp_signed("<=", builder.add(k, const(KSTEP)), K)
@@ -203,20 +233,14 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, s
                                     builder.mul(kstride, const(2)))  # fmt: skip
                         with otherwise:
                             tail_b(wp, builder.sub(K, k), c)
-                for r in range(mr):
-                    product(i, r, s, nc, False)
-                    with builder.if_then(two_terms, likely=True):
-                        product(i, r, s, nc, True)
-            for r in range(mr):
-                for c in range(nc):
-                    p = builder.bitcast(sum_at(const(TR * r), c0 + c), i8p)
-                    tile_op("llvm.x86.tilestored64", tmm(2 * r + c), p, const(4 * ld))
-        store_block(i, rows, sum_at)
+                products(i, mr, s, nc)
+            store_c(mr, c0, nc)
+        store_block(i, rows, sum_at, 0, nvec, None)
 
     def tail_b(wp, left, c):
         """Weight tile 6+c from the panel's pair rows holding inputs k..K-1 (``left`` of them),
-        copied into ``btail`` after zeros."""
-        base = builder.gep(tbase, [const(c * TR * 32)])
+        copied into ``wide`` after zeros."""
+        base = builder.gep(builder.bitcast(wide, i16.as_pointer()), [const(c * TR * 32)])
         zero = ir.Constant(vh, [0] * 16)
         for n in range(2 * TR):
             builder.store(zero, builder.bitcast(builder.gep(base, [const(16 * n)]),
@@ -232,23 +256,90 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, s
                 builder.store(v, builder.bitcast(builder.gep(dst, [const(h)]), vh.as_pointer()))
         tile_op("llvm.x86.tileloadd64", tmm(6 + c), builder.bitcast(base, i8p), const(64))
 
+    wbase = builder.bitcast(wide, vi.as_pointer())
+
+    def widen(kc0, klen, nrows, c0, nc):
+        """Inputs kc0..kc0+klen-1 of groups c0..c0+nc-1 as bfloat16 pair rows in ``wide``
+        (group c's pair row p at c * KCH/2 + p; lane j: column j's two inputs, the first in
+        the low half, as a bf16 panel holds them), zeros after them up to pair row nrows.
+        A code's float32 has its low 16 bits zero, so its top half is its bfloat16."""
+        vb = ir.VectorType(i8, 16)
+        high = ir.Constant(vi, [-65536] * 16)  # 0xFFFF0000
+        sixteen = ir.Constant(vi, [16] * 16)
+        full = builder.sdiv(klen, const(2))  # pair rows with both inputs
+        for c in range(nc):
+
+            def bits(k):
+                off = builder.add(builder.add(poff, builder.mul(k, kstride)), const(16 * (c0 + c)))
+                codes = builder.load(builder.bitcast(builder.gep(pa, [off]), vb.as_pointer()),
+                                     align=1)  # fmt: skip
+                return builder.bitcast(builder.sitofp(codes, vf), vi)
+
+            def put(p, v):
+                builder.store(v, builder.gep(wbase, [builder.add(const(c * (KCH // 2)), p)]))
+
+            with cgutils.for_range(builder, full) as loop:
+                k = builder.add(kc0, builder.mul(loop.index, const(2)))
+                put(loop.index, builder.or_(builder.and_(bits(builder.add(k, const(1))), high),
+                                            builder.lshr(bits(k), sixteen)))  # fmt: skip
+            odd = builder.icmp_signed("<", builder.mul(full, const(2)), klen)
+            with builder.if_then(odd):
+                put(full, builder.lshr(bits(builder.add(kc0, builder.mul(full, const(2)))),
+                                       sixteen))  # fmt: skip
+            start = builder.sdiv(builder.add(klen, const(1)), const(2))
+            with cgutils.for_range_slice(builder, start, nrows, const(1)) as (p, _):
+                put(p, ir.Constant(vi, [0] * 16))
+
+    def block8(i, mr, rows, kc0, steps, c0, nc, more):
+        """An int8 slice's rows i..i+rows-1, column pair c0, the K chunk at kc0 (``steps``
+        tile steps, widened into ``wide``)."""
+        zero_c(mr, nc)
+        s0 = builder.sdiv(kc0, const(KSTEP))
+        with cgutils.for_range(builder, steps) as loop:
+            s = loop.index
+            for c in range(nc):
+                p = builder.gep(wbase, [builder.add(const(c * (KCH // 2)),
+                                                    builder.mul(s, const(TR)))])  # fmt: skip
+                tile_op("llvm.x86.tileloadd64", tmm(6 + c), builder.bitcast(p, i8p), const(64))
+            products(i, mr, builder.add(s0, s), nc)
+        store_c(mr, c0, nc)
+        store_block(i, rows, sum_at, c0, nc, more)
+
+    def by_blocks(body):
+        """body(i, mr, rows) for rows a0..a1: blocks of 2 tiles of 16, then the last 1..31."""
+        pair_end = builder.add(a0, builder.mul(builder.sdiv(builder.sub(a1, a0), const(2 * TR)),
+                                               const(2 * TR)))  # fmt: skip
+        with cgutils.for_range_slice(builder, a0, pair_end, const(2 * TR)) as (i, _):
+            body(i, 2, const(2 * TR))
+        rest = builder.sub(a1, pair_end)
+        with builder.if_else(builder.icmp_signed(">", rest, const(TR))) as (two, one):
+            with two:
+                body(pair_end, 2, rest)
+            with one:
+                with builder.if_then(builder.icmp_signed(">", rest, const(0))):
+                    body(pair_end, 1, rest)
+
     conf = [0] * 64
     conf[0] = 1  # palette 1; every tile 16 rows x 64 bytes
     for n in range(8):
         conf[16 + 2 * n], conf[48 + n] = 64, TR
     builder.store(ir.Constant(ir.ArrayType(i8, 64), conf), cfg)
     tile_op("llvm.x86.ldtilecfg", builder.bitcast(cfg, i8p))
-    pair_end = builder.add(a0, builder.mul(builder.sdiv(builder.sub(a1, a0), const(2 * TR)),
-                                           const(2 * TR)))  # fmt: skip
-    with cgutils.for_range_slice(builder, a0, pair_end, const(2 * TR)) as (i, _):
-        block(i, 2, const(2 * TR))
-    rest = builder.sub(a1, pair_end)
-    with builder.if_else(builder.icmp_signed(">", rest, const(TR))) as (two, one):
-        with two:
-            block(pair_end, 2, rest)
-        with one:
-            with builder.if_then(builder.icmp_signed(">", rest, const(0))):
-                block(pair_end, 1, rest)
+    if not int8:
+        by_blocks(block)
+    else:
+        nch = builder.sdiv(builder.add(K, const(KCH - 1)), const(KCH))
+        with cgutils.for_range(builder, nch) as chunk:
+            kc0 = builder.mul(chunk.index, const(KCH))
+            left = builder.sub(K, kc0)
+            klen = builder.select(builder.icmp_signed("<", left, const(KCH)), left, const(KCH))
+            steps = builder.sdiv(builder.add(klen, const(KSTEP - 1)), const(KSTEP))
+            more = builder.icmp_signed(">", kc0, const(0))
+            for c0 in range(0, nvec, 2):
+                nc = min(2, nvec - c0)
+                widen(kc0, klen, builder.mul(steps, const(TR)), c0, nc)
+                by_blocks(lambda i, mr, rows, c0=c0, nc=nc: block8(i, mr, rows, kc0, steps, c0,
+                                                                   nc, more))  # fmt: skip
     tile_op("llvm.x86.tilerelease")
 
 

@@ -198,40 +198,50 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                           lambda ptr, v: bias_at(const((v0 + v) * lanes)),
                           lambda ptr, v: zero)  # fmt: skip
 
-        def amx_store(i, rows, sum_at):
-            """C rows i..i+rows-1 from the AMX block's float32 sums, by the tile's mode."""
+        def amx_store(i, rows, sum_at, g0, ng, more):
+            """C rows i..i+rows-1, groups g0..g0+ng-1, from the AMX block's float32 sums (int8
+            codes' sums times their column scales), by the tile's mode, or adding to C where
+            ``more`` (a later chunk of K)."""
 
             def store_rows(init_of):
                 with cgutils.for_range(builder, rows) as loop:
                     r = loop.index
                     base = builder.add(coff, builder.mul(builder.add(i, r), ldc))
-                    for v in range(nvec):
+                    for v in range(g0, g0 + ng):
                         tot = builder.load(sum_at(r, v), align=64)
+                        if sa is not None:
+                            sp = builder.gep(sa, [const(16 * v)])
+                            tot = builder.fmul(tot, builder.load(
+                                builder.bitcast(sp, vt.as_pointer()), align=4))  # fmt: skip
                         ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(16 * v))]),
                                               vt.as_pointer())  # fmt: skip
                         builder.store(builder.fadd(tot, init_of(ptr, v)), ptr, align=4)
 
-            store_by_mode(builder, mode, store_rows, load_c, lambda ptr, v: bias_at(const(16 * v)),
+            m = mode if more is None else builder.select(more, ir.Constant(mode.type, 1), mode)
+            store_by_mode(builder, m, store_rows, load_c, lambda ptr, v: bias_at(const(16 * v)),
                           lambda ptr, v: zero)  # fmt: skip
 
         def fma_rows():  # a 1-row tile: every row is a GEMV, split S ways
             row_tiles(builder, i0, i1, MR, lambda i, r: rows_block(i, r, S if r == 1 else 1))
 
-        if bf16 == "amx" and wfmt == "bf16" and lanes == 16:
+        if bf16 == "amx" and wfmt in ("bf16", "int8") and lanes == 16:
             # An operand gemm.operand split (from SPLIT_MIN_ROWS rows) runs on AMX (_bf16amx);
             # its row stride, split_row_floats(K, one_term), tells it apart and says whether it
             # holds lo terms: the engine's plain operands are at most 15 floats wider than K
-            # (abi). Its K is whole (gemm._kc), acol 0.
+            # (abi). Its K is whole (gemm._kc), acol 0. int8 panels' codes are widened to
+            # bfloat16 there (exact); their operands are split in two terms.
             two = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K))
-            one = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K, one_term=True))
+            terms = two
+            if wfmt == "bf16":
+                one = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K, True))
+                terms = builder.or_(two, one)
             split = builder.and_(
-                builder.icmp_signed(">=", builder.sub(i1, i0), const(SPLIT_MIN_ROWS)),
-                builder.or_(two, one),
+                builder.icmp_signed(">=", builder.sub(i1, i0), const(SPLIT_MIN_ROWS)), terms
             )
             with builder.if_else(split) as (then, otherwise):
                 with then:
                     _bf16amx.emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, i0, i1,
-                                       two, amx_store)  # fmt: skip
+                                       two, amx_store, int8=wfmt == "int8")  # fmt: skip
                 with otherwise:
                     fma_rows()
         else:

@@ -9,8 +9,8 @@ of 16 columns,
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
-rows quantized into a flat uint8 scratch; bf16 panels on AMX (kernels._bf16amx) from 4 rows
-the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its own,
+rows quantized into a flat uint8 scratch; bf16 and int8 panels on AMX (kernels._bf16amx) from 4
+rows the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its own,
 abi.split_row_floats(K, True)); K is then never sliced; bf16-act's other operands rounded
 into float32 rows of K (round_rows). A plain A's row stride must not be a split one (the
 engine's are at most 15 wider than K). There are four of them, not one taking N, because
@@ -53,6 +53,9 @@ _split_ld = numba.njit(split_row_floats)
 # their operand is then split once per call of operand() (a step, a projection chunk), not once
 # per panel by the tile.
 _BF16_AMX = _cpu.bf16_dot(_cpu.isa()) == "amx"
+# Panel dtypes whose GEMMs of SPLIT_MIN_ROWS rows or more multiply a split operand on AMX there:
+# bf16, and weight-only int8 (its codes widened to bfloat16 exactly, _bf16amx).
+_ON_AMX = (types.uint16, types.int8)
 
 # Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers;
 # KC inputs per K slice of the multi-row panel GEMM, ROWS input rows per projection task.
@@ -66,9 +69,9 @@ def _kc(P, K, i0, i1):  # pragma: no cover - replaced by the overload inside ker
 
 @overload(_kc)
 def _kc_impl(P, K, i0, i1):
-    if P.dtype == types.uint8 or (P.dtype == types.uint16 and _BF16_AMX):
-        # int8-dynamic, and bf16 on AMX: K whole (_qdot; _bf16amx reads a split operand
-        # from its first input: the AMX block has no K offset)
+    if P.dtype == types.uint8 or (P.dtype in _ON_AMX and _BF16_AMX):
+        # int8-dynamic, and bf16 / int8 on AMX: K whole (_qdot; _bf16amx reads a split
+        # operand from its first input: the AMX block has no K offset)
         return lambda P, K, i0, i1: K
     return lambda P, K, i0, i1: K if i1 - i0 == 1 else KC
 
@@ -165,9 +168,10 @@ def _prepare_operand(P, A, q, me, i0, i1, K, fresh, bf16_act):  # pragma: no cov
 def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """Fill q[me] for the panels' tile and return the row stride (floats) of the operand it
     holds there, 0 if the operand is A itself: int8-dynamic's codes always (any stride: they
-    are flat); bf16 on AMX from SPLIT_MIN_ROWS rows on the split rows (rounded ones where
-    bf16_act; split_row_floats(K, bf16_act)); bf16_act's other operands rounded into float32
-    rows of K (round_rows). q holds them where the engine sized it so."""
+    are flat); bf16 and weight-only int8 on AMX from SPLIT_MIN_ROWS rows on the split rows
+    (for bf16 rounded ones where bf16_act; split_row_floats(K, bf16_act)); bf16_act's other
+    operands rounded into float32 rows of K (round_rows). q holds them where the engine sized
+    it so."""
     if P.dtype == types.uint8:
 
         def quantized(P, A, q, me, i0, i1, K, fresh, bf16_act):
@@ -176,17 +180,19 @@ def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
             return 1
 
         return quantized
-    if P.dtype == types.uint16 and _BF16_AMX:  # chosen here: split_rows is AVX512-BF16 code
+    if P.dtype in _ON_AMX and _BF16_AMX:  # chosen here: split_rows is AVX512-BF16 code
+        one_term = P.dtype == types.uint16  # int8's codes take two terms: float32 activations
 
         def split(P, A, q, me, i0, i1, K, fresh, bf16_act):
+            act = bf16_act and one_term
             if i1 - i0 >= SPLIT_MIN_ROWS:
                 # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
-                ld = _split_ld(K, bf16_act)
+                ld = _split_ld(K, act)
                 if q.shape[1] >= (i1 - i0 + 31) // 32 * 32 * 4 * ld:
                     if fresh:
-                        split_rows(A, i0, i1, K, q[me], bf16_act)
+                        split_rows(A, i0, i1, K, q[me], act)
                     return ld
-            return _rounded(A, q, me, i0, i1, K, fresh, bf16_act)
+            return _rounded(A, q, me, i0, i1, K, fresh, act)
 
         return split
     if P.dtype == types.uint16:
@@ -237,7 +243,7 @@ def _operand_view(typingctx, P, A, q, me, i0, ld):
             src = context.make_array(sig.args[1])(context, builder, args[1])
             data, shape, strides = rows_of(context, builder, src, args[4])
             shape, strides = [builder.sub(shape[0], args[4]), *shape[1:]], list(strides)
-            if P.dtype == types.uint16:  # bf16: q[me] as rows of ld where ld > 0
+            if P.dtype in _ON_AMX:  # bf16, int8: q[me] as rows of ld where ld > 0
                 qa = context.make_array(sig.args[2])(context, builder, args[2])
                 qdata, qshape, _ = rows_of(context, builder, qa, args[3])
                 i64 = shape[0].type
@@ -264,7 +270,7 @@ def _operand_view(typingctx, P, A, q, me, i0, ld):
 def operand(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
-    bf16 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
+    bf16 and int8 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
     q[me] (split_rows; rounded to one where ``bf16_act``), as float32 rows of
     split_row_floats(K, bf16_act) — row strides no plain A has, by which the tile tells them
     apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
@@ -281,9 +287,9 @@ def slice_rows(P):  # pragma: no cover - replaced by the overload inside kernels
 @overload(slice_rows)
 def _slice_rows_impl(P):
     """Rows a thread's batch slice is cut at a multiple of (_sync.share) for GEMMs on P: the
-    float32 tiles' ALIGN, or for bf16 on AMX an AMX tile's 16 — at N=64 on 2 threads, 6-row
+    float32 tiles' ALIGN, or for bf16 and int8 on AMX an AMX tile's 16 — at N=64 on 2 threads, 6-row
     cuts gave 30 / 34 rows, and the 34 ran a 32-row AMX block and a 2-row one costing 16."""
-    if P.dtype == types.uint16 and _BF16_AMX:
+    if P.dtype in _ON_AMX and _BF16_AMX:
         return lambda P: 16
     return lambda P: ALIGN
 
