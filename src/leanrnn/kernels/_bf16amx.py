@@ -267,28 +267,30 @@ def emit_rows(builder, nvec, pa, poff, kstride, aa, lda, K, a0, a1, two_terms, s
         high = ir.Constant(vi, [-65536] * 16)  # 0xFFFF0000
         sixteen = ir.Constant(vi, [16] * 16)
         full = builder.sdiv(klen, const(2))  # pair rows with both inputs
+
+        def bits(k, col):  # input k's codes of the 16 columns from ``col``, as float32 bits
+            off = builder.add(builder.add(poff, builder.mul(k, kstride)), const(col))
+            codes = builder.load(builder.bitcast(builder.gep(pa, [off]), vb.as_pointer()),
+                                 align=1)  # fmt: skip
+            return builder.bitcast(builder.sitofp(codes, vf), vi)
+
+        def put(row0, p, v):
+            builder.store(v, builder.gep(wbase, [builder.add(const(row0), p)]))
+
         for c in range(nc):
-
-            def bits(k):
-                off = builder.add(builder.add(poff, builder.mul(k, kstride)), const(16 * (c0 + c)))
-                codes = builder.load(builder.bitcast(builder.gep(pa, [off]), vb.as_pointer()),
-                                     align=1)  # fmt: skip
-                return builder.bitcast(builder.sitofp(codes, vf), vi)
-
-            def put(p, v):
-                builder.store(v, builder.gep(wbase, [builder.add(const(c * (KCH // 2)), p)]))
-
+            col, row0 = 16 * (c0 + c), c * (KCH // 2)
             with cgutils.for_range(builder, full) as loop:
                 k = builder.add(kc0, builder.mul(loop.index, const(2)))
-                put(loop.index, builder.or_(builder.and_(bits(builder.add(k, const(1))), high),
-                                            builder.lshr(bits(k), sixteen)))  # fmt: skip
+                pair = builder.or_(builder.and_(bits(builder.add(k, const(1)), col), high),
+                                   builder.lshr(bits(k, col), sixteen))  # fmt: skip
+                put(row0, loop.index, pair)
             odd = builder.icmp_signed("<", builder.mul(full, const(2)), klen)
             with builder.if_then(odd):
-                put(full, builder.lshr(bits(builder.add(kc0, builder.mul(full, const(2)))),
-                                       sixteen))  # fmt: skip
+                last = builder.add(kc0, builder.mul(full, const(2)))
+                put(row0, full, builder.lshr(bits(last, col), sixteen))
             start = builder.sdiv(builder.add(klen, const(1)), const(2))
             with cgutils.for_range_slice(builder, start, nrows, const(1)) as (p, _):
-                put(p, ir.Constant(vi, [0] * 16))
+                put(row0, p, ir.Constant(vi, [0] * 16))
 
     def block8(i, mr, rows, kc0, steps, c0, nc, more):
         """An int8 slice's rows i..i+rows-1, column pair c0, the K chunk at kc0 (``steps``
