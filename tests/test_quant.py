@@ -496,8 +496,10 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
     into two bf16 terms as gemm.operand does, the scratch past its rows NaN; the codes widened
     to bfloat16 a column pair and _bf16amx.KCH inputs at a time, so K = 600 and 1100 take 2
     and 3 chunks, the later ones adding to C) and on the float32 tile, against float64 on the
-    same codes and scales, within the split's 2**-16 and float32's sums; the second panel of
-    two (its own scales); a row of inf and one of NaN stay non-finite where float64's do."""
+    same codes and scales, within the split's 2**-16 and float32's sums; K ending on a chunk
+    and odd in a later one (1024, 513); row blocks of 32 with last blocks of 3, 4 and 18 rows;
+    the second panel of two (its own scales), and a slice from its third group (v0 = 2, the
+    GRU's n columns); a row of inf and one of NaN stay non-finite where float64's do."""
     if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
         pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
     from leanrnn.formats.quantize import _set_int8, int8_columns
@@ -506,7 +508,7 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
     split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, False))
     rng = np.random.default_rng(5)
     Wd = 4 * B
-    for K in (11, 37, 300, 600, 1100):
+    for K in (11, 37, 300, 513, 600, 1024, 1100):
         Kp = (K + 15) // 16 * 16
         w = rng.standard_normal((2, Kp, Wd)).astype(np.float32)
         w[:, K:] = 0
@@ -515,31 +517,50 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
         _set_int8(P, codes, scales)
         deq = codes.astype(np.float64) * scales.astype(np.float64)[:, None, :]
         bias = rng.standard_normal(Wd).astype(np.float32)
-        for nvec in (1, 3, 4):
-            cols = nvec * B
-            for M in (3, 5, 35, 64):
+        for nvec, v0 in ((1, 0), (3, 0), (4, 0), (2, 2)):
+            cols = slice(v0 * B, (v0 + nvec) * B)
+            for M in (3, 5, 35, 50, 64):
                 A = rng.standard_normal((M, K)).astype(np.float32)
                 A[1, 5] = np.inf
                 A[M - 2, 0] = np.nan
-                C0 = rng.standard_normal((M, cols)).astype(np.float32)
+                C0 = rng.standard_normal((M, nvec * B)).astype(np.float32)
                 with np.errstate(invalid="ignore"):
-                    prod = A.astype(np.float64) @ deq[1, :K, :cols]
-                    mags = np.abs(A.astype(np.float64)) @ np.abs(deq[1, :K, :cols])
+                    prod = A.astype(np.float64) @ deq[1, :K, cols]
+                    mags = np.abs(A.astype(np.float64)) @ np.abs(deq[1, :K, cols])
                 operand = A
                 if dot == "amx" and M >= SPLIT_MIN_ROWS:  # as gemm.operand hands it over
                     ld = split_row_floats(K)
                     q = np.full((M + 31) // 32 * 32 * 4 * ld, 0xFF, np.uint8)  # NaN past M
                     split(A, K, q)
                     operand = q.view(np.float32).reshape(-1, ld)
-                for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
+                for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[cols])):
                     C = C0.copy()
-                    run(nvec, P, P.shape[1] * P.shape[2], operand, 0, M, K, C, mode, bias)
+                    poff = P.shape[1] * P.shape[2] + v0 * B
+                    run(nvec, P, poff, operand, 0, M, K, C, mode, bias[v0 * B :])
                     want = prod + init
                     bound = (2.0**-16 + (K + 4) * 2.0**-24) * (mags + np.abs(init))
                     np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
                     ok = np.isfinite(want)
                     err = np.abs(C[ok] - want[ok])
                     assert (err <= bound[ok]).all(), (K, nvec, M, mode, err.max())
+
+
+def test_int8_batches_get_their_split_operands_scratch_on_amx():
+    """On AMX, int8 GEMMs of 4 rows or more multiply a split operand (kernels.gemm.operand),
+    which needs each op's q in the plan, sized as bf16's; without it the kernels would take
+    the float32 tile instead, right and slower, and every accuracy test would still pass."""
+    from leanrnn.engine.session import bf16_on_amx, split_scratch_bytes
+
+    if not bf16_on_amx():
+        pytest.skip("this CPU (or process) has no AMX-BF16: int8 runs the float32 tile")
+    spec = RNNSpec("gru", 40, 70, num_layers=2)
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(0),
+                                                                    np.float32), np.float32)),
+                             "int8")  # fmt: skip
+    N, T = 50, 5
+    q = {b.name: b.nbytes for b in model.session.buffers(N, T) if b.name.startswith("q.")}
+    threads = leanrnn.config.max_threads()
+    assert q == {f"q.{k}": threads * split_scratch_bytes(spec, k, T * N, N) for k in (0, 1)}
 
 
 def _specials(rng, rows, K):

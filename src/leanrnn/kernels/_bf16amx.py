@@ -1,5 +1,6 @@
-"""bf16 panels on AMX: a panel GEMM of SPLIT_MIN_ROWS rows or more as AMX-BF16's ``tdpbf16ps``
-(16 x 16 outputs, 32 inputs, float32 sums) instead of one FMA per weight.
+"""bf16 (and weight-only int8) panels on AMX: a panel GEMM of SPLIT_MIN_ROWS rows or more as
+AMX-BF16's ``tdpbf16ps`` (16 x 16 outputs, 32 inputs, float32 sums) instead of one FMA per
+weight (int8 below the second-to-last paragraph).
 
 The float32 tile of ``_simd`` widens every bf16 weight and does one multiply-add per weight:
 at 16 rows and more the GEMM is compute-bound, and halving the weight bytes gains nothing

@@ -9,7 +9,7 @@ the bench reports print ``describe()`` beside their tables.
 CPU — LLVM splits or spills what the hardware lacks — so each tile path can be tested anywhere).
 It changes the native build's fingerprint; numba's on-disk JIT cache does not see it, so with
 the JIT backend it takes effect only for kernels compiled after it is set.
-``LEANRNN_AMX=0`` keeps int8-dynamic's and bf16's tiles off AMX on a CPU that has it (see
+``LEANRNN_AMX=0`` keeps int8-dynamic's, bf16's and int8's tiles off AMX on a CPU that has it (see
 int8_dot, bf16_dot).
 """
 
@@ -181,7 +181,8 @@ def int8_dot(isa_: Isa) -> str:
 
 
 def bf16_dot(isa_: Isa) -> str:
-    """The product of bf16 panels at 4 rows and more (kernels._bf16amx): ``amx``
+    """The product of bf16 and weight-only int8 panels at 4 rows and more (kernels._bf16amx,
+    int8's codes widened to bfloat16): ``amx``
     (AMX-BF16's tdpbf16ps on 16 x 16 x 32 tiles, activations split in two bf16 terms) where
     the AVX-512 tile is compiled, the CPU has AMX-BF16 and AVX512-BF16 (the split's
     conversion), the OS granted the tile state and ``LEANRNN_AMX=0`` does not turn it off;

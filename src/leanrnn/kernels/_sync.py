@@ -45,7 +45,7 @@ from .abi import CLAIM0, LINE, PROJ_DONE, PROJ_TICKET, STEP_DONE
 # chunks): each slice then starts a register tile where the whole batch would, so every row is
 # computed by the same tile shape and summation order whichever way the threads split — the
 # results are bit-identical across thread counts (a lone leftover row, say, would otherwise be
-# a GEMV, whose k loop may be split into several accumulator sets). bf16 on AMX cuts at 16
+# a GEMV, whose k loop may be split into several accumulator sets). bf16 and int8 on AMX cut at 16
 # rows instead (gemm.slice_rows): an AMX tile's rows are independent dot products, the same
 # bits in any block, and every slice there has 4 rows or more, all on AMX.
 ALIGN = _cpu.blocking(_cpu.isa())[0]
@@ -164,7 +164,7 @@ def wait_tasks(sync, ntasks):
 def share(N, me, parts, tiles_each, align):
     """(n0, n1, slices): thread ``me``'s samples n0..n1 and the number of block slices per phase
     its recurrence claims from — its own batch slice, cut at a multiple of ``align`` rows (its
-    GEMM's tile height: ALIGN, or 16 for bf16 on AMX, kernels.gemm.slice_rows), and 1 (no
+    GEMM's tile height: ALIGN, or 16 for bf16 and int8 on AMX, kernels.gemm.slice_rows), and 1 (no
     barrier) when every thread gets at least ``tiles_each`` tiles of ALIGN rows (SHARE_TILES
     for the forward: the engine plans with this rule), else every sample and ``parts``."""
     if parts > 1 and N >= tiles_each * ALIGN * parts:

@@ -217,8 +217,8 @@ def _rounded(A, q, me, i0, i1, K, fresh, bf16_act):
 
 @intrinsic
 def _operand_view(typingctx, P, A, q, me, i0, ld):
-    """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q, or for bf16 ones
-    where ``ld`` > 0 row ``me`` of q as float32 rows of ld: a view made in IR, since the
+    """Rows i0.. of A, or for int8-dynamic panels (uint8) row ``me`` of q, or for bf16 and
+    int8 ones where ``ld`` > 0 row ``me`` of q as float32 rows of ld: a view made in IR, since the
     kernels compile without numba's reference counting, and a function compiled so may
     return no array but its argument."""
     quantized = P.dtype == types.uint8
@@ -271,8 +271,8 @@ def operand(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
     bf16 and int8 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
-    q[me] (split_rows; rounded to one where ``bf16_act``), as float32 rows of
-    split_row_floats(K, bf16_act) — row strides no plain A has, by which the tile tells them
+    q[me] (split_rows; for bf16 rounded to one where ``bf16_act``), as float32 rows of
+    split_row_floats(K, one term or two) — row strides no plain A has, by which the tile tells them
     apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
     (round_rows). q[me] is refilled only when ``fresh``, else it holds the rows of the last
     call. Row 0 of the result is A's row i0; _lda gives its row stride."""
@@ -360,8 +360,8 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input — the recurrent kernels
         are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output;
     q:  [threads, bytes] uint8 scratch, row ``me`` this thread's: int8-dynamic panels (uint8
-        W) multiply its quantized copy of the task's rows (operand), bf16 ones on AMX its split
-        (bf16_act: rounded) copy; unused otherwise.
+        W) multiply its quantized copy of the task's rows (operand), bf16 and int8 ones on AMX
+        its split (bf16 with bf16_act: rounded) copy; unused otherwise.
     Tasks (a chunk of rows x one panel) are handed out by ticket from ``sync`` (see _sync), so
     any number of threads may call this at once on the same arrays: each returns when all
     tasks are done. Row chunks are the outer order: a chunk of x stays in cache while the

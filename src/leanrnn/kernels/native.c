@@ -62,6 +62,7 @@ void NRT_MemInfo_call_dtor(void *mi) {
 
 /* ------------------------------------------------------------------------------ the team */
 #define MAX_WORKERS 255 /* < 1 << TEAM_BITS */
+#define WORKER_STACK ((size_t)8 << 20) /* bytes of stack per worker thread (start_workers) */
 #define SPIN 20000 /* polls of the launch word (a fraction of a millisecond) before a worker sleeps */
 
 /* The launch word: (launch number << TEAM_BITS) | team size, published in one atomic store, so a
@@ -164,6 +165,10 @@ static void start_workers(int64_t want) {
         arg->seen = __atomic_load_n(&T.launch, __ATOMIC_ACQUIRE);
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        /* The AMX blocks keep their buffers on the stack (_bf16amx: ~40 KiB per inlined
+           panel GEMM, several per kernel): not a C library's smallest default (musl's
+           128 KiB). */
+        pthread_attr_setstacksize(&attr, WORKER_STACK);
         rc = pthread_create(&t, &attr, worker, arg);
         pthread_attr_destroy(&attr);
         if (rc) {
