@@ -294,17 +294,21 @@ def test_a_cpu_without_amx_never_gets_amx_code(monkeypatch):
         _qdot.codegen(4, avx512, "amx")
 
 
-def test_activation_codes_are_numpys_float32_rounding():
+@pytest.mark.parametrize("K", [13, 100, 517])
+def test_activation_codes_are_numpys_float32_rounding(K):
     """quantize_rows against numpy in float32: the same codes (ties to even) and scale bytes;
-    an all-zero row, a NaN row, an inf row, and a row so small (max 2e-37, a denormal among
-    them) that 127 / max overflows: it quantizes as zero, scale 0."""
+    an all-zero row (with -0.0), a NaN row, an inf row, and a row so small (max 2e-37, a
+    denormal among them) that 127 / max overflows: it quantizes as zero, scale 0. K past the
+    vector loops' width and off it (the max is taken on the bits, the rounding by adding
+    1.5 * 2**23: both vectorized)."""
     from leanrnn.kernels.gemm import quantize_rows
 
     rng = np.random.default_rng(6)
-    K = 13
     A = rng.standard_normal((7, K + 3)).astype(F32)
-    A[1, :K] = np.arange(K, dtype=F32) - 6.0  # max 6: codes 127 * v / 6 hit .5 ties
+    A[1, :K] = np.arange(K, dtype=F32) % 13 - 6.0  # max 6: codes 127 * v / 6 hit .5 ties
+    A[1, K - 1] = -6.0  # the largest magnitude negative, last
     A[2] = 0
+    A[2, K // 2] = -0.0
     A[3, 4] = np.nan
     A[4, 5] = np.inf
     A[6, :K] = np.linspace(-2e-37, 1e-39, K, dtype=F32)
