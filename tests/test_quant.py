@@ -435,6 +435,23 @@ def test_scales_of_a_loaded_panel_are_where_the_kernel_reads_them(int8_file):
 
 
 # --------------------------------------------------------------- bf16 panels in input pairs
+def _tile_and_split(dot, one_term):
+    """(the AVX-512 tile with bf16 / int8 panels' rows on ``dot``, split_rows jitted), skipped
+    where ``dot`` is AMX and this CPU (or process) cannot run AMX-BF16."""
+    if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
+        pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
+    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, one_term))
+    return tile_gemm("avx512", bf16=dot), split
+
+
+def _within(C, want, bound):
+    """C non-finite exactly where ``want`` is, and within ``bound`` of it elsewhere."""
+    np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
+    ok = np.isfinite(want)
+    err = np.abs(C[ok] - want[ok])
+    assert (err <= bound[ok]).all(), err.max()
+
+
 @pytest.mark.parametrize("dot, one_term", [("fma", False), ("amx", False), ("amx", True)])
 def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
     """The bf16 tile at several rows: on AMX (the operand split into two bf16 terms as
@@ -445,10 +462,7 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
     roundings are the oracle's too; a row of inf and one of NaN stay non-finite where
     float64's do. The second panel of two, so the AMX block's tail copy of the last k step
     reads the right panel's rows."""
-    if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
-        pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
-    run = tile_gemm("avx512", bf16=dot)
-    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, one_term))
+    run, split = _tile_and_split(dot, one_term)
     rng = np.random.default_rng(4)
     Wd = 4 * B
     for K in (11, 37, 64, 100, 300):
@@ -483,11 +497,7 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
                     run(nvec, P, P.shape[1] * P.shape[2], operand, 0, M, K, C, mode, bias)
                     want = prod + init
                     split_err = 0.0 if one_term else 2.0**-16
-                    bound = (split_err + (K + 2) * 2.0**-24) * (mags + np.abs(init))
-                    np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
-                    ok = np.isfinite(want)
-                    err = np.abs(C[ok] - want[ok])
-                    assert (err <= bound[ok]).all(), err.max()
+                    _within(C, want, (split_err + (K + 2) * 2.0**-24) * (mags + np.abs(init)))
 
 
 @pytest.mark.parametrize("dot", ["fma", "amx"])
@@ -500,12 +510,9 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
     and odd in a later one (1024, 513); row blocks of 32 with last blocks of 3, 4 and 18 rows;
     the second panel of two (its own scales), and a slice from its third group (v0 = 2, the
     GRU's n columns); a row of inf and one of NaN stay non-finite where float64's do."""
-    if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
-        pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
     from leanrnn.formats.quantize import _set_int8, int8_columns
 
-    run = tile_gemm("avx512", bf16=dot)
-    split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, False))
+    run, split = _tile_and_split(dot, False)
     rng = np.random.default_rng(5)
     Wd = 4 * B
     for K in (11, 37, 300, 513, 600, 1024, 1100):
@@ -538,11 +545,7 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
                     poff = P.shape[1] * P.shape[2] + v0 * B
                     run(nvec, P, poff, operand, 0, M, K, C, mode, bias[v0 * B :])
                     want = prod + init
-                    bound = (2.0**-16 + (K + 4) * 2.0**-24) * (mags + np.abs(init))
-                    np.testing.assert_array_equal(np.isfinite(C), np.isfinite(want))
-                    ok = np.isfinite(want)
-                    err = np.abs(C[ok] - want[ok])
-                    assert (err <= bound[ok]).all(), (K, nvec, M, mode, err.max())
+                    _within(C, want, (2.0**-16 + (K + 4) * 2.0**-24) * (mags + np.abs(init)))
 
 
 def test_int8_batches_get_their_split_operands_scratch_on_amx():
