@@ -268,8 +268,8 @@ def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
     (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile with the dot product
     ``dot`` (default the compiled one, _cpu.int8_dot); bf16 and weight-only int8 panels' rows
-    in whole tiles of 16 on ``bf16`` ("amx": _bf16amx, or "fma"; default _cpu.bf16_dot's). The tests pass others
-    to run every ISA's tile on any machine."""
+    in whole tiles of 16 on ``bf16`` ("amx": _bf16amx, or "fma"; default _cpu.bf16_dot's).
+    The tests pass others to run every ISA's tile on any machine."""
     tiles_ = tiles_ or TILES
     if bf16 == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":  # else SIGILL
         raise ValueError("bf16's AMX block asked for where this process cannot run AMX-BF16")

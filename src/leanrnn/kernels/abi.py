@@ -251,13 +251,14 @@ def quantized_row_bytes(K: int) -> int:
     return (K + 3) // 4 * 4 + 4
 
 
-# bf16 and int8 on AMX (kernels._bf16amx): a panel GEMM of at least SPLIT_MIN_ROWS rows multiplies its
-# rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile steps of 32
-# inputs; a row of the split operand is SPLIT_PAD floats longer than that (64 bytes), so its
-# stride is one no plain operand the engine hands the kernels has (each is at most 15 floats
-# wider than its K), and the tile tells the two apart by it (kernels.gemm.operand). Rows
-# rounded to one term (bf16_act) are laid out alike, the lo terms' room unused, with twice the
-# pad: a third stride, by which the tile knows to skip the lo product.
+# bf16 and int8 on AMX (kernels._bf16amx): a panel GEMM of at least SPLIT_MIN_ROWS rows
+# multiplies its rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile
+# steps of 32 inputs; a row of the split operand is SPLIT_PAD floats longer than that (64
+# bytes), so its stride is one no plain operand the engine hands the kernels has (each is at
+# most 15 floats wider than its K), and the tile tells the two apart by it
+# (kernels.gemm.operand). Rows rounded to one term (bf16_act) are laid out alike, the lo
+# terms' room unused, with twice the pad: a third stride, by which the tile knows to skip the
+# lo product.
 SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
 
 

@@ -9,9 +9,9 @@ of 16 columns,
 
 P: [U, Kp, Wd] panels; A: [rows, >=K] and C: [rows, >=ccol+N*16], both C-contiguous; C must
 not alias A or P. int8-dynamic panels (uint8, kernels._qdot) take A as operand() makes it: the
-rows quantized into a flat uint8 scratch; bf16 and int8 panels on AMX (kernels._bf16amx) from 4
-rows the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its own,
-abi.split_row_floats(K, True)); K is then never sliced; bf16-act's other operands rounded
+rows quantized into a flat uint8 scratch; bf16 and int8 panels on AMX (kernels._bf16amx) from
+4 rows the rows split into two bfloat16 terms, or for bf16-act rounded to one (a stride of its
+own, abi.split_row_floats(K, True)); K is then never sliced; bf16-act's other operands rounded
 into float32 rows of K (round_rows). A plain A's row stride must not be a split one (the
 engine's are at most 15 wider than K). There are four of them, not one taking N, because
 each must name its intrinsic statically: a branch on N would expand all four tile bodies into
@@ -278,10 +278,10 @@ def _operand_view(typingctx, P, A, q, me, i0, ld):
 def operand(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
-    bf16 and int8 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16 terms in
-    q[me] (split_rows; for bf16 rounded to one where ``bf16_act``), as float32 rows of
-    split_row_floats(K, one term or two) — row strides no plain A has, by which the tile tells them
-    apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
+    bf16 and int8 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16
+    terms in q[me] (split_rows; for bf16 rounded to one where ``bf16_act``), as float32 rows
+    of split_row_floats(K, one term or two) — row strides no plain A has, by which the tile
+    tells them apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
     (round_rows). q[me] is refilled only when ``fresh``, else it holds the rows of the last
     call. Row 0 of the result is A's row i0; _lda gives its row stride."""
     ld = _prepare_operand(P, A, q, me, i0, i1, K, fresh, bf16_act)
@@ -295,8 +295,9 @@ def slice_rows(P):  # pragma: no cover - replaced by the overload inside kernels
 @overload(slice_rows)
 def _slice_rows_impl(P):
     """Rows a thread's batch slice is cut at a multiple of (_sync.share) for GEMMs on P: the
-    float32 tiles' ALIGN, or for bf16 and int8 on AMX an AMX tile's 16 — at N=64 on 2 threads, 6-row
-    cuts gave 30 / 34 rows, and the 34 ran a 32-row AMX block and a 2-row one costing 16."""
+    float32 tiles' ALIGN, or for bf16 and int8 on AMX an AMX tile's 16 — at N=64 on 2
+    threads, 6-row cuts gave 30 / 34 rows, and the 34 ran a 32-row AMX block and a 2-row one
+    costing 16."""
     if P.dtype in _ON_AMX and _BF16_AMX:
         return lambda P: 16
     return lambda P: ALIGN
