@@ -1,6 +1,6 @@
 """LLVM IR pieces every register tile shares (the float tiles of _simd, the integer tile of
-_qdot): how a tile's stores start (its ``mode``), how a lone row splits its k loop and how
-rows are cut into tiles."""
+_qdot): how a tile's stores start (its ``mode``), how a lone row splits its k loop and
+prefetches its panel, and how rows are cut into tiles."""
 
 from __future__ import annotations
 
@@ -43,6 +43,21 @@ def amx_ops(builder):
         return ir.Constant(i8, n)
 
     return tile_op, tmm
+
+
+def prefetch_ahead(builder, ptr, nbytes: int, dist: int) -> None:
+    """Emit a prefetch of every cache line of the ``nbytes`` at ``ptr`` (any pointer), ``dist``
+    bytes further on: a lone row's (GEMV's) panel row segment, asked for before its loads
+    need it (past a panel's last row: the next panel's first, which comes next)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+    )
+    row = builder.bitcast(ptr, i8p)
+    for off in range(0, max(64, nbytes), 64):
+        ahead = builder.gep(row, [ir.Constant(ir.IntType(64), dist + off)])
+        # read, high locality, data cache; a prefetch never faults (past the array either)
+        builder.call(fn, [ahead, i32(0), i32(3), i32(1)])
 
 
 def split_loop(builder, n, sets: int, step) -> None:

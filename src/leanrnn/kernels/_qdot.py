@@ -41,7 +41,7 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from . import _cpu
-from ._ir import amx_ops, row_tiles, split_loop, store_by_mode
+from ._ir import amx_ops, prefetch_ahead, row_tiles, split_loop, store_by_mode
 from .abi import DOT_TAIL_ROWS
 
 TR = 16  # rows of an AMX tile: of A and C, and the k4 steps of a B tile
@@ -111,11 +111,6 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
 
         def const(v):
             return ir.Constant(i64, v)
-
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]),
-            "llvm.prefetch.p0i8",
-        )  # fmt: skip
 
         if dot == "vnni":
             dpbusd = cgutils.get_or_insert_function(
@@ -195,10 +190,7 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
             set) or rows 0..nrows-1 (a row tile)."""
             wrow = builder.add(builder.add(poff, builder.mul(k4, kstride)), const(v0 * vbytes))
             if nrows == 1 and gemv_prefetch:
-                for off in range(0, nv * vbytes, 64):
-                    ahead = builder.gep(pa, [builder.add(wrow, const(gemv_prefetch + off))])
-                    # read, high locality, data cache; a prefetch never faults (past the array)
-                    builder.call(prefetch, [ahead, i32(0), i32(3), i32(1)])
+                prefetch_ahead(builder, builder.gep(pa, [wrow]), nv * vbytes, gemv_prefetch)
             ws = []
             for v in range(nv):
                 p = builder.gep(pa, [builder.add(wrow, const(v * vbytes))])

@@ -35,7 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import _bf16amx, _cpu, _qdot
-from ._ir import row_tiles, split_loop, store_by_mode
+from ._ir import prefetch_ahead, row_tiles, split_loop, store_by_mode
 from ._qsimd import WEIGHT_FORMATS, bf16_pair_loader, scale_base, weight_loader
 from .abi import SPLIT_MIN_ROWS
 
@@ -79,12 +79,6 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
             builder.module, ir.FunctionType(vt, [vt] * 3), fma_name
         )
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
-        i8p = ir.IntType(8).as_pointer()
-        prefetch = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-            "llvm.prefetch.p0i8",
-        )
         esize = 4 if dt == types.float32 else 8
         undef = ir.Constant(vt, ir.Undefined)
         zero = ir.Constant(vt, [0.0] * lanes)
@@ -115,16 +109,8 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         # (2 MiB, the size of L2), 5% on a GRU's (1.5 MiB), 1-2% from L3 (H=1024).
         bf16_prefetch = tile.prefetch or _cpu.GEMV_PREFETCH
 
-        def prefetch_row(first, nbytes, dist):
-            """Every cache line of the panel row slice at flat element ``first`` (``nbytes``
-            long), ``dist`` bytes further on (past a panel's last row: the next panel's first,
-            which comes next)."""
-            row = builder.bitcast(builder.gep(pa, [first]), i8p)
-            for off in range(0, max(64, nbytes), 64):
-                ptr = builder.gep(row, [const(dist + off)])
-                # read, high locality, data cache; a prefetch never faults
-                builder.call(prefetch, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                        ir.Constant(i32, 1)])  # fmt: skip
+        def prefetch_row(first, nbytes, dist):  # the panel row slice at flat element ``first``
+            prefetch_ahead(builder, builder.gep(pa, [first]), nbytes, dist)
 
         def rows_block(i, nrows, nsplit):
             """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
