@@ -100,6 +100,11 @@ def test_a_call_names_each_argument_exactly_once():
         abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, y=y, sync=sync, q=q, bf16_act=False)
     with pytest.raises(TypeError, match=r"unknown \['C'\]"):
         abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, C=8, sync=sync, q=q, bf16_act=False)
+    # as many names as declared, one of them twice and so one missing
+    with pytest.raises(TypeError, match=r"named twice \['x'\], missing \['y'\]"):
+        abi.Call("matmul", ("x", "x", "parts"), W=W, b=b, K=8, sync=sync, q=q, bf16_act=False)
+    with pytest.raises(TypeError, match=r"unknown \['C'\], named twice \[\], missing \['K'\]"):
+        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, C=8, sync=sync, q=q, bf16_act=False)
     with pytest.raises(TypeError, match="per call"):
         c.bind(x=x, y=y)
 

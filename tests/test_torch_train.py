@@ -4,12 +4,14 @@ word-language-model loop, torch.compile, torch.export, autocast, no_grad and DDP
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -385,6 +387,36 @@ def test_autocast_bfloat16_like_torch(cell):
         assert _rel(a, c) <= RTOL_AUTOCAST_BF16
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {}), ("LSTM", {"proj_size": 3}), ("LSTM", {"num_layers": 2, "bidirectional": True}),
+    ("GRU", {}), ("RNN", {}), ("LSTM", {"dtype": torch.float64}), ("RNN", {"dtype": torch.float64}),
+])  # fmt: skip
+def test_autocast_output_dtypes_follow_torch(cell, kw, onednn):
+    """torch's own module is the oracle: under CPU bf16 autocast its LSTM returns bfloat16
+    where oneDNN runs it (the default on CPUs with bf16 support) or with a projection, float32
+    with oneDNN off; the RNN bfloat16, the GRU float32, float64 modules float64. leanrnn's LSTM
+    returned float32 where torch's returned bfloat16."""
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, cell)(5, 8, **kw)
+    m = lt.from_module(ref)
+    x = torch.randn(3, 2, 5, dtype=kw.get("dtype", torch.float32), requires_grad=True)
+    outs = []
+    for mod in (ref, m):
+        with (
+            warnings.catch_warnings(),  # torch: "LSTM with projections is not supported with oneDNN"
+            torch.backends.mkldnn.flags(enabled=onednn),
+            torch.autocast("cpu", torch.bfloat16),
+        ):
+            warnings.simplefilter("ignore")
+            y, hn = mod(x)
+        states = hn if isinstance(hn, tuple) else (hn,)
+        y.float().sum().backward()  # the gradient flows through the casts
+        outs.append([y.dtype, *(h.dtype for h in states), x.grad.dtype])
+        x.grad = None
+    assert outs[1] == outs[0]
+
+
 @pytest.mark.parametrize(("cell", "kw"), [
     ("LSTM", {"num_layers": 2, "proj_size": 24}),
     ("GRU", {"bidirectional": True}),
@@ -410,17 +442,20 @@ def test_autocast_runs_the_bf16_kernels_at_a_batch(cell, kw):
         hx = h0
     y64, _ = twin(x.double(), hx64)
     dy = torch.randn(y64.shape, dtype=torch.float64)
-    # an RNN's y comes back in bf16 (as torch's), so the gradient reaching it is rounded too
-    (y64 * (dy.to(torch.bfloat16).double() if cell == "RNN" else dy)).sum().backward()
     with torch.autocast("cpu", torch.bfloat16):
         y, _ = m(x, hx)
+    # an RNN's y and a projected LSTM's come back in bf16 (as torch's), so the gradient
+    # reaching them is rounded too
+    lowered = y.dtype == torch.bfloat16
+    assert lowered == (cell != "GRU")
+    (y64 * (dy.to(torch.bfloat16).double() if lowered else dy)).sum().backward()
     loss = (y.double() * dy).sum()
     grads = []
     for _ in range(2):  # the second backward replays the forward from the tape
         m.zero_grad()
         loss.backward(retain_graph=True)
         grads.append([p.grad.clone() for p in m.parameters()])
-    assert _rel(y, y64) <= (RTOL_AUTOCAST_BF16 if cell != "RNN" else 2.0**-8)
+    assert _rel(y, y64) <= (2.0**-8 if lowered else RTOL_AUTOCAST_BF16)
     for g1, g2, ref in zip(*grads, twin.parameters(), strict=True):
         assert torch.equal(g1, g2)
         assert _rel(g1, ref.grad) <= RTOL_AUTOCAST_BF16
@@ -633,3 +668,64 @@ def test_training_steps_reuse_the_memory_of_freed_tapes(monkeypatch):
     assert made == []
     for p, q in zip(m.parameters(), ref.parameters(), strict=True):
         assert _rel(p.grad, q.grad) <= RTOL_GRAD[np.float64]
+
+
+@pytest.mark.parametrize("cell", ["RNN", "LSTM", "GRU"])
+def test_an_infinite_input_poisons_only_what_torch_s_does(cell):
+    """x = inf at one step: torch's gradients are NaN only for that input's weight column
+    (inf * 0) and 0 for that step's dx; leanrnn's were NaN for every earlier step and every
+    recurrent weight — the padding units' gates (inf times their zero weights) fed NaN into
+    backward's dh_prev GEMM."""
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, cell)(3, 4, dtype=torch.float64)  # H=4: 12 padding units of 16
+    m = lt.from_module(ref)
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    x[1, 0, 0] = float("inf")
+    grads = []
+    for mod in (ref, m):
+        mod.zero_grad()
+        xi = x.clone().requires_grad_()
+        mod(xi)[0].sum().backward()
+        grads.append([xi.grad, *(p.grad for p in mod.parameters())])
+    for want, got in zip(*grads, strict=True):
+        assert torch.equal(want.isnan(), got.isnan())
+        assert torch.allclose(got.nan_to_num(), want.nan_to_num(), rtol=1e-10, atol=1e-12)
+    assert grads[1][0][0].isfinite().all()  # the step before the inf one
+
+
+def test_a_double_backward_is_refused_on_both_paths():
+    """create_graph=True through a leanrnn module: its gradient has no graph. For a loss
+    linear in y the eager path returned one anyway (once_differentiable refuses only where the
+    incoming gradient requires grad), and a gradient penalty built on it silently counted 0."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passthrough(TorchFunctionMode):  # any function mode: the custom ops' path
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    m = lt.from_module(torch.nn.LSTM(3, 4, dtype=torch.float64))
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    w = torch.randn(5, 2, 4, dtype=torch.float64)
+    for mode in (contextlib.nullcontext, Passthrough):
+        xi = x.clone().requires_grad_()
+        with mode():
+            loss = (m(xi)[0] * w).sum()
+        with pytest.raises(RuntimeError, match=r"create_graph|autograd formula"):
+            (g,) = torch.autograd.grad(loss, xi, create_graph=True)
+            (loss + g.pow(2).sum()).backward()
+    xi = x.clone().requires_grad_()  # first order still works after a refusal
+    (g,) = torch.autograd.grad((m(xi)[0] * w).sum(), xi)
+    assert g.shape == x.shape and torch.isfinite(g).all()
+
+
+def test_functorch_transforms_and_other_devices_get_a_clear_error():
+    m = lt.LSTM(5, 8, dtype=torch.float64)
+    x = torch.randn(6, 3, 5, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=r"torch\.func transforms .* not supported"):
+        torch.func.grad(lambda x: m(x)[0].sum())(x)
+    with pytest.raises(DTypeError, match=r"on device meta.*CPU"):
+        m(x.to("meta"))
+    with pytest.raises(DTypeError, match="hx is on device meta"):
+        m(x, (torch.zeros(1, 3, 8, dtype=torch.float64, device="meta"),) * 2)
+    assert m(x)[0].shape == (6, 3, 8)  # the module unharmed

@@ -12,7 +12,7 @@ import numpy as np
 
 import leanrnn
 from leanrnn.memory.arena import Arena
-from leanrnn.train import Trainer
+from leanrnn.train import SGD, Trainer
 
 T, N, C, H = 5, 3, 4, 6
 
@@ -60,6 +60,30 @@ def test_a_copied_trainer_has_views_of_its_own_arena():
         assert np.array_equal(dx, dx0)
         _, dx_again, _ = _grads(tr, x, dy)  # the original unaffected
         assert np.array_equal(dx_again, dx0)
+
+
+def test_a_copied_trainer_trains_like_the_original():
+    """Its parameters view its own weights and gradients: a copy's came back detached (pickled
+    by value), so backward wrote gradients its optimizer never read and the update changed
+    arrays no forward read: the loss never moved, with no error."""
+    x = np.random.default_rng(0).standard_normal((6, 3, C)).astype(np.float32)
+    outputs = []
+    for copied in (lambda t: t, copy.deepcopy, lambda t: pickle.loads(pickle.dumps(t))):
+        tr = copied(Trainer(leanrnn.LSTM(C, H, num_layers=2, seed=0)))
+        params = tr.parameters()
+        opt = SGD(params, lr=0.5)
+        for p in params:
+            assert np.shares_memory(p.value, tr.weights.buffer)
+            assert np.shares_memory(p.grad, tr.grad.buffer)
+        tape = tr.forward(x)
+        tr.backward(tape, np.ones_like(tape.y), input_grad=False)
+        assert sum(float((p.grad**2).sum()) for p in params) > 0
+        opt.step()
+        outputs.append(tr.forward(x).y.copy())
+    y0 = Trainer(leanrnn.LSTM(C, H, num_layers=2, seed=0)).forward(x).y
+    assert not np.allclose(outputs[0], y0)  # the step changed the model
+    for y in outputs[1:]:
+        assert np.array_equal(y, outputs[0])
 
 
 def test_views_do_not_keep_released_arenas_alive():

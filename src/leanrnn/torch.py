@@ -52,10 +52,11 @@ Design.
   where the CPU has it, kernels._bf16amx) on the float32 parameters rounded to bfloat16, with
   float32 activations, states and sums; backward computes in float32 through the same rounded
   weights (a backward outside the autocast region still goes through the forward that ran),
-  and the gradients reach the float32 parameters, as in torch. Outputs are what torch's
-  modules return under CPU autocast: float32 for LSTM and GRU, bfloat16 ``y`` and ``h_n`` for
-  RNN (torch builds its RNN cell from autocast matmuls). float64 modules and float16 autocast
-  compute in the parameters' dtype.
+  and the gradients reach the float32 parameters, as in torch. Outputs have the dtypes torch's
+  modules return under CPU autocast (_lowered): the autocast dtype for the RNN (torch builds
+  its cell from autocast matmuls) and for an LSTM that oneDNN runs (its default on CPUs with
+  bf16 support) or that has a projection; float32 for the GRU and for an LSTM with oneDNN off.
+  float64 modules and float16 autocast compute in the parameters' dtype.
 - **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's
   own team (threads.openmp_team: ``GOMP_parallel``), and backward's big GEMMs on torch's
   matmul (Trainer.matmul): torch's idle workers spin for milliseconds after each op, so a
@@ -540,8 +541,24 @@ class _EagerRNN(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # (a double backward is refused, as the ops' is, not silently 0)
     def backward(ctx, dy, dh_n, dc_n, _dhandle):
+        # A double backward is refused, as the ops' is, not silently 0. once_differentiable
+        # alone refuses only where the incoming gradients require grad: for a loss linear in y
+        # (sum(y * w)) create_graph=True got a gradient with no graph, and a penalty on it (a
+        # gradient penalty, a Hessian-vector product) silently counted 0. Grad mode is on here
+        # exactly when create_graph is (once_differentiable's body runs under no_grad).
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "[leanrnn.torch] backward with create_graph=True (a double backward: gradient "
+                "penalties, Hessian-vector products) is not supported by leanrnn.torch's "
+                "modules: their gradients carry no graph. Use torch.nn.LSTM/GRU/RNN for "
+                "higher-order gradients (to_module() converts)"
+            )
+        return _EagerRNN._first_order(ctx, dy, dh_n, dc_n, _dhandle)
+
+    @staticmethod
+    @once_differentiable
+    def _first_order(ctx, dy, dh_n, dc_n, _dhandle):
         handle, _x, _y, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
@@ -562,7 +579,7 @@ def _eager(tensors) -> bool:
         return False  # (first: dynamo folds it, and traces nothing else here)
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if _functorch_transform():
         return False
     return all(t is None or type(t) in _PLAIN for t in tensors)
 
@@ -593,6 +610,37 @@ def _check_call(name: str, module, input, weights, packed: bool) -> None:
             raise ShapeError(
                 f"[{name}] parameter {n} has shape {got}; expected {s} for this module "
                 "(to change sizes, make a new module)"
+            )
+
+
+def _lowered(cell: str, proj_size: int, adt) -> tuple[bool, bool]:
+    """Whether torch's own float32 module returns (y and h_n, c_n) in the autocast dtype
+    ``adt`` under CPU autocast (read off torch 2.13; float32 otherwise): the RNN's always (its
+    cell is autocast matmuls), the GRU's never, the LSTM's where oneDNN runs it in bfloat16
+    (enabled and bf16-capable: all three), with a projection y and h_n (torch's own cell:
+    autocast matmuls again, c summed in float32)."""
+    if cell != "lstm":
+        return cell == "rnn", False
+    if proj_size > 0:
+        return True, False
+    onednn = (adt == torch.bfloat16 and torch.backends.mkldnn.is_available()
+              and torch._C._get_mkldnn_enabled() and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
+    return onednn, onednn
+
+
+def _functorch_transform() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _check_device(name: str, input, hx, weights) -> None:
+    """The kernels run on the CPU: a tensor elsewhere (cuda, meta, ...) is refused here, as
+    torch's modules refuse mixed devices, not by numpy's "can't convert ... to numpy" later."""
+    states = hx if isinstance(hx, (tuple, list)) else (hx,)
+    for what, t in (("input", input), *(("hx", h) for h in states), ("parameters", weights[0])):
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise DTypeError(
+                f"[{name}] {what} is on device {t.device}; leanrnn.torch runs on the CPU: "
+                "move it with .cpu() (or use torch.nn's module on other devices)"
             )
 
 
@@ -833,6 +881,16 @@ class _RNNBase(torch.nn.Module):
         packed = isinstance(input, PackedSequence)
         batched = True
         _check_call(name, self, input, weights, packed)
+        _check_device(name, input.data if packed else input, hx, weights)
+        if not torch.compiler.is_compiling() and _functorch_transform():
+            # torch.func.grad/vmap/jacrev/jvp: the ops' autograd formula (register_autograd)
+            # has no functorch rules in torch 2.13, and failed inside torch with advice about
+            # setup_context meant for the author of an autograd.Function
+            raise NotImplementedError(
+                f"[{name}] torch.func transforms (grad, vmap, jacrev, jvp, ...) are not "
+                "supported by leanrnn.torch's modules; use torch.autograd (loss.backward(), "
+                "torch.autograd.grad) or torch.nn's module (to_module() converts)"
+            )
         if packed:
             data, batch_sizes, sorted_indices, unsorted_indices = input
             _check_packed(name, input)
@@ -938,10 +996,11 @@ class _RNNBase(torch.nn.Module):
                                              self._spec_str, bf16, *weights)  # fmt: skip
         else:
             y, h_n, c_n, _ = _forward(*args, False, bf16)
-        if autocast and self._cell == "rnn":
-            # torch's RNN cell is autocast matmuls: its outputs come out in the autocast dtype
-            adt = torch.get_autocast_dtype("cpu")
-            y, h_n = y.to(adt), h_n.to(adt)
+        adt = torch.get_autocast_dtype("cpu") if autocast else None
+        if adt is not None and wdt == torch.float32:
+            lower_h, lower_c = _lowered(self._cell, self.proj_size, adt)
+            y, h_n = (y.to(adt), h_n.to(adt)) if lower_h else (y, h_n)
+            c_n = c_n.to(adt) if lower_c else c_n
         if packed:
             out = PackedSequence(y.reshape(T * N, D * K)[rows], batch_sizes, sorted_indices,
                                  unsorted_indices)  # fmt: skip

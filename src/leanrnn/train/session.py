@@ -221,7 +221,12 @@ class Trainer:
         # planned afresh: a plan pickled by another version may size its buffers otherwise
         # (dhn was [N, Kp] before RT's panels grew to 4 groups: the kernel would write past it)
         self._plans = {}
-        for prm in self._params:
+        # A Parameter pickles its arrays by value, so the copy's came back detached from the
+        # weights and gradients they viewed: backward would write gradients no optimizer
+        # reads and the optimizer update arrays no forward reads (training silently stalls).
+        # Re-point them, keeping the objects (an optimizer pickled along holds them).
+        for prm, fresh in zip(self._params, self._make_parameters(), strict=True):
+            prm._value, prm._grad = fresh._value, fresh._grad
             prm._owner = weakref.ref(self)
 
     @property
@@ -985,6 +990,14 @@ class Trainer:
         # pre-activations); GRU's R_n h + bR_n is in ghn.
         gru = spec.cell == "gru"
         ghn = mem[f"ghn.{k}"][off : off + TN] if gru else None
+        pad = self._pad_columns()
+        if pad.size:
+            # The padding units' gates: an infinite input made them NaN (inf times the zero
+            # weights padding holds), harmless forward (no output reads them), but backward's
+            # dh_prev GEMM sums over every gate column, zero weights included: NaN reached every
+            # earlier step's gradients, where torch's stay finite. Zero gates give zero
+            # gradients through every cell (and zero c, h: the forward's padding values).
+            G[:, pad] = 0
         dhk = mem["dh"]
         dhk[:, K:] = 0
         dhk[:, :K] = dh[k]
@@ -1060,6 +1073,18 @@ class Trainer:
     def _threads(self) -> int:
         return config.threads_for(self.threads)
 
+    def _pad_columns(self) -> np.ndarray:
+        """Indices of G's columns that belong to padding units (unit u*B + j >= H of gate g
+        is column u*Wd + g*B + j, formats.packing), all in the last panel; empty when B
+        divides H."""
+        pad = getattr(self, "_pad", None)
+        if pad is None:
+            H, Hp, B = self.spec.hidden_size, self.weights.Hp, self.weights.B
+            ng = self.spec.gate_width // H
+            unit = np.arange(Hp).reshape(Hp // B, 1, B).repeat(ng, axis=1).reshape(-1)
+            pad = self._pad = np.flatnonzero(unit >= H)
+        return pad
+
     @staticmethod
     def _team(job, threads: int) -> None:
         """job(i, threads) for i < threads: 0 on this thread, the others on threads.matmul_pool
@@ -1083,6 +1108,7 @@ class Trainer:
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         most = max(1, self._gemm_cols() // Wd)  # panels per GEMM, at most
+        pad = self._pad_columns()  # all in the last panel
 
         def share(gw, i: int, threads: int) -> None:
             # at least one GEMM per thread (each thread has its own rows of gw)
@@ -1098,6 +1124,8 @@ class Trainer:
                     if ghn is not None and panels is gl.Rt:
                         out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
                             rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
+                    if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
+                        out[:, pad - u0 * Wd] = 0
                     panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
 
         return share
