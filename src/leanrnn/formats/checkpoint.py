@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import tokenize
 import zipfile
 import zlib
 
@@ -39,6 +40,9 @@ _ZIP_ERRORS = (
 # (plus 1 MiB): weights barely compress, a zip bomb compresses enormously.
 MAX_ZIP_RATIO = 64
 _ZIP_SLACK = 1 << 20
+
+# numpy's limit on an array's rank (numpy 2; numpy 1 had 32, and refuses more itself)
+_MAX_NDIM = 64
 
 _RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$")
 
@@ -112,16 +116,7 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
                 if not name.endswith(".npy"):
                     raise ModelFormatError(f"[{op}] {path!r}: member {name!r} is not a .npy array")
                 with z.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    if version == (1, 0):
-                        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-                    elif version == (2, 0):
-                        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-                    else:
-                        raise ModelFormatError(
-                            f"[{op}] {path!r}: member {name!r} uses .npy "
-                            f"format {version}; expected 1.0 or 2.0"
-                        )
+                    shape, fortran, dtype = _npy_header(f, path, name, op)
                     if dtype.hasobject:
                         raise ModelFormatError(
                             f"[{op}] {path!r}: member {name!r} holds Python "
@@ -144,6 +139,35 @@ def read_npz(path: str) -> dict[str, np.ndarray]:
     except _ZIP_ERRORS as e:
         raise ModelFormatError(f"[{op}] {path!r} is not a readable .npz: {e}") from None
     return out
+
+
+def _npy_header(f, path: str, name: str, op: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran order, dtype) of the .npy member ``name`` open as ``f``. numpy parses
+    the header's Python literal with tokenize and ast, which raise TokenError, SyntaxError or
+    RecursionError as well as ValueError on hostile text: each means a malformed header, and
+    the error names the file and the member."""
+    shape, fortran, dtype = (), False, np.dtype(np.float32)  # an unknown version: refused below
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    except (ValueError, TypeError, SyntaxError, tokenize.TokenError, RecursionError) as e:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: member {name!r} has a malformed .npy header "
+            f"({type(e).__name__}: {str(e)[:200]}); re-save it with numpy.savez"
+        ) from None
+    if version not in ((1, 0), (2, 0)):
+        raise ModelFormatError(
+            f"[{op}] {path!r}: member {name!r} uses .npy format {version}; expected 1.0 or 2.0"
+        )
+    if len(shape) > _MAX_NDIM or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ModelFormatError(
+            f"[{op}] {path!r}: member {name!r} has a malformed .npy header: shape "
+            f"{str(shape)[:200]}; expected at most {_MAX_NDIM} non-negative ints"
+        )
+    return shape, fortran, dtype
 
 
 def read_torch(path: str) -> dict[str, np.ndarray]:
@@ -173,9 +197,8 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             obj = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
         raise ModelFormatError(
-            f"[{op}] {path!r}: torch.load(weights_only=True) refused or failed: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (a checkpoint must "
-            "be a state dict of tensors; leanrnn never runs arbitrary pickles)"
+            f"[{op}] {path!r}: {_torch_refusal(e)} (a checkpoint must be a state dict of "
+            "tensors; leanrnn never unpickles code)"
         ) from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
@@ -213,6 +236,24 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"{sum(stored.values())} stored; refusing. Save contiguous tensors (.contiguous())"
         )
     return {str(k): v.detach().cpu().contiguous().numpy() for k, v in obj.items()}
+
+
+def _torch_refusal(e: Exception) -> str:
+    """Why torch.load refused, without torch's advice: its message opens with "Re-running
+    torch.load with weights_only set to False will likely succeed", which for a hostile file
+    means running its code, and the reason (the global the pickle wanted) comes after it."""
+    text = str(e)
+    refused = re.search(r"GLOBAL ([\w.]+)", text)
+    if refused:
+        return (
+            f"torch.load(weights_only=True) refused its pickle, which calls "
+            f"{refused.group(1)}, not a tensor or container"
+        )
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        lines = [ln for ln in lines[1:] if "weights_only" not in ln and "documentation" not in ln]
+    why = lines[0][:300] if lines else ""
+    return f"torch.load(weights_only=True) refused or failed: {type(e).__name__}: {why}"
 
 
 def read_state_dict(path: str, kind: str | None = None) -> dict[str, np.ndarray]:

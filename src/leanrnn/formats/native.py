@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import sys
 import zlib
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
 MAX_HEADER_BYTES = 64 << 20  # a header is JSON text; 64 MiB is far beyond any real model's
+MAX_NDIM = 64  # numpy's limit on an array's rank (numpy 2)
 
 # safetensors dtype codes <-> numpy
 _ST_DTYPES = {
@@ -125,6 +127,11 @@ class _Container:
                 f"[{op}] {path!r}: tensor {name!r} has shape {shape!r}; "
                 "expected a list of non-negative ints"
             )
+        if len(shape) > MAX_NDIM:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: tensor {name!r} has {len(shape)} dims; numpy arrays have "
+                f"at most {MAX_NDIM} (corrupt or hostile header)"
+            )
         if not (isinstance(offs, list) and len(offs) == 2 and all(is_count(o) for o in offs)):
             raise ModelFormatError(
                 f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; expected [begin, end]"
@@ -185,6 +192,11 @@ def _read_header(path: str, op: str) -> tuple[int, int, dict]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ModelFormatError(f"[{op}] {path!r}: header is not valid JSON ({e})") from None
+    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise ModelFormatError(
+            f"[{op}] {path!r}: header holds a number of over {sys.get_int_max_str_digits()} "
+            "digits; no tensor size or offset is that long (corrupt or hostile file)"
+        ) from None
     if not isinstance(header, dict):
         raise ModelFormatError(
             f"[{op}] {path!r}: header is {type(header).__name__}; expected a JSON object"
@@ -247,9 +259,17 @@ def _checksum(meta: dict[str, str], regions, version: int = VERSION) -> str:
 
 def _region_digest(words: np.ndarray) -> str:
     """Version 2, one pass over the data: the sum s_k of each 4 KiB block of 64-bit words, then
-    sum_k s_k and sum_k (k+1) s_k, wrapping mod 2**64 (Fletcher's checksum, block-wise). The
-    plain sum changes with any single flipped bit or any one changed word; the weighted sum also
-    sees blocks swapped or moved, which a plain sum or XOR (version 1) cannot."""
+    sum_k s_k and sum_k (k+1) s_k, wrapping mod 2**64 (Fletcher's checksum, block-wise).
+
+    It catches any change to one word (so any single flipped bit), and two whole blocks k and j
+    that trade places unless (j - k)(s_k - s_j) is 0 mod 2**64 (blocks of equal sum, say): the
+    weighted sum moves by that much, where version 1's sum and XOR cannot see a swap at all.
+
+    It does not catch what leaves every block's sum unchanged mod 2**64: words reordered
+    within one block (two 8-byte words swapped, say), the same bit set in one word and cleared
+    in another within one block, bit 63 flipped in two words of one block; nor changes in
+    several blocks that cancel in both sums. It is a guard against accidental corruption, not
+    against deliberate edits (the format must stay as files in the field carry it)."""
     full = words.size // _BLOCK_WORDS * _BLOCK_WORDS
     sums = np.add.reduce(words[:full].reshape(-1, _BLOCK_WORDS), axis=1)
     if full < words.size:

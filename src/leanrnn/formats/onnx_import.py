@@ -205,6 +205,8 @@ class _Reader:
                 f"length {length} of {loc!r}, which holds {size} bytes"
             )
         out = np.empty(dims, dtype)
+        if not nbytes:  # an empty tensor: memoryview cannot cast a view with a 0 in its shape
+            return out
         with open(path, "rb") as f:
             f.seek(offset)
             if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
@@ -456,6 +458,13 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     for i, t in enumerate(g.initializer):
         if not t.name:
             raise ModelFormatError("[load_onnx] an initializer has no name")
+        if t.name in constants or t.name in lazy:
+            # onnxruntime takes the first, a dict the last, and onnx.checker refuses the file:
+            # there is no one right answer, so the file is refused, not read either way
+            raise ModelFormatError(
+                f"[load_onnx] two initializers are named {t.name!r}; expected unique names "
+                "(onnx.checker.check_model rejects this file too). Rename or drop one"
+            )
         if uses.get(t.name) == {True}:
             lazy[t.name] = _Lazy(reader, g, i)
         else:

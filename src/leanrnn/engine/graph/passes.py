@@ -114,39 +114,62 @@ def fold(g: Graph, threads: int | None = None) -> None:
     constant subgraphs exporters put in front of weights (torch's dynamo exporter builds an
     LSTM's W and R with Slice/Concat/Unsqueeze of the initializers) become constants, which
     ``pack_constant_rnns`` and ``pack_matmuls`` then pack. A constant goes as soon as the
-    last node reading it is folded, so the weights are not held three times over."""
+    last node reading it is folded, so the weights are not held three times over. A node
+    nobody reads is dropped unevaluated (``prune`` would drop it anyway)."""
     # A folded value is at most a rearrangement of the constants plus slack (Expand and
     # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
+    # The bound holds for the whole pass, not per node: a file of a few hundred bytes with N
+    # ConstantOfShape nodes each under it made loading allocate N times it. Two totals are
+    # checked before each node runs: the bytes of folded constants alive after it, and the
+    # bytes folding has made beyond what its nodes read (``grown``), so a chain that makes
+    # and drops a large value per node is refused too.
     limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
     ctx = Ctx(g, {}, threads)
     readers: dict[str, int] = {t.name: 1 for t in g.outputs}
     for node in g.nodes:
         for i in node.inputs:
             readers[i] = readers.get(i, 0) + 1
+    folded: dict[str, int] = {}  # bytes of each folded constant still alive
+    alive = grown = 0
     keep = []
     for node in g.nodes:
         if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
             keep.append(node)
             continue
-        vals = [g.constants[i] if i else None for i in node.inputs]
-        ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
-        metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
-        for m in metas:
-            if m.nbytes > limit:
-                raise ModelFormatError(
-                    f"[load] node {node.name!r} ({node.op}) would make a "
-                    f"{m.nbytes}-byte constant {list(m.shape)}; refusing "
-                    f"more than {limit} bytes"
-                )
-        res = guard(node, evaluate, ctx, node, vals, metas)
-        del vals
-        for name, arr in zip(node.outputs, res, strict=False):
-            if name:
-                g.constants[name] = np.asarray(arr, order="C")
+        if any(readers.get(o, 0) for o in node.outputs if o):
+            vals = [g.constants[i] if i else None for i in node.inputs]
+            ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
+            metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            made = sum(m.nbytes for m in metas)
+            read = sum(g.constants[i].nbytes for i in set(node.inputs) if i)
+            last = [i for i in set(node.inputs) if i and readers[i] == node.inputs.count(i)]
+            after = alive - sum(folded.get(i, 0) for i in last) + made
+            for what, total in (
+                ("folded constants alive", after),
+                ("bytes folding made beyond what it read", grown + max(made - read, 0)),
+            ):
+                if max(made, total) > limit:
+                    raise ModelFormatError(
+                        f"[load] node {node.name!r} ({node.op}) would make {made} bytes of "
+                        f"constants {[list(m.shape) for m in metas[:4]]}, bringing the {what} "
+                        f"to {total} bytes; refusing more than {limit} (the file's constants "
+                        f"plus {FOLD_SLACK_BYTES} bytes of slack): a model's constant "
+                        "subgraphs do not expand this much"
+                    )
+            grown += max(made - read, 0)
+            res = guard(node, evaluate, ctx, node, vals, metas)
+            del vals
+            for name, arr in zip(node.outputs, res, strict=False):
+                if name and readers.get(name, 0):
+                    g.constants[name] = np.asarray(arr, order="C")
+                    folded[name] = g.constants[name].nbytes
+                    alive += folded[name]
+            del res
         for i in node.inputs:
             readers[i] -= 1
             if i and not readers[i]:
                 del g.constants[i]
+                alive -= folded.pop(i, 0)
     g.nodes = keep
 
 
