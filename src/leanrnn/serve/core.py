@@ -1,5 +1,6 @@
 """What the HTTP and gRPC front ends share: the models, authorization, and one ``infer`` that
-hands a checked request to the scheduler and awaits its outputs on the event loop."""
+hands a checked request to the scheduler and awaits its outputs on the event loop; the request
+keeps counting against --max-queued-bytes until its front end says the answer has left."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from .errors import Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
-from .protocol import ModelInfo, Parsed, check_version
+from .protocol import ModelInfo, Parsed, check_version, clip
 from .scheduler import Request, Scheduler
 
 _log = logging.getLogger("leanrnn.serve")
@@ -44,16 +46,21 @@ class Core:
     def info(self, model: str, version: str | None = None) -> ModelInfo:
         info = self.infos.get(model)
         if info is None:
-            raise NotFound(f"[infer] unknown model {model!r}; this server has {sorted(self.infos)}")
+            raise NotFound(
+                f"[infer] unknown model {clip(model)}; this server has {sorted(self.infos)}"
+            )
         check_version(model, version)
         return info
 
     def authorize(self, header: str | None) -> None:
-        """Bearer token check (constant time); no token configured: everyone may call."""
+        """Bearer token check (constant time); no token configured: everyone may call. The
+        scheme is case-insensitive (RFC 7235): 'bearer' and 'BEARER' are 'Bearer'."""
         if self.token is None:
             return
-        want = f"Bearer {self.token}".encode()
-        if header is None or not hmac.compare_digest(header.encode(), want):
+        scheme, _, given = (header or "").strip().partition(" ")
+        ok = scheme.lower() == "bearer"
+        # compared even when the scheme is wrong: the time taken says nothing about the token
+        if not hmac.compare_digest(given.strip().encode(), self.token.encode()) or not ok:
             raise Unauthenticated(
                 "[auth] missing or wrong bearer token; send the header "
                 "'Authorization: Bearer <token>' given to leanrnn serve --token"
@@ -82,7 +89,19 @@ class Core:
         }
 
     async def infer(self, p: Parsed, protocol: str) -> dict[str, np.ndarray]:
-        """Run ``p`` through the scheduler; the requested outputs by name."""
+        """Run ``p`` through the scheduler; the requested outputs by name. Its bytes count
+        against --max-queued-bytes until the engine is done with it (a ModelStreamInfer
+        stream bounds its unsent answers itself: rpc.WINDOW_BYTES)."""
+        values, release = await self.infer_held(p, protocol)
+        release()
+        return values
+
+    async def infer_held(self, p: Parsed, protocol: str,
+                         json_bytes: int = 0) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
+        """Run ``p`` through the scheduler; (the requested outputs by name, release). The
+        request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
+        count against --max-queued-bytes until ``release()`` — call it once the answer has
+        left (or failed to), so answers a client does not read stay counted."""
         if self.draining:
             raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
         info = self.infos[p.model]
@@ -92,16 +111,33 @@ class Core:
                 f"[infer] y for {p.x.shape[0]} steps would be {y_bytes} bytes; the limit is "
                 f"{self.max_request_bytes} (--max-request-bytes); send fewer steps per request"
             )
+        if json_bytes > self.max_request_bytes:
+            raise TooLarge(
+                f"[infer] the outputs for {p.x.shape[0]} steps as JSON could take up to "
+                f"{json_bytes} bytes; the limit is {self.max_request_bytes} (--max-request-bytes):"
+                " request them as binary data (parameters binary_data_output=true, or "
+                "tritonclient's InferRequestedOutput(name, binary_data=True)), or send fewer "
+                "steps per request"
+            )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         t0 = time.monotonic()
         want_state = any(name != "y" for name in p.outputs)
-        self.scheduler.submit(
+        sent = self.scheduler.submit(
             p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
-            lambda r: loop.call_soon_threadsafe(_resolve, fut, r),
+            lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
         )  # fmt: skip
-        r: Request = await fut
+
+        def release() -> None:
+            self.scheduler.release(sent)
+
+        try:
+            r: Request = await fut
+        except BaseException:  # the client went (cancelled): its bytes go when the engine is done
+            release()
+            raise
         if r.error is not None:
+            release()
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
         seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit
         st = self._stats[p.model]
@@ -112,4 +148,4 @@ class Core:
         if self.metrics is not None:
             self.metrics.request(p.model, protocol, seconds, queued)
         values = {"y": r.y, "h_n": r.h_out, "c_n": r.c_out}
-        return {name: values[name] for name in p.outputs}
+        return {name: values[name] for name in p.outputs}, release

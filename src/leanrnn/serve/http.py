@@ -5,7 +5,10 @@ Prometheus metrics at /metrics. Every error is ``{"error": "..."}`` with the sta
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import time
 import zlib
 
 import numpy as np
@@ -16,21 +19,84 @@ from starlette.routing import Route
 
 from .core import Core
 from .errors import InvalidRequest, ServeError, TooLarge
-from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes, from_list
+from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes, from_list
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The JSON part of a request becomes Python objects (~30 bytes a number): larger tensors come as
 # binary data (the extension every Triton client has), so memory stays near the body's size.
 MAX_JSON = 8 << 20
+# The most bytes one number takes in a JSON answer, with its ", ": a finite double's repr is at
+# most 24 characters ('-1.2345678901234567e-308'), '"-Infinity"' 11. A JSON answer is counted
+# at this much per number against --max-request-bytes and --max-queued-bytes before it runs.
+JSON_NUMBER = 26
+# Numbers encoded per piece (~1 ms), off the event loop: json.dumps holds the GIL for a whole
+# list, so a 100 MB answer in one call held up every other stream (HTTP and gRPC) for seconds.
+JSON_PIECE = 1024
+# Answer bodies go to the transport in pieces this large; each send waits until the transport
+# has room (uvicorn's flow control), so an answer a client does not read stays with its request
+# (counted) instead of being copied whole into the transport's buffer.
+SEND_PIECE = 64 << 10
+# Answers up to this size are encoded on the event loop (a thread hop costs more than they do).
+INLINE = 256 << 10
+# A gzip body is inflated INFLATE_PIECE compressed bytes at a time, and may have at most
+# MAX_MEMBERS members (concatenated gzip streams: RFC 1952; BGZF writes one per 64 KiB).
+INFLATE_PIECE = 64 << 10
+MAX_MEMBERS = 65536
+# JSON has no NaN or infinity (RFC 8259): they go as these strings (proto3's JSON mapping of
+# floats), which tritonclient's as_numpy (numpy) reads back as nan and +-inf.
+_NONFINITE = {"nan": '"NaN"', "inf": '"Infinity"', "-inf": '"-Infinity"'}
+
+
+def _number(header: str | None) -> int | None:
+    """A header's non-negative decimal integer; None when it is not one (ASCII digits only:
+    str.isdigit() takes superscript digits, which int() refuses)."""
+    if header is None or not header.isascii() or not header.isdigit():
+        return None
+    return int(header)
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed, every member of a gzip stream (RFC 1952 allows several), at
+    most ``limit`` bytes; a stream cut short or with bytes after its end is refused. Fed in
+    pieces, so the bytes after a member's end are never copied whole (quadratic in members)."""
+    wbits = zlib.MAX_WBITS | (16 if encoding == "gzip" else 0)
+    view, pos, parts, n = memoryview(body), 0, [], 0
+    for _ in range(MAX_MEMBERS):
+        d = zlib.decompressobj(wbits)
+        while not d.eof and pos < len(view):
+            piece = view[pos : pos + INFLATE_PIECE]
+            pos += len(piece)
+            try:
+                part = d.decompress(piece, limit + 1 - n)
+            except zlib.error as e:
+                raise InvalidRequest(f"[infer] body is not valid {encoding} data: {e}") from None
+            n += len(part)
+            parts.append(part)
+            if n > limit or d.unconsumed_tail:
+                raise TooLarge(f"[infer] {encoding} body inflates past {limit} bytes")
+        if not d.eof:
+            raise InvalidRequest(
+                f"[infer] {encoding} body is cut short ({len(body)} bytes sent, the stream does "
+                "not end): send the whole compressed body"
+            )
+        pos -= len(d.unused_data)
+        if pos >= len(view):
+            return b"".join(parts)
+        if encoding != "gzip":
+            raise InvalidRequest(
+                f"[infer] {len(view) - pos} bytes after the end of the deflate stream; send one "
+                "stream"
+            )
+    raise InvalidRequest(f"[infer] gzip body of more than {MAX_MEMBERS} members; send fewer")
 
 
 async def _body(request: Request, limit: int) -> bytes:
     """The request body, decompressed (gzip/deflate), refused past ``limit`` bytes before it is
     all read or inflated."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    declared = _number(request.headers.get("content-length"))
+    if declared is not None and declared > limit:
         raise TooLarge(
-            f"[infer] request body of {int(declared)} bytes; the limit is {limit} "
+            f"[infer] request body of {declared} bytes; the limit is {limit} "
             "(--max-request-bytes); send fewer steps per request"
         )
     parts, n = [], 0
@@ -45,16 +111,10 @@ async def _body(request: Request, limit: int) -> bytes:
     body = b"".join(parts)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding in ("gzip", "deflate"):
-        d = zlib.decompressobj(zlib.MAX_WBITS | (16 if encoding == "gzip" else 0))
-        try:
-            body = d.decompress(body, limit + 1)
-        except zlib.error as e:
-            raise InvalidRequest(f"[infer] body is not valid {encoding} data: {e}") from None
-        if len(body) > limit or d.unconsumed_tail:
-            raise TooLarge(f"[infer] {encoding} body inflates past {limit} bytes")
+        body = _inflate(body, encoding, limit)
     elif encoding != "identity":
         raise InvalidRequest(
-            f"[infer] Content-Encoding {encoding!r}; expected gzip, deflate or none"
+            f"[infer] Content-Encoding {clip(encoding)}; expected gzip, deflate or none"
         )
     return body
 
@@ -62,12 +122,12 @@ async def _body(request: Request, limit: int) -> bytes:
 def _parse(core: Core, info, body: bytes, header_length: str | None):
     """A KServe v2 JSON request (with binary tensors appended when ``header_length`` is set)."""
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        split = _number(header_length)
+        if split is None or split > len(body):
             raise InvalidRequest(
-                f"[infer] {HEADER_LENGTH}={header_length!r} for a body of {len(body)} bytes; "
+                f"[infer] {HEADER_LENGTH}={clip(header_length)} for a body of {len(body)} bytes; "
                 "expected the length of the JSON part"
             )
-        split = int(header_length)
         head, blob = body[:split], memoryview(body)[split:]
     else:
         head, blob = body, memoryview(b"")
@@ -77,7 +137,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             "binary data: tritonclient's set_data_from_numpy(..., binary_data=True))"
         )
     try:
-        req = json.loads(head)
+        req = json.loads(head, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise InvalidRequest(f"[infer] the request is not valid JSON: {e}") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
@@ -94,14 +154,14 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             raise InvalidRequest('[infer] each input must be an object with a "name"')
         name = t["name"]
         if name in tensors:
-            raise InvalidRequest(f"[infer] input {name!r} appears twice")
+            raise InvalidRequest(f"[infer] input {clip(name)} appears twice")
         shape = check_input(info, name, t.get("datatype"), t.get("shape"))
         tp = t.get("parameters") or {}
         size = tp.get("binary_data_size") if isinstance(tp, dict) else None
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequest(
-                    f"[infer] input {name!r}: binary_data_size={size!r}; expected a byte count "
+                    f"[infer] input {name!r}: binary_data_size={clip(size)}; expected a byte count "
                     ">= 0: the length of this input's part of the binary data after the JSON"
                 )
             if offset + size > len(blob):
@@ -114,7 +174,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         elif "data" in t:
             tensors[name] = from_list(info, name, shape, t["data"])
         else:
-            raise InvalidRequest(f'[infer] input {name!r} has neither "data" nor binary data')
+            raise InvalidRequest(f'[infer] input {clip(name)} has neither "data" nor binary data')
     if offset != len(blob):
         raise InvalidRequest(
             f"[infer] {len(blob) - offset} bytes of binary data after the inputs' declared "
@@ -122,7 +182,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         )
     binary_all = params.get("binary_data_output", False) is True
     outputs, binary = None, {}
-    if req.get("outputs") is not None:
+    if req.get("outputs") not in (None, []):  # none or []: all of them (as gRPC and Triton)
         if not isinstance(req["outputs"], list):
             raise InvalidRequest('[infer] "outputs" must be a list of {"name": ...}')
         outputs = []
@@ -136,35 +196,92 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             binary[o["name"]] = op.get("binary_data", binary_all) is True
     rid = req.get("id", "")
     if not isinstance(rid, str):
-        raise InvalidRequest(f'[infer] "id" must be a string; got {rid!r}')
+        raise InvalidRequest(f'[infer] "id" must be a string; got {clip(rid)}')
     p = assemble(info, rid, params, tensors, outputs, binary)
     for name in p.outputs:
         p.binary.setdefault(name, binary_all)
     return p
 
 
-def _encode(info, p, values: dict[str, np.ndarray]) -> Response:
-    outs, blobs = [], []
-    for name, a in values.items():
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number (RFC 8259); send finite numbers")
+
+
+def json_bytes(info, p) -> int:
+    """At most how many bytes ``p``'s outputs asked for as JSON take (JSON_NUMBER a number)."""
+    n = 0
+    for name in p.outputs:
+        if not p.binary.get(name):
+            shape = [p.x.shape[0] if d == -1 else d for d in info.outputs[name].shape]
+            n += math.prod(shape) * JSON_NUMBER + 256  # and its name, datatype and shape
+    return n
+
+
+def _json_data(a: np.ndarray, parts: list[bytes]) -> None:
+    """Append ``a``'s numbers as a flat JSON list to ``parts``, a piece at a time, letting
+    the event loop's thread have the GIL between pieces; NaN and +-inf as _NONFINITE's
+    strings."""
+    flat = a.reshape(-1)
+    parts.append(b"[")
+    for i in range(0, flat.size, JSON_PIECE):
+        chunk = flat[i : i + JSON_PIECE]
+        if np.isfinite(chunk).all():
+            piece = json.dumps(chunk.tolist())[1:-1]
+        else:
+            piece = ", ".join(_NONFINITE.get(repr(v), repr(v)) for v in chunk.tolist())
+        parts.append((", " + piece if i else piece).encode())
+        time.sleep(0)  # gives up the GIL: json.dumps holds it for a whole piece
+    parts.append(b"]")
+
+
+def _encode(info, p, values: dict[str, np.ndarray]) -> tuple[bytes, dict, str]:
+    """(body, headers, media type) of the answer; a large one is encoded in a worker thread."""
+    res = {"model_name": info.name, "model_version": VERSION}
+    if p.id:
+        res["id"] = p.id
+    parts, blobs = [json.dumps(res)[:-1].encode(), b', "outputs": ['], []
+    for k, (name, a) in enumerate(values.items()):
         t = {"name": name, "datatype": info.datatype, "shape": list(a.shape)}
+        if k:
+            parts.append(b", ")
         if p.binary.get(name):
             b = np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes()
             t["parameters"] = {"binary_data_size": len(b)}
             blobs.append(b)
+            parts.append(json.dumps(t).encode())
         else:
-            t["data"] = a.reshape(-1).tolist()
-        outs.append(t)
-    res = {"model_name": info.name, "model_version": VERSION, "outputs": outs}
-    if p.id:
-        res["id"] = p.id
-    head = json.dumps(res).encode()
+            parts.append(json.dumps(t)[:-1].encode() + b', "data": ')
+            _json_data(a, parts)
+            parts.append(b"}")
+    parts.append(b"]}")
+    head = b"".join(parts)
+    del parts
     if not blobs:
-        return Response(head, media_type="application/json")
-    return Response(
-        b"".join([head, *blobs]),
-        media_type="application/octet-stream",
-        headers={HEADER_LENGTH: str(len(head))},
-    )
+        return head, {}, "application/json"
+    return b"".join([head, *blobs]), {HEADER_LENGTH: str(len(head))}, "application/octet-stream"
+
+
+class _Answer(Response):
+    """An inference answer sent in SEND_PIECE pieces, each after the transport has room for it;
+    ``release`` runs once the last has gone (or the client has), so its request's bytes count
+    against --max-queued-bytes for as long as the answer is held here."""
+
+    def __init__(self, body: bytes, headers: dict, media_type: str, release) -> None:
+        super().__init__(body, headers=headers, media_type=media_type)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})  # fmt: skip
+            body = memoryview(self.body)
+            for i in range(0, len(body), SEND_PIECE):
+                await send({"type": "http.response.body", "body": bytes(body[i : i + SEND_PIECE]),
+                            "more_body": True})  # fmt: skip
+            # waits, as every send does, until the transport has taken what came before
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._release()
 
 
 def _error(core: Core, e: ServeError) -> JSONResponse:
@@ -221,7 +338,16 @@ def make_app(core: Core, metrics=None) -> Starlette:
         info = model_of(request)
         body = await _body(request, core.max_request_bytes)
         p = _parse(core, info, body, request.headers.get(HEADER_LENGTH))
-        return _encode(info, p, await core.infer(p, "http"))
+        del body
+        size = json_bytes(info, p)
+        values, release = await core.infer_held(p, "http", size)
+        try:  # a large answer off the event loop: it must not hold up the other streams
+            if size + sum(a.nbytes for a in values.values()) <= INLINE:
+                return _Answer(*_encode(info, p, values), release)
+            return _Answer(*await asyncio.to_thread(_encode, info, p, values), release)
+        except BaseException:
+            release()
+            raise
 
     async def prometheus(request):
         if metrics is None:

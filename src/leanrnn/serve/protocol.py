@@ -11,6 +11,7 @@ one stream per request and the server batches across streams itself.
 from __future__ import annotations
 
 import itertools
+import reprlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,21 @@ EXTENSIONS = ["binary_tensor_data", "sequence", "model_configuration", "statisti
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 CONFIG_TYPES = {"FP32": "TYPE_FP32", "FP64": "TYPE_FP64"}
 _anonymous = itertools.count(1)
+# Error messages echo what the client sent, cut to this many characters: a 1e6-element shape
+# or a 7 MB datatype string came back whole, in the answer and in the log line.
+ECHO = 100
+
+
+_echo = reprlib.Repr()  # looks at no more of a container or string than it prints
+_echo.maxlevel, _echo.maxlist, _echo.maxtuple, _echo.maxdict = 3, 30, 30, 10
+_echo.maxstring, _echo.maxlong, _echo.maxother = ECHO, ECHO, ECHO
+
+
+def clip(v) -> str:
+    """``repr(v)`` cut to about ECHO characters, with '...' where cut: client input in
+    messages."""
+    r = _echo.repr(v)
+    return r if len(r) <= ECHO else r[:ECHO] + "..."
 
 
 @dataclass
@@ -114,7 +130,8 @@ class Parsed:
 def check_version(model: str, version: str | None) -> None:
     if version not in (None, "", VERSION):
         raise NotFound(
-            f"[infer] model {model!r} has no version {version!r}; it has version {VERSION} only"
+            f"[infer] model {clip(model)} has no version {clip(version)}; it has version "
+            f"{VERSION} only"
         )
 
 
@@ -125,15 +142,16 @@ def sequence(params: dict) -> tuple[tuple, bool, bool]:
     start, end = params.get("sequence_start", False), params.get("sequence_end", False)
     for name, v in (("sequence_start", start), ("sequence_end", end)):
         if not isinstance(v, bool):
-            raise InvalidRequest(f"[infer] parameter {name}={v!r}; expected true or false")
+            raise InvalidRequest(f"[infer] parameter {name}={clip(v)}; expected true or false")
+    # bool first: False == 0, and "sequence_id": false must be refused as true is
+    if isinstance(sid, bool) or not isinstance(sid, int | str | None):
+        raise InvalidRequest(
+            f"[infer] parameter sequence_id={clip(sid)}; expected an unsigned integer or a string"
+        )
     if sid is None or sid == 0 or sid == "":
         return ("", next(_anonymous)), True, True
-    if isinstance(sid, bool) or not isinstance(sid, int | str):
-        raise InvalidRequest(
-            f"[infer] parameter sequence_id={sid!r}; expected an unsigned integer or a string"
-        )
     if isinstance(sid, int) and not 0 < sid < 1 << 64:
-        raise InvalidRequest(f"[infer] sequence_id={sid}; expected an integer in 1..2**64-1")
+        raise InvalidRequest(f"[infer] sequence_id={clip(sid)}; expected an integer in 1..2**64-1")
     if isinstance(sid, str) and len(sid) > 256:
         raise InvalidRequest(f"[infer] sequence_id is a {len(sid)}-character string; at most 256")
     return ("i" if isinstance(sid, int) else "s", sid), start, end
@@ -144,12 +162,12 @@ def check_input(info: ModelInfo, name: str, datatype: str, shape) -> tuple[int, 
     t = info.inputs.get(name)
     if t is None:
         raise InvalidRequest(
-            f"[infer] unexpected input {name!r} for model {info.name!r}; it takes "
+            f"[infer] unexpected input {clip(name)} for model {info.name!r}; it takes "
             f"{sorted(info.inputs)} (x required; the others only with sequence_start)"
         )
     if datatype != info.datatype:
         raise InvalidRequest(
-            f"[infer] input {name!r} has datatype {datatype!r}; model {info.name!r} takes "
+            f"[infer] input {name!r} has datatype {clip(datatype)}; model {info.name!r} takes "
             f"{info.datatype}; convert the data"
         )
     if (
@@ -159,7 +177,7 @@ def check_input(info: ModelInfo, name: str, datatype: str, shape) -> tuple[int, 
         or any(want != -1 and d != want for d, want in zip(shape, t.shape, strict=False))
     ):
         raise InvalidRequest(
-            f"[infer] input {name!r} has shape {shape!r}; model {info.name!r} expects "
+            f"[infer] input {name!r} has shape {clip(shape)}; model {info.name!r} expects "
             f"{list(t.shape)} (-1: any number of steps)"
         )
     if name == "x" and shape[0] == 0:
@@ -195,6 +213,14 @@ def from_list(info: ModelInfo, name: str, shape: tuple, data) -> np.ndarray:
         raise InvalidRequest(
             f"[infer] input {name!r} of shape {list(shape)} needs {n} values; got {a.size}"
         )
+    # JSON has no NaN or infinity (RFC 8259), and a number past the datatype's range became
+    # inf in the cast, silently (numpy's overflow warning went into the log instead)
+    big = np.finfo(info.dtype).max
+    if a.size and (not np.isfinite(a).all() or np.abs(a).max() > big):
+        raise InvalidRequest(
+            f"[infer] input {name!r}: data holds a value that is not a finite {info.datatype} "
+            f"number (NaN, infinity, or beyond +-{big:.7g}); send finite numbers in range"
+        )
     return np.ascontiguousarray(a.reshape(shape), dtype=info.dtype)
 
 
@@ -212,7 +238,7 @@ def assemble(info: ModelInfo, request_id: str, params: dict, tensors: dict,
     for name in outputs:
         if name not in info.outputs:
             raise InvalidRequest(
-                f"[infer] unknown output {name!r} requested from model {info.name!r}; it has "
+                f"[infer] unknown output {clip(name)} requested from model {info.name!r}; it has "
                 f"{list(info.outputs)}"
             )
     return Parsed(info.name, request_id, key, start, end, tensors["x"], tensors.get("h0"),

@@ -20,7 +20,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .core import Core, hostport
 from .errors import InvalidRequest, ServeError
-from .protocol import EXTENSIONS, VERSION, assemble, check_input, from_bytes
+from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes
 from .scheduler import request_bytes
 
 pb = service_pb2
@@ -51,8 +51,14 @@ def parse(core: Core, req) -> tuple:
     tensors = {}
     for i, t in enumerate(req.inputs):
         if t.name in tensors:
-            raise InvalidRequest(f"[infer] input {t.name!r} appears twice")
+            raise InvalidRequest(f"[infer] input {clip(t.name)} appears twice")
         shape = check_input(info, t.name, t.datatype, list(t.shape))
+        if raw and t.HasField("contents"):  # Triton refuses this too: which one was meant?
+            raise InvalidRequest(
+                f"[infer] input {t.name!r} has both contents and raw_input_contents; send its "
+                "data in one of them (raw_input_contents for every input, or contents for every "
+                "input)"
+            )
         if raw:
             tensors[t.name] = from_bytes(info, t.name, shape, raw[i])
         else:
@@ -143,7 +149,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         async def fn():
             info, p = parse(self.core, request)
-            return encode(info, p, await self.core.infer(p, "grpc"))
+            values, release = await self.core.infer_held(p, "grpc")
+            # the request's bytes count until the call is over: its answer written to the
+            # transport (gRPC's flow control: a client that does not read holds it), or gone
+            context.add_done_callback(lambda _: release())
+            return encode(info, p, values)
 
         return await self._guard(context, fn)
 

@@ -87,7 +87,9 @@ class Request:
         "c_out",
         "end",
         "error",
+        "finished",
         "h_out",
+        "hold",
         "nbytes",
         "on_done",
         "pos",
@@ -99,10 +101,13 @@ class Request:
         "y",
     )  # fmt: skip
 
-    def __init__(self, x, y, end, want_state, on_done) -> None:
+    def __init__(self, x, y, end, want_state, on_done, extra: int = 0, hold: bool = False) -> None:
         self.x, self.y, self.T, self.pos = x, y, x.shape[0], 0
-        self.nbytes = request_bytes(x, y.shape[1], y.dtype)
+        self.nbytes = request_bytes(x, y.shape[1], y.dtype) + extra
         self.end, self.want_state, self.on_done = end, want_state, on_done
+        # hold: its bytes stay counted after the engine is done, until Scheduler.release (the
+        # front end calls it once the answer has left); finished: the engine is done with it
+        self.hold, self.finished = hold, False
         self.h_out = self.c_out = self.error = None
         self.t_submit = time.monotonic()
         self.t_first: float | None = None
@@ -262,7 +267,7 @@ class Lane:
 
     # ------------------------------------------------------------ requests (under the lock)
     def submit(self, key, start: bool, end: bool, x, h0, c0, want_state: bool, on_done,
-               now: float) -> Request:  # fmt: skip
+               now: float, extra: int = 0, hold: bool = False) -> Request:  # fmt: skip
         """Queue ``x`` [T, C] for sequence ``key``; raises (and changes nothing) if it cannot."""
         s = self.seqs.get(key)
         name = self.name
@@ -276,10 +281,15 @@ class Lane:
                     "that sequence first (sequence_end) or start another id"
                 )
             if not self.free:
+                what = (
+                    "a request without a sequence_id (a sequence of its own) was not run"
+                    if key[0] == ""  # an internal counter: no id the client knows
+                    else f"sequence {describe(key)} was not started"
+                )
                 raise Exhausted(
                     f"[infer] model {name!r} holds {self.max_streams} live streams, the most it "
-                    f"takes (--max-streams); sequence {describe(key)} was not started; retry "
-                    "later, end idle sequences, or raise --max-streams"
+                    f"takes (--max-streams); {what}; retry later, end idle sequences, or raise "
+                    "--max-streams"
                 )
             self._check_state(h0, c0)
             slot = self.free.pop()
@@ -312,7 +322,7 @@ class Lane:
                     "already live; send them only with sequence_start=true"
                 )
         y = np.empty((x.shape[0], self.DK), self.dtype)
-        r = Request(x, y, end, want_state, on_done)
+        r = Request(x, y, end, want_state, on_done, extra, hold)
         r.seq = s
         s.queue.append(r)
         s.last = now
@@ -432,8 +442,9 @@ class Scheduler:
     def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
                  metrics=None, max_queued_bytes: int | None = None) -> None:  # fmt: skip
         self.lanes = lanes
-        # Accepted requests hold their x and y until answered: a client sending faster than
-        # the engine runs must get 429s, not grow the server's memory without bound.
+        # Accepted requests hold their x and y until answered (held requests: until their
+        # answers have left): a client sending faster than the engine runs, or not reading
+        # its answers, must get 429s, not grow the server's memory without bound.
         self.max_queued_bytes = max_queued_bytes
         self.queued_bytes = 0
         self.max_wait = max_wait
@@ -456,7 +467,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- submitting
     def submit(self, model: str, key, start: bool, end: bool, x, h0=None, c0=None,
-               want_state: bool = False, on_done=None) -> Request:  # fmt: skip
+               want_state: bool = False, on_done=None, extra: int = 0,
+               hold: bool = False) -> Request:  # fmt: skip
+        """Queue a request; it counts ``request_bytes`` + ``extra`` (what its answer takes
+        beyond y, e.g. as JSON) against --max-queued-bytes until the engine is done with it,
+        or with ``hold`` until ``release(request)`` as well (its answer has left)."""
         lane = self.lanes[model]
         with self.cond:
             if not self._accepting:
@@ -464,15 +479,16 @@ class Scheduler:
             now = time.monotonic()
             limit = self.max_queued_bytes
             if limit is not None:
-                cost = request_bytes(x, lane.DK, lane.dtype)
+                cost = request_bytes(x, lane.DK, lane.dtype) + extra
                 # (one request alone always goes: a limit below it must not wedge the server)
                 if self.queued_bytes and self.queued_bytes + cost > limit:
                     raise Exhausted(
                         f"[infer] {self.queued_bytes} bytes of accepted requests are waiting "
-                        f"for the engine, and this one ({int(cost)} B) would pass the server's "
+                        "for the engine or for their clients to read the answers, and this one "
+                        f"({int(cost)} B) would pass the server's "
                         f"limit of {limit} (--max-queued-bytes); retry later or send less at once"
                     )
-            r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now)
+            r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now, extra, hold)
             self.queued_bytes += r.nbytes
             if self._last_arrival is not None:
                 gap = now - self._last_arrival
@@ -482,6 +498,22 @@ class Scheduler:
                 self.metrics.active(lane.name, len(lane.seqs))
             self.cond.notify()
         return r
+
+    def release(self, r: Request) -> None:
+        """The answer of held request ``r`` has left (or never will): its bytes stop counting,
+        now if the engine is done with it, else when it is. Safe to call more than once."""
+        with self.cond:
+            if r.hold:
+                r.hold = False
+                if r.finished:
+                    self.queued_bytes -= r.nbytes
+
+    def _done(self, done: list[Request]) -> None:
+        """Under the lock: the engine is done with ``done``; the bytes of those not held go."""
+        for r in done:
+            r.finished = True
+            if not r.hold:
+                self.queued_bytes -= r.nbytes
 
     def live(self, model: str) -> int:
         with self.cond:
@@ -591,7 +623,7 @@ class Scheduler:
                     done = lane.finish(picked, t1)
                 else:
                     done = lane.fail(picked, error)
-                self.queued_bytes -= sum(r.nbytes for r in done)
+                self._done(done)
                 if not self._pending():
                     cond.notify_all()  # drain() waits for this
                 live = len(lane.seqs)
@@ -622,5 +654,5 @@ class Scheduler:
                 "server"
             )
             done += lane.fail(picked, err)
-        self.queued_bytes -= sum(r.nbytes for r in done)
+        self._done(done)
         return done

@@ -151,6 +151,11 @@ def check_addresses(config: ServeConfig) -> None:
             ) from None
 
 
+# Bytes of answers the kernel holds per HTTP connection (Linux doubles it): enough for ~5 ms
+# of 1 Gbit/s, so throughput to a near client is not cut, and bounded for one that never reads.
+SEND_BUFFER = 256 << 10
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -162,6 +167,11 @@ def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit it: the kernel otherwise grows a connection's send buffer to
+    # tcp_wmem's maximum (4 MiB here) for a client that does not read, memory no limit of ours
+    # saw (and which a container's memory cgroup is charged for); the rest of an answer waits in
+    # the process, counted against --max-queued-bytes (http._Answer)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)
@@ -187,8 +197,9 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
     http_port = sock.getsockname()[1]
     core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
-    # Each connection or call in flight holds buffers the queued-bytes count never sees (a
-    # client that sends and never reads keeps its answers in the transport): bounded here
+    # Each connection or call in flight holds buffers of its own (its socket's, a request being
+    # read) beyond what --max-queued-bytes counts (a request until its answer has left): bounded
+    # here
     concurrency = config.max_concurrency or default_concurrency(config.max_streams,
                                                                 len(config.models))  # fmt: skip
     grpc_server, grpc_port = None, None
