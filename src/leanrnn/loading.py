@@ -147,12 +147,19 @@ def _path(path, op: str) -> str:
 
 
 def save(model: RunnableModel, path) -> str:
-    """Write ``model`` in the native format (``.lrnn``); returns the path."""
+    """Write ``model`` in the native format to ``path``, which ends in ``.lrnn`` (as
+    ``convert``'s output must: a native file under an ``.onnx`` name is read by nothing that
+    expects ONNX); returns the path."""
     if not callable(getattr(model, "save", None)):
         raise ModelFormatError(
             f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
         )
-    return model.save(_path(path, "save"))
+    path = _path(path, "save")
+    if not path.lower().endswith(".lrnn"):
+        raise ModelFormatError(
+            f"[save] path {path!r} must end in .lrnn (leanrnn writes its native format only)"
+        )
+    return model.save(path)
 
 
 def convert(src, dst, precision: str | None = None, **options) -> str:

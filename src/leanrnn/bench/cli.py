@@ -147,11 +147,12 @@ def options_from_args(args):
     if args.engines:
         from .engines import ENGINES
 
-        bad = [e for e in args.engines if e not in ENGINES and ":" not in e]
+        bad = [e for e in args.engines if e not in ENGINES and not _custom_engine(e)]
         if bad:
             raise SystemExit(
                 f"leanrnn bench: --engines {','.join(bad)}: unknown; expected some of "
-                f"{','.join(ENGINES)} or module:Class"
+                f"{','.join(ENGINES)} or module:Class (a leanrnn.bench.engines.Engine "
+                "subclass)"
             )
         kw["engines"] = args.engines
     if args.precision:
@@ -192,6 +193,41 @@ def options_from_args(args):
     return base.__class__(**(base.__dict__ | kw))
 
 
+def _custom_engine(name: str) -> bool:
+    """Whether ``module:Class`` can name an engine: the module exists and its Class is an
+    Engine subclass (else every row was 'n/a' and the run exited 0). A plugin that fails on its
+    own import (a dependency missing) passes: the run reports it unavailable, as a peer's."""
+    from .engines import resolve
+
+    mod = name.partition(":")[0]
+    if ":" not in name or not mod:
+        return False
+    try:
+        resolve(name)
+    except ModuleNotFoundError as e:
+        return not (e.name and (mod == e.name or mod.startswith(e.name + ".")))
+    except (AttributeError, TypeError):  # no such class, or not an Engine
+        return False
+    except Exception:  # the plugin's own failure: reported per row, as before
+        return True
+    return True
+
+
+def _results(path: Path) -> dict:
+    """A saved results.json (``--from-json``), or a one-line error naming the file."""
+    from ..errors import LeanRNNError
+
+    try:
+        results = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LeanRNNError(f"[bench --from-json] {str(path)!r} is not a bench results JSON "
+                           f"({e}); pass the results.json a bench run wrote") from None  # fmt: skip
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        raise LeanRNNError(f"[bench --from-json] {str(path)!r} is not a bench results JSON (no "
+                           "'rows' list); pass the results.json a bench run wrote")  # fmt: skip
+    return results
+
+
 def with_precisions(engines: tuple[str, ...], precisions: tuple[str, ...]) -> tuple[str, ...]:
     """``engines`` (the float32 ones) if "f32" is among ``precisions``, then each reduced
     precision's engines (engines.PRECISION_ENGINES) — a peer's only if its float32 engine is
@@ -222,7 +258,7 @@ def run(args) -> int:
             print(f"{name:<15} {'ok' if why is None else why:<28} {cls.description}")
         return 0
     if args.from_json:
-        results = json.loads(args.from_json.read_text())
+        results = _results(args.from_json)
         out = args.out if args.out != Path("bench-out") else args.from_json.parent
     else:
         from ..cli import output_dir

@@ -4,10 +4,13 @@ command line. Heavy imports (the engine, onnx) happen inside the handlers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import stat
 import sys
+import tokenize
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,12 +71,37 @@ def add_state_dict_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nonlinearity", choices=("tanh", "relu"), help="an RNN's (default tanh)")
     g.add_argument("--batch-first", action="store_const", const=True, default=None,
                    help="the module was built with batch_first=True: inputs are [N, T, C]")  # fmt: skip
+    g.add_argument("--dtype", choices=("float32", "float64"),
+                   help="convert the weights to this dtype (needed for float16 or bfloat16 "
+                   "state dicts; default: as stored)")  # fmt: skip
 
 
 def load_options(args) -> dict:
     """leanrnn.load's keyword arguments from add_state_dict_options' flags (those given)."""
-    keys = ("prefix", "cell", "nonlinearity", "batch_first")
+    keys = ("prefix", "cell", "nonlinearity", "batch_first", "dtype")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+@contextlib.contextmanager
+def cli_advice():
+    """The library's advice in CLI words: 'pass dtype=np.float32 or np.float64' (a float16
+    state dict) is --dtype on the command line."""
+    from ..errors import DTypeError
+
+    try:
+        yield
+    except DTypeError as e:
+        if "pass dtype=np.float32 or np.float64" not in str(e):
+            raise
+        raise DTypeError(f"{e} (on the command line: --dtype float32 or --dtype float64)") from None
+
+
+def load_model(path: str, args, **kw):
+    """leanrnn.load(path) with the state-dict flags of ``args``, errors in CLI words."""
+    from ..loading import load
+
+    with cli_advice():
+        return load(path, **kw, **load_options(args))
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -89,7 +117,8 @@ def _npy_header(f, where: str) -> int:
         read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                 else np.lib.format.read_array_header_2_0)  # fmt: skip
         shape, _, dtype = read(f)
-    except (ValueError, OSError, SyntaxError, EOFError) as e:
+    except (ValueError, OSError, SyntaxError, EOFError, tokenize.TokenError) as e:
+        # TokenError: header text that never closes its dict or tuple (np's literal_eval)
         raise ModelFormatError(f"[run] {where} is not a readable .npy array: {e}") from None
     if dtype.hasobject:
         raise ModelFormatError(f"[run] {where} holds Python objects; expected a numeric array")
@@ -163,16 +192,17 @@ def _mib(n: int) -> str:
 def run_cmd(args) -> int:
     import numpy as np
 
-    from ..cli import output_file
+    from ..cli import not_an_input, output_file
     from ..errors import ShapeError
-    from ..loading import load
 
     output = None
     if args.output:  # np.savez adds .npz to any other name; say (and check) the real one
         output = args.output if args.output.endswith(".npz") else args.output + ".npz"
         for path in {args.output, output}:
             output_file(path, "run --output", ".npz")
-    model = load(args.model, threads=args.threads, **load_options(args))
+        not_an_input(output, "run --output", model=args.model, input=args.input,
+                     lengths=args.lengths)  # fmt: skip
+    model = load_model(args.model, args, threads=args.threads)
     lengths = None if args.lengths is None else _load_array(args.lengths, "--lengths")
     if isinstance(lengths, np.lib.npyio.NpzFile):  # it became an array of member names
         raise ShapeError(
@@ -211,10 +241,19 @@ def run_cmd(args) -> int:
 
 
 def inspect_cmd(args) -> int:
-    from ..loading import load
+    from ..errors import PlanError
 
-    model = load(args.model, **load_options(args))
-    info = model.describe(args.batch, args.steps)
+    model = load_model(args.model, args)
+    try:
+        info = model.describe(args.batch, args.steps)
+    except PlanError as e:  # the engine names its arena by the chunk it plans, not the T asked
+        m = re.match(r"\[allocate\] arena\[(\w+) N=\d+ T=(\d+)\] ", str(e))
+        if not m:
+            raise
+        raise PlanError(
+            f"[inspect] the arena of {m.group(1)} for N={args.batch}, T={args.steps} (run in "
+            f"chunks of {m.group(2)} steps) {str(e)[m.end() :]}"
+        ) from None
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -244,10 +283,11 @@ def inspect_cmd(args) -> int:
     print(f"  parameters:   {info['parameters']:,}")
     print(f"  weight bytes: {info['weight_bytes']:,} ({_mib(info['weight_bytes'])})")
     a = info["arena"]
-    print(
-        f"  planned arena for N={info['batch']}, T={info['steps']}: {a['total_bytes']:,} B "
-        f"({_mib(a['total_bytes'])})"
-    )
+    ignored = _fixed_by_file(model, args.batch, args.steps) if info["kind"] == "graph" else ""
+    planned = (f"the file's input shapes {a['input_shapes']} ({ignored} do not apply: the "
+               "file fixes those sizes)" if ignored
+               else f"N={info['batch']}, T={info['steps']}")  # fmt: skip
+    print(f"  planned arena for {planned}: {a['total_bytes']:,} B ({_mib(a['total_bytes'])})")
     if info["kind"] == "graph":
         print(
             f"    graph intermediates: {_mib(a['graph_arena_bytes'])} (without reuse: "
@@ -258,6 +298,17 @@ def inspect_cmd(args) -> int:
     else:
         print(f"    without reuse: {_mib(a['naive_bytes'])}")
     return 0
+
+
+def _fixed_by_file(model, batch: int, steps: int) -> str:
+    """Which of --batch/--steps a graph's declared input shapes leave no room for ('' if
+    none): its planned shapes do not change with them."""
+    from ..graph_model import _input_shapes
+
+    shapes = _input_shapes(model, batch, steps)
+    fixed = [flag for flag, b, s in (("--batch", batch + 1, steps), ("--steps", batch, steps + 1))
+             if _input_shapes(model, b, s) == shapes]  # fmt: skip
+    return " and ".join(f"{f} {batch if f == '--batch' else steps}" for f in fixed)
 
 
 def _tensor(t: dict) -> str:
@@ -271,12 +322,12 @@ def _precision(layer: dict) -> str:
 
 
 def convert_cmd(args) -> int:
-    import os
-
-    from ..cli import output_file
+    from ..cli import not_an_input, output_file
     from ..loading import convert
 
-    convert(args.src, output_file(args.dst, "convert", ".lrnn"), precision=args.precision,
-            **load_options(args))  # fmt: skip
+    output_file(args.dst, "convert", ".lrnn")
+    not_an_input(args.dst, "convert", input=args.src)  # written over before it was read whole
+    with cli_advice():
+        convert(args.src, args.dst, precision=args.precision, **load_options(args))
     print(f"wrote {args.dst} ({os.path.getsize(args.dst):,} bytes)")
     return 0

@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory-limit", type=size, default=None, help="arena bytes, e.g. 4M; picks the chunk"
     )
-    p.add_argument("--png", default=None, help="draw the arena timeline to this PNG file")
+    p.add_argument("--png", default=None, metavar="FILE.png",
+                   help="draw the arena timeline to this PNG file (a graph with several RNN "
+                   "nodes: one file per node, FILE.png, FILE-1.png, FILE-2.png, ...)")  # fmt: skip
     p.add_argument(
         "--train",
         action="store_true",
@@ -49,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --train: mixed precision (Trainer(autocast='bf16')): the bf16 forward's "
         "scratch (q: split activation rows, where the CPU has AMX) in the plan",
     )
+    from .model import add_state_dict_options
+
+    add_state_dict_options(p)
     p.set_defaults(func=run)
 
 
@@ -91,12 +96,20 @@ def random_model(op: str, cell: str, hidden: int, layers: int):
     return cls(hidden, hidden, num_layers=layers, seed=0)
 
 
-def load_model(ref: str):
-    """A model from a file, or from the ``cell:hidden[xlayers]`` shorthand (random weights)."""
+def load_model(ref: str, args=None, op: str = "plan"):
+    """A model from a file (``args``: the state-dict flags, add_state_dict_options), or from the
+    ``cell:hidden[xlayers]`` shorthand (random weights)."""
     from leanrnn.errors import ModelFormatError
+
+    from .model import cli_advice, load_options
 
     m = _SHORT.match(ref)
     if m and not os.path.exists(ref):
+        given = sorted(load_options(args)) if args is not None else []
+        if given:  # they would be ignored: the shorthand builds its own model
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ModelFormatError(f"[{op}] {flags} given with the shorthand {ref!r}; these "
+                                   "options are for state-dict files: drop them")  # fmt: skip
         H = _bounded("plan", "hidden", m.group(2), MAX_HIDDEN)
         L = _bounded("plan", "layers", m.group(3) or "1", MAX_LAYERS)
         return random_model("plan", m.group(1).lower(), H, L)
@@ -106,7 +119,8 @@ def load_model(ref: str):
         raise ModelFormatError(
             f"[plan] cannot load {ref!r}: model files are not supported"
         ) from None
-    return load(ref)
+    with cli_advice():
+        return load(ref, **(load_options(args) if args is not None else {}))
 
 
 def _sessions(model):
@@ -127,19 +141,25 @@ def run(args) -> int:
 
     if args.png:
         output_file(args.png, "plan --png", ".png")
-    model = load_model(args.model)
+        if not args.png.lower().endswith(".png"):  # matplotlib failed after the whole plan
+            from leanrnn.errors import LeanRNNError
+
+            raise LeanRNNError(f"[plan --png] {args.png!r}: expected a file name ending in "
+                               ".png (the timeline is a PNG image)")  # fmt: skip
+    model = load_model(args.model, args)
     pairs = _sessions(model)
     if not pairs:
         print("this model has no recurrent sessions to plan")
         return 1
+    pngs = _png_paths(args.png, len(pairs)) if args.png else [None] * len(pairs)
     if args.train:
-        return _run_train(args, pairs)
+        return _run_train(args, pairs, pngs)
     flag = next((f for f in ("recompute", "autocast") if getattr(args, f)), None)
     if flag:
         from leanrnn.errors import LeanRNNError
 
         raise LeanRNNError(f"[plan] --{flag} plans a training step: add --train")
-    for name, base in pairs:
+    for (name, base), png in zip(pairs, pngs, strict=True):
         s = Session(base.weights, chunk=args.chunk)
         p = s.resize(args.batch, args.steps, memory_limit=args.memory_limit)
         spec = s.spec
@@ -167,18 +187,30 @@ def run(args) -> int:
         if out_bytes > machine_memory():
             print("          (y is more than this machine's memory: such a run must keep only "
                   "final states, return_sequences=False)")  # fmt: skip
-        if args.png:
-            draw(p, args.png, f"{name}: {spec.cell.upper()} H={spec.hidden_size} N={args.batch} "
+        if png:
+            draw(p, png, f"{name}: {spec.cell.upper()} H={spec.hidden_size} N={args.batch} "
                  f"T={args.steps}")  # fmt: skip
-            print(f"timeline  {args.png}")
+            print(f"timeline  {png}")
     return 0
 
 
-def _run_train(args, pairs) -> int:
+def _png_paths(path: str, n: int) -> list[str]:
+    """One timeline file per recurrent session: ``path``, then ``stem-1.png``, ``stem-2.png``...
+    (one file for all drew each over the last), each checked before any work."""
+    from leanrnn.cli import output_file
+
+    stem, ext = os.path.splitext(path)
+    paths = [path] + [f"{stem}-{i}{ext}" for i in range(1, n)]
+    for p in paths[1:]:
+        output_file(p, "plan --png", ".png")
+    return paths
+
+
+def _run_train(args, pairs, pngs) -> int:
     from leanrnn.memory.arena import check_fits
     from leanrnn.train import Trainer
 
-    for name, base in pairs:
+    for (name, base), png in zip(pairs, pngs, strict=True):
         tr = Trainer(base.weights, segment=args.chunk, recompute=args.recompute,
                      memory_limit=args.memory_limit,
                      autocast="bf16" if args.autocast else None)  # fmt: skip
@@ -206,10 +238,10 @@ def _run_train(args, pairs) -> int:
               "segment start" + (", in dx's rows" if info["boundaries_in_dx"] else "") + ")")  # fmt: skip
         print(f"total       {info['total_bytes']:>14,} B beyond weights, gradients, inputs and "
               "outputs")  # fmt: skip
-        if args.png:
-            draw(p, args.png, f"{name}: training {spec.cell.upper()} H={spec.hidden_size} "
+        if png:
+            draw(p, png, f"{name}: training {spec.cell.upper()} H={spec.hidden_size} "
                  f"N={args.batch} T={args.steps}")  # fmt: skip
-            print(f"timeline    {args.png}")
+            print(f"timeline    {png}")
     return 0
 
 

@@ -49,27 +49,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args) -> int:
-    import os
+    from leanrnn.score import score
 
-    from leanrnn.score import DataError, score
-
-    from .model import load_options
+    from ..cli import not_an_input
+    from .model import cli_advice, load_model, load_options
 
     model = args.model
-    if load_options(args):  # loaded here with them; score() checks the output against the path
-        from ..loading import load
-
-        if os.path.realpath(args.output) == os.path.realpath(args.model):
-            raise DataError(f"[score] output {args.output!r} is the model file itself; writing "
-                            "it would destroy it: pick another output path")  # fmt: skip
-        model = load(args.model, threads=args.threads, **load_options(args))
-    summary = score(
-        model, args.input, args.output, outputs=args.outputs,
-        memory_limit=args.memory_limit, threads=args.threads, batch_size=args.batch_size,
-        bucket=not args.no_bucket, column=args.column, length_column=args.length_column,
-        x_key=args.x_key, lengths_key=args.lengths_key, lengths=args.lengths,
-        allow_nonfinite=args.allow_nonfinite, progress=not args.quiet, ray=args.ray,
-        ray_actors=args.ray_actors,
-    )  # fmt: skip
+    with cli_advice():
+        if load_options(args):  # loaded here with them; score() checks the output against the path
+            not_an_input(args.output, "score", model=args.model)
+            model = load_model(args.model, args, threads=args.threads)
+        summary = score(
+            model, args.input, args.output, outputs=args.outputs,
+            memory_limit=args.memory_limit, threads=args.threads, batch_size=args.batch_size,
+            bucket=not args.no_bucket, column=args.column, length_column=args.length_column,
+            x_key=args.x_key, lengths_key=args.lengths_key, lengths=args.lengths,
+            allow_nonfinite=args.allow_nonfinite, progress=not args.quiet, ray=args.ray,
+            ray_actors=args.ray_actors,
+        )  # fmt: skip
     print(summary)
     return 0

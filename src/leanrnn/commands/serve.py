@@ -59,8 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
                    "for every interface)")  # fmt: skip
     p.add_argument("--http-port", type=port, default=8000, help="0: any free port")
-    p.add_argument("--grpc-port", type=port, default=8001,
-                   help="0: any free port")  # fmt: skip
+    p.add_argument("--grpc-port", type=port, default=None,
+                   help="0: any free port (default 8001)")  # fmt: skip
     p.add_argument("--no-grpc", action="store_true", help="HTTP only")
     p.add_argument(
         "--threads",
@@ -140,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         help="on SIGTERM, seconds to finish accepted work before exiting",
     )
+    from .model import add_state_dict_options
+
+    add_state_dict_options(p)  # applied to every MODEL
     p.set_defaults(func=run)
 
 
@@ -151,7 +154,11 @@ def run(args: argparse.Namespace) -> int:
             f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]'"
         ) from None
     from .. import config as _config
+    from .model import cli_advice, load_model, load_options
 
+    if args.no_grpc and args.grpc_port is not None:  # one of them would be ignored
+        raise LeanRNNError(f"[serve] --grpc-port {args.grpc_port} and --no-grpc: pick one "
+                           "(--no-grpc serves HTTP only)")  # fmt: skip
     names = [n for n, _ in args.models]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -159,11 +166,23 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or max(1, _config.max_threads() - 1)
     cfg = ServeConfig(
         models=dict(args.models), host=args.host, http_port=args.http_port,
-        grpc_port=None if args.no_grpc else args.grpc_port, threads=threads,
+        grpc_port=None if args.no_grpc else 8001 if args.grpc_port is None else args.grpc_port,
+        threads=threads,
         max_batch=args.max_batch, max_chunk=args.max_chunk, max_wait=args.max_wait_ms / 1000,
         max_call=max(args.max_call_ms, 0.01) / 1000,
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
         max_queued_bytes=args.max_queued_bytes, max_concurrency=args.max_concurrency,
     )  # fmt: skip
-    return serve(cfg)
+    with cli_advice():
+        if not load_options(args):
+            return serve(cfg)
+        # the server loads files plainly: load them here with the state-dict flags
+        import asyncio
+
+        from ..serve import server
+
+        loaded = {name: load_model(path, args) for name, path in args.models}
+        asyncio.run(server.serve_async(cfg, loaded=loaded,
+                                       ready_line=lambda s: print(s, flush=True)))  # fmt: skip
+        return 0

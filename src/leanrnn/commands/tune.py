@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-chunk", type=positive_int, default=16, help="largest chunk tried")
     p.add_argument("--threads", type=positive_int, default=None, help="engine threads")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    from .model import add_state_dict_options
+
+    add_state_dict_options(p)
     p.set_defaults(func=run)
 
 
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from ..tuning import tune
     from .plan import _sessions, load_model
 
-    pairs = _sessions(load_model(args.model))
+    pairs = _sessions(load_model(args.model, args, "tune"))
     if len(pairs) != 1:
         raise SpecError(
             f"[tune] {args.model!r} has {len(pairs)} recurrent sessions; tune takes one "

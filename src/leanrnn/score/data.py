@@ -10,6 +10,8 @@ sizes (npy headers, Parquet metadata) are checked against what the file holds be
 from __future__ import annotations
 
 import os
+import stat
+import tokenize
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,14 +65,32 @@ def list_files(path: str) -> list[str]:
                 f"[score] directory {path!r} holds no .parquet, .npy or .npz files; expected "
                 "a dataset file or a directory of them"
             )
-        return [os.path.join(path, n) for n in names]
-    if not os.path.isfile(path):
+        files = [os.path.join(path, n) for n in names]
+        for f in files:
+            _regular(f)
+        return files
+    if not os.path.exists(path):
         raise DataError(f"[score] input {path!r} does not exist")
+    _regular(path)
     if not path.lower().endswith(SUFFIXES):
         raise DataError(
             f"[score] input {path!r}: unknown kind; expected .parquet, .npy, .npz or a directory"
         )
     return [path]
+
+
+def _regular(path: str) -> None:
+    """Refuse what is not a regular file: opening a FIFO waits for a writer forever, and a
+    device has no size to check declared sizes against."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise DataError(f"[score] cannot read {path!r}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(
+            f"[score] {path!r} is not a regular file (a FIFO, device or directory); expected "
+            ".parquet, .npy or .npz files"
+        )
 
 
 class Source:
@@ -83,6 +103,16 @@ class Source:
         self.opts = options or Options()
         if self.opts.lengths_path and (len(self.files) != 1 or _kind(self.files[0]) != "npy"):
             raise DataError("[score] lengths_path is for a single .npy input only")
+        kinds = {_kind(f) for f in self.files}
+        for name, flag, kind in (("x_key", "--x-key", "npz"), ("lengths_key", "--lengths-key",
+                                 "npz"), ("column", "--column", "parquet"),
+                                 ("length_column", "--length-column", "parquet")):  # fmt: skip
+            value = getattr(self.opts, name)
+            if value is not None and kind not in kinds:  # it would be ignored
+                raise DataError(
+                    f"[score] {name}= / {flag} {value!r} is for .{kind} input, but input "
+                    f"{path!r} holds no .{kind} file; drop it"
+                )
         self._readers = [_reader(f, self) for f in self.files]
 
     def count(self) -> int:
@@ -409,7 +439,8 @@ def _read_header(f, path: str, key: str | None):
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    except (ValueError, OSError, SyntaxError, EOFError) as e:
+    except (ValueError, OSError, SyntaxError, EOFError, tokenize.TokenError) as e:
+        # TokenError: header text that never closes its dict or tuple (np's literal_eval)
         raise DataError(f"[score] {what} is not a readable .npy array: {e}") from None
     if dtype.hasobject:
         raise DTypeError(f"[score] {what} holds Python objects; expected a numeric array")
@@ -424,6 +455,7 @@ def _read_header(f, path: str, key: str | None):
 def _members(path: str, kind: str) -> dict[str, _Member]:
     try:
         if kind == "npy":
+            _regular(path)  # a --lengths FIFO would wait for a writer
             size = os.path.getsize(path)
             with open(path, "rb") as f:
                 shape, dtype = _read_header(f, path, None)
