@@ -127,6 +127,26 @@ def disjoint(op: str, outs: tuple, ins: tuple, in_place: tuple = ()) -> None:
             )
 
 
+def apart(op: str, ins: tuple, updated: tuple, owner: np.ndarray) -> None:
+    """Inputs must share no memory with arrays the run updates in place while it reads them
+    (run_slots's states: an x laid over them reads what the run wrote there, a silent wrong
+    answer). ``ins``/``updated``: (name, array or None) pairs; ``owner``: the array that owns
+    all of ``updated``'s memory. Cost: ~0.2 us per input from another allocation."""
+    for na, a in ins:
+        if not isinstance(a, np.ndarray):
+            continue
+        oa = _owner(a)
+        if oa is not None and oa is not owner:  # another allocation: apart
+            continue
+        for nb, b in updated:
+            if b is not None and _overlap(a, oa, b, owner):
+                raise LayoutError(
+                    f"[{op}] {na} shares memory with {nb}; expected inputs apart from the "
+                    f"states: the run writes {nb} while it still reads {na}; pass a copy, "
+                    f"e.g. np.array({na})"
+                )
+
+
 def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
     arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
     if arr.dtype.kind not in "iu":

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import NoReturn
 
 import numpy as np
 
 from .. import config
-from ..errors import DTypeError, PlanError, ShapeError
+from ..errors import DTypeError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights
 from ..kernels import _cpu, abi, runner
 from ..memory.arena import ALIGN, Arena, check_fits, round_up
@@ -177,15 +178,13 @@ def _slot_table(op: str, slot, N: int, S: int, lengths) -> np.ndarray:
         )
     if arr.shape != (N,):
         raise ShapeError(f"[{op}] slot has shape {tuple(arr.shape)}; expected [N={N}]")
+    if arr.dtype.kind == "u" and int(arr.max()) >= S:  # before the cast: 2**64-1 would be -1
+        _slot_range(op, [int(v) for v in arr if v >= S][:5], S)
     if arr.dtype != np.int64 or not arr.flags.c_contiguous or not arr.flags.aligned:
         arr = np.ascontiguousarray(arr, np.int64)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < -1 or hi >= S:
-        bad = [int(v) for v in arr if v < -1 or v >= S][:5]
-        raise ShapeError(
-            f"[{op}] slot {bad} out of range; expected 0 <= slot < S={S} (the states' streams), "
-            "or -1 for a padding row"
-        )
+        _slot_range(op, [int(v) for v in arr if v < -1 or v >= S][:5], S)
     if lo == -1:
         pad = arr == -1
         if lengths is None or lengths[pad].any():
@@ -203,6 +202,13 @@ def _slot_table(op: str, slot, N: int, S: int, lengths) -> np.ndarray:
             "steps in one row, or in successive calls"
         )
     return arr
+
+
+def _slot_range(op: str, bad: list, S: int) -> NoReturn:
+    raise ShapeError(
+        f"[{op}] slot {bad} out of range; expected 0 <= slot < S={S} (the states' streams), "
+        "or -1 for a padding row"
+    )
 
 
 class SlotStates:
@@ -223,18 +229,35 @@ class SlotStates:
         spec, dt = weights.spec, weights.dtype
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
         Hp = weights.Hp if spec.cell == "lstm" else 0
-        self.S, self.dtype, self.shape = S, dt, (LD, K, H, Hp)
+        self.S, self.dtype, self.shape, self.cell = S, dt, (LD, K, H, Hp), spec.cell
         hb = round_up(LD * S * K * dt.itemsize, ALIGN)
         self.nbytes = hb + LD * S * Hp * dt.itemsize
         check_fits(self.nbytes, f"state slots for {S:,} streams", "Session.slot_states")
         raw = np.zeros(self.nbytes + ALIGN, np.uint8)  # calloc: untouched pages stay unbacked
         buf = raw[(-raw.ctypes.data) % ALIGN :][: self.nbytes]
+        self._owner = raw  # of h and c (run_slots: _check.apart)
         self.h = buf[: LD * S * K * dt.itemsize].view(dt).reshape(LD, S, K)
         self._c = buf[hb:].view(dt).reshape(LD, S, Hp) if Hp else None
         self.c = self._c[:, :, :H] if Hp else None
 
     def put(self, slot: int, h=None, c=None) -> None:
-        """Slot ``slot``'s state: h [L*D, K] and c [L*D, H] (LSTM), or zeros where None."""
+        """Slot ``slot`` (0..S-1)'s state: h [L*D, K] and c [L*D, H] (LSTM), numpy arrays of
+        the states' dtype, or zeros where None. Nothing converted or broadcast: a wrong slot,
+        shape or dtype raises before anything is written."""
+        op, (LD, K, H, _), S = "SlotStates.put", self.shape, self.S
+        if not isinstance(slot, int | np.integer) or isinstance(slot, bool) or not 0 <= slot < S:
+            raise ShapeError(
+                f"[{op}] slot {slot!r}; expected an int in 0..{S - 1} (a slot of these S={S} "
+                "states; -1 marks padding rows in run_slots, it is no slot)"
+            )
+        if h is not None:
+            _check.array(op, "h", h, self.dtype, (LD, K), ("L*D", "K"))
+        if c is not None:
+            if self._c is None:
+                raise ShapeError(
+                    f"[{op}] c was given but a {self.cell.upper()} has no cell state; pass h only"
+                )
+            _check.array(op, "c", c, self.dtype, (LD, H), ("L*D", "H"))
         self.h[:, slot] = 0 if h is None else h
         if self._c is not None:
             self._c[:, slot] = 0  # the padding units too
@@ -295,7 +318,12 @@ class Session:
         self.spec: RNNSpec = weights.spec
         self.dtype = weights.dtype
         self.threads = threads  # checked by the property below
-        self.chunk = _positive_or_none("Session", "chunk", chunk)
+        self.chunk = chunk  # likewise
+        if pool is not None and not isinstance(pool, Pool):
+            raise SpecError(
+                f"[Session] pool is a {type(pool).__name__}; expected a leanrnn.Pool (shared by "
+                "the sessions that take turns on one arena) or None"
+            )
         self.pool = pool
         # Members of a pool take its lock, read at each run: a forked child renews it.
         self._lock = threading.RLock() if pool is None else None
@@ -333,6 +361,16 @@ class Session:
         # A property, so that ``session.threads = n`` (loading, scoring) is checked as the
         # constructor's argument is: threads=-1 or 2.5 used to reach the kernels.
         self._nthreads = _check.count_or_none("Session", "threads", v)
+
+    @property
+    def chunk(self) -> int | None:
+        """Steps per chunk of a unidirectional stack's runs (None: auto_chunk's choice)."""
+        return self._chunk
+
+    @chunk.setter
+    def chunk(self, v) -> None:
+        # A property, as threads: chunk=0, -5 or 2.5 set after construction reached the planner.
+        self._chunk = _positive_or_none("Session", "chunk", v)
 
     # ---------------------------------------------------------------- planning
     @property
@@ -409,6 +447,8 @@ class Session:
 
         >>> s = Session(weights); s.resize("auto", 100, latency=0.005); s.tuned.batch
         """
+        memory_limit = _check.count_or_none("Session.resize", "memory_limit", memory_limit,
+                                            "an int of bytes >= 1 (e.g. 4 << 20)")  # fmt: skip
         if isinstance(batch, str):
             if batch != "auto":
                 raise ShapeError(
@@ -648,11 +688,16 @@ class Session:
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         slot = _slot_table(op, slot, N, states.S, lengths)
-        yshape = (N, T, D * K) if spec.batch_first else (T, N, D * K)
+        # x (or the slot table) over the states would read what the run writes there
+        updated = (("states.h", states.h), ("states.c", states._c))
+        _check.apart(op, (("x", x), ("slot", slot)), updated, states._owner)
+        bf = spec.batch_first
+        yshape = (N, T, D * K) if bf else (T, N, D * K)
         if out is None:
             y = np.empty(yshape, dt)
         else:
-            y = _check.array(op, "out (y)", out, dt, yshape, ("T", "N", "D*K"))
+            names = ("N", "T", "D*K") if bf else ("T", "N", "D*K")
+            y = _check.array(op, "out (y)", out, dt, yshape, names)
             _check.writable(op, "out y", y)
             ins = (("x", x), ("states.h", states.h), ("states.c", states._c), ("slot", slot),
                    ("lengths", lengths))  # fmt: skip
@@ -682,10 +727,12 @@ class Session:
             raise ShapeError(f"[{op}] x has shape {x.shape}; T and N must be >= 1")
         return x, T, N
 
-    def _run(self, x, h0, c0, lengths, out, return_sequences: bool, _trusted: bool):
+    def _run(self, x, h0, c0, lengths, out, return_sequences: bool, _trusted: bool,
+             op: str = "Session.run"):  # fmt: skip
         """run(); ``_trusted``: a Stream's own state arrays are h0/c0 and out's h_n/c_n
-        (validated when it made them; a streaming step should not pay to check them again)."""
-        spec, dt, op = self.spec, self.dtype, "Session.run"
+        (validated when it made them; a streaming step should not pay to check them again).
+        ``op``: the operation errors name (Stream.feed's chunks)."""
+        spec, dt = self.spec, self.dtype
         x, T, N = self._input(op, x)
         L, D, K, H = self._LDKH
         LD = L * D
@@ -698,7 +745,7 @@ class Session:
             c0 = _check.array(op, "c0", c0, dt, (LD, N, H), ("L*D", "N", "H"))
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
-        y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted)
+        y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted, op)
         if out is not None and not _trusted:  # a Stream checks the y it passes itself
             ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
             _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
@@ -720,7 +767,7 @@ class Session:
         """``store``: run_slots's (SlotStates, slot table), in place of h0, c0, h_n, c_n."""
         with self._lock if self.pool is None else self.pool.lock:
             stale = self.pool is not None and self._gen != self.pool.generation
-            memo = (N, T, return_sequences, self.chunk)
+            memo = (N, T, return_sequences, self._chunk)
             key = self._keys.get(memo)
             if key is None:
                 if len(self._keys) > 64:  # many distinct lengths: keep the memo small
@@ -772,11 +819,11 @@ class Session:
                 y[:, t0:t1] = ys
 
     def _outputs(self, out, T: int, N: int, return_sequences: bool = True,
-                 trusted_states: bool = False):  # fmt: skip
+                 trusted_states: bool = False, op: str = "Session.run"):  # fmt: skip
         """(y, h_n, c_n) to write: new arrays, or ``out`` checked. ``trusted_states``: out's
         h_n/c_n are a Stream's own state arrays (checked when it made them; a streaming step
         should not pay ~1.5 us to check them again) — y is checked all the same."""
-        spec, dt, op = self.spec, self.dtype, "Session.run"
+        spec, dt = self.spec, self.dtype
         L, D, K, H = self._LDKH
         LD, DK = L * D, D * K
         yshape = (N, T, DK) if spec.batch_first else (T, N, DK)
@@ -797,7 +844,8 @@ class Session:
             )
         y = None
         if return_sequences:
-            y = _check.array(op, "out[0] (y)", out[0], dt, yshape, ("T", "N", "D*K"))
+            names = ("N", "T", "D*K") if spec.batch_first else ("T", "N", "D*K")
+            y = _check.array(op, "out[0] (y)", out[0], dt, yshape, names)
         if trusted_states:
             if y is not None:
                 _check.writable(op, "out y", y)

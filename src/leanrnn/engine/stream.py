@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ShapeError, SpecError
+from ..errors import DTypeError, LeanRNNError, ShapeError, SpecError
 from ..memory.arena import check_fits
 from . import _check
 
@@ -57,6 +57,14 @@ class Stream:
             if self.session._step(step, x, y):
                 self.steps += 1
                 return y
+        try:
+            return self._feed(x, lengths, out)
+        except LeanRNNError:
+            self._explain(x, out)  # in the caller's terms, if that is what is wrong
+            raise
+
+    def _feed(self, x, lengths, out) -> np.ndarray:
+        """feed() through Session._run: a single step as a chunk of one."""
         single = isinstance(x, np.ndarray) and x.ndim == 2
         if single:
             x = x[None] if not self.session.spec.batch_first else x[:, None]
@@ -77,13 +85,43 @@ class Stream:
         # The carried state is both the initial state and the final-state output: run() reads
         # each layer's slot before it writes it, so the update happens in place.
         outs = (out, self._h) if self._c is None else (out, self._h, self._c)
-        y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True)
+        y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True, "Stream.feed")
         self.steps += x.shape[1] if self.session.spec.batch_first else x.shape[0]
         if single:
             if lengths is None:  # the session is now planned for one step: bind it
-                self._step = self.session._step_program(step, self.batch, self._h, self._c)
+                self._step = self.session._step_program(self._step, self.batch, self._h, self._c)
             return y[0] if not self.session.spec.batch_first else y[:, 0]
         return y
+
+    def _explain(self, x, out) -> None:
+        """On feed's error path: raise what is wrong with ``x`` or ``out`` as the caller passed
+        them — x [N, C] for one step, not the [1, N, C] chunk it runs as, with its own strides —
+        if that is what is wrong; else return (feed re-raises the error it got)."""
+        op, dt, spec, N = "Stream.feed", self._h.dtype, self.session.spec, self.batch
+        C, DK, bf = spec.input_size, spec.num_directions * spec.output_size, spec.batch_first
+        if not isinstance(x, np.ndarray) or x.ndim not in (2, 3):
+            chunk = f"[N={N}, T, C={C}]" if bf else f"[T, N={N}, C={C}]"
+            want = f"expected [N={N}, C={C}] (one step) or {chunk} (a chunk of T steps)"
+            if not isinstance(x, np.ndarray):
+                raise DTypeError(f"[{op}] x is a {type(x).__name__}; {want}, a numpy.ndarray "
+                                 f"of {dt}")  # fmt: skip
+            raise ShapeError(f"[{op}] x has shape {tuple(x.shape)}; {want}")
+        if x.ndim == 2:
+            _check.array(op, "x", x, dt, (None, C), (f"N={N}", "C"))
+            if x.shape[0] != N:
+                raise ShapeError(f"[{op}] x has batch {x.shape[0]} (shape {x.shape}); this "
+                                 f"stream was opened for batch={N}: expected [N={N}, C={C}]")  # fmt: skip
+            _check.contiguous(op, "x", x)
+            yshape, names = (N, DK), ("N", "D*K")
+        elif x.dtype != dt or x.shape[2] != C or x.shape[0 if bf else 1] != N:
+            return  # the chunk's own error (Session._run's, or feed's batch) says it
+        else:
+            T = x.shape[1] if bf else x.shape[0]
+            yshape = (N, T, DK) if bf else (T, N, DK)
+            names = ("N", "T", "D*K") if bf else ("T", "N", "D*K")
+        if out is not None:
+            _check.array(op, "out", out, dt, yshape, names)
+            _check.writable(op, "out", out)
 
     @property
     def state(self) -> tuple[np.ndarray, np.ndarray | None]:
@@ -97,10 +135,12 @@ class Stream:
                              "Stream.state returns it (c None for GRU/RNN)")  # fmt: skip
         h, c = value
         dt = self.session.dtype
+        # every array checked before any is written: a refused assignment changes nothing
         _check.array("Stream.state", "h", h, dt, self._h.shape, ("L", "N", "K"))
-        self._h[:] = h
         if self._c is not None:
             _check.array("Stream.state", "c", c, dt, self._c.shape, ("L", "N", "H"))
+        self._h[:] = h
+        if self._c is not None:
             self._c[:] = c
 
     def reset(self, i: int | None = None) -> None:
