@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from .engine.model import parameter_count, spec_line
 from .errors import DTypeError, ShapeError, SpecError
 from .formats import native, torch_format
 from .formats.packing import PackedWeights, pack
+from .memory.arena import check_fits, round_up
 from .spec import Activation, RNNSpec
 
 
@@ -59,7 +61,9 @@ class Model:
     # -- running
     def forward(self, x, hx=None, lengths=None, out=None, return_sequences: bool = True):
         """Run the model; see ``Session.run`` for shapes. ``return_sequences=False`` returns
-        ``None`` for y and keeps memory independent of T (the run is chunked)."""
+        ``None`` for y and keeps memory independent of T (the run is chunked). For unbatched x
+        [T, C], ``out=`` takes unbatched arrays (y [T, D*K], h_n [L*D, K], c_n [L*D, H]) or
+        the batched ones with N=1; either way the outputs are written into them."""
         spec = self.spec
         unbatched = isinstance(x, np.ndarray) and x.ndim == 2
         if unbatched:
@@ -75,7 +79,21 @@ class Model:
             if unbatched:
                 h0 = h0[:, None] if isinstance(h0, np.ndarray) else h0
                 c0 = c0[:, None] if isinstance(c0, np.ndarray) else c0
-        y, h_n, c_n = self.session.run(x, h0, c0, lengths, out, return_sequences)
+        if unbatched and out is not None:
+            try:
+                y, h_n, c_n = self.session.run(
+                    x, h0, c0, lengths, self._batched_out(out, return_sequences),
+                    return_sequences,
+                )  # fmt: skip
+            except ShapeError as e:
+                if "] out" not in str(e):  # about x, h0, ...: already in the caller's terms
+                    raise
+                # the session saw the arrays with the batch axis added: say it unbatched
+                hint = self._unbatched_out_hint(out, x.shape[1 if spec.batch_first else 0],
+                                                return_sequences)  # fmt: skip
+                raise ShapeError(f"[{type(self).__name__}] {hint}") from None
+        else:
+            y, h_n, c_n = self.session.run(x, h0, c0, lengths, out, return_sequences)
         if unbatched:
             if y is not None:
                 y = y[0] if spec.batch_first else y[:, 0]
@@ -84,6 +102,38 @@ class Model:
         return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
 
     __call__ = forward
+
+    def _batched_out(self, out, return_sequences: bool):
+        """``out`` for an unbatched call, as the session takes it: each unbatched array (y
+        [T, D*K], h_n [L*D, K], c_n [L*D, H]) viewed with the batch axis (N=1) added, so the
+        session writes the caller's memory. Batched ones (N=1) pass as they are, and anything
+        else is left for the session to refuse."""
+        bf = self.spec.batch_first
+        if isinstance(out, np.ndarray):
+            out = (out,)
+        if not isinstance(out, tuple | list):
+            return out
+        kinds = ("y", "state", "state") if return_sequences else ("state", "state")
+        res = []
+        for kind, a in zip(kinds, out, strict=False):
+            if isinstance(a, np.ndarray) and a.ndim == 2:
+                a = (a[None] if bf else a[:, None]) if kind == "y" else a[:, None]
+            res.append(a)
+        return type(out)(res) + type(out)(out[len(kinds) :])
+
+    def _unbatched_out_hint(self, out, T: int, return_sequences: bool) -> str:
+        spec = self.spec
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        want = [f"y [T={T}, D*K={spec.num_directions * K}]"] if return_sequences else []
+        want.append(f"h_n [L*D={LD}, K={K}]")
+        if spec.cell == "lstm":
+            want.append(f"c_n [L*D={LD}, H={H}]")
+        arrays = out if isinstance(out, tuple | list) else (out,)
+        given = [tuple(a.shape) if isinstance(a, np.ndarray) else type(a).__name__ for a in arrays]
+        return (
+            f"x is unbatched [T={T}, C]: out must be ({', '.join(want)}), or those with the "
+            f"batch axis (N=1); got {given}"
+        )
 
     # -- the model protocol (engine.model.RunnableModel), shared with GraphModel
     _INPUTS = ("x", "h0", "c0", "lengths")
@@ -274,6 +324,42 @@ def _direction(bidirectional) -> str:
     return "bidirectional" if bidirectional else "forward"
 
 
+# Bytes of Python objects one (layer, direction) holds while its weights are drawn and packed:
+# the state dict's arrays, LayerWeights, the packed views (measured ~4.5 KiB for small H).
+_LAYER_OBJECT_BYTES = 8 << 10
+
+
+def _packed_bytes(spec: RNNSpec, dtype) -> int:
+    """Bytes of ``spec``'s packed weights (PackedWeights.nbytes), by arithmetic in O(1): layers
+    from the second on are alike, so two layers' layout says it all (a layout of 10**8 layers
+    would itself take minutes)."""
+    dt = np.dtype(dtype)
+    L, D = spec.num_layers, spec.num_directions
+    per = [round_up(math.prod(s) * dt.itemsize, 64)
+           for _, s in PackedWeights.layout(spec.with_(num_layers=min(L, 2)))]  # fmt: skip
+    n = len(per) // min(L, 2)  # tensors per layer (all its directions)
+    assert n == len(per) / min(L, 2) and n % D == 0
+    return sum(per[:n]) + (L - 1) * sum(per[n:])
+
+
+def _check_build_fits(op: str, spec: RNNSpec, dtype) -> None:
+    """PlanError, before any draw or per-layer loop, if building ``spec`` cannot fit this
+    machine's memory: float64 draws, the state dict in ``dtype`` and the packed copy (about 3x
+    the packed bytes, as ``leanrnn plan`` counts) plus each layer's Python objects. The time a
+    build takes grows with its layers too; this bound keeps it to what memory can hold."""
+    if np.dtype(dtype) not in (np.float32, np.float64):
+        return  # pack refuses it, naming the dtype
+    packed = _packed_bytes(spec, dtype)
+    objects = spec.num_layers * spec.num_directions * _LAYER_OBJECT_BYTES
+    check_fits(
+        3 * packed + objects,
+        f"building {spec.cell.upper()} input_size={spec.input_size} hidden_size="
+        f"{spec.hidden_size} num_layers={spec.num_layers} ({packed:,} bytes of packed "
+        f"weights, about 3x that while built, and {objects:,} of per-layer objects)",
+        op,
+    )
+
+
 class _TorchLike(Model):
     _cell = "rnn"
 
@@ -298,6 +384,7 @@ class _TorchLike(Model):
             direction=_direction(bidirectional), proj_size=proj_size,
             bias=bias, batch_first=batch_first, activations=acts,
         )  # fmt: skip
+        _check_build_fits(type(self).__name__, spec, dtype)
         # PyTorch's initialisation: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)).
         rng = np.random.default_rng(seed)
         k = 1.0 / np.sqrt(hidden_size)

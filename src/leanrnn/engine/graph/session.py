@@ -2,7 +2,8 @@
 
 - ``resize`` walks the graph once with the input shapes. Tensors that depend only on input
   *shapes* (``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape`` chains, ``ConstantOfShape``
-  initial states) are evaluated right there. Every other tensor gets a shape, a dtype and a
+  initial states) are evaluated right there, the large ones only once the whole run's bytes
+  are known to fit the machine (PlanError before anything is allocated if not). Every other tensor gets a shape, a dtype and a
   lifetime [producing op, last reading op], and ``memory.planner`` packs them into one arena.
   View ops (Reshape, Squeeze, Unsqueeze, Flatten, Identity, Dropout; Transpose/Cast/Expand when
   they move no data) get no memory, and elementwise ops overwrite their input when nothing
@@ -24,7 +25,7 @@ import numpy as np
 from ... import config
 from ...errors import DTypeError, ShapeError
 from ...ir import RNN_OPS
-from ...memory.arena import Arena
+from ...memory.arena import Arena, check_fits
 from ...memory.planner import Buffer, Plan, plan
 from ...threads import blas_controller
 from .. import _fork
@@ -32,6 +33,12 @@ from ..session import Pool, Session
 from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
 from .passes import LoadedGraph
 from .quant_ops import BLAS_OPS as QUANT_BLAS_OPS
+
+_OP = "GraphSession.resize"
+# Bytes up to which a shape-computed node is evaluated as soon as it is reached: shape math
+# (Shape -> Gather -> Concat) whose values later nodes' shapes read. Larger ones (ConstantOfShape
+# states [1, N, H]) wait until the whole run is known to fit.
+_EVALUATE_NOW = 1 << 16
 
 
 class GraphSession:
@@ -114,13 +121,46 @@ class GraphSession:
             return self._resize(metas_in, memory_limit)
 
     def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
+        try:
+            return self._resize_checked(metas_in, memory_limit)
+        except BaseException:
+            # refused (or failed) part way: the next run plans again from scratch, so a
+            # half-made plan (an RNN session resized, the other not) is never run
+            self._key = None
+            raise
+
+    def _resize_checked(self, metas_in: dict, memory_limit: int | None) -> Plan:
+        """Shapes first, memory next, allocation last: a shape-computed tensor proportional
+        to the input (ConstantOfShape's [1, N, H] initial state) is evaluated only once the
+        whole run's bytes are known to fit, so an impossible size is a PlanError before
+        anything grows (it was numpy's MemoryError, or 1 GB allocated, then refused)."""
         loaded, g, ctx = self.loaded, self.loaded.graph, self._ctx
         limit = memory_limit
         metas: dict[str, Out] = {k: Out(v.shape, v.dtype) for k, v in g.constants.items()}
         metas.update(metas_in)
         values: dict[str, np.ndarray] = dict(g.constants)
         steps = []  # (node, out metas, scratch {key: (shape, dtype)})
-        extra = 0
+        extra = 0  # bytes of shape-computed values made so far
+        # Shape-computed nodes whose outputs are large wait here (in graph order) until the
+        # total is checked; their outputs' values are None meanwhile (as data would be).
+        pending: list[tuple] = []
+        pending_names: set[str] = set()
+        pending_bytes = 0
+
+        def flush() -> None:
+            nonlocal extra, pending_bytes
+            check_fits(extra + pending_bytes, "the graph's shape-computed tensors", _OP)
+            for node, outs in pending:
+                vals = [values.get(i) if i else None for i in node.inputs]
+                res = guard(node, evaluate, ctx, node, vals, outs)
+                for name, arr in zip(node.outputs, res, strict=False):
+                    if name:
+                        values[name] = np.asarray(arr, order="C")
+                        extra += arr.nbytes
+            pending.clear()
+            pending_names.clear()
+            pending_bytes = 0
+
         for node in g.nodes:
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
@@ -132,10 +172,25 @@ class GraphSession:
                         f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
                         f" limit is {limit}"
                     )
+                check_fits(m.nbytes, f"node {node.name!r} ({node.op}) output {list(m.shape)}", _OP)
             for name, m in zip(node.outputs, outs, strict=False):
                 if name:
                     metas[name] = m
             if node.name in loaded.shape_nodes:
+                nbytes = sum(m.nbytes for m in outs if m.value is None and not m.view)
+                waits = not pending_names.isdisjoint(node.inputs)
+                # Large, or a view of a large one: waits. Small from a large one (a value
+                # later shape math may read): the waiting ones are made first.
+                if nbytes > _EVALUATE_NOW or (waits and any(m.view for m in outs)):
+                    pending.append((node, outs))
+                    pending_names.update(o for o in node.outputs if o)
+                    pending_bytes += nbytes
+                    continue
+                if waits:
+                    flush()
+                    vals = [values.get(i) if i else None for i in node.inputs]
+                check_fits(extra + pending_bytes + nbytes, "the graph's shape-computed tensors",
+                           _OP)  # fmt: skip
                 res = guard(node, evaluate, ctx, node, vals, outs)
                 for name, arr in zip(node.outputs, res, strict=False):
                     if name:
@@ -146,24 +201,47 @@ class GraphSession:
             if OPS[node.op].scratch is not None:
                 tmp = guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
             steps.append((node, outs, tmp))
-        p, views = self._plan_arena(steps, metas, limit)
+        p, layout = self._plan_layout(steps, metas, limit)
+        # Everything a run holds at once: the arena, the outputs handed out fresh per run, the
+        # shape-computed values and the RNN nodes' shared arena (the largest of their plans).
+        fresh_bytes = sum(metas[r].nbytes for r in layout[0])
+        rnn = []
+        rnn_bytes = 0
         for node, _, _ in steps:
             sess = self._sessions.get(node.name)
             if sess is not None:
                 x = metas[node.inputs[0]].shape
                 T, N = (x[0], x[1]) if node.attrs["layout"] == 0 else (x[1], x[0])
-                sess.resize(N, T, return_sequences=rnn_computes_y(ctx, node))
+                seq = rnn_computes_y(ctx, node)
+                rnn.append((sess, N, T, seq))
+                if N >= 1 and T >= 1:  # else sess.resize refuses it, below
+                    need = plan(sess.buffers(*sess._key(N, T, seq))).total
+                    rnn_bytes = max(rnn_bytes, need)
+        total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes
+        check_fits(
+            total,
+            f"a run of graph {g.name!r} for inputs "
+            f"{ {k: list(m.shape) for k, m in metas_in.items()} } ({p.total:,} bytes of arena, "
+            f"{fresh_bytes:,} of outputs, {extra + pending_bytes:,} of shape-computed tensors, "
+            f"{rnn_bytes:,} of RNN arena)",
+            _OP,
+        )
+        flush()
+        views = self._allocate_arena(p, layout)
+        for sess, N, T, seq in rnn:
+            sess.resize(N, T, return_sequences=seq)
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra
         self._plan = p
         return p
 
-    def _plan_arena(self, steps, metas, limit):
-        """Lifetimes -> one arena. A tensor's memory is shared by its *family*: the views of it
-        and the elementwise ops that overwrite it in place (allowed when nothing reads the old
-        value later and no graph output is in the family). A family holding a graph output
-        lives in a fresh array per run, which the caller then owns; all others in the arena."""
+    def _plan_layout(self, steps, metas, limit):
+        """Lifetimes -> one arena's plan, by arithmetic (``_allocate_arena`` then takes it). A
+        tensor's memory is shared by its *family*: the views of it and the elementwise ops that
+        overwrite it in place (allowed when nothing reads the old value later and no graph
+        output is in the family). A family holding a graph output lives in a fresh array per
+        run, which the caller then owns; all others in the arena."""
         g = self.loaded.graph
         outputs = {t.name for t in g.outputs}
         last_read: dict[str, int] = {}
@@ -201,12 +279,12 @@ class GraphSession:
                 fam_last[r] = max(fam_last.get(r, -1), last_read.get(name, -1))
                 fam_output[r] = fam_output.get(r, False) or name in outputs
         buffers = []
-        self._fresh: set[str] = set()  # roots allocated per run
+        fresh: set[str] = set()  # roots allocated per run
         for r in family:
             if r not in first:
                 continue  # a view of a graph input, constant or shape value
             if fam_output[r]:
-                self._fresh.add(r)
+                fresh.add(r)
                 continue
             buffers.append(Buffer(r, metas[r].nbytes, first[r], max(first[r], fam_last[r])))
         for k, (node, _, tmp) in enumerate(steps):
@@ -214,19 +292,25 @@ class GraphSession:
                 nbytes = math.prod(shape) * np.dtype(dt).itemsize
                 buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
         p = plan(buffers, limit=limit)
-        if self._arena is None or self._arena.nbytes < p.total:
-            self._arena = None  # drop the old arena before taking the new one
-            self._arena = Arena(p.total, name=f"graph arena[{g.name}]")
         shapes = {r: (metas[r].shape, metas[r].dtype) for r in family}
         for node, _, tmp in steps:
             for key, (shape, dt) in tmp.items():
                 shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
+        return p, (fresh, root, inplace, shapes)
+
+    def _allocate_arena(self, p: Plan, layout) -> dict[str, np.ndarray]:
+        """Take the arena ``p`` needs (reusing the current one when it is large enough) and
+        make every planned view; the layout becomes the session's."""
+        fresh, root, inplace, shapes = layout
+        if self._arena is None or self._arena.nbytes < p.total:
+            self._arena = None  # drop the old arena before taking the new one
+            self._arena = Arena(p.total, name=f"graph arena[{self.loaded.graph.name}]")
         views = {}
         for pl in p.placements:
             shape, dt = shapes[pl.buffer.name]
             views[pl.buffer.name] = self._arena.view(pl.offset, shape, dt)
-        self._root, self._inplace = root, inplace
-        return p, views
+        self._fresh, self._root, self._inplace = fresh, root, inplace
+        return views
 
     @staticmethod
     def _inplace_source(node, m, k, root, first, fam_last, fam_output, metas) -> str | None:
