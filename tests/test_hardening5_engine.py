@@ -204,3 +204,17 @@ def test_stream_feed_chunk_errors_name_stream_feed():
         st.feed(np.ones((3, 2, 5), np.float32))
     assert st.steps == 0
     assert st.feed(np.ones((3, 2, 4), np.float32)).shape == (3, 2, 6) and st.steps == 3
+
+
+@pytest.mark.parametrize("cell", ["GRU", "RNN"])
+def test_stream_state_refuses_a_c_for_a_cell_without_one(cell):
+    """A GRU/RNN stream has no c: (h, c) was taken with c silently dropped, so a caller who
+    mixed up models restored half a state and never knew."""
+    st = getattr(leanrnn, cell)(3, 4, seed=0).stream(2)
+    st.feed(np.ones((5, 2, 3), np.float32))
+    h, _ = st.state
+    with pytest.raises(errors.ShapeError, match="has none"):
+        st.state = (np.zeros_like(h), np.zeros_like(h))
+    assert np.array_equal(st.state[0], h)  # unchanged
+    st.state = (np.zeros_like(h), None)
+    assert not st.state[0].any()

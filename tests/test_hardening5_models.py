@@ -183,3 +183,15 @@ def test_unbatched_out_of_a_wrong_shape_names_the_unbatched_shapes():
     msg = str(e.value)
     assert "unbatched" in msg and "y [T=5, D*K=4]" in msg and "h_n [L*D=1, K=4]" in msg, msg
     assert "(5, 7)" in msg, msg  # the shape that came in, not the one with an axis added
+
+
+def test_unbatched_x_of_a_wrong_width_is_named_as_given():
+    """The error showed the array after the batch axis was added ((5, 1, 2)), a shape the
+    caller never made."""
+    for bf in (False, True):
+        m = leanrnn.LSTM(4, 6, seed=0, batch_first=bf)
+        with pytest.raises(
+            ShapeError, match=r"x has shape \(5, 2\); expected unbatched \[T, C=4\]"
+        ):
+            m(np.ones((5, 2), np.float32))
+        assert m(np.ones((5, 4), np.float32))[0].shape == (5, 6)

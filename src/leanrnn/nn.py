@@ -67,6 +67,12 @@ class Model:
         spec = self.spec
         unbatched = isinstance(x, np.ndarray) and x.ndim == 2
         if unbatched:
+            if x.shape[1] != spec.input_size:  # said before the batch axis is added to it
+                raise ShapeError(
+                    f"[{type(self).__name__}] x has shape {x.shape}; expected unbatched "
+                    f"[T, C={spec.input_size}] or batched "
+                    f"{'[N, T, C]' if spec.batch_first else '[T, N, C]'}"
+                )
             x = x[None] if spec.batch_first else x[:, None]
         h0 = c0 = None
         if hx is not None:

@@ -139,6 +139,11 @@ class Stream:
         _check.array("Stream.state", "h", h, dt, self._h.shape, ("L", "N", "K"))
         if self._c is not None:
             _check.array("Stream.state", "c", c, dt, self._c.shape, ("L", "N", "H"))
+        elif c is not None:  # a GRU/RNN state has no c: a given one was silently dropped
+            raise ShapeError(
+                f"[Stream.state] got a c for a {self.session.spec.cell.upper()} stream, which "
+                "has none; expected (h, None) as Stream.state returns it"
+            )
         self._h[:] = h
         if self._c is not None:
             self._c[:] = c
