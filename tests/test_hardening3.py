@@ -364,9 +364,9 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
         def authorize(self, token):
             pass
 
-        async def infer(self, p, transport):
+        async def infer_held(self, p, transport):
             await gate.wait()
-            return {}
+            return {}, lambda: None
 
     class Context:
         def invocation_metadata(self):

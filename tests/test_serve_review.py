@@ -101,8 +101,8 @@ class _Core:
     def error(self, e, transport):
         pass
 
-    async def infer(self, p, transport):
-        return {}
+    async def infer_held(self, p, transport):
+        return {}, lambda: None
 
 
 class _Context:

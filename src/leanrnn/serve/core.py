@@ -90,8 +90,8 @@ class Core:
 
     async def infer(self, p: Parsed, protocol: str) -> dict[str, np.ndarray]:
         """Run ``p`` through the scheduler; the requested outputs by name. Its bytes count
-        against --max-queued-bytes until the engine is done with it (a ModelStreamInfer
-        stream bounds its unsent answers itself: rpc.WINDOW_BYTES)."""
+        against --max-queued-bytes until the engine is done with it (the front ends use
+        ``infer_held``, which keeps them counted until the answer has left)."""
         values, release = await self.infer_held(p, protocol)
         release()
         return values

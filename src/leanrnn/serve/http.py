@@ -42,6 +42,10 @@ INLINE = 256 << 10
 # MAX_MEMBERS members (concatenated gzip streams: RFC 1952; BGZF writes one per 64 KiB).
 INFLATE_PIECE = 64 << 10
 MAX_MEMBERS = 65536
+# Compressed bodies larger than this are inflated in a worker thread: a few MB of gzip take
+# tens of ms or more to inflate (up to --max-request-bytes), which on the event loop held up
+# every other stream (HTTP and gRPC) meanwhile.
+INFLATE_INLINE = 256 << 10
 # JSON has no NaN or infinity (RFC 8259): they go as these strings (proto3's JSON mapping of
 # floats), which tritonclient's as_numpy (numpy) reads back as nan and +-inf.
 _NONFINITE = {"nan": '"NaN"', "inf": '"Infinity"', "-inf": '"-Infinity"'}
@@ -111,7 +115,10 @@ async def _body(request: Request, limit: int) -> bytes:
     body = b"".join(parts)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding in ("gzip", "deflate"):
-        body = _inflate(body, encoding, limit)
+        if len(body) <= INFLATE_INLINE:
+            body = _inflate(body, encoding, limit)
+        else:
+            body = await asyncio.to_thread(_inflate, body, encoding, limit)
     elif encoding != "identity":
         raise InvalidRequest(
             f"[infer] Content-Encoding {clip(encoding)}; expected gzip, deflate or none"

@@ -168,7 +168,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.core.error(e, "grpc")
             await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
         # Backpressure: a client that sends but does not read would otherwise have every
-        # answer of its stream queued here, without bound. The stream holds at most WINDOW
+        # answer of its stream queued here, without bound. Each request counts against
+        # --max-queued-bytes until its answer has been written to the stream (as ModelInfer's
+        # and HTTP's do), so the answers of all streams together stay within it: past it, new
+        # requests are answered RESOURCE_EXHAUSTED's error. And the stream holds at most WINDOW
         # requests read and not yet written back, and WINDOW_BYTES of them (a request being
         # computed counts its x and y, an answer its message); past either, its next request
         # is not read (gRPC's flow control then holds the client's sends), and other streams
@@ -177,6 +180,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         room = asyncio.Event()
         room.set()
         held = [0, 0]  # requests read and not yet written back; their bytes
+        tasks: set[asyncio.Task] = set()  # only the unfinished: a stream may carry millions
+        closed = False
         metrics = self.core.metrics
 
         def account(requests: int, nbytes: int) -> None:
@@ -189,26 +194,32 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             else:
                 room.clear()
 
-        async def one(request, fut_or_error, cost: int):
+        async def one(request, item, cost: int):
+            release = _nothing
             try:
-                if isinstance(fut_or_error, ServeError):
-                    raise fut_or_error
-                info, p, fut = fut_or_error
-                res = pb.ModelStreamInferResponse(infer_response=encode(info, p, await fut))
+                if isinstance(item, ServeError):
+                    raise item
+                info, p = item
+                # submits before its first await: the pump lets it run before the next request
+                values, release = await self.core.infer_held(p, "grpc")
+                res = pb.ModelStreamInferResponse(infer_response=encode(info, p, values))
             except ServeError as e:
                 self.core.error(e, "grpc")
                 res = pb.ModelStreamInferResponse(
                     error_message=str(e),
                     infer_response=pb.ModelInferResponse(
                         model_name=request.model_name, id=request.id))  # fmt: skip
+            except BaseException:
+                release()
+                raise
+            if closed:  # the client went while it computed: nobody to send it to
+                release()
+                return
             n = res.ByteSize()
             account(0, n - cost)  # the answer now, in place of the request
-            await out.put((res, n))
+            out.put_nowait((res, n, release))
 
         async def pump():
-            # only the unfinished: a stream may carry millions of requests, and a list of
-            # every task it ever made grew by ~0.8 KB per request
-            tasks: set[asyncio.Task] = set()
             requests = request_iterator.__aiter__()
             try:
                 while True:
@@ -221,30 +232,45 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     try:
                         info, p = parse(self.core, request)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
-                        # submitted here, in arrival order; awaited in its own task
-                        fut = asyncio.ensure_future(self.core.infer(p, "grpc"))
-                        await asyncio.sleep(0)  # let it submit before the next request
-                        item = (info, p, fut)
+                        item = (info, p)
                     except ServeError as e:
                         item = e
                     account(1, cost)
+                    # submitted in arrival order: the task submits before its first await,
+                    # and runs before the next request is read
                     task = asyncio.ensure_future(one(request, item, cost))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                await out.put((None, 0))
+                out.put_nowait((None, 0, _nothing))
 
         reader = asyncio.ensure_future(pump())
         try:
-            while (item := await out.get())[0] is not None:
-                yield item[0]  # returns once gRPC has taken it (the client's window allowing)
-                account(-1, -item[1])
-        finally:  # the client is gone or done: what the stream still holds leaves the gauge
+            while True:
+                res, n, release = await out.get()
+                if res is None:
+                    break
+                try:
+                    yield res  # returns once gRPC has taken it (the client's window allowing)
+                finally:  # sent, or the client went: its bytes stop counting either way
+                    release()
+                account(-1, -n)
+        finally:  # the client is gone or done: what the stream still holds stops counting
+            closed = True
             reader.cancel()
+            for task in list(tasks):  # a request cancelled while computing releases itself
+                task.cancel()
+            while not out.empty():
+                out.get_nowait()[2]()
             if metrics is not None:
                 metrics.stream_held(-held[1])
             metrics = None  # answers still computing then count nowhere
+
+
+def _nothing() -> None:
+    pass
 
 
 async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int):
