@@ -139,7 +139,8 @@ def test_serve_takes_the_state_dict_options(multi, monkeypatch):
     seen = {}
 
     async def fake(config, loaded=None, ready_line=print, **kw):
-        seen["loaded"] = loaded
+        # loaded once the port is bound (serve_async calls it): a taken port fails first
+        seen["loaded"] = loaded() if callable(loaded) else loaded
 
     monkeypatch.setattr(server, "serve_async", fake)
     assert cli.main(["serve", f"enc={multi}", "--prefix", "enc.", "--no-grpc"]) == 0

@@ -123,6 +123,38 @@ def test_fold_within_budget_still_folds(tmp_path, monkeypatch):
     np.testing.assert_array_equal(m.run({"X": x})[0], np.ones((64, 1024), np.float32))
 
 
+def test_fold_budget_lets_weights_widen_at_load(tmp_path, monkeypatch):
+    """float16 weights Cast to float32, int8 ones DequantizeLinear'd: the folded copies take
+    twice / four times the file's bytes but hold no more values. A byte budget refused such
+    models once their weights passed the slack (~22 MB of int8 at the real 64 MiB)."""
+    monkeypatch.setattr(passes, "FOLD_SLACK_BYTES", MiB)
+    H = C = 320  # W and R: 409,600 values each, 1.6 MB as float16 (more than the slack)
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((1, 4 * H, C)).astype(np.float16)
+    R = rng.standard_normal((1, 4 * H, H)).astype(np.float16)
+    casts = [helper.make_node("Cast", [n + "16"], [n], to=TensorProto.FLOAT) for n in "WR"]
+    lstm = helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=H, name="lstm")
+    p16 = _save_onnx(tmp_path / "f16.onnx", [*casts, lstm],
+                     [numpy_helper.from_array(W, "W16"), numpy_helper.from_array(R, "R16")],
+                     x_shape=(2, 1, C))  # fmt: skip
+    p32 = _save_onnx(tmp_path / "f32.onnx", [lstm],
+                     [numpy_helper.from_array(W.astype(np.float32), "W"),
+                      numpy_helper.from_array(R.astype(np.float32), "R")], x_shape=(2, 1, C))  # fmt: skip
+    x = rng.standard_normal((2, 1, C)).astype(np.float32)
+    np.testing.assert_array_equal(load(p16).run({"X": x})[0], load(p32).run({"X": x})[0])
+
+    # int8 weights, 4 bytes a value once dequantized, chained into a MatMul
+    q = rng.integers(-127, 128, (C, 1024)).astype(np.int8)  # 327,680 values: 4x in bytes
+    dq = helper.make_node("DequantizeLinear", ["Q", "s", "z"], ["Wq"])
+    mm = helper.make_node("MatMul", ["X", "Wq"], ["Y"])
+    inits = [numpy_helper.from_array(q, "Q"), numpy_helper.from_array(np.float32(0.01), "s"),
+             numpy_helper.from_array(np.int8(0), "z")]  # fmt: skip
+    pq = _save_onnx(tmp_path / "q.onnx", [dq, mm], inits, x_shape=(2, C))
+    xq = rng.standard_normal((2, C)).astype(np.float32)
+    want = xq.astype(np.float64) @ (q.astype(np.float64) * np.float32(0.01))
+    np.testing.assert_allclose(load(pq).run({"X": xq})[0], want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------- 2. .npy header in .npz
 def _npz_with_header(path, header: bytes, data: int):
     header = header + b" " * ((-(10 + len(header) + 1)) % 64) + b"\n"

@@ -204,3 +204,48 @@ def test_large_compressed_body_is_inflated_off_the_event_loop():
     out, threads = _run_body(small, "gzip", 1 << 20)
     assert out == b"{}" and threads == [loop_thread]
     assert h.INFLATE_INLINE >= len(small)
+
+
+def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout(monkeypatch):
+    """Unread answers count against --max-queued-bytes until sent; without a deadline a few
+    clients that never read held the budget, and every other client got 429, for as long as
+    they kept their sockets open. Past SEND_TIMEOUT the connection goes and the bytes with it."""
+    from leanrnn.serve import http
+
+    monkeypatch.setattr(http, "SEND_TIMEOUT", 0.05)
+    released = []
+    answer = http._Answer(b"x" * (3 * http.SEND_PIECE), {}, "application/octet-stream",
+                          lambda: released.append(1))  # fmt: skip
+    sent = []
+
+    async def send(m):
+        sent.append(m)
+        if len(sent) > 1:  # the head goes; the body never does (the client reads nothing)
+            await asyncio.Event().wait()
+
+    async def run():
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionAbortedError, match="read none of its answer"):
+            await answer({"type": "http"}, None, send)
+        return time.monotonic() - t0
+
+    took = asyncio.run(run())
+    assert released == [1] and took < 5
+
+
+def test_small_json_answers_keep_the_gil_on_the_event_loop(monkeypatch):
+    """Encoding on the event loop's own thread yielded the GIL after every piece: each yield
+    handed it to the scheduler thread for up to a switch interval (HTTP JSON throughput -30%).
+    Only a worker thread yields."""
+    from types import SimpleNamespace
+
+    from leanrnn.serve import http
+
+    sleeps = []
+    monkeypatch.setattr(http.time, "sleep", lambda s: sleeps.append(s))
+    info = SimpleNamespace(name="m", datatype="FP32")
+    p = SimpleNamespace(id="", binary={})
+    values = {"y": np.arange(3 * http.JSON_PIECE, dtype=np.float32)}
+    inline = http._encode(info, p, values)
+    assert sleeps == []
+    assert http._encode(info, p, values, True) == inline and len(sleeps) == 3

@@ -717,6 +717,14 @@ def test_a_double_backward_is_refused_on_both_paths():
     xi = x.clone().requires_grad_()  # first order still works after a refusal
     (g,) = torch.autograd.grad((m(xi)[0] * w).sum(), xi)
     assert g.shape == x.shape and torch.isfinite(g).all()
+    # create_graph=True passed generically (MAML-style code), nothing differentiated twice:
+    # torch's module's first-order gradient, as before the refusal existed
+    ref = m.to_module()
+    got, want = [
+        torch.autograd.grad((mod(xr)[0] ** 2).sum(), xr, create_graph=True)[0]
+        for mod, xr in ((m, x.clone().requires_grad_()), (ref, x.clone().requires_grad_()))
+    ]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_functorch_transforms_and_other_devices_get_a_clear_error():

@@ -523,6 +523,12 @@ def _backward(ctx, dy, dh_n, dc_n, _dhandle):
 _rnn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+_TWICE = (b"[leanrnn.torch] a double backward (create_graph=True, then differentiating the "
+          b"gradients: gradient penalties, Hessian-vector products) is not supported by "
+          b"leanrnn.torch's modules; use torch.nn.LSTM/GRU/RNN for higher-order gradients "
+          b"(to_module() converts)")  # fmt: skip
+
+
 class _EagerRNN(torch.autograd.Function):
     """The ops' autograd formula without the ops, for eager calls (_eager): the same bodies
     (_forward, _backward_grads), the same saved tensors and version checks, without the
@@ -542,19 +548,23 @@ class _EagerRNN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n, _dhandle):
+        grads = _EagerRNN._first_order(ctx, dy, dh_n, dc_n, _dhandle)
         # A double backward is refused, as the ops' is, not silently 0. once_differentiable
-        # alone refuses only where the incoming gradients require grad: for a loss linear in y
-        # (sum(y * w)) create_graph=True got a gradient with no graph, and a penalty on it (a
-        # gradient penalty, a Hessian-vector product) silently counted 0. Grad mode is on here
-        # exactly when create_graph is (once_differentiable's body runs under no_grad).
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "[leanrnn.torch] backward with create_graph=True (a double backward: gradient "
-                "penalties, Hessian-vector products) is not supported by leanrnn.torch's "
-                "modules: their gradients carry no graph. Use torch.nn.LSTM/GRU/RNN for "
-                "higher-order gradients (to_module() converts)"
-            )
-        return _EagerRNN._first_order(ctx, dy, dh_n, dc_n, _dhandle)
+        # alone marks the gradients only where the incoming ones require grad: for a loss
+        # linear in y (sum(y * w)) create_graph=True got gradients with no graph, and a penalty
+        # on them (a gradient penalty, a Hessian-vector product) silently counted 0. Grad mode
+        # is on here exactly when create_graph is (once_differentiable's body runs under
+        # no_grad): the gradients then lead to a node that raises if differentiated, so code
+        # that passes create_graph=True and never differentiates twice still runs.
+        if not torch.is_grad_enabled():
+            return grads
+        live = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+        err = torch._C._functions.DelayedError(_TWICE, len(live))
+        marked = err(*[grads[i].detach().requires_grad_() for i in live])
+        out = list(grads)
+        for i, g in zip(live, marked if isinstance(marked, tuple) else (marked,), strict=True):
+            out[i] = g
+        return tuple(out)
 
     @staticmethod
     @once_differentiable

@@ -182,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
 
         from ..serve import server
 
-        loaded = {name: load_model(path, args) for name, path in args.models}
+        def loaded():  # once the port is bound (serve_async): a taken one fails first
+            return {name: load_model(path, args) for name, path in args.models}
+
         asyncio.run(server.serve_async(cfg, loaded=loaded,
                                        ready_line=lambda s: print(s, flush=True)))  # fmt: skip
         return 0

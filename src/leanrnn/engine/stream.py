@@ -59,9 +59,12 @@ class Stream:
                 return y
         try:
             return self._feed(x, lengths, out)
-        except LeanRNNError:
-            self._explain(x, out)  # in the caller's terms, if that is what is wrong
-            raise
+        except LeanRNNError as e:
+            err = e
+        # in the caller's terms, if that is what is wrong (outside the except: the traceback
+        # then does not show the internal [1, N, C] message it replaces)
+        self._explain(x, out)
+        raise err
 
     def _feed(self, x, lengths, out) -> np.ndarray:
         """feed() through Session._run: a single step as a chunk of one."""

@@ -139,13 +139,17 @@ class Core:
         if r.error is not None:
             release()
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
-        seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit
-        st = self._stats[p.model]
-        st[0] += 1
-        st[1] += int(seconds * 1e9)
-        st[2] += int(queued * 1e9)
-        st[3] = int(time.time() * 1000)
-        if self.metrics is not None:
-            self.metrics.request(p.model, protocol, seconds, queued)
-        values = {"y": r.y, "h_n": r.h_out, "c_n": r.c_out}
-        return {name: values[name] for name in p.outputs}, release
+        try:  # (released here if the bookkeeping fails: the caller never gets the release)
+            seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit
+            st = self._stats[p.model]
+            st[0] += 1
+            st[1] += int(seconds * 1e9)
+            st[2] += int(queued * 1e9)
+            st[3] = int(time.time() * 1000)
+            if self.metrics is not None:
+                self.metrics.request(p.model, protocol, seconds, queued)
+            values = {"y": r.y, "h_n": r.h_out, "c_n": r.c_out}
+            return {name: values[name] for name in p.outputs}, release
+        except BaseException:
+            release()
+            raise

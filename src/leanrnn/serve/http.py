@@ -35,7 +35,9 @@ JSON_PIECE = 1024
 # Answer bodies go to the transport in pieces this large; each send waits until the transport
 # has room (uvicorn's flow control), so an answer a client does not read stays with its request
 # (counted) instead of being copied whole into the transport's buffer.
-SEND_PIECE = 64 << 10
+SEND_PIECE = 256 << 10
+# Seconds an answer's piece may wait for a client that does not read (_sent).
+SEND_TIMEOUT = 30.0
 # Answers up to this size are encoded on the event loop (a thread hop costs more than they do).
 INLINE = 256 << 10
 # A gzip body is inflated INFLATE_PIECE compressed bytes at a time, and may have at most
@@ -224,9 +226,11 @@ def json_bytes(info, p) -> int:
     return n
 
 
-def _json_data(a: np.ndarray, parts: list[bytes]) -> None:
-    """Append ``a``'s numbers as a flat JSON list to ``parts``, a piece at a time, letting
-    the event loop's thread have the GIL between pieces; NaN and +-inf as _NONFINITE's
+def _json_data(a: np.ndarray, parts: list[bytes], worker: bool) -> None:
+    """Append ``a``'s numbers as a flat JSON list to ``parts``, a piece at a time; in a
+    ``worker`` thread letting the event loop's thread have the GIL between pieces (on the
+    loop's own thread that only handed it to the scheduler thread and waited up to a switch
+    interval to get it back: HTTP JSON throughput fell ~30%); NaN and +-inf as _NONFINITE's
     strings."""
     flat = a.reshape(-1)
     parts.append(b"[")
@@ -237,12 +241,15 @@ def _json_data(a: np.ndarray, parts: list[bytes]) -> None:
         else:
             piece = ", ".join(_NONFINITE.get(repr(v), repr(v)) for v in chunk.tolist())
         parts.append((", " + piece if i else piece).encode())
-        time.sleep(0)  # gives up the GIL: json.dumps holds it for a whole piece
+        if worker:
+            time.sleep(0)  # gives up the GIL: json.dumps holds it for a whole piece
     parts.append(b"]")
 
 
-def _encode(info, p, values: dict[str, np.ndarray]) -> tuple[bytes, dict, str]:
-    """(body, headers, media type) of the answer; a large one is encoded in a worker thread."""
+def _encode(info, p, values: dict[str, np.ndarray],
+            worker: bool = False) -> tuple[bytes, dict, str]:  # fmt: skip
+    """(body, headers, media type) of the answer; a large one is encoded in a ``worker``
+    thread."""
     res = {"model_name": info.name, "model_version": VERSION}
     if p.id:
         res["id"] = p.id
@@ -258,7 +265,7 @@ def _encode(info, p, values: dict[str, np.ndarray]) -> tuple[bytes, dict, str]:
             parts.append(json.dumps(t).encode())
         else:
             parts.append(json.dumps(t)[:-1].encode() + b', "data": ')
-            _json_data(a, parts)
+            _json_data(a, parts, worker)
             parts.append(b"}")
     parts.append(b"]}")
     head = b"".join(parts)
@@ -283,12 +290,24 @@ class _Answer(Response):
                         "headers": self.raw_headers})  # fmt: skip
             body = memoryview(self.body)
             for i in range(0, len(body), SEND_PIECE):
-                await send({"type": "http.response.body", "body": bytes(body[i : i + SEND_PIECE]),
-                            "more_body": True})  # fmt: skip
+                await _sent(send, {"type": "http.response.body",
+                                   "body": bytes(body[i : i + SEND_PIECE]), "more_body": True})  # fmt: skip
             # waits, as every send does, until the transport has taken what came before
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await _sent(send, {"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._release()
+
+
+async def _sent(send, message) -> None:
+    """``send(message)`` within SEND_TIMEOUT: a client that reads nothing for that long
+    loses its connection (uvicorn closes it when the app raises), so a few clients that
+    never read cannot hold --max-queued-bytes, and every other client with it, for ever."""
+    try:
+        await asyncio.wait_for(send(message), SEND_TIMEOUT)
+    except TimeoutError:
+        raise ConnectionAbortedError(
+            f"[http] the client read none of its answer for {SEND_TIMEOUT:g} s; connection closed"
+        ) from None
 
 
 def _error(core: Core, e: ServeError) -> JSONResponse:
@@ -351,7 +370,7 @@ def make_app(core: Core, metrics=None) -> Starlette:
         try:  # a large answer off the event loop: it must not hold up the other streams
             if size + sum(a.nbytes for a in values.values()) <= INLINE:
                 return _Answer(*_encode(info, p, values), release)
-            return _Answer(*await asyncio.to_thread(_encode, info, p, values), release)
+            return _Answer(*await asyncio.to_thread(_encode, info, p, values, True), release)
         except BaseException:
             release()
             raise

@@ -293,9 +293,13 @@ class Lane:
                 )
             self._check_state(h0, c0)
             slot = self.free.pop()
+            try:
+                self.states.put(slot, h0, c0)
+            except BaseException:  # nothing taken: else the slot was gone and the id live
+                self.free.append(slot)
+                raise
             s = self.seqs[key] = Sequence(key, slot, now)
             self.evicted.pop(key, None)
-            self.states.put(slot, h0, c0)
         else:
             if s is None:
                 ev = self.evicted.get(key)

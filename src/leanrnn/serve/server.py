@@ -178,8 +178,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_line=print,
+async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
                       make_lane=Lane) -> None:  # fmt: skip
+    """Serve until SIGTERM/SIGINT. ``loaded``: {name: model} already loaded, or a callable
+    returning it, called once the HTTP port is bound (a taken port fails before a long load);
+    None: the files of config.models, loaded plainly."""
     import uvicorn
 
     from .http import make_app
@@ -195,6 +198,12 @@ async def serve_async(config: ServeConfig, loaded: dict | None = None, ready_lin
             f"{e.strerror}; pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
+    if callable(loaded):
+        try:
+            loaded = loaded()
+        except BaseException:
+            sock.close()
+            raise
     core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
     # Each connection or call in flight holds buffers of its own (its socket's, a request being

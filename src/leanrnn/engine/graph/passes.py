@@ -8,6 +8,8 @@ head). No pass knows which file format the graph came from.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ...errors import ModelFormatError, UnsupportedOpError
@@ -120,16 +122,18 @@ def fold(g: Graph, threads: int | None = None) -> None:
     # ConstantOfShape can make more): bounded by what the file holds, whatever its layout.
     # The bound holds for the whole pass, not per node: a file of a few hundred bytes with N
     # ConstantOfShape nodes each under it made loading allocate N times it. Two totals are
-    # checked before each node runs: the bytes of folded constants alive after it, and the
-    # bytes folding has made beyond what its nodes read (``grown``), so a chain that makes
-    # and drops a large value per node is refused too.
-    limit = FOLD_SLACK_BYTES + sum(c.nbytes for c in g.constants.values())
+    # checked before each node runs: the values of folded constants alive after it, and the
+    # values folding has made beyond what its nodes read (``grown``), so a chain that makes
+    # and drops a large value per node is refused too. Counted in values, not bytes: a model
+    # that widens its weights at load (float16 -> Cast, int8 -> DequantizeLinear) expands
+    # nothing, and was refused when the budget was in bytes (at ~22 MB of int8 weights).
+    limit = FOLD_SLACK_BYTES // 4 + sum(c.size for c in g.constants.values())
     ctx = Ctx(g, {}, threads)
     readers: dict[str, int] = {t.name: 1 for t in g.outputs}
     for node in g.nodes:
         for i in node.inputs:
             readers[i] = readers.get(i, 0) + 1
-    folded: dict[str, int] = {}  # bytes of each folded constant still alive
+    folded: dict[str, int] = {}  # values of each folded constant still alive
     alive = grown = 0
     keep = []
     for node in g.nodes:
@@ -140,20 +144,20 @@ def fold(g: Graph, threads: int | None = None) -> None:
             vals = [g.constants[i] if i else None for i in node.inputs]
             ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
             metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
-            made = sum(m.nbytes for m in metas)
-            read = sum(g.constants[i].nbytes for i in set(node.inputs) if i)
+            made = sum(math.prod(m.shape) for m in metas)
+            read = sum(g.constants[i].size for i in set(node.inputs) if i)
             last = [i for i in set(node.inputs) if i and readers[i] == node.inputs.count(i)]
             after = alive - sum(folded.get(i, 0) for i in last) + made
             for what, total in (
                 ("folded constants alive", after),
-                ("bytes folding made beyond what it read", grown + max(made - read, 0)),
+                ("values folding made beyond what it read", grown + max(made - read, 0)),
             ):
                 if max(made, total) > limit:
                     raise ModelFormatError(
-                        f"[load] node {node.name!r} ({node.op}) would make {made} bytes of "
+                        f"[load] node {node.name!r} ({node.op}) would make {made} values of "
                         f"constants {[list(m.shape) for m in metas[:4]]}, bringing the {what} "
-                        f"to {total} bytes; refusing more than {limit} (the file's constants "
-                        f"plus {FOLD_SLACK_BYTES} bytes of slack): a model's constant "
+                        f"to {total}; refusing more than {limit} (the file's constants plus "
+                        f"{FOLD_SLACK_BYTES // 4} values of slack): a model's constant "
                         "subgraphs do not expand this much"
                     )
             grown += max(made - read, 0)
@@ -162,7 +166,7 @@ def fold(g: Graph, threads: int | None = None) -> None:
             for name, arr in zip(node.outputs, res, strict=False):
                 if name and readers.get(name, 0):
                     g.constants[name] = np.asarray(arr, order="C")
-                    folded[name] = g.constants[name].nbytes
+                    folded[name] = g.constants[name].size
                     alive += folded[name]
             del res
         for i in node.inputs:
