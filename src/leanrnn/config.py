@@ -36,13 +36,14 @@ _log = logging.getLogger("leanrnn")
 def _cores() -> int:
     """The cores this process may run on, as numba counts them for its pool (its
     NUMBA_NUM_THREADS overrides), so both backends use the same number."""
-    raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        n = max(1, os.cpu_count() or 1)
+    raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+    if raw.isdigit() and int(raw) > 0:  # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower)
+        return min(n, int(raw))
+    return n
 
 
 _CORES = _cores()
@@ -199,11 +200,13 @@ def set_log(*topics: str) -> None:
 
 def cache_dir() -> Path:
     """Where leanrnn keeps what it builds (LEANRNN_CACHE_DIR, see the module docstring)."""
+    # ~ expanded: a quoted value (a Dockerfile's ENV, an .env file) reaches us unexpanded and
+    # made a directory named "~" in the working directory, and a build there
     d = os.environ.get("LEANRNN_CACHE_DIR")
     if d:
-        return Path(d)
+        return Path(d).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg) / "leanrnn" if xdg else Path.home() / ".cache" / "leanrnn"
+    return Path(xdg).expanduser() / "leanrnn" if xdg else Path.home() / ".cache" / "leanrnn"
 
 
 def writable(directory: Path) -> bool:

@@ -91,7 +91,9 @@ def collect(measure_compile: bool) -> dict:
             if d.get("user_api") == "blas"
         ],
         "numba_cache_dir": config.numba_cache_dir(),
-        "warm_start_seconds": round(_time_first_run(None), 3),
+        # A process's start-up with the kernels in place; timed only where they are: timing it
+        # before started the build (minutes, on a fresh install, and a failure it recorded)
+        "warm_start_seconds": (round(_time_first_run(None), 3) if _kernels_ready(config) else None),
     }
     if measure_compile:
         with tempfile.TemporaryDirectory() as d:
@@ -99,6 +101,19 @@ def collect(measure_compile: bool) -> dict:
             info["cold_compile_seconds"] = round(_time_first_run(d), 1)
             info["cold_compile_wall_seconds"] = round(time.perf_counter() - t0, 1)
     return info
+
+
+def _kernels_ready(config) -> bool:
+    """Whether a first run would find its kernels: the native build in place, or the JIT
+    backend chosen (numba compiles, and caches, as it runs)."""
+    from leanrnn.kernels import runner
+
+    if config.backend() == "jit":
+        return True
+    try:
+        return runner.native_module(build=False) is not None
+    except (ImportError, OSError):
+        return False
 
 
 def _native_kernels() -> str:
@@ -137,6 +152,8 @@ def run(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     for k, v in info.items():
+        if k == "warm_start_seconds" and v is None:
+            v = "(not measured: the native kernels are not built yet; `leanrnn compile` builds them)"
         print(f"{k:22s} {v}")
     if not args.compile:
         print(f"{'cold_compile_seconds':22s} (run `leanrnn info --compile` to measure)")

@@ -343,12 +343,37 @@ def _temp_build_dir(fp: str) -> Path:
     return d
 
 
+def _dies_with_us():
+    """A preexec_fn asking Linux to kill the build when this thread's process dies (prctl
+    PR_SET_PDEATHSIG; its pool workers already die with it, aot._die_with_parent): a SIGTERM
+    or SIGKILL to this process alone (kill PID, a supervisor, the OOM killer) left the build
+    running, orphaned, until its next progress line broke the pipe and it recorded a failure
+    that kept the native kernels off for RETRY_AFTER. None off Linux. The libc function is
+    looked up here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    set_pdeathsig, kill = 1, int(signal.SIGKILL)  # PR_SET_PDEATHSIG (linux/prctl.h)
+
+    def preexec() -> None:
+        prctl(set_pdeathsig, kill, 0, 0, 0)
+
+    return preexec
+
+
 def _build(d: Path, fp: str) -> None:
     """Build into ``d`` in a subprocess (kernels.aot), showing its progress on stderr; a death
     without a reason (killed, out of memory) is recorded as a transient failure."""
     shown = Progress(sys.stderr, f"compiling the kernels for this machine, once ({BUILD_TIME})")
     proc = subprocess.Popen([*_BUILD, str(d), fp], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_dies_with_us())  # fmt: skip
     lines: queue.Queue = queue.Queue()
     errors: list[str] = []
 
