@@ -88,3 +88,19 @@ def test_a_build_dies_with_the_process_that_started_it():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_info_names_the_numba_cache_the_kernels_use(tmp_path):
+    """info said "(next to the package sources, in __pycache__)" (or $NUMBA_CACHE_DIR itself)
+    where kernels._jit caches in a folder named by the sources' fingerprint."""
+    code = ("import os, leanrnn.kernels._jit, numba; from leanrnn import config; "
+            "from leanrnn.kernels import native; "
+            "print(numba.config.CACHE_DIR); print(config.numba_cache_dir(native.fingerprint()))")  # fmt: skip
+    for env in ({"LEANRNN_CACHE_DIR": str(tmp_path / "c")},
+                {"NUMBA_CACHE_DIR": str(tmp_path / "n")}):  # fmt: skip
+        base = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        used, said = out.stdout.split()
+        assert Path(used) == Path(said), out.stdout

@@ -2,7 +2,9 @@
 
 Environment variables (read once at import; the setters below change them at run time):
 
-- ``LEANRNN_NUM_THREADS``: threads for leanrnn kernels and BLAS (default: all cores).
+- ``LEANRNN_NUM_THREADS``: threads for leanrnn kernels (default: all cores). BLAS keeps its
+  own (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, or set_num_threads, which sets both): read
+  at import, this never loads threadpoolctl.
 - ``LEANRNN_BACKEND``: ``auto`` (default), ``native`` or ``jit``: which compiled kernels run
   (kernels.runner).
 - ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native); else
@@ -10,8 +12,9 @@ Environment variables (read once at import; the setters below change them at run
   to a private directory in the temp dir instead (temp_cache_dir), with a warning.
 - ``LEANRNN_LOG``: comma-separated log topics; ``memory`` logs every arena acquire and release.
 - ``NUMBA_CACHE_DIR``: where numba caches its JIT kernels (numba's own variable). Left unset,
-  numba caches next to the package sources or in ~/.cache/numba; where it can write neither,
-  leanrnn sets it to ``<cache>/numba`` (kernels._jit) rather than let every kernel fail.
+  leanrnn caches numba's kernels in ``<cache>/numba/<fingerprint>`` (kernels._jit: keyed by
+  every kernel source, so an edit of one never runs another's stale cached code); set, in
+  ``$NUMBA_CACHE_DIR/<fingerprint>``.
   ``NUMBA_NUM_THREADS`` caps the cores leanrnn uses, as it caps numba's pool.
 
 Nothing here imports numba: a process running the native kernels never loads it.
@@ -240,9 +243,14 @@ def temp_cache_dir(create: bool = True) -> Path | None:
     return d
 
 
-def numba_cache_dir() -> str:
-    d = os.environ.get("NUMBA_CACHE_DIR", "")
-    return d if d else "(next to the package sources, in __pycache__)"
+def numba_cache_dir(fingerprint: str) -> Path:
+    """Where numba's JIT kernels of the sources with ``fingerprint`` are cached (kernels._jit
+    picks it, falling back to the temp dir where this cannot be written): a folder of
+    $NUMBA_CACHE_DIR, else of <cache_dir()>/numba, named by the fingerprint."""
+    user = os.environ.get("NUMBA_CACHE_DIR", "")
+    if user and Path(user).name == fingerprint:  # a parent process keyed it already
+        return Path(user)
+    return (Path(user) if user else cache_dir() / "numba") / fingerprint
 
 
 if _log_topics:

@@ -69,7 +69,7 @@ def collect(measure_compile: bool) -> dict:
 
     import leanrnn
     from leanrnn import config
-    from leanrnn.kernels import _cpu
+    from leanrnn.kernels import _cpu, native
 
     info = {
         "leanrnn": leanrnn.__version__,
@@ -90,7 +90,7 @@ def collect(measure_compile: bool) -> dict:
             for d in threadpool_info()
             if d.get("user_api") == "blas"
         ],
-        "numba_cache_dir": config.numba_cache_dir(),
+        "numba_cache_dir": str(config.numba_cache_dir(native.fingerprint())),
         # A process's start-up with the kernels in place; timed only where they are: timing it
         # before started the build (minutes, on a fresh install, and a failure it recorded)
         "warm_start_seconds": (round(_time_first_run(None), 3) if _kernels_ready(config) else None),
