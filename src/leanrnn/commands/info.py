@@ -71,6 +71,7 @@ def collect(measure_compile: bool) -> dict:
     from leanrnn import config
     from leanrnn.kernels import _cpu, native
 
+    native_kernels, built = _native_kernels()
     info = {
         "leanrnn": leanrnn.__version__,
         "python": sys.version.split()[0],
@@ -83,7 +84,7 @@ def collect(measure_compile: bool) -> dict:
         "cores": config.cores(),
         "threads": config.get_num_threads(),
         "kernel_backend": config.backend(),
-        "native_kernels": _native_kernels(),
+        "native_kernels": native_kernels,
         "jit_threading_layer": _threading_layer(),
         "blas": [
             {k: d.get(k) for k in ("internal_api", "version", "num_threads", "architecture")}
@@ -91,9 +92,12 @@ def collect(measure_compile: bool) -> dict:
             if d.get("user_api") == "blas"
         ],
         "numba_cache_dir": str(config.numba_cache_dir(native.fingerprint())),
-        # A process's start-up with the kernels in place; timed only where they are: timing it
-        # before started the build (minutes, on a fresh install, and a failure it recorded)
-        "warm_start_seconds": (round(_time_first_run(None), 3) if _kernels_ready(config) else None),
+        # A process's start-up with the kernels in place (the native build, or the JIT backend:
+        # numba compiles and caches as it runs); timed only there: timing it before started the
+        # build (minutes, on a fresh install, and a failure it recorded)
+        "warm_start_seconds": (
+            round(_time_first_run(None), 3) if built or config.backend() == "jit" else None
+        ),
     }
     if measure_compile:
         with tempfile.TemporaryDirectory() as d:
@@ -103,33 +107,21 @@ def collect(measure_compile: bool) -> dict:
     return info
 
 
-def _kernels_ready(config) -> bool:
-    """Whether a first run would find its kernels: the native build in place, or the JIT
-    backend chosen (numba compiles, and caches, as it runs)."""
-    from leanrnn.kernels import runner
-
-    if config.backend() == "jit":
-        return True
-    try:
-        return runner.native_module(build=False) is not None
-    except (ImportError, OSError):
-        return False
-
-
-def _native_kernels() -> str:
-    """Where the ahead-of-time compiled kernels are, or why there are none (no build here)."""
+def _native_kernels() -> tuple[str, bool]:
+    """(where the ahead-of-time compiled kernels are, or why there are none; whether they are
+    built). No build here."""
     from leanrnn.kernels import native, runner
 
     try:
         mod = runner.native_module(build=False)
     except (ImportError, OSError) as e:
-        return f"broken: {e}"
+        return f"broken: {e}", False
     if mod is not None:
-        return mod.__file__
+        return mod.__file__, True
     why = native.failure(runner.where())
     if why:
-        return "build failed: " + why.splitlines()[0]
-    return "not built yet (built on first use)"
+        return "build failed: " + why.splitlines()[0], False
+    return "not built yet (built on first use)", False
 
 
 def _threading_layer() -> str:

@@ -101,11 +101,12 @@ def load_model(ref: str, args=None, op: str = "plan"):
     ``cell:hidden[xlayers]`` shorthand (random weights)."""
     from leanrnn.errors import ModelFormatError
 
-    from .model import cli_advice, load_options
+    from .model import load_model as load_file
+    from .model import load_options
 
     m = _SHORT.match(ref)
     if m and not os.path.exists(ref):
-        given = sorted(load_options(args)) if args is not None else []
+        given = sorted(load_options(args))  # (none for args None)
         if given:  # they would be ignored: the shorthand builds its own model
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             raise ModelFormatError(f"[{op}] {flags} given with the shorthand {ref!r}; these "
@@ -113,14 +114,7 @@ def load_model(ref: str, args=None, op: str = "plan"):
         H = _bounded("plan", "hidden", m.group(2), MAX_HIDDEN)
         L = _bounded("plan", "layers", m.group(3) or "1", MAX_LAYERS)
         return random_model("plan", m.group(1).lower(), H, L)
-    try:
-        from leanrnn.loading import load
-    except ImportError:  # pragma: no cover - loading ships with the package
-        raise ModelFormatError(
-            f"[plan] cannot load {ref!r}: model files are not supported"
-        ) from None
-    with cli_advice():
-        return load(ref, **(load_options(args) if args is not None else {}))
+    return load_file(ref, args)
 
 
 def _sessions(model):

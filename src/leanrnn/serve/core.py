@@ -1,4 +1,4 @@
-"""What the HTTP and gRPC front ends share: the models, authorization, and one ``infer`` that
+"""What the HTTP and gRPC front ends share: the models, authorization, and one ``infer_held`` that
 hands a checked request to the scheduler and awaits its outputs on the event loop; the request
 keeps counting against --max-queued-bytes until its front end says the answer has left."""
 
@@ -87,14 +87,6 @@ class Core:
                 "queue": {"count": count, "ns": queue_ns},
             },
         }
-
-    async def infer(self, p: Parsed, protocol: str) -> dict[str, np.ndarray]:
-        """Run ``p`` through the scheduler; the requested outputs by name. Its bytes count
-        against --max-queued-bytes until the engine is done with it (the front ends use
-        ``infer_held``, which keeps them counted until the answer has left)."""
-        values, release = await self.infer_held(p, protocol)
-        release()
-        return values
 
     async def infer_held(self, p: Parsed, protocol: str,
                          json_bytes: int = 0) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
