@@ -142,12 +142,12 @@ def output_file(path: str, flag: str, suffix: str = "") -> str:
 def not_an_input(path: str, flag: str, **inputs: str | None) -> None:
     """Refuse an output ``path`` that is one of the command's ``inputs`` (what=path; None: not
     given): the same path, through a symlink, or a hard link. Writing it would destroy the file
-    before (or while) it is read. The check ``leanrnn score`` makes of its own output."""
-    from .score import _same_file
+    before (or while) it is read. The check ``leanrnn.convert`` and ``leanrnn score`` make of
+    their own outputs."""
+    from .loading import same_file
 
-    out = os.path.realpath(path)
     for what, src in inputs.items():
-        if src is not None and _same_file(src, out):
+        if src is not None and same_file(src, path):
             raise LeanRNNError(
                 f"[{flag}] output {path!r} is the {what} file itself ({src!r}); writing it "
                 "would destroy it: pick another output path"

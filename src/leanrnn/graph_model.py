@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from .engine import _fork
+from .engine import _check, _fork
 from .engine.graph import GraphSession, LoadedGraph
 from .engine.model import parameter_count, spec_line
 from .errors import ShapeError, SpecError
@@ -84,7 +84,9 @@ class GraphModel:
 
     def describe(self, batch: int, steps: int) -> dict:
         """Nodes, parameters, weight bytes and the arenas planned for ``batch`` sequences of
-        ``steps`` steps (input shapes from the declared ones; see ``_input_shapes``)."""
+        ``steps`` steps (input shapes from the declared ones; see ``_input_shapes``). The
+        reported ``batch``/``steps`` are what was planned: None for a size the declared shapes
+        fix (the arena's ``input_shapes`` then say what was planned instead)."""
         g = self.graph
         layers, params, wbytes = [], 0, 0
         for node in g.nodes:
@@ -110,6 +112,7 @@ class GraphModel:
             wbytes += c.nbytes
         shapes = _input_shapes(self, batch, steps)
         p = self.resize(shapes)
+        fixed = _fixed_sizes(self, batch, steps, shapes)
         sess = self.session
         arena = {
             "input_shapes": {k: list(v) for k, v in shapes.items()},
@@ -126,13 +129,14 @@ class GraphModel:
             "layers": layers,
             "parameters": int(params),
             "weight_bytes": int(wbytes),
-            "batch": batch,
-            "steps": steps,
+            "batch": None if "batch" in fixed else batch,
+            "steps": None if "steps" in fixed else steps,
             "arena": arena,
         }
 
     def save(self, path) -> str:
-        """Write the (rewritten) graph as a graph ``.lrnn`` file; returns the path."""
+        """Write the (rewritten) graph as a graph ``.lrnn`` file at ``path`` (which must end in
+        ``.lrnn``: ``ModelFormatError`` otherwise); returns the path."""
         native.save_graph(self.graph, path)
         return path
 
@@ -166,7 +170,9 @@ class GraphModel:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
-        """Plan the session for input ``shapes`` (dict or list); see ``GraphSession.resize``."""
+        """Plan the session for input ``shapes`` (dict or list) in at most ``memory_limit``
+        bytes of arena (an int, or a whole float such as 4e6); see ``GraphSession.resize``."""
+        memory_limit = _check.bytes_or_none("GraphModel.resize", "memory_limit", memory_limit)
         return self.session.resize(shapes, dtypes, memory_limit)
 
 
@@ -198,3 +204,10 @@ def _input_shapes(model: GraphModel, batch: int, steps: int) -> dict[str, tuple[
                 free += 1
         shapes[t.name] = tuple(dims)
     return shapes
+
+
+def _fixed_sizes(model: GraphModel, batch: int, steps: int, shapes: dict) -> set[str]:
+    """Which of "batch" and "steps" the declared input shapes leave no room for: the planned
+    ``shapes`` (``_input_shapes(model, batch, steps)``) do not change with them."""
+    return {name for name, b, s in (("batch", batch + 1, steps), ("steps", batch, steps + 1))
+            if _input_shapes(model, b, s) == shapes}  # fmt: skip

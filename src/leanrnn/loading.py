@@ -147,31 +147,41 @@ def _path(path, op: str) -> str:
 
 
 def save(model: RunnableModel, path) -> str:
-    """Write ``model`` in the native format to ``path``, which ends in ``.lrnn`` (as
-    ``convert``'s output must: a native file under an ``.onnx`` name is read by nothing that
+    """Write ``model`` in the native format to ``path``, which ends in ``.lrnn`` (as every
+    native writer's output must: a native file under an ``.onnx`` name is read by nothing that
     expects ONNX); returns the path."""
     if not callable(getattr(model, "save", None)):
         raise ModelFormatError(
             f"[save] got a {type(model).__name__}; expected a leanrnn Model or GraphModel"
         )
-    path = _path(path, "save")
-    if not path.lower().endswith(".lrnn"):
-        raise ModelFormatError(
-            f"[save] path {path!r} must end in .lrnn (leanrnn writes its native format only)"
-        )
-    return model.save(path)
+    return model.save(_path(path, "save"))  # the model's save checks the path (native.out_path)
+
+
+def same_file(a, b) -> bool:
+    """``a`` and ``b`` name one file: the same path after links, or (hard links) one inode.
+    What every command that writes a file checks of its inputs (convert, score, run --output):
+    writing would destroy an input before, or while, it is read."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist (yet)
+        return False
 
 
 def convert(src, dst, precision: str | None = None, **options) -> str:
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
     to ``dst``, its recurrent weights in ``precision`` ("bf16", "bf16-act", "int8" or
-    "int8-dynamic", see ``leanrnn.quantize``; default: as loaded). Returns ``dst``."""
+    "int8-dynamic", see ``leanrnn.quantize``; default: as loaded). Returns ``dst``, which
+    must not be ``src`` itself nor a link to it (the output would replace the source)."""
     src, dst = _path(src, "convert"), _path(dst, "convert")
-    if not dst.lower().endswith(".lrnn"):
+    native.out_path(dst, "convert")  # the output is checked before the load, which may take long
+    if same_file(src, dst):
         raise ModelFormatError(
-            f"[convert] output {dst!r} must end in .lrnn (leanrnn writes its native format only)"
+            f"[convert] output {dst!r} is the input file itself ({src!r}); writing it would "
+            "destroy it: pick another output path"
         )
-    if precision is not None:  # checked before the load, which may take long
+    if precision is not None:
         from .reduced import check_reduced
 
         check_reduced(precision, "convert")

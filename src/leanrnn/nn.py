@@ -234,7 +234,8 @@ class Model:
         }
 
     def save(self, path) -> str:
-        """Write the packed weights as an ``.lrnn`` file; returns the path."""
+        """Write the packed weights as an ``.lrnn`` file at ``path`` (which must end in
+        ``.lrnn``: ``ModelFormatError`` otherwise); returns the path."""
         native.save_rnn(self.weights, path)
         return path
 

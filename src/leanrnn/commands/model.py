@@ -283,10 +283,13 @@ def inspect_cmd(args) -> int:
     print(f"  parameters:   {info['parameters']:,}")
     print(f"  weight bytes: {info['weight_bytes']:,} ({_mib(info['weight_bytes'])})")
     a = info["arena"]
-    ignored = _fixed_by_file(model, args.batch, args.steps) if info["kind"] == "graph" else ""
-    planned = (f"the file's input shapes {a['input_shapes']} ({ignored} do not apply: the "
-               "file fixes those sizes)" if ignored
-               else f"N={info['batch']}, T={info['steps']}")  # fmt: skip
+    planned = f"N={info['batch']}, T={info['steps']}"
+    # describe (and so --json) names what was planned: None for a size a graph's file fixes
+    ignored = [f"--{k} {getattr(args, k)}" for k in ("batch", "steps") if info[k] is None]
+    if ignored:
+        verb, what = ("do", "those sizes") if len(ignored) > 1 else ("does", "that size")
+        planned = (f"the file's input shapes {a['input_shapes']} ({' and '.join(ignored)} "
+                   f"{verb} not apply: the file fixes {what})")  # fmt: skip
     print(f"  planned arena for {planned}: {a['total_bytes']:,} B ({_mib(a['total_bytes'])})")
     if info["kind"] == "graph":
         print(
@@ -300,17 +303,6 @@ def inspect_cmd(args) -> int:
     return 0
 
 
-def _fixed_by_file(model, batch: int, steps: int) -> str:
-    """Which of --batch/--steps a graph's declared input shapes leave no room for ('' if
-    none): its planned shapes do not change with them."""
-    from ..graph_model import _input_shapes
-
-    shapes = _input_shapes(model, batch, steps)
-    fixed = [flag for flag, b, s in (("--batch", batch + 1, steps), ("--steps", batch, steps + 1))
-             if _input_shapes(model, b, s) == shapes]  # fmt: skip
-    return " and ".join(f"{f} {batch if f == '--batch' else steps}" for f in fixed)
-
-
 def _tensor(t: dict) -> str:
     shape = "[shape unknown]" if t["shape"] is None else t["shape"]
     return f"{t['name']} {t['dtype']}{shape}"
@@ -322,11 +314,10 @@ def _precision(layer: dict) -> str:
 
 
 def convert_cmd(args) -> int:
-    from ..cli import not_an_input, output_file
+    from ..cli import output_file
     from ..loading import convert
 
-    output_file(args.dst, "convert", ".lrnn")
-    not_an_input(args.dst, "convert", input=args.src)  # written over before it was read whole
+    output_file(args.dst, "convert", ".lrnn")  # convert refuses dst being src itself
     with cli_advice():
         convert(args.src, args.dst, precision=args.precision, **load_options(args))
     print(f"wrote {args.dst} ({os.path.getsize(args.dst):,} bytes)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import DTypeError, LayoutError, LengthsError, ShapeError, SpecError
@@ -160,14 +162,32 @@ def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
 
 
 def count_or_none(op: str, name: str, v, what: str = "a positive int") -> int | None:
-    """``v`` as an int >= 1, or None. Settings such as threads, segment and memory_limit: a
-    float, a string, a bool or a value < 1 is refused, never truncated or clamped in silence
-    (segment=2.5 ran segments of 2, threads=-1 ran with -1 threads)."""
+    """``v`` as an int >= 1, or None. Settings such as threads and segment (byte counts:
+    ``bytes_or_none``): a float, a string, a bool or a value < 1 is refused, never truncated or
+    clamped in silence (segment=2.5 ran segments of 2, threads=-1 ran with -1 threads)."""
     if v is None:
         return None
     if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_) or v < 1:
         raise SpecError(f"[{op}] {name}={v!r}; expected {what} or None")
     return int(v)
+
+
+def bytes_or_none(op: str, name: str, v) -> int | None:
+    """``v`` as an int of bytes >= 1, or None: memory_limit's one check (Session, the models,
+    score). Byte counts are written 4e6 or 2**30 as often as 4 << 20, so a float that is a whole
+    number counts; 4.5, nan, inf, a bool, a string or a value < 1 is refused, never rounded."""
+    if v is None:
+        return None
+    n = None
+    if isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_):
+        n = int(v)
+    elif isinstance(v, float | np.floating) and math.isfinite(v) and float(v).is_integer():
+        n = int(v)
+    if n is None or n < 1:
+        raise SpecError(
+            f"[{op}] {name}={v!r}; expected an int of bytes >= 1 (e.g. 4 << 20 or 4e6) or None"
+        )
+    return n
 
 
 def packed_weights(op: str, model):

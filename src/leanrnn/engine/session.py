@@ -432,10 +432,11 @@ class Session:
         """Plan every scratch buffer for ``batch`` sequences of up to ``steps`` steps, in one
         arena, and allocate it (reusing the current arena when the plan fits in it).
 
-        With ``memory_limit`` (bytes of arena), a unidirectional stack gets the largest chunk
-        (timesteps) whose plan fits; ``PlanError`` — before anything is allocated — if not even
-        one step fits, or if a bidirectional stack does not fit whole. ``return_sequences=False``
-        plans for runs that keep only final states (chunked by default, see DEFAULT_CHUNK).
+        With ``memory_limit`` (bytes of arena: an int, or a whole float such as 4e6), a
+        unidirectional stack gets the largest chunk (timesteps) whose plan fits; ``PlanError`` —
+        before anything is allocated — if not even one step fits, or if a bidirectional stack
+        does not fit whole. ``return_sequences=False`` plans for runs that keep only final
+        states (chunked by default, see DEFAULT_CHUNK).
         Takes the session's (or its pool's) lock: a run on another thread finishes first.
 
         ``batch="auto"``: measure calls on this machine (``leanrnn.tuning.tune``) and plan for
@@ -447,8 +448,7 @@ class Session:
 
         >>> s = Session(weights); s.resize("auto", 100, latency=0.005); s.tuned.batch
         """
-        memory_limit = _check.count_or_none("Session.resize", "memory_limit", memory_limit,
-                                            "an int of bytes >= 1 (e.g. 4 << 20)")  # fmt: skip
+        memory_limit = _check.bytes_or_none("Session.resize", "memory_limit", memory_limit)
         if isinstance(batch, str):
             if batch != "auto":
                 raise ShapeError(

@@ -344,22 +344,27 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
             os.remove(tmp)
 
 
-def _out_path(path) -> str:
-    """``path`` as a str, if a file can be written there: str(path) wrote None as a file named
-    'None' and b'm.lrnn' as "b'm.lrnn'", and a missing directory was an OSError naming the
-    temporary file."""
+def out_path(path, op: str = "save") -> str:
+    """``path`` as a str, if a native file may be written there: a file path ending in ``.lrnn``
+    (any case) in an existing directory. The one check of every writer (``Model.save``,
+    ``GraphModel.save``, ``leanrnn.save``, ``convert``). str(path) wrote None as a file named
+    'None' and b'm.lrnn' as "b'm.lrnn'", a missing directory was an OSError naming the temporary
+    file, and a native file named m.onnx is read by nothing that expects ONNX."""
     try:
         p = os.fsdecode(os.fspath(path))
     except TypeError:
-        raise ModelFormatError(f"[save] got a {type(path).__name__} ({path!r:.60}) as the path; "
+        raise ModelFormatError(f"[{op}] got a {type(path).__name__} ({path!r:.60}) as the path; "
                                "expected a file path (str, bytes or pathlib.Path)") from None  # fmt: skip
     if not p or os.path.isdir(p):
-        raise ModelFormatError(f"[save] {p!r} is a directory; expected a file path in it, e.g. "
+        raise ModelFormatError(f"[{op}] {p!r} is a directory; expected a file path in it, e.g. "
                                f"{os.path.join(p or '.', 'model.lrnn')!r}")  # fmt: skip
+    if not p.lower().endswith(".lrnn"):
+        raise ModelFormatError(f"[{op}] path {p!r} must end in .lrnn (leanrnn writes its native "
+                               "format only, and other tools go by the name)")  # fmt: skip
     parent = os.path.dirname(p) or "."
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
-        raise ModelFormatError(f"[save] cannot write {p!r}: {parent!r} {what}; create the "
+        raise ModelFormatError(f"[{op}] cannot write {p!r}: {parent!r} {what}; create the "
                                "directory first or pick another path")  # fmt: skip
     return p
 
@@ -384,7 +389,7 @@ def save_rnn(weights: PackedWeights, path: str) -> None:
     if weights.precision != "float":  # absent: the weights are of the working dtype
         meta["precision"] = weights.precision
         meta.update(_layout_meta(weights.precision))
-    _write(_out_path(path), meta, [("", _packed_items(weights))])
+    _write(out_path(path), meta, [("", _packed_items(weights))])
 
 
 def save_graph(graph: Graph, path: str) -> None:
@@ -403,7 +408,7 @@ def save_graph(graph: Graph, path: str) -> None:
     g = graph.to_dict()
     g["packed"] = packed
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "graph", "graph": json.dumps(g)}
-    _write(_out_path(path), meta, blocks)
+    _write(out_path(path), meta, blocks)
 
 
 # ----------------------------------------------------------------------------------- reading

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine._check import count_or_none
+from ..engine._check import bytes_or_none, count_or_none
 from .batching import OUTPUTS, Scorer, engine_model
 from .data import DataError, Options, Source
 from .writers import open_output
@@ -93,23 +93,15 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _same_file(a: str, b: str) -> bool:
-    """``a`` and ``b`` name one file: the same path after links, or (hard links) one inode."""
-    if os.path.realpath(a) == b:
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either does not exist (yet)
-        return False
-
-
 def _check_output(output, dataset, model, lengths, local: bool) -> None:
     """Refuse, before any work, an output that would replace one of the job's own inputs (the
     dataset, the model file, the lengths file) or land inside the input directory (the next
     run would read it as data), and one whose directory cannot take it."""
+    from ..loading import same_file  # here: `import leanrnn` imports score but no file format
+
     out = os.path.realpath(os.fspath(output))
     for what, path in (("the input", dataset), ("the model", model), ("the lengths", lengths)):
-        if isinstance(path, str | os.PathLike) and _same_file(os.fspath(path), out):
+        if isinstance(path, str | os.PathLike) and same_file(path, out):
             raise DataError(
                 f"[score] output {os.fspath(output)!r} is {what} file itself; writing it would "
                 "destroy it: pick another output path"
@@ -163,8 +155,9 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
              ``length`` and, by ``outputs``, ``h_n`` [L*D, K] (+ ``c_n`` [L*D, H] for LSTM)
              ('final'), ``y`` [T_i, D*K] ('steps') or all ('both'); written to a temporary
              name and renamed when complete
-    memory_limit: bytes for the job's buffers (engine arena, padded batches, read-ahead);
-             default a quarter of the available memory, at most 256 MiB
+    memory_limit: bytes for the job's buffers (engine arena, padded batches, read-ahead): an
+             int, or a whole float such as 64e6; default a quarter of the available memory,
+             at most 256 MiB
     bucket:  sort each read-ahead window by length before batching (False: input order)
     ray:     None (this process), 'auto' (a local Ray, or the one RAY_ADDRESS names) or an
              address: the same job as a Ray Data pipeline (needs leanrnn[ray]); ``ray_actors``
@@ -179,8 +172,9 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     >>> print(s)                                                                # doctest: +SKIP
     """
     dataset, output = _path("dataset", dataset), _path("output", output)
-    for name, v in (("memory_limit", memory_limit), ("threads", threads),
-                    ("batch_size", batch_size), ("ray_actors", ray_actors)):  # fmt: skip
+    memory_limit = bytes_or_none("score", "memory_limit", memory_limit)  # 4e6 is a byte count
+    for name, v in (("threads", threads), ("batch_size", batch_size),
+                    ("ray_actors", ray_actors)):  # fmt: skip
         count_or_none("score", name, v)  # 2.5 or True were truncated, 0 meant "default"
     for name, v in (("bucket", bucket), ("allow_nonfinite", allow_nonfinite),
                     ("progress", progress)):  # fmt: skip

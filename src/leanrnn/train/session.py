@@ -172,8 +172,7 @@ class Trainer:
         self.threads = _check.count_or_none("Trainer", "threads", threads)
         self.segment = _check.count_or_none("Trainer", "segment", segment, "steps >= 1")
         self.recompute = bool(recompute)
-        self.memory_limit = _check.count_or_none("Trainer", "memory_limit", memory_limit,
-                                                 "bytes >= 1")  # fmt: skip
+        self.memory_limit = _check.bytes_or_none("Trainer", "memory_limit", memory_limit)
         self.dropout = float(dropout)
         self.training = True
         if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0
