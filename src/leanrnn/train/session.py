@@ -53,6 +53,7 @@ import numpy as np
 
 from .. import config
 from ..engine import _check
+from ..engine.products import PANEL, PackedMatmul, gemm_choice, pack_columns, packed_product
 from ..engine.session import (
     bf16_on_amx,
     kernel_constants,
@@ -85,6 +86,9 @@ _GEMM_ROWS = 512
 # call packs its [X, rows] operand again); at H=512, 512 columns instead of 256 took 5% more.
 _GEMM_COLS = 256
 _GEMM_OUT_BYTES = 256 << 10
+# On the engine's GEMM (engine.products.gemm_choice), the weight gradients go over chunks of
+# the steps' rows: x^T and h_prev^T of a chunk transposed into at most this many bytes.
+_GEMM_AT_BYTES = 4 << 20
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -332,7 +336,9 @@ class Trainer:
                 if P:  # float32 in every mode (as in the bf16 model: formats.quantize)
                     proj = np.ascontiguousarray(from_panels(pl.proj)[:P, :H])
                     projd[:, :H] = proj
-                row.append((Wd, Rd, proj, RT, projd))
+                # dx = dG Wd on the engine's GEMM: Wd's columns packed once per weights change
+                Wp = PackedMatmul.of(Wd) if self._native_gemm() else None
+                row.append((Wd, Rd, proj, RT, projd, Wp))
             made.append(row)
         self._dense[autocast] = made  # (only whole: a failure half-way caches nothing)
         return made
@@ -693,8 +699,31 @@ class Trainer:
             add("dc", (N, w.Hp), 2, end)
             add("cb", (N, w.Hp), 2, end)
         # the weight GEMMs' output, a few panels at a time, before it is added into the panels
-        add("gw", (self._threads(), self._gemm_rows() * self._gemm_cols()), 2, end)  # per thread
+        if not self._native_gemm():
+            # one per thread
+            add("gw", (self._threads(), self._gemm_rows() * self._gemm_cols()), 2, end)
+            return bufs, shapes
+        # on the engine's GEMM (_native_products): one output of whole 64-column panels, the
+        # packed columns of G and the transposed rows of a chunk of steps; dx's last panel
+        cols = -(-self._gemm_cols() // PANEL) * PANEL
+        kc = self._gemm_chunk(RN)
+        add("gw", (1, self._gemm_rows() * cols), 2, end)
+        add("gpk", (cols * kc,), 2, end)
+        add("gat", ((self._gemm_rows() + K) * kc,), 2, end)
+        if any(spec.layer_input_size(layer) % PANEL for layer in range(L)):
+            add("dxt", (RN, PANEL), 2, end)
         return bufs, shapes
+
+    def _native_gemm(self) -> bool:
+        """Whether backward's big products run on the engine's GEMM (engine.products:
+        measured per machine) rather than numpy's BLAS; never with a caller's ``matmul``."""
+        return self.matmul is None and gemm_choice(self.dtype) == "native"
+
+    def _gemm_chunk(self, rows: int) -> int:
+        """Rows of steps per weight-gradient product on the engine's GEMM: all of them while
+        their transposed x and h_prev fit in _GEMM_AT_BYTES."""
+        width = (self._gemm_rows() + self.spec.output_size) * self.dtype.itemsize
+        return max(1, min(rows, _GEMM_AT_BYTES // width))
 
     def _gemm_rows(self) -> int:
         """The most rows of a weight-gradient GEMM's output: a layer's input width X (C, or
@@ -715,7 +744,7 @@ class Trainer:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
         scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
         per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
-        key = (N, T, S, recompute, stage_x, autocast)
+        key = (N, T, S, recompute, stage_x, autocast, self._native_gemm())
         made = self._plans.get(key)
         if made is None:
             if len(self._plans) >= _PLANS_KEPT:
@@ -968,7 +997,7 @@ class Trainer:
         spec = self.spec
         K, H = spec.output_size, spec.hidden_size
         TN = T * N
-        Wd, _, proj, RT, projd = self._dense_for(sv["autocast"])[layer][d]
+        Wd, _, proj, RT, projd, Wp = self._dense_for(sv["autocast"])[layer][d]
         gl = self.grad.layers[layer][d]
         reverse = spec.reversed_direction(d)
         G = mem[f"xw.{k}"][off : off + TN]
@@ -1042,6 +1071,10 @@ class Trainer:
         # costs a scheduler slice on a loaded machine, and this runs once per segment);
         # direction 0 writes dx, direction 1 adds its part through a planned scratch
         part = mem[f"dxd.{layer}"][:TN] if dxin is not None and d == 1 else None
+        if self._native_gemm():
+            self._native_products(gl, xin, hprev, G, ghn, mem, Wp or PackedMatmul.of(Wd), dxin,
+                                  part)  # fmt: skip
+            return
         gw = mem["gw"]
         matmul = self.matmul or np.matmul
         wgrad = self._weight_gradients(gl, xin, hprev, G, ghn, matmul)
@@ -1068,6 +1101,53 @@ class Trainer:
         one_call = self.matmul is not None or macs < PARALLEL_MATMUL_MACS
         threads = 1 if one_call else min(self._threads(), gw.shape[0], TN)
         self._team(job, threads)
+
+    def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part) -> None:
+        """The weight gradients and dx of ``_backward_op`` on the engine's GEMM, the kernel
+        team splitting each product (engine.products.packed_product): dW += x^T G and
+        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T and
+        h_prev^T of a chunk transposed once into "gat", G's columns a few panels at a time
+        packed into "gpk" for both; then dx = G Wd on Wd's packed columns."""
+        U, _, Wd = gl.Wt.shape
+        B = self.weights.B
+        TN, X, K = G.shape[0], xin.shape[1], hprev.shape[1]
+        threads, sync = self._threads(), self._sync
+        per = max(1, self._gemm_cols() // Wd)  # weight panels per product
+        pad = self._pad_columns()  # all in the last panel
+        gat, gpk, gw = mem["gat"], mem["gpk"], mem["gw"][0]
+        kc = min(TN, gpk.size // (-(-self._gemm_cols() // PANEL) * PANEL))  # rows planned
+        zeros = np.zeros(-(-per * Wd // PANEL) * PANEL, G.dtype)
+        for k0 in range(0, TN, kc):
+            k1 = min(TN, k0 + kc)
+            at = gat[: (X + K) * (k1 - k0)].reshape(X + K, k1 - k0)
+            at[:X] = xin[k0:k1].T
+            at[X:] = hprev[k0:k1].T
+            for u0 in range(0, U, per):
+                u1 = min(U, u0 + per)
+                ncols = (u1 - u0) * Wd
+                npan = -(-ncols // PANEL)
+                bp = gpk[: npan * (k1 - k0) * PANEL].reshape(npan, k1 - k0, PANEL)
+                pack_columns(G[k0:k1, u0 * Wd : u1 * Wd], bp)
+                pm = PackedMatmul(bp, zeros[: npan * PANEL], npan * PANEL)
+                for panels, r0, rows in ((gl.Wt, 0, X), (gl.Rt, X, K)):
+                    if ghn is not None and panels is gl.Rt:
+                        # d(R_n h)'s columns from ghn: B-wide runs, each inside one panel
+                        for u in range(u0, u1):
+                            c = (u - u0) * Wd + 2 * B
+                            bp[c // PANEL, :, c % PANEL : c % PANEL + B] = (
+                                ghn[k0:k1, u * B : (u + 1) * B])  # fmt: skip
+                    out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
+                    packed_product(pm, at[r0 : r0 + rows], out, None, threads, sync)
+                    out = out[:, :ncols]
+                    if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
+                        out[:, pad - u0 * Wd] = 0
+                    panels[u0:u1, :rows, :] += out.reshape(rows, u1 - u0, Wd).transpose(1, 0, 2)
+        if dxin is None:
+            return  # input_grad=False: the layer below is the caller's input
+        tail = mem["dxt"][:TN] if "dxt" in mem else None  # (dx's rows: whole rows of its plan)
+        packed_product(Wp, G, dxin if part is None else part, tail, threads, sync)
+        if part is not None:
+            dxin += part
 
     def _threads(self) -> int:
         return config.threads_for(self.threads)

@@ -21,12 +21,12 @@ import numpy as np
 
 from ... import config
 from ...errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError
-from ...formats.packing import pack, rows_to_panels
+from ...formats.packing import pack
 from ...ir import RNN_OPS, Graph, Node, rnn_from_node
-from ...kernels import abi, runner
-from ...memory.arena import aligned_empty
-from ...threads import PACKED_MATMUL_PARALLEL_MACS, PARALLEL_MATMUL_MACS, matmul_pool
-from ..session import NO_SCRATCH, Session
+from ...kernels import abi
+from ...threads import PARALLEL_MATMUL_MACS, matmul_pool
+from ..products import PANEL, PackedMatmul, packed_product
+from ..session import Session
 from .quant_ops import quant_ops
 
 
@@ -302,58 +302,9 @@ def _row_parallel_matmul(ctx, a, b, out) -> None:
         j.result()
 
 
-@dataclass(frozen=True)
-class PackedMatmul:
-    """A constant right-hand matrix [K, M] of MatMul/Gemm as the engine's gate panels: the
-    product then runs on the engine's GEMM tiles (~2x numpy's OpenBLAS here) and threads.
-
-    W: [U, K, 64] panels of B's columns (zero-padded to U*64); b: [U*64] the tile's bias
-    slot, added in its final store: a fused bias [M] (passes.fuse_bias) or zeros; M: real
-    columns."""
-
-    W: np.ndarray
-    b: np.ndarray
-    M: int
-
-    @classmethod
-    def of(cls, B: np.ndarray, bias: np.ndarray | None = None) -> PackedMatmul:
-        K, M = B.shape
-        U = -(-M // PANEL)
-        W = aligned_empty(U * K * PANEL * B.dtype.itemsize).view(B.dtype).reshape(U, K, PANEL)
-        cols = np.arange(U * PANEL)
-        rows_to_panels(B.T, np.where(cols < M, cols, -1), W)  # output column j = row j of B^T
-        b = np.zeros(U * PANEL, B.dtype)
-        if bias is not None:
-            b[:M] = bias
-        return cls(W, b, M)
-
-    @property
-    def width(self) -> int:
-        return self.W.shape[0] * PANEL
-
-
-PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
-
-
 def _packed_product(ctx, pm: PackedMatmul, a, out, tail) -> None:
-    """out [R, M] = a [R, K] @ B through ``pm``. The whole panels write straight into out's
-    columns; when M is not a multiple of 64 the last panel goes to ``tail`` [R, 64] and its
-    real columns are copied over (a padded [R, U*64] product copied out whole was R x M
-    extra bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows)."""
-    R, K = a.shape
-    threads = config.threads_for(ctx.threads)
-    sync = ctx.sync
-    U, full = pm.W.shape[0], pm.M // PANEL  # panels, and how many are whole
-    parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
-    for u0, u1, dst in ((0, full, out), (full, U, tail)):
-        if u1 > u0:
-            sync[:] = 0
-            call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
-                            b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
-                            q=NO_SCRATCH, bf16_act=False)  # fmt: skip
-            runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
-    if full < U:
-        out[:, full * PANEL :] = tail[:, : pm.M - full * PANEL]
+    """out [R, M] = a [R, K] @ B through ``pm`` on the context's threads (products)."""
+    packed_product(pm, a, out, tail, config.threads_for(ctx.threads), ctx.sync)
 
 
 def _ran_packed(ctx, node, a, o, tmp) -> bool:

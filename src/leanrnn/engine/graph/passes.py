@@ -15,7 +15,8 @@ import numpy as np
 from ...errors import ModelFormatError, UnsupportedOpError
 from ...formats.packing import ONNX_ORDER, pack
 from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
-from .ops import OPS, SUPPORTED_OPS, Ctx, Out, PackedMatmul, evaluate, guard
+from ..products import PackedMatmul
+from .ops import OPS, SUPPORTED_OPS, Ctx, Out, evaluate, guard
 
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
 # file holds: a hostile file cannot make loading allocate more than the model plausibly needs.

@@ -1,0 +1,217 @@
+"""Matrix products on the engine's GEMM tiles, and which GEMM the big data x data products
+use on this machine.
+
+``PackedMatmul`` holds a right-hand matrix [K, M] as the engine's panels ([U, K, 64]: the
+layout of the gate-fused weights, kernels.gemm.input_projection), and ``packed_product``
+multiplies rows by it on the ``matmul`` job: the tiles the native build compiled for this
+CPU (AVX-512: 6 x 64), on the kernels' thread team. A graph's constant MatMul/Gemm operands
+are packed once (engine.graph.passes); training packs its gradient operands per product
+(train.session).
+
+**Which GEMM** (``gemm_choice``). numpy's OpenBLAS picks its kernels by CPU model, and on a
+CPU newer than the OpenBLAS a numpy wheel carries it falls back to an older family's: on a
+Zen 5 (family 26) OpenBLAS 0.3.31 runs its 'Haswell' AVX2 kernels, ~105 GFLOP/s on one core
+where the engine's tile runs 183 (training's weight-gradient and input-gradient products,
+3200 x 2048 x 512). On an Intel Xeon whose OpenBLAS kernels are its own the two are level
+(OpenBLAS 81-92, the tile 74-86). So it is measured, not assumed: the first product big
+enough to matter times both on one shape, interleaved (``calibrate``), and the answer is kept
+with the native build (``wisdom.json`` in its folder, read by later processes: FFTW's
+wisdom, per build and CPU). ``LEANRNN_GEMM=native|blas`` overrides it (``auto``: measured). Both give the same
+products to float32 rounding (sums in another order); tests run both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LeanRNNError
+from ..formats.packing import rows_to_panels
+from ..kernels import abi, runner
+from ..memory.arena import aligned_empty
+from ..threads import PACKED_MATMUL_PARALLEL_MACS
+from .session import NO_SCRATCH
+
+PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
+ENV_GEMM = "LEANRNN_GEMM"
+GEMM_CHOICES = ("native", "blas")
+
+
+@dataclass(frozen=True)
+class PackedMatmul:
+    """A right-hand matrix [K, M] as the engine's gate panels: the product then runs on the
+    engine's GEMM tiles and threads.
+
+    W: [U, K, 64] panels of B's columns (zero-padded to U*64); b: [U*64] the tile's bias
+    slot, added in its final store: a fused bias [M] (passes.fuse_bias) or zeros; M: real
+    columns."""
+
+    W: np.ndarray
+    b: np.ndarray
+    M: int
+
+    @classmethod
+    def of(cls, B: np.ndarray, bias: np.ndarray | None = None) -> PackedMatmul:
+        K, M = B.shape
+        U = -(-M // PANEL)
+        W = aligned_empty(U * K * PANEL * B.dtype.itemsize).view(B.dtype).reshape(U, K, PANEL)
+        cols = np.arange(U * PANEL)
+        rows_to_panels(B.T, np.where(cols < M, cols, -1), W)  # output column j = row j of B^T
+        b = np.zeros(U * PANEL, B.dtype)
+        if bias is not None:
+            b[:M] = bias
+        return cls(W, b, M)
+
+    @property
+    def width(self) -> int:
+        return self.W.shape[0] * PANEL
+
+
+def pack_columns(src: np.ndarray, out: np.ndarray) -> None:
+    """``out`` [U, R, 64] = the columns of ``src`` [R, M] in panels: the right-hand operand of
+    a product whose columns change every call (a gradient), packed per call. ``src`` may be
+    a strided view (a block of a wider matrix). The slots past M are left as they are: the
+    output columns they make are never read (packed_product's tail)."""
+    R, M = src.shape
+    full = M // PANEL
+    if full:
+        out[:full] = src[:, : full * PANEL].reshape(R, full, PANEL).transpose(1, 0, 2)
+    if full * PANEL < M:
+        out[full, :, : M - full * PANEL] = src[:, full * PANEL :]
+
+
+def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threads: int,
+                   sync: np.ndarray) -> None:  # fmt: skip
+    """out [R, M] = a [R, K] @ B through ``pm``, on up to ``threads`` of the kernel team. The
+    whole panels write straight into out's columns; when out has fewer columns than the
+    panels (M not a multiple of 64) the last panel goes to ``tail`` [R, 64] and its real
+    columns are copied over (a padded [R, U*64] product copied out whole was R x M extra
+    bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows)."""
+    R, K = a.shape
+    U = pm.W.shape[0]
+    full = min(U, out.shape[1] // PANEL)  # panels written straight into out
+    parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
+    for u0, u1, dst in ((0, full, out), (full, U, tail)):
+        if u1 > u0:
+            sync[:] = 0
+            call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
+                            b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
+                            q=NO_SCRATCH, bf16_act=False)  # fmt: skip
+            runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
+    if full < U:
+        out[:, full * PANEL :] = tail[:, : out.shape[1] - full * PANEL]
+
+
+# ------------------------------------------------------------------ which GEMM
+_CHOICE: dict[str, str] = {}  # dtype name -> "native" | "blas", once per process
+_CHOOSING = threading.Lock()
+_SHAPE = (768, 1536, 512)  # rows x K x columns of the timed product: ~1.2 GFLOP, a few ms
+
+
+def gemm_choice(dtype=np.float32) -> str:
+    """Which GEMM ("native" or "blas") runs this process's big data x data products of
+    ``dtype`` (module docstring). float32 only is measured; float64 stays on BLAS (the
+    tile's float64 build is for correctness tests, not speed)."""
+    env = os.environ.get(ENV_GEMM, "").strip().lower()
+    if env in GEMM_CHOICES:
+        return env
+    if env not in ("", "auto"):
+        raise LeanRNNError(
+            f"{ENV_GEMM}={os.environ[ENV_GEMM]!r}; expected native, blas or auto (the default: "
+            "the faster on this machine, measured once)"
+        )
+    if np.dtype(dtype) != np.float32:
+        return "blas"
+    got = _CHOICE.get("float32")
+    if got is None:
+        with _CHOOSING:
+            got = _CHOICE.get("float32")
+            if got is None:
+                got = _CHOICE["float32"] = _remembered() or _measure_and_remember()
+    return got
+
+
+def _wisdom_path():
+    """wisdom.json in the native build's folder (per build and CPU), or None on the JIT."""
+    from ..kernels import native
+
+    if not runner.binds():
+        return None
+    return native.build_dir() / "wisdom.json"
+
+
+def _remembered() -> str | None:
+    try:
+        path = _wisdom_path()
+        if path is None:
+            return None
+        got = json.loads(path.read_text()).get("gemm", {}).get("choice")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return got if got in GEMM_CHOICES else None
+
+
+def _measure_and_remember() -> str:
+    result = calibrate()
+    try:
+        path = _wisdom_path()
+        if path is not None:
+            tmp = path.with_name(f"wisdom.json.tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"gemm": result}))
+            os.replace(tmp, path)
+    except OSError:  # an unwritable cache: measured again by the next process
+        pass
+    return result["choice"]
+
+
+def calibrate(rounds: int = 5) -> dict:
+    """Time numpy's matmul and the engine's tile on one float32 product of training's kind
+    (rows x K x columns = _SHAPE, operands fresh from memory as a gradient's are), one thread
+    each, interleaved ``rounds`` times; the faster minimum wins, the tile only by more than
+    5% (BLAS is what numpy users expect). Returns {"choice", "native_gflops", "blas_gflops"}."""
+    from ..threads import blas_controller
+
+    R, K, M = _SHAPE
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((R, K), dtype=np.float32)
+    b = rng.standard_normal((K, M), dtype=np.float32)
+    out = np.empty((R, M), np.float32)
+    packed = aligned_empty(M * K * 4).view(np.float32).reshape(M // PANEL, K, PANEL)
+    pm = PackedMatmul(packed, np.zeros(M, np.float32), M)
+    sync = np.zeros(abi.sync_size(1), np.int64)
+
+    def native() -> None:
+        pack_columns(b, packed)  # counted: a gradient is packed for every product
+        packed_product(pm, a, out, None, 1, sync)
+
+    def blas() -> None:
+        np.matmul(a, b, out=out)
+
+    best = {"native": float("inf"), "blas": float("inf")}
+    c = blas_controller()
+    with c.limit(limits=1, user_api="blas") if c else contextlib.nullcontext():
+        for f in (native, blas):
+            f()  # warm: first calls load code and fault pages
+        for _ in range(rounds):
+            for name, f in (("native", native), ("blas", blas)):
+                t0 = time.perf_counter()
+                f()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    flops = 2 * R * K * M
+    choice = "native" if best["native"] * 1.05 < best["blas"] else "blas"
+    return {
+        "choice": choice,
+        "native_gflops": round(flops / best["native"] / 1e9, 1),
+        "blas_gflops": round(flops / best["blas"] / 1e9, 1),
+    }
+
+
+def _reset_choice() -> None:
+    """Forget this process's choice (tests; LEANRNN_GEMM is read on every call)."""
+    _CHOICE.clear()

@@ -1,0 +1,166 @@
+"""Training's big products on either GEMM (engine.products: the engine's packed tile or numpy's
+BLAS, measured per machine): both give torch's gradients, on every machine whatever it picks,
+across the shapes the native path treats apart (GRU's 48-column weight panels in 64-column
+product panels, input widths off the panel, chunks of the steps' rows, threads), and the
+choice itself is measured, remembered and overridable."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn.engine import products
+from leanrnn.engine.products import PANEL, PackedMatmul, pack_columns, packed_product
+from leanrnn.train import Trainer
+from leanrnn.train import session as train_session
+from test_train import _assert_grads_match, _torch_grads
+from tolerances import RTOL_GRAD
+
+torch = pytest.importorskip("torch")
+
+GEMMS = ["native", "blas"]
+
+
+@pytest.fixture(params=GEMMS)
+def gemm(request, monkeypatch):
+    monkeypatch.setenv(products.ENV_GEMM, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {"bidirectional": True}),
+    ("LSTM", {"proj_size": 40, "num_layers": 2}),
+    ("GRU", {"num_layers": 2}),
+    ("GRU", {"bidirectional": True, "bias": False}),
+    ("RNN", {"num_layers": 2, "bidirectional": True}),
+])  # fmt: skip
+@pytest.mark.parametrize("chunk_bytes", [None, 3000])
+def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, gemm,
+                                                       monkeypatch):  # fmt: skip
+    """H = 72 (GRU: 3 x 16 = 48-column weight panels, the last padded), C = 7 and layer inputs
+    of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths; with
+    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop)."""
+    if chunk_bytes:
+        monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
+    torch.manual_seed(0)
+    T, N, C, H = 6, 30, 7, 72
+    m = getattr(torch.nn, cell)(C, H, **kw)
+    L = kw.get("num_layers", 1)
+    D = 2 if kw.get("bidirectional") else 1
+    K = kw.get("proj_size") or H
+    lengths = [T - (n % 4) for n in range(N)]
+    x = torch.randn(T, N, C, requires_grad=True)
+    h0 = torch.randn(L * D, N, K, requires_grad=True)
+    c0 = torch.randn(L * D, N, H, requires_grad=True)
+    hx = (h0, c0) if cell == "LSTM" else h0
+    _, cot = _torch_grads(m, x, hx, lengths, False)
+    tr = Trainer(leanrnn.from_torch(m), threads=threads)
+    assert tr._native_gemm() == (gemm == "native")
+    hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
+    dx, dh0, dc0 = tr.backward(tr.forward(x.detach().numpy(), hxn, lengths=lengths), *cot)
+    _assert_grads_match(tr, m, (x, h0, c0), (dx, dh0, dc0), RTOL_GRAD[np.float32])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_recompute_equals_storing_to_the_bit_on_the_native_gemm(cell, monkeypatch):
+    monkeypatch.setenv(products.ENV_GEMM, "native")
+    monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", 5000)  # chunks of the rows, both modes
+    rng = np.random.default_rng(0)
+    m = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU}[cell](5, 24, num_layers=2, seed=2)
+    x = rng.standard_normal((11, 3, 5)).astype(np.float32)
+    out = []
+    for rec in (False, True):
+        tr = Trainer(m, segment=3, recompute=rec)
+        tape = tr.forward(x, lengths=[11, 6, 9])
+        dx, dh0, _ = tr.backward(tape, np.ones_like(tape.y))
+        out.append((dx, dh0, tr.grad.buffer.copy()))
+    for a, b in zip(*out, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_accumulation_and_a_switch_of_gemm_between_steps(monkeypatch):
+    """Two backward calls accumulate on the native GEMM as on BLAS; switching LEANRNN_GEMM
+    between steps re-plans (the native path's scratch) instead of reading a stale plan."""
+    rng = np.random.default_rng(1)
+    m = leanrnn.GRU(9, 40, seed=3)
+    x = rng.standard_normal((7, 5, 9)).astype(np.float32)
+    grads = {}
+    for order in (("native", "blas"), ("blas", "native")):
+        tr = Trainer(m)
+        for g in order:
+            monkeypatch.setenv(products.ENV_GEMM, g)
+            tape = tr.forward(x)
+            tr.backward(tape, np.ones_like(tape.y))
+        grads[order] = tr.grad.buffer.view(np.float32).copy()
+    a, b = grads.values()
+    assert np.abs(a - b).max() <= RTOL_GRAD[np.float32] * np.abs(a).max()
+
+
+@pytest.mark.parametrize(("R", "K", "M"), [(5, 3, 64), (13, 70, 100), (1, 1, 1), (40, 129, 200)])
+def test_packed_product_of_columns_packed_per_call(R, K, M):
+    """pack_columns + packed_product = a @ b (float64 oracle), b a strided block of a wider
+    matrix, M on and off the panel width (the tail)."""
+    rng = np.random.default_rng(R + K + M)
+    a = rng.standard_normal((R, K)).astype(np.float32)
+    wide = rng.standard_normal((K, M + 9)).astype(np.float32)
+    b = wide[:, 3 : 3 + M]
+    U = -(-M // PANEL)
+    panels = np.full((U, K, PANEL), np.nan, np.float32)  # every slot must be written
+    pack_columns(b, panels)
+    pm = PackedMatmul(panels, np.zeros(U * PANEL, np.float32), M)
+    out = np.empty((R, M), np.float32)
+    tail = np.empty((R, PANEL), np.float32)
+    packed_product(pm, a, out, tail, 1, np.zeros(64, np.int64))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(out - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_the_choice_is_measured_once_remembered_and_overridable(monkeypatch, tmp_path):
+    calls = []
+
+    def fake(rounds=5):
+        calls.append(rounds)
+        return {"choice": "native", "native_gflops": 2.0, "blas_gflops": 1.0}
+
+    monkeypatch.delenv(products.ENV_GEMM, raising=False)
+    monkeypatch.setattr(products, "calibrate", fake)
+    monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
+    monkeypatch.setattr(products, "_CHOICE", {})
+    assert products.gemm_choice(np.float32) == "native"
+    assert products.gemm_choice(np.float32) == "native" and len(calls) == 1  # once a process
+    assert json.loads((tmp_path / "wisdom.json").read_text())["gemm"]["choice"] == "native"
+    monkeypatch.setattr(products, "_CHOICE", {})  # a new process reads the file
+    assert products.gemm_choice(np.float32) == "native" and len(calls) == 1
+    assert products.gemm_choice(np.float64) == "blas"  # float64 is not measured
+    monkeypatch.setenv(products.ENV_GEMM, "blas")
+    assert products.gemm_choice(np.float32) == "blas"
+    (tmp_path / "wisdom.json").write_text("{not json")  # a damaged file: measured again
+    monkeypatch.delenv(products.ENV_GEMM)
+    monkeypatch.setattr(products, "_CHOICE", {})
+    assert products.gemm_choice(np.float32) == "native" and len(calls) == 2
+
+
+def test_calibrate_times_both_and_names_the_faster():
+    got = products.calibrate(rounds=1)
+    assert got["choice"] in products.GEMM_CHOICES
+    assert got["native_gflops"] > 0 and got["blas_gflops"] > 0
+    faster = "native" if got["native_gflops"] > 1.05 * got["blas_gflops"] else "blas"
+    assert got["choice"] == faster
+
+
+def test_a_bad_gemm_setting_is_a_clear_error_and_the_trainer_survives(monkeypatch):
+    m = leanrnn.LSTM(3, 16, seed=0)
+    x = np.ones((4, 2, 3), np.float32)
+    tr = Trainer(m)
+    monkeypatch.setenv(products.ENV_GEMM, "fastest")
+    with pytest.raises(
+        leanrnn.errors.LeanRNNError, match="LEANRNN_GEMM='fastest'; expected native, blas"
+    ):
+        tr.forward(x)
+    monkeypatch.setenv(products.ENV_GEMM, "auto")
+    tape = tr.forward(x)
+    assert tr.backward(tape, np.ones_like(tape.y))[0].shape == x.shape
