@@ -151,8 +151,10 @@ def test_failed_build_falls_back_to_jit_and_says_why(tmp_path, jit_compiled):
     failed = list((tmp_path / "cache" / "native").glob("*/FAILED"))
     assert len(failed) == 1 and "is not an executable" in failed[0].read_text()
     assert failed[0].read_text().startswith("permanent")
-    # A recorded failure is not retried by every process; asking for native says why.
-    strict = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, LEANRNN_BACKEND="native")
+    # A recorded failure is not retried by every process built with the same inputs (the
+    # same CC: without it, the next process builds again); asking for native says why.
+    strict = _python(RUN_ONE, LEANRNN_CACHE_DIR=cache, LEANRNN_BACKEND="native",
+                     CC="/nonexistent/cc")  # fmt: skip
     assert strict.returncode != 0
     assert "LEANRNN_BACKEND=native, but the native kernels are not available" in strict.stderr
     assert "/nonexistent/cc" in strict.stderr

@@ -9,7 +9,9 @@ Environment variables (read once at import; the setters below change them at run
   (kernels.runner).
 - ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native); else
   ``$XDG_CACHE_HOME/leanrnn``, else ``~/.cache/leanrnn``. If it cannot be written, a build goes
-  to a private directory in the temp dir instead (temp_cache_dir), with a warning.
+  to a private directory in the temp dir instead (temp_cache_dir), with a warning. A folder per
+  fingerprint; those of other fingerprints unused for native.PRUNE_AFTER_DAYS days go after a
+  successful build (kernels.native.prune; ``leanrnn compile --prune`` on demand).
 - ``LEANRNN_LOG``: comma-separated log topics; ``memory`` logs every arena acquire and release.
 - ``NUMBA_CACHE_DIR``: where numba caches its JIT kernels (numba's own variable). Left unset,
   leanrnn caches numba's kernels in ``<cache>/numba/<fingerprint>`` (kernels._jit: keyed by

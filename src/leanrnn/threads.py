@@ -5,7 +5,9 @@ and the lock that lets one multi-threaded kernel launch run at a time.
 Below the thresholds, threads wait on each other longer than they work. Launches are serialized
 (POOL_LAUNCH): two at once would oversubscribe the cores, and threads that spin-wait for each
 other every step (kernels._sync) would then wait on descheduled ones. Sessions on different
-Python threads take turns.
+Python threads take turns. The thread holding it may be interrupted by a signal handler that
+runs a model: that launch must not wait for the one it interrupted (launching; kernels.runner
+runs it on the thread alone).
 
 Nothing here imports numba or engine code: kernels.runner, the engine and config all use it.
 """
@@ -25,7 +27,10 @@ PARALLEL_MATMUL_MACS = 1 << 24
 # A graph's packed (engine GEMM tile) matrix product runs on the kernel team from this many on.
 PACKED_MATMUL_PARALLEL_MACS = 1 << 20
 
-POOL_LAUNCH = threading.Lock()  # one multi-threaded kernel launch at a time (module docstring)
+# One multi-threaded kernel launch at a time (module docstring). Reentrant only so that its owner
+# can be asked (launching): taken and released in C, the owner is known with no bytecode
+# between, where a signal handler could run with the lock held but no owner noted yet.
+POOL_LAUNCH = threading.RLock()
 _POOL_MADE = threading.Lock()  # guards the creation of the Python pools
 _controller = None
 _pools: dict = {}  # purpose -> ThreadPoolExecutor (_pool)
@@ -38,12 +43,18 @@ def _renew_locks() -> None:
     released while kernels run), and no thread of the child will ever release it. The Python
     pools' threads do not exist in the child either."""
     global POOL_LAUNCH, _POOL_MADE, _pools, _forked
-    POOL_LAUNCH, _POOL_MADE, _pools = threading.Lock(), threading.Lock(), {}
+    POOL_LAUNCH, _POOL_MADE, _pools = threading.RLock(), threading.Lock(), {}
     _forked = True  # GNU OpenMP's teams do not survive a fork: no openmp_team here
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_renew_locks)
+
+
+def launching() -> bool:
+    """Whether this thread is inside a multi-threaded launch (holds POOL_LAUNCH): code that
+    interrupted it there (a signal handler) and launches again must not wait for that lock."""
+    return POOL_LAUNCH._is_owned()  # (threading.Condition asks its RLock the same way)
 
 
 _launches = threading.local()  # .openmp: this thread's launches run on its OpenMP team

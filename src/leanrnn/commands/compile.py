@@ -1,5 +1,6 @@
 """``leanrnn compile``: build the native kernels for this machine now (kernels.aot), e.g. while
-building a container image, instead of on the first run."""
+building a container image, instead of on the first run; ``--prune``: remove the cached kernels
+of other fingerprints that nothing has used lately (kernels.native.prune) instead."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from leanrnn.kernels.native import PRUNE_AFTER_DAYS  # (imported by the CLI already)
+
     p = sub.add_parser(
         "compile",
         help="build the native kernels for this machine now (normally: on first use; "
@@ -18,7 +21,52 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "~/.cache/leanrnn; set the same LEANRNN_CACHE_DIR when running)")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="rebuild even if a build is there, and retry after a recorded failure")  # fmt: skip
+    p.add_argument("--prune", action="store_true",
+                   help="build nothing; remove the cached kernels (native and numba's) of other "
+                   "leanrnn, numba, numpy or Python versions and CPUs that no process has used "
+                   "for --unused-days days, and say how much that freed (after each build this "
+                   f"happens by itself, at {PRUNE_AFTER_DAYS} days)")  # fmt: skip
+    p.add_argument("--unused-days", type=_days, default=None, metavar="DAYS",
+                   help=f"with --prune: unused for this many days (default {PRUNE_AFTER_DAYS}; "
+                   "0: every other fingerprint's)")  # fmt: skip
     p.set_defaults(func=run)
+
+
+def _days(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of days") from None
+    if not 0 <= v < 1e6:  # (nan fails too)
+        raise argparse.ArgumentTypeError(f"{s}: expected a number of days >= 0")
+    return v
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def prune(days: float) -> int:
+    """``--prune``: the cache's (and the private temp fallback's) other fingerprints."""
+    from leanrnn import config
+    from leanrnn.kernels import native
+
+    fp = native.fingerprint()
+    roots = [native.cache_root()]
+    tmp = config.temp_cache_dir(create=False)
+    if tmp is not None and tmp != roots[0]:
+        roots.append(tmp)
+    total = count = 0
+    for root in roots:
+        for folder, size in native.prune(root, keep=fp, days=days):
+            print(f"removed {folder} ({_mb(size)})")
+            total, count = total + size, count + 1
+    kept = f"kept this install's ({fp}) and any used in the last {days:g} days"
+    if count:
+        print(f"leanrnn: freed {_mb(total)} in {count} folders of {roots[0]}; {kept}")
+    else:
+        print(f"leanrnn: nothing to prune in {roots[0]}; {kept}")
+    return 0
 
 
 def run(args) -> int:
@@ -27,12 +75,21 @@ def run(args) -> int:
 
         output_dir(args.cache_dir, "compile --cache-dir")
         os.environ["LEANRNN_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+    from leanrnn.errors import LeanRNNError
     from leanrnn.kernels import native, runner
+
+    if args.unused_days is not None and not args.prune:
+        raise LeanRNNError("[compile] --unused-days is an option of --prune; add --prune")
+    if args.prune:
+        if args.force:
+            raise LeanRNNError("[compile] --prune only prunes, it builds nothing; run `leanrnn "
+                               "compile --force` on its own")  # fmt: skip
+        return prune(native.PRUNE_AFTER_DAYS if args.unused_days is None else args.unused_days)
 
     d = native.build_dir()
     if args.force:
         native.discard(d)
-        (d / "FAILED").unlink(missing_ok=True)
+        (d / native.FAILED).unlink(missing_ok=True)
     t0 = time.perf_counter()
     try:
         mod = runner.native_module(build=True)
@@ -43,7 +100,7 @@ def run(args) -> int:
         why = native.failure(runner.where()) or "unknown"
         print(f"leanrnn: could not build the native kernels: {why}")
         print("(leanrnn still runs, on numba's JIT; fix the cause and run `leanrnn compile "
-              "--force`)")  # fmt: skip
+              "--force`; a change of CC or of the compiler it finds is retried by itself)")  # fmt: skip
         return 1
     print(f"native kernels: {mod.__file__} ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -8,15 +8,22 @@ output). A different fingerprint is a different directory, so a stale build is n
     <cache>/native/<fingerprint>/_leanrnn_native<EXT_SUFFIX>   the module
     <cache>/native/<fingerprint>/MANIFEST                      its fingerprint, size and sha256
     <cache>/native/<fingerprint>/FAILED                        why the last build failed
+    <cache>/native/<fingerprint>/.used                         touched (daily) while in use
 
 A module is loaded only if it has the size and sha256 its MANIFEST records: dlopen maps the file,
 so a truncated one (a full disk, a copy cut short) would kill the process with SIGBUS at the first
 touch of a missing page, and a garbled one could run garbage. Hashing ~0.5 MB costs ~1 ms. Both
 files are written in full and fsynced under a temporary name, then renamed into place (publish).
 
-A failure that will recur (no C compiler, a compile error) is kept until the file is deleted,
-so processes do not retry a doomed build; one that may not (killed, out of memory or disk,
-sources edited mid-build) is retried after RETRY_AFTER seconds.
+A failure that will recur (no C compiler, a compile error) is kept, so processes do not retry a
+doomed build, for as long as the build's inputs beyond the fingerprint stay as they were
+(build_inputs: CC, the compiler it resolves to, Python's headers): a process that runs with CC
+unset or fixed, or after a compiler is installed, builds again. One that may not recur (killed,
+out of memory or disk, sources edited mid-build) is retried after RETRY_AFTER seconds.
+
+Old fingerprints' folders are pruned (prune): after a successful build, those of other
+fingerprints, in ``<cache>/native`` and ``<cache>/numba``, that no process has used for
+PRUNE_AFTER_DAYS days (mark_used) are removed; ``leanrnn compile --prune`` does it on demand.
 
 ``<cache>`` is config.cache_dir(): ``LEANRNN_CACHE_DIR``, else ``$XDG_CACHE_HOME/leanrnn``, else
 ``~/.cache/leanrnn`` (kernels.runner falls back to config.temp_cache_dir() to build when that
@@ -25,12 +32,16 @@ cannot be written).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
 import json
 import os
 import platform
+import re
+import shlex
+import shutil
 import sys
 import sysconfig
 import time
@@ -42,6 +53,15 @@ from .. import config
 MODULE = "_leanrnn_native"
 MANIFEST = "MANIFEST"
 RETRY_AFTER = 600.0  # seconds before a transient build failure is retried
+FAILED = "FAILED"
+# A fingerprint's folders that no process has used for this many days go at the next successful
+# build of another one (prune): each version's module and numba cache take a few MB, and one
+# machine had gathered 562 MB of them in 137 folders.
+PRUNE_AFTER_DAYS = 30
+USED = ".used"  # in a fingerprint's folder: its mtime says when a process last used it
+_MARK_EVERY = 86400.0  # seconds: a folder's USED is renewed at most this often (mark_used)
+_FINGERPRINT = re.compile(r"[0-9a-f]{24}")  # fingerprint()'s folder names, all prune touches
+_PRUNED = ".pruned-"  # a folder being removed: renamed first, so nobody loads from half of it
 _HERE = Path(__file__).parent
 # Everything the compiled code depends on: the kernels (their layout constants included, in
 # abi.py) and the glue. Nothing outside kernels/: a docstring edit elsewhere rebuilds nothing.
@@ -181,19 +201,186 @@ def load(directory: Path, fp: str):
     return mod
 
 
-def record_failure(directory: Path, why: str, transient: bool) -> None:
+def _identity(path: str) -> list:
+    """A file as a build depends on it: where it resolves to, its size and mtime (a reinstall
+    or an upgrade changes them)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return [real, None, None]
+    return [real, st.st_size, int(st.st_mtime)]
+
+
+def build_inputs(fp: str) -> dict:
+    """What the build of fingerprint ``fp`` depends on beyond it, as
+    kernels.aot._compiler picks the compiler: ``CC`` if set (then only its command), else the
+    compiler Python was built with, cc, gcc or clang; the first that resolves, and the file it
+    resolves to. Python.h, whose absence (no python3-dev) fails the compile, too. Nothing here
+    runs a program: a few stat calls, made only when a failure is on record."""
+    cc = os.environ.get("CC", "")
+    try:
+        names = shlex.split(cc)[:1] if cc else []
+    except ValueError:  # unbalanced quotes: the build fails on them, so do key on them
+        names = [cc]
+    if not cc:
+        try:
+            python_cc = shlex.split(sysconfig.get_config_var("CC") or "cc")[:1]
+        except ValueError:
+            python_cc = []
+        names = [*python_cc, "cc", "gcc", "clang"]
+    compiler = None
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            compiler = _identity(found)
+            break
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return {"fingerprint": fp, "CC": cc, "compiler": compiler,
+            "Python.h": header.is_file()}  # fmt: skip
+
+
+def _inputs_line(directory: Path, fp: str | None) -> str:
+    return json.dumps(build_inputs(fp or directory.name), sort_keys=True)
+
+
+def record_failure(directory: Path, why: str, transient: bool, fp: str | None = None) -> None:
+    """Write ``directory``/FAILED: the kind, why, and the build_inputs it failed under (of
+    ``fp``, default: the directory's name, as build_dir names it), on a last line of its own
+    (``inputs: {json}``)."""
     directory.mkdir(parents=True, exist_ok=True)
     kind = "transient" if transient else "permanent"
-    (directory / "FAILED").write_text(f"{kind}: {why.strip()}\n")
+    text = f"{kind}: {why.strip()}\ninputs: {_inputs_line(directory, fp)}\n"
+    (directory / FAILED).write_text(text)
 
 
-def failure(directory: Path) -> str | None:
-    """Why the build in ``directory`` failed, if that still stands (see the module docstring)."""
-    p = directory / "FAILED"
+def failure(directory: Path, fp: str | None = None) -> str | None:
+    """Why the build in ``directory`` (of fingerprint ``fp``, default: the directory's name)
+    failed, if that still stands: it failed under the build_inputs of now, and if transient,
+    less than RETRY_AFTER seconds ago. A record of other inputs, or of none (written by a
+    leanrnn that kept none), does not stand: the next build tries again and records its own."""
+    p = directory / FAILED
     try:
         text, age = p.read_text(), time.time() - p.stat().st_mtime
     except OSError:
         return None
     if text.startswith("transient") and age > RETRY_AFTER:
         return None
+    text, _, inputs = text.rstrip().rpartition("\ninputs: ")
+    if not text or inputs != _inputs_line(directory, fp):
+        return None
     return text.split(":", 1)[-1].strip() or text
+
+
+def mark_used(directory: Path) -> None:
+    """Note that a process uses the fingerprint folder ``directory`` (prune spares it): its
+    USED file's mtime, renewed at most once a day (otherwise this is one stat). A folder that
+    is not there is left so; never raises."""
+    marker = directory / USED
+    try:
+        if time.time() - marker.stat().st_mtime < _MARK_EVERY:
+            return
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
+    try:
+        marker.touch()
+    except OSError:  # not there, read-only: nothing to keep
+        pass
+
+
+def _last_used(folder: Path) -> float:
+    """When a process last used ``folder``: the newest mtime in it (its USED marker, any file
+    written) or atime of a file in it (read; where the file system keeps atimes, this is how
+    the folders of leanrnn versions that kept no marker show their use). Directories' atimes
+    do not count: listing them, as this does, renews those."""
+    newest = folder.stat().st_mtime
+    for top, dirs, files in os.walk(folder):
+        for name in dirs:
+            try:
+                newest = max(newest, os.stat(os.path.join(top, name)).st_mtime)
+            except OSError:
+                pass
+        for name in files:
+            try:
+                st = os.stat(os.path.join(top, name), follow_symlinks=False)
+            except OSError:
+                continue
+            newest = max(newest, st.st_mtime, st.st_atime)
+    return newest
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(top, name), follow_symlinks=False).st_size
+            except OSError:
+                pass
+    return total
+
+
+@contextlib.contextmanager
+def _not_building(lock: Path):
+    """Within: True, holding the build lock ``lock`` (kernels.runner holds it while a process
+    builds) if there is one; False if another process holds it."""
+    try:
+        f = open(lock)  # closed below, which releases the lock
+    except FileNotFoundError:  # never built here
+        yield True
+        return
+    with f:
+        try:
+            import fcntl
+
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - not POSIX: whether it is held cannot be told
+            yield False
+        except OSError:
+            yield False
+        else:
+            yield True
+
+
+def prune(root: Path, keep: str, days: float = PRUNE_AFTER_DAYS) -> list[tuple[Path, int]]:
+    """Remove the fingerprint folders under ``root``/native and ``root``/numba (a cache_dir()
+    or the temp one) that are not of fingerprint ``keep`` and that no process has used for
+    ``days`` days (mark_used, _last_used): a fingerprint's folders go together or not at all,
+    never while its build lock is held. Each is renamed aside (under the lock), then deleted:
+    a process loading from it finds the whole folder or none. Folders named otherwise (and
+    $NUMBA_CACHE_DIR, the user's own) are never touched. Returns (folder, bytes) of each one
+    removed; never raises (a prune must not fail a build or a run)."""
+    cutoff = time.time() - days * 86400.0
+    removed: list[tuple[Path, int]] = []
+    groups: dict[str, list[Path]] = {}
+    for kind in ("native", "numba"):
+        try:
+            for e in list(os.scandir(root / kind)):
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                if e.name.startswith(_PRUNED):  # left by a prune that was cut short
+                    shutil.rmtree(e.path, ignore_errors=True)
+                elif _FINGERPRINT.fullmatch(e.name) and e.name != keep:
+                    groups.setdefault(e.name, []).append(Path(e.path))
+        except OSError:  # no such folder, or unreadable
+            continue
+    for fp, folders in sorted(groups.items()):
+        aside: list[tuple[Path, int, Path]] = []
+        try:
+            if max(_last_used(f) for f in folders) > cutoff:
+                continue
+            with _not_building(root / "native" / fp / ".lock") as free:
+                if not free or max(_last_used(f) for f in folders) > cutoff:  # in use now
+                    continue
+                for f in folders:
+                    size, trash = _size(f), f.with_name(f"{_PRUNED}{f.name}.{os.getpid()}")
+                    os.rename(f, trash)
+                    aside.append((f, size, trash))
+        except OSError:  # gone meanwhile (another prune), not ours to remove: left as it is
+            pass
+        for f, size, trash in aside:
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append((f, size))
+    return removed

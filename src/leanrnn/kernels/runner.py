@@ -10,7 +10,15 @@ Backend (``LEANRNN_BACKEND``, or config.set_backend):
 - ``native``: the native module or an error; ``jit``: numba's JIT only.
 
 One multi-threaded launch runs at a time in the process (threads.POOL_LAUNCH, with the rest of
-the threading policy); sessions on different Python threads take turns.
+the threading policy); sessions on different Python threads take turns. A launch made on a
+thread that is inside one already (a signal handler running a model, between two bytecodes of
+a run) runs its jobs on that thread alone: waiting for the launch it interrupted would wait for
+ever. The native kernels allow it (threads=1 runs every job in turn, without the team, which
+is idle whenever Python code runs on the launching thread); on the JIT, whose pool may still be
+running the interrupted launch's jobs, not on that launch's own session (a LeanRNNError).
+
+Cache upkeep (kernels.native): each process marks the fingerprint folders it uses, and a
+successful build prunes those of other fingerprints unused for native.PRUNE_AFTER_DAYS days.
 
 Programs (native backend only): ``program`` binds the ops of one call once — their arguments
 marshalled into slots, the state copies around them as address ranges — and ``run_program``
@@ -49,14 +57,16 @@ BUILD_TIME = "about 2-5 minutes on 2 cores"
 # (a json.py or grp.py lying there would stand in for the standard library's; it did for bench).
 _BUILD = [sys.executable, "-P", "-m", "leanrnn.kernels.aot"]
 _RESOLVE = threading.Lock()
+_launch: tuple = ()  # (job, args) of the multi-threaded launch in progress, if any (_nested)
 pool_threads = _threads.pool_threads  # looked up here at each launch (tests replace it)
 
 
 def _renew_lock() -> None:
     """In a forked child: another thread of the parent may have been resolving the backend, and
-    no thread of the child will ever release its lock (threads renews POOL_LAUNCH itself)."""
-    global _RESOLVE
-    _RESOLVE = threading.Lock()
+    no thread of the child will ever release its lock (threads renews POOL_LAUNCH itself), or
+    inside a launch (which the child is not)."""
+    global _RESOLVE, _launch
+    _RESOLVE, _launch = threading.Lock(), ()
 
 
 if hasattr(os, "register_at_fork"):
@@ -154,12 +164,39 @@ _choice = ""  # the config.backend() that _backend was resolved for
 
 def run(job: str, args: tuple, parts: int) -> None:
     """Job ``job`` (abi.ARGS; ``args`` ends with sync, parts) as ``parts`` jobs."""
+    global _launch
     b = _backend if _choice == config.backend() else backend()
     if parts == 1:
         b.run(job, args, 1, 1)
         return
+    if _threads.launching():  # re-entered on this thread (module docstring)
+        _nested(b, job, args)
+        b.run(job, args, parts, 1)
+        return
     with _threads.POOL_LAUNCH:
-        b.run(job, args, parts, pool_threads(parts), _threads.on_openmp())
+        _launch = (job, args)
+        try:
+            b.run(job, args, parts, pool_threads(parts), _threads.on_openmp())
+        finally:
+            _launch = ()
+
+
+def _nested(b: _Native | _Jit, job: str, args: tuple) -> None:
+    """Check that a launch re-entered on the launching thread can run there alone: not on the
+    JIT while the launch it interrupted, which the JIT's pool may still be running, works on
+    the same sync array (the same session: both would claim from it and wait on each other's
+    counts)."""
+    if not isinstance(b, _Jit) or not _launch:
+        return
+    outer_job, outer_args = _launch
+    outer = outer_args[abi.JOBS[outer_job].names().index("sync")]
+    if np.may_share_memory(outer, args[abi.JOBS[job].names().index("sync")]):
+        raise LeanRNNError(
+            "[run] a model was run while a run of the same model was in progress on this thread "
+            "(from a signal handler, or other code that interrupts a run): on the JIT backend "
+            "that cannot be done; run another model object there (one with the same weights), "
+            "or defer the work until the run returns"
+        )
 
 
 class Program:
@@ -220,7 +257,7 @@ def run_program(prog: Program, x: np.ndarray, y: np.ndarray) -> bool:
     if prog.backend is not _backend or _choice != config.backend():
         return False
     b = prog.backend
-    if prog.parts == 1:
+    if prog.parts == 1 or _threads.launching():  # (launching: re-entered, see run)
         return b._run_program(prog.array, x, y, 1)
     with _threads.POOL_LAUNCH:
         return b._run_program(prog.array, x, y, pool_threads(prog.parts))
@@ -239,7 +276,9 @@ def backend() -> _Native | _Jit:
 def _resolve(choice: str) -> _Native | _Jit:
     config.check_env()  # a bad LEANRNN_* variable fails the first kernel call, not the import
     if choice == "jit":
-        return _Jit()
+        jit = _Jit()
+        _mark_used(where())
+        return jit
     try:
         mod = native_module(build=True)
     except (ImportError, OSError) as e:
@@ -253,7 +292,31 @@ def _resolve(choice: str) -> _Native | _Jit:
                            f"available: {why.strip()}")  # fmt: skip
     _log.warning("leanrnn: running numba's JIT kernels; the native ones are not available: %s",
                  why.strip())  # fmt: skip
-    return _Jit()
+    jit = _Jit()
+    _mark_used(where())
+    return jit
+
+
+def _mark_used(d: Path) -> None:
+    """This process uses the build directory ``d`` and numba's cache of its fingerprint (named
+    ``d``): mark both used, so that no prune removes them (native.mark_used: a stat, a touch at
+    most daily). After _Jit(), if any: kernels._jit picks numba's cache folder."""
+    native.mark_used(d)
+    native.mark_used(config.numba_cache_dir(d.name))
+
+
+def _prune(root: Path, fp: str) -> None:
+    """After a successful build: remove the cache folders of other fingerprints (older
+    versions, other numba/numpy/Python/CPU) unused for native.PRUNE_AFTER_DAYS days."""
+    try:
+        removed = native.prune(root, keep=fp)
+    except Exception as e:  # pragma: no cover - prune never raises; a build must not fail on it
+        _log.debug("leanrnn: pruning the kernel cache %s failed: %s", root, e)
+        return
+    if removed:
+        _log.info("leanrnn: removed %d kernel cache folders unused for %d days from %s (%.1f MB)",
+                  len(removed), native.PRUNE_AFTER_DAYS, root,
+                  sum(n for _, n in removed) / 1e6)  # fmt: skip
 
 
 def _failure() -> str:
@@ -301,13 +364,17 @@ def native_module(build: bool):
             raise
         mod = None
     if mod is not None:
+        _mark_used(d)
         return mod
     if not build:  # a build made in the temp dir by an earlier process, if any
         tmp = config.temp_cache_dir(create=False)
         if tmp is None or not native.build_dir(fp, tmp).is_dir():
             return None
         _where = native.build_dir(fp, tmp)
-        return native.load(_where, fp)
+        mod = native.load(_where, fp)
+        if mod is not None:
+            _mark_used(_where)
+        return mod
     if not config.writable(d):
         d = _where = _temp_build_dir(fp)
         try:
@@ -315,9 +382,11 @@ def native_module(build: bool):
         except ImportError:
             mod = None
         if mod is not None:
+            _mark_used(d)
             return mod
-    if native.failure(d):
+    if native.failure(d, fp):
         return None
+    built = False
     with open(d / ".lock", "w") as lock, _exclusive(lock):
         try:
             mod = native.load(d, fp)  # another process may have built it meanwhile
@@ -325,9 +394,14 @@ def native_module(build: bool):
             _log.warning("leanrnn: rebuilding a broken native module: %s", e)
             native.discard(d)
             mod = None
-        if mod is None and not native.failure(d):
+        if mod is None and not native.failure(d, fp):
             _build(d, fp)
             mod = native.load(d, fp)
+            built = mod is not None
+    if mod is not None:
+        _mark_used(d)
+    if built:  # (our lock released: prune takes other fingerprints' locks only)
+        _prune(d.parent.parent, fp)
     return mod
 
 
@@ -400,8 +474,8 @@ def _build(d: Path, fp: str) -> None:
     for t in threads:
         t.join()
     shown.close("done" if code == 0 else f"failed (exit {code})")
-    if code and not native.failure(d):  # it died before saying why
-        native.record_failure(d, f"exit {code}: {''.join(errors)[-2000:]}", True)
+    if code and not native.failure(d, fp):  # it died before saying why
+        native.record_failure(d, f"exit {code}: {''.join(errors)[-2000:]}", True, fp)
 
 
 def _next(lines: queue.Queue, shown: Progress) -> str | None:
