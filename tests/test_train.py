@@ -415,13 +415,16 @@ def test_recompute_with_boundary_states_in_dx_equals_storing_to_the_bit(cell):
         assert np.array_equal(a, b)
 
 
-def test_recomputing_step_needs_a_small_fraction_of_its_outputs():
-    """The memory bar's step (2-layer LSTM, N=64, T=1000; H=64 here, the bytes scale with H):
-    beyond y and dx, a recomputing step plans under 1/16 of their bytes. Before: segments of
-    sqrt(T) with the boundary states apart, 0.28 of them."""
-    m = leanrnn.LSTM(64, 64, num_layers=2, seed=0)
+@pytest.mark.parametrize("gemm", ["native", "blas"])
+def test_recomputing_step_needs_a_small_fraction_of_its_outputs(gemm, monkeypatch):
+    """The memory bar's step (2-layer LSTM, H=512, N=64, T=1000; planned, not run): beyond y
+    and dx, a recomputing step plans under 1/16 of their bytes, on either GEMM (the engine's
+    needs its own scratch: engine.products). Before: segments of sqrt(T) with the boundary
+    states apart, 0.28 of them."""
+    monkeypatch.setenv("LEANRNN_GEMM", gemm)
+    m = leanrnn.LSTM(512, 512, num_layers=2, seed=0)
     p = Trainer(m, recompute=True).plan(64, 1000)
-    outputs = 2 * 1000 * 64 * 64 * 4  # y and dx, float32
+    outputs = 2 * 1000 * 64 * 512 * 4  # y and dx, float32
     assert p["recompute"] and p["boundaries_in_dx"]
     assert p["total_bytes"] <= outputs / 16, (p["segment"], p["total_bytes"], outputs)
 

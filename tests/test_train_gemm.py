@@ -136,8 +136,12 @@ def test_the_choice_is_measured_once_remembered_and_overridable(monkeypatch, tmp
     monkeypatch.setattr(products, "_CHOICE", {})  # a new process reads the file
     assert products.gemm_choice(np.float32) == "native" and len(calls) == 1
     assert products.gemm_choice(np.float64) == "blas"  # float64 is not measured
+    assert products.gemm_decision()["native_gflops"] == 2.0  # what info shows
     monkeypatch.setenv(products.ENV_GEMM, "blas")
     assert products.gemm_choice(np.float32) == "blas"
+    assert products.gemm_decision() == {"choice": "blas", "by": "LEANRNN_GEMM"}
+    monkeypatch.setenv(products.ENV_GEMM, "native")
+    assert products.gemm_choice(np.float64) == "blas"  # float64 stays on BLAS
     (tmp_path / "wisdom.json").write_text("{not json")  # a damaged file: measured again
     monkeypatch.delenv(products.ENV_GEMM)
     monkeypatch.setattr(products, "_CHOICE", {})
@@ -164,3 +168,16 @@ def test_a_bad_gemm_setting_is_a_clear_error_and_the_trainer_survives(monkeypatc
     monkeypatch.setenv(products.ENV_GEMM, "auto")
     tape = tr.forward(x)
     assert tr.backward(tape, np.ones_like(tape.y))[0].shape == x.shape
+
+
+def test_info_reports_the_training_gemm(monkeypatch):
+    from leanrnn.commands import info
+
+    monkeypatch.setattr(products, "_CHOICE", {"float32": {"choice": "native",
+                                                          "native_gflops": 7.5,
+                                                          "blas_gflops": 2.5}})  # fmt: skip
+    monkeypatch.delenv(products.ENV_GEMM, raising=False)
+    line = info._gemm()
+    assert line.startswith("native") and "7.5 GFLOP/s" in line and "BLAS 2.5" in line
+    monkeypatch.setenv(products.ENV_GEMM, "blas")
+    assert info._gemm() == "blas (set by LEANRNN_GEMM)"

@@ -92,6 +92,11 @@ def collect(measure_compile: bool) -> dict:
             if d.get("user_api") == "blas"
         ],
         "numba_cache_dir": str(config.numba_cache_dir(native.fingerprint())),
+        # which GEMM training's big products run on (engine.products), measured only where
+        # the kernels are in place (measuring needs them)
+        "training_gemm": (
+            _gemm() if built or config.backend() == "jit" else "(measured on first training use)"
+        ),
         # A process's start-up with the kernels in place (the native build, or the JIT backend:
         # numba compiles and caches as it runs); timed only there: timing it before started the
         # build (minutes, on a fresh install, and a failure it recorded)
@@ -122,6 +127,16 @@ def _native_kernels() -> tuple[str, bool]:
     if why:
         return "build failed: " + why.splitlines()[0], False
     return "not built yet (built on first use)", False
+
+
+def _gemm() -> str:
+    from leanrnn.engine import products
+
+    d = products.gemm_decision()
+    if "by" in d:
+        return f"{d['choice']} (set by {d['by']})"
+    return (f"{d['choice']} (float32, one core: the engine's tile {d['native_gflops']} GFLOP/s, "
+            f"BLAS {d['blas_gflops']}; LEANRNN_GEMM=native|blas overrides)")  # fmt: skip
 
 
 def _threading_layer() -> str:

@@ -109,15 +109,39 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
 
 
 # ------------------------------------------------------------------ which GEMM
-_CHOICE: dict[str, str] = {}  # dtype name -> "native" | "blas", once per process
+_CHOICE: dict[str, dict] = {}  # "float32" -> calibrate()'s result, once per process
 _CHOOSING = threading.Lock()
 _SHAPE = (768, 1536, 512)  # rows x K x columns of the timed product: ~1.2 GFLOP, a few ms
 
 
 def gemm_choice(dtype=np.float32) -> str:
     """Which GEMM ("native" or "blas") runs this process's big data x data products of
-    ``dtype`` (module docstring). float32 only is measured; float64 stays on BLAS (the
-    tile's float64 build is for correctness tests, not speed)."""
+    ``dtype`` (module docstring). float32 only: float64 stays on BLAS (the tile's float64
+    build is for correctness tests, not speed), whatever LEANRNN_GEMM says."""
+    if np.dtype(dtype) != np.float32:
+        _env_choice()  # a bad LEANRNN_GEMM is an error for any dtype
+        return "blas"
+    return gemm_decision()["choice"]
+
+
+def gemm_decision() -> dict:
+    """{"choice", and how it was made: "by" LEANRNN_GEMM, else the measurement's
+    "native_gflops" and "blas_gflops"}: measured once per process at most, remembered per
+    build and CPU."""
+    env = _env_choice()
+    if env:
+        return {"choice": env, "by": ENV_GEMM}
+    got = _CHOICE.get("float32")
+    if got is None:
+        with _CHOOSING:
+            got = _CHOICE.get("float32")
+            if got is None:
+                got = _CHOICE["float32"] = _remembered() or _measure_and_remember()
+    return got
+
+
+def _env_choice() -> str | None:
+    """LEANRNN_GEMM's choice, None for auto (or unset); anything else is an error."""
     env = os.environ.get(ENV_GEMM, "").strip().lower()
     if env in GEMM_CHOICES:
         return env
@@ -126,15 +150,7 @@ def gemm_choice(dtype=np.float32) -> str:
             f"{ENV_GEMM}={os.environ[ENV_GEMM]!r}; expected native, blas or auto (the default: "
             "the faster on this machine, measured once)"
         )
-    if np.dtype(dtype) != np.float32:
-        return "blas"
-    got = _CHOICE.get("float32")
-    if got is None:
-        with _CHOOSING:
-            got = _CHOICE.get("float32")
-            if got is None:
-                got = _CHOICE["float32"] = _remembered() or _measure_and_remember()
-    return got
+    return None
 
 
 def _wisdom_path():
@@ -146,18 +162,18 @@ def _wisdom_path():
     return native.build_dir() / "wisdom.json"
 
 
-def _remembered() -> str | None:
+def _remembered() -> dict | None:
     try:
         path = _wisdom_path()
         if path is None:
             return None
-        got = json.loads(path.read_text()).get("gemm", {}).get("choice")
-    except (OSError, ValueError, AttributeError):
+        got = json.loads(path.read_text())["gemm"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    return got if got in GEMM_CHOICES else None
+    return got if isinstance(got, dict) and got.get("choice") in GEMM_CHOICES else None
 
 
-def _measure_and_remember() -> str:
+def _measure_and_remember() -> dict:
     result = calibrate()
     try:
         path = _wisdom_path()
@@ -167,7 +183,7 @@ def _measure_and_remember() -> str:
             os.replace(tmp, path)
     except OSError:  # an unwritable cache: measured again by the next process
         pass
-    return result["choice"]
+    return result
 
 
 def calibrate(rounds: int = 5) -> dict:

@@ -87,7 +87,7 @@ _GEMM_ROWS = 512
 _GEMM_COLS = 256
 _GEMM_OUT_BYTES = 256 << 10
 # On the engine's GEMM (engine.products.gemm_choice), the weight gradients go over chunks of
-# the steps' rows: x^T and h_prev^T of a chunk transposed into at most this many bytes.
+# the steps' rows: x^T (then h_prev^T) of a chunk transposed into at most this many bytes.
 _GEMM_AT_BYTES = 4 << 20
 
 
@@ -709,7 +709,7 @@ class Trainer:
         kc = self._gemm_chunk(RN)
         add("gw", (1, self._gemm_rows() * cols), 2, end)
         add("gpk", (cols * kc,), 2, end)
-        add("gat", ((self._gemm_rows() + K) * kc,), 2, end)
+        add("gat", (self._gemm_rows() * kc,), 2, end)
         if any(spec.layer_input_size(layer) % PANEL for layer in range(L)):
             add("dxt", (RN, PANEL), 2, end)
         return bufs, shapes
@@ -721,8 +721,8 @@ class Trainer:
 
     def _gemm_chunk(self, rows: int) -> int:
         """Rows of steps per weight-gradient product on the engine's GEMM: all of them while
-        their transposed x and h_prev fit in _GEMM_AT_BYTES."""
-        width = (self._gemm_rows() + self.spec.output_size) * self.dtype.itemsize
+        their transposed x (or h_prev) fits in _GEMM_AT_BYTES."""
+        width = self._gemm_rows() * self.dtype.itemsize
         return max(1, min(rows, _GEMM_AT_BYTES // width))
 
     def _gemm_rows(self) -> int:
@@ -1105,12 +1105,14 @@ class Trainer:
     def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part) -> None:
         """The weight gradients and dx of ``_backward_op`` on the engine's GEMM, the kernel
         team splitting each product (engine.products.packed_product): dW += x^T G and
-        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T and
-        h_prev^T of a chunk transposed once into "gat", G's columns a few panels at a time
-        packed into "gpk" for both; then dx = G Wd on Wd's packed columns."""
+        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T (then
+        h_prev^T) of a chunk transposed into "gat", G's columns a few panels at a time packed
+        into "gpk" (twice: holding both transposes took a recomputing step's scratch from 1 to
+        3 MB at H=512, the packing costs ~1% of the step); then dx = G Wd on Wd's packed
+        columns."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
-        TN, X, K = G.shape[0], xin.shape[1], hprev.shape[1]
+        TN = G.shape[0]
         threads, sync = self._threads(), self._sync
         per = max(1, self._gemm_cols() // Wd)  # weight panels per product
         pad = self._pad_columns()  # all in the last panel
@@ -1119,25 +1121,25 @@ class Trainer:
         zeros = np.zeros(-(-per * Wd // PANEL) * PANEL, G.dtype)
         for k0 in range(0, TN, kc):
             k1 = min(TN, k0 + kc)
-            at = gat[: (X + K) * (k1 - k0)].reshape(X + K, k1 - k0)
-            at[:X] = xin[k0:k1].T
-            at[X:] = hprev[k0:k1].T
-            for u0 in range(0, U, per):
-                u1 = min(U, u0 + per)
-                ncols = (u1 - u0) * Wd
-                npan = -(-ncols // PANEL)
-                bp = gpk[: npan * (k1 - k0) * PANEL].reshape(npan, k1 - k0, PANEL)
-                pack_columns(G[k0:k1, u0 * Wd : u1 * Wd], bp)
-                pm = PackedMatmul(bp, zeros[: npan * PANEL], npan * PANEL)
-                for panels, r0, rows in ((gl.Wt, 0, X), (gl.Rt, X, K)):
+            for panels, src in ((gl.Wt, xin), (gl.Rt, hprev)):
+                rows = src.shape[1]
+                at = gat[: rows * (k1 - k0)].reshape(rows, k1 - k0)
+                at[:] = src[k0:k1].T
+                for u0 in range(0, U, per):
+                    u1 = min(U, u0 + per)
+                    ncols = (u1 - u0) * Wd
+                    npan = -(-ncols // PANEL)
+                    bp = gpk[: npan * (k1 - k0) * PANEL].reshape(npan, k1 - k0, PANEL)
+                    pack_columns(G[k0:k1, u0 * Wd : u1 * Wd], bp)
                     if ghn is not None and panels is gl.Rt:
                         # d(R_n h)'s columns from ghn: B-wide runs, each inside one panel
                         for u in range(u0, u1):
                             c = (u - u0) * Wd + 2 * B
                             bp[c // PANEL, :, c % PANEL : c % PANEL + B] = (
                                 ghn[k0:k1, u * B : (u + 1) * B])  # fmt: skip
+                    pm = PackedMatmul(bp, zeros[: npan * PANEL], npan * PANEL)
                     out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
-                    packed_product(pm, at[r0 : r0 + rows], out, None, threads, sync)
+                    packed_product(pm, at, out, None, threads, sync)
                     out = out[:, :ncols]
                     if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
                         out[:, pad - u0 * Wd] = 0
