@@ -38,12 +38,15 @@ def gemm(request, monkeypatch):
     ("GRU", {"bidirectional": True, "bias": False}),
     ("RNN", {"num_layers": 2, "bidirectional": True}),
 ])  # fmt: skip
-@pytest.mark.parametrize("chunk_bytes", [None, 3000])
-def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, gemm,
-                                                       monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(("chunk_bytes", "both_rows"), [(None, 1), (None, 10**9), (3000, 1),
+                                                       (3000, 10**9)])  # fmt: skip
+def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, both_rows,
+                                                       gemm, monkeypatch):  # fmt: skip
     """H = 72 (GRU: 3 x 16 = 48-column weight panels, the last padded), C = 7 and layer inputs
     of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths; with
-    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop)."""
+    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop); both_rows 1:
+    x^T and h_prev^T transposed together (G packed once), else one at a time."""
+    monkeypatch.setattr(train_session, "_GEMM_BOTH_ROWS", both_rows)
     if chunk_bytes:
         monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
     torch.manual_seed(0)
@@ -181,3 +184,14 @@ def test_info_reports_the_training_gemm(monkeypatch):
     assert line.startswith("native") and "7.5 GFLOP/s" in line and "BLAS 2.5" in line
     monkeypatch.setenv(products.ENV_GEMM, "blas")
     assert info._gemm() == "blas (set by LEANRNN_GEMM)"
+
+
+@pytest.mark.parametrize(("R", "C"), [(1, 1), (31, 5), (33, 70), (100, 64)])
+def test_transpose_into_is_the_transpose(R, C):
+    from leanrnn.engine.products import transpose_into
+
+    wide = np.arange(R * (C + 3), dtype=np.float32).reshape(R, C + 3)
+    src = wide[:, 2 : 2 + C]  # a strided block, as training's x and h_prev are
+    out = np.full((C, R), np.nan, np.float32)
+    transpose_into(src, out)
+    assert np.array_equal(out, src.T)

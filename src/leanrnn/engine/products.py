@@ -10,14 +10,14 @@ are packed once (engine.graph.passes); training packs its gradient operands per 
 
 **Which GEMM** (``gemm_choice``). numpy's OpenBLAS picks its kernels by CPU model, and on a
 CPU newer than the OpenBLAS a numpy wheel carries it falls back to an older family's: on a
-Zen 5 (family 26) OpenBLAS 0.3.31 runs its 'Haswell' AVX2 kernels, ~105 GFLOP/s on one core
-where the engine's tile runs 183 (training's weight-gradient and input-gradient products,
-3200 x 2048 x 512). On an Intel Xeon whose OpenBLAS kernels are its own the two are level
-(OpenBLAS 81-92, the tile 74-86). So it is measured, not assumed: the first product big
-enough to matter times both on one shape, interleaved (``calibrate``), and the answer is kept
-with the native build (``wisdom.json`` in its folder, read by later processes: FFTW's
-wisdom, per build and CPU). ``LEANRNN_GEMM=native|blas`` overrides it (``auto``: measured). Both give the same
-products to float32 rounding (sums in another order); tests run both.
+Zen 5 (family 26) OpenBLAS 0.3.31 runs its 'Haswell' AVX2 kernels, ~100 GFLOP/s on one core
+where the engine's tile runs 185-191 (training's weight-gradient and input-gradient products,
+3200 x 2048 x 512, and calibrate's). On an Intel Xeon whose OpenBLAS kernels are its own the
+two are level (OpenBLAS 81-92, the tile 74-86). So it is measured, not assumed: the first
+training product times both on one shape, interleaved (``calibrate``), and the answer is
+kept with the native build (``wisdom.json`` in its folder, read by later processes: FFTW's
+wisdom, per build and CPU). ``LEANRNN_GEMM=native|blas`` overrides it (``auto``: measured).
+Both give the same products to float32 rounding (sums in another order); tests run both.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ def pack_columns(src: np.ndarray, out: np.ndarray) -> None:
         out[:full] = src[:, : full * PANEL].reshape(R, full, PANEL).transpose(1, 0, 2)
     if full * PANEL < M:
         out[full, :, : M - full * PANEL] = src[:, full * PANEL :]
+
+
+def transpose_into(src: np.ndarray, out: np.ndarray) -> None:
+    """``out`` [C, R] = ``src`` [R, C]^T, 32 rows of ``src`` at a time: each block's 32-float
+    runs of ``out`` fill whole cache lines, where numpy's one strided copy wrote a float per
+    line it touched (3200 x 512: 4.8 -> 1.2-1.5 ms; 3200 x 128: 0.48 -> 0.17)."""
+    R = src.shape[0]
+    for r0 in range(0, R, _TRANSPOSE_ROWS):
+        out[:, r0 : r0 + _TRANSPOSE_ROWS] = src[r0 : r0 + _TRANSPOSE_ROWS].T
+
+
+_TRANSPOSE_ROWS = 32
 
 
 def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threads: int,

@@ -53,7 +53,14 @@ import numpy as np
 
 from .. import config
 from ..engine import _check
-from ..engine.products import PANEL, PackedMatmul, gemm_choice, pack_columns, packed_product
+from ..engine.products import (
+    PANEL,
+    PackedMatmul,
+    gemm_choice,
+    pack_columns,
+    packed_product,
+    transpose_into,
+)
 from ..engine.session import (
     bf16_on_amx,
     kernel_constants,
@@ -89,6 +96,9 @@ _GEMM_OUT_BYTES = 256 << 10
 # On the engine's GEMM (engine.products.gemm_choice), the weight gradients go over chunks of
 # the steps' rows: x^T (then h_prev^T) of a chunk transposed into at most this many bytes.
 _GEMM_AT_BYTES = 4 << 20
+# ... and both of them (G packed once for dW and dR) where that leaves a chunk at least this
+# many rows: fewer would add more to the output's accumulation than packing G twice costs.
+_GEMM_BOTH_ROWS = 512
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -709,7 +719,9 @@ class Trainer:
         kc = self._gemm_chunk(RN)
         add("gw", (1, self._gemm_rows() * cols), 2, end)
         add("gpk", (cols * kc,), 2, end)
-        add("gat", (self._gemm_rows() * kc,), 2, end)
+        # both transposes at once (G packed once for dW and dR) but in a recomputing step's
+        # small plan, where one at a time keeps its scratch at 1 MB instead of 3 (H=512)
+        add("gat", ((self._gemm_rows() + (0 if recompute else K)) * kc,), 2, end)
         if any(spec.layer_input_size(layer) % PANEL for layer in range(L)):
             add("dxt", (RN, PANEL), 2, end)
         return bufs, shapes
@@ -1105,11 +1117,11 @@ class Trainer:
     def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part) -> None:
         """The weight gradients and dx of ``_backward_op`` on the engine's GEMM, the kernel
         team splitting each product (engine.products.packed_product): dW += x^T G and
-        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T (then
-        h_prev^T) of a chunk transposed into "gat", G's columns a few panels at a time packed
-        into "gpk" (twice: holding both transposes took a recomputing step's scratch from 1 to
-        3 MB at H=512, the packing costs ~1% of the step); then dx = G Wd on Wd's packed
-        columns."""
+        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T and
+        h_prev^T of a chunk transposed into "gat", G's columns a few panels at a time packed
+        into "gpk" once for both products; or, where "gat" holds both only for short chunks (a
+        recomputing step's plan: both took its scratch from 1 to 3 MB at H=512), one transpose
+        at a time, G packed for each. Then dx = G Wd on Wd's packed columns."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         TN = G.shape[0]
@@ -1119,31 +1131,44 @@ class Trainer:
         gat, gpk, gw = mem["gat"], mem["gpk"], mem["gw"][0]
         kc = min(TN, gpk.size // (-(-self._gemm_cols() // PANEL) * PANEL))  # rows planned
         zeros = np.zeros(-(-per * Wd // PANEL) * PANEL, G.dtype)
+        X, K = xin.shape[1], hprev.shape[1]
+        both = min(kc, gat.size // (X + K))  # rows of steps both transposes fit in at once
+        if both >= min(TN, _GEMM_BOTH_ROWS):  # G packed once per chunk for dW and dR
+            passes = [((gl.Wt, xin), (gl.Rt, hprev))]
+            kc = both
+        else:  # one transpose at a time (a recomputing step's small plan), G packed for each
+            passes = [((gl.Wt, xin),), ((gl.Rt, hprev),)]
         for k0 in range(0, TN, kc):
             k1 = min(TN, k0 + kc)
-            for panels, src in ((gl.Wt, xin), (gl.Rt, hprev)):
-                rows = src.shape[1]
-                at = gat[: rows * (k1 - k0)].reshape(rows, k1 - k0)
-                at[:] = src[k0:k1].T
+            for products in passes:
+                ats, r0 = [], 0
+                for _, src in products:
+                    at = gat[r0 : r0 + src.shape[1] * (k1 - k0)].reshape(-1, k1 - k0)
+                    transpose_into(src[k0:k1], at)
+                    ats.append(at)
+                    r0 += at.size
                 for u0 in range(0, U, per):
                     u1 = min(U, u0 + per)
                     ncols = (u1 - u0) * Wd
                     npan = -(-ncols // PANEL)
                     bp = gpk[: npan * (k1 - k0) * PANEL].reshape(npan, k1 - k0, PANEL)
                     pack_columns(G[k0:k1, u0 * Wd : u1 * Wd], bp)
-                    if ghn is not None and panels is gl.Rt:
-                        # d(R_n h)'s columns from ghn: B-wide runs, each inside one panel
-                        for u in range(u0, u1):
-                            c = (u - u0) * Wd + 2 * B
-                            bp[c // PANEL, :, c % PANEL : c % PANEL + B] = (
-                                ghn[k0:k1, u * B : (u + 1) * B])  # fmt: skip
                     pm = PackedMatmul(bp, zeros[: npan * PANEL], npan * PANEL)
-                    out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
-                    packed_product(pm, at, out, None, threads, sync)
-                    out = out[:, :ncols]
-                    if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
-                        out[:, pad - u0 * Wd] = 0
-                    panels[u0:u1, :rows, :] += out.reshape(rows, u1 - u0, Wd).transpose(1, 0, 2)
+                    for (panels, _), at in zip(products, ats, strict=True):
+                        if ghn is not None and panels is gl.Rt:
+                            # d(R_n h)'s columns from ghn: B-wide runs, each inside one panel
+                            for u in range(u0, u1):
+                                c = (u - u0) * Wd + 2 * B
+                                bp[c // PANEL, :, c % PANEL : c % PANEL + B] = (
+                                    ghn[k0:k1, u * B : (u + 1) * B])  # fmt: skip
+                        rows = at.shape[0]
+                        out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
+                        packed_product(pm, at, out, None, threads, sync)
+                        out = out[:, :ncols]
+                        if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
+                            out[:, pad - u0 * Wd] = 0
+                        panels[u0:u1, :rows, :] += (
+                            out.reshape(rows, u1 - u0, Wd).transpose(1, 0, 2))  # fmt: skip
         if dxin is None:
             return  # input_grad=False: the layer below is the caller's input
         tail = mem["dxt"][:TN] if "dxt" in mem else None  # (dx's rows: whole rows of its plan)
