@@ -195,3 +195,26 @@ def test_transpose_into_is_the_transpose(R, C):
     out = np.full((C, R), np.nan, np.float32)
     transpose_into(src, out)
     assert np.array_equal(out, src.T)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_leanrnn_torch_gradients_on_either_gemm(gemm, threads):
+    """leanrnn.torch's backward runs its products on the engine's GEMM (on torch's OpenMP
+    team, as its kernels) or on torch's matmul, by the choice: both give torch's gradients."""
+    lt = pytest.importorskip("leanrnn.torch")
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(7, 72, num_layers=2)
+    mine = lt.from_module(ref)
+    x = torch.randn(6, 30, 7)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = [m(x.clone().requires_grad_(True))[0] for m in (ref, mine)]
+        cot = torch.randn(outs[0].shape)
+        for y in outs:
+            (y * cot).sum().backward()
+    finally:
+        torch.set_num_threads(old)
+    for (name, p), q in zip(ref.named_parameters(), mine.parameters(), strict=True):
+        err = (p.grad - q.grad).abs().max() / p.grad.abs().max()
+        assert err <= RTOL_GRAD[np.float32], name
