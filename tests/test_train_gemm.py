@@ -38,15 +38,16 @@ def gemm(request, monkeypatch):
     ("GRU", {"bidirectional": True, "bias": False}),
     ("RNN", {"num_layers": 2, "bidirectional": True}),
 ])  # fmt: skip
-@pytest.mark.parametrize(("chunk_bytes", "both_rows"), [(None, 1), (None, 10**9), (3000, 1),
-                                                       (3000, 10**9)])  # fmt: skip
-def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, both_rows,
+@pytest.mark.parametrize("chunk_bytes", [None, 3000])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, recompute,
                                                        gemm, monkeypatch):  # fmt: skip
     """H = 72 (GRU: 3 x 16 = 48-column weight panels, the last padded), C = 7 and layer inputs
     of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths; with
-    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop); both_rows 1:
-    x^T and h_prev^T transposed together (G packed once), else one at a time."""
-    monkeypatch.setattr(train_session, "_GEMM_BOTH_ROWS", both_rows)
+    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop); storing, x^T
+    and h_prev^T are transposed together (G packed once), recomputing one at a time."""
+    if recompute and kw.get("bidirectional"):
+        pytest.skip("recompute=True needs a forward stack (the other cases run it)")
     if chunk_bytes:
         monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
     torch.manual_seed(0)
@@ -61,7 +62,7 @@ def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_b
     c0 = torch.randn(L * D, N, H, requires_grad=True)
     hx = (h0, c0) if cell == "LSTM" else h0
     _, cot = _torch_grads(m, x, hx, lengths, False)
-    tr = Trainer(leanrnn.from_torch(m), threads=threads)
+    tr = Trainer(leanrnn.from_torch(m), threads=threads, recompute=recompute, segment=4)
     assert tr._native_gemm() == (gemm == "native")
     hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
     dx, dh0, dc0 = tr.backward(tr.forward(x.detach().numpy(), hxn, lengths=lengths), *cot)
@@ -69,9 +70,13 @@ def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_b
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_recompute_equals_storing_to_the_bit_on_the_native_gemm(cell, monkeypatch):
+@pytest.mark.parametrize("chunk_bytes", [5000, 200])
+def test_recompute_equals_storing_to_the_bit_on_the_native_gemm(cell, chunk_bytes, monkeypatch):
+    """Storing transposes x and h_prev together, recomputing one at a time (its plan has room
+    for one): the chunks of rows, and so the sums, are the same (200 bytes: chunks of 2 rows,
+    shorter than a segment's 9)."""
     monkeypatch.setenv(products.ENV_GEMM, "native")
-    monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", 5000)  # chunks of the rows, both modes
+    monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
     rng = np.random.default_rng(0)
     m = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU}[cell](5, 24, num_layers=2, seed=2)
     x = rng.standard_normal((11, 3, 5)).astype(np.float32)

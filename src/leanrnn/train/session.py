@@ -94,11 +94,8 @@ _GEMM_ROWS = 512
 _GEMM_COLS = 256
 _GEMM_OUT_BYTES = 256 << 10
 # On the engine's GEMM (engine.products.gemm_choice), the weight gradients go over chunks of
-# the steps' rows: x^T (then h_prev^T) of a chunk transposed into at most this many bytes.
+# the steps' rows: x^T (or h_prev^T) of a chunk transposed into at most this many bytes.
 _GEMM_AT_BYTES = 4 << 20
-# ... and both of them (G packed once for dW and dR) where that leaves a chunk at least this
-# many rows: fewer would add more to the output's accumulation than packing G twice costs.
-_GEMM_BOTH_ROWS = 512
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -1119,9 +1116,9 @@ class Trainer:
         team splitting each product (engine.products.packed_product): dW += x^T G and
         dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T and
         h_prev^T of a chunk transposed into "gat", G's columns a few panels at a time packed
-        into "gpk" once for both products; or, where "gat" holds both only for short chunks (a
-        recomputing step's plan: both took its scratch from 1 to 3 MB at H=512), one transpose
-        at a time, G packed for each. Then dx = G Wd on Wd's packed columns."""
+        into "gpk" once for both products; or, where "gat" has room for one (a recomputing
+        step's plan: both took its scratch from 1 to 3 MB at H=512), one transpose at a time,
+        G packed for each. Then dx = G Wd on Wd's packed columns."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         TN = G.shape[0]
@@ -1129,14 +1126,14 @@ class Trainer:
         per = max(1, self._gemm_cols() // Wd)  # weight panels per product
         pad = self._pad_columns()  # all in the last panel
         gat, gpk, gw = mem["gat"], mem["gpk"], mem["gw"][0]
-        kc = min(TN, gpk.size // (-(-self._gemm_cols() // PANEL) * PANEL))  # rows planned
+        # chunks of the same rows in every plan: a recomputing step's products are then those
+        # of a storing one with the same segments, bit for bit (which passes run is no matter)
+        kc = self._gemm_chunk(TN)
         zeros = np.zeros(-(-per * Wd // PANEL) * PANEL, G.dtype)
         X, K = xin.shape[1], hprev.shape[1]
-        both = min(kc, gat.size // (X + K))  # rows of steps both transposes fit in at once
-        if both >= min(TN, _GEMM_BOTH_ROWS):  # G packed once per chunk for dW and dR
+        if gat.size >= (X + K) * kc:  # both transposes at once: G packed once for dW and dR
             passes = [((gl.Wt, xin), (gl.Rt, hprev))]
-            kc = both
-        else:  # one transpose at a time (a recomputing step's small plan), G packed for each
+        else:  # one at a time (a recomputing step's small plan), G packed for each
             passes = [((gl.Wt, xin),), ((gl.Rt, hprev),)]
         for k0 in range(0, TN, kc):
             k1 = min(TN, k0 + kc)
