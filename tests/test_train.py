@@ -108,23 +108,29 @@ def test_gradients_match_torch_at_a_batch_with_wide_panels_and_batch_slices(cell
     proj 40: 2-group panels on 2 threads, one padded 4-group panel on 1) and N = 30 (2
     threads: each runs its own tile-aligned batch slice of every backward step,
     kernels.backward.BACK_SHARE_TILES), with ragged lengths."""
+    assert_wide_case_matches_torch(cell, kw, torch.float64, threads=threads)
+
+
+def assert_wide_case_matches_torch(cell, kw, dtype, **trainer_options) -> None:
+    """The wide-panel case (T=6, N=30, C=7, H=72, ragged lengths, h0/c0 in): every gradient of
+    a Trainer(**trainer_options) against torch's module of ``dtype`` on the same weights."""
     torch.manual_seed(0)
     T, N, C, H = 6, 30, 7, 72
-    m = getattr(torch.nn, cell)(C, H, **kw).double()
+    m = getattr(torch.nn, cell)(C, H, **kw).to(dtype)
     L = kw.get("num_layers", 1)
     D = 2 if kw.get("bidirectional") else 1
     K = kw.get("proj_size") or H
     lengths = [T - (n % 4) for n in range(N)]
-    x = torch.randn(T, N, C, dtype=torch.float64, requires_grad=True)
-    h0 = torch.randn(L * D, N, K, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(L * D, N, H, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(T, N, C, dtype=dtype, requires_grad=True)
+    h0 = torch.randn(L * D, N, K, dtype=dtype, requires_grad=True)
+    c0 = torch.randn(L * D, N, H, dtype=dtype, requires_grad=True)
     hx = (h0, c0) if cell == "LSTM" else h0
     _, cot = _torch_grads(m, x, hx, lengths, False)
-    tr = Trainer(leanrnn.from_torch(m), threads=threads)
-    assert tr._parts(N) == threads
+    tr = Trainer(leanrnn.from_torch(m), **trainer_options)
+    assert tr._parts(N) == tr._threads()
     hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
     dx, dh0, dc0 = tr.backward(tr.forward(x.detach().numpy(), hxn, lengths=lengths), *cot)
-    rtol = RTOL_GRAD[np.float64]
+    rtol = RTOL_GRAD[np.float64 if dtype == torch.float64 else np.float32]
     _assert_grads_match(tr, m, (x, h0, c0), (dx, dh0, dc0), rtol)
 
 

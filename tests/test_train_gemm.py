@@ -16,7 +16,7 @@ from leanrnn.engine import products
 from leanrnn.engine.products import PANEL, PackedMatmul, pack_columns, packed_product
 from leanrnn.train import Trainer
 from leanrnn.train import session as train_session
-from test_train import _assert_grads_match, _torch_grads
+from test_train import assert_wide_case_matches_torch
 from tolerances import RTOL_GRAD
 
 torch = pytest.importorskip("torch")
@@ -50,23 +50,9 @@ def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_b
         pytest.skip("recompute=True needs a forward stack (the other cases run it)")
     if chunk_bytes:
         monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
-    torch.manual_seed(0)
-    T, N, C, H = 6, 30, 7, 72
-    m = getattr(torch.nn, cell)(C, H, **kw)
-    L = kw.get("num_layers", 1)
-    D = 2 if kw.get("bidirectional") else 1
-    K = kw.get("proj_size") or H
-    lengths = [T - (n % 4) for n in range(N)]
-    x = torch.randn(T, N, C, requires_grad=True)
-    h0 = torch.randn(L * D, N, K, requires_grad=True)
-    c0 = torch.randn(L * D, N, H, requires_grad=True)
-    hx = (h0, c0) if cell == "LSTM" else h0
-    _, cot = _torch_grads(m, x, hx, lengths, False)
-    tr = Trainer(leanrnn.from_torch(m), threads=threads, recompute=recompute, segment=4)
-    assert tr._native_gemm() == (gemm == "native")
-    hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
-    dx, dh0, dc0 = tr.backward(tr.forward(x.detach().numpy(), hxn, lengths=lengths), *cot)
-    _assert_grads_match(tr, m, (x, h0, c0), (dx, dh0, dc0), RTOL_GRAD[np.float32])
+    assert train_session.Trainer(leanrnn.LSTM(3, 4))._native_gemm() == (gemm == "native")
+    assert_wide_case_matches_torch(cell, kw, torch.float32, threads=threads, recompute=recompute,
+                                   segment=4)  # fmt: skip
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
