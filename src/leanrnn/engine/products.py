@@ -68,10 +68,6 @@ class PackedMatmul:
             b[:M] = bias
         return cls(W, b, M)
 
-    @property
-    def width(self) -> int:
-        return self.W.shape[0] * PANEL
-
 
 def pack_columns(src: np.ndarray, out: np.ndarray) -> None:
     """``out`` [U, R, 64] = the columns of ``src`` [R, M] in panels: the right-hand operand of
@@ -238,8 +234,3 @@ def calibrate(rounds: int = 5) -> dict:
         "native_gflops": round(flops / best["native"] / 1e9, 1),
         "blas_gflops": round(flops / best["blas"] / 1e9, 1),
     }
-
-
-def _reset_choice() -> None:
-    """Forget this process's choice (tests; LEANRNN_GEMM is read on every call)."""
-    _CHOICE.clear()

@@ -315,9 +315,10 @@ class Trainer:
         return self._bf16
 
     def _dense_for(self, autocast: str | None) -> list:
-        """Per layer and direction, (Wd, Rd, proj, RT, projd): dense copies of the weights the
-        forward in ``autocast`` mode multiplied by (rounded to bf16 under autocast), for
-        backward's GEMMs; made once per change of the weights."""
+        """Per layer and direction, (Wd, Rd, proj, RT, projd, Wp): dense copies of the weights
+        the forward in ``autocast`` mode multiplied by (rounded to bf16 under autocast), for
+        backward's GEMMs (Wp: Wd packed for the engine's GEMM, or None on BLAS); made once per
+        change of the weights."""
         made = self._dense.get(autocast)
         if made is not None:
             return made
@@ -1161,11 +1162,7 @@ class Trainer:
                         rows = at.shape[0]
                         out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
                         packed_product(pm, at, out, None, threads, sync)
-                        out = out[:, :ncols]
-                        if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
-                            out[:, pad - u0 * Wd] = 0
-                        panels[u0:u1, :rows, :] += (
-                            out.reshape(rows, u1 - u0, Wd).transpose(1, 0, 2))  # fmt: skip
+                        _add_to_panels(panels, u0, u1, out[:, :ncols], pad)
         if dxin is None:
             return  # input_grad=False: the layer below is the caller's input
         tail = mem["dxt"][:TN] if "dxt" in mem else None  # (dx's rows: whole rows of its plan)
@@ -1227,9 +1224,7 @@ class Trainer:
                     if ghn is not None and panels is gl.Rt:
                         out.reshape(X, u1 - u0, 3, B)[:, :, 2] = (
                             rows.T @ ghn[:, u0 * B : u1 * B]).reshape(X, u1 - u0, B)  # fmt: skip
-                    if u1 == U and pad.size:  # padding weights stay 0 (an inf in X: NaN)
-                        out[:, pad - u0 * Wd] = 0
-                    panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
+                    _add_to_panels(panels, u0, u1, out, pad)
 
         return share
 
@@ -1238,6 +1233,17 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+def _add_to_panels(panels: np.ndarray, u0: int, u1: int, out: np.ndarray, pad) -> None:
+    """panels[u0:u1] ([U, X', Wd]) += a weight-gradient product ``out`` [X, (u1-u0)*Wd] of
+    their columns. The padding units' columns (``pad``, all in the last panel) stay 0: an inf
+    in the rows makes them NaN (inf times the padding's zero gates)."""
+    U, _, Wd = panels.shape
+    X = out.shape[0]
+    if u1 == U and pad.size:
+        out[:, pad - u0 * Wd] = 0
+    panels[u0:u1, :X, :] += out.reshape(X, u1 - u0, Wd).transpose(1, 0, 2)
 
 
 def _column_panels(Rd: np.ndarray, groups: int) -> np.ndarray:
