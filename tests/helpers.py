@@ -178,7 +178,7 @@ def fails_in_one_line(capsys, argv: list[str], *words: str) -> str:
 def tile_gemm(name: str, dot: str | None = None, bf16: str | None = None):
     """panel_gemm1..4 of ISA ``name``'s tiles (float, reduced-weight and int8-dynamic alike:
     the panel's dtype picks; int8-dynamic's with the dot product ``dot``, default what
-    _cpu.int8_dot picks; bf16 and int8 panels' rows in 16s on ``bf16``, "amx" or "fma", default
+    _cpu.int8_dot picks; bf16 and int8 panels' rows on ``bf16``, "amx", "dpbf16" or "fma", default
     _cpu.bf16_dot's) behind one jit function ``run(nvec, P, poff, A, i0, i1, K, C, mode,
     bias)``, so each ISA's tile is tested on any machine (its machine code:
     ``run.inspect_asm()``)."""

@@ -440,6 +440,8 @@ def _tile_and_split(dot, one_term):
     where ``dot`` is AMX and this CPU (or process) cannot run AMX-BF16."""
     if dot == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":
         pytest.skip("this CPU (or process) has no AMX-BF16; the fma case covers the tile")
+    if dot == "dpbf16" and not _cpu.has_avx512_bf16():
+        pytest.skip("this CPU has no AVX512-BF16; the fma case covers the tile")
     split = numba.njit(lambda A, K, out: split_rows(A, 0, A.shape[0], K, out, one_term))
     return tile_gemm("avx512", bf16=dot), split
 
@@ -452,12 +454,14 @@ def _within(C, want, bound):
     assert (err <= bound[ok]).all(), err.max()
 
 
-@pytest.mark.parametrize("dot, one_term", [("fma", False), ("amx", False), ("amx", True)])
+@pytest.mark.parametrize("dot, one_term", [("fma", False), ("amx", False), ("amx", True),
+                                           ("dpbf16", False), ("dpbf16", True)])  # fmt: skip
 def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
     """The bf16 tile at several rows: on AMX (the operand split into two bf16 terms as
     gemm.operand does, or rounded to one for bf16-act, the scratch past its rows NaN; tile
     products of 32 inputs, K off 32; rows in blocks of 32 and a last 1..31; fewer than
-    SPLIT_MIN_ROWS rows on the float32 tile) and on the float32 tile, against float64 on the
+    SPLIT_MIN_ROWS rows on the float32 tile), with vdpbf16ps on the same operands (tiles of
+    6 rows and a last 1..5, pairs of inputs, K odd) and on the float32 tile, against float64 on the
     same rounded weights (and for one term the same rounded activations), tightly: the
     roundings are the oracle's too; a row of inf and one of NaN stay non-finite where
     float64's do. The second panel of two, so the AMX block's tail copy of the last k step
@@ -478,7 +482,7 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
                 A[1, 5] = np.inf
                 A[M - 2, 0] = np.nan
                 C0 = rng.standard_normal((M, cols)).astype(np.float32)
-                amx = dot == "amx" and M >= SPLIT_MIN_ROWS
+                amx = dot in ("amx", "dpbf16") and M >= SPLIT_MIN_ROWS
                 A64 = _bf16(A) if amx and one_term else A.astype(np.float64)
                 with np.errstate(invalid="ignore"):
                     prod = A64 @ deq[1, :K, :cols]
@@ -548,18 +552,20 @@ def test_int8_rows_in_whole_tiles_match_float64(dot):
                     _within(C, want, (2.0**-16 + (K + 4) * 2.0**-24) * (mags + np.abs(init)))
 
 
-def test_int8_batches_get_their_split_operands_scratch_on_amx():
-    """On AMX, int8 GEMMs of 4 rows or more multiply a split operand (kernels.gemm.operand),
-    which needs each op's q in the plan, sized as bf16's; without it the kernels would take
-    the float32 tile instead, right and slower, and every accuracy test would still pass."""
-    from leanrnn.engine.session import bf16_on_amx, split_scratch_bytes
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_batches_get_their_split_operands_scratch(precision):
+    """Where bf16 (AMX or vdpbf16ps) or int8 (AMX) GEMMs of 4 rows or more multiply a split
+    operand (kernels.gemm.operand), each op's q is in the plan, sized for the split rows;
+    without it the kernels would take the float32 tile instead, right and slower, and every
+    accuracy test would still pass."""
+    from leanrnn.engine.session import split_scratch_bytes, splits_operand
 
-    if not bf16_on_amx():
-        pytest.skip("this CPU (or process) has no AMX-BF16: int8 runs the float32 tile")
+    if not splits_operand(precision):
+        pytest.skip(f"{precision} runs the float32 tile on this CPU (or process)")
     spec = RNNSpec("gru", 40, 70, num_layers=2)
     model = leanrnn.quantize(leanrnn.Model(pack(spec, random_layers(spec, np.random.default_rng(0),
                                                                     np.float32), np.float32)),
-                             "int8")  # fmt: skip
+                             precision)  # fmt: skip
     N, T = 50, 5
     q = {b.name: b.nbytes for b in model.session.buffers(N, T) if b.name.startswith("q.")}
     threads = leanrnn.config.max_threads()

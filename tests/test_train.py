@@ -314,10 +314,10 @@ def test_plan_train_command(capsys):
                      "--steps", "100"]) == 0  # fmt: skip
     mixed = capsys.readouterr().out
     assert "store, autocast bf16, segments of 100 steps" in mixed
-    # the split activation rows of the bf16 forward, where it runs on AMX (engine.session)
-    from leanrnn.engine.session import bf16_on_amx
+    # the split activation rows of the bf16 forward, where it runs on AMX or vdpbf16ps
+    from leanrnn.engine.session import splits_operand
 
-    assert ("\nq " in mixed) == bf16_on_amx()
+    assert ("\nq " in mixed) == splits_operand("bf16")
     assert cli.main(["plan", "lstm:32x2", "--autocast"]) == 1
     assert "--autocast plans a training step: add --train" in capsys.readouterr().err
 

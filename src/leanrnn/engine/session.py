@@ -99,13 +99,15 @@ NO_SCRATCH = np.zeros((1, 0), np.uint8)  # the q of jobs whose weights need none
 NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLOTS)
 
 
-def bf16_on_amx() -> bool:
-    """Whether bf16 and int8 panel GEMMs of abi.SPLIT_MIN_ROWS rows or more run on AMX here
-    (their split operands then need a planned q); pure Python, without importing the
+def splits_operand(precision: str) -> bool:
+    """Whether panel GEMMs of abi.SPLIT_MIN_ROWS rows or more on ``precision``'s weights
+    ("bf16" or "int8") multiply a split operand here (which then needs a planned q): on AMX
+    both, with vdpbf16ps bf16's (kernels.gemm._SPLIT); pure Python, without importing the
     kernels."""
     from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
 
-    return _cpu.bf16_dot(_cpu.isa()) == "amx"
+    dot = _cpu.bf16_dot(_cpu.isa())
+    return dot == "amx" or (dot == "dpbf16" and precision == "bf16")
 
 
 def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -> int:
@@ -122,15 +124,18 @@ def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -
 
 def split_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int,
                         one_term: bool = False) -> int:  # fmt: skip
-    """Bytes per thread of a bf16 or int8 op's q where its GEMMs run on AMX: split rows
-    (abi.split_row_floats), each count rounded up to 32 (an AMX block of the last rows reads
-    whole tiles of 16 past them); none below SPLIT_MIN_ROWS rows (those are not split).
-    ``one_term`` (bf16-act, any CPU): rows rounded to one term, and room for every count of
-    rows, since the float32 tile's rows are rounded too (kernels.gemm.round_rows: K floats
-    per row, fewer than the split's)."""
+    """Bytes per thread of a bf16 or int8 op's q where its GEMMs take a split operand
+    (splits_operand): split rows (abi.split_row_floats), each count rounded up to 32 (an AMX
+    block of the last rows reads whole tiles of 16 past them); none below abi.split_min_rows
+    rows (those are not split). ``one_term`` (bf16-act, any CPU): rows rounded to one term,
+    and room for every count of rows, since the float32 tile's rows are rounded too
+    (kernels.gemm.round_rows: K floats per row, fewer than the split's)."""
+    from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
+
+    least = abi.split_min_rows(_cpu.bf16_dot(_cpu.isa()))
 
     def nbytes(n: int, K: int) -> int:
-        if n < abi.SPLIT_MIN_ROWS and not one_term:
+        if n < least and not one_term:
             return 0
         return (n + 31) // 32 * 32 * 4 * abi.split_row_floats(K, one_term)
 
@@ -407,7 +412,7 @@ class Session:
                     q = quantized_scratch_bytes(spec, layer, T * N, N)
                 elif w.precision == "bf16-act":  # rounded rows on every CPU
                     q = split_scratch_bytes(spec, layer, T * N, N, one_term=True)
-                elif w.precision in ("bf16", "int8") and bf16_on_amx():
+                elif w.precision in ("bf16", "int8") and splits_operand(w.precision):
                     q = split_scratch_bytes(spec, layer, T * N, N)
                 if q:
                     out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))

@@ -81,6 +81,12 @@ def split_ld(builder, K, one_term: bool = False):
     return builder.add(_round_up(builder, K, KSTEP), ir.Constant(K.type, pad))
 
 
+def lo_offset(builder, K):
+    """Floats from a split row's start to its lo terms (round_up(K, 32) / 2) of an integer IR
+    value K."""
+    return builder.sdiv(_round_up(builder, K, KSTEP), ir.Constant(K.type, 2))
+
+
 def split_ir(builder, v):
     """(hi, lo) <16 x i16> bfloat16 bits of the float32 vector ``v`` (see the module
     docstring). vcvtneps2bf16 through inline asm: llvmlite has no bfloat type for the

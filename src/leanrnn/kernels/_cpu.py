@@ -186,12 +186,21 @@ def bf16_dot(isa_: Isa) -> str:
     (AMX-BF16's tdpbf16ps on 16 x 16 x 32 tiles, activations split in two bf16 terms) where
     the AVX-512 tile is compiled, the CPU has AMX-BF16 and AVX512-BF16 (the split's
     conversion), the OS granted the tile state and ``LEANRNN_AMX=0`` does not turn it off;
-    else ``fma``: every row on the float32 tile, each weight widened after its load. Part of
-    signature(), like int8_dot."""
-    need = {"amx_tile", "amx_bf16", "avx512_bf16"}
-    if isa_.name == "avx512" and need <= _flags()[0] and amx_enabled() and amx_permitted():
+    ``dpbf16`` where the AVX-512 tile is compiled and the CPU has AVX512-BF16 without AMX
+    (Zen 4/5, Cooper Lake; or AMX turned off): bf16 panels' rows (not int8's) on the float32
+    tile's registers with AVX512-BF16's vdpbf16ps, activations split alike (kernels._simd's
+    dp_loop); else ``fma``: every row on the float32 tile, each weight widened after its load.
+    Part of signature(), like int8_dot."""
+    if isa_.name != "avx512" or not has_avx512_bf16():
+        return "fma"
+    if {"amx_tile", "amx_bf16"} <= _flags()[0] and amx_enabled() and amx_permitted():
         return "amx"
-    return "fma"
+    return "dpbf16"
+
+
+def has_avx512_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 (vcvtneps2bf16, vdpbf16ps)."""
+    return "avx512_bf16" in _flags()[0]
 
 
 def amx_usable() -> bool:

@@ -112,15 +112,64 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         def prefetch_row(first, nbytes, dist):  # the panel row slice at flat element ``first``
             prefetch_ahead(builder, builder.gep(pa, [first]), nbytes, dist)
 
-        def rows_block(i, nrows, nsplit):
+        def rows_block(i, nrows, nsplit, terms=0):
             """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
-            after another (the rows of A stay in L1 across the chunks)."""
+            after another (the rows of A stay in L1 across the chunks); ``terms`` 1 or 2: A is
+            a split operand of that many bf16 terms, multiplied by vdpbf16ps (dp_loop)."""
             arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
                     for r in range(nrows)]  # fmt: skip
             for v0, nv in gemv_chunks if nrows == 1 else chunks:
-                chunk(i, nrows, nsplit, arow, v0, nv)
+                chunk(i, nrows, nsplit, arow, v0, nv, terms)
 
-        def chunk(i, nrows, nsplit, arow, v0, nv):
+        def dp_loop(nrows, nsplit, arow, v0, nv, terms):
+            """The k loop of a bf16 panel slice times a split operand (_bf16amx.split_rows:
+            row r's hi terms from float arow[r], its lo terms round_up(K, 32) / 2 floats on)
+            by AVX512-BF16's vdpbf16ps: one instruction multiplies a pair row of 16 columns
+            (32 bf16 weights, the panel's layout) by a pair of inputs broadcast (a 32-bit word
+            of the split row) and adds both products to the float32 sums — per pair row and
+            term half the instructions of the float32 tile, which also widens each weight.
+            The pairs past K are zero in the split row and the panel's padding is zero. A lone
+            row takes turns over nsplit accumulator sets, as the float32 GEMV: with one set its
+            few chains of dependent vdpbf16ps ran a two-term GEMV slower than the widening
+            FMAs (Zen 5)."""
+            vi = ir.VectorType(i32, lanes)
+            dp_t = ir.FunctionType(vt, [vt, vi, vi])
+            a32 = builder.bitcast(aa, i32.as_pointer())
+            half = _bf16amx.lo_offset(builder, K)
+            isplat = ir.Constant(vi, ir.Undefined)
+
+            def word(off):  # a split row's 32-bit word: two bf16 terms, broadcast
+                w = builder.load(builder.gep(a32, [off]))
+                return builder.shuffle_vector(builder.insert_element(isplat, w, const32(0)),
+                                              isplat, splat)  # fmt: skip
+
+            def dp_step(k2, s):
+                krow = builder.add(poff, builder.mul(k2, kstride))
+                if nrows == 1:  # a GEMV streams its panel: as pair_step's
+                    prefetch_row(builder.add(krow, const(2 * v0 * lanes)), nv * lanes * 4,
+                                 bf16_prefetch)  # fmt: skip
+                ws = []
+                for v in range(nv):
+                    ptr = builder.gep(pa, [builder.add(krow, const(2 * (v0 + v) * lanes))])
+                    ws.append(builder.load(builder.bitcast(ptr, vi.as_pointer()), align=4))
+                for r in range(nrows):
+                    xs = [word(builder.add(arow[r], k2))]
+                    if terms == 2:
+                        xs.append(word(builder.add(builder.add(arow[r], half), k2)))
+                    for v in range(nv):
+                        slot = acc[r * nsplit + s][v]
+                        a = builder.load(slot)
+                        for x in xs:
+                            a = builder.asm(dp_t, "vdpbf16ps $3, $2, $0", "=v,0,v,v",
+                                            [a, x, ws[v]], side_effect=False)  # fmt: skip
+                        builder.store(a, slot)
+
+            split_loop(builder, builder.sdiv(builder.add(K, const(1)), const(2)), nsplit, dp_step)
+
+        def const32(v):
+            return ir.Constant(i32, v)
+
+        def chunk(i, nrows, nsplit, arow, v0, nv, terms=0):
             for a in acc[: nrows * nsplit]:
                 for v in range(nv):
                     builder.store(zero, a[v])
@@ -163,7 +212,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                         slot = acc[r * nsplit + s][v]
                         builder.store(builder.call(fma, [xv, ws[v], builder.load(slot)]), slot)
 
-            if load_pair is None:
+            if terms:
+                dp_loop(nrows, nsplit, arow, v0, nv, terms)
+            elif load_pair is None:
                 split_loop(builder, K, nsplit, step)
             else:
                 k2s = builder.sdiv(K, const(2))
@@ -242,6 +293,21 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                                        two, amx_store, int8=wfmt == "int8")  # fmt: skip
                 with otherwise:
                     fma_rows()
+        elif bf16 == "dpbf16" and wfmt == "bf16" and lanes == 16:
+            # An operand gemm.operand split (from SPLIT_MIN_ROWS rows), known by its row
+            # stride as on AMX, runs on vdpbf16ps (dp_loop) at any row count; others on the
+            # float32 tile.
+            two = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K))
+            one = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K, True))
+            with builder.if_else(builder.or_(two, one)) as (then, otherwise):
+                with then:
+                    with builder.if_else(two) as (two_terms, one_term):
+                        for body, terms in ((two_terms, 2), (one_term, 1)):
+                            with body:
+                                row_tiles(builder, i0, i1, MR, lambda i, r, t=terms:
+                                          rows_block(i, r, S if r == 1 else 1, t))  # fmt: skip
+                with otherwise:
+                    fma_rows()
         else:
             fma_rows()
         return context.get_dummy_value()
@@ -254,11 +320,14 @@ def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
     (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile with the dot product
     ``dot`` (default the compiled one, _cpu.int8_dot); bf16 and weight-only int8 panels' rows
-    in whole tiles of 16 on ``bf16`` ("amx": _bf16amx, or "fma"; default _cpu.bf16_dot's).
+    on ``bf16`` ("amx": _bf16amx in whole tiles of 16, "dpbf16": vdpbf16ps, or "fma";
+    default _cpu.bf16_dot's).
     The tests pass others to run every ISA's tile on any machine."""
     tiles_ = tiles_ or TILES
     if bf16 == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":  # else SIGILL
         raise ValueError("bf16's AMX block asked for where this process cannot run AMX-BF16")
+    if bf16 == "dpbf16" and not _cpu.has_avx512_bf16():
+        raise ValueError("bf16's vdpbf16ps tile asked for on a CPU without AVX512-BF16")
 
     def typer(typingctx, P, poff, kstride, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff):
         if not isinstance(P, types.Array) or not isinstance(A, types.Array):

@@ -261,15 +261,23 @@ def quantized_row_bytes(K: int) -> int:
     return (K + 3) // 4 * 4 + 4
 
 
-# bf16 and int8 on AMX (kernels._bf16amx): a panel GEMM of at least SPLIT_MIN_ROWS rows
-# multiplies its rows split into two bfloat16 terms, hi then lo, each zero-padded to whole tile
-# steps of 32 inputs; a row of the split operand is SPLIT_PAD floats longer than that (64
+# bf16 and int8 on AMX (kernels._bf16amx), bf16 on vdpbf16ps (kernels._simd's dp_loop): a
+# panel GEMM of at least split_min_rows rows multiplies its rows split into two bfloat16 terms,
+# hi then lo, each zero-padded to whole tile steps of 32 inputs; a row of the split operand is SPLIT_PAD floats longer than that (64
 # bytes), so its stride is one no plain operand the engine hands the kernels has (each is at
 # most 15 floats wider than its K), and the tile tells the two apart by it
 # (kernels.gemm.operand). Rows rounded to one term (bf16_act) are laid out alike, the lo
 # terms' room unused, with twice the pad: a third stride, by which the tile knows to skip the
 # lo product.
 SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
+
+
+def split_min_rows(bf16_dot: str) -> int:
+    """Rows from which a panel GEMM splits its operand on ``bf16_dot`` (kernels._cpu.bf16_dot):
+    on AMX SPLIT_MIN_ROWS (a 16-row tile product costs as much for 4 rows as for 16, and a
+    lone row stays on the float32 tile's GEMV); on vdpbf16ps every row (a register tile, no
+    waste at any count: it halves a GEMV's instructions too)."""
+    return SPLIT_MIN_ROWS if bf16_dot == "amx" else 1
 
 
 def split_row_floats(K: int, one_term: bool = False) -> int:

@@ -41,21 +41,25 @@ from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
 from .abi import (
     CODE_OFFSET,
-    SPLIT_MIN_ROWS,
     B,
     quantized_row_bytes,
+    split_min_rows,
     split_row_floats,
 )
 
 _row_bytes = numba.njit(quantized_row_bytes)  # the engine sizes q with the same functions
 _split_ld = numba.njit(split_row_floats)
-# bf16 panels' GEMMs of SPLIT_MIN_ROWS rows or more run on AMX where compiled so (_bf16amx):
-# their operand is then split once per call of operand() (a step, a projection chunk), not once
-# per panel by the tile.
-_BF16_AMX = _cpu.bf16_dot(_cpu.isa()) == "amx"
-# Panel dtypes whose GEMMs of SPLIT_MIN_ROWS rows or more multiply a split operand on AMX there:
-# bf16, and weight-only int8 (its codes widened to bfloat16 exactly, _bf16amx).
-_ON_AMX = (types.uint16, types.int8)
+# bf16 panels' GEMMs of split_min_rows rows or more run on AMX (_bf16amx) or vdpbf16ps
+# (_simd's dp_loop) where compiled so: their operand is then split once per call of operand()
+# (a step, a projection chunk), not once per panel by the tile.
+_BF16_DOT = _cpu.bf16_dot(_cpu.isa())
+_BF16_AMX = _BF16_DOT == "amx"
+# Panels of reduced weights (bf16, weight-only int8), whose operand may be held in q.
+_REDUCED = (types.uint16, types.int8)
+# Those whose GEMMs of _SPLIT_FROM rows or more multiply a split operand here: on AMX bf16
+# and weight-only int8 (its codes widened to bfloat16 exactly, _bf16amx); with vdpbf16ps bf16.
+_SPLIT = {"amx": _REDUCED, "dpbf16": (types.uint16,)}.get(_BF16_DOT, ())
+_SPLIT_FROM = split_min_rows(_BF16_DOT)
 
 # Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers;
 # KC inputs per K slice of the multi-row panel GEMM, ROWS input rows per projection task.
@@ -70,9 +74,9 @@ def _kc(P, K, i0, i1):  # pragma: no cover - replaced by the overload inside ker
 
 @overload(_kc)
 def _kc_impl(P, K, i0, i1):
-    if P.dtype == types.uint8 or (P.dtype in _ON_AMX and _BF16_AMX):
-        # int8-dynamic, and bf16 / int8 on AMX: K whole (_qdot; _bf16amx reads a split
-        # operand from its first input: the AMX block has no K offset)
+    if P.dtype == types.uint8 or P.dtype in _SPLIT:
+        # int8-dynamic, and split operands: K whole (_qdot; _bf16amx and dp_loop read a
+        # split operand from its first input: they take no K offset)
         return lambda P, K, i0, i1: K
     return lambda P, K, i0, i1: K if i1 - i0 == 1 else KC
 
@@ -149,7 +153,7 @@ def round_rows(A, i0, i1, K, out):
     """Rows i0..i1 of float32 A [rows, >=K] rounded to bfloat16 as vcvtneps2bf16 rounds
     (nearest, ties to even; subnormals to a zero of their sign; NaN stays NaN), as float32
     rows of K in the flat uint8 ``out``: bf16-act's operand where the float32 tile multiplies
-    (fewer than SPLIT_MIN_ROWS rows, or no AMX), so that its activations are rounded on every
+    (fewer than _SPLIT_FROM rows, or no split), so that its activations are rounded on every
     path (a bf16 x bf16 product is exact in float32)."""
     o = out.view(np.uint32)
     for r in range(i1 - i0):
@@ -176,7 +180,7 @@ def _prepare_operand(P, A, q, me, i0, i1, K, fresh, bf16_act):  # pragma: no cov
 def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """Fill q[me] for the panels' tile and return the row stride (floats) of the operand it
     holds there, 0 if the operand is A itself: int8-dynamic's codes always (any stride: they
-    are flat); bf16 and weight-only int8 on AMX from SPLIT_MIN_ROWS rows on the split rows
+    are flat); bf16 and weight-only int8 (_SPLIT) from _SPLIT_FROM rows on the split rows
     (for bf16 rounded ones where bf16_act; split_row_floats(K, bf16_act)); bf16_act's other
     operands rounded into float32 rows of K (round_rows). q holds them where the engine sized
     it so."""
@@ -188,12 +192,12 @@ def _prepare_operand_impl(P, A, q, me, i0, i1, K, fresh, bf16_act):
             return 1
 
         return quantized
-    if P.dtype in _ON_AMX and _BF16_AMX:  # chosen here: split_rows is AVX512-BF16 code
+    if P.dtype in _SPLIT:  # chosen here: split_rows is AVX512-BF16 code
         one_term = P.dtype == types.uint16  # int8's codes take two terms: float32 activations
 
         def split(P, A, q, me, i0, i1, K, fresh, bf16_act):
             act = bf16_act and one_term
-            if i1 - i0 >= SPLIT_MIN_ROWS:
+            if i1 - i0 >= _SPLIT_FROM:
                 # 32 rows' room: an AMX block of the last 1..31 rows reads whole tiles of 16
                 ld = _split_ld(K, act)
                 if q.shape[1] >= (i1 - i0 + 31) // 32 * 32 * 4 * ld:
@@ -251,7 +255,7 @@ def _operand_view(typingctx, P, A, q, me, i0, ld):
             src = context.make_array(sig.args[1])(context, builder, args[1])
             data, shape, strides = rows_of(context, builder, src, args[4])
             shape, strides = [builder.sub(shape[0], args[4]), *shape[1:]], list(strides)
-            if P.dtype in _ON_AMX:  # bf16, int8: q[me] as rows of ld where ld > 0
+            if P.dtype in _REDUCED:  # bf16, int8: q[me] as rows of ld where ld > 0
                 qa = context.make_array(sig.args[2])(context, builder, args[2])
                 qdata, qshape, _ = rows_of(context, builder, qa, args[3])
                 i64 = shape[0].type
@@ -278,7 +282,7 @@ def _operand_view(typingctx, P, A, q, me, i0, ld):
 def operand(P, A, q, me, i0, i1, K, fresh, bf16_act):
     """What the panel GEMMs of P multiply: rows i0.. of A itself; for int8-dynamic panels
     (uint8) those rows quantized into this thread's scratch q[me] (flat, quantize_rows); for
-    bf16 and int8 ones on AMX, from SPLIT_MIN_ROWS rows, those rows split into two bfloat16
+    bf16 and int8 ones (_SPLIT), from _SPLIT_FROM rows, those rows split into two bfloat16
     terms in q[me] (split_rows; for bf16 rounded to one where ``bf16_act``), as float32 rows
     of split_row_floats(K, one term or two) — row strides no plain A has, by which the tile
     tells them apart; bf16_act's other operands rounded to bfloat16 in q[me] as float32 rows of K
@@ -298,7 +302,7 @@ def _slice_rows_impl(P):
     float32 tiles' ALIGN, or for bf16 and int8 on AMX an AMX tile's 16 — at N=64 on 2
     threads, 6-row cuts gave 30 / 34 rows, and the 34 ran a 32-row AMX block and a 2-row one
     costing 16."""
-    if P.dtype in _ON_AMX and _BF16_AMX:
+    if P.dtype in _SPLIT and _BF16_AMX:
         return lambda P: 16
     return lambda P: ALIGN
 

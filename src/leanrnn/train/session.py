@@ -62,10 +62,10 @@ from ..engine.products import (
     transpose_into,
 )
 from ..engine.session import (
-    bf16_on_amx,
     kernel_constants,
     recurrence_arguments,
     split_scratch_bytes,
+    splits_operand,
 )
 from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels
@@ -693,7 +693,7 @@ class Trainer:
         add("c", (N, w.Hp), 0, fl)
         if P:
             add("aux", (N, w.Hp), 0, fl)
-        if autocast == "bf16" and bf16_on_amx():
+        if autocast == "bf16" and splits_operand("bf16"):
             q = max(split_scratch_bytes(spec, layer, R * N, N) for layer in range(L))
             if q:
                 add("q", (config.max_threads(), q), 0, fl, np.uint8)
