@@ -63,6 +63,7 @@ No argument may alias another.
 from __future__ import annotations
 
 from ._cells import gru_update, gru_update_keep, lstm_update, lstm_update_keep, rnn_update
+from ._ir import prefetch_l2
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import SHARE_TILES, claim, end_phase, finish, share
@@ -190,6 +191,8 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
     ``carry``: the phase that writes h). (Python passes a call of more than 30 arguments as
     *args, which numba cannot inline: hence k4 and gs made here, not passed.)"""
     N = hp.shape[0]
+    span = xw.shape[1] // W.shape[0]  # xw columns per unit block (its gates)
+    span_bytes = span * xw.itemsize
     k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
     gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
     for sl in range(parts):
@@ -199,9 +202,13 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
         for i in range(lo, hi):
             u = _block(i, lo, hi, s)
             gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts)
+            # the next block's xw span of each row, asked for now (_ir.prefetch_l2)
+            nxt = _block(i + 1, lo, hi, s) * span if i + 1 < hi else -1
             for n in range(n0, n1):
                 t = _time_of(s, n, lengths, reverse, carry, hp, hn, u * B)
                 if t >= 0:
+                    if nxt >= 0:
+                        prefetch_l2(xw, _yrow(t, n, N, xw_bf_T), nxt, span_bytes)
                     update(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
                            lengths, y, y_off, y_bf_T, k4, keep)  # fmt: skip
         finish(sync, parts)
