@@ -570,6 +570,15 @@ def test_batches_get_their_split_operands_scratch(precision):
     q = {b.name: b.nbytes for b in model.session.buffers(N, T) if b.name.startswith("q.")}
     threads = leanrnn.config.max_threads()
     assert q == {f"q.{k}": threads * split_scratch_bytes(spec, k, T * N, N) for k in (0, 1)}
+    # a stream's lone row: split on vdpbf16ps (a register tile), not on AMX (a 16-row tile
+    # product for one row: the float32 tile's GEMV instead); room for the widest input, the
+    # rows rounded up to 32 as gemm.operand asks
+    dot = _cpu.bf16_dot(_cpu.isa())
+    q1 = {b.name: b.nbytes for b in model.session.buffers(1, 1) if b.name.startswith("q.")}
+    if dot == "dpbf16":
+        assert q1 == {f"q.{k}": threads * 32 * 4 * split_row_floats(70) for k in (0, 1)}
+    else:
+        assert q1 == {}
 
 
 def _specials(rng, rows, K):

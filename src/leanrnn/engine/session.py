@@ -100,14 +100,13 @@ NO_SLOTS = np.zeros(0, np.int64)  # the slot table of runs without one (abi._SLO
 
 
 def splits_operand(precision: str) -> bool:
-    """Whether panel GEMMs of abi.SPLIT_MIN_ROWS rows or more on ``precision``'s weights
-    ("bf16" or "int8") multiply a split operand here (which then needs a planned q): on AMX
-    both, with vdpbf16ps bf16's (kernels.gemm._SPLIT); pure Python, without importing the
+    """Whether panel GEMMs of abi.split_min_rows rows or more on ``precision``'s weights
+    ("bf16" or "int8") multiply a split operand here (which then needs a planned q):
+    abi.SPLIT_PRECISIONS, as kernels.gemm reads it; pure Python, without importing the
     kernels."""
     from ..kernels import _cpu  # pure Python: the choice the kernels are compiled with
 
-    dot = _cpu.bf16_dot(_cpu.isa())
-    return dot == "amx" or (dot == "dpbf16" and precision == "bf16")
+    return precision in abi.SPLIT_PRECISIONS.get(_cpu.bf16_dot(_cpu.isa()), ())
 
 
 def _operand_scratch(spec: RNNSpec, layer: int, rows: int, batch: int, nbytes) -> int:

@@ -94,8 +94,8 @@ def row_tiles(builder, i0, i1, rows: int, rows_block) -> None:
 
 @intrinsic
 def prefetch_l2(typingctx, a, row, col, nbytes):
-    """Ask for the cache lines of the ``nbytes`` (a constant-free int) of 2-D array ``a`` from
-    a[row, col] on into L2 (no bounds check: a prefetch never faults): the recurrences ask
+    """Ask for the cache lines of the ``nbytes`` bytes of 2-D array ``a`` from a[row, col] on
+    into L2 (no bounds check: a prefetch never faults): the recurrences ask
     for the next unit block's xw rows while they update this one's, so the update after the
     next block's GEMM finds them near (xw, written by the input projection a chunk before,
     lies in L3 or the other core's L2: its loads were a quarter of an N=64 LSTM step's time

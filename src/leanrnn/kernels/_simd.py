@@ -294,9 +294,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                 with otherwise:
                     fma_rows()
         elif bf16 == "dpbf16" and wfmt == "bf16" and lanes == 16:
-            # An operand gemm.operand split (from SPLIT_MIN_ROWS rows), known by its row
-            # stride as on AMX, runs on vdpbf16ps (dp_loop) at any row count; others on the
-            # float32 tile.
+            # An operand gemm.operand split (every row count here: abi.split_min_rows), known
+            # by its row stride as on AMX, runs on vdpbf16ps (dp_loop); others on the float32
+            # tile.
             two = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K))
             one = builder.icmp_signed("==", lda, _bf16amx.split_ld(builder, K, True))
             with builder.if_else(builder.or_(two, one)) as (then, otherwise):

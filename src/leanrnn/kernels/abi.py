@@ -262,14 +262,20 @@ def quantized_row_bytes(K: int) -> int:
 
 
 # bf16 and int8 on AMX (kernels._bf16amx), bf16 on vdpbf16ps (kernels._simd's dp_loop): a
-# panel GEMM of at least split_min_rows rows multiplies its rows split into two bfloat16 terms,
-# hi then lo, each zero-padded to whole tile steps of 32 inputs; a row of the split operand is SPLIT_PAD floats longer than that (64
-# bytes), so its stride is one no plain operand the engine hands the kernels has (each is at
+# panel GEMM of at least split_min_rows rows multiplies its rows split into two bfloat16
+# terms, hi then lo, each zero-padded to whole tile steps of 32 inputs; a row of the split
+# operand is SPLIT_PAD floats longer than that (64 bytes), so its stride is one no plain operand the engine hands the kernels has (each is at
 # most 15 floats wider than its K), and the tile tells the two apart by it
 # (kernels.gemm.operand). Rows rounded to one term (bf16_act) are laid out alike, the lo
 # terms' room unused, with twice the pad: a third stride, by which the tile knows to skip the
 # lo product.
 SPLIT_MIN_ROWS, SPLIT_PAD = 4, 16
+
+
+# The weight precisions whose panel GEMMs multiply a split operand, by kernels._cpu.bf16_dot:
+# on AMX bf16's and weight-only int8's (its codes widened to bfloat16 exactly), on vdpbf16ps
+# bf16's (int8's codes would need widening per row block there), on FMAs none.
+SPLIT_PRECISIONS = {"amx": ("bf16", "int8"), "dpbf16": ("bf16",)}
 
 
 def split_min_rows(bf16_dot: str) -> int:

@@ -41,6 +41,7 @@ from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
 from ._sync import take, task_done, wait_tasks
 from .abi import (
     CODE_OFFSET,
+    SPLIT_PRECISIONS,
     B,
     quantized_row_bytes,
     split_min_rows,
@@ -56,9 +57,9 @@ _BF16_DOT = _cpu.bf16_dot(_cpu.isa())
 _BF16_AMX = _BF16_DOT == "amx"
 # Panels of reduced weights (bf16, weight-only int8), whose operand may be held in q.
 _REDUCED = (types.uint16, types.int8)
-# Those whose GEMMs of _SPLIT_FROM rows or more multiply a split operand here: on AMX bf16
-# and weight-only int8 (its codes widened to bfloat16 exactly, _bf16amx); with vdpbf16ps bf16.
-_SPLIT = {"amx": _REDUCED, "dpbf16": (types.uint16,)}.get(_BF16_DOT, ())
+# Those whose GEMMs of _SPLIT_FROM rows or more multiply a split operand here (abi).
+_SPLIT = tuple({"bf16": types.uint16, "int8": types.int8}[p]
+               for p in SPLIT_PRECISIONS.get(_BF16_DOT, ()))  # fmt: skip
 _SPLIT_FROM = split_min_rows(_BF16_DOT)
 
 # Row chunks are a multiple of every dtype's tile height, so only the last one has leftovers;
