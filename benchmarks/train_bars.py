@@ -10,8 +10,9 @@
    inside ``torch.backends.mkldnn.flags(enabled=False)``; the faster torch is the peer. Both
    sides compute the same gradients: input (torch's x requires grad, as leanrnn always returns
    dx) and every weight and bias, accumulated (grads zeroed before each step, untimed).
-   Each round is a fresh process per thread count that runs the three engines *interleaved, step
-   by step* on the same weights and inputs (the engine order rotates every rep, with a short
+   Each round is a fresh process per thread count that runs the three engines *interleaved* on
+   the same weights and inputs, a turn of ``--block`` steps each, back to back as a training
+   loop runs them, the first of a turn untimed (the engine order rotates every rep, with a short
    pause at each switch so one engine's spinning threads do not steal the next one's cores), so
    a spell of load on this shared machine hits all of them alike. Reported per row: the median
    step over all reps of all rounds; ratio = torch's / leanrnn's (> 1: leanrnn faster); the bar
@@ -77,7 +78,13 @@ TORCHES = ("torch", "torch-nodnnl")
 # (torch float32 first: the gradients' reference in speed_child)
 AUTOCAST_ENGINES = ("torch", "torch-bf16", "leanrnn", "leanrnn-bf16")
 SPEED_T = 100
-SETTLE_S = 0.05  # pause before each timed step: the previous engine's spinning threads idle
+SETTLE_S = 0.05  # pause before each engine's turn: the previous engine's spinning threads idle
+# Steps per engine's turn (--block): the first of a turn is a warm-up, untimed — after the
+# pause and the other engine's steps, a 2-vCPU VM was seen to run a 2-thread step 1.3-2x slower
+# than in a loop (its idle vCPU and caches coming back: LSTM H=128 N=32, 9.5 ms back to back,
+# 12-20 ms after a 50 ms sleep), which a training loop, running steps back to back, never
+# pays. 1: every step timed after a pause (the method of sessions 9-19).
+BLOCK = 3
 MIN_REPS = 3  # per engine, row and round, however long a step takes
 MAX_REPS = 200
 SAMPLE = 256  # values of each gradient compared between engines
@@ -267,16 +274,19 @@ def speed_child(job: dict) -> dict:
                 names = list(eng)
                 t_start = time.perf_counter()
                 rep = 0
+                block = job.get("block", BLOCK)
                 while rep < MAX_REPS:
                     order = names[rep % len(names) :] + names[: rep % len(names)]
                     for name in order:
                         e = eng[name]
-                        e.zero()
                         _settle()
-                        c0, t0 = time.process_time(), time.perf_counter()
-                        e.step()
-                        samples[name].append(time.perf_counter() - t0)
-                        cpu[name].append(time.process_time() - c0)
+                        for i in range(block):
+                            e.zero()
+                            c0, t0 = time.process_time(), time.perf_counter()
+                            e.step()
+                            if i or block == 1:
+                                samples[name].append(time.perf_counter() - t0)
+                                cpu[name].append(time.process_time() - c0)
                     rep += 1
                     if rep >= job["min_reps"] and time.perf_counter() - t_start >= job["max_time"]:
                         break
@@ -366,7 +376,8 @@ def spawn(job: dict, threads: int, timeout: float = 7200.0) -> dict:
 
 
 def run_speed(cells, hidden, batch, threads, rounds: int, max_time: float, T: int = SPEED_T,
-              min_reps: int = MIN_REPS, engines=ENGINES, log=print, save=None) -> dict:  # fmt: skip
+              min_reps: int = MIN_REPS, engines=ENGINES, log=print, save=None,
+              block: int = BLOCK) -> dict:  # fmt: skip
     """Every round: one fresh process per thread count (their order alternating between rounds),
     each running all rows with the engines interleaved. Returns {"rows": [...], "rounds": [...]};
     ``save(partial)`` is called after every child (a long run interrupted keeps what it did)."""
@@ -376,7 +387,7 @@ def run_speed(cells, hidden, batch, threads, rounds: int, max_time: float, T: in
         for t in order:
             job = dict(kind="speed", threads=t, cells=list(cells), hidden=list(hidden),
                        batch=list(batch), T=T, max_time=max_time, min_reps=min_reps,
-                       engines=list(engines))  # fmt: skip
+                       engines=list(engines), block=block)  # fmt: skip
             log(f"speed round {r + 1}/{rounds}, {t} thread(s) ...")
             res = spawn(job, t)
             res.update(round=r, threads=t, loadavg=os.getloadavg())
@@ -694,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"sampling seconds per row and round (at least {MIN_REPS} steps per engine)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=1000, help="T of the memory bar's step")
     ap.add_argument("--speed-steps", type=int, default=SPEED_T, help="T of the speed rows")
+    ap.add_argument("--block", type=int, default=BLOCK, help="steps per engine's turn in the "
+                    "speed rows, the first untimed (1: each step timed after a pause)")  # fmt: skip
     ap.add_argument("--mem-rounds", type=int, default=1, help="fresh processes per memory variant")
     ap.add_argument("--only", choices=("speed", "memory", "examples", "autocast"), default=None)
     ap.add_argument("--examples", type=lambda s: tuple(s.split(",")), default=EXAMPLE_NAMES,
@@ -727,10 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.only == "autocast":
         res["autocast"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
                                     T=a.speed_steps, engines=AUTOCAST_ENGINES,
-                                    save=saver("autocast"))  # fmt: skip
+                                    save=saver("autocast"), block=a.block)  # fmt: skip
     if a.only not in ("memory", "examples", "autocast"):
         res["speed"] = run_speed(a.cells, a.hidden, a.batch, a.threads, a.rounds, a.max_time,
-                                 T=a.speed_steps, save=saver("speed"))  # fmt: skip
+                                 T=a.speed_steps, save=saver("speed"), block=a.block)  # fmt: skip
     if a.only not in ("speed", "examples", "autocast"):
         res["memory"] = run_memory(max(a.hidden), max(a.batch), a.steps, max(a.threads),
                                    a.mem_rounds)  # fmt: skip
