@@ -33,7 +33,7 @@ from leanrnn.formats.quantize import (
 )
 from leanrnn.kernels import _cpu
 from leanrnn.kernels._bf16amx import split_rows
-from leanrnn.kernels.abi import SPLIT_MIN_ROWS, B, split_row_floats
+from leanrnn.kernels.abi import SPLIT_MIN_ROWS, B, split_min_rows, split_row_floats
 from leanrnn.kernels.gemm import round_rows
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
@@ -477,12 +477,14 @@ def test_bf16_rows_in_whole_tiles_match_float64(dot, one_term):
         bias = rng.standard_normal(Wd).astype(np.float32)
         for nvec in (1, 2, 3, 4):
             cols = nvec * B
-            for M in (3, 5, 16, 35, 64):
+            for M in (1, 3, 5, 16, 35, 64):
                 A = rng.standard_normal((M, K)).astype(np.float32)
-                A[1, 5] = np.inf
-                A[M - 2, 0] = np.nan
+                A[min(1, M - 1), 5] = np.inf
+                if M > 1:
+                    A[M - 2, 0] = np.nan
                 C0 = rng.standard_normal((M, cols)).astype(np.float32)
-                amx = dot in ("amx", "dpbf16") and M >= SPLIT_MIN_ROWS
+                # split as gemm.operand splits: on AMX from 4 rows, on vdpbf16ps every row
+                amx = dot != "fma" and M >= split_min_rows(dot)
                 A64 = _bf16(A) if amx and one_term else A.astype(np.float64)
                 with np.errstate(invalid="ignore"):
                     prod = A64 @ deq[1, :K, :cols]
