@@ -84,6 +84,37 @@ def test_the_build_process_records_the_inputs_the_parent_checks(cache, monkeypat
     assert native.failure(d) is None
 
 
+@pytest.mark.parametrize("cc", ["   ", "'gcc -O2", "/nonexistent/cc -O2"])
+def test_a_bad_cc_is_one_build_error_naming_it(monkeypatch, cc):
+    """CC of spaces raised IndexError, CC with unbalanced quotes shlex's ValueError, out of the
+    build's compiler choice; each is now the BuildError that names CC."""
+    from leanrnn.kernels import aot
+
+    monkeypatch.setenv("CC", cc)
+    with pytest.raises(aot.BuildError, match="is not an executable") as e:
+        aot._compiler()
+    assert repr(cc) in str(e.value)
+    assert native.build_inputs("f")["compiler"] is None  # the failure's key: no compiler
+
+
+def test_the_failure_key_names_the_compiler_the_build_takes(monkeypatch):
+    """build_inputs (a failed build's key) and aot._compiler (the build) read one candidate
+    list (native.compiler_candidates), so the key names the program the build runs."""
+    import shutil
+
+    from leanrnn.kernels import aot
+
+    monkeypatch.delenv("CC", raising=False)
+    try:
+        cmd = aot._compiler()
+    except aot.BuildError:
+        pytest.skip("no C compiler on this machine")
+    assert native.build_inputs("f")["compiler"] == native._identity(shutil.which(cmd[0]))
+    monkeypatch.setenv("CC", f"{shutil.which(cmd[0])} -O2")
+    assert aot._compiler() == [shutil.which(cmd[0]), "-O2"]
+    assert native.build_inputs("f")["CC"] == f"{shutil.which(cmd[0])} -O2"
+
+
 # ------------------------------------------------------------------------ 2. cache pruning
 
 

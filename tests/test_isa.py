@@ -140,3 +140,27 @@ def test_every_isa_tile_matches_reference(name, dtype):
                     # nothing outside the slice is written
                     np.testing.assert_array_equal(C[:, 0], C0[:, 0])
                     np.testing.assert_array_equal(C[:, cols + 1 :], C0[:, cols + 1 :])
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("False", False),
+                                       ("no", False), ("1", True), ("on", True), ("", True),
+                                       ("TRUE", True)])  # fmt: skip
+def test_the_amx_switch_reads_common_spellings(monkeypatch, value, on):
+    """LEANRNN_AMX=off (or false, no) left AMX on: only "0" turned it off."""
+    monkeypatch.setenv(_cpu.ENV_AMX, value)
+    _cpu.amx_enabled.cache_clear()
+    try:
+        assert _cpu.amx_enabled() is on
+    finally:
+        _cpu.amx_enabled.cache_clear()
+
+
+def test_an_unknown_amx_switch_is_an_error(monkeypatch):
+    monkeypatch.setenv(_cpu.ENV_AMX, "maybe")
+    _cpu.amx_enabled.cache_clear()
+    try:
+        with pytest.raises(LeanRNNError, match=r"LEANRNN_AMX.*'maybe'"):
+            _cpu.amx_enabled()
+    finally:
+        monkeypatch.delenv(_cpu.ENV_AMX)
+        _cpu.amx_enabled.cache_clear()

@@ -210,12 +210,24 @@ def amx_usable() -> bool:
     return need <= _flags()[0] and amx_permitted()
 
 
+_AMX_OFF, _AMX_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
+
+
 @functools.lru_cache(maxsize=1)
 def amx_enabled() -> bool:
-    """Whether ``LEANRNN_AMX`` leaves AMX on (anything but ``0``), read once per process: the
-    fingerprint taken at import (numba's cache directory) and every kernel compiled later
-    must agree, or a cache keyed "no AMX" could come to hold AMX code."""
-    return os.environ.get(ENV_AMX, "").strip() != "0"
+    """Whether ``LEANRNN_AMX`` leaves AMX on (unset, 1, true, yes, on) or turns it off (0,
+    false, no, off; any case), read once per process: the fingerprint taken at import (numba's
+    cache directory) and every kernel compiled later must agree, or a cache keyed "no AMX"
+    could come to hold AMX code. Another value is an error (``off`` or ``False`` left AMX on
+    before, silently)."""
+    value = os.environ.get(ENV_AMX, "").strip().lower()
+    if value not in _AMX_OFF + _AMX_ON:
+        from ..errors import LeanRNNError
+
+        raise LeanRNNError(f"[{ENV_AMX}] {os.environ[ENV_AMX]!r} is not a switch leanrnn knows; "
+                           "expected 0 (AMX off) or 1 (on, where the CPU has it); unset it for "
+                           "the default (on)")  # fmt: skip
+    return value not in _AMX_OFF
 
 
 @functools.lru_cache(maxsize=1)

@@ -128,7 +128,9 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
             (32 bf16 weights, the panel's layout) by a pair of inputs broadcast (a 32-bit word
             of the split row) and adds both products to the float32 sums — per pair row and
             term half the instructions of the float32 tile, which also widens each weight.
-            The pairs past K are zero in the split row and the panel's padding is zero. A lone
+            The pairs past K are zero in the split row and the panel's padding is zero. As on
+            AMX, a weight of +-inf gives NaN where the float32 tile gives +-inf (its lo term
+            multiplies inf by 0 or by the opposite sign: non-finite either way). A lone
             row takes turns over nsplit accumulator sets, as the float32 GEMV: with one set its
             few chains of dependent vdpbf16ps ran a two-term GEMV slower than the widening
             FMAs (Zen 5)."""

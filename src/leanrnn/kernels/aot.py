@@ -116,18 +116,16 @@ class BuildError(RuntimeError):
 
 
 def _compiler() -> list[str]:
-    """``CC`` if set (and then only it), else the compiler Python was built with, else cc, gcc
-    or clang."""
-    if os.environ.get("CC"):
-        cmd = shlex.split(os.environ["CC"])
-        if not shutil.which(cmd[0]):
-            raise BuildError(f"CC={os.environ['CC']!r} is not an executable")
-        return cmd
-    cmd = shlex.split(sysconfig.get_config_var("CC") or "cc")
-    for cand in (cmd, ["cc"], ["gcc"], ["clang"]):
-        if shutil.which(cand[0]):
-            return cand
-    raise BuildError(f"no C compiler found (tried {cmd[0]!r}, cc, gcc, clang; set CC)")
+    """The first of native.compiler_candidates whose program resolves: ``CC`` if set (and then
+    only it), else the compiler Python was built with, else cc, gcc or clang."""
+    cc, candidates = native.compiler_candidates()
+    for cmd in candidates:
+        if shutil.which(cmd[0]):
+            return cmd
+    if cc:
+        raise BuildError(f"CC={cc!r} is not an executable")
+    tried = ", ".join(repr(c[0]) for c in candidates)
+    raise BuildError(f"no C compiler found (tried {tried}; set CC)")
 
 
 def _say(message: str) -> None:

@@ -212,26 +212,35 @@ def _identity(path: str) -> list:
     return [real, st.st_size, int(st.st_mtime)]
 
 
-def build_inputs(fp: str) -> dict:
-    """What the build of fingerprint ``fp`` depends on beyond it, as
-    kernels.aot._compiler picks the compiler: ``CC`` if set (then only its command), else the
-    compiler Python was built with, cc, gcc or clang; the first that resolves, and the file it
-    resolves to. Python.h, whose absence (no python3-dev) fails the compile, too. Nothing here
-    runs a program: a few stat calls, made only when a failure is on record."""
+def compiler_candidates() -> tuple[str, list[list[str]]]:
+    """(``CC``, the compiler commands a build tries in order; kernels.aot._compiler takes the
+    first whose program resolves): CC's command alone if CC is set (its text as one word if
+    its quotes do not balance, none if it is blank), else the compiler Python was built with,
+    cc, gcc and clang. Here, not in aot, so that build_inputs keys a failed build on the same
+    list without loading the build machinery."""
     cc = os.environ.get("CC", "")
-    try:
-        names = shlex.split(cc)[:1] if cc else []
-    except ValueError:  # unbalanced quotes: the build fails on them, so do key on them
-        names = [cc]
-    if not cc:
+    if cc:
         try:
-            python_cc = shlex.split(sysconfig.get_config_var("CC") or "cc")[:1]
-        except ValueError:
-            python_cc = []
-        names = [*python_cc, "cc", "gcc", "clang"]
+            cmd = shlex.split(cc)
+        except ValueError:  # unbalanced quotes: the build fails on them
+            cmd = [cc]
+        return cc, [cmd] if cmd else []
+    try:
+        python_cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    except ValueError:
+        python_cc = []
+    return "", [c for c in (python_cc, ["cc"], ["gcc"], ["clang"]) if c]
+
+
+def build_inputs(fp: str) -> dict:
+    """What the build of fingerprint ``fp`` depends on beyond it: ``CC``, the first of
+    compiler_candidates that resolves and the file it resolves to, and Python.h, whose absence
+    (no python3-dev) fails the compile. Nothing here runs a program: a few stat calls, made
+    only when a failure is on record."""
+    cc, candidates = compiler_candidates()
     compiler = None
-    for name in names:
-        found = shutil.which(name)
+    for cmd in candidates:
+        found = shutil.which(cmd[0])
         if found:
             compiler = _identity(found)
             break
