@@ -80,7 +80,6 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         )
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
         esize = 4 if dt == types.float32 else 8
-        undef = ir.Constant(vt, ir.Undefined)
         zero = ir.Constant(vt, [0.0] * lanes)
         # Accumulators as entry-block allocas: mem2reg/SROA turn them into registers.
         acc = [[cgutils.alloca_once_value(builder, zero) for _ in range(nvmax)]
@@ -112,6 +111,16 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
         def prefetch_row(first, nbytes, dist):  # the panel row slice at flat element ``first``
             prefetch_ahead(builder, builder.gep(pa, [first]), nbytes, dist)
 
+        def prefetch_pairs(krow, v0, nv):  # a lone row's bf16 pair row slice: 4 bytes a column
+            prefetch_row(builder.add(krow, const(2 * v0 * lanes)), nv * lanes * 4, bf16_prefetch)
+
+        def splat_load(base, index):
+            """base[index], a scalar, in every lane: an input the tile multiplies a row by."""
+            x = builder.load(builder.gep(base, [index]))
+            v = ir.Constant(ir.VectorType(x.type, lanes), ir.Undefined)
+            return builder.shuffle_vector(builder.insert_element(v, x, ir.Constant(i32, 0)), v,
+                                          splat)  # fmt: skip
+
         def rows_block(i, nrows, nsplit, terms=0):
             """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
             after another (the rows of A stay in L1 across the chunks); ``terms`` 1 or 2: A is
@@ -136,28 +145,21 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
             FMAs (Zen 5)."""
             vi = ir.VectorType(i32, lanes)
             dp_t = ir.FunctionType(vt, [vt, vi, vi])
-            a32 = builder.bitcast(aa, i32.as_pointer())
+            a32 = builder.bitcast(aa, i32.as_pointer())  # a 32-bit word: two bf16 terms
             half = _bf16amx.lo_offset(builder, K)
-            isplat = ir.Constant(vi, ir.Undefined)
-
-            def word(off):  # a split row's 32-bit word: two bf16 terms, broadcast
-                w = builder.load(builder.gep(a32, [off]))
-                return builder.shuffle_vector(builder.insert_element(isplat, w, const32(0)),
-                                              isplat, splat)  # fmt: skip
 
             def dp_step(k2, s):
                 krow = builder.add(poff, builder.mul(k2, kstride))
                 if nrows == 1:  # a GEMV streams its panel: as pair_step's
-                    prefetch_row(builder.add(krow, const(2 * v0 * lanes)), nv * lanes * 4,
-                                 bf16_prefetch)  # fmt: skip
+                    prefetch_pairs(krow, v0, nv)
                 ws = []
                 for v in range(nv):
                     ptr = builder.gep(pa, [builder.add(krow, const(2 * (v0 + v) * lanes))])
                     ws.append(builder.load(builder.bitcast(ptr, vi.as_pointer()), align=4))
                 for r in range(nrows):
-                    xs = [word(builder.add(arow[r], k2))]
+                    xs = [splat_load(a32, builder.add(arow[r], k2))]
                     if terms == 2:
-                        xs.append(word(builder.add(builder.add(arow[r], half), k2)))
+                        xs.append(splat_load(a32, builder.add(builder.add(arow[r], half), k2)))
                     for v in range(nv):
                         slot = acc[r * nsplit + s][v]
                         a = builder.load(slot)
@@ -168,9 +170,6 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
 
             split_loop(builder, builder.sdiv(builder.add(K, const(1)), const(2)), nsplit, dp_step)
 
-        def const32(v):
-            return ir.Constant(i32, v)
-
         def chunk(i, nrows, nsplit, arow, v0, nv, terms=0):
             for a in acc[: nrows * nsplit]:
                 for v in range(nv):
@@ -180,19 +179,14 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                 """Inputs 2*k2 and 2*k2 + 1 (``both``; else only the first: an odd K's last)
                 into accumulator set s."""
                 krow = builder.add(poff, builder.mul(k2, kstride))
-                if nrows == 1:  # a bf16 pair row: 4 bytes per column
-                    prefetch_row(builder.add(krow, const(2 * v0 * lanes)), nv * lanes * 4,
-                                 bf16_prefetch)  # fmt: skip
+                if nrows == 1:
+                    prefetch_pairs(krow, v0, nv)
                 ws = [load_pair(krow, (v0 + v) * lanes) for v in range(nv)]
                 k = builder.mul(k2, const(2))
                 for r in range(nrows):
                     xs = []
                     for h in range(2 if both else 1):
-                        x = builder.load(
-                            builder.gep(aa, [builder.add(arow[r], builder.add(k, const(h)))])
-                        )
-                        xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
-                        xs.append(builder.shuffle_vector(xv, undef, splat))
+                        xs.append(splat_load(aa, builder.add(arow[r], builder.add(k, const(h)))))
                     for v in range(nv):
                         slot = acc[r * nsplit + s][v]
                         a = builder.load(slot)
@@ -207,9 +201,7 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                                  tile.prefetch)  # fmt: skip
                 ws = [load_w(krow, (v0 + v) * lanes) for v in range(nv)]
                 for r in range(nrows):
-                    x = builder.load(builder.gep(aa, [builder.add(arow[r], k)]))
-                    xv = builder.insert_element(undef, x, ir.Constant(i32, 0))
-                    xv = builder.shuffle_vector(xv, undef, splat)
+                    xv = splat_load(aa, builder.add(arow[r], k))
                     for v in range(nv):
                         slot = acc[r * nsplit + s][v]
                         builder.store(builder.call(fma, [xv, ws[v], builder.load(slot)]), slot)

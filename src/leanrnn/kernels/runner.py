@@ -276,9 +276,7 @@ def backend() -> _Native | _Jit:
 def _resolve(choice: str) -> _Native | _Jit:
     config.check_env()  # a bad LEANRNN_* variable fails the first kernel call, not the import
     if choice == "jit":
-        jit = _Jit()
-        _mark_used(where())
-        return jit
+        return _jit()
     try:
         mod = native_module(build=True)
     except (ImportError, OSError) as e:
@@ -292,6 +290,12 @@ def _resolve(choice: str) -> _Native | _Jit:
                            f"available: {why.strip()}")  # fmt: skip
     _log.warning("leanrnn: running numba's JIT kernels; the native ones are not available: %s",
                  why.strip())  # fmt: skip
+    return _jit()
+
+
+def _jit() -> _Jit:
+    """The JIT backend, its build directory's fingerprint marked used (_mark_used: after
+    _Jit(), which picks numba's cache folder)."""
     jit = _Jit()
     _mark_used(where())
     return jit
