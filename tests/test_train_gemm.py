@@ -38,31 +38,39 @@ def gemm(request, monkeypatch):
     ("GRU", {"bidirectional": True, "bias": False}),
     ("RNN", {"num_layers": 2, "bidirectional": True}),
 ])  # fmt: skip
-@pytest.mark.parametrize("chunk_bytes", [None, 3000])
+@pytest.mark.parametrize("path", ["in_place", "packed", "packed_chunks"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, chunk_bytes, recompute,
-                                                       gemm, monkeypatch):  # fmt: skip
+def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, path, recompute, gemm,
+                                                       monkeypatch):  # fmt: skip
     """H = 72 (GRU: 3 x 16 = 48-column weight panels, the last padded), C = 7 and layer inputs
-    of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths; with
-    chunk_bytes a few steps' rows per weight-gradient product (the chunk loop); storing, x^T
-    and h_prev^T are transposed together (G packed once), recomputing one at a time."""
+    of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths. On the
+    native GEMM the weight gradients read x, h_prev and G in place (kernels.gemm
+    .weight_gradient: these rows of G are narrow) or, as wide layers do, packed: then with
+    "packed_chunks" a few steps' rows per product (the chunk loop); storing, x^T and h_prev^T
+    are transposed together (G packed once), recomputing one at a time."""
     if recompute and kw.get("bidirectional"):
         pytest.skip("recompute=True needs a forward stack (the other cases run it)")
-    if chunk_bytes:
-        monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
+    if gemm == "blas" and path != "in_place":
+        pytest.skip("BLAS has one path (the in_place case runs it)")
+    if path != "in_place":
+        monkeypatch.setattr(train_session, "_L1_WAY", 0)
+    if path == "packed_chunks":
+        monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", 3000)
     assert train_session.Trainer(leanrnn.LSTM(3, 4))._native_gemm() == (gemm == "native")
     assert_wide_case_matches_torch(cell, kw, torch.float32, threads=threads, recompute=recompute,
                                    segment=4)  # fmt: skip
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-@pytest.mark.parametrize("chunk_bytes", [5000, 200])
+@pytest.mark.parametrize("chunk_bytes", [None, 5000, 200])
 def test_recompute_equals_storing_to_the_bit_on_the_native_gemm(cell, chunk_bytes, monkeypatch):
-    """Storing transposes x and h_prev together, recomputing one at a time (its plan has room
-    for one): the chunks of rows, and so the sums, are the same (200 bytes: chunks of 2 rows,
-    shorter than a segment's 9)."""
+    """In place (None) and packed: storing transposes x and h_prev together, recomputing one
+    at a time (its plan has room for one): the chunks of rows, and so the sums, are the same
+    (200 bytes: chunks of 2 rows, shorter than a segment's 9)."""
     monkeypatch.setenv(products.ENV_GEMM, "native")
-    monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
+    if chunk_bytes:
+        monkeypatch.setattr(train_session, "_L1_WAY", 0)
+        monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", chunk_bytes)
     rng = np.random.default_rng(0)
     m = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU}[cell](5, 24, num_layers=2, seed=2)
     x = rng.standard_normal((11, 3, 5)).astype(np.float32)
@@ -74,6 +82,37 @@ def test_recompute_equals_storing_to_the_bit_on_the_native_gemm(cell, chunk_byte
         out.append((dx, dh0, tr.grad.buffer.copy()))
     for a, b in zip(*out, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_an_infinite_input_leaves_the_padding_gradients_zero_on_both_paths(cell, monkeypatch):
+    """H = 20 (units 20..31 of each gate pad the 16-unit blocks): an inf in x makes the
+    padding units' gate columns of x^T G NaN (inf times their zero gradients); they stay 0 in
+    the gradient panels in place as packed, and the real gradients agree between the paths,
+    NaN for NaN (the weight gradients' weight_gradient job against packed products)."""
+    monkeypatch.setenv(products.ENV_GEMM, "native")
+    rng = np.random.default_rng(4)
+    m = {"lstm": leanrnn.LSTM, "gru": leanrnn.GRU}[cell](6, 20, seed=5)
+    x = rng.standard_normal((5, 3, 6)).astype(np.float32)
+    x[2, 1, 3] = np.inf
+    grads = []
+    for way in (4096, 0):
+        monkeypatch.setattr(train_session, "_L1_WAY", way)
+        tr = Trainer(m)
+        assert tr._in_place_gradients() == (way > 0)
+        tape = tr.forward(x)
+        tr.backward(tape, np.ones_like(tape.y))
+        gl = tr.grad.layers[0][0]
+        pad = tr._pad_columns()
+        assert pad.size
+        for panels in (gl.Wt, gl.Rt):
+            last = panels[-1][:, pad - (panels.shape[0] - 1) * panels.shape[2]]
+            assert np.array_equal(last, np.zeros_like(last))
+        grads.append(tr.grad.buffer.view(np.float32).copy())
+    a, b = grads
+    assert np.array_equal(np.isnan(a), np.isnan(b)) and np.isnan(a).any()
+    ok = np.isfinite(a) & np.isfinite(b)
+    assert np.abs(a[ok] - b[ok]).max() <= RTOL_GRAD[np.float32] * np.abs(a[ok]).max()
 
 
 def test_accumulation_and_a_switch_of_gemm_between_steps(monkeypatch):

@@ -12,6 +12,10 @@ One intrinsic per panel width (nvec = 1..4 groups of 16 outputs) computes a whol
     C[coff + i*ldc + j] = init + sum_{k<K} A[i*lda + acol + k] * P[poff + k*kstride + j]
     for i0 <= i < i1, j < nvec*16   (flat element offsets into C-contiguous arrays)
 
+    The ``panel_gemm_t`` tiles read A transposed in place, ``A[(acol + k)*lda + i]`` (A's
+    columns are the tile's rows; float panels only): a weight gradient x^T G with x as it
+    lies (kernels.gemm.weight_gradient).
+
     init by ``mode``: 0 → 0;  1 → C's old value (the caller blocks K, so later K slices add
     to the first);  2 → bias[boff + j], the same for every row (the input projection's folded
     bias, added in the tile's final store rather than in a second pass over C).
@@ -51,7 +55,7 @@ def tiles(isa: _cpu.Isa | None = None) -> dict:
 TILES = tiles()
 
 
-def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
+def _codegen(nvec: int, tiles_: dict, bf16: str = "fma", a_trans: bool = False):
     def gen(context, builder, signature, args):
         P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
         dt = signature.args[3].dtype  # A's: the working dtype (P may hold reduced weights)
@@ -121,12 +125,22 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
             return builder.shuffle_vector(builder.insert_element(v, x, ir.Constant(i32, 0)), v,
                                           splat)  # fmt: skip
 
+        def a_at(arow_r, k):
+            """Flat index of input k of the row whose first input is at ``arow_r``: the next
+            element, or with ``a_trans`` the next row of A (A holds the tile's rows as its
+            columns: a weight gradient's x^T read in place, no transposed copy)."""
+            return builder.add(arow_r, builder.mul(k, lda) if a_trans else k)
+
         def rows_block(i, nrows, nsplit, terms=0):
             """Emit C rows i..i+nrows-1 with nsplit accumulator sets per row, one column chunk
             after another (the rows of A stay in L1 across the chunks); ``terms`` 1 or 2: A is
             a split operand of that many bf16 terms, multiplied by vdpbf16ps (dp_loop)."""
-            arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
-                    for r in range(nrows)]  # fmt: skip
+            if a_trans:  # row r's input k at (acol + k) * lda + i + r: see a_at
+                arow = [builder.add(builder.mul(acol, lda), builder.add(i, const(r)))
+                        for r in range(nrows)]  # fmt: skip
+            else:
+                arow = [builder.add(builder.mul(builder.add(i, const(r)), lda), acol)
+                        for r in range(nrows)]  # fmt: skip
             for v0, nv in gemv_chunks if nrows == 1 else chunks:
                 chunk(i, nrows, nsplit, arow, v0, nv, terms)
 
@@ -201,7 +215,7 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
                                  tile.prefetch)  # fmt: skip
                 ws = [load_w(krow, (v0 + v) * lanes) for v in range(nv)]
                 for r in range(nrows):
-                    xv = splat_load(aa, builder.add(arow[r], k))
+                    xv = splat_load(aa, a_at(arow[r], k))
                     for v in range(nv):
                         slot = acc[r * nsplit + s][v]
                         builder.store(builder.call(fma, [xv, ws[v], builder.load(slot)]), slot)
@@ -310,13 +324,14 @@ def _codegen(nvec: int, tiles_: dict, bf16: str = "fma"):
 
 
 def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
-         dot: str | None = None, bf16: str | None = None):  # fmt: skip
+         dot: str | None = None, bf16: str | None = None, a_trans: bool = False):  # fmt: skip
     """The tile intrinsic for panel slices of ``nvec`` groups of 16 columns, on ``tiles_``
     (default TILES) and, for int8-dynamic panels, ``isa``'s integer tile with the dot product
     ``dot`` (default the compiled one, _cpu.int8_dot); bf16 and weight-only int8 panels' rows
     on ``bf16`` ("amx": _bf16amx in whole tiles of 16, "dpbf16": vdpbf16ps, or "fma";
     default _cpu.bf16_dot's).
-    The tests pass others to run every ISA's tile on any machine."""
+    The tests pass others to run every ISA's tile on any machine. ``a_trans``: A is read
+    transposed in place (module docstring; panels and A of the working dtype only)."""
     tiles_ = tiles_ or TILES
     if bf16 == "amx" and _cpu.bf16_dot(_cpu.ISAS["avx512"]) != "amx":  # else SIGILL
         raise ValueError("bf16's AMX block asked for where this process cannot run AMX-BF16")
@@ -334,11 +349,16 @@ def make(nvec: int, tiles_: dict | None = None, isa: _cpu.Isa | None = None,
             return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
         if P.dtype not in _DTYPES and not (P.dtype in WEIGHT_FORMATS and A.dtype == types.float32):
             return None
-        gen = _codegen(nvec, tiles_, bf16 or _cpu.bf16_dot(isa or _cpu.isa()))
+        if a_trans and P.dtype != A.dtype:
+            return None
+        gen = _codegen(nvec, tiles_, bf16 or _cpu.bf16_dot(isa or _cpu.isa()), a_trans)
         return types.void(P, i, i, A, i, i, i, i, i, C, i, i, i, bias, i), gen
 
-    typer.__name__ = f"panel_gemm{nvec}"
+    typer.__name__ = f"panel_gemm{'_t' if a_trans else ''}{nvec}"
     return intrinsic(typer)
 
 
 panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4 = (make(n) for n in (1, 2, 3, 4))
+panel_gemm_t1, panel_gemm_t2, panel_gemm_t3, panel_gemm_t4 = (
+    make(n, a_trans=True) for n in (1, 2, 3, 4)
+)

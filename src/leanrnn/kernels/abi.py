@@ -49,6 +49,11 @@ class Job:
         return [n for n, _ in self.params()]
 
 
+# Rows of G per K slice of a weight-gradient product (gemm.weight_gradient): 256 (the tile's
+# KC on a Zen 5) ran the H=128 LSTM's products 10% slower than 64, 32 and 16 no faster.
+WG_ROWS = 64
+
+
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
 # q: per-thread scratch for int8-dynamic activations, bf16's split ones on AMX and bf16-act's
 # rounded ones (kernels.gemm.operand); [1, 0] otherwise. bf16_act: bf16 panels multiply the
@@ -73,6 +78,9 @@ JOBS = {j.name: j for j in (
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
     Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 sync:L1 {_SCRATCH} parts:i",
         ("input_projection xw=y",)),
+    # dW += x^T G, dR += h^T G into the gradient panels (gemm.weight_gradient), by ticket.
+    Job("weight_gradient", "x:F2 X:i h:F2 Kh:i G:F2 ghn:F2 dW:F3 dR:F3 sync:L1 parts:i",
+        ("weight_gradient",)),
     # The backward step loops of one (layer, direction) over a segment (kernels.backward).
     Job("lstm_back", f"G:F2 c0:F2 cs:F2 dy:F2 y_off:i dh:F2 dc:F2 {_BACK} projd:F2 P:i hf:F2 "
         f"dhs:F2 {_BACK_TAIL}", ("lstm_back",)),

@@ -37,11 +37,21 @@ from numba.extending import intrinsic, overload
 from . import _cpu
 from ._bf16amx import split_rows
 from ._jit import CACHE, inline, kernel
-from ._simd import panel_gemm1, panel_gemm2, panel_gemm3, panel_gemm4
+from ._simd import (
+    panel_gemm1,
+    panel_gemm2,
+    panel_gemm3,
+    panel_gemm4,
+    panel_gemm_t1,
+    panel_gemm_t2,
+    panel_gemm_t3,
+    panel_gemm_t4,
+)
 from ._sync import take, task_done, wait_tasks
 from .abi import (
     CODE_OFFSET,
     SPLIT_PRECISIONS,
+    WG_ROWS,
     B,
     quantized_row_bytes,
     split_min_rows,
@@ -410,5 +420,74 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
                 panel3(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
             else:
                 panel1(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+        task_done(sync)
+    wait_tasks(sync, ntasks)
+
+
+@inline
+def _tgemm(P, pcol, A, i0, i1, M, C, u, ccol, ng):
+    """C[u, i, ccol + j] += sum_{k<M} A[k, i] * P[k, pcol + j] for i0 <= i < i1, j < ng*16:
+    A read transposed and P's columns read as a panel (its rows at P's row stride), both in
+    place, in slices of WG_ROWS rows."""
+    ldp, lda, ldc = P.shape[1], A.shape[1], C.shape[2]
+    cbase = u * C.shape[1] * ldc + ccol
+    for k0 in range(0, M, WG_ROWS):
+        k = min(WG_ROWS, M - k0)
+        poff = k0 * ldp + pcol
+        if ng == 4:
+            panel_gemm_t4(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+        elif ng == 3:
+            panel_gemm_t3(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+        elif ng == 2:
+            panel_gemm_t2(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+        else:
+            panel_gemm_t1(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+
+
+@inline
+def _row_chunk(rows):
+    """Rows of a weight-gradient task: even chunks of at most ROWS, a multiple of ALIGN."""
+    n = (rows + ROWS - 1) // ROWS
+    return ((rows + n - 1) // n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@kernel
+def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, sync):
+    """dW += x^T G and dR += h^T G: the weight gradients of one (layer, direction) over a
+    segment's rows (t*N + n), added straight into their panels. The tile reads x and h
+    transposed in place and a unit block's columns of G as a panel whose rows lie at G's row
+    stride, so nothing is copied: on small layers (train.session._in_place_gradients) the
+    transposes of x and h, the packing of G and the scratch products added into the panels
+    afterwards (engine.products), all serial numpy, were a fifth of the backward.
+
+    x: [M, >=X] the inputs of every row; h: [M, >=Kh] h_prev of every row; G: [M, U*Wd] the
+    gate gradients (packed column order: unit block u's gates are columns u*Wd..); ghn: a
+    GRU's [M, >=U*B] d(R_n h + bR_n), the n gate's columns of dR (the reset gate sits between
+    h and them), else [0, *]; dW: [U, >=X, Wd], dR: [U, >=Kh, Wd] the gradient panels (rows
+    past X and Kh untouched). Tasks (a panel of dW or dR x a chunk of its rows) by ticket from
+    ``sync``; each output is summed over M in one order whatever the thread count."""
+    M = G.shape[0]
+    U, Wd = dW.shape[0], dW.shape[2]
+    ng = Wd // B
+    rx, rh = _row_chunk(X), _row_chunk(Kh)
+    tw = U * ((X + rx - 1) // rx)
+    ntasks = tw + U * ((Kh + rh - 1) // rh)
+    while True:
+        task = take(sync)
+        if task >= ntasks:
+            break
+        if task < tw:
+            u = task % U
+            i0 = (task // U) * rx
+            _tgemm(G, u * Wd, x, i0, min(X, i0 + rx), M, dW, u, 0, ng)
+        else:
+            u = (task - tw) % U
+            i0 = ((task - tw) // U) * rh
+            i1 = min(Kh, i0 + rh)
+            if ghn.shape[0] > 0:  # GRU: z and r from G, n from ghn
+                _tgemm(G, u * Wd, h, i0, i1, M, dR, u, 0, 2)
+                _tgemm(ghn, u * B, h, i0, i1, M, dR, u, 2 * B, 1)
+            else:
+                _tgemm(G, u * Wd, h, i0, i1, M, dR, u, 0, ng)
         task_done(sync)
     wait_tasks(sync, ntasks)

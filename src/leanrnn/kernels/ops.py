@@ -19,12 +19,13 @@ from pathlib import Path
 from . import abi
 from ._jit import kernel
 from .backward import gru_back, lstm_back, rnn_back
-from .gemm import input_projection
+from .gemm import input_projection, weight_gradient
 from .recurrent import gru, lstm, rnn
 
 # The kernels a job may call (abi.Job.calls), by name.
 KERNELS = {"input_projection": input_projection, "lstm": lstm, "gru": gru, "rnn": rnn,
-           "lstm_back": lstm_back, "gru_back": gru_back, "rnn_back": rnn_back}  # fmt: skip
+           "lstm_back": lstm_back, "gru_back": gru_back, "rnn_back": rnn_back,
+           "weight_gradient": weight_gradient}  # fmt: skip
 
 
 def signature(fn) -> list[str]:

@@ -73,7 +73,13 @@ from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena
 from ..memory.planner import Buffer, plan
-from ..threads import PARALLEL_MATMUL_MACS, PARALLEL_MIN_MACS, blas_controller, matmul_pool
+from ..threads import (
+    PACKED_MATMUL_PARALLEL_MACS,
+    PARALLEL_MATMUL_MACS,
+    PARALLEL_MIN_MACS,
+    blas_controller,
+    matmul_pool,
+)
 from .optim import Parameter
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
@@ -96,6 +102,7 @@ _GEMM_OUT_BYTES = 256 << 10
 # On the engine's GEMM (engine.products.gemm_choice), the weight gradients go over chunks of
 # the steps' rows: x^T (or h_prev^T) of a chunk transposed into at most this many bytes.
 _GEMM_AT_BYTES = 4 << 20
+_L1_WAY = 4096  # bytes of one way of an L1 data cache: 64 sets of 64-byte lines
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -711,15 +718,17 @@ class Trainer:
             # one per thread
             add("gw", (self._threads(), self._gemm_rows() * self._gemm_cols()), 2, end)
             return bufs, shapes
-        # on the engine's GEMM (_native_products): one output of whole 64-column panels, the
-        # packed columns of G and the transposed rows of a chunk of steps; dx's last panel
-        cols = -(-self._gemm_cols() // PANEL) * PANEL
-        kc = self._gemm_chunk(RN)
-        add("gw", (1, self._gemm_rows() * cols), 2, end)
-        add("gpk", (cols * kc,), 2, end)
-        # both transposes at once (G packed once for dW and dR) but in a recomputing step's
-        # small plan, where one at a time keeps its scratch at 1 MB instead of 3 (H=512)
-        add("gat", ((self._gemm_rows() + (0 if recompute else K)) * kc,), 2, end)
+        if not self._in_place_gradients():
+            # packed (_packed_gradients): one output of whole 64-column panels, the packed
+            # columns of G and the transposed rows of a chunk of steps
+            cols = -(-self._gemm_cols() // PANEL) * PANEL
+            kc = self._gemm_chunk(RN)
+            add("gw", (1, self._gemm_rows() * cols), 2, end)
+            add("gpk", (cols * kc,), 2, end)
+            # both transposes at once (G packed once for dW and dR) but in a recomputing
+            # step's small plan, where one at a time keeps its scratch at 1 MB instead of 3
+            add("gat", ((self._gemm_rows() + (0 if recompute else K)) * kc,), 2, end)
+        # dx's last panel
         if any(spec.layer_input_size(layer) % PANEL for layer in range(L)):
             add("dxt", (RN, PANEL), 2, end)
         return bufs, shapes
@@ -1113,13 +1122,53 @@ class Trainer:
         self._team(job, threads)
 
     def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part) -> None:
-        """The weight gradients and dx of ``_backward_op`` on the engine's GEMM, the kernel
-        team splitting each product (engine.products.packed_product): dW += x^T G and
-        dR += h_prev^T G (GRU: R_n's columns from ghn) over chunks of the steps' rows, x^T and
-        h_prev^T of a chunk transposed into "gat", G's columns a few panels at a time packed
-        into "gpk" once for both products; or, where "gat" has room for one (a recomputing
-        step's plan: both took its scratch from 1 to 3 MB at H=512), one transpose at a time,
-        G packed for each. Then dx = G Wd on Wd's packed columns."""
+        """The weight gradients and dx of ``_backward_op`` on the engine's GEMM tile, on the
+        kernel team: dW += x^T G and dR += h_prev^T G (GRU: R_n's columns from ghn), on small
+        layers by the weight_gradient job, which reads x, h_prev and G where they lie and
+        adds into the gradient panels, else by _packed_gradients; then dx = G Wd on Wd's
+        packed columns (engine.products)."""
+        threads, sync = self._threads(), self._sync
+        TN = G.shape[0]
+        if self._in_place_gradients():
+            X, K = xin.shape[1], hprev.shape[1]
+            macs = TN * G.shape[1] * (X + K)
+            parts = threads if macs >= PACKED_MATMUL_PARALLEL_MACS else 1
+            sync[:] = 0
+            call = abi.Call("weight_gradient", ("parts",), x=xin, X=X, h=hprev, Kh=K, G=G,
+                            ghn=G[:0] if ghn is None else ghn, dW=gl.Wt, dR=gl.Rt,
+                            sync=sync)  # fmt: skip
+            runner.run("weight_gradient", call.bind(parts=parts), parts)
+            pad = self._pad_columns()
+            if pad.size:  # an inf in x or h_prev made the padding units' columns NaN: keep 0
+                Wd = gl.Wt.shape[2]
+                for panels in (gl.Wt, gl.Rt):
+                    panels[-1][:, pad - (panels.shape[0] - 1) * Wd] = 0
+        else:
+            self._packed_gradients(gl, xin, hprev, G, ghn, mem)
+        if dxin is None:
+            return  # input_grad=False: the layer below is the caller's input
+        tail = mem["dxt"][:TN] if "dxt" in mem else None  # (dx's rows: whole rows of its plan)
+        packed_product(Wp, G, dxin if part is None else part, tail, threads, sync)
+        if part is not None:
+            dxin += part
+
+    def _in_place_gradients(self) -> bool:
+        """Whether the weight gradients read G in place (kernels.gemm.weight_gradient): while
+        a row of G is at most one way of L1 (64 sets of 64 bytes on every x86 core), so that
+        the rows of a panel slice fall in different sets. Wider (LSTM H=512, 8 KiB rows) every
+        row of the slice took the same 4 sets and the products ran 25% slower than packing
+        them (Zen 5); narrower (H=128) the in-place products cut the backward by 10-25%, the
+        transposes, packing and adds in numpy being serial."""
+        return self.weights.Gp * self.dtype.itemsize <= _L1_WAY
+
+    def _packed_gradients(self, gl, xin, hprev, G, ghn, mem) -> None:
+        """dW += x^T G and dR += h_prev^T G (GRU: R_n's columns from ghn) on wide layers
+        (_in_place_gradients), the kernel team splitting each product
+        (engine.products.packed_product) over chunks of the steps' rows: x^T and h_prev^T of
+        a chunk transposed into "gat", G's columns a few panels at a time packed into "gpk"
+        once for both products; or, where "gat" has room for one (a recomputing step's plan:
+        both took its scratch from 1 to 3 MB at H=512), one transpose at a time, G packed for
+        each."""
         U, _, Wd = gl.Wt.shape
         B = self.weights.B
         TN = G.shape[0]
@@ -1163,12 +1212,6 @@ class Trainer:
                         out = gw[: rows * npan * PANEL].reshape(rows, npan * PANEL)
                         packed_product(pm, at, out, None, threads, sync)
                         _add_to_panels(panels, u0, u1, out[:, :ncols], pad)
-        if dxin is None:
-            return  # input_grad=False: the layer below is the caller's input
-        tail = mem["dxt"][:TN] if "dxt" in mem else None  # (dx's rows: whole rows of its plan)
-        packed_product(Wp, G, dxin if part is None else part, tail, threads, sync)
-        if part is not None:
-            dxin += part
 
     def _threads(self) -> int:
         return config.threads_for(self.threads)
