@@ -38,9 +38,11 @@ def gemm(request, monkeypatch):
     ("GRU", {"bidirectional": True, "bias": False}),
     ("RNN", {"num_layers": 2, "bidirectional": True}),
 ])  # fmt: skip
-@pytest.mark.parametrize("path", ["in_place", "packed", "packed_chunks"])
+@pytest.mark.parametrize(("gemm", "path"), [
+    ("native", "in_place"), ("native", "packed"), ("native", "packed_chunks"), ("blas", None),
+])  # fmt: skip
 @pytest.mark.parametrize("recompute", [False, True])
-def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, path, recompute, gemm,
+def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, gemm, path, recompute,
                                                        monkeypatch):  # fmt: skip
     """H = 72 (GRU: 3 x 16 = 48-column weight panels, the last padded), C = 7 and layer inputs
     of 144 (dx's last 64-column panel through the tail), N = 30 with ragged lengths. On the
@@ -50,9 +52,8 @@ def test_float32_gradients_match_torch_on_either_gemm(cell, kw, threads, path, r
     are transposed together (G packed once), recomputing one at a time."""
     if recompute and kw.get("bidirectional"):
         pytest.skip("recompute=True needs a forward stack (the other cases run it)")
-    if gemm == "blas" and path != "in_place":
-        pytest.skip("BLAS has one path (the in_place case runs it)")
-    if path != "in_place":
+    monkeypatch.setenv(products.ENV_GEMM, gemm)
+    if path in ("packed", "packed_chunks"):
         monkeypatch.setattr(train_session, "_L1_WAY", 0)
     if path == "packed_chunks":
         monkeypatch.setattr(train_session, "_GEMM_AT_BYTES", 3000)
