@@ -105,6 +105,40 @@ def _lstm_c_ov(G, gr, gc, cp, pr, pc, cs, sr, sc):
     return loop
 
 
+def block_add(out, orow, ocol, a, ar, ac, b, br, bc):  # pragma: no cover
+    """out[orow, ocol:+B] = a[ar, ac:+B] + b[br, bc:+B]."""
+    raise NotImplementedError("numba-only")
+
+
+@intrinsic
+def _block_add_f32(typingctx, out, orow, ocol, a, ar, ac, b, br, bc):
+    if not _f32(out, a, b):
+        return None
+    i = types.intp
+
+    def gen(context, builder, sig, args):
+        v = _Vec(context, builder, sig, args)
+        v.store(v.add(v.load(3), v.load(6)), 0)
+        return context.get_dummy_value()
+
+    return types.void(out, i, i, a, i, i, b, i, i), gen
+
+
+@overload(block_add, inline="always")
+def _block_add_ov(out, orow, ocol, a, ar, ac, b, br, bc):
+    """float32 as one vector add: as a loop LLVM left it 16 scalar adds, each reloading the
+    strides (it cannot tell out from a and b), 9% of an LSTM H=128 backward step loop."""
+    if _f32(out, a, b):
+        return lambda out, orow, ocol, a, ar, ac, b, br, bc: _block_add_f32(
+            out, orow, ocol, a, ar, ac, b, br, bc)  # fmt: skip
+
+    def loop(out, orow, ocol, a, ar, ac, b, br, bc):
+        for j in range(B):
+            out[orow, ocol + j] = a[ar, ac + j] + b[br, bc + j]
+
+    return loop
+
+
 def lstm_cell_back(G, gr, gc, cs, sr, sc, cp, pr, pc, dgs, dr, dcol, dc, cr, cc, hf, hr, hc,
                    keep):  # pragma: no cover  # fmt: skip
     """One block's LSTM backward: G[gr, gc:+4B] activated gates -> gate gradients (also into
@@ -307,9 +341,8 @@ def _zero(a, row, start, length, zero):
 @inline
 def _dh_in(tmp, n, col, dh, dy, row, y_off, c0, K, zero):
     """tmp[n, col:col+B] = dh[n, c0:c0+B] + dy[row, y_off+c0 : ...] (0 past K, the padding)."""
-    if c0 + B <= K:  # a whole block: a constant trip count, so one vector pass
-        for j in range(B):
-            tmp[n, col + j] = dh[n, c0 + j] + dy[row, y_off + c0 + j]
+    if c0 + B <= K:  # a whole block
+        block_add(tmp, n, col, dh, n, c0, dy, row, y_off + c0)
     else:
         for j in range(B):
             tmp[n, col + j] = dh[n, c0 + j] + dy[row, y_off + c0 + j] if c0 + j < K else zero
