@@ -45,7 +45,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-from ._cells import _Vec
+from ._cells import _Vec, block_add
 from ._jit import inline, kernel
 from ._math import tanh_
 from ._sync import ALIGN, claim, end_phase, finish, share
@@ -101,40 +101,6 @@ def _lstm_c_ov(G, gr, gc, cp, pr, pc, cs, sr, sc):
             f = G[gr, gc + B + j]
             g = G[gr, gc + 2 * B + j]
             cs[sr, sc + j] = f * cp[pr, pc + j] + i * g
-
-    return loop
-
-
-def block_add(out, orow, ocol, a, ar, ac, b, br, bc):  # pragma: no cover
-    """out[orow, ocol:+B] = a[ar, ac:+B] + b[br, bc:+B]."""
-    raise NotImplementedError("numba-only")
-
-
-@intrinsic
-def _block_add_f32(typingctx, out, orow, ocol, a, ar, ac, b, br, bc):
-    if not _f32(out, a, b):
-        return None
-    i = types.intp
-
-    def gen(context, builder, sig, args):
-        v = _Vec(context, builder, sig, args)
-        v.store(v.add(v.load(3), v.load(6)), 0)
-        return context.get_dummy_value()
-
-    return types.void(out, i, i, a, i, i, b, i, i), gen
-
-
-@overload(block_add, inline="always")
-def _block_add_ov(out, orow, ocol, a, ar, ac, b, br, bc):
-    """float32 as one vector add: as a loop LLVM left it 16 scalar adds, each reloading the
-    strides (it cannot tell out from a and b), 9% of an LSTM H=128 backward step loop."""
-    if _f32(out, a, b):
-        return lambda out, orow, ocol, a, ar, ac, b, br, bc: _block_add_f32(
-            out, orow, ocol, a, ar, ac, b, br, bc)  # fmt: skip
-
-    def loop(out, orow, ocol, a, ar, ac, b, br, bc):
-        for j in range(B):
-            out[orow, ocol + j] = a[ar, ac + j] + b[br, bc + j]
 
     return loop
 

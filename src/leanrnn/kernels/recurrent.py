@@ -62,7 +62,14 @@ No argument may alias another.
 
 from __future__ import annotations
 
-from ._cells import gru_update, gru_update_keep, lstm_update, lstm_update_keep, rnn_update
+from ._cells import (
+    block_copy,
+    gru_update,
+    gru_update_keep,
+    lstm_update,
+    lstm_update_keep,
+    rnn_update,
+)
 from ._ir import prefetch_l2
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
@@ -170,9 +177,8 @@ def _put(slotted, slot, h_store, hn, n, c0, K, s, lengths):
 @inline
 def _emit(hn, n, c0, y, yr, y_off, K):
     """Copy the block's new h (its real units only) into output row yr."""
-    if c0 + B <= K:  # a whole block: a constant trip count, so one vector copy
-        for j in range(B):
-            y[yr, y_off + c0 + j] = hn[n, c0 + j]
+    if c0 + B <= K:  # a whole block
+        block_copy(y, yr, y_off + c0, hn, n, c0)
     else:
         for j in range(K - c0):
             y[yr, y_off + c0 + j] = hn[n, c0 + j]
