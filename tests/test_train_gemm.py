@@ -249,3 +249,17 @@ def test_leanrnn_torch_gradients_on_either_gemm(gemm, threads):
     for (name, p), q in zip(ref.named_parameters(), mine.parameters(), strict=True):
         err = (p.grad - q.grad).abs().max() / p.grad.abs().max()
         assert err <= RTOL_GRAD[np.float32], name
+
+
+@pytest.mark.parametrize(("K", "M"), [(7, 64), (33, 100), (5, 1), (16, 129)])
+def test_packed_matmul_of_lays_out_columns_and_zero_padding(K, M):
+    """PackedMatmul.of(B): panel p's row k holds B[k, 64p : 64p + 64], and the last panel's
+    slots past M are zero (whatever the fresh memory held), so a product of them is 0."""
+    rng = np.random.default_rng(K * M)
+    B = rng.standard_normal((K, M)).astype(np.float32)
+    pm = PackedMatmul.of(B)
+    U = -(-M // PANEL)
+    assert pm.W.shape == (U, K, PANEL) and pm.M == M
+    want = np.zeros((K, U * PANEL), np.float32)
+    want[:, :M] = B
+    assert np.array_equal(pm.W.transpose(1, 0, 2).reshape(K, U * PANEL), want)
