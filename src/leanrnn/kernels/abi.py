@@ -49,11 +49,6 @@ class Job:
         return [n for n, _ in self.params()]
 
 
-# Rows of G per K slice of a weight-gradient product (gemm.weight_gradient): 256 (the tile's
-# KC on a Zen 5) ran the H=128 LSTM's products 10% slower than 64, 32 and 16 no faster.
-WG_ROWS = 64
-
-
 _RECURRENCE = "xw:F2 xw_bf_T:i Rt:F3 K:i"  # every recurrence's arguments after the projection's
 # q: per-thread scratch for int8-dynamic activations, bf16's split ones on AMX and bf16-act's
 # rounded ones (kernels.gemm.operand); [1, 0] otherwise. bf16_act: bf16 panels multiply the

@@ -51,7 +51,6 @@ from ._sync import take, task_done, wait_tasks
 from .abi import (
     CODE_OFFSET,
     SPLIT_PRECISIONS,
-    WG_ROWS,
     B,
     quantized_row_bytes,
     split_min_rows,
@@ -424,6 +423,11 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     wait_tasks(sync, ntasks)
 
 
+# Rows of G per K slice of a weight-gradient product (weight_gradient): 256 (KC on a Zen 5)
+# ran the H=128 LSTM's products 10% slower than 64; 32 and 16 were no faster than 64.
+WG_ROWS = 64
+
+
 @inline
 def _tgemm(P, pcol, A, i0, i1, M, C, u, ccol, ng):
     """C[u, i, ccol + j] += sum_{k<M} A[k, i] * P[k, pcol + j] for i0 <= i < i1, j < ng*16:
@@ -456,9 +460,9 @@ def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, sync):
     """dW += x^T G and dR += h^T G: the weight gradients of one (layer, direction) over a
     segment's rows (t*N + n), added straight into their panels. The tile reads x and h
     transposed in place and a unit block's columns of G as a panel whose rows lie at G's row
-    stride, so nothing is copied: on small layers (train.session._in_place_gradients) the
-    transposes of x and h, the packing of G and the scratch products added into the panels
-    afterwards (engine.products), all serial numpy, were a fifth of the backward.
+    stride, so nothing is copied: for small layers (the trainer picks them) the transposes of
+    x and h, the packing of G and the scratch products added into the panels afterwards
+    (engine.products), all serial numpy, were a fifth of the backward.
 
     x: [M, >=X] the inputs of every row; h: [M, >=Kh] h_prev of every row; G: [M, U*Wd] the
     gate gradients (packed column order: unit block u's gates are columns u*Wd..); ghn: a
