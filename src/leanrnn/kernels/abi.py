@@ -73,8 +73,10 @@ JOBS = {j.name: j for j in (
     # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
     Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 sync:L1 {_SCRATCH} parts:i",
         ("input_projection xw=y",)),
-    # dW += x^T G, dR += h^T G into the gradient panels (gemm.weight_gradient), by ticket.
-    Job("weight_gradient", "x:F2 X:i h:F2 Kh:i G:F2 ghn:F2 dW:F3 dR:F3 sync:L1 parts:i",
+    # dW += x^T G, dR += h^T G into the gradient panels, and the biases' column sums
+    # (gemm.weight_gradient), by ticket.
+    Job("weight_gradient", "x:F2 X:i h:F2 Kh:i G:F2 ghn:F2 dW:F3 dR:F3 bW:F2 bR:F2 sync:L1 "
+        "parts:i",
         ("weight_gradient",)),
     # The backward step loops of one (layer, direction) over a segment (kernels.backward).
     Job("lstm_back", f"G:F2 c0:F2 cs:F2 dy:F2 y_off:i dh:F2 dc:F2 {_BACK} projd:F2 P:i hf:F2 "

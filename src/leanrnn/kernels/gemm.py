@@ -36,6 +36,7 @@ from numba.extending import intrinsic, overload
 
 from . import _cpu
 from ._bf16amx import split_rows
+from ._cells import block_add
 from ._jit import CACHE, inline, kernel
 from ._simd import (
     panel_gemm1,
@@ -455,8 +456,17 @@ def _row_chunk(rows):
     return ((rows + n - 1) // n + ALIGN - 1) // ALIGN * ALIGN
 
 
+@inline
+def _column_sums(P, pcol, ng, M, out, ocol):
+    """out[0, ocol + j] += sum_{k<M} P[k, pcol + j], j < ng*16 (a bias's gradient), k in
+    order."""
+    for k in range(M):
+        for v in range(ng):
+            block_add(out, 0, ocol + v * B, out, 0, ocol + v * B, P, k, pcol + v * B)
+
+
 @kernel
-def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, sync):
+def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, bW, bR, sync):
     """dW += x^T G and dR += h^T G: the weight gradients of one (layer, direction) over a
     segment's rows (t*N + n), added straight into their panels. The tile reads x and h
     transposed in place and a unit block's columns of G as a panel whose rows lie at G's row
@@ -468,8 +478,10 @@ def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, sync):
     gate gradients (packed column order: unit block u's gates are columns u*Wd..); ghn: a
     GRU's [M, >=U*B] d(R_n h + bR_n), the n gate's columns of dR (the reset gate sits between
     h and them), else [0, *]; dW: [U, >=X, Wd], dR: [U, >=Kh, Wd] the gradient panels (rows
-    past X and Kh untouched). Tasks (a panel of dW or dR x a chunk of its rows) by ticket from
-    ``sync``; each output is summed over M in one order whatever the thread count."""
+    past X and Kh untouched); bW, bR: [1, U*Wd] the bias gradients, += G's column sums (GRU's
+    bR n columns: ghn's), or [1, 0] for none. Tasks (a panel of dW or dR x a chunk of its
+    rows, the first chunk adding its panel's bias sums) by ticket from ``sync``; each output
+    is summed over M in one order whatever the thread count."""
     M = G.shape[0]
     U, Wd = dW.shape[0], dW.shape[2]
     ng = Wd // B
@@ -484,14 +496,22 @@ def weight_gradient(x, X, h, Kh, G, ghn, dW, dR, sync):
             u = task % U
             i0 = (task // U) * rx
             _tgemm(G, u * Wd, x, i0, min(X, i0 + rx), M, dW, u, 0, ng)
+            if i0 == 0 and bW.shape[1] > 0:
+                _column_sums(G, u * Wd, ng, M, bW, u * Wd)
         else:
             u = (task - tw) % U
             i0 = ((task - tw) // U) * rh
             i1 = min(Kh, i0 + rh)
+            bias = i0 == 0 and bR.shape[1] > 0
             if ghn.shape[0] > 0:  # GRU: z and r from G, n from ghn
                 _tgemm(G, u * Wd, h, i0, i1, M, dR, u, 0, 2)
                 _tgemm(ghn, u * B, h, i0, i1, M, dR, u, 2 * B, 1)
+                if bias:
+                    _column_sums(G, u * Wd, 2, M, bR, u * Wd)
+                    _column_sums(ghn, u * B, 1, M, bR, u * Wd + 2 * B)
             else:
                 _tgemm(G, u * Wd, h, i0, i1, M, dR, u, 0, ng)
+                if bias:
+                    _column_sums(G, u * Wd, ng, M, bR, u * Wd)
         task_done(sync)
     wait_tasks(sync, ntasks)

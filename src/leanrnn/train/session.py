@@ -1079,7 +1079,8 @@ class Trainer:
                 dproj = mem[f"dhs.{layer}"][:TN].T @ mem[f"hf.{layer}"][:TN, :H]  # [P, H]
                 _add_proj(gl.proj, dproj)
         dh[k] = dhk[:, :K]
-        if spec.bias:
+        in_place = self._native_gemm() and self._in_place_gradients()
+        if spec.bias and not in_place:  # (in place: the weight_gradient job sums them)
             B = self.weights.B
             gsum = G.sum(axis=0)
             gl.bW += gsum
@@ -1125,7 +1126,8 @@ class Trainer:
         """The weight gradients and dx of ``_backward_op`` on the engine's GEMM tile, on the
         kernel team: dW += x^T G and dR += h_prev^T G (GRU: R_n's columns from ghn), on small
         layers by the weight_gradient job, which reads x, h_prev and G where they lie and
-        adds into the gradient panels, else by _packed_gradients; then dx = G Wd on Wd's
+        adds into the gradient panels (and G's column sums into the bias gradients: one
+        serial numpy pass less), else by _packed_gradients; then dx = G Wd on Wd's
         packed columns (engine.products)."""
         threads, sync = self._threads(), self._sync
         TN = G.shape[0]
@@ -1134,9 +1136,11 @@ class Trainer:
             macs = TN * G.shape[1] * (X + K)
             parts = threads if macs >= PACKED_MATMUL_PARALLEL_MACS else 1
             sync[:] = 0
+            nob = G[:1, :0]
+            bW, bR = (gl.bW[None], gl.bR[None]) if self.spec.bias else (nob, nob)
             call = abi.Call("weight_gradient", ("parts",), x=xin, X=X, h=hprev, Kh=K, G=G,
-                            ghn=G[:0] if ghn is None else ghn, dW=gl.Wt, dR=gl.Rt,
-                            sync=sync)  # fmt: skip
+                            ghn=G[:0] if ghn is None else ghn, dW=gl.Wt, dR=gl.Rt, bW=bW,
+                            bR=bR, sync=sync)  # fmt: skip
             runner.run("weight_gradient", call.bind(parts=parts), parts)
             pad = self._pad_columns()
             if pad.size:  # an inf in x or h_prev made the padding units' columns NaN: keep 0
