@@ -431,7 +431,11 @@ class Trainer:
             )
         else:
             xt = x.reshape(T * N, C)
-        y = np.empty((T * N, D * K), dt)
+        # a forward stack's output has one row block in front: backward writes the initial
+        # state there, and then h_prev of the top layer is a view (no copy of y per backward)
+        pre = N if spec.direction == "forward" else 0
+        yfull = np.empty((pre + T * N, D * K), dt)
+        y = yfull[pre:]
         h_n = np.empty((L * D, N, K), dt)
         c_n = np.empty((L * D, N, H), dt) if spec.cell == "lstm" else None
         hs = np.zeros((L * D, N, K), dt) if h0 is None else h0.copy()
@@ -440,8 +444,8 @@ class Trainer:
         # boundary states (untouched pages of it cost nothing)
         dx = np.empty((T * N, C), dt)
         saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks, x=xt,
-                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, dx=dx,
-                     autocast=mode)  # fmt: skip
+                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, yfull=yfull,
+                     dx=dx, autocast=mode)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
         ckh, ckc = self._boundaries(dx, T, N, S)
@@ -681,8 +685,8 @@ class Trainer:
                 add(f"dy.{layer}", (RN, D * K), ops(layer + 1)[2] if D == 1 else first(layer + 1),
                     loop if D == 1 else dx)  # fmt: skip
             if pre and layer == L - 1:
-                # the top layer's h_prev: the replay's output, or a copy of y one block down
-                add("ytop", (pre + RN, K), 1 if recompute else loop, gemm)
+                if recompute:  # the top layer's h_prev in a replay: its output, one block down
+                    add("ytop", (pre + RN, K), 1, gemm)
             elif not pre:
                 add(f"hprev.{layer}", (RN, K), loop, gemm)
             if lstm:
@@ -991,12 +995,17 @@ class Trainer:
                 ylay = sv["y"][s0 * N : s1 * N] if top else mem[f"y.{layer}"][off : off + TN]
             elif not top:
                 hprev = mem[f"y.{layer}"][off : off + TN]  # one block up: see _buffers
+            elif replayed:
+                hprev = mem["ytop"][:TN]  # the replay's output, one block up
             else:
-                hb = mem["ytop"]
-                if not replayed:  # the replay wrote ytop; else the output is the caller's y
-                    hb[:N] = h0s[layer]
-                    hb[N:TN] = sv["y"][s0 * N : s1 * N - N]
-                hprev = hb[:TN]
+                # the forward's y, one block up: the row block in front of a segment is the
+                # state it started from (the step before it; y's block in front of step 0,
+                # written here). A sample past its length there has y's zeros where its
+                # state stayed: its rows of G are zero.
+                yfull = sv["yfull"]
+                if s0 == 0:
+                    yfull[:N] = h0s[layer]
+                hprev = yfull[s0 * N : s1 * N]
             if layer == 0:
                 xin = sv["x"][s0 * N : s1 * N]
                 dxin = dx[s0 * N : s1 * N] if dx is not None else None
