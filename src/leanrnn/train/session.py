@@ -433,7 +433,7 @@ class Trainer:
             xt = x.reshape(T * N, C)
         # a forward stack's output has one row block in front: backward writes the initial
         # state there, and then h_prev of the top layer is a view (no copy of y per backward)
-        pre = N if spec.direction == "forward" else 0
+        pre = _front_rows(spec, N)
         yfull = np.empty((pre + T * N, D * K), dt)
         y = yfull[pre:]
         h_n = np.empty((L * D, N, K), dt)
@@ -642,7 +642,7 @@ class Trainer:
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         R = S if recompute else T  # rows of steps the per-layer buffers hold
         RN = R * N
-        pre = N if spec.direction == "forward" else 0
+        pre = _front_rows(spec, N)
         lstm, gru, P = spec.cell == "lstm", spec.cell == "gru", spec.proj_size
         end = len(self._ops()) - 1
         bufs: list[Buffer] = []
@@ -839,7 +839,7 @@ class Trainer:
         L, D, K = spec.num_layers, spec.num_directions, spec.output_size
         T = s1 - s0
         TN = T * N
-        pre = N if spec.direction == "forward" else 0
+        pre = _front_rows(spec, N)
         seg_lens = np.clip(lens - s0, 0, T).astype(np.int64)
         parts = self._parts(N)
         for layer in range(L):
@@ -984,7 +984,7 @@ class Trainer:
         lens = np.clip(sv["lens"] - s0, 0, T).astype(np.int64)
         # rows of this segment in buffers that hold every step (not recomputing) or only it
         off = 0 if recompute else s0 * N
-        pre = N if spec.direction == "forward" else 0
+        pre = _front_rows(spec, N)
         masks = sv["masks"]
         for layer in reversed(range(L)):
             top = layer == L - 1
@@ -1088,7 +1088,8 @@ class Trainer:
                 dproj = mem[f"dhs.{layer}"][:TN].T @ mem[f"hf.{layer}"][:TN, :H]  # [P, H]
                 _add_proj(gl.proj, dproj)
         dh[k] = dhk[:, :K]
-        in_place = self._native_gemm() and self._in_place_gradients()
+        native = self._native_gemm()
+        in_place = native and self._in_place_gradients()
         if spec.bias and not in_place:  # (in place: the weight_gradient job sums them)
             B = self.weights.B
             gsum = G.sum(axis=0)
@@ -1100,9 +1101,9 @@ class Trainer:
         # costs a scheduler slice on a loaded machine, and this runs once per segment);
         # direction 0 writes dx, direction 1 adds its part through a planned scratch
         part = mem[f"dxd.{layer}"][:TN] if dxin is not None and d == 1 else None
-        if self._native_gemm():
+        if native:
             self._native_products(gl, xin, hprev, G, ghn, mem, Wp or PackedMatmul.of(Wd), dxin,
-                                  part)  # fmt: skip
+                                  part, in_place)  # fmt: skip
             return
         gw = mem["gw"]
         matmul = self.matmul or np.matmul
@@ -1131,16 +1132,16 @@ class Trainer:
         threads = 1 if one_call else min(self._threads(), gw.shape[0], TN)
         self._team(job, threads)
 
-    def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part) -> None:
+    def _native_products(self, gl, xin, hprev, G, ghn, mem, Wp, dxin, part, in_place) -> None:
         """The weight gradients and dx of ``_backward_op`` on the engine's GEMM tile, on the
         kernel team: dW += x^T G and dR += h_prev^T G (GRU: R_n's columns from ghn), on small
-        layers by the weight_gradient job, which reads x, h_prev and G where they lie and
-        adds into the gradient panels (and G's column sums into the bias gradients: one
-        serial numpy pass less), else by _packed_gradients; then dx = G Wd on Wd's
-        packed columns (engine.products)."""
+        layers (``in_place``: _in_place_gradients) by the weight_gradient job, which reads
+        x, h_prev and G where they lie and adds into the gradient panels (and G's column sums
+        into the bias gradients: one serial numpy pass less), else by _packed_gradients; then
+        dx = G Wd on Wd's packed columns (engine.products)."""
         threads, sync = self._threads(), self._sync
         TN = G.shape[0]
-        if self._in_place_gradients():
+        if in_place:
             X, K = xin.shape[1], hprev.shape[1]
             macs = TN * G.shape[1] * (X + K)
             parts = threads if macs >= PACKED_MATMUL_PARALLEL_MACS else 1
@@ -1289,6 +1290,13 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+def _front_rows(spec, N: int) -> int:
+    """Rows in front of a layer's outputs in a forward stack (the row block of the state it
+    started from, so that h_prev of every row is a view one block up); 0 with a reverse
+    direction. Forward, the plan and backward lay their buffers out by it."""
+    return N if spec.direction == "forward" else 0
 
 
 def _add_to_panels(panels: np.ndarray, u0: int, u1: int, out: np.ndarray, pad) -> None:
