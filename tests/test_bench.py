@@ -292,17 +292,65 @@ def test_rounds_report_the_median_process_and_never_hide_a_failure():
     assert {r["engine"]: r["status"] for r in rows} == {"a": "mismatch", "b": "ok"}
 
 
+@pytest.mark.parametrize("interleave", [0, 3])
+def test_interleaved_turns_alternate_between_the_engines(tmp_path, interleave):
+    """With interleave K, every engine's turn k starts before any engine's turn k + 1 and the
+    order rotates (a slow spell of the machine then lands on every engine alike); each turn
+    adds its samples; with 0, one process after another, no turns. Both keep the rows' checks
+    and figures."""
+    engines = ("leanrnn", "numpy-naive", "numpy-prealloc")
+    opts = tiny(tmp_path, engines, cells=("lstm",), stream_steps=0, interleave=interleave,
+                memray=False, repeats=6)  # fmt: skip
+    rows = run_suite(opts, progress=False)["rows"]
+    assert [r["engine"] for r in rows] == list(engines)
+    for r in rows:
+        assert r["status"] == "ok", (r["engine"], r.get("reason"))
+        assert len(r["timing"]["turns"]) == interleave
+        assert len(r["timing"]["samples_s"]) >= (2 * interleave or opts.min_repeats)
+        assert r["background_cores"] >= 0 and r["memory"]["cold_peak"] > 0
+    if interleave:
+        turns = [r["timing"]["turns"] for r in rows]
+        for k in range(interleave - 1):
+            assert max(t[k] for t in turns) < min(t[k + 1] for t in turns)
+        firsts = [min(range(len(rows)), key=lambda i, k=k: turns[i][k]) for k in range(interleave)]
+        assert firsts == [0, 1, 2]  # turn k opens with engine k (rotated)
+
+
+def test_an_interleaved_child_that_dies_is_an_error_row_and_the_others_finish(tmp_path):
+    """A child lost between turns (killed: a crash, the OOM killer) gives its row an error that
+    says how it exited; the other engines' turns and rows go on."""
+    from leanrnn.bench import harness
+
+    real_tell = harness._Child.tell
+
+    def tell(self, line):  # the numpy-naive child dies as its second turn is asked for
+        self.turns_asked = getattr(self, "turns_asked", 0) + 1
+        if self.turns_asked == 2 and "naive" in (self.result.parent / "job.json").read_text():
+            self.proc.kill()
+            self.proc.wait()
+        return real_tell(self, line)
+
+    opts = tiny(tmp_path, ("leanrnn", "numpy-naive"), cells=("lstm",), stream_steps=0,
+                interleave=3, memray=False)  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness._Child, "tell", tell)
+        rows = {r["engine"]: r for r in run_suite(opts, progress=False)["rows"]}
+    assert rows["leanrnn"]["status"] == "ok" and len(rows["leanrnn"]["timing"]["turns"]) == 3
+    assert rows["numpy-naive"]["status"] == "error"
+    assert "child exited -9" in rows["numpy-naive"]["reason"]
+
+
 # ------------------------------------------------------------- progress and the memory plot
 def test_progress_off_a_terminal_is_one_plain_line_per_finished_row(tmp_path, monkeypatch, capsys):
     """Redirected to a file, a redrawn bar left only its last truncated frame: each finished
     row must be its own line (stderr under capsys is not a terminal)."""
     from leanrnn.bench import harness
 
-    def fake_row(opts, cfg, name, files, unavailable):
-        return {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "status": "ok",
-                "timing": {"median_s": 0.0015}}  # fmt: skip
+    def measured(jobs, *args):
+        return {name: {"ok": True, "verify": {"ok": True}, "timing": {"median_s": 0.0015}}
+                for name in jobs}  # fmt: skip
 
-    monkeypatch.setattr(harness, "_row", fake_row)
+    monkeypatch.setattr(harness, "interleaved", measured)
     monkeypatch.setattr(harness, "machine_info", lambda: {})
     opts = tiny(tmp_path, ["numpy-naive"])  # 2 cells x (one shape + streaming) = 4 rows
     harness.run_suite(opts, progress=True)

@@ -102,6 +102,12 @@ def register(subparsers) -> None:
         type=positive_int,
         help="processes per row, interleaved in time; the median one is reported (default 1)",
     )
+    p.add_argument(
+        "--interleave",
+        type=nonnegative_int,
+        help="turns in which a config's engines take their samples, interleaved in time, "
+        "their processes alive together; 0: one process after another (default 5)",
+    )
     p.add_argument("--timeout", type=positive_float, help="seconds before a row's child is killed")
     p.add_argument("--no-memray", action="store_true", help="skip the native heap figures")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the STREAM measurement")
@@ -183,6 +189,7 @@ def options_from_args(args):
         ("max_time", "max_time_s"),
         ("timeout", "timeout_s"),
         ("rounds", "rounds"),
+        ("interleave", "interleave"),
     ):
         if getattr(args, flag) is not None:
             kw[name] = getattr(args, flag)

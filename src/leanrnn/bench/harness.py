@@ -90,6 +90,7 @@ class Timing:
     inner: int = 1  # units per sample
     warmup: int = 0
     cpu_util: float = float("nan")  # process CPU seconds / wall seconds while sampling
+    turns: list[float] = field(default_factory=list)  # interleaved: each turn's start (epoch s)
 
     def summary(self) -> dict:
         s = sorted(self.samples)
@@ -104,6 +105,7 @@ class Timing:
             "p25_s": q[0],
             "p75_s": q[2],
             "cpu_util": self.cpu_util,
+            "turns": self.turns,
         }
 
 
@@ -202,17 +204,25 @@ def run_job(job: dict, workdir: Path) -> dict:
     repeats = max(job["min_repeats"], min(job["repeats"], int(job["max_time_s"] / (est * inner))))
     tm.inner = inner * units
 
+    def sample(n: int) -> tuple[float, float]:
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            for _ in range(inner):
+                run_once()
+            tm.samples.append((time.perf_counter_ns() - t) * 1e-9 / (inner * units))
+        return time.process_time() - c0, time.perf_counter() - w0
+
     gc.collect()
     gc.disable()
     reset_peak()
     r0 = rss()
-    c0, w0 = time.process_time(), time.perf_counter()
-    for _ in range(repeats):
-        t = time.perf_counter_ns()
-        for _ in range(inner):
-            run_once()
-        tm.samples.append((time.perf_counter_ns() - t) * 1e-9 / (inner * units))
-    tm.cpu_util = (time.process_time() - c0) / (time.perf_counter() - w0)
+    blocks = job.get("blocks", 0)
+    if blocks:
+        cpu, wall = _sample_when_told(sample, run_once, -(-repeats // blocks), tm.turns)
+    else:
+        cpu, wall = sample(repeats)
+    tm.cpu_util = cpu / wall if wall > 0 else float("nan")
     mem["warm_peak"] = hwm() - r0
     mem["warm_growth"] = rss() - r0
 
@@ -237,6 +247,27 @@ def run_job(job: dict, workdir: Path) -> dict:
     row["loadavg_end"] = os.getloadavg()[0]
     del limiter
     return row
+
+
+READY = "@@leanrnn-bench ready"  # an interleaved child's line: "I am idle, waiting"
+
+
+def _sample_when_told(sample, run_once, per_block: int, turns: list) -> tuple[float, float]:
+    """Interleaved sampling (the parent's ``_interleaved``): say READY on stdout, then on each
+    "sample" line from stdin run one untimed call (caches and an idle vCPU come back for every
+    engine alike) and ``per_block`` timed samples, and say READY again; stop at "end" or EOF.
+    Each turn's start goes into ``turns``. Returns (CPU seconds, wall seconds) of the samples."""
+    cpu = wall = 0.0
+    print(READY, flush=True)
+    for line in sys.stdin:
+        if line.strip() != "sample":
+            break
+        turns.append(time.time())
+        run_once()
+        c, w = sample(per_block)
+        cpu, wall = cpu + c, wall + w
+        print(READY, flush=True)
+    return cpu, wall
 
 
 def _has(module: str) -> bool:
@@ -393,6 +424,121 @@ def spawn(job: dict, threads: int, timeout: float) -> dict:
         return res
 
 
+# Before each interleaved turn: time for the previous engine's pool threads to stop spinning
+# (OpenMP's and onnxruntime's spin for milliseconds after work) and go to sleep.
+TURN_GAP_S = 0.03
+
+
+class _Child:
+    """A child on the spawn protocol whose stdin and stdout stay open (interleaved sampling)."""
+
+    def __init__(self, d: Path, job: dict, threads: int) -> None:
+        d.mkdir()
+        (d / "job.json").write_text(json.dumps(job))
+        self.result, self.err = d / "result.json", open(d / "stderr", "w+")  # noqa: SIM115
+        self.t0, self.wall, self.pending = time.perf_counter(), 0.0, b""
+        cmd = [sys.executable, "-P", "-m", "leanrnn.bench.harness", str(d / "job.json"),
+               str(self.result)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env=child_env(threads), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err)  # fmt: skip
+
+    def ready(self, timeout: float) -> bool:
+        """Wait for the child's next READY line (other output is skipped); False if it exited
+        or ``timeout`` passed first."""
+        import select
+
+        want, deadline = READY.encode(), time.perf_counter() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            lines = self.pending.split(b"\n")
+            if any(line.strip() == want for line in lines[:-1]):
+                self.pending = b""
+                return True
+            self.pending = lines[-1]
+            left = deadline - time.perf_counter()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return False
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return False
+            self.pending += chunk
+
+    def tell(self, line: str) -> bool:
+        try:
+            self.proc.stdin.write(line.encode() + b"\n")
+            self.proc.stdin.flush()
+            return True
+        except OSError:  # it exited
+            return False
+
+    def finish(self, timeout: float) -> dict:
+        """Close its stdin (it then takes its memory figures and exits) and read its result."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+        finally:
+            self.wall = time.perf_counter() - self.t0
+        if not self.result.exists():
+            self.err.seek(0)
+            tail = self.err.read().strip().splitlines()[-5:]
+            return {"ok": False, "error": f"child exited {self.proc.returncode}: " + " | ".join(tail)}
+        res = json.loads(self.result.read_text())
+        res["child_wall_s"] = self.wall
+        return res
+
+
+def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int) -> dict:
+    """Run ``jobs`` (engine name -> job, one config) in children alive together and take their
+    timed samples in ``blocks`` turns: every engine's turn k before any engine's turn k + 1,
+    the order rotated every turn, one child busy at a time while the others wait on a pipe.
+    A slow spell of a shared machine (seen: a job at 1.3-1.6x its time for seconds at a time,
+    on two VMs) then falls on every engine's samples alike, where one process per engine in
+    turn put it on whichever engine ran then. Children start one at a time (a load never
+    overlaps another's samples) and finish one at a time (their memory figures alone).
+    Returns engine name -> result dict, as ``spawn``'s."""
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
+        busy0, mine0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+        kids: dict[str, _Child] = {}
+        try:
+            for i, (name, job) in enumerate(jobs.items()):
+                kid = _Child(Path(d) / str(i), job | {"blocks": blocks}, threads)
+                if kid.ready(timeout):
+                    kids[name] = kid
+                else:  # failed before sampling: its result (or exit) says why
+                    out[name] = kid.finish(timeout)
+            names = list(kids)
+            for b in range(blocks):
+                for name in names[b % len(names) :] + names[: b % len(names)]:
+                    kid = kids[name]
+                    if name in out:
+                        continue
+                    time.sleep(TURN_GAP_S)
+                    if not (kid.tell("sample") and kid.ready(timeout)):
+                        out[name] = kid.finish(timeout)
+            for name, kid in kids.items():
+                if name not in out:
+                    out[name] = kid.finish(timeout)
+        finally:
+            for kid in kids.values():
+                if kid.proc.poll() is None:
+                    kid.proc.kill()
+                    kid.proc.wait()
+                kid.err.close()
+        wall = time.perf_counter() - t0
+        others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
+    for res in out.values():
+        res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
+    return out
+
+
 # ------------------------------------------------------------------------- the suite
 DEFAULT_ENGINES = (
     "leanrnn",
@@ -427,6 +573,9 @@ class Options:
     # landing in a slow spell of a shared machine (here: 7.5 vs 9.0 ms for the same job, for
     # seconds at a time) then no longer decides a ratio.
     rounds: int = 1
+    # > 0: a config's engines run in children alive together, their samples taken in this
+    # many interleaved turns (``interleaved``); 0: one child per engine, one after another.
+    interleave: int = 5
     timeout_s: float = 900.0
     memray: bool = True
     bandwidth: bool = True
@@ -661,21 +810,36 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
                 job["big"] = opts.bandwidth_bytes
                 results["bandwidth"][str(n)] = spawn(job, n, opts.timeout_s)
                 advance()
-        for cfg, name in jobs:
-            describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
-            files: dict[str, str] = {}
-            reason = status[name] or resolve(name).unsupported(cfg)
-            if reason is None and needs[name]:
-                made = _prepare_models(cfg, needs[name], out / "models", model_cache)
-                files = {k: made[k] for k in needs[name]}
-                bad = [v for v in files.values() if v.startswith("error")]
-                reason = bad[0][len("error: ") :] if bad else None
-            row = _row(opts, cfg, name, files, reason)
-            results["rows"].append(row)
-            results["rows"] = _merge_rounds(results["rows"])
-            # Saved after every row: an interrupted run keeps what it measured.
+        # One group per (round, config): its engines one after another, or interleaved.
+        step = len(opts.engines) if opts.interleave else 1
+        for at in range(0, len(jobs), step):
+            group = jobs[at : at + step]
+            cfg = group[0][0]
+            describe(f"{'engines' if opts.interleave else group[0][1]:<14} {cfg.label}, "
+                     f"{cfg.threads} thread(s)")  # fmt: skip
+            planned = {}
+            for _, name in group:
+                files: dict[str, str] = {}
+                reason = status[name] or resolve(name).unsupported(cfg)
+                if reason is None and needs[name]:
+                    made = _prepare_models(cfg, needs[name], out / "models", model_cache)
+                    files = {k: made[k] for k in needs[name]}
+                    bad = [v for v in files.values() if v.startswith("error")]
+                    reason = bad[0][len("error: ") :] if bad else None
+                planned[name] = _plan_row(opts, cfg, name, files, reason)
+            todo = {n: job for n, (_, job) in planned.items() if job is not None}
+            if opts.interleave and todo:
+                got = interleaved(todo, cfg.threads, opts.timeout_s, opts.interleave)
+            else:
+                got = {n: spawn(job, cfg.threads, opts.timeout_s) for n, job in todo.items()}
+            for name, (row, _) in planned.items():
+                row = _finish_row(row, got[name]) if name in got else row
+                describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
+                results["rows"].append(row)
+                results["rows"] = _merge_rounds(results["rows"])
+                advance(_note(row))
+            # Saved after every group: an interrupted run keeps what it measured.
             (out / "results.json").write_text(dumps(results, indent=1))
-            advance(_note(row))
     finally:
         stop()
     for r in results["rows"]:
@@ -708,13 +872,14 @@ def _merge_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _row(opts: Options, cfg: Config, name: str, files: dict, unavailable: str | None) -> dict:
-    """One results row: measured in a child, or marked unavailable with the reason."""
+def _plan_row(opts: Options, cfg: Config, name: str, files: dict, unavailable: str | None):
+    """(row, job): the results row's fixed fields and the child's job, or the row marked
+    unavailable with the reason and no job."""
     from .problem import reference_file
 
     row = {"engine": name, "config": cfg.as_dict(), "label": cfg.label, "files": files}
     if unavailable is not None:
-        return row | {"status": "unavailable", "reason": unavailable}
+        return row | {"status": "unavailable", "reason": unavailable}, None
     job = {
         "kind": "engine",
         "engine": name,
@@ -728,7 +893,11 @@ def _row(opts: Options, cfg: Config, name: str, files: dict, unavailable: str | 
         "max_time_s": opts.max_time_s,
         "memray": opts.memray,
     }
-    res = spawn(job, cfg.threads, opts.timeout_s)
+    return row, job
+
+
+def _finish_row(row: dict, res: dict) -> dict:
+    """The row with its child's result: measured, or the error / mismatch it hit."""
     if not res.pop("ok"):
         return row | {"status": "error", "reason": res.get("error"), "trace": res.get("trace")}
     v = res["verify"]
