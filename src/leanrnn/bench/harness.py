@@ -435,7 +435,7 @@ class _Child:
     def __init__(self, d: Path, job: dict, threads: int) -> None:
         d.mkdir()
         (d / "job.json").write_text(json.dumps(job))
-        self.result, self.err = d / "result.json", open(d / "stderr", "w+")  # noqa: SIM115
+        self.result, self.err = d / "result.json", open(d / "stderr", "w+")
         self.t0, self.wall, self.pending = time.perf_counter(), 0.0, b""
         cmd = [sys.executable, "-P", "-m", "leanrnn.bench.harness", str(d / "job.json"),
                str(self.result)]  # fmt: skip
@@ -488,7 +488,10 @@ class _Child:
         if not self.result.exists():
             self.err.seek(0)
             tail = self.err.read().strip().splitlines()[-5:]
-            return {"ok": False, "error": f"child exited {self.proc.returncode}: " + " | ".join(tail)}
+            return {
+                "ok": False,
+                "error": f"child exited {self.proc.returncode}: " + " | ".join(tail),
+            }
         res = json.loads(self.result.read_text())
         res["child_wall_s"] = self.wall
         return res
