@@ -186,8 +186,33 @@ def test_calibrate_times_both_and_names_the_faster():
     got = products.calibrate(rounds=1)
     assert got["choice"] in products.GEMM_CHOICES
     assert got["native_gflops"] > 0 and got["blas_gflops"] > 0
-    faster = "native" if got["native_gflops"] > 1.05 * got["blas_gflops"] else "blas"
+    faster = (
+        "blas" if got["blas_gflops"] > products.BLAS_MARGIN * got["native_gflops"] else "native"
+    )
     assert got["choice"] == faster
+
+
+def test_a_tie_on_the_product_goes_to_the_native_path():
+    """On a Xeon the two GEMMs measured level (75.6 vs 75.8 GFLOP/s) and the old rule (the
+    tile only if 5% faster) chose BLAS, whose training step was 1.3-2.7x slower than the native
+    path's: BLAS must now be clearly faster."""
+    assert products.decide(1.0, 1.0) == "native"
+    assert products.decide(1.0, 0.997) == "native"  # the Xeon's measurement
+    assert products.decide(1.0, 0.9) == "native"
+    assert products.decide(1.0, 0.7) == "blas"
+    assert products.decide(0.5, 1.0) == "native"
+
+
+def test_wisdom_of_an_earlier_rule_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.delenv(products.ENV_GEMM, raising=False)
+    monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
+    monkeypatch.setattr(products, "_CHOICE", {})
+    fresh = {"choice": "native", "native_gflops": 75.6, "blas_gflops": 75.8}
+    monkeypatch.setattr(products, "calibrate", lambda rounds=5: dict(fresh))
+    old = {"gemm": {"choice": "blas", "native_gflops": 75.6, "blas_gflops": 75.8}}
+    (tmp_path / "wisdom.json").write_text(json.dumps(old))  # the old rule's file
+    assert products.gemm_choice(np.float32) == "native"
+    assert json.loads((tmp_path / "wisdom.json").read_text())["gemm"] == fresh
 
 
 def test_a_bad_gemm_setting_is_a_clear_error_and_the_trainer_survives(monkeypatch):
