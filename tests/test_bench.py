@@ -306,7 +306,7 @@ def test_interleaved_turns_alternate_between_the_engines(tmp_path, interleave):
     for r in rows:
         assert r["status"] == "ok", (r["engine"], r.get("reason"))
         assert len(r["timing"]["turns"]) == interleave
-        assert len(r["timing"]["samples_s"]) >= (2 * interleave or opts.min_repeats)
+        assert len(r["timing"]["samples_s"]) >= opts.min_repeats
         assert r["background_cores"] >= 0 and r["memory"]["cold_peak"] > 0
     if interleave:
         turns = [r["timing"]["turns"] for r in rows]

@@ -219,7 +219,7 @@ def run_job(job: dict, workdir: Path) -> dict:
     r0 = rss()
     blocks = job.get("blocks", 0)
     if blocks:
-        cpu, wall = _sample_when_told(sample, run_once, -(-repeats // blocks), tm.turns)
+        cpu, wall = _sample_when_told(sample, run_once, repeats, blocks, tm.turns)
     else:
         cpu, wall = sample(repeats)
     tm.cpu_util = cpu / wall if wall > 0 else float("nan")
@@ -252,20 +252,24 @@ def run_job(job: dict, workdir: Path) -> dict:
 READY = "@@leanrnn-bench ready"  # an interleaved child's line: "I am idle, waiting"
 
 
-def _sample_when_told(sample, run_once, per_block: int, turns: list) -> tuple[float, float]:
-    """Interleaved sampling (the parent's ``_interleaved``): say READY on stdout, then on each
-    "sample" line from stdin run one untimed call (caches and an idle vCPU come back for every
-    engine alike) and ``per_block`` timed samples, and say READY again; stop at "end" or EOF.
-    Each turn's start goes into ``turns``. Returns (CPU seconds, wall seconds) of the samples."""
+def _sample_when_told(sample, run_once, repeats: int, blocks: int, turns: list):
+    """Interleaved sampling (the parent's ``interleaved``): say READY on stdout, then on each
+    "sample" line from stdin take turn k's share of the ``repeats`` samples (spread evenly over
+    ``blocks`` turns, so the row costs what it would alone) after one untimed call (caches and
+    an idle vCPU come back for every engine alike), and say READY again; stop at anything else
+    or EOF. Each turn's start goes into ``turns``. Returns (CPU s, wall s) of the samples."""
     cpu = wall = 0.0
     print(READY, flush=True)
     for line in sys.stdin:
         if line.strip() != "sample":
             break
+        k = len(turns)
         turns.append(time.time())
-        run_once()
-        c, w = sample(per_block)
-        cpu, wall = cpu + c, wall + w
+        n = repeats * (k + 1) // blocks - repeats * k // blocks
+        if n:
+            run_once()
+            c, w = sample(n)
+            cpu, wall = cpu + c, wall + w
         print(READY, flush=True)
     return cpu, wall
 
@@ -818,8 +822,8 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
         for at in range(0, len(jobs), step):
             group = jobs[at : at + step]
             cfg = group[0][0]
-            describe(f"{'engines' if opts.interleave else group[0][1]:<14} {cfg.label}, "
-                     f"{cfg.threads} thread(s)")  # fmt: skip
+            names = ",".join(name for _, name in group)
+            describe(f"{names:<14} {cfg.label}, {cfg.threads} thread(s)")
             planned = {}
             for _, name in group:
                 files: dict[str, str] = {}
@@ -837,10 +841,9 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
                 got = {n: spawn(job, cfg.threads, opts.timeout_s) for n, job in todo.items()}
             for name, (row, _) in planned.items():
                 row = _finish_row(row, got[name]) if name in got else row
-                describe(f"{name:<14} {cfg.label}, {cfg.threads} thread(s)")
                 results["rows"].append(row)
                 results["rows"] = _merge_rounds(results["rows"])
-                advance(_note(row))
+                advance(f"{name}: {_note(row)}" if len(group) > 1 else _note(row))
             # Saved after every group: an interrupted run keeps what it measured.
             (out / "results.json").write_text(dumps(results, indent=1))
     finally:
