@@ -118,6 +118,24 @@ def test_projection_parallel_matches_reference():
     _check(spec, 3, np.float64, 16, 7, True, True)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_recurrent_weights_beyond_half_of_l2_match_reference(cell, threads, backend):
+    """Where R is larger than half of this core's L2 and a GEMM has 4 rows or more, each
+    block's update asks for the next block's panel (kernels.recurrent._phase): the smallest
+    such H on this CPU (float32's; float64, checked to its tight tolerance, doubles R), every
+    direction's blocks walked both ways, lengths cutting rows out."""
+    from leanrnn.kernels import recurrent
+
+    gates = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
+    H = 16
+    while H * gates * H * 4 <= recurrent._PANEL_L2:
+        H += 16
+    spec = RNNSpec(cell, 8, H, direction="bidirectional")
+    _check(spec, 5, np.float64, 2 * recurrent._PANEL_PREFETCH_ROWS + 1, 3, True, True,
+           threads=threads)  # fmt: skip
+
+
 BARRIER_SPECS = [
     RNNSpec("lstm", 40, 100, direction="bidirectional", peepholes=True, clip=2.0),
     RNNSpec("lstm", 30, 120, num_layers=2, proj_size=50),
