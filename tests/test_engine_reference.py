@@ -122,17 +122,17 @@ def test_projection_parallel_matches_reference():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_recurrent_weights_beyond_half_of_l2_match_reference(cell, threads, backend):
     """Where R is larger than half of this core's L2 and a GEMM has 4 rows or more, each
-    block's update asks for the next block's panel (kernels.recurrent._phase): the smallest
+    block's update asks for the next block's panel (kernels.gemm.prefetch_next_panel): the smallest
     such H on this CPU (float32's; float64, checked to its tight tolerance, doubles R), every
     direction's blocks walked both ways, lengths cutting rows out."""
-    from leanrnn.kernels import recurrent
+    from leanrnn.kernels import gemm
 
     gates = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
     H = 16
-    while H * gates * H * 4 <= recurrent._PANEL_L2:
+    while H * gates * H * 4 <= gemm.PANEL_L2:
         H += 16
     spec = RNNSpec(cell, 8, H, direction="bidirectional")
-    _check(spec, 5, np.float64, 2 * recurrent._PANEL_PREFETCH_ROWS + 1, 3, True, True,
+    _check(spec, 5, np.float64, 2 * gemm.PANEL_PREFETCH_ROWS + 1, 3, True, True,
            threads=threads)  # fmt: skip
 
 

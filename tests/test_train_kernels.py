@@ -123,6 +123,19 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, N, 
         assert not np.isnan(f["hf"]).any()
 
 
+@pytest.mark.parametrize(("parts", "N"), [(1, 7), (2, 7), (2, 26)])
+def test_lstm_back_with_r_beyond_half_of_l2_equals_the_numpy_loop(parts, N):
+    """Where R^T's panels are larger than half of this core's L2, phase B asks for the next
+    panel while it copies a block's rows (kernels.gemm.prefetch_next_panel): the smallest such
+    float64 H on this CPU, both ways of splitting the threads."""
+    from leanrnn.kernels import gemm
+
+    H = 16
+    while 4 * H * H * 8 <= gemm.PANEL_L2:
+        H += 16
+    test_lstm_back_equals_the_numpy_loop(H, 0, False, True, parts, 4, N, np.float64)
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize(("full", "reverse", "parts", "groups", "N"), CASES)
 @pytest.mark.parametrize("H", [20, 48])

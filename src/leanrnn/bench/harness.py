@@ -404,28 +404,7 @@ def spawn(job: dict, threads: int, timeout: float) -> dict:
 
     Also reports ``background_cores``: CPU used by everything but the child while it ran, in
     cores (other users of a shared machine make timings noisy; this says how much)."""
-    with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
-        jp, rp = Path(d) / "job.json", Path(d) / "result.json"
-        jp.write_text(json.dumps(job))
-        # -P: not the caller's working directory on sys.path (a scratch grp.py there stood in
-        # for the standard library's and failed every torch row)
-        cmd = [sys.executable, "-P", "-m", "leanrnn.bench.harness", str(jp), str(rp)]
-        busy0, mine0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
-        try:
-            proc = subprocess.run(
-                cmd, env=child_env(threads), capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
-        wall = time.perf_counter() - t0
-        others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
-        if not rp.exists():
-            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
-            return {"ok": False, "error": f"child exited {proc.returncode}: " + " | ".join(tail)}
-        res = json.loads(rp.read_text())
-        res["child_wall_s"] = wall
-        res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
-        return res
+    return interleaved({"job": job}, threads, timeout, 0)["job"]
 
 
 # Before each interleaved turn: time for the previous engine's pool threads to stop spinning
@@ -441,6 +420,8 @@ class _Child:
         (d / "job.json").write_text(json.dumps(job))
         self.result, self.err = d / "result.json", open(d / "stderr", "w+")
         self.t0, self.wall, self.pending = time.perf_counter(), 0.0, b""
+        # -P: not the caller's working directory on sys.path (a scratch grp.py there stood in
+        # for the standard library's and failed every torch row)
         cmd = [sys.executable, "-P", "-m", "leanrnn.bench.harness", str(d / "job.json"),
                str(self.result)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=child_env(threads), stdin=subprocess.PIPE,
@@ -476,13 +457,10 @@ class _Child:
             return False
 
     def finish(self, timeout: float) -> dict:
-        """Close its stdin (it then takes its memory figures and exits) and read its result."""
+        """Close its stdin (an interleaved child then takes its memory figures and exits), wait
+        for it, its stdout drained, and read its result."""
         try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout)
+            self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -503,7 +481,7 @@ class _Child:
 
 def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int) -> dict:
     """Run ``jobs`` (engine name -> job, one config) in children alive together and take their
-    timed samples in ``blocks`` turns: every engine's turn k before any engine's turn k + 1,
+    timed samples in ``blocks`` turns (0: each child runs to the end, one after another): every engine's turn k before any engine's turn k + 1,
     the order rotated every turn, one child busy at a time while the others wait on a pipe.
     A slow spell of a shared machine (seen: a job at 1.3-1.6x its time for seconds at a time,
     on two VMs) then falls on every engine's samples alike, where one process per engine in
@@ -513,16 +491,18 @@ def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="leanrnn-bench-") as d:
         busy0, mine0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
-        kids: dict[str, _Child] = {}
+        kids: dict[str, _Child] = {}  # those sampling in turns
+        started: list[_Child] = []
         try:
             for i, (name, job) in enumerate(jobs.items()):
                 kid = _Child(Path(d) / str(i), job | {"blocks": blocks}, threads)
-                if kid.ready(timeout):
+                started.append(kid)
+                if blocks and kid.ready(timeout):
                     kids[name] = kid
-                else:  # failed before sampling: its result (or exit) says why
+                else:  # to the end (blocks 0), or it failed before sampling: its result says
                     out[name] = kid.finish(timeout)
             names = list(kids)
-            for b in range(blocks):
+            for b in range(blocks if names else 0):
                 for name in names[b % len(names) :] + names[: b % len(names)]:
                     kid = kids[name]
                     if name in out:
@@ -534,7 +514,7 @@ def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int
                 if name not in out:
                     out[name] = kid.finish(timeout)
         finally:
-            for kid in kids.values():
+            for kid in started:
                 if kid.proc.poll() is None:
                     kid.proc.kill()
                     kid.proc.wait()

@@ -70,13 +70,21 @@ from ._cells import (
     lstm_update_keep,
     rnn_update,
 )
-from ._cpu import caches
 from ._ir import prefetch_l2
 from ._jit import inline, kernel
 from ._math import SIGMOID, TANH, act_span, clip_span, flush
 from ._sync import SHARE_TILES, claim, end_phase, finish, share
 from .abi import B
-from .gemm import operand, panel1, panel2, panel3, panel4, slice_rows
+from .gemm import (
+    next_panel_share,
+    operand,
+    panel1,
+    panel2,
+    panel3,
+    panel4,
+    prefetch_next_panel,
+    slice_rows,
+)
 
 
 @inline
@@ -189,14 +197,6 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 # (the module docstring says how cells hand in their hooks)
 
 
-# The next unit block's panel is asked into L2 during this block's updates (_phase) where W
-# is larger than half of this core's L2 (below that the walk of _block finds it there) and the
-# GEMM has at least this many rows (a lone row streams its panel with its own prefetch, and
-# the updates of a few rows are too short to hide a panel's fetch).
-_PANEL_L2 = caches()["L2"] // 2
-_PANEL_PREFETCH_ROWS = 4
-
-
 @inline
 def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf_T, K, gates,
            slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me, parts, sync):  # fmt: skip
@@ -210,14 +210,7 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
     span_bytes = span * xw.itemsize
     k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
     gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
-    # The next block's panel, a share of its rows per updated row: from L3 on SPR-class Xeons
-    # (L2 2 MiB, an LSTM H=512's R 4 MiB) its first row tile's loads were the step GEMM's
-    # hottest instructions.
-    rows = n1 - n0
-    pf_per = (W.shape[1] + rows - 1) // rows if rows > 0 else 0
-    if rows < _PANEL_PREFETCH_ROWS or W.nbytes <= _PANEL_L2:
-        pf_per = 0
-    pf_row_bytes = W.shape[2] * W.itemsize
+    per = next_panel_share(W, n1 - n0)  # the next block's panel: a share per row
     for sl in range(parts):
         lo, hi = claim(sync, me, sl, parts, g, W.shape[0])
         if hi < 0:
@@ -229,11 +222,7 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
             nb = _block(i + 1, lo, hi, s) if i + 1 < hi else -1
             nxt = nb * span if nb >= 0 else -1
             for n in range(n0, n1):
-                if pf_per > 0 and nb >= 0:  # the next panel's share (_PANEL_L2)
-                    r0 = (n - n0) * pf_per
-                    if r0 < W.shape[1]:
-                        nr = min(pf_per, W.shape[1] - r0)
-                        prefetch_l2(W[nb], r0, 0, nr * pf_row_bytes)
+                prefetch_next_panel(W, nb, n - n0, per)
                 t = _time_of(s, n, lengths, reverse, carry, hp, hn, u * B)
                 if t >= 0:
                     if nxt >= 0:
