@@ -802,8 +802,8 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
         for at in range(0, len(jobs), step):
             group = jobs[at : at + step]
             cfg = group[0][0]
-            names = ",".join(name for _, name in group)
-            describe(f"{names:<14} {cfg.label}, {cfg.threads} thread(s)")
+            who = group[0][1] if len(group) == 1 else f"{len(group)} engines"
+            describe(f"{who:<14} {cfg.label}, {cfg.threads} thread(s)")
             planned = {}
             for _, name in group:
                 files: dict[str, str] = {}
