@@ -208,8 +208,8 @@ _RULE = 2
 
 
 def decide(native_s: float, blas_s: float) -> str:
-    """ "blas" if BLAS's product takes less than 1 / BLAS_MARGIN of the tile's time, else
-    "native"."""
+    """The GEMM for training's products, from the two product times: BLAS only where it
+    takes less than 1 / BLAS_MARGIN of the tile's time."""
     return "blas" if blas_s * BLAS_MARGIN < native_s else "native"
 
 
