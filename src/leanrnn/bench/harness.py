@@ -1,10 +1,13 @@
 """Fair measurement: every (engine, config) runs in a fresh child process with its thread count
 enforced; outputs are checked against the float64 reference before any timing; then warm-up,
 repeated samples, and the memory figures. The parent plans jobs, prepares model files and
-references, shows progress and collects rows.
+references, shows progress and collects rows. A config's engines take their samples in
+interleaved turns, their children alive together (``interleaved``; ``Options.interleave``).
 
 Child protocol: ``python -m leanrnn.bench.harness JOB.json RESULT.json``. Thread variables are set
 in the child's environment by the parent, so they are in place before any library is imported.
+An interleaved child also says READY on stdout and takes a turn's samples per "sample" line on
+stdin.
 
 Memory figures per row (Linux /proc; bytes):
 - ``cold_peak``: peak RSS increase from just before ``load`` to the end of the first forward
