@@ -378,6 +378,14 @@ def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
                     min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
 
 
+@inline
+def _row_chunk(rows):
+    """Rows of a row-chunk task (input_projection's, weight_gradient's): ``rows`` in even
+    chunks of at most ROWS, each a multiple of ALIGN (the tile heights)."""
+    n = (rows + ROWS - 1) // ROWS
+    return ((rows + n - 1) // n + ALIGN - 1) // ALIGN * ALIGN
+
+
 @kernel
 def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     """xw = x W^T + b for every input row at once (rows in x's own order).
@@ -395,9 +403,8 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     """
     M = x.shape[0]
     U, Wd = W.shape[0], _columns(W)
-    # Even row chunks, a multiple of the tile heights.
-    nm = (M + ROWS - 1) // ROWS
-    rows = ((M + nm - 1) // nm + ALIGN - 1) // ALIGN * ALIGN
+    rows = _row_chunk(M)
+    nm = (M + rows - 1) // rows  # chunks: none empty
     ntasks = U * nm
     last = -1  # the chunk this thread's q[me] holds
     while True:
@@ -409,8 +416,7 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
         i1 = min(M, i0 + rows)
         c0 = u * Wd
         # The tile adds the bias in its final store: a second pass over xw adding it cost a
-        # quarter of the time at H=128. Rounding rows up to the tile height can leave the
-        # last chunk empty. Row 0 of A and of C is row i0.
+        # quarter of the time at H=128. Row 0 of A and of C is row i0.
         if i0 < i1:
             A = operand(W, x, q, me, i0, i1, K, i0 != last, bf16_act)
             last = i0
@@ -478,13 +484,6 @@ def _tgemm(P, pcol, A, i0, i1, M, C, u, ccol, ng):
             panel_gemm_t2(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
         else:
             panel_gemm_t1(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
-
-
-@inline
-def _row_chunk(rows):
-    """Rows of a weight-gradient task: even chunks of at most ROWS, a multiple of ALIGN."""
-    n = (rows + ROWS - 1) // ROWS
-    return ((rows + n - 1) // n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @inline
