@@ -51,7 +51,8 @@ def onnx_specs(draw):
     )
 
 
-def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads=None):
+def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads=None,
+           lengths=None):  # fmt: skip
     rng = np.random.default_rng(seed)
     layers = random_layers(spec, rng, dtype)
     model = leanrnn.Model(pack(spec, layers, dtype))
@@ -59,7 +60,8 @@ def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads
     C, K, H = spec.input_size, spec.output_size, spec.hidden_size
     LD = spec.num_layers * spec.num_directions
     x = rng.standard_normal((N, T, C) if spec.batch_first else (T, N, C)).astype(dtype)
-    lengths = rng.integers(0, T + 1, size=N) if with_lengths else None
+    if lengths is None and with_lengths:
+        lengths = rng.integers(0, T + 1, size=N)
     h0 = rng.standard_normal((LD, N, K)).astype(dtype) if with_state else None
     c0 = (
         rng.standard_normal((LD, N, H)).astype(dtype)
@@ -134,6 +136,37 @@ def test_recurrent_weights_beyond_half_of_l2_match_reference(cell, threads, back
     spec = RNNSpec(cell, 8, H, direction="bidirectional")
     _check(spec, 5, np.float64, 2 * gemm.PANEL_PREFETCH_ROWS + 1, 3, True, True,
            threads=threads)  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", [
+    RNNSpec("lstm", 9, 40, direction="bidirectional", proj_size=24),
+    RNNSpec("gru", 9, 40, num_layers=2, direction="bidirectional", linear_before_reset=False),
+    RNNSpec("rnn", 9, 40, direction="reverse"),
+], ids=repr)  # fmt: skip
+@pytest.mark.parametrize("N, threads", [(7, 1), (7, 2), (50, 2)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_sorted_longest_first_leave_the_gemm_as_they_end(spec, N, threads, dtype, backend,
+                                                               many_cores):  # fmt: skip
+    """Rows longest first, as serve's calls and score's batches order them: each step's GEMMs
+    run only up to the last live row (kernels.recurrent._live_end), so the rows the GEMM covers
+    shrink step by step down to a lone row and to none — on one thread, on two splitting the
+    unit blocks (N=7) and on two batch slices (N=50: the second slice's rows all end first),
+    both directions, the projection's and the GRU's second phases, with initial states and the
+    frozen rows' states carried to the end."""
+    T = 6
+    lengths = np.linspace(T, 0, N).round().astype(np.int64)  # T ... 0: every count of live rows
+    _check(spec, 4, dtype, N, T, True, True, threads=threads, lengths=lengths)
+    # The live rows' bits do not depend on which rows have ended, nor on the thread count:
+    # sample 0 (all T steps) against a run where every sample has all T steps, on one thread.
+    rng = np.random.default_rng(5)
+    model = leanrnn.Model(pack(spec, random_layers(spec, rng, dtype), dtype))
+    x = rng.standard_normal((T, N, spec.input_size)).astype(dtype)
+    model.session.threads = threads
+    y, h_n = model.session.run(x, lengths=lengths)[:2]
+    model.session.threads = 1
+    y_all, h_all = model.session.run(x, lengths=np.full(N, T))[:2]
+    np.testing.assert_array_equal(y[:, 0], y_all[:, 0])
+    np.testing.assert_array_equal(h_n[:, 0], h_all[:, 0])
 
 
 BARRIER_SPECS = [

@@ -82,7 +82,7 @@ SPECS = [
 ]
 
 
-def _check(spec, precision, seed, N, T, threads=None):
+def _check(spec, precision, seed, N, T, threads=None, longest_first=False):
     rng = np.random.default_rng(seed)
     layers = random_layers(spec, rng, np.float32, scale=0.3)
     model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, np.float32)), precision)
@@ -93,6 +93,8 @@ def _check(spec, precision, seed, N, T, threads=None):
                             else (T, N, spec.input_size)).astype(np.float32)  # fmt: skip
     lengths = rng.integers(0, T + 1, size=N)
     lengths[0] = T
+    if longest_first:  # each step's GEMM rows shrink to the live ones (kernels.recurrent)
+        lengths = np.linspace(T, 0, N).round().astype(np.int64)
     h0 = rng.standard_normal((LD, N, K)).astype(np.float32)
     c0 = rng.standard_normal((LD, N, H)).astype(np.float32) if spec.cell == "lstm" else None
     y, h_n, c_n = model.session.run(x, h0, c0, lengths)
@@ -125,9 +127,14 @@ def test_reduced_weights_at_a_batch_match_the_reference(spec, N, threads, precis
     _check(spec, precision, 6, N=N, T=5, threads=threads)
 
 
-@pytest.fixture
-def many_cores(monkeypatch):
-    monkeypatch.setattr(leanrnn.config, "max_threads", lambda: 4)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("N, threads", [(40, 1), (50, 2)])
+@pytest.mark.parametrize("spec", [SPECS[1], SPECS[4]], ids=repr)
+def test_reduced_rows_longest_first_match_the_reference(spec, N, threads, precision, many_cores):
+    """Rows longest first: each step's GEMM runs up to the last live row only, so the rows
+    split into q and multiplied (on AMX from 4 rows, in blocks of 32 and a partial one) shrink
+    step by step, through the split threshold down to a lone row and none."""
+    _check(spec, precision, 7, N=N, T=12, threads=threads, longest_first=True)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

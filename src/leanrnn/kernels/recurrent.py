@@ -39,7 +39,10 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
   h_store: [S, K]    the hidden states by slot (only columns 0..K are read and written, so
                      unpadded rows will do); [0, 0] without a slot table
   gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
-  lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it
+  lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it, and
+           from then on its row leaves the step GEMMs when no live row comes after it
+           (_live_end): rows sorted longest first (serve's calls, score's batches) run each
+           step on the live rows only, as a packed sequence does
   y:       [rows, D*K] output; row t*N + n, or n*T + t when y_bf_T = T > 0; columns
            y_off..y_off+K. Steps past a sample's length are written as zeros.
   acts/alphas/betas: activation codes and parameters (LSTM f,g,h; GRU f,g; RNN f)
@@ -198,6 +201,21 @@ def _emit(hn, n, c0, y, yr, y_off, K):
 
 
 @inline
+def _live_end(lengths, n0, n1, s, rows):
+    """The end of the step-s GEMM's rows of n0..n1: past the last sample still live, rounded
+    up to whole slices of ``rows`` (slice_rows: a multiple of every tile height; n0 if none
+    is live). The rows left out have frozen states, which no step reads from the GEMM
+    (_time_of skips them); the rows kept share their tiles with the same rows as in a GEMM
+    of all of n0..n1, so every result keeps its bits (a lone live row of a larger slice
+    would otherwise take the GEMV, whose sums run in another order). A row that froze ahead
+    of a live one still rides along: callers order rows longest first to drop them all."""
+    m = n1
+    while m > n0 and lengths[m - 1] <= s:
+        m -= 1
+    return min(n1, n0 + (m - n0 + rows - 1) // rows * rows)
+
+
+@inline
 def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf_T, K, gates,
            slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me, parts, sync):  # fmt: skip
     """One phase of step s: the unit blocks of W (one per task, claimed by slices, walked by
@@ -210,14 +228,16 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
     span_bytes = span * xw.itemsize
     k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
     gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
-    per = next_panel_share(W, n1 - n0)  # the next block's panel: a share per row
+    m = _live_end(lengths, n0, n1, s, slice_rows(W))  # GEMM rows; updates walk n0..n1
+    per = next_panel_share(W, m - n0)  # the next block's panel: a share per row
     for sl in range(parts):
         lo, hi = claim(sync, me, sl, parts, g, W.shape[0])
         if hi < 0:
             continue  # another thread has this slice
         for i in range(lo, hi):
             u = _block(i, lo, hi, s)
-            gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts)
+            if m > n0:
+                gemm(cell, W, u, A, n0, m, Kin, gs, hn, consts)
             # the next block's xw span of each row, asked for now (_ir.prefetch_l2)
             nb = _block(i + 1, lo, hi, s) if i + 1 < hi else -1
             nxt = nb * span if nb >= 0 else -1
@@ -254,12 +274,14 @@ def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt
     if slot.shape[0] > 0:
         g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
-        A = operand(Rt, hp, q, me, n0, n1, K, True, bf16_act)
+        m = _live_end(lengths, n0, n1, s, slice_rows(Rt))  # _phase's GEMM rows: the
+        A = operand(Rt, hp, q, me, n0, m, K, True, bf16_act)  # split operand follows them
         g = _phase(gemm1, update1, cell, Rt, A, K, carry1, s, hp, hn, n0, n1, g, xw, xw_bf_T, K,
                    gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T, consts, keep, me,
                    parts, sync)  # fmt: skip
         if run2:
-            A = operand(W2, src2, q, me, n0, n1, K2, True, bf16_act)
+            m = _live_end(lengths, n0, n1, s, slice_rows(W2))
+            A = operand(W2, src2, q, me, n0, m, K2, True, bf16_act)
             g = _phase(gemm2, update2, cell, W2, A, K2, True, s, hp, hn, n0, n1, g, xw,
                        xw_bf_T, K, gates, slot, h_store, lengths, reverse, y, y_off, y_bf_T,
                        consts, keep, me, parts, sync)  # fmt: skip

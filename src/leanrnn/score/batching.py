@@ -130,7 +130,9 @@ class Scorer:
                 k = np.arange(1, len(idx) + 1)
                 pad = 1.0 - np.cumsum(lens) / (k * lens)
                 idx = idx[: int(np.nonzero(pad <= MAX_PADDING)[0][-1]) + 1]
-            out.append(idx)
+            # longest first: a row whose sequence has ended leaves the step GEMMs with every
+            # row after it (kernels.recurrent._live_end), so the padding costs no recurrence
+            out.append(idx[::-1] if self.bucket else idx)
             i += len(idx)
         return out
 

@@ -382,21 +382,26 @@ class Lane:
         T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
         session, x, y, lens, slot = self._call(bucket(n), T)
         ks = [min(r.T - r.pos, T) for r in heads]
-        slot[:n] = [s.slot for s in picked]
+        # Rows longest first: a row whose steps are done leaves the step GEMMs with every row
+        # after it (kernels.recurrent._live_end), and so do the padding rows at the end.
+        rows = sorted(range(n), key=ks.__getitem__, reverse=True)
+        slot[:n] = [picked[i].slot for i in rows]
         slot[n:] = -1  # padding rows (bucket): no slot, never advanced
-        lens[:n] = ks
+        lens[:n] = [ks[i] for i in rows]
         lens[n:] = 0
-        for i, r in enumerate(heads):
-            k, p = ks[i], r.pos
-            x[:k, i] = r.x[p : p + k]
+        for j, i in enumerate(rows):
+            r, k = heads[i], ks[i]
+            p = r.pos
+            x[:k, j] = r.x[p : p + k]
             if k < T:
-                x[k:, i] = 0  # frozen rows still pass through the input projection
+                x[k:, j] = 0  # frozen rows still pass through the input projection
             if r.t_first is None:
                 r.t_first = now
         session.run_slots(x, self.states, slot, lens, out=y)  # the states in place, by slot
-        for i, r in enumerate(heads):
-            k, p = ks[i], r.pos
-            r.y[p : p + k] = y[:k, i]
+        for j, i in enumerate(rows):
+            r, k = heads[i], ks[i]
+            p = r.pos
+            r.y[p : p + k] = y[:k, j]
             r.pos = p + k
         self.calls += 1
         self.rows += n
