@@ -14,6 +14,11 @@ Load: every stream sends ``--steps`` steps (frames of C features) every ``--peri
 through gRPC (tritonclient.grpc.aio) as one sequence (sequence_start on its first request,
 sequence_end on its last), for ``--seconds`` seconds after a staggered start. The streams are
 spread over ``--clients`` client processes (asyncio inside), separate from the server process.
+``--rpc stream`` (the default): each client process sends its streams' requests on one
+bidirectional ModelStreamInfer stream, as Triton's streaming clients send sequences, and
+matches the answers by request id; ``--rpc unary``: one ModelInfer call per request (what
+the tables before 2026-12-03 measured). On a 2-core machine the clients' and the front
+end's CPU per request is CPU the engine does not get.
 Latency = request sent -> response received, per request (a stream's first request,
 which takes its slot and, in the baseline, makes its session, is not counted). A stream whose response comes later
 than its next send time sends late (``late`` counts those): a server that falls behind shows
@@ -94,8 +99,11 @@ def max_batch(http: str) -> int:
 
 
 def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
-            seconds: float, out) -> None:  # fmt: skip
-    """One client process: n streams as asyncio tasks; puts (latencies, late sends, errors)."""
+            seconds: float, rpc: str, out) -> None:  # fmt: skip
+    """One client process: n streams as asyncio tasks; puts (latencies, late sends, errors).
+    ``rpc`` "stream": the process's streams share one bidirectional ModelStreamInfer stream
+    (how Triton's streaming clients send sequences), answers matched to requests by id;
+    "unary": one ModelInfer call per request."""
     import tritonclient.grpc.aio as tga
 
     async def main():
@@ -103,26 +111,53 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
         lat, late, errors = [], [0], [0]
         rng = np.random.default_rng(first_id)
         frames = rng.standard_normal((steps, C)).astype(np.float32)
+        outputs = [tga.InferRequestedOutput("y")]
+        sends: asyncio.Queue = asyncio.Queue()
+        waiting: dict[str, asyncio.Future] = {}
+
+        async def requests():
+            while (item := await sends.get()) is not None:
+                yield item
+
+        async def answers(it):
+            async for result, error in it:
+                if error is not None:  # a stream's error carries no id: fail them all
+                    for f in waiting.values():
+                        if not f.done():
+                            f.set_exception(error)
+                    waiting.clear()
+                else:
+                    waiting.pop(result.get_response().id).set_result(result)
+
+        reader = None
+        if rpc == "stream":
+            reader = asyncio.ensure_future(answers(c.stream_infer(requests())))
+
+        async def infer(sid: int, k: int, start: bool, end: bool):
+            i = tga.InferInput("x", [steps, C], "FP32")
+            i.set_data_from_numpy(frames)
+            if rpc == "unary":
+                return await c.infer("m", [i], outputs=outputs, sequence_id=sid,
+                                     sequence_start=start, sequence_end=end)  # fmt: skip
+            rid = f"{sid}.{k}"
+            fut = waiting[rid] = asyncio.get_running_loop().create_future()
+            sends.put_nowait({"model_name": "m", "inputs": [i], "outputs": outputs,
+                              "request_id": rid, "sequence_id": sid, "sequence_start": start,
+                              "sequence_end": end})  # fmt: skip
+            return await fut
 
         async def stream(sid: int):
             await asyncio.sleep(rng.uniform(0, period))  # staggered joins
             t_next = time.monotonic()
             end_at = t_next + seconds
             first = True
+            k = 0
             while True:
                 last = t_next + period >= end_at
-                i = tga.InferInput("x", [steps, C], "FP32")
-                i.set_data_from_numpy(frames)
                 t0 = time.monotonic()
+                k += 1
                 try:
-                    await c.infer(
-                        "m",
-                        [i],
-                        outputs=[tga.InferRequestedOutput("y")],
-                        sequence_id=sid,
-                        sequence_start=first,
-                        sequence_end=last,
-                    )
+                    await infer(sid, k, first, last)
                     if not first:  # a stream's first request (its slot, and for the
                         lat.append(time.monotonic() - t0)  # baseline its session) not counted
                 except Exception:  # counted; the stream starts over
@@ -140,6 +175,9 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
                     await asyncio.sleep(wait)
 
         await asyncio.gather(*(stream(first_id + k) for k in range(n)))
+        if reader is not None:
+            sends.put_nowait(None)
+            await reader
         await c.close()
         return lat, late[0], errors[0]
 
@@ -147,14 +185,15 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
 
 
 def measure(url: str, streams: int, clients: int, C: int, steps: int, period: float,
-            seconds: float, base_id: int) -> dict:  # fmt: skip
+            seconds: float, base_id: int, rpc: str = "stream") -> dict:  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     per = [streams // clients + (k < streams % clients) for k in range(clients)]
     procs, first = [], base_id
     for n in per:
         if n:
-            p = ctx.Process(target=_client, args=(url, first, n, C, steps, period, seconds, out))
+            args = (url, first, n, C, steps, period, seconds, rpc, out)
+            p = ctx.Process(target=_client, args=args)
             p.start()
             procs.append(p)
             first += n
@@ -367,6 +406,9 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", type=int, nargs="+",
                     default=[4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])  # fmt: skip
     ap.add_argument("--clients", type=int, default=2, help="client processes")
+    ap.add_argument("--rpc", choices=("stream", "unary"), default="stream",
+                    help="stream: each client process's streams share one ModelStreamInfer "
+                    "stream (default); unary: one ModelInfer call per request")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="engine threads of the server")
     ap.add_argument("--target", type=float, default=100.0, help="p99 bar in ms")
     ap.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
@@ -420,7 +462,7 @@ def main(argv=None) -> int:
             for n in args.streams:
                 cpu0, m0 = server_cpu(proc.pid), counters(http)
                 r = measure(url, n, args.clients, args.input, args.steps, args.period,
-                            args.seconds, base)  # fmt: skip
+                            args.seconds, base, args.rpc)  # fmt: skip
                 req = max(r["requests"], 1)
                 r["server_cpu_ms_per_request"] = (server_cpu(proc.pid) - cpu0) * 1000 / req
                 eng, calls, in_calls = counters(http) - m0
