@@ -99,7 +99,7 @@ def max_batch(http: str) -> int:
 
 
 def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
-            seconds: float, rpc: str, out) -> None:  # fmt: skip
+            seconds: float, rpc: str, model: str, out) -> None:  # fmt: skip
     """One client process: n streams as asyncio tasks; puts (latencies, late sends, errors).
     ``rpc`` "stream": the process's streams share one bidirectional ModelStreamInfer stream
     (how Triton's streaming clients send sequences), answers matched to requests by id;
@@ -119,15 +119,22 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
             while (item := await sends.get()) is not None:
                 yield item
 
+        def fail_all(error: BaseException) -> None:
+            for f in waiting.values():
+                if not f.done():
+                    f.set_exception(error)
+            waiting.clear()
+
         async def answers(it):
-            async for result, error in it:
-                if error is not None:  # a stream's error carries no id: fail them all
-                    for f in waiting.values():
-                        if not f.done():
-                            f.set_exception(error)
-                    waiting.clear()
-                else:
-                    waiting.pop(result.get_response().id).set_result(result)
+            try:
+                async for result, error in it:
+                    if error is not None:  # a stream's error carries no id: fail them all
+                        fail_all(error)
+                    else:
+                        waiting.pop(result.get_response().id).set_result(result)
+            except BaseException as e:  # the stream broke: nothing more will be answered
+                fail_all(e)
+                raise
 
         reader = None
         if rpc == "stream":
@@ -137,11 +144,13 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
             i = tga.InferInput("x", [steps, C], "FP32")
             i.set_data_from_numpy(frames)
             if rpc == "unary":
-                return await c.infer("m", [i], outputs=outputs, sequence_id=sid,
+                return await c.infer(model, [i], outputs=outputs, sequence_id=sid,
                                      sequence_start=start, sequence_end=end)  # fmt: skip
+            if reader.done():
+                raise RuntimeError("the request stream is closed")
             rid = f"{sid}.{k}"
             fut = waiting[rid] = asyncio.get_running_loop().create_future()
-            sends.put_nowait({"model_name": "m", "inputs": [i], "outputs": outputs,
+            sends.put_nowait({"model_name": model, "inputs": [i], "outputs": outputs,
                               "request_id": rid, "sequence_id": sid, "sequence_start": start,
                               "sequence_end": end})  # fmt: skip
             return await fut
@@ -177,7 +186,7 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
         await asyncio.gather(*(stream(first_id + k) for k in range(n)))
         if reader is not None:
             sends.put_nowait(None)
-            await reader
+            await asyncio.gather(reader, return_exceptions=True)
         await c.close()
         return lat, late[0], errors[0]
 
@@ -185,14 +194,14 @@ def _client(url: str, first_id: int, n: int, C: int, steps: int, period: float,
 
 
 def measure(url: str, streams: int, clients: int, C: int, steps: int, period: float,
-            seconds: float, base_id: int, rpc: str = "stream") -> dict:  # fmt: skip
+            seconds: float, base_id: int, rpc: str = "stream", model: str = "m") -> dict:  # fmt: skip
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     per = [streams // clients + (k < streams % clients) for k in range(clients)]
     procs, first = [], base_id
     for n in per:
         if n:
-            args = (url, first, n, C, steps, period, seconds, rpc, out)
+            args = (url, first, n, C, steps, period, seconds, rpc, model, out)
             p = ctx.Process(target=_client, args=args)
             p.start()
             procs.append(p)

@@ -418,3 +418,21 @@ def test_metrics_endpoint(server):
         ln for ln in text.splitlines() if ln.startswith('leanrnn_serve_steps_total{model="gru"')
     ]
     assert steps and float(steps[0].split()[-1]) >= 2
+
+
+@pytest.mark.parametrize("rpc", ["stream", "unary"])
+def test_serve_bench_clients_get_every_answer(server, rpc, monkeypatch):
+    """benchmarks/serve_bench.py's load: streams in a client process sending chunks on a
+    schedule, over one ModelStreamInfer stream (answers matched by request id) or one
+    ModelInfer call each; every request answered, none an error."""
+    import importlib
+    from pathlib import Path
+
+    # importable by name: the client processes (spawned) unpickle its function from there
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("serve_bench")
+    base = 70_000 if rpc == "stream" else 80_000  # sequence ids no other test uses
+    r = bench.measure(server["grpc"], 6, 2, 3, 4, 0.05, 0.5, base, rpc, model="gru")
+    assert r["errors"] == 0
+    # each stream sends every 50 ms for 0.5 s; its first request is not timed
+    assert 6 * 5 <= r["requests"] <= 6 * 10 and r["p99_ms"] > 0
