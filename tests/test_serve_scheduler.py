@@ -107,6 +107,29 @@ def test_pipelined_chunks_of_many_streams_equal_offline(model):
                for (nb, T), (s, *_) in lane._calls.items())  # fmt: skip
 
 
+def test_a_request_shorter_than_the_chunk_runs_in_one_call():
+    """A 10-step request with --max-chunk 16 runs as one call of T=10 (T is bucketed up, not
+    rounded down to 8 + 2: two calls, twice the latency); streams of 10, 9 and 3 steps in one
+    call ride its padded steps frozen (their rows leave the GEMMs) and equal the offline
+    model."""
+    model = leanrnn.LSTM(4, 20, seed=3)
+    lane = Lane("m", model, Pool(), threads=1, max_streams=8, max_batch=4, max_chunk=16,
+                idle_timeout=60.0)  # fmt: skip
+    lane.warm_up()
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((T, 4)).astype(np.float32) for T in (10, 9, 3)]
+    for i, x in enumerate(xs):
+        lane.submit(("i", i), True, True, x, None, None, False, None, 0.0)
+    picked = lane.take()
+    assert len(picked) == 3
+    assert lane.run(picked, t_cap=16, now=0.0) == (10, 22)  # one call: every step
+    done = lane.finish(picked, 0.0)
+    assert len(done) == 3 and lane.calls == 1
+    for r, x in zip(done, xs, strict=True):
+        np.testing.assert_allclose(r.y, model(x[:, None])[0][:, 0], rtol=0,
+                                   atol=ATOL_SAME_ARITHMETIC[np.float32])  # fmt: skip
+
+
 def test_memory_flat_while_streams_join_and_leave():
     """After warm-up, 2,000 streams joining and leaving over ~20,000 steps allocate nothing
     that stays (traced Python and numpy memory grows by < 256 KiB)."""

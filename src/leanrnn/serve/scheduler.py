@@ -30,8 +30,10 @@ Per model (``Lane``):
 - **Shapes.** ``Session.run_slots`` plans again whenever N or T change (~1-20 ms), so calls come in
   few shapes, each with its own ``Session`` (on the model's weights and the server's shared
   ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
-  rows, lengths 0), and T down to a power of two (steps left over go in the next call; rounding
-  up would pad, and the recurrence's GEMM runs every row of every step).
+  rows, lengths 0), and T up to one too (1..8, 10, 12, 14, 16, ...: a 10-step request runs in
+  one call, where T rounded down to a power of two took two, 8 + 2, and doubled its latency).
+  The padded steps cost the input projection only: no row is live in them, so their recurrent
+  GEMMs are skipped (kernels.recurrent._live_end).
 
 Adaptive batching (``Scheduler``): whenever the engine is free and streams are ready, they run
 now, and everything that arrives during a call is batched into the next one, so the batch grows
@@ -251,7 +253,7 @@ class Lane:
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, steps) a call can have, largest first."""
         rows = sorted({bucket(n) for n in range(1, self.max_batch + 1)}, reverse=True)
-        steps = [self.max_chunk >> i for i in range(self.max_chunk.bit_length())]
+        steps = sorted(set(bucket(t) for t in range(1, self.max_chunk + 1)), reverse=True)
         return [(nb, T) for nb in rows for T in steps]
 
     def warm_up(self) -> None:
@@ -379,7 +381,7 @@ class Lane:
         the head requests of in-flight sequences are touched, which no other thread changes."""
         n = len(picked)
         heads = [s.queue[0] for s in picked]
-        T = pow2_floor(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
+        T = bucket(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
         session, x, y, lens, slot = self._call(bucket(n), T)
         ks = [min(r.T - r.pos, T) for r in heads]
         # Rows longest first: a row whose steps are done leaves the step GEMMs with every row
