@@ -47,6 +47,24 @@ def pytest_configure(config):
         os.environ[WARM_DIR] = tempfile.mkdtemp(prefix="leanrnn-warm-jit-")
 
 
+# ------------------------------------------------------------------ the native kernels, first
+# A fresh cache (CI's) builds the native module on first use, as a new user's first run does,
+# in 4-10 minutes on 2 cores. Inside a test that wait counted against the test's timeout
+# (pyproject: 600 s), and on a slow VM both xdist workers, each waiting for the build in its
+# first native test, were killed by it ("node down"). So the controller builds it here, by the
+# same path a first use takes (runner.native_module), before the workers start (xdist starts
+# them in its own, trylast, sessionstart) and before any timeout runs; with a built module
+# this costs a load and a hash check.
+def pytest_sessionstart(session):
+    if hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return
+    from leanrnn import config
+    from leanrnn.kernels import runner
+
+    if config.backend() != "jit":
+        runner.native_module(build=True)  # a failed build is recorded; the JIT runs instead
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     jit = [i for i in items if _uses_jit(i)]
