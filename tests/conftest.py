@@ -54,15 +54,24 @@ def pytest_configure(config):
 # first native test, were killed by it ("node down"). So the controller builds it here, by the
 # same path a first use takes (runner.native_module), before the workers start (xdist starts
 # them in its own, trylast, sessionstart) and before any timeout runs; with a built module
-# this costs a load and a hash check.
+# this costs a load and a hash check. The JIT's compile (below) starts first: the build's two
+# processes do not keep both cores busy to the end (float32's takes longer), and nothing
+# else would run beside them.
 def pytest_sessionstart(session):
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
     from leanrnn import config
     from leanrnn.kernels import runner
 
-    if config.backend() != "jit":
-        runner.native_module(build=True)  # a failed build is recorded; the JIT runs instead
+    if config.backend() == "jit":
+        return
+    try:
+        built = runner.native_module(build=False) is not None
+    except ImportError:  # broken: rebuilt below
+        built = False
+    if not built:
+        _start_warm()
+    runner.native_module(build=True)  # a failed build is recorded; the JIT runs instead
 
 
 @pytest.hookimpl(trylast=True)
@@ -71,13 +80,20 @@ def pytest_collection_modifyitems(session, config, items):
     if not jit:
         return
     items[:] = [i for i in items if not _uses_jit(i)] + jit  # stable: otherwise in order
+    if not config.option.collectonly:
+        _start_warm()
+
+
+def _start_warm() -> None:
+    """Start _warm_jit.py unless this run's controller or another worker has (WARM_DIR's
+    "started", created exclusively, holds its pid)."""
     global _warm
-    if _warm is not None or config.option.collectonly:
+    if _warm is not None:
         return
     run = Path(os.environ[WARM_DIR])
     try:
         fd = os.open(run / "started", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:  # another worker of this run started it
+    except FileExistsError:  # another process of this run started it
         return
     _warm = subprocess.Popen(  # the same environment, so the same numba cache
         [sys.executable, str(Path(__file__).with_name("_warm_jit.py")), str(os.getpid()),
