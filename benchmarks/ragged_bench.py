@@ -1,7 +1,8 @@
 """Padded batches of sequences of different lengths: what a step costs once some samples have
-ended. leanrnn runs each step's recurrent GEMM up to the last live sample (kernels.recurrent:
-_live_end), so a batch ordered longest first computes only the live rows, as PyTorch's packed
-sequences do; in input order a sample that ended rides along until every later one has too.
+ended. leanrnn's input projection leaves out row groups whose steps are all past their
+sample's length (kernels.gemm.input_projection) and each step's recurrent GEMM runs up to the
+last live sample (kernels.recurrent._live_end), so a batch ordered longest first computes only
+the live rows, as PyTorch's packed sequences do; in input order a sample that ended rides along until every later one has too.
 
 Side by side in one process, engines taking turns round after round (one untimed call each
 time a turn opens), one thread each:

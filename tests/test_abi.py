@@ -91,20 +91,25 @@ def test_the_session_names_every_argument_of_its_job_once(spec):
 def test_a_call_names_each_argument_exactly_once():
     W, b, y = np.zeros((1, 8, 64), np.float32), np.zeros(64, np.float32), np.zeros((4, 64))
     sync, q = np.zeros(abi.sync_size(1), np.int64), np.zeros((1, 0), np.uint8)
-    c = abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, sync=sync, q=q, bf16_act=False)
+    rows = {"lengths": np.zeros(0, np.int64), "T": 0, "xw_bf_T": 0}  # every row
+    c = abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, sync=sync, q=q, bf16_act=False,
+                 **rows)  # fmt: skip
     x = np.ones((4, 8), np.float32)
-    assert c.bind(x=x, y=y, parts=1) == (x, W, b, 8, y, sync, q, False, 1)
+    got = c.bind(x=x, y=y, parts=1)
+    assert got[:5] + got[8:] == (x, W, b, 8, y, sync, q, False, 1)
+    assert got[5:8] == (rows["lengths"], 0, 0)
+    kw = {"W": W, "b": b, "q": q, "bf16_act": False, **rows}
     with pytest.raises(TypeError, match=r"missing \['sync'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, q=q, bf16_act=False)
+        abi.Call("matmul", ("x", "y", "parts"), K=8, **kw)
     with pytest.raises(TypeError, match=r"named twice \['y'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, y=y, sync=sync, q=q, bf16_act=False)
+        abi.Call("matmul", ("x", "y", "parts"), K=8, y=y, sync=sync, **kw)
     with pytest.raises(TypeError, match=r"unknown \['C'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, K=8, C=8, sync=sync, q=q, bf16_act=False)
+        abi.Call("matmul", ("x", "y", "parts"), K=8, C=8, sync=sync, **kw)
     # as many names as declared, one of them twice and so one missing
     with pytest.raises(TypeError, match=r"named twice \['x'\], missing \['y'\]"):
-        abi.Call("matmul", ("x", "x", "parts"), W=W, b=b, K=8, sync=sync, q=q, bf16_act=False)
+        abi.Call("matmul", ("x", "x", "parts"), K=8, sync=sync, **kw)
     with pytest.raises(TypeError, match=r"unknown \['C'\], named twice \[\], missing \['K'\]"):
-        abi.Call("matmul", ("x", "y", "parts"), W=W, b=b, C=8, sync=sync, q=q, bf16_act=False)
+        abi.Call("matmul", ("x", "y", "parts"), C=8, sync=sync, **kw)
     with pytest.raises(TypeError, match="per call"):
         c.bind(x=x, y=y)
 

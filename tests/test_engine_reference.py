@@ -169,6 +169,49 @@ def test_rows_sorted_longest_first_leave_the_gemm_as_they_end(spec, N, threads, 
     np.testing.assert_array_equal(h_n[:, 0], h_all[:, 0])
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_input_projection_computes_the_live_steps_only(batch_first, threads, backend):
+    """The input projection (kernels.gemm.input_projection, here through the matmul job that
+    shares it) multiplies only the row groups that hold a step within its sample's length:
+    rows of steps past every length in their group are left as they were (NaN here), the
+    live rows are x W^T + b against a float64 product, and bit for bit what a product of
+    every row (T = 0) gives them, on any thread count — rows t*N + n and, batch-first,
+    n*T + t; N off every tile height."""
+    from leanrnn.kernels import abi, runner
+
+    rng = np.random.default_rng(3)
+    T, N, K, U = 7, 37, 40, 3
+    lengths = np.sort(rng.integers(0, T + 1, N))[::-1].copy()
+    lengths[:2] = T  # some rows live at every step; many ended early
+    lengths[-6:] = 0
+    x = rng.standard_normal((T * N, K)).astype(np.float32)
+    W = rng.standard_normal((U, K, 64)).astype(np.float32)
+    b = rng.standard_normal(U * 64).astype(np.float32)
+    want = x.astype(np.float64) @ W.transpose(0, 2, 1).reshape(-1, K).T.astype(np.float64) + b
+    r = np.arange(T * N)
+    live = (r % T < lengths[r // T]) if batch_first else (r // N < lengths[r % N])
+    q0, sync = np.zeros((1, 0), np.uint8), np.zeros(abi.sync_size(threads), np.int64)
+
+    def product(lengths_, T_):
+        y = np.full((T * N, U * 64), np.nan, np.float32)
+        sync[:] = 0
+        bf = T_ if batch_first else 0
+        runner.run("matmul", (x, W, b, K, y, lengths_, T_, bf, sync, q0, False, threads),
+                   threads)  # fmt: skip
+        return y
+
+    every = product(np.zeros(0, np.int64), 0)
+    y = product(lengths, T)
+    np.testing.assert_allclose(y[live], want[live], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(y[live], every[live])
+    untouched = np.isnan(y).all(axis=1)
+    assert not untouched[live].any()
+    assert untouched[~live].mean() > 0.3  # most dead rows are left out (whole groups)
+    computed = ~untouched & ~live  # dead rows riding along in a live group: right too
+    np.testing.assert_array_equal(y[computed], every[computed])
+
+
 BARRIER_SPECS = [
     RNNSpec("lstm", 40, 100, direction="bidirectional", peepholes=True, clip=2.0),
     RNNSpec("lstm", 30, 120, num_layers=2, proj_size=50),

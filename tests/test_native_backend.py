@@ -30,6 +30,7 @@ from tolerances import (
 )
 
 Q0 = np.zeros((1, 0), np.uint8)  # matmul's int8-dynamic scratch: none for float weights
+ALL = (np.zeros(0, np.int64), 0, 0)  # matmul's lengths, T, xw_bf_T: every row
 
 
 def _run(backend, monkeypatch, model, *args):
@@ -96,15 +97,15 @@ def test_marshaller_rejects_arguments_that_break_the_abi(monkeypatch):
     bias = np.zeros(64, np.float32)
     y = np.zeros((4, 64), np.float32)
     sync = np.zeros(abi.sync_size(1), np.int64)
-    b.run("matmul", (x, W, bias, 8, y, sync, Q0, False, 1), 1, 1)  # the right arguments run
+    b.run("matmul", (x, W, bias, 8, y, *ALL, sync, Q0, False, 1), 1, 1)  # the right arguments run
     with pytest.raises(TypeError, match=r"argument 4: expected a C-contiguous, aligned"):
-        b.run("matmul", (x, W, bias, 8, y[:, ::2], sync, Q0, False, 1), 1, 1)
-    with pytest.raises(TypeError, match=r"argument 5: .*'q'"):
-        b.run("matmul", (x, W, bias, 8, y, sync.astype(np.int32), Q0, False, 1), 1, 1)
-    with pytest.raises(TypeError, match=r"takes 9 arguments, got 6"):
+        b.run("matmul", (x, W, bias, 8, y[:, ::2], *ALL, sync, Q0, False, 1), 1, 1)
+    with pytest.raises(TypeError, match=r"argument 8: .*'q'"):
+        b.run("matmul", (x, W, bias, 8, y, *ALL, sync.astype(np.int32), Q0, False, 1), 1, 1)
+    with pytest.raises(TypeError, match=r"takes 12 arguments, got 6"):
         b.run("matmul", (x, W, bias, 8, y, sync), 1, 1)
     with pytest.raises(TypeError, match=r"argument 0: .*native-byte-order"):
-        b.run("matmul", (x.astype(">f4"), W, bias, 8, y, sync, Q0, False, 1), 1, 1)
+        b.run("matmul", (x.astype(">f4"), W, bias, 8, y, *ALL, sync, Q0, False, 1), 1, 1)
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
@@ -239,7 +240,7 @@ def test_teams_of_changing_size_finish_every_job(monkeypatch):
         parts, threads = (2, 2) if i % 2 else (8, 1 + i % 8)
         y = np.full((61, 5 * 64), np.nan, np.float32)
         sync[:] = 0
-        b.run("matmul", (x, W, bias, 40, y, sync, Q0, False, parts), parts, threads)
+        b.run("matmul", (x, W, bias, 40, y, *ALL, sync, Q0, False, parts), parts, threads)
         np.testing.assert_allclose(
             y, want, rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32]
         )
@@ -253,8 +254,9 @@ def test_more_threads_than_the_team_can_start_still_finishes():
         b = runner.backend()
         x = np.ones((4, 8), np.float32); W = np.ones((1, 8, 64), np.float32)
         y = np.zeros((4, 64), np.float32); sync = np.zeros(abi.sync_size(300), np.int64)
-        Q0 = np.zeros((1, 0), np.uint8)
-        b.run("matmul", (x, W, np.zeros(64, np.float32), 8, y, sync, Q0, False, 300), 300, 300)
+        Q0, ALL = np.zeros((1, 0), np.uint8), (np.zeros(0, np.int64), 0, 0)
+        b.run("matmul", (x, W, np.zeros(64, np.float32), 8, y, *ALL, sync, Q0, False, 300),
+              300, 300)
         print(float(y.sum()))
     """
     out = _python(code, LEANRNN_BACKEND="native")

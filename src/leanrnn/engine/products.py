@@ -35,7 +35,7 @@ from ..errors import LeanRNNError
 from ..kernels import abi, runner
 from ..memory.arena import aligned_empty
 from ..threads import PACKED_MATMUL_PARALLEL_MACS
-from .session import NO_SCRATCH
+from .session import NO_SCRATCH, NO_SLOTS
 
 PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
 ENV_GEMM = "LEANRNN_GEMM"
@@ -111,6 +111,7 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
             sync[:] = 0
             call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
                             b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
+                            lengths=NO_SLOTS, T=0, xw_bf_T=0,  # every row
                             q=NO_SCRATCH, bf16_act=False)  # fmt: skip
             runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
     if full < U:

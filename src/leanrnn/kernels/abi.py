@@ -72,8 +72,10 @@ JOBS = {j.name: j for j in (
         ("input_projection K=C", "gru")),
     Job("rnn", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} h_a:F2 h_b:F2 {_SLOTS} gates:F2 {_OUTPUT} "
         f"consts:F1 keep:b sync:L1 {_SCRATCH} parts:i", ("input_projection K=C", "rnn")),
-    # y = x W^T + b (gemm.input_projection); any number of threads share the tasks.
-    Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 sync:L1 {_SCRATCH} parts:i",
+    # y = x W^T + b (gemm.input_projection); any number of threads share the tasks. Every row
+    # (T = 0; lengths and xw_bf_T are the recurrences' way to leave steps past a length out).
+    Job("matmul", f"x:F2 W:F3 b:F1 K:i y:F2 lengths:L1 T:i xw_bf_T:i sync:L1 {_SCRATCH} "
+        "parts:i",
         ("input_projection xw=y",)),
     # dW += x^T G, dR += h^T G into the gradient panels, and the biases' column sums
     # (gemm.weight_gradient), by ticket.

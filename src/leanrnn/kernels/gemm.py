@@ -386,12 +386,64 @@ def _row_chunk(rows):
     return ((rows + n - 1) // n + ALIGN - 1) // ALIGN * ALIGN
 
 
-@kernel
-def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
-    """xw = x W^T + b for every input row at once (rows in x's own order).
+@inline
+def _row_live(r, lengths, T, N, xw_bf_T):
+    """Whether input row r is a step within its sample's length: rows t*N + n, or n*T + t
+    where xw_bf_T > 0 (batch-first input)."""
+    if xw_bf_T > 0:
+        return r % T < lengths[r // T]
+    return r // N < lengths[r % N]
 
-    x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input — the recurrent kernels
-        are told which); W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output;
+
+@inline
+def _live_run(i, i1, base, G, lengths, T, N, xw_bf_T, ragged):
+    """The next run of rows from i (< i1) that has a live row in each of its G-row groups —
+    the groups on a grid from ``base`` (the chunk's first row), so each row keeps the tile it
+    has in a product of the whole chunk, and its bits (see _live_end in recurrent.py; a last
+    group of fewer than G rows is taken with the group before it, so that no product is a
+    lone short tail). Returns (start, end); start == i1 if no row from i is live."""
+    if not ragged:
+        return i, i1
+    a = i
+    while a < i1:
+        g1 = min(i1, a + G)
+        live = False
+        for r in range(a, g1):
+            if _row_live(r, lengths, T, N, xw_bf_T):
+                live = True
+                break
+        if live:
+            break
+        a = g1
+    if a >= i1:
+        return i1, i1
+    e = a
+    while e < i1:
+        g1 = min(i1, e + G)
+        live = False
+        for r in range(e, g1):
+            if _row_live(r, lengths, T, N, xw_bf_T):
+                live = True
+                break
+        if not live:
+            break
+        e = g1
+    if e == i1 and i1 - a < G and a > base:  # a short tail on its own: with the group before
+        a = max(base, a - G)
+    return a, e
+
+
+@kernel
+def input_projection(x, W, b, K, xw, lengths, T, xw_bf_T, sync, q, bf16_act, me):
+    """xw = x W^T + b for every input row that is a step within its sample's length (rows in
+    x's own order); rows past a length are left as they are, since no kernel reads them.
+
+    x:  [M, >=K] inputs (rows t*N + n, or n*T + t for batch-first input, xw_bf_T > 0);
+    W: [U, Cp, Wd] panels; b: [U*Wd] folded bias; xw: [M, U*Wd] output;
+    lengths: [N] int64 steps per sample and T the steps (M = T*N); T = 0 or no lengths: every
+        row (graph heads' products). A padded batch of rows sorted longest first (serve's
+        calls, score's buckets) then computes its live steps only, as a packed sequence does:
+        each task multiplies the runs of its chunk's row groups that hold a live row (_live_run);
     q:  [threads, bytes] uint8 scratch, row ``me`` this thread's: int8-dynamic panels (uint8
         W) multiply its quantized copy of the task's rows (operand), bf16 and int8 ones on AMX
         its split (bf16 with bf16_act: rounded) copy; unused otherwise.
@@ -406,7 +458,10 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
     rows = _row_chunk(M)
     nm = (M + rows - 1) // rows  # chunks: none empty
     ntasks = U * nm
-    last = -1  # the chunk this thread's q[me] holds
+    N = lengths.shape[0]
+    ragged = T > 0 and N > 0 and M == T * N
+    G = slice_rows(W)
+    last = -1  # the first row of the rows this thread's q[me] holds
     while True:
         task = take(sync)
         if task >= ntasks:
@@ -415,18 +470,23 @@ def input_projection(x, W, b, K, xw, sync, q, bf16_act, me):
         i0 = (task // U) * rows
         i1 = min(M, i0 + rows)
         c0 = u * Wd
-        # The tile adds the bias in its final store: a second pass over xw adding it cost a
-        # quarter of the time at H=128. Row 0 of A and of C is row i0.
-        if i0 < i1:
-            A = operand(W, x, q, me, i0, i1, K, i0 != last, bf16_act)
-            last = i0
-            C = xw[i0:]
+        i = i0
+        while i < i1:
+            a, e = _live_run(i, i1, i0, G, lengths, T, N, xw_bf_T, ragged)
+            i = e
+            if a >= e:
+                break
+            # The tile adds the bias in its final store: a second pass over xw adding it
+            # cost a quarter of the time at H=128. Row 0 of A and of C is row a.
+            A = operand(W, x, q, me, a, e, K, a != last, bf16_act)
+            last = a
+            C = xw[a:]
             if Wd == 4 * B:
-                panel4(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+                panel4(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
             elif Wd == 3 * B:
-                panel3(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+                panel3(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
             else:
-                panel1(W, u, 0, A, 0, i1 - i0, K, C, c0, b, c0)
+                panel1(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
         task_done(sync)
     wait_tasks(sync, ntasks)
 

@@ -12,7 +12,7 @@ output). A different fingerprint is a different directory, so a stale build is n
 
 A module is loaded only if it has the size and sha256 its MANIFEST records: dlopen maps the file,
 so a truncated one (a full disk, a copy cut short) would kill the process with SIGBUS at the first
-touch of a missing page, and a garbled one could run garbage. Hashing ~0.5 MB costs ~1 ms. Both
+touch of a missing page, and a garbled one could run garbage. Hashing the ~2.3 MB costs ~2.5 ms. Both
 files are written in full and fsynced under a temporary name, then renamed into place (publish).
 
 A failure that will recur (no C compiler, a compile error) is kept, so processes do not retry a

@@ -32,8 +32,9 @@ Per model (``Lane``):
   ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
   rows, lengths 0), and T up to one too (1..8, 10, 12, 14, 16, ...: a 10-step request runs in
   one call, where T rounded down to a power of two took two, 8 + 2, and doubled its latency).
-  The padded steps cost the input projection only: no row is live in them, so their recurrent
-  GEMMs are skipped (kernels.recurrent._live_end).
+  The padded steps cost next to nothing: no row is live in them, so the input projection
+  leaves them out (kernels.gemm.input_projection) and their recurrent GEMMs are skipped
+  (kernels.recurrent._live_end).
 
 Adaptive batching (``Scheduler``): whenever the engine is free and streams are ready, they run
 now, and everything that arrives during a call is batched into the next one, so the batch grows
