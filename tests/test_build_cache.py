@@ -236,3 +236,25 @@ def test_numba_with_nowhere_to_cache_gets_a_cache_dir_instead_of_failing(tmp_pat
     assert Path(where).parent == fallback / "numba"  # keyed by the fingerprint below it
     assert any((fallback / "numba").rglob("_math.act-*.nbi"))  # numba did cache there
     np.testing.assert_allclose(float(y), np.tanh(0.5), atol=atol(np.float32), rtol=0)
+
+
+def test_the_build_processes_compile_every_entry_once_and_about_as_long():
+    """kernels.aot._groups: each (dtype, job) entry in exactly one process, and the
+    reduced-precision jobs shared out so that the processes' estimated times differ by less
+    than one such job (all of them on the float32 process, or one format per process, left
+    a core idle for minutes at the end of a cold build)."""
+    from leanrnn.kernels import abi, aot
+
+    groups = aot._groups()
+    entries = [e for g in groups for e in g]
+    assert sorted(entries) == sorted((d, j) for j in abi.ARGS for d in abi.JOBS[j].dtypes)
+    cell_of = {abi.job_for(c, p): c for c in abi.REDUCED_CELLS for p in abi.PRECISIONS}
+
+    def estimate(dtype, group):
+        return aot._BUILD_SECONDS[dtype] + sum(
+            aot._BUILD_SECONDS[cell_of[j]] for _, j in group if j in cell_of
+        )
+
+    seconds = [estimate(d, g) for d, g in zip(abi.DTYPES, groups, strict=True)]
+    assert max(seconds) - min(seconds) < max(aot._BUILD_SECONDS[c] for c in abi.REDUCED_CELLS)
+    assert all({j for _, j in g} & set(cell_of) for g in groups)  # each its share
