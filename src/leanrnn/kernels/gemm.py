@@ -396,6 +396,15 @@ def _row_live(r, lengths, T, N, xw_bf_T):
 
 
 @inline
+def _group_live(g0, g1, lengths, T, N, xw_bf_T):
+    """Whether a row of g0..g1 is live (_row_live)."""
+    r = g0
+    while r < g1 and not _row_live(r, lengths, T, N, xw_bf_T):
+        r += 1
+    return r < g1
+
+
+@inline
 def _live_run(i, i1, base, G, lengths, T, N, xw_bf_T, ragged):
     """The next run of rows from i (< i1) that has a live row in each of its G-row groups —
     the groups on a grid from ``base`` (the chunk's first row), so each row keeps the tile it
@@ -405,29 +414,13 @@ def _live_run(i, i1, base, G, lengths, T, N, xw_bf_T, ragged):
     if not ragged:
         return i, i1
     a = i
-    while a < i1:
-        g1 = min(i1, a + G)
-        live = False
-        for r in range(a, g1):
-            if _row_live(r, lengths, T, N, xw_bf_T):
-                live = True
-                break
-        if live:
-            break
-        a = g1
+    while a < i1 and not _group_live(a, min(i1, a + G), lengths, T, N, xw_bf_T):
+        a = min(i1, a + G)
     if a >= i1:
         return i1, i1
     e = a
-    while e < i1:
-        g1 = min(i1, e + G)
-        live = False
-        for r in range(e, g1):
-            if _row_live(r, lengths, T, N, xw_bf_T):
-                live = True
-                break
-        if not live:
-            break
-        e = g1
+    while e < i1 and _group_live(e, min(i1, e + G), lengths, T, N, xw_bf_T):
+        e = min(i1, e + G)
     if e == i1 and i1 - a < G and a > base:  # a short tail on its own: with the group before
         a = max(base, a - G)
     return a, e
