@@ -27,7 +27,9 @@ up as late sends and a long tail, not as a silently lower request rate.
 The issue's bar (p99 <= 100 ms for 10 steps per 100 ms, H=512, 2 layers: batched holds >= 4x
 the streams of --max-batch 1) is read off the table: the most streams with p99 <= --target.
 On a shared 2-core machine the client processes take CPU from the server: compare the two
-servers measured in the same run, not absolute numbers across runs.
+servers measured in the same run, not absolute numbers across runs. The servers all start first
+and take each stream count in turn (the order rotating), so a slow spell of the machine falls
+on all of them rather than on whichever ran then.
 """
 
 from __future__ import annotations
@@ -457,38 +459,50 @@ def main(argv=None) -> int:
           f"{'errors':>7}{'cpu ms/req':>11}{'engine ms/req':>14}{'batch':>6}{'load':>6}")  # fmt: skip
     base = 1
     most = max(args.streams)
-    for key in args.only:
-        name, extra, ort = VARIANTS[key]
-        extra = ["--threads", str(args.threads), *extra]
-        if key == "batched":
-            extra += shlex.split(args.serve_args)
-        if ort:
-            extra += ["--max-streams", str(most)]
-        proc, url, http = launch(path, extra, ort)
-        rows = results[name] = []
-        print(f"{name}: max batch {max_batch(http)}", flush=True)
-        try:
-            for n in args.streams:
+    # Every server starts first and then each stream count is measured on each in turn, the
+    # order rotating from one count to the next: on a VM whose speed drifts (50% steal for
+    # minutes on the Xeon), one server after another let a slow spell fall on one of them
+    # alone. An idle server computes nothing (the others wait on their sockets).
+    servers = {}
+    try:
+        for key in args.only:
+            name, extra, ort = VARIANTS[key]
+            extra = ["--threads", str(args.threads), *extra]
+            if key == "batched":
+                extra += shlex.split(args.serve_args)
+            if ort:
+                extra += ["--max-streams", str(most)]
+            servers[name] = launch(path, extra, ort)
+            results[name] = []
+            print(f"{name}: max batch {max_batch(servers[name][2])}", flush=True)
+        running = list(servers)
+        for i, n in enumerate(args.streams):
+            k = i % max(len(running), 1)
+            for name in running[k:] + running[:k]:
+                proc, url, http = servers[name]
+                time.sleep(0.5)  # the previous load's stragglers out of the way
                 cpu0, m0 = server_cpu(proc.pid), counters(http)
                 r = measure(url, n, args.clients, args.input, args.steps, args.period,
                             args.seconds, base, args.rpc)  # fmt: skip
+                base += n
                 req = max(r["requests"], 1)
                 r["server_cpu_ms_per_request"] = (server_cpu(proc.pid) - cpu0) * 1000 / req
                 eng, calls, in_calls = counters(http) - m0
                 r["engine_ms_per_request"] = eng * 1000 / req
                 r["mean_batch"] = in_calls / max(calls, 1)
                 r["load"] = os.getloadavg()[0]
-                base += n
-                rows.append(r)
+                results[name].append(r)
                 print(f"{name:<22}{n:>8}{r['requests']:>10}{r['p50_ms']:>9.1f}"
                       f"{r['p99_ms']:>9.1f}{r['late']:>6}{r['errors']:>7}"
                       f"{r['server_cpu_ms_per_request']:>11.2f}"
                       f"{r['engine_ms_per_request']:>14.2f}{r['mean_batch']:>6.1f}"
                       f"{r['load']:>6.1f}", flush=True)  # fmt: skip
                 if r["p99_ms"] > 3 * args.target:
-                    break  # past the bar: larger loads say nothing more
-        finally:
+                    running.remove(name)  # past the bar: larger loads say nothing more
+    finally:
+        for proc, _, _ in servers.values():
             proc.terminate()
+        for proc, _, _ in servers.values():
             proc.wait(timeout=60)
     print()
     held = {}
