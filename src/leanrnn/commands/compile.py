@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compile",
         help="build the native kernels for this machine now (normally: on first use; "
-        "about 3-8 minutes on 2 cores)",
+        "about 3-11 minutes on 2 cores)",
     )
     p.add_argument("--cache-dir", help="where to put them (default: LEANRNN_CACHE_DIR or "
                    "~/.cache/leanrnn; set the same LEANRNN_CACHE_DIR when running)")  # fmt: skip

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="measure the one-time compile cost with cold caches (about 3-8 minutes on 2 cores)",
+        help="measure the one-time compile cost with cold caches (about 3-11 minutes on 2 cores)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
