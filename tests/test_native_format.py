@@ -15,6 +15,7 @@ from leanrnn.errors import ModelFormatError
 from leanrnn.formats import native
 from leanrnn.formats.packing import PackedWeights
 from leanrnn.loading import load, save
+from leanrnn.memory.arena import aligned_empty
 from leanrnn.nn import GRU, LSTM
 from leanrnn.spec import RNNSpec
 
@@ -99,6 +100,62 @@ def test_new_files_are_version_2_and_round_trip(tmp_path):
     save(model, tmp_path / "m.lrnn")
     assert native.read_metadata(tmp_path / "m.lrnn")["version"] == str(native.VERSION) == "2"
     np.testing.assert_array_equal(load(tmp_path / "m.lrnn").weights.buffer, model.weights.buffer)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.binary(min_size=1, max_size=9 * BLOCK + 21),
+    chunk_blocks=st.integers(1, 3),
+    split=st.booleans(),
+)
+def test_a_region_read_in_chunks_gets_the_bytes_and_the_one_pass_digest(
+    tmp_path_factory, data, chunk_blocks, split
+):
+    """read_regions sums each chunk as it arrives, on several threads: the bytes and the digests
+    must be what one read and ``_region_digest`` over each whole region give, for any size
+    (partial last block, a tail of under 8 bytes, an empty region) and chunk size."""
+    path = tmp_path_factory.mktemp("r") / "r.bin"
+    path.write_bytes(b"x" * 24 + data + data[::-1])  # the regions start past a "header"
+    c = object.__new__(native._Container)
+    c.path, c.op, c.data_start = str(path), "load", 24
+    bufs = [aligned_empty(len(data)), aligned_empty(0), aligned_empty(len(data))]
+    old = native._READ_CHUNK, native._PARALLEL_READ_BYTES
+    native._READ_CHUNK, native._PARALLEL_READ_BYTES = chunk_blocks * BLOCK, 0 if split else 1 << 40
+    try:
+        with open(path, "rb") as f:
+            digests = c.read_regions(
+                f, [(0, bufs[0]), (0, bufs[1][:0]), (len(data), bufs[2])], native.VERSION
+            )
+    finally:
+        native._READ_CHUNK, native._PARALLEL_READ_BYTES = old
+    assert bufs[0].tobytes() == data and bufs[2].tobytes() == data[::-1]
+    assert digests == [_digest_twin(data), "", _digest_twin(data[::-1])]
+
+
+def test_a_file_cut_short_while_its_region_is_read_is_an_error(tmp_path):
+    p = tmp_path / "m.lrnn"
+    save(LSTM(64, 64, seed=0), p)
+    c = native._Container(str(p), "load")
+    size = c.data_size
+    with open(p, "r+b") as f:
+        f.truncate(c.data_start + size // 2)  # after the header was checked
+    buf = aligned_empty(size)
+    with open(p, "rb") as f, pytest.raises(ModelFormatError, match="truncated while reading"):
+        c.read_regions(f, [(0, buf)], native.VERSION)
+
+
+def test_a_large_model_loads_through_the_threaded_read(tmp_path):
+    """Regions from _PARALLEL_READ_BYTES up are shared between threads: bytes equal, and a flip
+    in the last chunk (read by another thread) is still caught."""
+    model = LSTM(256, 512, num_layers=2, seed=1)
+    assert model.weights.buffer.nbytes >= native._PARALLEL_READ_BYTES
+    save(model, tmp_path / "m.lrnn")
+    np.testing.assert_array_equal(load(tmp_path / "m.lrnn").weights.buffer, model.weights.buffer)
+    data = bytearray((tmp_path / "m.lrnn").read_bytes())
+    data[-100] ^= 0x01
+    (tmp_path / "bad.lrnn").write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match="checksum"):
+        load(tmp_path / "bad.lrnn")
 
 
 def test_a_newer_version_is_refused_with_advice(tmp_path):
