@@ -144,6 +144,21 @@ def test_a_file_cut_short_while_its_region_is_read_is_an_error(tmp_path):
         c.read_regions(f, [(0, buf)], native.VERSION)
 
 
+def test_a_load_reads_on_its_own_thread_when_no_thread_can_start(tmp_path, monkeypatch):
+    """A process at its thread limit still loads: the share a thread would have read is read
+    by the caller, so Thread.start's RuntimeError does not fail the load."""
+    model = GRU(64, 128, seed=2)
+    save(model, tmp_path / "m.lrnn")
+    monkeypatch.setattr(native, "_READ_CHUNK", BLOCK)
+    monkeypatch.setattr(native, "_PARALLEL_READ_BYTES", 0)
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(native.threading.Thread, "start", refuse)
+    np.testing.assert_array_equal(load(tmp_path / "m.lrnn").weights.buffer, model.weights.buffer)
+
+
 def test_a_large_model_loads_through_the_threaded_read(tmp_path):
     """Regions from _PARALLEL_READ_BYTES up are shared between threads: bytes equal, and a flip
     in the last chunk (read by another thread) is still caught."""

@@ -214,14 +214,17 @@ class _Container:
         # runs of consecutive tasks of about equal bytes (every chunk but a region's last is
         # _READ_CHUNK): by count is close enough
         cuts = [len(tasks) * k // parts for k in range(parts + 1)]
-        others = [
-            threading.Thread(target=run, args=(cuts[k], cuts[k + 1]), name="leanrnn-read")
-            for k in range(1, parts)
-        ]
-        for t in others:
-            t.start()
-        run(cuts[0], cuts[1])
-        for t in others:
+        started, here = [], [(cuts[0], cuts[1])]
+        for k in range(1, parts):
+            t = threading.Thread(target=run, args=(cuts[k], cuts[k + 1]), name="leanrnn-read")
+            try:
+                t.start()
+                started.append(t)
+            except RuntimeError:  # no thread to be had (a process limit): read that share here
+                here.append((cuts[k], cuts[k + 1]))
+        for lo, hi in here:
+            run(lo, hi)
+        for t in started:
             t.join()
         if failed:
             raise failed[0]
