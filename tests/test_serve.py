@@ -438,6 +438,27 @@ def test_serve_bench_clients_get_every_answer(server, rpc, monkeypatch):
     assert 6 * 5 <= r["requests"] <= 6 * 10 and r["p99_ms"] > 0
 
 
+def test_serve_bench_reports_a_miss_below_the_most_streams_held(monkeypatch):
+    """A count that missed the bar below counts that met it (a stalled window on a shared VM)
+    is reported beside the most streams held: before, only the most was printed."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("serve_bench")
+
+    def row(streams, p99, late=0, errors=0):
+        return {"streams": streams, "p99_ms": p99, "late": late, "errors": errors,
+                "requests": 1000}  # fmt: skip
+
+    rows = [row(32, 85), row(8, 16), row(16, 118), row(12, 20), row(24, 48), row(48, 222)]
+    most, steady, missed = bench.held_counts(rows, 100)
+    assert (most, steady, [r["streams"] for r in missed]) == (32, 12, [16])
+    # late sends and errors miss the bar too; nothing within it holds 0
+    assert bench.held_counts([row(4, 10, late=11), row(8, 10)], 100)[:2] == (8, 0)
+    assert bench.held_counts([row(4, 10, errors=1)], 100) == (0, 0, [])
+
+
 def test_serve_bench_takes_each_point_on_every_server_in_turn(tmp_path):
     """benchmarks/serve_bench.py starts its servers first, then measures each stream count on
     each of them in turn, the order rotating (a slow spell of a shared VM falls on all): at
