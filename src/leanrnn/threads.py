@@ -167,12 +167,6 @@ def matmul_pool(threads: int):
     return _pool("matmul", threads)
 
 
-def io_pool(threads: int):
-    """A pool of at least ``threads`` workers that read a model file's regions in chunks
-    (formats.native): reads and their checksums release the GIL."""
-    return _pool("io", threads)
-
-
 def job_pool(threads: int):
     """A pool of at least ``threads`` workers that run the JIT backend's jobs (kernels.runner):
     one of its own, so a job launch never waits behind matrix products queued by its caller."""
