@@ -194,13 +194,13 @@ def tile_gemm(name: str, dot: str | None = None, bf16: str | None = None):
     def run(nvec, P, poff, A, i0, i1, K, C, mode, bias):
         ks, lda, ldc = P.shape[2], A.shape[1], C.shape[1]
         if nvec == 1:
-            g1(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+            g1(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0, 0, 0)
         elif nvec == 2:
-            g2(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+            g2(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0, 0, 0)
         elif nvec == 3:
-            g3(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+            g3(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0, 0, 0)
         else:
-            g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0)
+            g4(P, poff, ks, A, 0, i0, i1, lda, K, C, 0, ldc, mode, bias, 0, 0, 0)
 
     return run
 

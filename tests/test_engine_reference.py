@@ -124,8 +124,8 @@ def test_projection_parallel_matches_reference():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_recurrent_weights_beyond_half_of_l2_match_reference(cell, threads, backend):
     """Where R is larger than half of this core's L2 and a GEMM has 4 rows or more, each
-    block's update asks for the next block's panel (kernels.gemm.prefetch_next_panel): the smallest
-    such H on this CPU (float32's; float64, checked to its tight tolerance, doubles R), every
+    block's GEMM tile asks for the next block's panel over its k loop (kernels.gemm._ahead;
+    reduced panels: its rows' updates, gemm.prefetch_next_panel): the smallest such H on this CPU (float32's; float64, checked to its tight tolerance, doubles R), every
     direction's blocks walked both ways, lengths cutting rows out."""
     from leanrnn.kernels import gemm
 

@@ -102,14 +102,14 @@ def _tile_gemm(name):
     g1, g3, g4 = (_simd.make(n, tiles) for n in (1, 3, 4))
 
     @numba.njit
-    def run(nvec, P, poff, A, acol, i0, i1, K, C, coff, mode, bias, boff):
+    def run(nvec, P, poff, A, acol, i0, i1, K, C, coff, mode, bias, boff, pf=0, lines=0):
         ks, lda, ldc = P.shape[1], A.shape[1], C.shape[1]
         if nvec == 1:
-            g1(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+            g1(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff, pf, lines)
         elif nvec == 3:
-            g3(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+            g3(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff, pf, lines)
         else:
-            g4(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff)
+            g4(P, poff, ks, A, acol, i0, i1, lda, K, C, coff, ldc, mode, bias, boff, pf, lines)
 
     return run
 
@@ -140,6 +140,29 @@ def test_every_isa_tile_matches_reference(name, dtype):
                     # nothing outside the slice is written
                     np.testing.assert_array_equal(C[:, 0], C0[:, 0])
                     np.testing.assert_array_equal(C[:, cols + 1 :], C0[:, cols + 1 :])
+
+
+@pytest.mark.parametrize("name", sorted(_cpu.ISAS))
+def test_a_tile_asking_for_the_next_panel_computes_the_same(name):
+    """The multi-row float tiles spread a prefetch of a next panel over their k loop (_simd's
+    pf, nlines; gemm._ahead): whether it asks for no line, fewer lines than k steps, exactly
+    as many or more (then a line a step), for lone rows, full tiles and leftover rows, the
+    sums are the reference's and bit for bit those of the tile that asks for none."""
+    run = _tile_gemm(name)
+    rng = np.random.default_rng(2)
+    W, K = 4 * B, 11
+    P = rng.standard_normal((2 * K, W)).astype(np.float32)  # the second K rows: "next panel"
+    for M in (1, 4, 6, 13):
+        A = rng.standard_normal((M, K)).astype(np.float32)
+        prod = A.astype(np.float64) @ P[:K].astype(np.float64)
+        C0 = np.zeros((M, W), np.float32)
+        run(4, P, 0, A, 0, 0, M, K, C0, 0, 0, P, -1)
+        steps = -(-M // 6) * K
+        for lines in (1, steps // 3, steps, 3 * steps, K * W * 4 // 64):
+            C = np.full((M, W), np.nan, np.float32)
+            run(4, P, 0, A, 0, 0, M, K, C, 0, 0, P, -1, K * W, lines)
+            np.testing.assert_array_equal(C, C0)
+        np.testing.assert_allclose(C0, prod, rtol=0, atol=atol(np.float32) * 10 * K)
 
 
 @pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("False", False),

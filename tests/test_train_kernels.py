@@ -125,8 +125,8 @@ def test_lstm_back_equals_the_numpy_loop(H, P, full, reverse, parts, groups, N, 
 
 @pytest.mark.parametrize(("parts", "N"), [(1, 7), (2, 7), (2, 26)])
 def test_lstm_back_with_r_beyond_half_of_l2_equals_the_numpy_loop(parts, N):
-    """Where R^T's panels are larger than half of this core's L2, phase B asks for the next
-    panel while it copies a block's rows (kernels.gemm.prefetch_next_panel): the smallest such
+    """Where R^T's panels are larger than half of this core's L2, phase B's GEMM tile asks for
+    the next panel over its k loop (kernels.gemm._ahead): the smallest such
     float64 H on this CPU, both ways of splitting the threads."""
     from leanrnn.kernels import gemm
 

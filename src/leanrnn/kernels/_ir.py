@@ -62,6 +62,16 @@ def prefetch_ahead(builder, ptr, nbytes: int, dist: int) -> None:
         builder.call(fn, [ahead, i32(0), i32(3), i32(1)])
 
 
+def prefetch_line(builder, ptr, offset) -> None:
+    """Emit a prefetch into L2 of the cache line ``offset`` bytes (an i64 value) past ``ptr``
+    (any pointer): locality 2, as prefetch_l2's."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+    )
+    builder.call(fn, [builder.gep(builder.bitcast(ptr, i8p), [offset]), i32(0), i32(2), i32(1)])
+
+
 def split_loop(builder, n, sets: int, step) -> None:
     """Steps 0..n-1 (an i64 value) with ``sets`` accumulator sets taking turns: ``step(k,
     s)`` for k in whole rounds of ``sets`` (set s gets k = round + s), then the 0..sets-1 steps

@@ -84,7 +84,8 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
     gemv_prefetch = _cpu.GEMV_PREFETCH if dot == "vnni" else 0
 
     def gen(context, builder, signature, args):
-        P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args
+        # the last two, a spread prefetch (see _simd), are the float tiles' only
+        P_, poff, kstride, A_, acol, i0, i1, lda, K, C_, coff, ldc, mode, bias_, boff = args[:15]
         MR = t.rows
 
         def chunks_of(ng):

@@ -331,15 +331,16 @@ def _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, add, me, part
             continue
         for v in range(lo, hi):
             c0 = v * Wb
+            nv = v + 1 if v + 1 < hi else -1  # the next block: its panel asked for ahead
             if Wb == 4 * B:
-                panel4(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
+                panel4(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1, nv)
             elif Wb == 2 * B:
-                panel2(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
+                panel2(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1, nv)
             else:
-                panel1(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1)
+                panel1(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1, nv)
             c1 = min(c0 + Wb, Kp)  # the last panel's columns past Kp are zero weights
             for n in range(n0, n1):
-                prefetch_next_panel(RT, v + 1 if v + 1 < hi else -1, n - n0, per)
+                prefetch_next_panel(RT, nv, n - n0, per)
                 if _row(s, n, N, lengths, reverse) < 0:
                     continue
                 if add:

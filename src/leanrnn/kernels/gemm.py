@@ -347,35 +347,65 @@ def _lda_impl(A, K):
 
 
 @inline
-def panel1(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
+def _ahead(P, nb, rows):
+    """(P's flat element offset of block nb's panel, its cache lines): what a GEMM of ``rows``
+    rows on a float panel spreads its prefetch over (_simd), or (0, 0): no next block (nb <
+    0), too few rows, P small enough to stay in L2 (next_panel_share), or reduced panels
+    (their tiles do not spread; _phase asks for theirs between the rows' updates)."""
+    if nb < 0 or not _spreads(P) or rows < PANEL_PREFETCH_ROWS or P.nbytes <= PANEL_L2:
+        return 0, 0
+    return _off(P, nb, 0, 0), (P.shape[1] * P.shape[2] * P.itemsize + 63) // 64
+
+
+def _spreads(P):  # pragma: no cover - replaced by the overload inside kernels
+    pass
+
+
+@overload(_spreads)
+def _spreads_impl(P):
+    """Whether P's GEMM tile spreads a next-panel prefetch over its k loop: float panels'."""
+    spreads = P.dtype in (types.float32, types.float64)
+    return lambda P: spreads
+
+
+@inline
+def panel1(P, u, v0, A, i0, i1, K, C, ccol, bias, boff, nb):
     kc = _kc(P, K, i0, i1)
+    pf, lines = _ahead(P, nb, i1 - i0)
     for k0 in range(0, K, kc):
         panel_gemm1(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
-                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff, pf,
+                    lines if k0 == 0 else 0)  # fmt: skip
 
 
 @inline
-def panel2(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
+def panel2(P, u, v0, A, i0, i1, K, C, ccol, bias, boff, nb):
     kc = _kc(P, K, i0, i1)
+    pf, lines = _ahead(P, nb, i1 - i0)
     for k0 in range(0, K, kc):
         panel_gemm2(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
-                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff, pf,
+                    lines if k0 == 0 else 0)  # fmt: skip
 
 
 @inline
-def panel3(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
+def panel3(P, u, v0, A, i0, i1, K, C, ccol, bias, boff, nb):
     kc = _kc(P, K, i0, i1)
+    pf, lines = _ahead(P, nb, i1 - i0)
     for k0 in range(0, K, kc):
         panel_gemm3(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
-                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff, pf,
+                    lines if k0 == 0 else 0)  # fmt: skip
 
 
 @inline
-def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff):
+def panel4(P, u, v0, A, i0, i1, K, C, ccol, bias, boff, nb):
     kc = _kc(P, K, i0, i1)
+    pf, lines = _ahead(P, nb, i1 - i0)
     for k0 in range(0, K, kc):
         panel_gemm4(P, _off(P, u, v0, k0), P.shape[2], A, k0, i0, i1, _lda(A, K),
-                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff)  # fmt: skip
+                    min(kc, K - k0), C, ccol, C.shape[1], _mode(k0, boff), bias, boff, pf,
+                    lines if k0 == 0 else 0)  # fmt: skip
 
 
 @inline
@@ -475,22 +505,24 @@ def input_projection(x, W, b, K, xw, lengths, T, xw_bf_T, sync, q, bf16_act, me)
             last = a
             C = xw[a:]
             if Wd == 4 * B:
-                panel4(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
+                panel4(W, u, 0, A, 0, e - a, K, C, c0, b, c0, -1)
             elif Wd == 3 * B:
-                panel3(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
+                panel3(W, u, 0, A, 0, e - a, K, C, c0, b, c0, -1)
             else:
-                panel1(W, u, 0, A, 0, e - a, K, C, c0, b, c0)
+                panel1(W, u, 0, A, 0, e - a, K, C, c0, b, c0, -1)
         task_done(sync)
     wait_tasks(sync, ntasks)
 
 
 # A step's panel GEMMs (the recurrences' and backward's dh) ask for the next unit block's
-# panel into L2 while they finish this block's rows (next_panel_share, prefetch_next_panel),
-# where W is larger than half of this core's L2 (below that, the walk over the blocks finds it
-# there) and the GEMM has at least this many rows (a lone row streams its panel with its own
-# prefetch; the updates of a few rows are too short to hide a panel's fetch). On a Sapphire
-# Rapids-class Xeon (L2 2 MiB; an LSTM H=512's R is 4 MiB) the first row tile's panel loads,
-# from L3, were the step GEMM's hottest instructions.
+# panel into L2 while they run this block's, where W is larger than half of this core's L2
+# (below that, the walk over the blocks finds it there) and the GEMM has at least this many
+# rows (a lone row streams its panel with its own prefetch). On a Sapphire Rapids-class Xeon
+# (L2 2 MiB; an LSTM H=512's R is 4 MiB) the first row tile's panel loads, from L3, were the
+# step GEMM's hottest instructions. Float panels' tiles spread the prefetch over their k loop
+# (panelN's nb, _ahead); reduced panels' ask for a share per row between the rows' updates
+# (next_panel_share, prefetch_next_panel): in those bursts the prefetches waited for fill
+# buffers, ~10% of the float LSTM H=512 N=64 step (spread: 5% faster, interleaved processes).
 PANEL_L2 = _cpu.caches()["L2"] // 2
 PANEL_PREFETCH_ROWS = 4
 
@@ -498,8 +530,8 @@ PANEL_PREFETCH_ROWS = 4
 @inline
 def next_panel_share(W, rows):
     """Panel rows of W ([U, Kp, Wd]) each of ``rows`` finished rows asks for ahead, 0 where
-    it is not worth it (PANEL_L2)."""
-    if rows < PANEL_PREFETCH_ROWS or W.nbytes <= PANEL_L2:
+    it is not worth it (PANEL_L2) or the GEMM's tile asks for them (_ahead)."""
+    if rows < PANEL_PREFETCH_ROWS or W.nbytes <= PANEL_L2 or _spreads(W):
         return 0
     return (W.shape[1] + rows - 1) // rows
 
@@ -530,13 +562,13 @@ def _tgemm(P, pcol, A, i0, i1, M, C, u, ccol, ng):
         k = min(WG_ROWS, M - k0)
         poff = k0 * ldp + pcol
         if ng == 4:
-            panel_gemm_t4(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+            panel_gemm_t4(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1, 0, 0)
         elif ng == 3:
-            panel_gemm_t3(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+            panel_gemm_t3(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1, 0, 0)
         elif ng == 2:
-            panel_gemm_t2(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+            panel_gemm_t2(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1, 0, 0)
         else:
-            panel_gemm_t1(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1)
+            panel_gemm_t1(P, poff, ldp, A, k0, i0, i1, lda, k, C, cbase, ldc, 1, P, -1, 0, 0)
 
 
 @inline

@@ -236,10 +236,10 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
             continue  # another thread has this slice
         for i in range(lo, hi):
             u = _block(i, lo, hi, s)
-            if m > n0:
-                gemm(cell, W, u, A, n0, m, Kin, gs, hn, consts)
-            # the next block's xw span of each row, asked for now (_ir.prefetch_l2)
             nb = _block(i + 1, lo, hi, s) if i + 1 < hi else -1
+            if m > n0:  # its tile asks for block nb's panel as it goes (gemm._ahead)
+                gemm(cell, W, u, A, n0, m, Kin, gs, hn, consts, nb)
+            # the next block's xw span of each row, asked for now (_ir.prefetch_l2)
             nxt = nb * span if nb >= 0 else -1
             for n in range(n0, n1):
                 prefetch_next_panel(W, nb, n - n0, per)
@@ -303,8 +303,8 @@ def _done(slot, h_store, hn, n, c0, K, s, lengths, y, yr, y_off):
 
 
 @inline
-def _lstm_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
-    panel4(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 4 * B, consts, -1)
+def _lstm_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts, nb):
+    panel4(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 4 * B, consts, -1, nb)
 
 
 @inline
@@ -367,9 +367,9 @@ def _lstm_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store
 
 
 @inline
-def _lstm_projection(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+def _lstm_projection(cell, W, u, A, n0, n1, Kin, gs, hn, consts, nb):
     """h = hfull proj^T, block u of the projected units, straight into hn."""
-    panel1(W, u, 0, cell[4], n0, n1, Kin, hn, u * B, consts, -1)
+    panel1(W, u, 0, cell[4], n0, n1, Kin, hn, u * B, consts, -1, nb)
 
 
 @inline
@@ -408,11 +408,11 @@ def _lstm(
 
 
 @inline
-def _gru_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+def _gru_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts, nb):
     if cell[1]:  # linear_before_reset: all three gates' R h here
-        panel3(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1)
+        panel3(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1, nb)
     else:  # n's R (r*h) comes in the second phase
-        panel2(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1)
+        panel2(W, u, 0, A, 0, n1 - n0, Kin, gs, u * 3 * B, consts, -1, nb)
 
 
 @inline
@@ -451,9 +451,9 @@ def _gru_cell(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
 
 
 @inline
-def _gru_reset_gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
+def _gru_reset_gemm(cell, W, u, A, n0, n1, Kin, gs, hn, consts, nb):
     """R_n (r*h) for block u: the n gate's panel group (2) into its gate columns."""
-    panel1(W, u, 2, A, 0, n1 - n0, Kin, gs, u * 3 * B + 2 * B, consts, -1)
+    panel1(W, u, 2, A, 0, n1 - n0, Kin, gs, u * 3 * B + 2 * B, consts, -1, nb)
 
 
 @inline
@@ -489,8 +489,8 @@ def _gru(
 
 
 @inline
-def _rnn_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts):
-    panel1(W, u, 0, A, 0, n1 - n0, Kin, gs, u * B, consts, -1)
+def _rnn_gates(cell, W, u, A, n0, n1, Kin, gs, hn, consts, nb):
+    panel1(W, u, 0, A, 0, n1 - n0, Kin, gs, u * B, consts, -1, nb)
 
 
 @inline
