@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         times: dict[str, list[float]] = {name: [] for name, _ in workers}
         for r in range(args.rounds):
-            order = workers[r % len(workers):] + workers[: r % len(workers)]
+            order = workers[r % len(workers) :] + workers[: r % len(workers)]
             for name, p in order:
                 p.stdin.write(f"{args.reps}\n")
                 p.stdin.flush()
