@@ -50,7 +50,7 @@ from ._jit import inline, kernel
 from ._math import tanh_
 from ._sync import ALIGN, claim, end_phase, finish, share
 from .abi import B
-from .gemm import next_panel_share, panel1, panel2, panel4, prefetch_next_panel
+from .gemm import panel1, panel2, panel4
 
 # Batch slices (_sync.share: each thread runs every step of its own samples, never meeting the
 # others) from this many register tiles of rows per thread on. Lower than the forward's
@@ -324,14 +324,14 @@ def _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, add, me, part
     otherwise run out of blocks (Trainer._dh_groups chooses)."""
     V, Wb = RT.shape[0], RT.shape[2]
     Kp = dh.shape[1]
-    per = next_panel_share(RT, n1 - n0)  # the next block's panel: a share per row
     for q in range(parts):
         lo, hi = claim(sync, me, q, parts, g, V)
         if hi < 0:
             continue
         for v in range(lo, hi):
             c0 = v * Wb
-            nv = v + 1 if v + 1 < hi else -1  # the next block: its panel asked for ahead
+            # the next block, whose panel the (float) tile asks for as it goes (gemm._ahead)
+            nv = v + 1 if v + 1 < hi else -1
             if Wb == 4 * B:
                 panel4(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1, nv)
             elif Wb == 2 * B:
@@ -340,7 +340,6 @@ def _dh_gemm(RT, dgs, N, n0, n1, Gp, dhn, dh, s, lengths, reverse, add, me, part
                 panel1(RT, v, 0, dgs, n0, n1, Gp, dhn, c0, consts, -1, nv)
             c1 = min(c0 + Wb, Kp)  # the last panel's columns past Kp are zero weights
             for n in range(n0, n1):
-                prefetch_next_panel(RT, nv, n - n0, per)
                 if _row(s, n, N, lengths, reverse) < 0:
                     continue
                 if add:

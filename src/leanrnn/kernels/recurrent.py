@@ -229,7 +229,8 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
     k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
     gs = gates[n0:]  # the panel GEMMs' C: row 0 is sample n0, as in their A (operand)
     m = _live_end(lengths, n0, n1, s, slice_rows(W))  # GEMM rows; updates walk n0..n1
-    per = next_panel_share(W, m - n0)  # the next block's panel: a share per row
+    # reduced panels' next panel, a share per row (float tiles ask for theirs: gemm._ahead)
+    per = next_panel_share(W, m - n0)
     for sl in range(parts):
         lo, hi = claim(sync, me, sl, parts, g, W.shape[0])
         if hi < 0:
