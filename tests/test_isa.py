@@ -1,6 +1,8 @@
 """The register tile comes from the CPU's ISA (kernels._cpu), and every ISA's tile computes the
 same GEMM on any machine: the tile intrinsics compiled for each ISA against a float64 reference."""
 
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
@@ -187,3 +189,33 @@ def test_an_unknown_amx_switch_is_an_error(monkeypatch):
     finally:
         monkeypatch.delenv(_cpu.ENV_AMX)
         _cpu.amx_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("vendor, amx, want", [
+    ("AuthenticAMD", False, "dpbf16"),  # Zen 4/5: vdpbf16ps at the FMA's rate
+    ("GenuineIntel", False, "fma"),  # Cooper Lake, or Sapphire Rapids with AMX off
+    ("", False, "fma"),  # a vendor /proc/cpuinfo does not name
+    ("GenuineIntel", True, "amx"),
+    ("AuthenticAMD", True, "amx"),
+])  # fmt: skip
+def test_bf16_panels_take_vdpbf16ps_only_where_it_is_fast(monkeypatch, vendor, amx, want):
+    """On an Intel CPU with AVX512-BF16 but no usable AMX, bf16_dot chose vdpbf16ps, which ran
+    bf16 2.8x slower than float32 at batch 64 on a Sapphire Rapids-class Xeon with AMX off
+    (its vdpbf16ps issues at half the FMA's rate); the widening FMA tile runs at float32's
+    speed there."""
+    flags = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} | (
+        {"amx_tile", "amx_bf16"} if amx else set()
+    )
+    monkeypatch.setattr(_cpu, "_flags", lambda: (flags, "x86_64"))
+    monkeypatch.setattr(_cpu, "vendor", lambda: vendor)
+    monkeypatch.setattr(_cpu, "amx_enabled", lambda: True)
+    monkeypatch.setattr(_cpu, "amx_permitted", lambda: True)
+    assert _cpu.bf16_dot(_cpu.ISAS["avx512"]) == want
+
+
+def test_the_vendor_is_read_from_cpuinfo():
+    """vendor() is /proc/cpuinfo's vendor_id (its first), "" where there is none."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    ids = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("vendor_id")]
+    assert _cpu.vendor() == (ids[0] if ids else "")

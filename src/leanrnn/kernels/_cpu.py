@@ -145,6 +145,20 @@ def _flags() -> tuple[set[str], str]:
 
 
 @functools.lru_cache(maxsize=1)
+def vendor() -> str:
+    """This CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), "" where
+    it names none; read once per process."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
 def host_isa() -> str:
     """This CPU's ISA, from its feature flags."""
     return isa_of(*_flags())
@@ -189,16 +203,21 @@ def bf16_dot(isa_: Isa) -> str:
     (AMX-BF16's tdpbf16ps on 16 x 16 x 32 tiles, activations split in two bf16 terms) where
     the AVX-512 tile is compiled, the CPU has AMX-BF16 and AVX512-BF16 (the split's
     conversion), the OS granted the tile state and ``LEANRNN_AMX=0`` does not turn it off;
-    ``dpbf16`` where the AVX-512 tile is compiled and the CPU has AVX512-BF16 without AMX
-    (Zen 4/5, Cooper Lake; or AMX turned off): bf16 panels' rows (not int8's) on the float32
-    tile's registers with AVX512-BF16's vdpbf16ps, activations split alike (kernels._simd's
-    dp_loop); else ``fma``: every row on the float32 tile, each weight widened after its load.
-    Part of signature(), like int8_dot."""
+    ``dpbf16`` where the AVX-512 tile is compiled and an AMD CPU has AVX512-BF16 without AMX
+    (Zen 4/5): bf16 panels' rows (not int8's) on the float32 tile's registers with
+    AVX512-BF16's vdpbf16ps, activations split alike (kernels._simd's dp_loop); else ``fma``:
+    every row on the float32 tile, each weight widened after its load. Not dpbf16 on Intel
+    CPUs without AMX (Cooper Lake; a Sapphire Rapids with AMX turned off or not granted), whose
+    vdpbf16ps issues at half the FMA's rate: on a Sapphire Rapids-class Xeon with AMX off
+    (2026-12-03, LSTM H=512, 1 thread) vdpbf16ps ran bf16 2.8x slower than float32 at batch 64
+    (928 vs 336 ms; bf16-act 1.35x slower) and at batch 1 2.0x slower than the widening FMA
+    tile (12.9 vs 6.5 ms), which ran at float32's speed at batch 64; on a Zen 5 vdpbf16ps ran
+    bf16-act 1.73x faster than float32 at batch 64. Part of signature(), like int8_dot."""
     if isa_.name != "avx512" or not has_avx512_bf16():
         return "fma"
     if {"amx_tile", "amx_bf16"} <= _flags()[0] and amx_enabled() and amx_permitted():
         return "amx"
-    return "dpbf16"
+    return "dpbf16" if vendor() == "AuthenticAMD" else "fma"
 
 
 def has_avx512_bf16() -> bool:
