@@ -130,32 +130,31 @@ def tile_for(isa: Isa, itemsize: int) -> Tile:
     return Tile(r, g, split, vecs, gv, GEMV_PREFETCH if split == 1 else 0)
 
 
+def _cpuinfo_field(*names: str) -> str:
+    """The value of the first /proc/cpuinfo line starting with one of ``names``, "" if none
+    (or no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 @functools.lru_cache(maxsize=1)
 def _flags() -> tuple[set[str], str]:
     """(this CPU's feature flags, its machine), read from /proc/cpuinfo once per process (~45
     us a read; bf16_dot, asked by every plan of a reduced-precision model, reads them twice)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split()), platform.machine()
-    except OSError:
-        pass
-    return set(), platform.machine()
+    return set(_cpuinfo_field("flags", "Features").split()), platform.machine()
 
 
 @functools.lru_cache(maxsize=1)
 def vendor() -> str:
     """This CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), "" where
     it names none; read once per process."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_field("vendor_id")
 
 
 @functools.lru_cache(maxsize=1)

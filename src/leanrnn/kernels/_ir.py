@@ -51,25 +51,20 @@ def prefetch_ahead(builder, ptr, nbytes: int, dist: int) -> None:
     """Emit a prefetch of every cache line of the ``nbytes`` at ``ptr`` (any pointer), ``dist``
     bytes further on: a lone row's (GEMV's) panel row segment, asked for before its loads
     need it (past a panel's last row: the next panel's first, which comes next)."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
-    )
-    row = builder.bitcast(ptr, i8p)
     for off in range(0, max(64, nbytes), 64):
-        ahead = builder.gep(row, [ir.Constant(ir.IntType(64), dist + off)])
-        # read, high locality, data cache; a prefetch never faults (past the array either)
-        builder.call(fn, [ahead, i32(0), i32(3), i32(1)])
+        # high locality: into L1; a prefetch never faults (past the array either)
+        prefetch_line(builder, ptr, ir.Constant(ir.IntType(64), dist + off), locality=3)
 
 
-def prefetch_line(builder, ptr, offset) -> None:
-    """Emit a prefetch into L2 of the cache line ``offset`` bytes (an i64 value) past ``ptr``
-    (any pointer): locality 2, as prefetch_l2's."""
+def prefetch_line(builder, ptr, offset, locality: int = 2) -> None:
+    """Emit a read prefetch of the cache line ``offset`` bytes (an i64 value) past ``ptr`` (any
+    pointer) into the data cache: locality 2 into L2, 3 into L1."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
     )
-    builder.call(fn, [builder.gep(builder.bitcast(ptr, i8p), [offset]), i32(0), i32(2), i32(1)])
+    line = builder.gep(builder.bitcast(ptr, i8p), [offset])
+    builder.call(fn, [line, i32(0), i32(locality), i32(1)])
 
 
 def split_loop(builder, n, sets: int, step) -> None:
@@ -117,19 +112,13 @@ def prefetch_l2(typingctx, a, row, col, nbytes):
         arr = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, sig.args[0], arr, [args[1], args[2]],
                                        wraparound=False, boundscheck=False)  # fmt: skip
-        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
-        fn = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-            "llvm.prefetch.p0i8",
-        )
-        base = builder.bitcast(ptr, i8p)
+        i64 = ir.IntType(64)
         n = args[3] if args[3].type == i64 else builder.sext(args[3], i64)
         with cgutils.for_range_slice(builder, ir.Constant(i64, 0), n, ir.Constant(i64, 64)) as (
             off,
             _,
         ):
-            builder.call(fn, [builder.gep(base, [off]), i32(0), i32(2), i32(1)])
+            prefetch_line(builder, ptr, off)
         return context.get_dummy_value()
 
     return types.void(a, row, col, nbytes), codegen

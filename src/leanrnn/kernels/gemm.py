@@ -352,7 +352,7 @@ def _ahead(P, nb, rows):
     rows on a float panel spreads its prefetch over (_simd), or (0, 0): no next block (nb <
     0), too few rows, P small enough to stay in L2 (next_panel_share), or reduced panels
     (their tiles do not spread; _phase asks for theirs between the rows' updates)."""
-    if nb < 0 or not _spreads(P) or rows < PANEL_PREFETCH_ROWS or P.nbytes <= PANEL_L2:
+    if nb < 0 or not _spreads(P) or not _panel_prefetch_pays(P, rows):
         return 0, 0
     return _off(P, nb, 0, 0), (P.shape[1] * P.shape[2] * P.itemsize + 63) // 64
 
@@ -528,10 +528,16 @@ PANEL_PREFETCH_ROWS = 4
 
 
 @inline
+def _panel_prefetch_pays(W, rows):
+    """Whether a GEMM of ``rows`` rows on W asks for the next block's panel ahead (above)."""
+    return rows >= PANEL_PREFETCH_ROWS and W.nbytes > PANEL_L2
+
+
+@inline
 def next_panel_share(W, rows):
     """Panel rows of W ([U, Kp, Wd]) each of ``rows`` finished rows asks for ahead, 0 where
     it is not worth it (PANEL_L2) or the GEMM's tile asks for them (_ahead)."""
-    if rows < PANEL_PREFETCH_ROWS or W.nbytes <= PANEL_L2 or _spreads(W):
+    if not _panel_prefetch_pays(W, rows) or _spreads(W):
         return 0
     return (W.shape[1] + rows - 1) // rows
 
