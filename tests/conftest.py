@@ -54,9 +54,10 @@ def pytest_configure(config):
 # first native test, were killed by it ("node down"). So the controller builds it here, by the
 # same path a first use takes (runner.native_module), before the workers start (xdist starts
 # them in its own, trylast, sessionstart) and before any timeout runs; with a built module
-# this costs a load and a hash check. The JIT's compile (below) starts first: the build's two
-# processes do not keep both cores busy to the end (float32's takes longer), and nothing
-# else would run beside them.
+# this costs a load and a hash check. The JIT's warm-up (below) starts after it: the build
+# saves every job it compiled into numba's cache (kernels.aot._save_for_the_jit), so the
+# warm-up only loads them; started beside the build, it compiled the same code again (~130 s
+# of a core). Should the build fail, the warm-up compiles them while the tests run.
 def pytest_sessionstart(session):
     if hasattr(session.config, "workerinput") or session.config.option.collectonly:
         return
@@ -65,13 +66,8 @@ def pytest_sessionstart(session):
 
     if config.backend() == "jit":
         return
-    try:
-        built = runner.native_module(build=False) is not None
-    except ImportError:  # broken: rebuilt below
-        built = False
-    if not built:
-        _start_warm()
     runner.native_module(build=True)  # a failed build is recorded; the JIT runs instead
+    _start_warm()
 
 
 @pytest.hookimpl(trylast=True)
