@@ -53,7 +53,8 @@ _log = logging.getLogger("leanrnn")
 # on an idle 2-core Xeon, 340 s of CPU in 213 s of wall time (about 5 minutes on a Zen 3). The
 # help texts of commands/compile.py and info.py state the same figure. Session 22, a Sapphire
 # Rapids-class Xeon VM (2 vCPU): 807 s of CPU in 483 s of wall time, idle; session 24, the same
-# VM in a slow phase: 969 s of CPU in 647 s.
+# VM in a slow phase: 969 s of CPU in 647 s; session 27, the same VM: 816 s of CPU in 412 s, and
+# 380 s in CI with the test extras installing beside it.
 BUILD_TIME = "about 3-11 minutes on 2 cores"
 # + directory, fingerprint. -P: the caller's working directory stays off the child's sys.path
 # (a json.py or grp.py lying there would stand in for the standard library's; it did for bench).
