@@ -6,7 +6,9 @@ compiling on one core, which the suite's own process used to do with the machine
 idle (once compiled, a job runs on any number of threads: kernels.runner). The code they run is
 the same either way: numba's cache (kernels._jit: keyed by the fingerprint of every kernel
 source) holds what this process compiled, and a signature it missed is compiled by the test as
-before.
+before. After a native build it compiles nothing: the build left every job it compiled in the
+same cache (kernels.aot._save_for_the_jit), and this process only loads them (conftest starts
+it once the build is in place).
 """
 
 import os

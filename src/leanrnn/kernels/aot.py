@@ -136,6 +136,11 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
+# Each dispatcher's own cache, set aside by _without_cache (for the process: on one core both
+# groups' _objects run in this one, and the second call finds every cache set aside already).
+_CACHES: dict = {}
+
+
 def _without_cache() -> dict:
     """Compile every kernel anew in this (build) process, never from numba's cache: the cache
     cannot tell that a callee changed (recurrent.py's cached lstm kept gemm.py's code from
@@ -145,14 +150,13 @@ def _without_cache() -> dict:
     from numba.core.caching import NullCache
     from numba.core.dispatcher import Dispatcher
 
-    caches = {}
     for name, mod in list(sys.modules.items()):
         if name.startswith(__package__ + ".") and mod is not None:
             for v in list(vars(mod).values()):
                 if isinstance(v, Dispatcher) and not isinstance(v._cache, NullCache):
-                    caches[v] = v._cache
+                    _CACHES[v] = v._cache
                     v._cache = NullCache()
-    return caches
+    return _CACHES
 
 
 def _save_for_the_jit(entries: list[tuple[str, str]], caches: dict) -> int:
@@ -311,8 +315,8 @@ def build(directory: Path | None = None, *, expect: str | None = None,
     directory = Path(directory) if directory else native.build_dir(fp)
     cc = _compiler()  # fail before the long part
     # One process per dtype when there are cores for it: their kernels share no compiled code,
-    # so the build takes about half the time (a cold build is ~340 s of CPU with the reduced-
-    # precision jobs, float32 a bit more than half of it: ~210 s on 2 idle cores, runner.BUILD_TIME).
+    # so the build takes about half the time (runner.BUILD_TIME: ~800 s of CPU on the Xeon VM,
+    # in ~410 s on its 2 cores).
     groups = _groups()
     if config.cores() > 1:
         ctx = multiprocessing.get_context("spawn")
