@@ -141,12 +141,12 @@ def _say(message: str) -> None:
 _CACHES: dict = {}
 
 
-def _without_cache() -> dict:
+def _without_cache() -> None:
     """Compile every kernel anew in this (build) process, never from numba's cache: the cache
     cannot tell that a callee changed (recurrent.py's cached lstm kept gemm.py's code from
     before an edit of gemm.py alone), and the module would carry stale code under a fingerprint
-    that says otherwise. Returns each dispatcher's own cache, which _save_for_the_jit writes to
-    (never reads)."""
+    that says otherwise. Each dispatcher's own cache goes into _CACHES, which _save_for_the_jit
+    writes to (never reads)."""
     from numba.core.caching import NullCache
     from numba.core.dispatcher import Dispatcher
 
@@ -156,10 +156,9 @@ def _without_cache() -> dict:
                 if isinstance(v, Dispatcher) and not isinstance(v._cache, NullCache):
                     _CACHES[v] = v._cache
                     v._cache = NullCache()
-    return _CACHES
 
 
-def _save_for_the_jit(entries: list[tuple[str, str]], caches: dict) -> int:
+def _save_for_the_jit(entries: list[tuple[str, str]]) -> int:
     """Write the jobs this process compiled into numba's cache; returns how many signatures.
 
     Each entry calls its job (kernels.ops.JOBS), and numba compiles that job as it would for
@@ -183,7 +182,7 @@ def _save_for_the_jit(entries: list[tuple[str, str]], caches: dict) -> int:
         fcntl.flock(f, fcntl.LOCK_EX)  # released as f closes
         for job in dict.fromkeys(j for _, j in entries):
             disp = ops.JOBS[job]
-            cache = caches.get(disp)
+            cache = _CACHES.get(disp)
             if cache is None:
                 continue
             for sig, cres in list(disp.overloads.items()):
@@ -279,7 +278,7 @@ def _objects(entries: list[tuple[str, str]], verbose: bool = False) -> list:
     """(symbol, kinds, object code, seconds) of the entries (dtype, job)."""
     from numba.core.registry import cpu_target
 
-    caches = _without_cache()
+    _without_cache()
     _one_memo_per_inlining()
 
     if verbose:
@@ -295,7 +294,7 @@ def _objects(entries: list[tuple[str, str]], verbose: bool = False) -> list:
         if verbose:
             _say(f"built the {dtype} {job} kernel in {seconds:.0f} s")
     try:
-        saved = _save_for_the_jit(entries, caches)
+        saved = _save_for_the_jit(entries)
     except Exception as e:  # only a head start for the JIT, which compiles them itself
         _say(f"could not save the jobs for the JIT ({type(e).__name__}: {e})")
     else:
