@@ -212,7 +212,7 @@ def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
         for _ in range(reps):
             for u in range(P.shape[0]):
                 tile(P, u * S, P.shape[2], A, 0, 0, A.shape[0], A.shape[1], K, C, 0,
-                     C.shape[1], 0, bias, 0)  # fmt: skip
+                     C.shape[1], 0, bias, 0, 0, 0)  # fmt: skip  (pf, nlines 0: no prefetch)
 
     l2 = _cpu.caches()["L2"]
     print(f"int8-dynamic tile alone, 1 thread (L2 {l2 >> 10} KiB per core); p10 of blocks:")
