@@ -211,8 +211,9 @@ def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
         S = P.shape[1] * P.shape[2]
         for _ in range(reps):
             for u in range(P.shape[0]):
+                # pf, nlines = 0, 0: no spread next-panel prefetch (kernels._simd)
                 tile(P, u * S, P.shape[2], A, 0, 0, A.shape[0], A.shape[1], K, C, 0,
-                     C.shape[1], 0, bias, 0, 0, 0)  # fmt: skip  (pf, nlines 0: no prefetch)
+                     C.shape[1], 0, bias, 0, 0, 0)  # fmt: skip
 
     l2 = _cpu.caches()["L2"]
     print(f"int8-dynamic tile alone, 1 thread (L2 {l2 >> 10} KiB per core); p10 of blocks:")
