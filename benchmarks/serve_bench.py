@@ -397,13 +397,27 @@ def engine_only(model, streams: list[int], steps: int, rounds: int, threads: int
     """The scheduler and engine without a transport, in this process: every stream has one
     request of ``steps`` steps pending at once (the engine never idles), ``rounds`` times.
     Reports the scheduler thread's CPU microseconds per stream-step, which other processes on
-    a shared machine do not inflate the way they inflate wall-clock latency."""
+    a shared machine do not inflate the way they inflate wall-clock latency. First, the
+    ceiling: the same streams as one dense batch of ``Session.run`` ([steps, streams, C] a
+    call, the calling thread's CPU), what no scheduler can beat — its N=1 row against its
+    largest one is the most that batching can gain on this CPU for this model."""
     from leanrnn.engine.session import Pool
     from leanrnn.serve.scheduler import Lane, Scheduler
 
     C = model.spec.input_size
     x = np.random.default_rng(0).standard_normal((steps, C)).astype(np.float32)
     print(f"{'scheduler':<22}{'streams':>8}{'cpu us/step':>13}{'wall us/step':>14}")
+    session = model.session
+    session.threads = threads
+    for n in streams:
+        xs = np.ascontiguousarray(np.broadcast_to(x[:, None, :], (steps, n, C)))
+        session.run(xs)  # plans this batch's memory and warms it
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        for _ in range(rounds):
+            session.run(xs)
+        k = n * rounds * steps
+        print(f"{'dense (Session.run)':<22}{n:>8}{(time.thread_time() - cpu0) / k * 1e6:>13.1f}"
+              f"{(time.perf_counter() - t0) / k * 1e6:>14.1f}", flush=True)  # fmt: skip
     for name, max_batch in (("batched (64)", 64), ("--max-batch 1", 1)):
         for n in streams:
             lane = Lane("m", model, Pool(), threads=threads, max_streams=max(n, 1),

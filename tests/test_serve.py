@@ -459,6 +459,28 @@ def test_serve_bench_reports_a_miss_below_the_most_streams_held(monkeypatch):
     assert bench.held_counts([row(4, 10, errors=1)], 100) == (0, 0, [])
 
 
+def test_serve_bench_engine_only_reports_the_dense_ceiling(monkeypatch, capsys):
+    """--engine-only (no transport) at a tiny size: first the dense Session.run rows (what no
+    scheduler can beat), then the batched and --max-batch 1 schedulers, each at every stream
+    count, every figure a measured positive time."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    import leanrnn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("serve_bench")
+    bench.engine_only(leanrnn.LSTM(3, 8, seed=0), [1, 2], 2, 1, 1)
+    rows = re.findall(r"^(dense \(Session.run\)|batched \(64\)|--max-batch 1) +(\d+) +(\S+) +(\S+)$",
+                      capsys.readouterr().out, re.M)  # fmt: skip
+    assert [(name, n) for name, n, _, _ in rows] == [
+        ("dense (Session.run)", "1"), ("dense (Session.run)", "2"), ("batched (64)", "1"),
+        ("batched (64)", "2"), ("--max-batch 1", "1"), ("--max-batch 1", "2"),
+    ]  # fmt: skip
+    assert all(float(cpu) >= 0 and float(wall) > 0 for _, _, cpu, wall in rows)
+
+
 def test_serve_bench_takes_each_point_on_every_server_in_turn(tmp_path):
     """benchmarks/serve_bench.py starts its servers first, then measures each stream count on
     each of them in turn, the order rotating (a slow spell of a shared VM falls on all): at
