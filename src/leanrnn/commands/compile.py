@@ -11,11 +11,11 @@ import time
 
 def register(sub: argparse._SubParsersAction) -> None:
     from leanrnn.kernels.native import PRUNE_AFTER_DAYS  # (imported by the CLI already)
+    from leanrnn.kernels.runner import BUILD_TIME  # (so is this)
 
     p = sub.add_parser(
         "compile",
-        help="build the native kernels for this machine now (normally: on first use; "
-        "about 3-11 minutes on 2 cores)",
+        help=f"build the native kernels for this machine now (normally: on first use; {BUILD_TIME})",
     )
     p.add_argument("--cache-dir", help="where to put them (default: LEANRNN_CACHE_DIR or "
                    "~/.cache/leanrnn; set the same LEANRNN_CACHE_DIR when running)")  # fmt: skip

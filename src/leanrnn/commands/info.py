@@ -14,11 +14,13 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from leanrnn.kernels.runner import BUILD_TIME  # (imported by the CLI already)
+
     p = sub.add_parser("info", help="describe this machine and the leanrnn install")
     p.add_argument(
         "--compile",
         action="store_true",
-        help="measure the one-time compile cost with cold caches (about 3-11 minutes on 2 cores)",
+        help=f"measure the one-time compile cost with cold caches ({BUILD_TIME})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)

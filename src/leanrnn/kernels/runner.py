@@ -51,7 +51,7 @@ _log = logging.getLogger("leanrnn")
 # larger half; a first `leanrnn demo` on an idle new machine took 82 s. Since then the reduced-
 # precision jobs (bf16, int8, int8-dynamic with its VNNI/AMX tiles) roughly tripled it: 2026-12-01
 # on an idle 2-core Xeon, 340 s of CPU in 213 s of wall time (about 5 minutes on a Zen 3). The
-# help texts of commands/compile.py and info.py state the same figure. Session 22, a Sapphire
+# help texts of commands/compile.py and info.py show this string. Session 22, a Sapphire
 # Rapids-class Xeon VM (2 vCPU): 807 s of CPU in 483 s of wall time, idle; session 24, the same
 # VM in a slow phase: 969 s of CPU in 647 s; session 27, the same VM: 816 s of CPU in 412 s, and
 # 380 s in CI with the test extras installing beside it.
