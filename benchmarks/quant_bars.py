@@ -3,7 +3,8 @@ own reduced paths, side by side in one process, plus the accuracy table.
 
 Rows: LSTM and GRU, batch 1, T=100, H in {512, 1024}, 1 and 2 threads; engines: leanrnn
 f32/bf16/bf16-act (bf16 weights and activations, as torch's autocast rounds)/int8 (weights
-only)/int8-dynamic (weights and activations, as the peers' int8 paths quantize), torch f32,
+only)/int8-dynamic (weights and activations, as the peers' int8 paths quantize; "int8-dyn 7b"
+its ``reduce_range`` form, 7-bit weight codes, which AVX2 multiplies faster), torch f32,
 torch ``quantize_dynamic`` qint8 and float16 (the RNN wrapped in a container:
 quantize_dynamic swaps child modules only), torch ``autocast(bfloat16)``,
 onnxruntime f32 and onnxruntime ``quantize_dynamic`` (``DynamicQuantizeLSTM``; onnxruntime
@@ -44,7 +45,7 @@ from leanrnn.kernels import _cpu
 
 F32_PEERS = ("torch f32", "ort f32")
 INT8_PEERS = ("torch qint8", "ort int8")
-INT8_MINE = ("leanrnn int8", "leanrnn int8-dynamic")
+INT8_MINE = ("leanrnn int8", "leanrnn int8-dynamic", "leanrnn int8-dyn 7b")
 BF16_MINE = ("leanrnn bf16", "leanrnn bf16-act")
 COLUMNS = ["leanrnn f32", *BF16_MINE, *INT8_MINE, "torch f32", "torch qint8",
            "torch f16 dynamic", "torch bf16 autocast", "ort f32", "ort int8"]  # fmt: skip
@@ -107,7 +108,9 @@ def engines(cell: str, H: int, threads: int, tmp: str, seed: int = 0) -> dict:
     for name, m in (("leanrnn f32", m32), ("leanrnn bf16", leanrnn.quantize(m32, "bf16")),
                     ("leanrnn bf16-act", leanrnn.quantize(m32, "bf16-act")),
                     ("leanrnn int8", leanrnn.quantize(m32, "int8")),
-                    ("leanrnn int8-dynamic", leanrnn.quantize(m32, "int8-dynamic"))):  # fmt: skip
+                    ("leanrnn int8-dynamic", leanrnn.quantize(m32, "int8-dynamic")),
+                    ("leanrnn int8-dyn 7b",
+                     leanrnn.quantize(m32, "int8-dynamic", reduce_range=True))):  # fmt: skip
         m.session.threads = threads
         out[name] = _leanrnn_run(m)
     out["torch f32"] = torch_run(mod)
@@ -196,12 +199,14 @@ def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
     thread) on an LSTM's recurrent panels, one row (the step's GEMV) and 100 rows (the input
     projection's GEMM). The GEMV's GB/s of weights falls as the panels leave L2 for L3 while its
     instructions per byte stay the same: past L2 it is bound by the cache it streams from, not
-    by the instructions (compare a plain AVX2 read of the same bytes on the machine)."""
+    by the instructions (compare a plain AVX2 read of the same bytes on the machine). Both
+    weight layouts, 8-bit codes and reduce_range's 7-bit ones, interleaved block by block: on
+    AVX2 (no VNNI) they take different loops of the tile (kernels._qdot)."""
     import numba
 
     from leanrnn.formats.quantize import dot_panel
     from leanrnn.kernels import _simd
-    from leanrnn.kernels.abi import quantized_row_bytes
+    from leanrnn.kernels.abi import DOT_NARROW_QMAX, DOT_QMAX, quantized_row_bytes
     from leanrnn.kernels.gemm import quantize_rows
 
     tile = _simd.make(4)
@@ -216,10 +221,14 @@ def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
                      C.shape[1], 0, bias, 0, 0, 0)  # fmt: skip
 
     l2 = _cpu.caches()["L2"]
-    print(f"int8-dynamic tile alone, 1 thread (L2 {l2 >> 10} KiB per core); p10 of blocks:")
+    print(
+        f"int8-dynamic tile alone, 1 thread (L2 {l2 >> 10} KiB per core, int8 path "
+        f"{_cpu.int8_dot(_cpu.isa())}); p10 of blocks, 8-bit codes | 7-bit (reduce_range):"
+    )
     rng = np.random.default_rng(0)
     for H in hidden:
-        P = dot_panel(rng.standard_normal((H // 16, H, 64)).astype(np.float32))
+        w = rng.standard_normal((H // 16, H, 64)).astype(np.float32)
+        panels = [dot_panel(w, qmax) for qmax in (DOT_QMAX, DOT_NARROW_QMAX)]
         for M in (1, 100):
             x = rng.standard_normal((M, H)).astype(np.float32)
             ld = quantized_row_bytes(H)
@@ -227,19 +236,29 @@ def gemv_bound(hidden: tuple[int, ...], seconds: float) -> None:
             quantize_rows(x, 0, M, H, q)
             C, bias = np.zeros((M, 64), np.float32), np.zeros(64, np.float32)
             A = q.reshape(M, ld)
-            passes(1, P, A, C, bias, H)
             reps = max(1, int(2e-4 / (M * H * H * 4 / 5e10)))
-            ts, t_end = [], time.perf_counter() + seconds
-            while time.perf_counter() < t_end or len(ts) < 10:
-                t = time.perf_counter()
-                passes(reps, P, A, C, bias, H)
-                ts.append((time.perf_counter() - t) / reps)
-            t = sorted(ts)[len(ts) // 10]
+            ts: list[list[float]] = [[], []]
+            for P in panels:
+                passes(1, P, A, C, bias, H)
+            t_end = time.perf_counter() + seconds
+            while time.perf_counter() < t_end or len(ts[1]) < 10:
+                for P, got in zip(panels, ts, strict=True):
+                    t = time.perf_counter()
+                    passes(reps, P, A, C, bias, H)
+                    got.append((time.perf_counter() - t) / reps)
+            nbytes = panels[0].nbytes
+            rates = []
+            for got in ts:
+                t = sorted(got)[len(got) // 10]
+                rates.append(
+                    f"{t * 1e6:.1f} us, "
+                    f"{nbytes / t / 1e9 if M == 1 else M * H * 4 * H / t / 1e9:.1f}"
+                )
             what = "GEMV (a step)" if M == 1 else f"GEMM ({M} rows)"
-            where = "fits L2" if P.nbytes <= l2 else "beyond L2"
-            print(f"  H={H} {what}: weights {P.nbytes / 2**20:.2f} MiB ({where}), "
-                  f"{t * 1e6:.1f} us, {P.nbytes * (M == 1) / t / 1e9 or M * H * 4 * H / t / 1e9:.1f} "
-                  f"{'GB/s of weights' if M == 1 else 'GMAC/s'}", flush=True)  # fmt: skip
+            where = "fits L2" if nbytes <= l2 else "beyond L2"
+            unit = "GB/s of weights" if M == 1 else "GMAC/s"
+            print(f"  H={H} {what}: weights {nbytes / 2**20:.2f} MiB ({where}), "
+                  f"{rates[0]} | {rates[1]} {unit}", flush=True)  # fmt: skip
 
 
 def batch64(cells, args, tmp, rng) -> None:
@@ -259,6 +278,7 @@ def batch64(cells, args, tmp, rng) -> None:
     bf16_fast = amx or "avx512_bf16" in flags
     fast = {"leanrnn bf16": bf16_fast, "leanrnn bf16-act": bf16_fast,
             "leanrnn int8-dynamic": _cpu.int8_dot(_cpu.isa()) in ("vnni", "amx"),
+            "leanrnn int8-dyn 7b": _cpu.int8_dot(_cpu.isa()) in ("vnni", "amx"),
             "leanrnn int8": amx}  # fmt: skip
     for cell in cells:
         fs = runnable(engines(cell, H, th, tmp), H, 64)

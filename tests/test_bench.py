@@ -395,9 +395,10 @@ def test_precision_option_adds_the_reduced_engines():
         return options_from_args(build_parser().parse_args(["bench", *argv])).engines
 
     assert engines("--engines", "leanrnn,onnxruntime", "--precision", "f32,int8-dynamic") == (
-        "leanrnn", "onnxruntime", "leanrnn-int8-dynamic", "onnxruntime-int8")  # fmt: skip
+        "leanrnn", "onnxruntime", "leanrnn-int8-dynamic", "leanrnn-int8-dynamic-7bit",
+        "onnxruntime-int8")  # fmt: skip
     assert engines("--engines", "leanrnn,torch", "--precision", "bf16,int8-dynamic") == (
-        "leanrnn-bf16", "leanrnn-int8-dynamic", "torch-qint8")  # fmt: skip
+        "leanrnn-bf16", "leanrnn-int8-dynamic", "leanrnn-int8-dynamic-7bit", "torch-qint8")  # fmt: skip
     with pytest.raises(SystemExit, match="int4: unknown"):
         engines("--precision", "int4")
 
@@ -410,7 +411,7 @@ def test_reduced_rows_run_checked_to_their_own_tolerance(tmp_path):
     "faster than leanrnn" in the summary (that compares float32 engines)."""
     from leanrnn.bench.problem import REDUCED_TOLERANCE, TOLERANCE
 
-    engines = ["leanrnn", "leanrnn-int8-dynamic", "leanrnn-bf16"]
+    engines = ["leanrnn", "leanrnn-int8-dynamic", "leanrnn-int8-dynamic-7bit", "leanrnn-bf16"]
     engines += [e for e, m in (("torch-qint8", "torch"), ("onnxruntime-int8", "onnxruntime"))
                 if HAVE[m]]  # fmt: skip
     opts = tiny(tmp_path, engines, hidden=(32,), stream_steps=0, memray=False)
@@ -425,7 +426,8 @@ def test_reduced_rows_run_checked_to_their_own_tolerance(tmp_path):
         assert row["status"] == "ok", (e, row["label"], row.get("reason"))
         want = TOLERANCE if e == "leanrnn" else REDUCED_TOLERANCE
         assert row["verify"]["tolerance"] == want
-        if e in ("leanrnn-int8-dynamic", "torch-qint8", "onnxruntime-int8"):
+        if e in ("leanrnn-int8-dynamic", "leanrnn-int8-dynamic-7bit", "torch-qint8",
+                 "onnxruntime-int8"):  # fmt: skip
             assert row["verify"]["worst"] > TOLERANCE  # really quantized, not float32 again
     lines = report.summary(results)
     assert not any(e in line for line in lines for e in engines[1:]), lines

@@ -20,10 +20,17 @@ import pytest
 
 import leanrnn
 from helpers import random_layers, tile_gemm
-from leanrnn.errors import ModelFormatError
+from leanrnn.errors import DTypeError, ModelFormatError
 from leanrnn.formats.packing import pack
 from leanrnn.formats.quantize import dot_codes, dot_panel
-from leanrnn.kernels.abi import CODE_OFFSET, DOT_QMAX, B, quantized_row_bytes
+from leanrnn.kernels.abi import (
+    CODE_OFFSET,
+    DOT_NARROW,
+    DOT_NARROW_QMAX,
+    DOT_QMAX,
+    B,
+    quantized_row_bytes,
+)
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import RNNSpec
 from tolerances import ATOL_REDUCED, ATOL_SAME_ARITHMETIC
@@ -190,22 +197,24 @@ def test_the_jit_backend_runs_int8_dynamic_jobs_too(monkeypatch):
 
 
 # ---------------------------------------------------- the kernels' own pieces, on any machine
+@pytest.mark.parametrize("qmax", [DOT_QMAX, DOT_NARROW_QMAX], ids=["8-bit", "7-bit"])
 @pytest.mark.parametrize("K", [11, 37])
 @pytest.mark.parametrize("name", ["avx512", "avx2", "sse"])
-def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
+def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K, qmax):
     """AVX-512 VNNI's vpdpbusd tile (where this CPU has VNNI; AVX2's elsewhere), AVX2's
-    vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs) and the plain-IR one (every other
-    CPU): exact integer sums, codes at the extremes (255 x +-127, and 1: the largest products
-    of each path, whose pair sums must not saturate int16 on AVX2), the lone-row GEMV (its k loop split over accumulator sets with VNNI:
-    K=37 has an odd number of 4-input steps) and several rows, one and four groups, panel 1
-    of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
+    vpmaddubsw/vpmaddwd tile (what every x86 with AVX2 runs: its sign trick on 8-bit codes,
+    its direct products on 7-bit ones) and the plain-IR one (every other CPU): exact integer
+    sums, codes at the extremes (255 x +-qmax, and 1: the largest products of each path, whose
+    pair sums must not saturate int16 on AVX2), the lone-row GEMV (its k loop split over
+    accumulator sets with VNNI: K=37 has an odd number of 4-input steps) and several rows, one
+    and four groups, panel 1 of 2 (its own scales), K off a multiple of 4, modes 0, 1, 2."""
     run = tile_gemm(name)
     rng = np.random.default_rng(4)
     bias = rng.standard_normal(4 * B).astype(F32)
     for nvec in (1, 4):
         cols = nvec * B
         for M in (1, 7):
-            panel, deq, A, act = _dot_operands(rng, K, M, Xp=40)  # panel rows past K: zero
+            panel, deq, A, act = _dot_operands(rng, K, M, Xp=40, qmax=qmax)  # rows past K: 0
             C0 = rng.standard_normal((M, cols)).astype(F32)
             prod = act @ deq[1, :, :cols]
             for mode, init in ((0, 0.0), (1, C0.astype(np.float64)), (2, bias[:cols])):
@@ -214,17 +223,18 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K):
                 np.testing.assert_allclose(C, prod + init, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
 
 
-def _dot_operands(rng, K, M, Xp=None):
+def _dot_operands(rng, K, M, Xp=None, qmax=DOT_QMAX):
     """A two-panel int8-dynamic panel of 64 columns over K inputs (Xp rows, default K rounded
-    up to 4; panel 1: codes +127 along column 0, -127 along column 1) with its float64
+    up to 4; panel 1: codes +qmax along column 0, -qmax along column 1) with its float64
     dequantized weights [2, K, 64], and M activation rows (row 0 all 255, row 1 all 1: the
     extremes; a lone row all 1) with their float64 values."""
     Wd, Xp = 4 * B, Xp or (K + 3) // 4 * 4
     w = rng.standard_normal((2, Xp, Wd)).astype(F32)
     w[:, K:] = 0
     w[1, :K, 0], w[1, :K, 1] = 127.0, -127.0
-    panel = dot_panel(w)
-    q, s, _ = dot_codes(panel)
+    panel = dot_panel(w, qmax)
+    q, s, corr = dot_codes(panel)
+    assert (corr & DOT_NARROW == (DOT_NARROW if qmax <= DOT_NARROW_QMAX else 0)).all()
     deq = q.astype(np.float64)[:, :K] * s.astype(np.float64)[:, None, :]
     ld = quantized_row_bytes(K)
     A = np.zeros((M, ld), np.uint8)
@@ -375,20 +385,29 @@ def test_lrnn_round_trip_is_bit_exact(tmp_path):
     np.testing.assert_array_equal(back(x)[0], m(x)[0])
 
 
+def _flags(model) -> list[np.ndarray]:
+    """Every int8-dynamic panel's DOT_NARROW flags, [U, Wd] per W and R panel."""
+    return [dot_codes(getattr(pl, name))[2] & DOT_NARROW
+            for dirs in model.weights.layers for pl in dirs for name in ("Wt", "Rt")]  # fmt: skip
+
+
 def test_a_file_with_7_bit_codes_still_runs_to_its_own_rounding(tmp_path, monkeypatch):
-    """Files written before the codes were 8-bit (s = max|w| / 63) load and run as they are:
-    one step against the oracle that rounds the weights to 7 bits — and 8 bits would be
-    farther off, so the kernels really did use the file's codes and scales."""
+    """Files written before the codes were 8-bit (s = max|w| / 63, and no DOT_NARROW flag in
+    the corrections then) load and run as they are, flagged as they load (so AVX2 takes its
+    direct loop): one step against the oracle that rounds the weights to 7 bits — and 8 bits
+    would be farther off, so the kernels really did use the file's codes and scales."""
     from leanrnn.formats import quantize as fq
 
     spec = RNNSpec("lstm", 5, 19)
     rng = np.random.default_rng(11)
     layers = random_layers(spec, rng, F32, scale=0.3)
     with monkeypatch.context() as mp:
-        mp.setattr(fq, "DOT_QMAX", 63)
-        old = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P)
+        mp.setattr(fq, "_narrow", lambda amax: np.zeros(amax.shape, np.int32))  # the old writer
+        old = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P, reduce_range=True)
+        assert not any(f.any() for f in _flags(old))
         path = leanrnn.save(old, tmp_path / "old.lrnn")
     model = leanrnn.load(path)
+    assert all((f == DOT_NARROW).all() for f in _flags(model))
     x = rng.standard_normal((1, 3, 5)).astype(F32)
     h0, c0 = _states(spec, rng, 3)
     y = model.session.run(x, h0, c0)[0]
@@ -419,6 +438,80 @@ def test_8_bit_codes_halve_the_weights_error():
     assert mine < 0.75 * err[63]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("spec", [SPECS[1], SPECS[4], SPECS[5]], ids=repr)
+def test_reduce_range_steps_match_the_oracle_of_7_bit_weights(spec, threads):
+    """reduce_range=True: 7-bit codes (twice the weight step), every panel flagged, and one
+    step on this CPU's int8 path (on AVX2 its direct loop) against the oracle that rounds the
+    weights to 7 bits — farther from the 8-bit oracle, so the codes really are 7-bit."""
+    rng = np.random.default_rng(21)
+    layers = random_layers(spec, rng, F32, scale=0.3)
+    model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, F32)), P, reduce_range=True)
+    model.session.threads = threads
+    assert all((f == DOT_NARROW).all() for f in _flags(model))
+    for dirs in model.weights.layers:
+        for pl in dirs:
+            assert np.abs(dot_codes(pl.Rt)[0].astype(np.int16)).max() == DOT_NARROW_QMAX
+    N = 5
+    x = rng.standard_normal((N, 1, spec.input_size) if spec.batch_first
+                            else (1, N, spec.input_size)).astype(F32)  # fmt: skip
+    h0, c0 = _states(spec, rng, N)
+    y = model.session.run(x, h0, c0)[0]
+    tol = ATOL_REDUCED[np.uint8]
+
+    def oracle(qmax):
+        return reference_forward(spec, rounded(layers, qmax), x, h0, c0, operand=_operand)[0]
+
+    np.testing.assert_allclose(y, oracle(DOT_NARROW_QMAX), rtol=0, atol=tol)
+    assert np.abs(y - oracle(DOT_QMAX)).max() > 10 * tol
+
+
+def test_an_8_bit_file_claiming_7_bit_codes_runs_as_8_bit(tmp_path):
+    """A file whose 8-bit panels carry the DOT_NARROW flag (corrections otherwise right): the
+    flag is set again from the codes at load, so AVX2 never runs its direct loop on codes whose
+    int16 pair sums would saturate — the outputs are the honest file's, bit for bit."""
+    m = leanrnn.quantize(leanrnn.LSTM(24, 48, num_layers=2, seed=5), P)
+    honest = leanrnn.load(leanrnn.save(m, tmp_path / "honest.lrnn"))
+    for dirs in m.weights.layers:
+        for pl in dirs:
+            for name in ("Wt", "Rt"):
+                panel = getattr(pl, name)
+                panel[:, -1].view(np.int32)[...] |= DOT_NARROW
+    lying = leanrnn.load(leanrnn.save(m, tmp_path / "lying.lrnn"))
+    assert not any(f.any() for f in _flags(lying))
+    x = np.random.default_rng(1).standard_normal((30, 3, 24)).astype(F32) * 4
+    np.testing.assert_array_equal(lying(x)[0], honest(x)[0])
+
+
+def test_reduce_range_is_int8_dynamics_alone():
+    m = leanrnn.LSTM(4, 16, seed=1)
+    for precision in ("bf16", "int8"):
+        with pytest.raises(DTypeError, match=r"reduce_range.*int8-dynamic"):
+            leanrnn.quantize(m, precision, reduce_range=True)
+
+
+def test_convert_reduce_range_writes_7_bit_codes(tmp_path, capsys):
+    from leanrnn.cli import main
+
+    src = leanrnn.save(leanrnn.GRU(6, 20, seed=2), tmp_path / "f.lrnn")
+    dst = str(tmp_path / "q.lrnn")
+    assert main(["convert", str(src), dst, "--precision", P, "--reduce-range"]) == 0
+    q = leanrnn.load(dst)
+    assert q.weights.precision == P
+    assert all((f == DOT_NARROW).all() for f in _flags(q))
+    capsys.readouterr()
+    assert main(["inspect", dst]) == 0
+    assert "weight precision: int8-dynamic, 7-bit codes (" in capsys.readouterr().out
+    full = str(tmp_path / "q8.lrnn")
+    assert main(["convert", str(src), full, "--precision", P]) == 0
+    assert main(["inspect", full]) == 0
+    assert "weight precision: int8-dynamic (" in capsys.readouterr().out
+    assert main(["convert", str(src), str(tmp_path / "b.lrnn"), "--precision", "bf16",
+                 "--reduce-range"]) == 1  # fmt: skip
+    assert "reduce_range" in capsys.readouterr().err
+    assert not (tmp_path / "b.lrnn").exists()
+
+
 def test_a_file_with_corrections_that_do_not_match_its_codes_is_refused(tmp_path):
     m = leanrnn.quantize(leanrnn.LSTM(4, 16, seed=1), P)
     path = str(leanrnn.save(m, tmp_path / "q.lrnn"))
@@ -428,7 +521,7 @@ def test_a_file_with_corrections_that_do_not_match_its_codes_is_refused(tmp_path
     at = data.find(panel[0].tobytes())
     assert at > 0
     off = at + panel.shape[1] * panel.shape[2] - len(corr_row)
-    data[off] ^= 1  # one correction off by one
+    data[off] ^= 2  # one correction off by two (bit 0 is the DOT_NARROW flag, set at load)
     bad = tmp_path / "bad.lrnn"
     bad.write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match="corrections"):

@@ -15,6 +15,7 @@ from .engine.graph import GraphSession, LoadedGraph
 from .engine.model import parameter_count, spec_line
 from .errors import ShapeError, SpecError
 from .formats import native
+from .formats.quantize import weight_bits
 from .ir import RNN_OPS, Graph, Node
 from .memory.planner import Plan
 
@@ -99,6 +100,7 @@ class GraphModel:
                         "spec": spec_line(pw.spec),
                         "weight_bytes": pw.nbytes,
                         "precision": pw.precision,
+                        "weight_bits": weight_bits(pw),
                         "panel_bytes": pw.weight_bytes,
                     }
                 )

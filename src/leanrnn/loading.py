@@ -169,11 +169,13 @@ def same_file(a, b) -> bool:
         return False
 
 
-def convert(src, dst, precision: str | None = None, **options) -> str:
+def convert(src, dst, precision: str | None = None, *, reduce_range: bool = False,
+            **options) -> str:  # fmt: skip
     """Load ``src`` (any supported file; ``options`` as for ``load``) and write it as ``.lrnn``
     to ``dst``, its recurrent weights in ``precision`` ("bf16", "bf16-act", "int8" or
-    "int8-dynamic", see ``leanrnn.quantize``; default: as loaded). Returns ``dst``, which
-    must not be ``src`` itself nor a link to it (the output would replace the source)."""
+    "int8-dynamic", see ``leanrnn.quantize``, as is ``reduce_range``; default: as loaded).
+    Returns ``dst``, which must not be ``src`` itself nor a link to it (the output would
+    replace the source)."""
     src, dst = _path(src, "convert"), _path(dst, "convert")
     native.out_path(dst, "convert")  # the output is checked before the load, which may take long
     if same_file(src, dst):
@@ -181,13 +183,13 @@ def convert(src, dst, precision: str | None = None, **options) -> str:
             f"[convert] output {dst!r} is the input file itself ({src!r}); writing it would "
             "destroy it: pick another output path"
         )
-    if precision is not None:
+    if precision is not None or reduce_range:
         from .reduced import check_reduced
 
-        check_reduced(precision, "convert")
+        check_reduced(precision, "convert", reduce_range)
     model = load(src, **options)
     if precision is not None:
         from .reduced import _quantize
 
-        model = _quantize(model, precision, "convert")
+        model = _quantize(model, precision, "convert", reduce_range)
     return save(model, dst)

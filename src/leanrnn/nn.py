@@ -19,6 +19,7 @@ from .engine.model import parameter_count, spec_line
 from .errors import DTypeError, ShapeError, SpecError
 from .formats import native, torch_format
 from .formats.packing import PackedWeights, pack
+from .formats.quantize import weight_bits
 from .memory.arena import check_fits, round_up
 from .spec import Activation, RNNSpec
 
@@ -225,6 +226,7 @@ class Model:
             "spec": spec.to_dict(),
             "dtype": self.dtype.name,
             "precision": self.weights.precision,  # of the W and R panels (leanrnn.quantize)
+            "weight_bits": weight_bits(self.weights),
             "panel_bytes": self.weights.weight_bytes,
             "parameters": parameter_count(spec),
             "weight_bytes": self.weights.nbytes,

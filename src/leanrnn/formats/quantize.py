@@ -24,8 +24,12 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   Weights symmetric per packed column in 8 bits, s_j = max_k |w_kj| / 127 (codes -127..127;
   -128 unused, see kernels._qdot's AVX2 path), error <= s_j / 2 per weight; laid out 4
   inputs per row (dot_panel) with two tail rows: the column scales and 128 * sum_k q_kj.
-  Files written with 7-bit codes (s_j = max|w| / 63, before 2026-12-01) load and run as they
-  are: their codes lie within the range.
+  ``reduce_range`` (onnxruntime's name and meaning) makes the codes 7-bit, s_j = max|w| / 63:
+  twice the weight error, for CPUs without VNNI, whose AVX2 tile multiplies such panels with
+  three instructions per 32 products instead of four (kernels._qdot). Such a panel says so in
+  bit 0 of its corrections (abi.DOT_NARROW), set from the codes by dot_panel and again by
+  check_loaded for every panel read from a file (so a file cannot claim it falsely, and files
+  written with 7-bit codes before 2026-12-01, when those were the only codes, get it too).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, ModelFormatError, WeightsError
-from ..kernels.abi import CODE_OFFSET, DOT_QMAX, DOT_TAIL_ROWS
+from ..kernels.abi import CODE_OFFSET, DOT_NARROW, DOT_NARROW_QMAX, DOT_QMAX, DOT_TAIL_ROWS
 from ..spec import RNNSpec
 from .packing import (
     _PANELS,
@@ -135,12 +139,13 @@ def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarra
     return np.clip(q, -qmax, qmax).astype(np.int8), scale
 
 
-def dot_panel(w: np.ndarray) -> np.ndarray:
+def dot_panel(w: np.ndarray, qmax: int = DOT_QMAX) -> np.ndarray:
     """A float32 panel [U, X, Wd] (X a multiple of 4) -> its int8-dynamic panel, uint8
-    [U, X/4 + DOT_TAIL_ROWS, 4*Wd]: row k4 holds each column's 4 codes of inputs 4*k4..+3,
-    then a row of the Wd float32 column scales and one of the Wd int32 corrections
-    CODE_OFFSET * sum_k q_kj (kernels._qdot)."""
-    q, scale = int8_columns(w, DOT_QMAX)
+    [U, X/4 + DOT_TAIL_ROWS, 4*Wd], codes in [-qmax, qmax] (DOT_QMAX or DOT_NARROW_QMAX): row
+    k4 holds each column's 4 codes of inputs 4*k4..+3, then a row of the Wd float32 column
+    scales and one of the Wd int32 corrections CODE_OFFSET * sum_k q_kj (kernels._qdot), with
+    DOT_NARROW set in a panel whose codes all lie within +-DOT_NARROW_QMAX."""
+    q, scale = int8_columns(w, qmax)
     U, X, Wd = q.shape
     out = np.empty((U, X // 4 + DOT_TAIL_ROWS, 4 * Wd), np.uint8)
     out[:, : X // 4] = (
@@ -152,8 +157,28 @@ def dot_panel(w: np.ndarray) -> np.ndarray:
 
 
 def _dot_corrections(q: np.ndarray) -> np.ndarray:
-    """int32 [U, Wd] corrections of codes q [U, X, Wd]."""
-    return (CODE_OFFSET * q.astype(np.int32).sum(axis=1)).astype(np.int32)
+    """int32 [U, Wd] corrections of codes q [U, X, Wd], each panel's DOT_NARROW flag included."""
+    corr = (CODE_OFFSET * q.astype(np.int32).sum(axis=1)).astype(np.int32)
+    return corr | _narrow(np.abs(q.astype(np.int16)).max(axis=(1, 2), initial=0))[:, None]
+
+
+def weight_bits(pw: PackedWeights) -> int:
+    """Bits per weight of ``pw``'s W and R panels: the dtype's for float, 16 for bf16 and
+    bf16-act, 8 for int8, and for int8-dynamic 7 where every panel holds 7-bit codes (made with
+    ``reduce_range``, or a file from before 8-bit codes), else 8 (what ``inspect`` shows)."""
+    fmt = panel_format(pw.precision)
+    if fmt == "float":
+        return 8 * np.dtype(pw.dtype).itemsize
+    if fmt != "int8-dynamic":
+        return 16 if fmt == "bf16" else 8
+    flags = [np.asarray(panel[:, -1, :4]).view(np.int32) & DOT_NARROW
+             for dirs in pw.layers for pl in dirs for panel in (pl.Wt, pl.Rt)]  # fmt: skip
+    return 7 if all(f.all() for f in flags) else 8
+
+
+def _narrow(amax: np.ndarray) -> np.ndarray:
+    """Panels' largest |code| [U] -> the flag each one's corrections carry, int32 [U]."""
+    return np.where(amax <= DOT_NARROW_QMAX, DOT_NARROW, 0).astype(np.int32)
 
 
 def dot_codes(panel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -211,16 +236,20 @@ def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
                     getattr(pd, name)[...] = getattr(ps, name)
 
 
-def quantize_packed(pw: PackedWeights, precision: str,
-                    out: PackedWeights | None = None) -> PackedWeights:  # fmt: skip
+def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None = None,
+                    reduce_range: bool = False) -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
     PRECISIONS; "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the
     panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would
     round twice): quantize the float32 model; between precisions of the same panels ("bf16",
     "bf16-act") the panels are copied as they are. ``out``: weights of this spec and precision
     made so before, refilled in place (mixed-precision training rounds its master weights
-    again after every optimizer step, train.session)."""
+    again after every optimizer step, train.session). ``reduce_range``: int8-dynamic's codes
+    7-bit (DOT_NARROW_QMAX; see the module docstring)."""
     check_precision(precision, pw.dtype, "quantize")
+    if reduce_range and precision != "int8-dynamic":
+        raise DTypeError(f"[quantize] reduce_range (7-bit weight codes) is int8-dynamic's; "
+                         f"{precision!r} multiplies no integer codes")  # fmt: skip
     if precision == pw.precision:
         return pw
     same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
@@ -243,7 +272,7 @@ def quantize_packed(pw: PackedWeights, precision: str,
                 if panel_format(precision) == "bf16":
                     dst[...] = bf16_panel(src)
                 elif precision == "int8-dynamic":
-                    dst[...] = dot_panel(src)
+                    dst[...] = dot_panel(src, DOT_NARROW_QMAX if reduce_range else DOT_QMAX)
                 else:
                     _set_int8(dst, *int8_columns(src))
     return out
@@ -313,7 +342,7 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     int8-dynamic also the codes within +-DOT_QMAX, zero past the panel's K inputs (the padding
     of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
     equal to what the codes give (one pass over the codes: a wrong correction would shift
-    every output silently); for bf16 the padding past K inputs zero (_bf16_padding_zero)."""
+    every output silently), their DOT_NARROW flags set from the codes; for bf16 the padding past K inputs zero (_bf16_padding_zero)."""
     fmt = panel_format(pw.precision)
     if fmt not in ("bf16", "int8", "int8-dynamic"):
         return
@@ -344,12 +373,16 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
 def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     """Whether an int8-dynamic panel [U, X/4 + DOT_TAIL_ROWS, 4*Wd] holds codes within
     +-DOT_QMAX, zeros for inputs K.. (the padding) and the corrections its codes give, reading
-    the codes in place (reductions widen as they go): widening the whole panel to int16 and int32 first (dot_codes,
-    _dot_corrections) made a load's peak 2.5x the file and its time 3x a float32 file's."""
+    the codes in place (reductions widen as they go): widening the whole panel to int16 and
+    int32 first (dot_codes, _dot_corrections) made a load's peak 2.5x the file and its time 3x
+    a float32 file's. Then sets each panel's DOT_NARROW flag from its codes, whatever the file
+    held there: AVX2 would saturate on a wrong one."""
     U, R, W4 = panel.shape
     X4, Wd = R - DOT_TAIL_ROWS, W4 // 4
     codes = panel[:, :X4].view(np.int8)  # [U, X/4, 4*Wd]: each column's 4 codes side by side
-    if codes.size and (codes.min() < -DOT_QMAX or codes.max() > DOT_QMAX):
+    lo = codes.min(axis=(1, 2), initial=0).astype(np.int16)
+    hi = codes.max(axis=(1, 2), initial=0).astype(np.int16)
+    if (lo < -DOT_QMAX).any() or (hi > DOT_QMAX).any():
         return False
     by_input = codes.reshape(U, X4, Wd, 4)  # [u, k4, j, m]: input 4*k4 + m of column j
     if K % 4 and K // 4 < X4 and by_input[:, K // 4, :, K % 4 :].any():
@@ -357,5 +390,8 @@ def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     if by_input[:, -(-K // 4) :].any():
         return False
     sums = codes.sum(axis=1, dtype=np.int32).reshape(U, Wd, 4).sum(axis=2)
-    corr = np.ascontiguousarray(panel[:, X4 + 1]).view(np.int32).reshape(U, Wd)
-    return bool(np.array_equal(corr, CODE_OFFSET * sums))
+    corr = panel[:, X4 + 1].view(np.int32)  # [U, Wd], in place
+    if not np.array_equal(corr & ~DOT_NARROW, CODE_OFFSET * sums):
+        return False
+    corr[...] = (corr & ~DOT_NARROW) | _narrow(np.maximum(-lo, hi))[:, None]
+    return True

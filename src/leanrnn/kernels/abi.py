@@ -262,6 +262,13 @@ B = 16  # units per block; 16 float32 = one 64-byte row segment (formats.packing
 # the weights' code range (+-127: -128 left out, so AVX2's sign trick (kernels._qdot) cannot
 # overflow a byte and its s8 x s8 pair sums, <= 2 * 127 * 127, fit int16).
 DOT_TAIL_ROWS, CODE_OFFSET, DOT_QMAX = 2, 128, 127
+# ... and the reduced range (onnxruntime's ``reduce_range``: 7-bit codes, +-63), whose panels
+# carry DOT_NARROW, bit 0 of every correction word (the corrections, CODE_OFFSET * sum, have
+# their low 7 bits free): AVX2 then multiplies the unsigned codes by the weights directly,
+# pair sums <= 2 * 255 * 63 fitting int16, three instructions per 32 products instead of four
+# (kernels._qdot). Derived from the codes wherever a panel is made or read (formats.quantize),
+# never trusted from a file.
+DOT_NARROW_QMAX, DOT_NARROW = 63, 1
 
 
 def quantized_row_bytes(K: int) -> int:
