@@ -293,6 +293,28 @@ def test_inspect_of_a_converted_onnx_model_names_its_precision(tmp_path, capsys)
     assert "None" not in out and "Y float32[shape unknown]" in out, out
 
 
+def test_a_graph_converted_with_reduce_range_runs_its_7_bit_codes(tmp_path, capsys):
+    """`convert --precision int8-dynamic --reduce-range` of an ONNX graph: inspect names the
+    7-bit codes (per node too), and the graph runs what the same Model quantized so runs."""
+    from leanrnn.formats.quantize import weight_bits
+
+    src = _onnx_lstm(tmp_path, weights_as_inputs=False, name="m.onnx")
+    dst = str(tmp_path / "m.int8d7.lrnn")
+    assert cli.main(["convert", src, dst, "--precision", "int8-dynamic", "--reduce-range"]) == 0
+    capsys.readouterr()
+    assert cli.main(["inspect", dst]) == 0
+    out = capsys.readouterr().out
+    assert "weight precision: int8-dynamic, 7-bit codes (W and R panels: " in out, out
+    assert "int8-dynamic, 7-bit codes weights:" in out, out
+    g = leanrnn.load(dst)
+    (pw,) = g.graph.packed.values()
+    assert weight_bits(pw) == 7
+    want = leanrnn.quantize(leanrnn.Model(leanrnn.load(src).graph.packed["lstm"]),
+                            "int8-dynamic", reduce_range=True)  # fmt: skip
+    x = np.random.default_rng(3).standard_normal((6, 2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(g(x)[:, 0], want(x)[0])  # Y [T, directions, N, H]
+
+
 def test_quantizing_a_float64_graph_gives_advice_a_graph_can_follow(tmp_path):
     # before: "convert the model to float32 first (model.astype(np.float32))": a GraphModel
     # has no astype
