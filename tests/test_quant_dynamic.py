@@ -223,6 +223,30 @@ def test_the_integer_tile_on_vnni_avx2_and_plain_integer_ops(name, K, qmax):
                 np.testing.assert_allclose(C, prod + init, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
 
 
+@pytest.mark.parametrize("qmax", [DOT_QMAX, DOT_NARROW_QMAX], ids=["8-bit", "7-bit"])
+def test_avx2_multiplies_flagged_panels_directly_from_any_column_slice(qmax):
+    """AVX2's two loops give the same exact sums, so tell them apart by what they read: the
+    direct loop (flagged, 7-bit panels) takes the corrections out, the sign trick (8-bit) never
+    reads them. With every correction of panel 1 raised by 128 (the flag kept), the direct
+    loop's outputs drop by 128 * s_i * s_j and the sign trick's stay — here from a slice that
+    starts at column group 1 (the flag is read at the slice's first column)."""
+    run = tile_gemm("avx2")
+    rng = np.random.default_rng(7)
+    K, M = 37, 7
+    panel, deq, A, act = _dot_operands(rng, K, M, qmax=qmax)
+    X4 = panel.shape[1] - 2
+    panel[1, X4 + 1].view(np.int32)[...] += CODE_OFFSET
+    srow = A[:, -4:].copy().view(F32).astype(np.float64)  # [M, 1]
+    scol = dot_codes(panel)[1][1].astype(np.float64)
+    g = 1  # columns 16..31 of panel 1, 4 bytes per column in a panel row
+    C = np.zeros((M, B), F32)
+    run(1, panel, panel.shape[1] * panel.shape[2] + 4 * B * g, A, 0, M, K, C, 0, C[0])
+    want = act @ deq[1, :, g * B : (g + 1) * B]
+    if qmax <= DOT_NARROW_QMAX:
+        want = want - CODE_OFFSET * srow * scol[g * B : (g + 1) * B]
+    np.testing.assert_allclose(C, want, rtol=2e-7, atol=ATOL_REDUCED[np.uint8])
+
+
 def _dot_operands(rng, K, M, Xp=None, qmax=DOT_QMAX):
     """A two-panel int8-dynamic panel of 64 columns over K inputs (Xp rows, default K rounded
     up to 4; panel 1: codes +qmax along column 0, -qmax along column 1) with its float64
@@ -488,6 +512,41 @@ def test_reduce_range_is_int8_dynamics_alone():
     for precision in ("bf16", "int8"):
         with pytest.raises(DTypeError, match=r"reduce_range.*int8-dynamic"):
             leanrnn.quantize(m, precision, reduce_range=True)
+    with pytest.raises(DTypeError, match=r"reduce_range='no'; expected True or False"):
+        leanrnn.quantize(m, P, reduce_range="no")
+    # 8-bit codes are not rounded again (before: handed back as they were, silently)
+    q8 = leanrnn.quantize(m, P)
+    with pytest.raises(DTypeError, match=r"8-bit codes already.*float32 model with reduce_range"):
+        leanrnn.quantize(q8, P, reduce_range=True)
+    q7 = leanrnn.quantize(m, P, reduce_range=True)
+    assert leanrnn.quantize(q7, P, reduce_range=True).weights is q7.weights
+
+
+def test_pickles_and_copies_get_their_flags_from_their_codes():
+    """A pickle of a 7-bit model without flags (as before them) comes back flagged; one whose
+    8-bit panels claim the flag comes back without it, running as the honest model."""
+    import copy
+    import pickle
+
+    from leanrnn.formats import quantize as fq
+
+    m = leanrnn.LSTM(12, 40, num_layers=2, seed=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fq, "_narrow", lambda amax: np.zeros(amax.shape, np.int32))
+        old = leanrnn.quantize(m, P, reduce_range=True)
+    assert not any(f.any() for f in _flags(old))
+    for back in (pickle.loads(pickle.dumps(old)), copy.deepcopy(old)):
+        assert all((f == DOT_NARROW).all() for f in _flags(back))
+    honest = leanrnn.quantize(m, P)
+    lying = copy.deepcopy(honest)
+    for dirs in lying.weights.layers:
+        for pl in dirs:
+            for panel in (pl.Wt, pl.Rt):
+                panel[:, -1].view(np.int32)[...] |= DOT_NARROW
+    back = pickle.loads(pickle.dumps(lying))
+    assert not any(f.any() for f in _flags(back))
+    x = np.random.default_rng(2).standard_normal((20, 2, 12)).astype(F32) * 4
+    np.testing.assert_array_equal(back(x)[0], honest(x)[0])
 
 
 def test_convert_reduce_range_writes_7_bit_codes(tmp_path, capsys):
@@ -509,6 +568,12 @@ def test_convert_reduce_range_writes_7_bit_codes(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "b.lrnn"), "--precision", "bf16",
                  "--reduce-range"]) == 1  # fmt: skip
     assert "reduce_range" in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "b.lrnn"), "--reduce-range"]) == 1
+    assert "needs precision 'int8-dynamic'" in capsys.readouterr().err
+    # an 8-bit int8-dynamic file is not rounded again to 7 bits (before: written as it was)
+    assert main(["convert", full, str(tmp_path / "b.lrnn"), "--precision", P,
+                 "--reduce-range"]) == 1  # fmt: skip
+    assert "8-bit codes already" in capsys.readouterr().err
     assert not (tmp_path / "b.lrnn").exists()
 
 

@@ -21,6 +21,11 @@ REDUCED = tuple(p for p in PRECISIONS if p != "float")
 def check_reduced(precision, op: str, reduce_range: bool = False) -> None:
     """DTypeError unless ``precision`` names a reduced precision (and, with ``reduce_range``,
     the one that has it)."""
+    if not isinstance(reduce_range, (bool, np.bool_)):
+        raise DTypeError(f"[{op}] reduce_range={reduce_range!r}; expected True or False")
+    if reduce_range and precision is None:
+        raise DTypeError(f"[{op}] reduce_range (7-bit weight codes) needs precision "
+                         "'int8-dynamic' (--precision int8-dynamic)")  # fmt: skip
     if precision not in REDUCED:
         raise DTypeError(f"[{op}] precision {precision!r}; expected one of "
                          f"{', '.join(map(repr, REDUCED))}")  # fmt: skip
@@ -55,9 +60,9 @@ def quantize(model, precision: str, *, reduce_range: bool = False):
 
     Per step the recurrence reads 1/2 (bf16) or ~1/4 (int8) of the float32 weight bytes, which
     at batch 1 is what sets the latency. Errors: bf16 rounds each weight by <= 2**-8
-    relative; int8 and int8-dynamic by <= scale/2 = max|w_column| / 254 absolute (and
-    int8-dynamic each activation by max|row| / 254); bf16-act also each activation by <=
-    2**-8 relative.
+    relative; int8 and int8-dynamic by <= scale/2 = max|w_column| / 254 absolute (/ 126 with
+    reduce_range; and int8-dynamic each activation by max|row| / 254); bf16-act also each
+    activation by <= 2**-8 relative.
 
     >>> m = leanrnn.LSTM(64, 128, seed=0)
     >>> q = leanrnn.quantize(m, "int8")          # q(x) ~= m(x), weights ~1/4 of the bytes

@@ -231,7 +231,8 @@ def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer,
                        bf16_layout: str = "interleaved") -> PackedWeights:  # fmt: skip
     """``PackedWeights.__reduce__``'s inverse: the weights laid out anew, ``buffer`` copied in.
     Pickles from before bf16 panels held input pairs (no ``bf16_layout``) have their bf16
-    panels converted (formats.quantize.bf16_pairs_from_interleaved)."""
+    panels converted (formats.quantize.bf16_pairs_from_interleaved); int8-dynamic panels get
+    their DOT_NARROW flags from their codes (formats.quantize.set_narrow_flags)."""
     pw = PackedWeights(spec, dtype, zero=False, precision=precision)
     src = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
     if src.size != pw.nbytes:
@@ -242,6 +243,10 @@ def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer,
         from .quantize import pair_legacy_bf16
 
         pair_legacy_bf16(pw)
+    if precision == "int8-dynamic":  # pickles from before the flag, or edited ones
+        from .quantize import set_narrow_flags
+
+        set_narrow_flags(pw)
     return pw
 
 

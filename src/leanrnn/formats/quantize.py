@@ -28,8 +28,9 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   twice the weight error, for CPUs without VNNI, whose AVX2 tile multiplies such panels with
   three instructions per 32 products instead of four (kernels._qdot). Such a panel says so in
   bit 0 of its corrections (abi.DOT_NARROW), set from the codes by dot_panel and again by
-  check_loaded for every panel read from a file (so a file cannot claim it falsely, and files
-  written with 7-bit codes before 2026-12-01, when those were the only codes, get it too).
+  check_loaded for every panel read from a file and by set_narrow_flags for every pickle or
+  copy (so neither can claim it falsely, and files written with 7-bit codes before 2026-12-01,
+  when those were the only codes, get it too).
 """
 
 from __future__ import annotations
@@ -176,6 +177,29 @@ def weight_bits(pw: PackedWeights) -> int:
     return 7 if all(f.all() for f in flags) else 8
 
 
+def set_narrow_flags(pw: PackedWeights) -> None:
+    """Set every int8-dynamic panel's DOT_NARROW flags from its codes, in place (what
+    check_loaded does for a file; pickles and copies, formats.packing, call this)."""
+    for dirs in pw.layers:
+        for pl in dirs:
+            for panel in (pl.Wt, pl.Rt):
+                _flag(panel, *_code_range(panel))
+
+
+def _code_range(panel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An int8-dynamic panel's smallest and largest code per panel u, int16 [U] each (read in
+    place: int8 reductions do not widen the panel)."""
+    codes = panel[:, :-DOT_TAIL_ROWS].view(np.int8)
+    return (codes.min(axis=(1, 2), initial=0).astype(np.int16),
+            codes.max(axis=(1, 2), initial=0).astype(np.int16))  # fmt: skip
+
+
+def _flag(panel: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+    """Set the DOT_NARROW bit of panel u's corrections iff its codes lo[u]..hi[u] fit 7 bits."""
+    corr = panel[:, -1].view(np.int32)  # [U, Wd], in place
+    corr[...] = (corr & ~DOT_NARROW) | _narrow(np.maximum(-lo, hi))[:, None]
+
+
 def _narrow(amax: np.ndarray) -> np.ndarray:
     """Panels' largest |code| [U] -> the flag each one's corrections carry, int32 [U]."""
     return np.where(amax <= DOT_NARROW_QMAX, DOT_NARROW, 0).astype(np.int32)
@@ -251,6 +275,10 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
         raise DTypeError(f"[quantize] reduce_range (7-bit weight codes) is int8-dynamic's; "
                          f"{precision!r} multiplies no integer codes")  # fmt: skip
     if precision == pw.precision:
+        if reduce_range and weight_bits(pw) != 7:
+            raise DTypeError("[quantize] the weights are int8-dynamic with 8-bit codes "
+                             "already; rounding them again to 7 bits would round twice: "
+                             "quantize the float32 model with reduce_range=True")  # fmt: skip
         return pw
     same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
     if pw.precision != "float" and not same:
@@ -380,8 +408,7 @@ def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     U, R, W4 = panel.shape
     X4, Wd = R - DOT_TAIL_ROWS, W4 // 4
     codes = panel[:, :X4].view(np.int8)  # [U, X/4, 4*Wd]: each column's 4 codes side by side
-    lo = codes.min(axis=(1, 2), initial=0).astype(np.int16)
-    hi = codes.max(axis=(1, 2), initial=0).astype(np.int16)
+    lo, hi = _code_range(panel)
     if (lo < -DOT_QMAX).any() or (hi > DOT_QMAX).any():
         return False
     by_input = codes.reshape(U, X4, Wd, 4)  # [u, k4, j, m]: input 4*k4 + m of column j
@@ -390,8 +417,8 @@ def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:
     if by_input[:, -(-K // 4) :].any():
         return False
     sums = codes.sum(axis=1, dtype=np.int32).reshape(U, Wd, 4).sum(axis=2)
-    corr = panel[:, X4 + 1].view(np.int32)  # [U, Wd], in place
+    corr = panel[:, X4 + 1].view(np.int32)  # [U, Wd]
     if not np.array_equal(corr & ~DOT_NARROW, CODE_OFFSET * sums):
         return False
-    corr[...] = (corr & ~DOT_NARROW) | _narrow(np.maximum(-lo, hi))[:, None]
+    _flag(panel, lo, hi)
     return True
