@@ -577,6 +577,22 @@ def test_convert_reduce_range_writes_7_bit_codes(tmp_path, capsys):
     assert not (tmp_path / "b.lrnn").exists()
 
 
+@pytest.mark.parametrize("dot", ["avx2", "vnni"])
+def test_convert_to_8_bit_codes_names_reduce_range_where_avx2_multiplies(tmp_path, capsys,
+                                                                        monkeypatch, dot):  # fmt: skip
+    from leanrnn.cli import main
+    from leanrnn.kernels import _cpu
+
+    monkeypatch.setattr(_cpu, "int8_dot", lambda isa: dot)
+    src = leanrnn.save(leanrnn.GRU(6, 20, seed=2), tmp_path / "f.lrnn")
+    assert main(["convert", str(src), str(tmp_path / "q.lrnn"), "--precision", P]) == 0
+    err = capsys.readouterr().err
+    assert ("--reduce-range" in err) == (dot == "avx2"), err
+    assert main(["convert", str(src), str(tmp_path / "q7.lrnn"), "--precision", P,
+                 "--reduce-range"]) == 0  # fmt: skip
+    assert "--reduce-range" not in capsys.readouterr().err
+
+
 def test_a_file_with_corrections_that_do_not_match_its_codes_is_refused(tmp_path):
     m = leanrnn.quantize(leanrnn.LSTM(4, 16, seed=1), P)
     path = str(leanrnn.save(m, tmp_path / "q.lrnn"))

@@ -47,9 +47,9 @@ def quantize(model, precision: str, *, reduce_range: bool = False):
     exactly in int32 (kernels._qdot) — the fast int8 mode, at the accuracy of the peers' int8.
     ``reduce_range=True`` (onnxruntime's option of the same name) rounds its weights to 7-bit
     codes instead of 8: twice the weight error, still within the peers' (the README's accuracy
-    table), and on CPUs without AVX-512 VNNI (AVX2 only) ~1.5-1.9x faster integer products
-    (three instructions per 32 instead of four; ``leanrnn info`` names the CPU's int8 path).
-    A 7-bit model runs everywhere and gives the same numbers everywhere.
+    table), and on CPUs without AVX-512 VNNI (AVX2 only) 1.3-1.9x faster runs (the README's
+    Zen 3 table: three instructions per 32 products instead of four; ``leanrnn info`` names
+    the CPU's int8 path). A 7-bit model runs everywhere and gives the same numbers everywhere.
 
     "bf16-act" is bf16's weights with the activations (x, h, the GRU's r*h) rounded to
     bfloat16 too before each product, as torch's autocast and oneDNN's bf16 do: on AMX one
