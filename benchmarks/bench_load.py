@@ -10,7 +10,8 @@ Part 2 (the run bar): embedding -> 2-layer LSTM(512) -> linear, exported by torc
 file with the same thread count, at N = 1 and N = 64. Bars: leanrnn at least as fast, with a
 lower peak memory.
 
-Every measurement runs in its own fresh subprocess. Peak memory is the growth of the process's
+Every memory measurement runs in its own fresh subprocess; part 2's times come from both engines
+loaded in their own processes and taking turns (``interleaved``). Peak memory is the growth of the process's
 resident high-water mark (VmHWM, reset through /proc/self/clear_refs right before the measured
 section) over the resident size at that moment, so imports and the interpreter do not count;
 part 2 also reports the whole process's high-water mark ('process', a cold process: interpreter,
@@ -18,7 +19,7 @@ numpy, the engine's own imports and everything after), which is what a deploymen
 
     python benchmarks/bench_load.py                 # both parts
     python benchmarks/bench_load.py --part load     # part 1 only (a few seconds)
-    python benchmarks/bench_load.py --threads 1 --steps 50 --repeats 3
+    python benchmarks/bench_load.py --threads 1 --steps 50 --repeats 3 --rounds 6
 """
 
 from __future__ import annotations
@@ -234,16 +235,9 @@ def _warm_up(engine: str, threads: int) -> None:
         )
 
 
-def child_run(
-    engine: str,
-    path: str,
-    batch: int,
-    steps: int,
-    threads: int,
-    repeats: int,
-    out_path: str,
-    warm: bool,
-) -> dict:
+def _engine(engine: str, path: str, batch: int, steps: int, threads: int, warm: bool):
+    """(run, feeds, base): ``engine`` loaded on ``path`` after the peak was reset (base: the
+    resident size then), its feeds of T x N tokens (the same in every process)."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (steps, batch)).astype(np.int64)
     if engine == "leanrnn":
@@ -254,26 +248,32 @@ def child_run(
         if warm:
             _warm_up(engine, threads)
         base = _reset_peak()
-        model = load(path)
-        run = model.run
-        feeds = [tokens]
-    else:
-        import onnxruntime as ort
+        return load(path).run, [tokens], base
+    import onnxruntime as ort
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if warm:
-            _warm_up(engine, threads)
-        base = _reset_peak()
-        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-        name = sess.get_inputs()[0].name
-        feeds = {name: tokens}
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if warm:
+        _warm_up(engine, threads)
+    base = _reset_peak()
+    sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    return (lambda f: sess.run(None, f)), {name: tokens}, base
 
-        def run(f):
-            return sess.run(None, f)
 
+def child_run(
+    engine: str,
+    path: str,
+    batch: int,
+    steps: int,
+    threads: int,
+    repeats: int,
+    out_path: str,
+    warm: bool,
+) -> dict:
+    run, feeds, base = _engine(engine, path, batch, steps, threads, warm)
     out = run(feeds)  # warm-up (plans memory, compiles nothing new: numba cache is warm)
     times = []
     for _ in range(repeats):
@@ -290,16 +290,72 @@ def child_run(
     }
 
 
-def _spawn(args: list[str], threads: int) -> dict:
+def child_turns(engine: str, path: str, batch: int, steps: int, threads: int) -> None:
+    """The timing worker: the engine loaded (warm), then for every line k read from stdin one
+    untimed run and k timed ones, their seconds printed as a JSON list, until stdin closes."""
+    run, feeds, _ = _engine(engine, path, batch, steps, threads, True)
+    run(feeds)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        run(feeds)  # the turn's first call: the caches and threads the other engine left
+        times = []
+        for _ in range(int(line)):
+            t0 = time.perf_counter()
+            run(feeds)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps(times), flush=True)
+
+
+SETTLE_S = 0.05  # pause before each turn: the other engine's spinning threads go idle
+
+
+def interleaved(path: str, batch: int, steps: int, threads: int, rounds: int,
+                per_turn: int) -> dict:  # fmt: skip
+    """{engine: {"median_s", "best_s"}}: both engines loaded in their own processes, taking
+    ``rounds`` turns of ``per_turn`` timed runs each while the other waits on a pipe, the
+    order rotating — so a slow spell of this shared machine falls on both alike (one process
+    after the other, the tagger's N=64 ratio moved 0.85 -> 0.78 between two runs minutes
+    apart on a Zen 3)."""
+    engines = ("leanrnn", "onnxruntime")
+    workers = {}
+    try:
+        for e in engines:
+            workers[e] = subprocess.Popen(
+                [sys.executable, __file__, "--child", "turns", e, path, str(batch), str(steps),
+                 str(threads)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(threads),
+            )  # fmt: skip
+        for e, w in workers.items():
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the {e} timing worker failed to start")
+        times: dict = {e: [] for e in engines}
+        for r in range(rounds):
+            for e in engines[r % 2 :] + engines[: r % 2]:
+                time.sleep(SETTLE_S)
+                workers[e].stdin.write(f"{per_turn}\n")
+                workers[e].stdin.flush()
+                times[e] += json.loads(workers[e].stdout.readline())
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait()
+    return {e: {"median_s": statistics.median(t), "best_s": min(t)} for e, t in times.items()}
+
+
+def _env(threads: int) -> dict:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env[var] = str(threads)
     env["LEANRNN_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _spawn(args: list[str], threads: int) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--child", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=_env(threads),
         check=False,
     )
     if out.returncode:
@@ -352,13 +408,15 @@ def part_load(tmp: str, repeats: int, trials: int) -> bool:
     return ok_speed and ok_mem
 
 
-def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int]) -> bool:
+def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int],
+             rounds: int = 6) -> bool:  # fmt: skip
     path = os.path.join(tmp, "tagger.onnx")
     how = _tagger_onnx(path)
     print(
         f"\n== embedding({VOCAB}) -> 2-layer LSTM({H}) -> linear({CLASSES}), {how}; "
-        f"T={steps}, {threads} thread(s), median of {repeats} runs, each engine in its own "
-        "process"
+        f"T={steps}, {threads} thread(s); times: median and best of {rounds} turns x "
+        f"{repeats} runs per engine, the two engines loaded in their own processes taking "
+        "turns (interleaved); memory: each engine in fresh processes"
     )
     print(
         "peak memory: growth of the process's peak RSS from after imports ('cold', engine "
@@ -372,6 +430,7 @@ def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int
     ok = True
     for n in batches:
         res = {}
+        timed = interleaved(path, n, steps, threads, rounds, repeats)
         for engine in ("leanrnn", "onnxruntime"):
             out = os.path.join(tmp, f"{engine}_{n}.npy")
             runs = {
@@ -382,8 +441,7 @@ def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int
                 for w in ("cold", "warm")
             }
             r = res[engine] = {
-                "median_s": min(x["median_s"] for x in runs.values()),
-                "best_s": min(x["best_s"] for x in runs.values()),
+                **timed[engine],
                 "cold": runs["cold"]["peak_bytes"],
                 "warm": runs["warm"]["peak_bytes"],
                 "process": runs["cold"]["process_peak_bytes"],
@@ -419,6 +477,10 @@ def part_run(tmp: str, threads: int, steps: int, repeats: int, batches: list[int
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         role, rest = sys.argv[2], sys.argv[3:]
+        if role == "turns":
+            engine, path, n, t, threads = rest
+            child_turns(engine, path, int(n), int(t), int(threads))
+            return 0
         if role == "load":
             res = child_load(rest[0], int(rest[1]))
         else:
@@ -433,6 +495,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100, help="T for the run part")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trials", type=int, default=3, help="processes per load measurement")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="turns per engine of the interleaved run timing (--repeats runs each)")  # fmt: skip
     p.add_argument("--batches", default="1,64")
     p.add_argument("--part", choices=["load", "run", "all"], default="all")
     args = p.parse_args()
@@ -445,7 +509,7 @@ def main() -> int:
             ok &= part_load(tmp, args.repeats, args.trials)
         if args.part in ("run", "all"):
             batches = [int(b) for b in args.batches.split(",")]
-            ok &= part_run(tmp, args.threads, args.steps, args.repeats, batches)
+            ok &= part_run(tmp, args.threads, args.steps, args.repeats, batches, args.rounds)
     print("\nall bars pass" if ok else "\nsome bars FAIL")
     return 0 if ok else 1
 
