@@ -154,13 +154,13 @@ def dot_panel(w: np.ndarray, qmax: int = DOT_QMAX) -> np.ndarray:
     )
     out[:, X // 4] = scale.view(np.uint8).reshape(U, 4 * Wd)
     out[:, X // 4 + 1] = _dot_corrections(q).view(np.uint8).reshape(U, 4 * Wd)
+    _flag(out, *_code_range(out))
     return out
 
 
 def _dot_corrections(q: np.ndarray) -> np.ndarray:
-    """int32 [U, Wd] corrections of codes q [U, X, Wd], each panel's DOT_NARROW flag included."""
-    corr = (CODE_OFFSET * q.astype(np.int32).sum(axis=1)).astype(np.int32)
-    return corr | _narrow(np.abs(q.astype(np.int16)).max(axis=(1, 2), initial=0))[:, None]
+    """int32 [U, Wd] corrections of codes q [U, X, Wd] (DOT_NARROW clear: _flag sets it)."""
+    return (CODE_OFFSET * q.astype(np.int32).sum(axis=1)).astype(np.int32)
 
 
 def weight_bits(pw: PackedWeights) -> int:
@@ -370,7 +370,8 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     int8-dynamic also the codes within +-DOT_QMAX, zero past the panel's K inputs (the padding
     of its last group of 4 is multiplied by scratch bytes no one writes) and the corrections
     equal to what the codes give (one pass over the codes: a wrong correction would shift
-    every output silently), their DOT_NARROW flags set from the codes; for bf16 the padding past K inputs zero (_bf16_padding_zero)."""
+    every output silently), their DOT_NARROW flags set from the codes; for bf16 the padding
+    past K inputs zero (_bf16_padding_zero)."""
     fmt = panel_format(pw.precision)
     if fmt not in ("bf16", "int8", "int8-dynamic"):
         return
