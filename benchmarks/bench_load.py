@@ -306,6 +306,80 @@ def child_turns(engine: str, path: str, batch: int, steps: int, threads: int) ->
         print(json.dumps(times), flush=True)
 
 
+def child_breakdown(engine: str, path: str, batch: int, steps: int, threads: int,
+                    runs: int) -> dict:  # fmt: skip
+    """{"op name": mean seconds per run} of ``engine``'s nodes over ``runs`` runs after a
+    warm-up: leanrnn's from GraphModel.run(times=...), onnxruntime's from its own profile
+    (SessionOptions.enable_profiling: the "Node" events' kernel times)."""
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (steps, batch)).astype(np.int64)
+    times: dict = {}
+    if engine == "leanrnn":
+        import leanrnn
+        from leanrnn.loading import load
+
+        leanrnn.set_num_threads(threads)
+        model = load(path)
+        model.run([tokens])
+        for _ in range(runs):
+            model.run([tokens], times=times)
+        return {k: v / runs for k, v in times.items()}
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.enable_profiling = True
+        opts.profile_file_prefix = os.path.join(tmp, "ort")
+        sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        feeds = {sess.get_inputs()[0].name: tokens}
+        for _ in range(runs + 1):
+            sess.run(None, feeds)
+        with open(sess.end_profiling()) as f:
+            events = [e for e in json.load(f)
+                      if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]  # fmt: skip
+    for e in events[len(events) // (runs + 1) :]:  # the first run's: the warm-up
+        key = f"{e['args'].get('op_name', '?')} {e['name'][: -len('_kernel_time')]}"
+        times[key] = times.get(key, 0.0) + e["dur"] * 1e-6 / runs
+    return times
+
+
+def breakdown(path: str, batch: int, steps: int, threads: int, runs: int) -> list[tuple]:
+    """[(node, leanrnn seconds or None, onnxruntime seconds or None)] per run, both engines'
+    nodes by their ONNX names (a node one engine fused away has the other's time only),
+    slowest first, each engine in its own process; then ("total", ...)."""
+    args = [path, str(batch), str(steps), str(threads), str(runs)]
+    res = {e: _spawn(["breakdown", e, *args], threads) for e in ("leanrnn", "onnxruntime")}
+    lean, ort_ = res["leanrnn"], res["onnxruntime"]
+    names = {k.split(" ", 1)[1]: k for k in (*lean, *ort_)}
+    rows = []
+    for name, key in names.items():
+        a = next((v for k, v in lean.items() if k.split(" ", 1)[1] == name), None)
+        b = next((v for k, v in ort_.items() if k.split(" ", 1)[1] == name), None)
+        rows.append((key, a, b))
+    rows.sort(key=lambda r: -max(r[1] or 0.0, r[2] or 0.0))
+    rows.append(("total", sum(lean.values()), sum(ort_.values())))
+    return rows
+
+
+def part_breakdown(tmp: str, threads: int, steps: int, batches: list[int], runs: int) -> None:
+    """Where the tagger's time goes in each engine, node by node (issue 13 asked what the
+    N=64 graph loses to onnxruntime: the head, the embedding or the LSTMs)."""
+    path = os.path.join(tmp, "tagger.onnx")
+    if not os.path.exists(path):
+        _tagger_onnx(path)
+    for n in batches:
+        print(f"\n== where the time goes, N={n}, T={steps}, {threads} thread(s): mean of {runs} "
+              "runs per node (leanrnn: GraphModel.run(times=...); onnxruntime: its profile)")  # fmt: skip
+        print(f"{'node':<32}{'leanrnn':>12}{'onnxruntime':>14}")
+        for key, a, b in breakdown(path, n, steps, threads, runs):
+            if max(a or 0.0, b or 0.0) < 1e-4 and key != "total":
+                continue  # shape arithmetic and views
+            cell = [f"{v * 1e3:10.2f}ms" if v is not None else f"{'-':>12}" for v in (a, b)]
+            print(f"{key[:31]:<32}{cell[0]:>12}{cell[1]:>14}")
+
+
 SETTLE_S = 0.05  # pause before each turn: the other engine's spinning threads go idle
 
 
@@ -483,6 +557,9 @@ def main() -> int:
             return 0
         if role == "load":
             res = child_load(rest[0], int(rest[1]))
+        elif role == "breakdown":
+            engine, path, n, t, threads, runs = rest
+            res = child_breakdown(engine, path, int(n), int(t), int(threads), int(runs))
         else:
             engine, path, n, t, threads, reps, out, warm = rest
             res = child_run(
@@ -499,6 +576,9 @@ def main() -> int:
                    help="turns per engine of the interleaved run timing (--repeats runs each)")  # fmt: skip
     p.add_argument("--batches", default="1,64")
     p.add_argument("--part", choices=["load", "run", "all"], default="all")
+    p.add_argument("--breakdown", type=int, default=0, metavar="RUNS",
+                   help="after the run part, each engine's time per node, the mean of RUNS "
+                   "runs at every batch (0: none)")  # fmt: skip
     args = p.parse_args()
     from leanrnn.bench.report import cpu_line
 
@@ -510,6 +590,8 @@ def main() -> int:
         if args.part in ("run", "all"):
             batches = [int(b) for b in args.batches.split(",")]
             ok &= part_run(tmp, args.threads, args.steps, args.repeats, batches, args.rounds)
+            if args.breakdown:
+                part_breakdown(tmp, args.threads, args.steps, batches, args.breakdown)
     print("\nall bars pass" if ok else "\nsome bars FAIL")
     return 0 if ok else 1
 

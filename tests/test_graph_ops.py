@@ -8,6 +8,7 @@ error naming the node."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -251,6 +252,26 @@ def test_matmul_packed_widths(dtype, M, tmp):
     m = model([node("Relu", ["a"], ["r"]), node("MatMul", ["r", "b"])], {"a": a}, {"b": b})
     assert load(m, tmp)._matmuls  # the product runs packed
     check(m, {"a": a}, tmp, [np.matmul(np.maximum(a, 0).astype(F64), b).astype(dtype)])
+
+
+def test_run_times_every_node_it_runs_and_changes_no_output(tmp):
+    """GraphModel.run(times=...): each node's wall seconds under "op name", added up over
+    runs (benchmarks/bench_load.py --breakdown sets them beside onnxruntime's profile)."""
+    a, b = arr((4, 5), F32, seed=7), arr((5, 70), F32, seed=8)
+    m = model([node("Relu", ["a"], ["r"], name="relu"), node("MatMul", ["r", "b"], name="mm")],
+              {"a": a}, {"b": b})  # fmt: skip
+    g = load(m, tmp)
+    plain = g.run({"a": a})[0]
+    times: dict = {}
+    t0 = time.perf_counter()
+    timed = g.run({"a": a}, times=times)[0]
+    wall = time.perf_counter() - t0
+    np.testing.assert_array_equal(timed, plain)
+    assert set(times) == {"Relu relu", "MatMul mm"}
+    assert all(v > 0 for v in times.values()) and sum(times.values()) <= wall
+    once = dict(times)
+    g.run({"a": a}, times=times)
+    assert all(times[k] > once[k] for k in once)  # a second run adds to the first
 
 
 @pytest.mark.parametrize(

@@ -160,10 +160,11 @@ class GraphModel:
                     self._session = GraphSession(self._loaded)
         return self._session
 
-    def run(self, feeds) -> list[np.ndarray]:
+    def run(self, feeds, times: dict | None = None) -> list[np.ndarray]:
         """Outputs (in ``output_names`` order) for ``feeds``: a dict name -> array, or a list in
-        ``input_names`` order."""
-        return self.session.run(feeds)
+        ``input_names`` order. ``times``: a dict that gets each node's wall seconds added
+        under "op name" (GraphSession.run)."""
+        return self.session.run(feeds, times)
 
     def __call__(self, *args, **kwargs):
         if args and kwargs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 
@@ -363,7 +364,11 @@ class GraphSession:
             out[t.name] = np.asarray(a, order="C")
         return out
 
-    def run(self, feeds) -> list[np.ndarray]:
+    def run(self, feeds, times: dict | None = None) -> list[np.ndarray]:
+        """The graph's outputs for ``feeds``. ``times``: a dict that gets each node's wall
+        seconds in this run added under "op name" (the nodes run one after another; the
+        constants folded at load are not nodes any more) — where a model's time goes, node by
+        node, beside onnxruntime's own profile (benchmarks/bench_load.py --breakdown)."""
         feeds = self._feeds(feeds)
         metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
         with self._lock:
@@ -371,11 +376,11 @@ class GraphSession:
             if key != self._key:
                 self._resize(metas_in, None)
             if not self._blas_alone:
-                return self._execute(feeds)
+                return self._execute(feeds, times)
             with blas_controller().limit(limits=1, user_api="blas"):
-                return self._execute(feeds)
+                return self._execute(feeds, times)
 
-    def _execute(self, feeds: dict) -> list[np.ndarray]:
+    def _execute(self, feeds: dict, times: dict | None = None) -> list[np.ndarray]:
         env = dict(self._values)
         env.update(feeds)
         fresh: dict[str, np.ndarray] = {}
@@ -394,7 +399,13 @@ class GraphSession:
                     outs.append(views[name])
             tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
             ins = [env[i] if i else None for i in node.inputs]
-            res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
+            if times is None:
+                res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
+            else:
+                t0 = time.perf_counter()
+                res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
+                key = f"{node.op} {node.name}"
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     env[name] = arr
