@@ -306,23 +306,47 @@ def child_turns(engine: str, path: str, batch: int, steps: int, threads: int) ->
         print(json.dumps(times), flush=True)
 
 
+RUN_WALL = "(wall time of a run)"  # the breakdown's key for a whole run's time
+WARM_S = 1.0  # a breakdown child's untimed runs first: at least this long, and 2 runs
+
+
+def _warm_runs(run) -> None:
+    """Run ``run`` untimed for WARM_S seconds and at least twice: a fresh process's first
+    runs took 1.0-1.8x the time of later ones here (the kernel team's threads, first touches
+    of the arena), and a breakdown of few runs is taken right after."""
+    end, n = time.perf_counter() + WARM_S, 0
+    while n < 2 or time.perf_counter() < end:
+        run()
+        n += 1
+
+
+def _medians(per_run: list[dict]) -> dict:
+    """{key: median over runs} of per-run {key: seconds} (a key a run lacks counts 0 there)."""
+    keys = {k for d in per_run for k in d}
+    return {k: statistics.median(d.get(k, 0.0) for d in per_run) for k in keys}
+
+
 def child_breakdown(engine: str, path: str, batch: int, steps: int, threads: int,
                     runs: int) -> dict:  # fmt: skip
-    """{"op name": mean seconds per run} of ``engine``'s nodes over ``runs`` runs after a
-    warm-up: leanrnn's from GraphModel.run(times=...), onnxruntime's from its own profile
-    (SessionOptions.enable_profiling: the "Node" events' kernel times)."""
+    """{"op name": median seconds per run} of ``engine``'s nodes over ``runs`` runs after the
+    warm-up (_warm_runs), and RUN_WALL: leanrnn's from GraphModel.run(times=...) and a clock
+    around each run, onnxruntime's from its own profile (ort_node_times)."""
     tokens = np.random.default_rng(0).integers(0, VOCAB, (steps, batch)).astype(np.int64)
-    times: dict = {}
+    _warm_up(engine, threads)
     if engine == "leanrnn":
         import leanrnn
         from leanrnn.loading import load
 
         leanrnn.set_num_threads(threads)
         model = load(path)
-        model.run([tokens])
+        _warm_runs(lambda: model.run([tokens]))
+        per_run = []
         for _ in range(runs):
+            times: dict = {}
+            t0 = time.perf_counter()
             model.run([tokens], times=times)
-        return {k: v / runs for k, v in times.items()}
+            per_run.append({**times, RUN_WALL: time.perf_counter() - t0})
+        return _medians(per_run)
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -334,32 +358,70 @@ def child_breakdown(engine: str, path: str, batch: int, steps: int, threads: int
         opts.profile_file_prefix = os.path.join(tmp, "ort")
         sess = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         feeds = {sess.get_inputs()[0].name: tokens}
-        for _ in range(runs + 1):
+        _warm_runs(lambda: sess.run(None, feeds))
+        for _ in range(runs):
             sess.run(None, feeds)
         with open(sess.end_profiling()) as f:
-            events = [e for e in json.load(f)
-                      if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]  # fmt: skip
-    for e in events[len(events) // (runs + 1) :]:  # the first run's: the warm-up
-        key = f"{e['args'].get('op_name', '?')} {e['name'][: -len('_kernel_time')]}"
-        times[key] = times.get(key, 0.0) + e["dur"] * 1e-6 / runs
-    return times
+            return ort_node_times(json.load(f), runs)
+
+
+def ort_node_times(events: list[dict], runs: int) -> dict:
+    """{"op name": median seconds per run} of the nodes in the last ``runs`` runs of an
+    onnxruntime profile (the runs before them: the warm-up), and RUN_WALL: the median of
+    those runs' "model_run" spans. A node event belongs to the run whose span holds its
+    start; the "_kernel_time" events are the nodes' own (onnxruntime also logs their input
+    preparation, "_fence_before"/"_after")."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "Session" and e.get("name") == "model_run")  # fmt: skip
+    if len(spans) <= runs:
+        raise RuntimeError(f"onnxruntime's profile holds {len(spans)} runs, not {runs} and a "
+                           "warm-up")  # fmt: skip
+    spans = spans[-runs:]
+    per_run: list[dict] = [{RUN_WALL: (b - a) * 1e-6} for a, b in spans]
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        i = next((i for i, (a, b) in enumerate(spans) if a <= e["ts"] < b), None)
+        if i is not None:
+            key = f"{e.get('args', {}).get('op_name', '?')} {name[: -len('_kernel_time')]}"
+            per_run[i][key] = per_run[i].get(key, 0.0) + e["dur"] * 1e-6
+    return _medians(per_run)
+
+
+def _named_copy(path: str) -> str:
+    """``path``'s model with every unnamed node given the name leanrnn's import gives it
+    (op_type_i, i its place among all nodes), saved beside it: onnxruntime numbers unnamed
+    nodes its own way, and the breakdown pairs the two engines' nodes by name."""
+    import onnx
+
+    m = onnx.load(path)
+    for i, n in enumerate(m.graph.node):
+        n.name = n.name or f"{n.op_type}_{i}"
+    named = path + ".named.onnx"
+    onnx.save(m, named)
+    return named
 
 
 def breakdown(path: str, batch: int, steps: int, threads: int, runs: int) -> list[tuple]:
-    """[(node, leanrnn seconds or None, onnxruntime seconds or None)] per run, both engines'
-    nodes by their ONNX names (a node one engine fused away has the other's time only),
-    slowest first, each engine in its own process; then ("total", ...)."""
-    args = [path, str(batch), str(steps), str(threads), str(runs)]
+    """[(key, leanrnn seconds or None, onnxruntime seconds or None)], medians per run: both
+    engines' nodes paired by ONNX node name (key "op name", leanrnn's op where both have the node; a
+    node one engine fused away — onnxruntime's bias Add after a MatMul, say — has the other's
+    time only), slowest first; then ("sum of nodes", ...) and (RUN_WALL, ...). Each engine in
+    its own process."""
+    named = _named_copy(path)
+    args = [named, str(batch), str(steps), str(threads), str(runs)]
     res = {e: _spawn(["breakdown", e, *args], threads) for e in ("leanrnn", "onnxruntime")}
-    lean, ort_ = res["leanrnn"], res["onnxruntime"]
-    names = {k.split(" ", 1)[1]: k for k in (*lean, *ort_)}
+    walls = [res[e].pop(RUN_WALL) for e in ("leanrnn", "onnxruntime")]
+    by_name = {e: {k.split(" ", 1)[1]: (k, v) for k, v in res[e].items()} for e in res}
+    lean, ort_ = by_name["leanrnn"], by_name["onnxruntime"]
     rows = []
-    for name, key in names.items():
-        a = next((v for k, v in lean.items() if k.split(" ", 1)[1] == name), None)
-        b = next((v for k, v in ort_.items() if k.split(" ", 1)[1] == name), None)
-        rows.append((key, a, b))
+    for name in {**ort_, **lean}:
+        key = (lean.get(name) or ort_[name])[0]
+        rows.append((key, lean.get(name, (None, None))[1], ort_.get(name, (None, None))[1]))
     rows.sort(key=lambda r: -max(r[1] or 0.0, r[2] or 0.0))
-    rows.append(("total", sum(lean.values()), sum(ort_.values())))
+    rows.append(("sum of nodes", sum(res["leanrnn"].values()), sum(res["onnxruntime"].values())))
+    rows.append((RUN_WALL, *walls))
     return rows
 
 
@@ -370,11 +432,12 @@ def part_breakdown(tmp: str, threads: int, steps: int, batches: list[int], runs:
     if not os.path.exists(path):
         _tagger_onnx(path)
     for n in batches:
-        print(f"\n== where the time goes, N={n}, T={steps}, {threads} thread(s): mean of {runs} "
-              "runs per node (leanrnn: GraphModel.run(times=...); onnxruntime: its profile)")  # fmt: skip
+        print(f"\n== where the time goes, N={n}, T={steps}, {threads} thread(s): median of {runs} "
+              "runs per node (leanrnn: GraphModel.run(times=...); onnxruntime: its profile, "
+              "kernel times in whole us)")  # fmt: skip
         print(f"{'node':<32}{'leanrnn':>12}{'onnxruntime':>14}")
         for key, a, b in breakdown(path, n, steps, threads, runs):
-            if max(a or 0.0, b or 0.0) < 1e-4 and key != "total":
+            if max(a or 0.0, b or 0.0) < 1e-4 and key != "sum of nodes":
                 continue  # shape arithmetic and views
             cell = [f"{v * 1e3:10.2f}ms" if v is not None else f"{'-':>12}" for v in (a, b)]
             print(f"{key[:31]:<32}{cell[0]:>12}{cell[1]:>14}")

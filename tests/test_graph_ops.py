@@ -272,6 +272,9 @@ def test_run_times_every_node_it_runs_and_changes_no_output(tmp):
     once = dict(times)
     g.run({"a": a}, times=times)
     assert all(times[k] > once[k] for k in once)  # a second run adds to the first
+    with pytest.raises(DTypeError, match=r"\[GraphModel.run\] times=list; expected a dict"):
+        g.run({"a": a}, times=[])  # refused before any node runs; the model stays usable
+    np.testing.assert_array_equal(g.run({"a": a})[0], plain)
 
 
 @pytest.mark.parametrize(

@@ -160,7 +160,7 @@ class GraphModel:
                     self._session = GraphSession(self._loaded)
         return self._session
 
-    def run(self, feeds, times: dict | None = None) -> list[np.ndarray]:
+    def run(self, feeds, times: dict[str, float] | None = None) -> list[np.ndarray]:
         """Outputs (in ``output_names`` order) for ``feeds``: a dict name -> array, or a list in
         ``input_names`` order. ``times``: a dict that gets each node's wall seconds added
         under "op name" (GraphSession.run)."""

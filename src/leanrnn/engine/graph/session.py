@@ -364,11 +364,17 @@ class GraphSession:
             out[t.name] = np.asarray(a, order="C")
         return out
 
-    def run(self, feeds, times: dict | None = None) -> list[np.ndarray]:
+    def run(self, feeds, times: dict[str, float] | None = None) -> list[np.ndarray]:
         """The graph's outputs for ``feeds``. ``times``: a dict that gets each node's wall
         seconds in this run added under "op name" (the nodes run one after another; the
-        constants folded at load are not nodes any more) — where a model's time goes, node by
-        node, beside onnxruntime's own profile (benchmarks/bench_load.py --breakdown)."""
+        constants folded at load are not nodes any more; a run that fails keeps the times of
+        the nodes before) — where a model's time goes, node by node, beside onnxruntime's own
+        profile (benchmarks/bench_load.py --breakdown). Runs of one session may share a dict
+        (they take turns); runs of different sessions on different threads may not."""
+        if times is not None and not isinstance(times, dict):
+            raise DTypeError(
+                f"[GraphModel.run] times={type(times).__name__}; expected a dict (or None)"
+            )
         feeds = self._feeds(feeds)
         metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
         with self._lock:
@@ -380,7 +386,7 @@ class GraphSession:
             with blas_controller().limit(limits=1, user_api="blas"):
                 return self._execute(feeds, times)
 
-    def _execute(self, feeds: dict, times: dict | None = None) -> list[np.ndarray]:
+    def _execute(self, feeds: dict, times: dict[str, float] | None = None) -> list[np.ndarray]:
         env = dict(self._values)
         env.update(feeds)
         fresh: dict[str, np.ndarray] = {}
@@ -405,7 +411,7 @@ class GraphSession:
                 t0 = time.perf_counter()
                 res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
                 key = f"{node.op} {node.name}"
-                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+                times[key] = times.get(key, 0.0) + (time.perf_counter() - t0)
             for name, arr in zip(node.outputs, res, strict=False):
                 if name:
                     env[name] = arr
