@@ -106,3 +106,61 @@ def test_heads_on_inputs_stay_on_numpy():
     a, b = np.ones((3, 8), np.float32), np.arange(40, dtype=np.float32).reshape(8, 5)
     np.testing.assert_array_equal(model(a, b), a @ b)  # small integers: exact in float32
     assert leanrnn.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("M", [70, 1000])
+def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads):
+    """packed_product with a tail [R, >= U*64] (few rows: engine.products.padded_tail_fits):
+    on several threads one launch for every panel into it, then copied out; on one thread its
+    first R*64 elements as the usual one-panel tail. Either way the bits of the one-panel
+    tail's two launches, and numpy's product within float32 rounding."""
+    from leanrnn.engine.products import (
+        PANEL,
+        PackedMatmul,
+        packed_product,
+        padded_tail_fits,
+        padded_tail_width,
+    )
+    from leanrnn.kernels import abi
+
+    rng = np.random.default_rng(M)
+    K, R = 256, 60  # R*K*M past PACKED_MATMUL_PARALLEL_MACS at M=1000: two threads share it
+    a = rng.standard_normal((R, K)).astype(np.float32)
+    B = rng.standard_normal((K, M)).astype(np.float32)
+    bias = rng.standard_normal(M).astype(np.float32)
+    pm = PackedMatmul.of(B, bias)
+    U = pm.W.shape[0]
+    assert padded_tail_fits(R, U, 4)
+    sync = np.zeros(abi.sync_size(threads), np.int64)
+    before = leanrnn.get_num_threads()
+    leanrnn.set_num_threads(threads)
+    try:
+        narrow, want = np.empty((R, PANEL), np.float32), np.empty((R, M), np.float32)
+        packed_product(pm, a, want, narrow, threads, sync)
+        wide = np.full((R, padded_tail_width(U)), np.nan, np.float32)
+        got = np.full((R, M), np.nan, np.float32)
+        packed_product(pm, a, got, wide, threads, sync)
+    finally:
+        leanrnn.set_num_threads(before)
+    np.testing.assert_array_equal(got, want)
+    ref = a.astype(np.float64) @ B + bias
+    np.testing.assert_allclose(got, ref, rtol=RTOL_MATMUL[np.float32], atol=1e-3)
+
+
+def test_a_head_of_few_rows_plans_a_padded_tail():
+    """The graph's packed MatMul plans the padded tail for few rows and the one-panel one for
+    many (engine.graph.ops._matmul_scratch), and runs right with each."""
+    from leanrnn.engine.products import PANEL, padded_tail_width
+
+    rng = np.random.default_rng(3)
+    blob = _model("MatMul", 70, rng)
+    sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    model = GraphModel(read_onnx(blob), threads=2)
+    for T, N, width in ((4, 5, padded_tail_width(2)), (300, 50, PANEL)):
+        x = rng.standard_normal((T, N, C)).astype(np.float32)
+        got = model(x)
+        tails = {k: v for k, v in model.session._views.items() if k.endswith("#tail")}
+        assert [v.shape for v in tails.values()] == [(T * N, width)], tails.keys()
+        np.testing.assert_allclose(got, sess.run(None, {"x": x})[0],
+                                   rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32])  # fmt: skip

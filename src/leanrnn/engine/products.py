@@ -101,12 +101,20 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     whole panels write straight into out's columns; when out has fewer columns than the
     panels (M not a multiple of 64) the last panel goes to ``tail`` [R, 64] and its real
     columns are copied over (a padded [R, U*64] product copied out whole was R x M extra
-    bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows)."""
+    bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows). A ``tail`` of
+    [R, >= U*64] (padded_tail_fits: few rows) takes the whole product in one launch instead
+    when several threads share it, copied out: the last panel's launch of its own left a
+    thread idle and cost a team wake-up (the 1000-wide head at 100 rows on 2 threads, Zen 3,
+    interleaved in one process: 0.95x the time, 0.88x at 30 rows; on one thread no gain)."""
     R, K = a.shape
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
     parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
-    for u0, u1, dst in ((0, full, out), (full, U, tail)):
+    wide = full < U and tail is not None and tail.shape[1] >= U * PANEL
+    padded = wide and parts > 1
+    if wide and not padded:  # its first R*64 elements as the one-panel tail (C-contiguous)
+        tail = tail.reshape(-1)[: R * PANEL].reshape(R, PANEL)
+    for u0, u1, dst in ((0, U, tail),) if padded else ((0, full, out), (full, U, tail)):
         if u1 > u0:
             sync[:] = 0
             call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
@@ -114,8 +122,28 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
                             lengths=NO_SLOTS, T=0, xw_bf_T=0,  # every row
                             q=NO_SCRATCH, bf16_act=False)  # fmt: skip
             runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
-    if full < U:
+    if padded:
+        out[:] = tail[:, : out.shape[1]]
+    elif full < U:
         out[:, full * PANEL :] = tail[:, : out.shape[1] - full * PANEL]
+
+
+# The most bytes a padded [rows, U*64] product may take as packed_product's tail: a copy that
+# costs less than the last panel's launch of its own. The 1000-wide head on 2 threads (Zen 3,
+# interleaved): 30 and 100 rows (120 and 416 KiB) 0.88x and 0.95x the time, 200 rows 1.02x.
+PADDED_TAIL_BYTES = 1 << 19
+
+
+def padded_tail_fits(rows: int, panels: int, itemsize: int) -> bool:
+    """Whether a product of ``rows`` rows on ``panels`` panels takes a padded tail (above)."""
+    return rows * padded_tail_width(panels) * itemsize <= PADDED_TAIL_BYTES
+
+
+def padded_tail_width(panels: int) -> int:
+    """Columns of a padded tail: the panels' and a quarter panel more, so that its rows do not
+    lie a power of two apart (16 panels' 4 KiB rows put the tile's six stores of a column in
+    one L1 set: the 1000-wide head at 100 rows ran 1.45x slower on one thread, Zen 3)."""
+    return panels * PANEL + PANEL // 4
 
 
 # ------------------------------------------------------------------ which GEMM

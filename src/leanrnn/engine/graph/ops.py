@@ -25,7 +25,13 @@ from ...formats.packing import pack
 from ...ir import RNN_OPS, Graph, Node, rnn_from_node
 from ...kernels import abi
 from ...threads import PARALLEL_MATMUL_MACS, matmul_pool
-from ..products import PANEL, PackedMatmul, packed_product
+from ..products import (
+    PANEL,
+    PackedMatmul,
+    packed_product,
+    padded_tail_fits,
+    padded_tail_width,
+)
 from ..session import Session
 from .quant_ops import quant_ops
 
@@ -322,7 +328,10 @@ def _matmul_scratch(ctx, node, ins, metas, needed):
     if pm is None or pm.M % PANEL == 0 or len(metas[0].shape) < 1:
         return {}
     rows = math.prod(metas[0].shape[:-1])
-    return {"tail": ((rows, PANEL), metas[0].dtype)}
+    U = pm.W.shape[0]
+    itemsize = np.dtype(metas[0].dtype).itemsize
+    width = padded_tail_width(U) if padded_tail_fits(rows, U, itemsize) else PANEL
+    return {"tail": ((rows, width), metas[0].dtype)}
 
 
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
