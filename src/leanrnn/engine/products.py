@@ -104,8 +104,8 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows). A ``tail`` of
     [R, >= U*64] (padded_tail_fits: few rows) takes the whole product in one launch instead
     when several threads share it, copied out: the last panel's launch of its own left a
-    thread idle and cost a team wake-up (the 1000-wide head at 100 rows on 2 threads, Zen 3,
-    interleaved in one process: 0.95x the time, 0.88x at 30 rows; on one thread no gain)."""
+    thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide head on 2
+    threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same launches)."""
     R, K = a.shape
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
@@ -130,7 +130,8 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
 
 # The most bytes a padded [rows, U*64] product may take as packed_product's tail: a copy that
 # costs less than the last panel's launch of its own. The 1000-wide head on 2 threads (Zen 3,
-# interleaved): 30 and 100 rows (120 and 416 KiB) 0.88x and 0.95x the time, 200 rows 1.02x.
+# benchmarks/head_tail.py): 30 and 100 rows (122 and 406 KiB) 0.88x and 0.93x the time, 200
+# rows 1.00x-1.02x.
 PADDED_TAIL_BYTES = 1 << 19
 
 
