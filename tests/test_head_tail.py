@@ -1,0 +1,16 @@
+"""benchmarks/head_tail.py at a tiny size: both of leanrnn's tails (and onnxruntime where
+installed) on 1 and 2 threads; the script stops if the two tails' products differ."""
+
+from pathlib import Path
+
+
+def test_head_tail_runs_both_tails(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import head_tail
+
+    assert head_tail.main(["--rows", "7", "40", "--threads", "1", "2", "--classes", "70",
+                           "--inputs", "16", "--samples", "3"]) == 0  # fmt: skip
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["7"], ["40"])]  # fmt: skip
+    assert sorted((r[0], r[1]) for r in rows) == [("40", "1"), ("40", "2"), ("7", "1"), ("7", "2")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
