@@ -108,13 +108,29 @@ def test_heads_on_inputs_stay_on_numpy():
     assert leanrnn.get_num_threads() >= 1
 
 
+def _launches(monkeypatch) -> list:
+    """The product launches (matmul jobs) packed_product makes from now on."""
+    from leanrnn.engine import products
+
+    seen: list = []
+    real = products.runner.run
+
+    def run(job, args, parts):
+        if job == "matmul":  # not the graph's LSTM
+            seen.append(job)
+        return real(job, args, parts)
+
+    monkeypatch.setattr(products.runner, "run", run)
+    return seen
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("M", [70, 1000])
-def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads):
+def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads, monkeypatch):
     """packed_product with a tail [R, >= U*64] (few rows: engine.products.padded_tail_fits):
     on several threads one launch for every panel into it, then copied out; on one thread its
-    first R*64 elements as the usual one-panel tail. Either way the bits of the one-panel
-    tail's two launches, and numpy's product within float32 rounding."""
+    first R*64 elements as the usual one-panel tail, two launches. Either way the bits of the
+    one-panel tail's two launches, and numpy's product within float32 rounding."""
     from leanrnn.engine.products import (
         PANEL,
         PackedMatmul,
@@ -123,15 +139,17 @@ def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads):
         padded_tail_width,
     )
     from leanrnn.kernels import abi
+    from leanrnn.threads import PACKED_MATMUL_PARALLEL_MACS
 
     rng = np.random.default_rng(M)
-    K, R = 256, 60  # R*K*M past PACKED_MATMUL_PARALLEL_MACS at M=1000: two threads share it
+    K, R = 512, 96
+    assert R * K * M >= 2 * PACKED_MATMUL_PARALLEL_MACS  # so that threads share it
     a = rng.standard_normal((R, K)).astype(np.float32)
     B = rng.standard_normal((K, M)).astype(np.float32)
     bias = rng.standard_normal(M).astype(np.float32)
     pm = PackedMatmul.of(B, bias)
     U = pm.W.shape[0]
-    assert padded_tail_fits(R, U, 4)
+    assert padded_tail_fits(pm, R, 4)
     sync = np.zeros(abi.sync_size(threads), np.int64)
     before = leanrnn.get_num_threads()
     leanrnn.set_num_threads(threads)
@@ -140,26 +158,33 @@ def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads):
         packed_product(pm, a, want, narrow, threads, sync)
         wide = np.full((R, padded_tail_width(U)), np.nan, np.float32)
         got = np.full((R, M), np.nan, np.float32)
+        launches = _launches(monkeypatch)
         packed_product(pm, a, got, wide, threads, sync)
     finally:
         leanrnn.set_num_threads(before)
+    assert len(launches) == (1 if threads > 1 else 2)
     np.testing.assert_array_equal(got, want)
     ref = a.astype(np.float64) @ B + bias
     np.testing.assert_allclose(got, ref, rtol=RTOL_MATMUL[np.float32], atol=1e-3)
 
 
-def test_a_head_of_few_rows_plans_a_padded_tail():
-    """The graph's packed MatMul plans the padded tail for few rows and the one-panel one for
-    many (engine.graph.ops._matmul_scratch), and runs right with each."""
+def test_a_head_of_few_rows_plans_a_padded_tail(monkeypatch):
+    """The graph's packed MatMul plans the padded tail for few rows (a product threads share)
+    and the one-panel one for many or for tiny products (engine.graph.ops._matmul_scratch),
+    and runs right with each: one launch on the padded tail, two on the other."""
     from leanrnn.engine.products import PANEL, padded_tail_width
 
     rng = np.random.default_rng(3)
     blob = _model("MatMul", 70, rng)
     sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
     model = GraphModel(read_onnx(blob), threads=2)
-    for T, N, width in ((4, 5, padded_tail_width(2)), (300, 50, PANEL)):
+    launches = _launches(monkeypatch)
+    for T, N, width, n in ((10, 50, padded_tail_width(2), 1), (300, 50, PANEL, 2),
+                           (2, 3, PANEL, 2)):  # fmt: skip
         x = rng.standard_normal((T, N, C)).astype(np.float32)
+        launches.clear()
         got = model(x)
+        assert len(launches) == n, (T, N, launches)
         tails = {k: v for k, v in model.session._views.items() if k.endswith("#tail")}
         assert [v.shape for v in tails.values()] == [(T * N, width)], tails.keys()
         np.testing.assert_allclose(got, sess.run(None, {"x": x})[0],

@@ -102,7 +102,7 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     panels (M not a multiple of 64) the last panel goes to ``tail`` [R, 64] and its real
     columns are copied over (a padded [R, U*64] product copied out whole was R x M extra
     bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows). A ``tail`` of
-    [R, >= U*64] (padded_tail_fits: few rows) takes the whole product in one launch instead
+    [R, >= U*64], C-contiguous (padded_tail_fits: few rows) takes the whole product in one launch instead
     when several threads share it, copied out: the last panel's launch of its own left a
     thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide head on 2
     threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same launches)."""
@@ -112,7 +112,9 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
     wide = full < U and tail is not None and tail.shape[1] >= U * PANEL
     padded = wide and parts > 1
-    if wide and not padded:  # its first R*64 elements as the one-panel tail (C-contiguous)
+    if wide:  # the contract: C-contiguous, R rows (a view of it is then one too)
+        assert tail.flags.c_contiguous and tail.shape[0] == R, (tail.shape, R)
+    if wide and not padded:  # its first R*64 elements as the one-panel tail
         tail = tail.reshape(-1)[: R * PANEL].reshape(R, PANEL)
     for u0, u1, dst in ((0, U, tail),) if padded else ((0, full, out), (full, U, tail)):
         if u1 > u0:
@@ -135,15 +137,23 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
 PADDED_TAIL_BYTES = 1 << 19
 
 
-def padded_tail_fits(rows: int, panels: int, itemsize: int) -> bool:
-    """Whether a product of ``rows`` rows on ``panels`` panels takes a padded tail (above)."""
-    return rows * padded_tail_width(panels) * itemsize <= PADDED_TAIL_BYTES
+def padded_tail_fits(pm: PackedMatmul, rows: int, itemsize: int) -> bool:
+    """Whether a product of ``rows`` rows through ``pm`` should be given a padded tail: its
+    width is not a multiple of the panel, the tail stays within PADDED_TAIL_BYTES, and the
+    product is large enough for threads to share it (packed_product takes the padded path
+    only then)."""
+    U, K = pm.W.shape[0], pm.W.shape[1]
+    return (pm.M % PANEL != 0 and rows * padded_tail_width(U) * itemsize <= PADDED_TAIL_BYTES
+            and rows * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS)  # fmt: skip
 
 
 def padded_tail_width(panels: int) -> int:
     """Columns of a padded tail: the panels' and a quarter panel more, so that its rows do not
-    lie a power of two apart (16 panels' 4 KiB rows put the tile's six stores of a column in
-    one L1 set: the 1000-wide head at 100 rows ran 1.45x slower on one thread, Zen 3)."""
+    lie a power of two apart. A first version that ran the padded tail on one thread too
+    put 16 panels' rows 4 KiB apart, the tile's six stores of a column in one L1 set, and ran
+    the 1000-wide head at 100 rows 1.45x slower (Zen 3); on the two threads it runs on now,
+    `benchmarks/head_tail.py --exact-width` read no difference (0.89x / 0.94x the one-panel
+    tail's time at 30 / 100 rows, against 0.90x / 0.92x). 64 bytes a row keep it so."""
     return panels * PANEL + PANEL // 4
 
 

@@ -328,10 +328,8 @@ def _matmul_scratch(ctx, node, ins, metas, needed):
     if pm is None or pm.M % PANEL == 0 or len(metas[0].shape) < 1:
         return {}
     rows = math.prod(metas[0].shape[:-1])
-    U = pm.W.shape[0]
-    itemsize = np.dtype(metas[0].dtype).itemsize
-    width = padded_tail_width(U) if padded_tail_fits(rows, U, itemsize) else PANEL
-    return {"tail": ((rows, width), metas[0].dtype)}
+    wide = padded_tail_fits(pm, rows, np.dtype(metas[0].dtype).itemsize)
+    return {"tail": ((rows, padded_tail_width(pm.W.shape[0]) if wide else PANEL), metas[0].dtype)}
 
 
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
