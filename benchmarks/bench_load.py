@@ -395,20 +395,22 @@ def _named_copy(path: str) -> str:
     nodes its own way, and the breakdown pairs the two engines' nodes by name."""
     import onnx
 
+    named = path + ".named.onnx"
+    if os.path.exists(named):  # made for an earlier batch of the same run
+        return named
     m = onnx.load(path)
     for i, n in enumerate(m.graph.node):
         n.name = n.name or f"{n.op_type}_{i}"
-    named = path + ".named.onnx"
     onnx.save(m, named)
     return named
 
 
 def breakdown(path: str, batch: int, steps: int, threads: int, runs: int) -> list[tuple]:
     """[(key, leanrnn seconds or None, onnxruntime seconds or None)], medians per run: both
-    engines' nodes paired by ONNX node name (key "op name", leanrnn's op where both have the node; a
-    node one engine fused away — onnxruntime's bias Add after a MatMul, say — has the other's
-    time only), slowest first; then ("sum of nodes", ...) and (RUN_WALL, ...). Each engine in
-    its own process."""
+    engines' nodes paired by ONNX node name (key "op name", leanrnn's op where both have the
+    node; a node one engine fused away — onnxruntime's bias Add after a MatMul, say — has the
+    other's time only), slowest first; then ("sum of nodes", ...) and (RUN_WALL, ...). Each
+    engine in its own process."""
     named = _named_copy(path)
     args = [named, str(batch), str(steps), str(threads), str(runs)]
     res = {e: _spawn(["breakdown", e, *args], threads) for e in ("leanrnn", "onnxruntime")}
@@ -640,7 +642,7 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--part", choices=["load", "run", "all"], default="all")
     p.add_argument("--breakdown", type=int, default=0, metavar="RUNS",
-                   help="after the run part, each engine's time per node, the mean of RUNS "
+                   help="after the run part, each engine's time per node, the median of RUNS "
                    "runs at every batch (0: none)")  # fmt: skip
     args = p.parse_args()
     from leanrnn.bench.report import cpu_line

@@ -187,5 +187,7 @@ def test_a_head_of_few_rows_plans_a_padded_tail(monkeypatch):
         assert len(launches) == n, (T, N, launches)
         tails = {k: v for k, v in model.session._views.items() if k.endswith("#tail")}
         assert [v.shape for v in tails.values()] == [(T * N, width)], tails.keys()
-        np.testing.assert_allclose(got, sess.run(None, {"x": x})[0],
-                                   rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32])  # fmt: skip
+        want = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(
+            got, want, rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32]
+        )

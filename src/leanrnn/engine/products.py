@@ -101,11 +101,12 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     whole panels write straight into out's columns; when out has fewer columns than the
     panels (M not a multiple of 64) the last panel goes to ``tail`` [R, 64] and its real
     columns are copied over (a padded [R, U*64] product copied out whole was R x M extra
-    bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows). A ``tail`` of
-    [R, >= U*64], C-contiguous (padded_tail_fits: few rows) takes the whole product in one launch instead
-    when several threads share it, copied out: the last panel's launch of its own left a
-    thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide head on 2
-    threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same launches)."""
+    bytes of scratch and traffic: 26 MB for a 1000-class head at 6400 rows). A C-contiguous
+    ``tail`` of [R, >= U*64] (padded_tail_fits: few rows) takes the whole product in one
+    launch instead when several threads share it, copied out: the last panel's launch of its
+    own left a thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide
+    head on 2 threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same
+    launches)."""
     R, K = a.shape
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
