@@ -395,24 +395,22 @@ def _named_copy(path: str) -> str:
     nodes its own way, and the breakdown pairs the two engines' nodes by name."""
     import onnx
 
-    named = path + ".named.onnx"
-    if os.path.exists(named):  # made for an earlier batch of the same run
-        return named
     m = onnx.load(path)
     for i, n in enumerate(m.graph.node):
         n.name = n.name or f"{n.op_type}_{i}"
+    named = path + ".named.onnx"
     onnx.save(m, named)
     return named
 
 
 def breakdown(path: str, batch: int, steps: int, threads: int, runs: int) -> list[tuple]:
-    """[(key, leanrnn seconds or None, onnxruntime seconds or None)], medians per run: both
-    engines' nodes paired by ONNX node name (key "op name", leanrnn's op where both have the
+    """[(key, leanrnn seconds or None, onnxruntime seconds or None)], medians per run of the
+    model at ``path``, whose nodes all have names (_named_copy): both engines' nodes paired by
+    ONNX node name (key "op name", leanrnn's op where both have the
     node; a node one engine fused away — onnxruntime's bias Add after a MatMul, say — has the
     other's time only), slowest first; then ("sum of nodes", ...) and (RUN_WALL, ...). Each
     engine in its own process."""
-    named = _named_copy(path)
-    args = [named, str(batch), str(steps), str(threads), str(runs)]
+    args = [path, str(batch), str(steps), str(threads), str(runs)]
     res = {e: _spawn(["breakdown", e, *args], threads) for e in ("leanrnn", "onnxruntime")}
     walls = [res[e].pop(RUN_WALL) for e in ("leanrnn", "onnxruntime")]
     by_name = {e: {k.split(" ", 1)[1]: (k, v) for k, v in res[e].items()} for e in res}
@@ -433,12 +431,13 @@ def part_breakdown(tmp: str, threads: int, steps: int, batches: list[int], runs:
     path = os.path.join(tmp, "tagger.onnx")
     if not os.path.exists(path):
         _tagger_onnx(path)
+    named = _named_copy(path)  # once for every batch
     for n in batches:
         print(f"\n== where the time goes, N={n}, T={steps}, {threads} thread(s): median of {runs} "
               "runs per node (leanrnn: GraphModel.run(times=...); onnxruntime: its profile, "
               "kernel times in whole us)")  # fmt: skip
         print(f"{'node':<32}{'leanrnn':>12}{'onnxruntime':>14}")
-        for key, a, b in breakdown(path, n, steps, threads, runs):
+        for key, a, b in breakdown(named, n, steps, threads, runs):
             if max(a or 0.0, b or 0.0) < 1e-4 and key != "sum of nodes":
                 continue  # shape arithmetic and views
             cell = [f"{v * 1e3:10.2f}ms" if v is not None else f"{'-':>12}" for v in (a, b)]

@@ -33,7 +33,7 @@ def test_breakdown_gives_each_engines_time_per_node(monkeypatch, tmp_path):
 
     path = str(tmp_path / "tagger.onnx")
     bench_load._tagger_onnx(path)
-    rows = bench_load.breakdown(path, 2, 3, 1, 2)
+    rows = bench_load.breakdown(bench_load._named_copy(path), 2, 3, 1, 2)
     summed, wall = rows[-2], rows[-1]
     assert summed[0] == "sum of nodes" and wall[0] == bench_load.RUN_WALL
     nodes = rows[:-2]
