@@ -50,7 +50,6 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-
     import leanrnn
     from leanrnn.bench.report import cpu_line
     from leanrnn.engine.products import (
@@ -59,9 +58,9 @@ def _run(args) -> int:
         packed_product,
         padded_tail_fits,
         padded_tail_width,
+        shares_threads,
     )
     from leanrnn.kernels import abi
-    from leanrnn.threads import PACKED_MATMUL_PARALLEL_MACS
 
     try:
         import onnxruntime as ort
@@ -125,7 +124,7 @@ def _run(args) -> int:
                 cells.append(f"{med[k]:10.3f} ({med[k] / med['one']:.2f}x)" if k in med
                              else f"{'-':>18}")  # fmt: skip
             note = ""
-            if threads == 1 or R * K * M < PACKED_MATMUL_PARALLEL_MACS:
+            if threads == 1 or not shares_threads(pm, R):
                 note = "  (one thread: the padded tail's first panel, the same launches)"
             elif not padded_tail_fits(pm, R, 4):
                 note = "  (the graph plans no padded tail here)"

@@ -110,7 +110,7 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     R, K = a.shape
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
-    parts = threads if threads > 1 and R * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS else 1
+    parts = threads if threads > 1 and shares_threads(pm, R) else 1
     wide = full < U and tail is not None and tail.shape[1] >= U * PANEL
     padded = wide and parts > 1
     if wide:  # the contract: C-contiguous, R rows (a view of it is then one too)
@@ -143,9 +143,14 @@ def padded_tail_fits(pm: PackedMatmul, rows: int, itemsize: int) -> bool:
     width is not a multiple of the panel, the tail stays within PADDED_TAIL_BYTES, and the
     product is large enough for threads to share it (packed_product takes the padded path
     only then)."""
-    U, K = pm.W.shape[0], pm.W.shape[1]
-    return (pm.M % PANEL != 0 and rows * padded_tail_width(U) * itemsize <= PADDED_TAIL_BYTES
-            and rows * K * pm.M >= PACKED_MATMUL_PARALLEL_MACS)  # fmt: skip
+    return (pm.M % PANEL != 0 and shares_threads(pm, rows)
+            and rows * padded_tail_width(pm.W.shape[0]) * itemsize <= PADDED_TAIL_BYTES)  # fmt: skip
+
+
+def shares_threads(pm: PackedMatmul, rows: int) -> bool:
+    """Whether a product of ``rows`` rows through ``pm`` is large enough for several threads
+    to share it (packed_product runs smaller ones on one)."""
+    return rows * pm.W.shape[1] * pm.M >= PACKED_MATMUL_PARALLEL_MACS
 
 
 def padded_tail_width(panels: int) -> int:
