@@ -47,12 +47,14 @@
 
 4. **Mixed precision** (``--only autocast``; issue 14 item 5, no bar of its own). The speed rows'
    training step under ``torch.autocast("cpu", torch.bfloat16)``: torch's module (oneDNN's bf16
-   path, AMX where the CPU has it) and leanrnn (``Trainer(autocast="bf16")``, what
-   ``leanrnn.torch`` runs under autocast: bf16 forward kernels, float32 backward through the
-   rounded weights) beside both float32 steps, interleaved as above. Reported: the medians,
-   leanrnn's autocast step against torch's and against its own float32 step, and each
+   path, AMX where the CPU has it) and leanrnn in both its modes (``Trainer(autocast=...)``:
+   bf16 forward kernels, float32 backward through the rounded weights): ``"bf16"``, what
+   ``leanrnn.torch`` runs under autocast (float32-accurate activations, two bf16 products
+   each), and ``"bf16-act"`` (activations rounded to bf16 as torch's autocast does: one
+   product), beside both float32 steps, interleaved as above. Reported: the medians, each
+   leanrnn autocast step against torch's and against leanrnn's float32 step, and each
    autocast engine's gradient error (relative to the largest value) against torch's float32
-   gradients; the run fails if leanrnn's error exceeds torch's.
+   gradients; the run fails if a leanrnn mode's error exceeds torch's.
 
 Writes ``train_bars.json`` and ``train_bars.md`` in --out, prints the tables with the CPU line
 (ISA, caches) and the load average. Exit status 1 if a bar is missed or a gradient is wrong.
@@ -76,7 +78,8 @@ import numpy as np
 ENGINES = ("leanrnn", "torch", "torch-nodnnl")
 TORCHES = ("torch", "torch-nodnnl")
 # (torch float32 first: the gradients' reference in speed_child)
-AUTOCAST_ENGINES = ("torch", "torch-bf16", "leanrnn", "leanrnn-bf16")
+AUTOCAST_ENGINES = ("torch", "torch-bf16", "leanrnn", "leanrnn-bf16", "leanrnn-bf16act")
+_LEAN_AUTOCAST = {"leanrnn": None, "leanrnn-bf16": "bf16", "leanrnn-bf16act": "bf16-act"}
 SPEED_T = 100
 SETTLE_S = 0.05  # pause before each engine's turn: the previous engine's spinning threads idle
 # Steps per engine's turn (--block): the first of a turn is a warm-up, untimed — after the
@@ -234,8 +237,8 @@ class TorchStep:
 
 
 def _make(engine: str, sd, x, dy, threads: int, cell: str):
-    if engine in ("leanrnn", "leanrnn-bf16"):
-        return LeanStep(sd, x, dy, threads, autocast="bf16" if engine.endswith("bf16") else None)
+    if engine in _LEAN_AUTOCAST:
+        return LeanStep(sd, x, dy, threads, autocast=_LEAN_AUTOCAST[engine])
     return TorchStep(sd, x, dy, threads, cell, onednn=(engine != "torch-nodnnl"),
                      autocast=engine == "torch-bf16")  # fmt: skip
 
@@ -622,22 +625,29 @@ def speed_table(rows: list[dict]) -> str:
 
 
 def autocast_table(rows: list[dict]) -> tuple[str, bool]:
-    """The mixed-precision rows, and whether leanrnn's autocast gradients were no less
-    accurate than torch's in every row."""
-    head = ("| cell | H | N | thr | torch f32 | torch autocast | leanrnn f32 | leanrnn autocast | "
-            "leanrnn autocast vs torch autocast | vs leanrnn f32 | grad error torch autocast / "
-            "leanrnn autocast |\n|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    """The mixed-precision rows, and whether both of leanrnn's autocast modes' gradients were
+    no less accurate than torch's in every row."""
+    head = ("| cell | H | N | thr | torch f32 | torch autocast | leanrnn f32 | leanrnn bf16 | "
+            "leanrnn bf16-act | bf16 / bf16-act vs torch autocast | vs leanrnn f32 | "
+            "grad error torch autocast / bf16 / bf16-act |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines, ok = [head], bool(rows)
+    modes = ("leanrnn-bf16", "leanrnn-bf16act")
+
+    def ratios(med: dict, base: str) -> str:  # base's time over each mode's
+        return " / ".join(f"{med[base] / med[m]:.2f}x" if med.get(m) and base in med else "—"
+                          for m in modes)  # fmt: skip
+
     for r in rows:
         med, err = r["median_s"], r["grad_rel_error"]
         cells = [_ms(med.get(n)) for n in AUTOCAST_ENGINES]
-        lb = med.get("leanrnn-bf16")
-        vs_t = f"{med['torch-bf16'] / lb:.2f}x" if lb and "torch-bf16" in med else "—"
-        vs_f = f"{med['leanrnn'] / lb:.2f}x" if lb and "leanrnn" in med else "—"
-        et, el = err.get("torch-bf16", float("nan")), err.get("leanrnn-bf16", float("nan"))
-        ok &= el <= et
+
+        et = err.get("torch-bf16", float("nan"))
+        el = [err.get(m, float("nan")) for m in modes]
+        ok &= all(e <= et for e in el)
         lines.append(f"| {r['cell'].upper()} | {r['H']} | {r['N']} | {r['threads']} | "
-                     f"{' | '.join(cells)} | {vs_t} | {vs_f} | {et:.1e} / {el:.1e} |")  # fmt: skip
+                     f"{' | '.join(cells)} | {ratios(med, 'torch-bf16')} | {ratios(med, 'leanrnn')} | "
+                     f"{et:.1e} / {el[0]:.1e} / {el[1]:.1e} |")  # fmt: skip
     return "\n".join(lines), ok
 
 

@@ -13,7 +13,7 @@ import leanrnn
 from leanrnn.errors import DTypeError, PlanError, ShapeError, SpecError
 from leanrnn.formats import torch_format
 from leanrnn.train import TapeError, Trainer
-from tolerances import ATOL, RTOL_AUTOCAST_BF16, RTOL_FINITE_DIFF, RTOL_GRAD
+from tolerances import ATOL, RTOL_AUTOCAST_BF16, RTOL_AUTOCAST_BF16_ACT, RTOL_FINITE_DIFF, RTOL_GRAD
 
 torch = pytest.importorskip("torch")
 
@@ -507,7 +507,93 @@ def test_autocast_gradients_are_those_of_the_rounded_model(cell, kw, threads):
             prm.version += 1
 
 
-def test_autocast_recompute_equals_storing_and_modes_are_per_tape():
+def _bf16_act_twin(m32, x, hx, cell, h_seen):
+    """The model Trainer(autocast="bf16-act") computes, one layer in float64 torch (an
+    independent oracle): every product of a weight matrix rounded to bfloat16 by torch and a
+    vector (x, h_prev) rounded to bfloat16 by torch, its gradient that of the product at the
+    unrounded vector (the roundings pass gradients straight through); biases, states and the
+    cell in float64. Which way each h_prev rounds is taken from ``h_seen`` ([T, N, H]: the
+    engine's float32 h_prev of every step), where the float64 h_prev, ~1e-7 away, could sit
+    across a bfloat16 rounding boundary (it did once in ~6000 roundings, and the runs parted
+    by 2e-4): the rounded value is still torch's rounding of a float32 the engine computed.
+    Returns y, the final states and the weights' leaves (for .grad)."""
+
+    def bf(t):
+        return t.detach().to(torch.bfloat16).double()
+
+    def product(v, seen, w):  # the value at the rounded ``seen``, the gradient of v @ w.T
+        exact = v @ w.T
+        return exact + (bf(seen) @ w.T - exact).detach()
+
+    params = {}
+    for name, p in m32.named_parameters():
+        t = bf(p) if name.startswith(("weight_ih", "weight_hh")) else p.detach().double()
+        params[name] = t.requires_grad_()
+    W, R = params["weight_ih_l0"], params["weight_hh_l0"]
+    b, bh = params["bias_ih_l0"], params["bias_hh_l0"]
+    h, c = (hx[0][0], hx[1][0]) if cell == "LSTM" else (hx[0], None)
+    out = []
+    for t in range(x.shape[0]):
+        gx = product(x[t], x[t], W) + b
+        gh = product(h, torch.from_numpy(h_seen[t]).double(), R) + bh
+        if cell == "LSTM":
+            i, f, g, o = (gx + gh).chunk(4, dim=1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+        elif cell == "GRU":
+            xr, xz, xn = gx.chunk(3, dim=1)
+            hr, hz, hn = gh.chunk(3, dim=1)
+            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+            h = (1 - z) * torch.tanh(xn + r * hn) + z * h
+        else:
+            h = torch.tanh(gx + gh)
+        out.append(h)
+    states = [h[None]] + ([c[None]] if cell == "LSTM" else [])
+    return torch.stack(out), states, params
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+def test_autocast_bf16_act_rounds_the_products_as_torch_does(cell, threads):
+    """Trainer(autocast="bf16-act") at N=21 (the AMX block where the CPU has one, batch
+    slices on 2 threads), with h0: outputs and every gradient equal those of the float64
+    oracle that rounds both factors of every product (_bf16_act_twin); the weights-only mode
+    ("bf16") is measurably elsewhere, so this test tells the two apart."""
+    torch.manual_seed(3)
+    T, N, C, H = 12, 21, 40, 48
+    m32 = getattr(torch.nn, cell)(C, H)
+    x = torch.randn(T, N, C, dtype=torch.float64, requires_grad=True)
+    h0 = (0.5 * torch.randn(1, N, H, dtype=torch.float64)).requires_grad_()
+    c0 = (0.5 * torch.randn(1, N, H, dtype=torch.float64)).requires_grad_()
+    f32 = lambda t: t.detach().float().numpy()  # noqa: E731
+    hxn = (f32(h0), f32(c0)) if cell == "LSTM" else f32(h0)
+    g = torch.Generator().manual_seed(1)
+    cot = [torch.randn(s, generator=g, dtype=torch.float64) for s in
+           [(T, N, H)] + [(1, N, H)] * (2 if cell == "LSTM" else 1)]  # fmt: skip
+    cotn = [c.float().numpy() for c in cot]
+    got = {}
+    for mode in ("bf16-act", "bf16"):
+        tr = Trainer(leanrnn.from_torch(m32), threads=threads, autocast=mode)
+        tape = tr.forward(f32(x), hxn)
+        grads = tr.backward(tape, *cotn)
+        got[mode] = (tape.y, grads, torch_format.to_state_dict(tr.spec, tr.gradients()))
+    h_seen = np.concatenate([f32(h0), got["bf16-act"][0][:-1]])  # h_prev of every step
+    hx = (h0, c0) if cell == "LSTM" else h0
+    y64, states, params = _bf16_act_twin(m32, x, hx, cell, h_seen)
+    sum((t * c).sum() for t, c in zip([y64, *states], cot, strict=True)).backward()
+    inputs = (x, h0, c0) if cell == "LSTM" else (x, h0)
+    errors = {}
+    for mode, (y, grads, named) in got.items():
+        err = [_rel(y, y64.detach().numpy())]
+        err += [_rel(a, t.grad.numpy()) for a, t in zip(grads, inputs, strict=False)]
+        err += [_rel(named[k], p.grad.numpy()) for k, p in params.items()]
+        errors[mode] = max(err)
+    assert errors["bf16-act"] <= RTOL_AUTOCAST_BF16_ACT, errors
+    assert errors["bf16"] > 3 * RTOL_AUTOCAST_BF16_ACT, errors
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-act"])
+def test_autocast_recompute_equals_storing_and_modes_are_per_tape(mode):
     """Recomputing replays the bf16 forward (the same bits as storing); a tape made under
     autocast goes back through the bf16 forward even once the trainer's mode is off, and the
     float32 mode still gives float32's results."""
@@ -516,7 +602,7 @@ def test_autocast_recompute_equals_storing_and_modes_are_per_tape():
     x = rng.standard_normal((11, 21, 40)).astype(np.float32)
     out = []
     for rec in (False, True):
-        tr = Trainer(m, segment=3, recompute=rec, autocast="bf16")
+        tr = Trainer(m, segment=3, recompute=rec, autocast=mode)
         tape = tr.forward(x)
         tr.autocast = None
         dx, dh0, _ = tr.backward(tape, np.ones_like(tape.y))
@@ -556,6 +642,6 @@ def test_autocast_refuses_what_it_cannot_do():
     with pytest.raises(DTypeError, match="float32"):
         Trainer(m64, autocast="bf16")
     tr = Trainer(leanrnn.LSTM(4, 8, seed=0))
-    with pytest.raises(SpecError, match="autocast"):
+    with pytest.raises(SpecError, match="'bf16', 'bf16-act'"):
         tr.autocast = "fp16"
     assert tr.autocast is None

@@ -59,6 +59,20 @@ def test_fingerprint_check_flags_a_wrong_gradient():
     assert tb.rel_error({"dx": ref["dx"]}, ref) == float("inf")
 
 
+def test_autocast_table_reports_both_leanrnn_modes_and_judges_each_error():
+    times = {"torch": 0.8, "torch-bf16": 0.6, "leanrnn": 0.8, "leanrnn-bf16": 0.8,
+             "leanrnn-bf16act": 0.5}  # fmt: skip
+    errors = {"torch-bf16": 6e-3, "leanrnn-bf16": 2e-3, "leanrnn-bf16act": 3e-3}
+    row = dict(cell="lstm", H=512, N=64, threads=1, median_s=times, grad_rel_error=errors)
+    text, ok = tb.autocast_table([row])
+    assert ok
+    assert "| 0.75x / 1.20x | 1.00x / 1.60x | 6.0e-03 / 2.0e-03 / 3.0e-03 |" in text
+    row["grad_rel_error"]["leanrnn-bf16act"] = 7e-3  # one mode less accurate than torch's
+    assert not tb.autocast_table([row])[1]
+    assert tb._make("leanrnn-bf16act", tb._state_dict("lstm", 8, 8, 1),
+                    *tb._inputs(3, 2, 8, 8), 1, "lstm").tr.autocast == "bf16-act"  # fmt: skip
+
+
 @pytest.mark.slow
 def test_toy_run_writes_rows_ratios_and_json(tmp_path):
     out = tmp_path / "out"

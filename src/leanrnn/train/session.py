@@ -87,6 +87,8 @@ __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
 _PLANS_KEPT = 16  # memory plans kept per trainer (one per step shape)
 _SPARE_KEPT = 2  # released own-memory arenas kept for reuse
+# Trainer.autocast's modes: the weights rounded to bf16, and also the activations they multiply
+AUTOCAST_MODES = ("bf16", "bf16-act")
 # rows (segment steps x batch) of the default recomputed segment's GEMMs (_recompute_segment).
 # Fewer segments cost less (each adds its weight gradients into the panels: 4 MiB of them per
 # matrix at H=512), but not much: segments of 8 steps at N=64 (the memory bar's step) took
@@ -248,22 +250,32 @@ class Trainer:
 
     @property
     def autocast(self) -> str | None:
-        """None (compute in the weights' dtype) or ``"bf16"``: mixed precision, as under
-        ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets it per forward). The
-        forward then runs the bf16 kernels (kernels._bf16amx on AMX) on the master weights
-        rounded to bfloat16 — remade after every change of them, like the folded biases —
-        with float32 activations, states and sums; backward computes in float32 through the
-        same rounded weights, so its gradients are exactly those of the rounded model (up to
-        float32 rounding and the forward's activation split, <= 2**-16 per product), and
-        reach the float32 master weights as they are (the rounding passes gradients straight
-        through, as torch's autocast casts do). A tape remembers its mode: a backward outside
-        the autocast region goes back through the forward that was run."""
+        """None (compute in the weights' dtype), ``"bf16"`` or ``"bf16-act"``: mixed
+        precision, as under ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets
+        "bf16" per forward). The forward then runs the bf16 kernels (kernels._bf16amx on AMX)
+        on the master weights rounded to bfloat16 — remade after every change of them, like
+        the folded biases — with float32 states and sums; backward computes in float32
+        through the same rounded weights, and the gradients reach the float32 master weights
+        as they are (the rounding passes gradients straight through, as torch's autocast
+        casts do). A tape remembers its mode: a backward outside the autocast region goes
+        back through the forward that was run.
+
+        - ``"bf16"``: the activations the weights multiply stay float32 (split in two bf16
+          terms where the CPU multiplies bf16: two products each), so the gradients are
+          exactly those of the rounded model (up to float32 rounding and the split, <= 2**-16
+          per product);
+        - ``"bf16-act"``: those activations (x, h_prev) are rounded to bfloat16 before each
+          product too, as torch's autocast rounds its matmuls' inputs (one product each on
+          AMX and vdpbf16ps: the faster forward); backward's gradients are those of the
+          rounded model's products taken at the unrounded activations (the rounding of the
+          activations, like that of the weights, passes gradients straight through)."""
         return self._autocast
 
     @autocast.setter
     def autocast(self, value) -> None:
-        if value is not None and value != "bf16":
-            raise SpecError(f"[Trainer] autocast={value!r}; expected None or 'bf16'")
+        if value is not None and value not in AUTOCAST_MODES:
+            raise SpecError(f"[Trainer] autocast={value!r}; expected None or one of "
+                            f"{', '.join(map(repr, AUTOCAST_MODES))}")  # fmt: skip
         if value is not None and self.dtype != np.float32:
             raise DTypeError(f"[Trainer] autocast={value!r} needs float32 (master) weights; these "
                              f"are {self.dtype}")  # fmt: skip
@@ -326,7 +338,8 @@ class Trainer:
         the forward in ``autocast`` mode multiplied by (rounded to bf16 under autocast), for
         backward's GEMMs (Wp: Wd packed for the engine's GEMM, or None on BLAS); made once per
         change of the weights."""
-        made = self._dense.get(autocast)
+        key = None if autocast is None else "bf16"  # both modes' weights: the same rounding
+        made = self._dense.get(key)
         if made is not None:
             return made
         spec, w = self.spec, self.weights
@@ -355,7 +368,7 @@ class Trainer:
                 Wp = PackedMatmul.of(Wd) if self._native_gemm() else None
                 row.append((Wd, Rd, proj, RT, projd, Wp))
             made.append(row)
-        self._dense[autocast] = made  # (only whole: a failure half-way caches nothing)
+        self._dense[key] = made  # (only whole: a failure half-way caches nothing)
         return made
 
     def _dh_groups(self) -> int:
@@ -704,8 +717,11 @@ class Trainer:
         add("c", (N, w.Hp), 0, fl)
         if P:
             add("aux", (N, w.Hp), 0, fl)
-        if autocast == "bf16" and splits_operand("bf16"):
-            q = max(split_scratch_bytes(spec, layer, R * N, N) for layer in range(L))
+        # the bf16 job's operand scratch: split rows (where splits_operand) or bf16-act's
+        # rounded ones (every CPU: the float32 tile multiplies rounded rows too)
+        one_term = autocast == "bf16-act"
+        if one_term or (autocast == "bf16" and splits_operand("bf16")):
+            q = max(split_scratch_bytes(spec, layer, R * N, N, one_term) for layer in range(L))
             if q:
                 add("q", (config.max_threads(), q), 0, fl, np.uint8)
         # backward scratch
@@ -817,7 +833,7 @@ class Trainer:
         named = recurrence_arguments(
             spec, w.layers[layer][d], d, self._constants, self._sync, h_a=mem["h.a"],
             h_b=mem["h.b"], gates=mem["gates"], aux=aux, c=mem["c"], lengths=lens, keep=True,
-            ghn=ghn, **({"q": mem["q"]} if "q" in mem else {}),
+            ghn=ghn, bf16_act=autocast == "bf16-act", **({"q": mem["q"]} if "q" in mem else {}),
         )  # fmt: skip
         return abi.Call(abi.job_for(spec.cell, w.precision), ("parts",), x=xin, C=xin.shape[1],
                         xw=xw, xw_bf_T=0, T=T, y=yout, y_bf_T=0, **named)  # fmt: skip
