@@ -16,8 +16,15 @@ import warnings
 import numpy as np
 import pytest
 
-from helpers import compile_recording, finish_process, src_env
-from tolerances import ATOL, ATOL_AUTOCAST_BF16, MIN_WRONG, RTOL_AUTOCAST_BF16, RTOL_GRAD
+from helpers import bf16_act_twin, compile_recording, finish_process, src_env
+from tolerances import (
+    ATOL,
+    ATOL_AUTOCAST_BF16,
+    MIN_WRONG,
+    RTOL_AUTOCAST_BF16,
+    RTOL_AUTOCAST_BF16_ACT,
+    RTOL_GRAD,
+)
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
@@ -25,7 +32,7 @@ lt = pytest.importorskip("leanrnn.torch")
 
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence  # noqa: E402
 
-from leanrnn.errors import DTypeError, ShapeError  # noqa: E402
+from leanrnn.errors import DTypeError, ShapeError, SpecError  # noqa: E402
 
 CASES = [  # cell, torch options
     ("LSTM", {}),
@@ -387,6 +394,50 @@ def test_autocast_bfloat16_like_torch(cell):
         assert _rel(a, c) <= RTOL_AUTOCAST_BF16
 
 
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_autocast_mode_bf16_act_rounds_the_activations_as_torch_does(cell):
+    """A module with autocast_mode = "bf16-act" under CPU autocast, N=21 with h0 (float32
+    outputs: the GRU's, and the LSTM's with oneDNN off): the outputs and every gradient equal
+    those of the float64 oracle that rounds both factors of every product
+    (helpers.bf16_act_twin), where the default mode's are measurably elsewhere; no_grad
+    inference gives the training forward's bits; a mode it does not know is refused."""
+    Tb, Nb, Cb, Hb = 8, 21, 40, 48
+    torch.manual_seed(4)
+    ref = getattr(torch.nn, cell)(Cb, Hb)
+    x = torch.randn(Tb, Nb, Cb, dtype=torch.float64, requires_grad=True)
+    h0 = (0.5 * torch.randn(1, Nb, Hb, dtype=torch.float64)).requires_grad_()
+    c0 = (0.5 * torch.randn(1, Nb, Hb, dtype=torch.float64)).requires_grad_()
+    dy = torch.randn(Tb, Nb, Hb, dtype=torch.float64)
+    got = {}
+    for mode in ("bf16-act", "bf16"):
+        m = lt.from_module(ref)
+        m.autocast_mode = mode
+        xi = x.detach().float().requires_grad_()
+        hx = (h0.detach().float(), c0.detach().float()) if cell == "LSTM" else h0.detach().float()
+        with torch.backends.mkldnn.flags(enabled=False), torch.autocast("cpu", torch.bfloat16):
+            y, _ = m(xi, hx)
+            with torch.no_grad():
+                y_inf, _ = m(xi, hx)
+        assert y.dtype == torch.float32 and torch.equal(y_inf, y)
+        (y.double() * dy).sum().backward()
+        got[mode] = (y.detach(), xi.grad, dict(m.named_parameters()))
+    y_act = got["bf16-act"][0]
+    h_seen = np.concatenate([h0.detach().float().numpy(), y_act[:-1].numpy()])
+    hx64 = (h0, c0) if cell == "LSTM" else h0
+    y64, _, params = bf16_act_twin(ref, x, hx64, cell, h_seen)
+    (y64 * dy).sum().backward()
+    errors = {}
+    for mode, (y, gx, named) in got.items():
+        err = [_rel(y, y64), _rel(gx, x.grad)]
+        err += [_rel(named[k].grad, p.grad) for k, p in params.items()]
+        errors[mode] = max(float(e) for e in err)
+    assert errors["bf16-act"] <= RTOL_AUTOCAST_BF16_ACT, errors
+    assert errors["bf16"] > 3 * RTOL_AUTOCAST_BF16_ACT, errors
+    m.autocast_mode = "fp16"
+    with pytest.raises(SpecError, match="autocast_mode='fp16'"), torch.autocast("cpu"):
+        m(x.detach().float())
+
+
 @pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize(("cell", "kw"), [
     ("LSTM", {}), ("LSTM", {"proj_size": 3}), ("LSTM", {"num_layers": 2, "bidirectional": True}),
@@ -513,21 +564,22 @@ def test_torch_compile_traces_the_leanrnn_ops_and_matches_eager():
 
 
 def test_the_op_called_without_its_bf16_argument_still_trains():
-    """rnn_forward's ``bf16`` came later, with a default: a program traced or exported before
-    calls it with the nine earlier arguments, and its backward must return one gradient per
-    argument it was given (autograd refused one more)."""
+    """rnn_forward's ``bf16`` and then ``mode`` came later, with defaults: a program traced or
+    exported before calls it with the earlier arguments, and its backward must return one
+    gradient per argument it was given (autograd refused one more)."""
     _, m = _pair("LSTM", {"num_layers": 2})
     x = torch.randn(T, N, C, dtype=torch.float64)
     weights = list(m.parameters())
     grads = []
-    for extra in ((), (False,)):
+    for extra in ((), (False,), (False, "bf16-act")):  # (mode: rnn_forward's latest)
         m.zero_grad()
         y = torch.ops.leanrnn.rnn_forward(x, None, None, weights, None, None, m._key,
                                           m._spec_str, True, *extra)[0]  # fmt: skip
         (y**2).sum().backward()
         grads.append([p.grad.clone() for p in weights])
-    for a, b in zip(*grads, strict=True):
-        assert torch.equal(a, b)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_torch_export_produces_a_program_that_runs():

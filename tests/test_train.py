@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import leanrnn
+from helpers import bf16_act_twin
 from leanrnn.errors import DTypeError, PlanError, ShapeError, SpecError
 from leanrnn.formats import torch_format
 from leanrnn.train import TapeError, Trainer
@@ -507,58 +508,13 @@ def test_autocast_gradients_are_those_of_the_rounded_model(cell, kw, threads):
             prm.version += 1
 
 
-def _bf16_act_twin(m32, x, hx, cell, h_seen):
-    """The model Trainer(autocast="bf16-act") computes, one layer in float64 torch (an
-    independent oracle): every product of a weight matrix rounded to bfloat16 by torch and a
-    vector (x, h_prev) rounded to bfloat16 by torch, its gradient that of the product at the
-    unrounded vector (the roundings pass gradients straight through); biases, states and the
-    cell in float64. Which way each h_prev rounds is taken from ``h_seen`` ([T, N, H]: the
-    engine's float32 h_prev of every step), where the float64 h_prev, ~1e-7 away, could sit
-    across a bfloat16 rounding boundary (it did once in ~6000 roundings, and the runs parted
-    by 2e-4): the rounded value is still torch's rounding of a float32 the engine computed.
-    Returns y, the final states and the weights' leaves (for .grad)."""
-
-    def bf(t):
-        return t.detach().to(torch.bfloat16).double()
-
-    def product(v, seen, w):  # the value at the rounded ``seen``, the gradient of v @ w.T
-        exact = v @ w.T
-        return exact + (bf(seen) @ w.T - exact).detach()
-
-    params = {}
-    for name, p in m32.named_parameters():
-        t = bf(p) if name.startswith(("weight_ih", "weight_hh")) else p.detach().double()
-        params[name] = t.requires_grad_()
-    W, R = params["weight_ih_l0"], params["weight_hh_l0"]
-    b, bh = params["bias_ih_l0"], params["bias_hh_l0"]
-    h, c = (hx[0][0], hx[1][0]) if cell == "LSTM" else (hx[0], None)
-    out = []
-    for t in range(x.shape[0]):
-        gx = product(x[t], x[t], W) + b
-        gh = product(h, torch.from_numpy(h_seen[t]).double(), R) + bh
-        if cell == "LSTM":
-            i, f, g, o = (gx + gh).chunk(4, dim=1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
-        elif cell == "GRU":
-            xr, xz, xn = gx.chunk(3, dim=1)
-            hr, hz, hn = gh.chunk(3, dim=1)
-            r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-            h = (1 - z) * torch.tanh(xn + r * hn) + z * h
-        else:
-            h = torch.tanh(gx + gh)
-        out.append(h)
-    states = [h[None]] + ([c[None]] if cell == "LSTM" else [])
-    return torch.stack(out), states, params
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
 def test_autocast_bf16_act_rounds_the_products_as_torch_does(cell, threads):
     """Trainer(autocast="bf16-act") at N=21 (the AMX block where the CPU has one, batch
     slices on 2 threads), with h0: outputs and every gradient equal those of the float64
-    oracle that rounds both factors of every product (_bf16_act_twin); the weights-only mode
-    ("bf16") is measurably elsewhere, so this test tells the two apart."""
+    oracle that rounds both factors of every product (helpers.bf16_act_twin); the weights-only
+    mode ("bf16") is measurably elsewhere, so this test tells the two apart."""
     torch.manual_seed(3)
     T, N, C, H = 12, 21, 40, 48
     m32 = getattr(torch.nn, cell)(C, H)
@@ -579,7 +535,7 @@ def test_autocast_bf16_act_rounds_the_products_as_torch_does(cell, threads):
         got[mode] = (tape.y, grads, torch_format.to_state_dict(tr.spec, tr.gradients()))
     h_seen = np.concatenate([f32(h0), got["bf16-act"][0][:-1]])  # h_prev of every step
     hx = (h0, c0) if cell == "LSTM" else h0
-    y64, states, params = _bf16_act_twin(m32, x, hx, cell, h_seen)
+    y64, states, params = bf16_act_twin(m32, x, hx, cell, h_seen)
     sum((t * c).sum() for t, c in zip([y64, *states], cot, strict=True)).backward()
     inputs = (x, h0, c0) if cell == "LSTM" else (x, h0)
     errors = {}

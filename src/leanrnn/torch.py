@@ -56,7 +56,10 @@ Design.
   modules return under CPU autocast (_lowered): the autocast dtype for the RNN (torch builds
   its cell from autocast matmuls) and for an LSTM that oneDNN runs (its default on CPUs with
   bf16 support) or that has a projection; float32 for the GRU and for an LSTM with oneDNN off.
-  float64 modules and float16 autocast compute in the parameters' dtype.
+  float64 modules and float16 autocast compute in the parameters' dtype. A module's
+  ``autocast_mode`` picks the Trainer.autocast mode: "bf16" (the default, above) or
+  "bf16-act", which rounds the activations the weights multiply to bfloat16 too, as torch's
+  autocast does (one bf16 product each where "bf16" takes two: the faster forward).
 - **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's
   own team (threads.openmp_team: ``GOMP_parallel``), and backward's big GEMMs on the engine's
   GEMM where it is this machine's faster (engine.products; a kernel job, on that team too),
@@ -89,7 +92,7 @@ from .formats import torch_format
 from .formats.packing import TORCH_ORDER, PackedWeights
 from .spec import Activation, RNNSpec
 from .threads import openmp_team, use_openmp_of
-from .train.session import TapeError, Trainer
+from .train.session import AUTOCAST_MODES, TapeError, Trainer
 
 __all__ = ["GRU", "LSTM", "RNN", "from_module"]
 
@@ -320,11 +323,11 @@ def _np(t):
     return None if t is None else t.detach().contiguous().numpy()
 
 
-def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, bf16):
+def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, autocast):
     """The body of rnn_forward, run under the engine's lock."""
     s = eng.spec
     tr = eng.sync(weights, masks is not None)
-    tr.autocast = "bf16" if bf16 else None
+    tr.autocast = autocast or None
     xn = _np(x)
     hx = None
     if h0 is not None or c0 is not None:
@@ -341,9 +344,10 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, bf16):
     if masks is not None:
         T, N = xn.shape[:2]
         mk = [m.reshape(T * N, -1) for m in _np(masks)]
-    if tape or mk is not None:
+    if tape or mk is not None or autocast == "bf16-act":
         # own memory for a tape that autograd keeps; the trainer's arena for a forward that
-        # only needs the dropout masks (training mode without gradients)
+        # only needs the dropout masks (training mode without gradients) or rounds its
+        # activations (the inference Model below multiplies bf16 panels by float32 ones)
         tp = tr.forward(xn, hx, lengths=lens, own_memory=bool(tape), masks=mk)
         # y is the tape's top-layer output, which backward reads (h_prev of dR): handed to
         # torch as it is (no copy), the op saves it for backward, so torch's version check
@@ -352,7 +356,7 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, bf16):
         handle = _handle(eng, tp if tape else None, weights)
     else:
         model = eng.model
-        if bf16:
+        if autocast == "bf16":
             # the trainer's rounding of the current weights, refilled in place when they
             # change: one model on it serves every later step
             pw = tr._forward_weights("bf16")
@@ -392,13 +396,15 @@ def _team():
     return openmp_team() if _torch_on_openmp() else contextlib.nullcontext()
 
 
-def _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
+def _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False, mode="bf16"):
     """rnn_forward's body, for the op and for the eager path (_EagerRNN). ``bf16``: under
-    torch.autocast(bfloat16), on the weights rounded to bf16 (Trainer.autocast)."""
+    torch.autocast(bfloat16), on the weights rounded to bf16 in Trainer.autocast's ``mode``
+    (the module's autocast_mode)."""
+    autocast = mode if bf16 else ""
     eng = _engine(key, spec)
     with eng.lock, _team():
         y, h_n, c_n, handle = _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape,
-                                              bf16)  # fmt: skip
+                                              autocast)  # fmt: skip
     c_out = torch.from_numpy(c_n) if c_n is not None else x.new_empty(0)
     return torch.from_numpy(y), torch.from_numpy(h_n), c_out, handle
 
@@ -450,18 +456,20 @@ def _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad):
     mutates_args=(),
     device_types="cpu",
     schema="(Tensor x, Tensor? h0, Tensor? c0, Tensor[] weights, Tensor? lengths, "
-    "Tensor? masks, int key, str spec, bool tape, bool bf16=False) -> "
+    "Tensor? masks, int key, str spec, bool tape, bool bf16=False, str mode='bf16') -> "
     "(Tensor, Tensor, Tensor, Tensor)",
 )
-def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
+def _rnn_forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False, mode="bf16"):
     """y [T, N, D*K], h_n [L*D, N, K], c_n [L*D, N, H] (LSTM; else [0]) and a tape handle
     [1] (0 when ``tape`` is False). x [T, N, C] time-major; masks [L-1, T, N, D*K] or None;
-    ``bf16``: mixed precision (Trainer.autocast)."""
-    return _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16)
+    ``bf16``: mixed precision in Trainer.autocast's ``mode`` (a later argument than bf16,
+    with a default: programs traced or exported before it call the op without it)."""
+    return _forward(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16, mode)
 
 
 @_rnn_forward.register_fake
-def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False):
+def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=False,
+                      mode="bf16"):  # fmt: skip
     s = _spec(spec)
     T, N = x.shape[0], x.shape[1]
     LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
@@ -519,7 +527,8 @@ def _backward(ctx, dy, dh_n, dc_n, _dhandle):
     dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
     return (dx if ctx.needs_input_grad[0] else None, dh0 if ctx.has[0] else None,
             dc0 if ctx.has[1] else None, dw,
-            # one None per other input: bf16 is not one where a call left it at its default
+            # one None per other input: bf16 and mode are not ones where a call left them at
+            # their defaults
             # (then torch's autograd wrapper expects one gradient fewer)
             *[None] * (len(ctx.needs_input_grad) - 4))  # fmt: skip
 
@@ -542,8 +551,8 @@ class _EagerRNN(torch.autograd.Function):
     constants."""
 
     @staticmethod
-    def forward(ctx, x, h0, c0, lengths, masks, key, spec, bf16, *weights):
-        out = _forward(x, h0, c0, weights, lengths, masks, key, spec, True, bf16)
+    def forward(ctx, x, h0, c0, lengths, masks, key, spec, bf16, mode, *weights):
+        out = _forward(x, h0, c0, weights, lengths, masks, key, spec, True, bf16, mode)
         ctx.mark_non_differentiable(out[3])
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
@@ -576,8 +585,9 @@ class _EagerRNN(torch.autograd.Function):
         handle, _x, _y, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
+        # (no gradients for lengths, masks, key, spec, bf16, mode)
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
-                grads[2] if ctx.has[1] else None, None, None, None, None, None,
+                grads[2] if ctx.has[1] else None, None, None, None, None, None, None,
                 *grads[3:])  # fmt: skip
 
 
@@ -760,6 +770,9 @@ class _RNNBase(torch.nn.Module):
         self.dropout = float(dropout)
         self.bidirectional = bidirectional
         self.proj_size = proj_size
+        # under torch.autocast(bfloat16): "bf16" rounds the weights only, "bf16-act" also the
+        # vectors they multiply, as torch's autocast does (faster; Trainer.autocast)
+        self.autocast_mode = "bf16"
         D = 2 if bidirectional else 1
         G = {"LSTM": 4, "GRU": 3}.get(mode, 1) * hidden_size
         K = proj_size or hidden_size
@@ -1003,13 +1016,19 @@ class _RNNBase(torch.nn.Module):
         # states and outputs; float64 modules and float16 autocast compute as they are)
         bf16 = (autocast and wdt == torch.float32
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16)  # fmt: skip
+        mode = getattr(self, "autocast_mode", "bf16")  # (modules pickled before it: bf16)
+        if bf16 and mode not in AUTOCAST_MODES:
+            raise SpecError(
+                f"[{name}] autocast_mode={mode!r}; expected one of "
+                f"{', '.join(map(repr, AUTOCAST_MODES))}"
+            )
         if not _eager((x, h0, c0, lengths, masks, *weights)):
-            y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad, bf16)
+            y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad, bf16, mode)
         elif need_grad:
             y, h_n, c_n, _ = _EagerRNN.apply(x, h0, c0, lengths, masks, self._key,
-                                             self._spec_str, bf16, *weights)  # fmt: skip
+                                             self._spec_str, bf16, mode, *weights)  # fmt: skip
         else:
-            y, h_n, c_n, _ = _forward(*args, False, bf16)
+            y, h_n, c_n, _ = _forward(*args, False, bf16, mode)
         adt = torch.get_autocast_dtype("cpu") if autocast else None
         if adt is not None and wdt == torch.float32:
             lower_h, lower_c = _lowered(self._cell, self.proj_size, adt)
