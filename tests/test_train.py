@@ -319,6 +319,11 @@ def test_plan_train_command(capsys):
     from leanrnn.engine.session import splits_operand
 
     assert ("\nq " in mixed) == splits_operand("bf16")
+    assert cli.main(["plan", "lstm:32x2", "--train", "--autocast", "bf16-act", "--batch", "8",
+                     "--steps", "100"]) == 0  # fmt: skip
+    rounded = capsys.readouterr().out
+    assert "store, autocast bf16-act, segments of 100 steps" in rounded
+    assert "\nq " in rounded  # its rounded activation rows, on every CPU
     assert cli.main(["plan", "lstm:32x2", "--autocast"]) == 1
     assert "--autocast plans a training step: add --train" in capsys.readouterr().err
 
