@@ -49,7 +49,7 @@
    training step under ``torch.autocast("cpu", torch.bfloat16)``: torch's module (oneDNN's bf16
    path, AMX where the CPU has it) and leanrnn in both its modes (``Trainer(autocast=...)``:
    bf16 forward kernels, float32 backward through the rounded weights): ``"bf16"``, what
-   ``leanrnn.torch`` runs under autocast (float32-accurate activations, two bf16 products
+   ``leanrnn.torch`` runs under autocast by default (float32-accurate activations, two bf16 products
    each), and ``"bf16-act"`` (activations rounded to bf16 as torch's autocast does: one
    product), beside both float32 steps, interleaved as above. Reported: the medians, each
    leanrnn autocast step against torch's and against leanrnn's float32 step, and each

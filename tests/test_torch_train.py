@@ -438,6 +438,28 @@ def test_autocast_mode_bf16_act_rounds_the_activations_as_torch_does(cell):
         m(x.detach().float())
 
 
+def test_autocast_bf16_act_inference_runs_the_inference_engine():
+    """no_grad inference in bf16-act mode runs the inference model on the trainer's bf16
+    rounding read as bf16-act (its gates need no keeping): it used to run the training
+    forward, whose arena holds every step's gates (637 MiB for a 2-layer LSTM H=512 at N=64,
+    T=500, against the inference session's 12) and kept it. The bits are the same."""
+    torch.manual_seed(6)
+    ref = torch.nn.GRU(16, 32, num_layers=2)
+    m = lt.from_module(ref)
+    m.autocast_mode = "bf16-act"
+    assert lt.GRU.from_module(m).autocast_mode == "bf16-act"  # a twin keeps it
+    assert lt.GRU.from_module(ref).autocast_mode == "bf16"
+    x = torch.randn(9, 5, 16)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        y, _ = m(x)
+    eng = lt._engine(m._key, m._spec_str)
+    assert eng.tr._arena is None and set(eng.bf16_models) == {"bf16-act"}
+    import leanrnn
+
+    want = leanrnn.quantize(leanrnn.from_torch(ref), "bf16-act")(x.numpy())[0]
+    assert np.array_equal(y.numpy(), want)
+
+
 @pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize(("cell", "kw"), [
     ("LSTM", {}), ("LSTM", {"proj_size": 3}), ("LSTM", {"num_layers": 2, "bidirectional": True}),

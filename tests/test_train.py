@@ -319,8 +319,8 @@ def test_plan_train_command(capsys):
     from leanrnn.engine.session import splits_operand
 
     assert ("\nq " in mixed) == splits_operand("bf16")
-    assert cli.main(["plan", "lstm:32x2", "--train", "--autocast", "bf16-act", "--batch", "8",
-                     "--steps", "100"]) == 0  # fmt: skip
+    assert cli.main(["plan", "--train", "--autocast", "lstm:32x2", "--autocast-mode",
+                     "bf16-act", "--batch", "8", "--steps", "100"]) == 0  # fmt: skip
     rounded = capsys.readouterr().out
     assert "store, autocast bf16-act, segments of 100 steps" in rounded
     assert "\nq " in rounded  # its rounded activation rows, on every CPU
@@ -556,25 +556,50 @@ def test_autocast_bf16_act_rounds_the_products_as_torch_does(cell, threads):
 @pytest.mark.parametrize("mode", ["bf16", "bf16-act"])
 def test_autocast_recompute_equals_storing_and_modes_are_per_tape(mode):
     """Recomputing replays the bf16 forward (the same bits as storing); a tape made under
-    autocast goes back through the bf16 forward even once the trainer's mode is off, and the
-    float32 mode still gives float32's results."""
+    autocast goes back through its own mode's forward even once the trainer's mode is off or
+    the other one, and the float32 mode still gives float32's results."""
     rng = np.random.default_rng(0)
     m = leanrnn.LSTM(40, 48, num_layers=2, seed=2)
     x = rng.standard_normal((11, 21, 40)).astype(np.float32)
     out = []
-    for rec in (False, True):
+    other = {"bf16": "bf16-act", "bf16-act": "bf16"}[mode]
+    for rec, then in ((False, None), (True, None), (True, other)):
         tr = Trainer(m, segment=3, recompute=rec, autocast=mode)
         tape = tr.forward(x)
-        tr.autocast = None
+        tr.autocast = then
         dx, dh0, _ = tr.backward(tape, np.ones_like(tape.y))
         out.append((tape.y, dx, dh0, tr.grad.buffer.copy()))
-    for a, b in zip(*out, strict=True):
-        assert np.array_equal(a, b)
+    for got in out[1:]:
+        for a, b in zip(out[0], got, strict=True):
+            assert np.array_equal(a, b)
     tr = Trainer(m)
     tape = tr.forward(x)
     dx32, _, _ = tr.backward(tape, np.ones_like(tape.y))
     assert _rel(tape.y, out[0][0]) > 3 * RTOL_AUTOCAST_BF16
     assert _rel(dx32, out[0][1]) > 3 * RTOL_AUTOCAST_BF16
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("cell", "kw"), [
+    ("LSTM", {"num_layers": 2, "bidirectional": True}),
+    ("LSTM", {"proj_size": 24, "num_layers": 2}),
+    ("GRU", {"num_layers": 3, "bidirectional": True}),
+    ("RNN", {"nonlinearity": "relu", "num_layers": 2}),
+])  # fmt: skip
+def test_autocast_forward_is_the_quantized_models_forward(cell, kw, threads):
+    """In both modes, the training forward of every stack (layers, directions, projection,
+    ragged lengths) gives the bits of the inference model quantized to the same precision
+    (leanrnn.quantize: its own kernels' calls and scratch), which the reduced-precision tests
+    hold to their float64 oracles: where the single-layer oracle test stops, this carries the
+    mode through every layer."""
+    torch.manual_seed(5)
+    m = leanrnn.from_torch(getattr(torch.nn, cell)(40, 48, **kw))
+    x = np.random.default_rng(5).standard_normal((7, 21, 40)).astype(np.float32)
+    lengths = [7 - (n % 3) for n in range(21)]
+    for mode in ("bf16", "bf16-act"):
+        tape = Trainer(m, threads=threads, autocast=mode).forward(x, lengths=lengths)
+        y, _ = leanrnn.quantize(m, mode)(x, lengths=lengths)  # (the process's threads)
+        assert np.array_equal(tape.y, y), mode
 
 
 def test_an_autocast_trainer_pickles_without_its_derived_weights():

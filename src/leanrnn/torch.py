@@ -41,7 +41,8 @@ Design.
   A tape refuses backward once the weights changed after its forward (like torch's "modified
   by an inplace operation"). The handle's key is only meaningful in the process that made it.
 - **Modes.** When no gradient is needed (``torch.no_grad``, ``inference_mode``, or nothing
-  requires grad) the op runs the inference engine (engine.Session on the same packed weights),
+  requires grad) the op runs the inference engine (engine.Session on the same packed weights;
+  under autocast on the trainer's bf16 rounding of them, read in the module's autocast_mode),
   keeping no tape. ``.eval()`` only turns dropout off, as in torch: with gradients enabled a
   module in eval mode still backpropagates. Inter-layer dropout in training mode draws its
   masks with torch's generator in the order and shapes torch.nn.LSTM draws them (bernoulli over
@@ -59,7 +60,8 @@ Design.
   float64 modules and float16 autocast compute in the parameters' dtype. A module's
   ``autocast_mode`` picks the Trainer.autocast mode: "bf16" (the default, above) or
   "bf16-act", which rounds the activations the weights multiply to bfloat16 too, as torch's
-  autocast does (one bf16 product each where "bf16" takes two: the faster forward).
+  autocast does (on AMX and vdpbf16ps one bf16 product each where "bf16" takes two: the
+  faster forward).
 - **Threads.** Where torch runs on GNU OpenMP (its CPU wheels), the kernels run on torch's
   own team (threads.openmp_team: ``GOMP_parallel``), and backward's big GEMMs on the engine's
   GEMM where it is this machine's faster (engine.products; a kernel job, on that team too),
@@ -123,7 +125,8 @@ class _Engine:
         self.spec = spec
         self.tr: Trainer | None = None
         self.model = None
-        self.bf16_model = None  # inference under autocast: on the trainer's bf16 rounding
+        # inference under autocast, per Trainer.autocast mode: on the trainer's bf16 rounding
+        self.bf16_models: dict = {}
         self.copies: list[np.ndarray] = []
         self.seen: list[tuple] = []
         # One forward or backward at a time per module: they share the trainer's arena, sync
@@ -145,7 +148,7 @@ class _Engine:
             if gemm_choice(dt) == "blas":  # else the engine's GEMM, a kernel on torch's team
                 self.tr.matmul = _matmul
             self.model = Model._from_packed(pw)
-            self.bf16_model = None
+            self.bf16_models = {}
             self.copies = [np.empty(tuple(w.shape), dt) for w in weights]
             self.seen = [None] * len(weights)
         params = self.tr.parameters()
@@ -344,10 +347,9 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, autocast):
     if masks is not None:
         T, N = xn.shape[:2]
         mk = [m.reshape(T * N, -1) for m in _np(masks)]
-    if tape or mk is not None or autocast == "bf16-act":
+    if tape or mk is not None:
         # own memory for a tape that autograd keeps; the trainer's arena for a forward that
-        # only needs the dropout masks (training mode without gradients) or rounds its
-        # activations (the inference Model below multiplies bf16 panels by float32 ones)
+        # only needs the dropout masks (training mode without gradients)
         tp = tr.forward(xn, hx, lengths=lens, own_memory=bool(tape), masks=mk)
         # y is the tape's top-layer output, which backward reads (h_prev of dR): handed to
         # torch as it is (no copy), the op saves it for backward, so torch's version check
@@ -356,15 +358,18 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, autocast):
         handle = _handle(eng, tp if tape else None, weights)
     else:
         model = eng.model
-        if autocast == "bf16":
+        if autocast:
             # the trainer's rounding of the current weights, refilled in place when they
-            # change: one model on it serves every later step
-            pw = tr._forward_weights("bf16")
-            if eng.bf16_model is None or eng.bf16_model.session.weights is not pw:
+            # change: one model on it per mode serves every later step (bf16-act: the same
+            # panels read as bf16-act's, whose kernels round the activations too)
+            pw = tr._forward_weights(autocast)
+            model = eng.bf16_models.get(autocast)
+            if model is None or model.session.weights.buffer is not pw.buffer:
+                from .formats.packing import same_panels
                 from .nn import Model
 
-                eng.bf16_model = Model._from_packed(pw)
-            model = eng.bf16_model
+                model = Model._from_packed(same_panels(pw, autocast))
+                eng.bf16_models[autocast] = model
         y, h_n, c_n = model.session.run(
             np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
         )
@@ -894,6 +899,8 @@ class _RNNBase(torch.nn.Module):
             m = cls(module.input_size, module.hidden_size, **kw)
         m.load_state_dict(module.state_dict())
         m.train(module.training)
+        if ours:
+            m.autocast_mode = getattr(module, "autocast_mode", "bf16")
         return m
 
     # -- forward

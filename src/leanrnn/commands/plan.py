@@ -47,12 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--autocast",
-        nargs="?",
-        const="bf16",
-        choices=("bf16", "bf16-act"),
-        help="with --train: mixed precision (Trainer(autocast=MODE), default bf16): the bf16 "
+        action="store_true",
+        help="with --train: mixed precision (Trainer(autocast=--autocast-mode)): the bf16 "
         "forward's scratch (q: split activation rows where the CPU multiplies bf16, or "
         "bf16-act's rounded ones) in the plan",
+    )
+    p.add_argument(
+        "--autocast-mode",
+        choices=("bf16", "bf16-act"),
+        default="bf16",
+        help="with --autocast: the weights rounded to bf16 (bf16), or the activations they "
+        "multiply too, as torch's autocast (bf16-act)",
     )
     from .model import add_state_dict_options
 
@@ -210,7 +215,7 @@ def _run_train(args, pairs, pngs) -> int:
     for (name, base), png in zip(pairs, pngs, strict=True):
         tr = Trainer(base.weights, segment=args.chunk, recompute=args.recompute,
                      memory_limit=args.memory_limit,
-                     autocast=args.autocast)  # fmt: skip
+                     autocast=args.autocast_mode if args.autocast else None)  # fmt: skip
         info = tr.plan(args.batch, args.steps)
         p, spec = info["plan"], tr.spec
         # as the inference plan does at resize: a step that cannot fit is refused, not drawn
@@ -218,7 +223,7 @@ def _run_train(args, pairs, pngs) -> int:
                    f"H={spec.hidden_size} layers={spec.num_layers} N={args.batch} "
                    f"T={args.steps}", "plan --train")  # fmt: skip
         mode = ("recompute" if info["recompute"] else "store") + (
-            f", autocast {args.autocast}" if args.autocast else "")  # fmt: skip
+            f", autocast {args.autocast_mode}" if args.autocast else "")  # fmt: skip
         print(f"{name}: training step, {spec.cell.upper()} C={spec.input_size} "
               f"H={spec.hidden_size} layers={spec.num_layers} "
               f"directions={spec.num_directions}  N={args.batch} T={args.steps}  "

@@ -21,6 +21,7 @@ Packed (``PackedLayer``), MNN's ``copyWeightAlignUp4x4`` idea at register-tile g
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,18 @@ def panel_format(precision: str) -> str:
     """The format of ``precision``'s W and R panels: itself, or the one it shares ("bf16-act"
     has bf16's panels)."""
     return _SAME_PANELS.get(precision, precision)
+
+
+def same_panels(pw: PackedWeights, precision: str) -> PackedWeights:
+    """``pw`` under ``precision``, a precision of the same panels (bf16 and bf16-act): a shallow
+    copy on the same buffer, so it follows refills of it in place (mixed-precision training
+    rounds its master weights again after every optimizer step); no bytes copied."""
+    if panel_format(precision) != panel_format(pw.precision):
+        raise DTypeError(f"[same_panels] {pw.precision} weights cannot be read as {precision}: "
+                         "their panels differ; quantize the float32 model")  # fmt: skip
+    view = copy.copy(pw)
+    view.precision = precision
+    return view
 
 
 SCALE_ROWS = 4  # an int8 panel's extra rows: its columns' float32 scales (kernels._qsimd)

@@ -205,7 +205,7 @@ class Trainer:
             prm._owner = weakref.ref(self)
         self._version = -1
         self._seen = None
-        self._dense: dict = {}  # autocast mode -> backward's dense weights (_dense_for)
+        self._dense: dict = {}  # rounding (None or "bf16") -> backward's dense weights (_dense_for)
         self._bf16: PackedWeights | None = None  # the master weights rounded (_forward_weights)
         self._bf16_version = -1
         self._serial = 0
@@ -251,8 +251,8 @@ class Trainer:
     @property
     def autocast(self) -> str | None:
         """None (compute in the weights' dtype), ``"bf16"`` or ``"bf16-act"``: mixed
-        precision, as under ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets
-        "bf16" per forward). The forward then runs the bf16 kernels (kernels._bf16amx on AMX)
+        precision, as under ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets the
+        module's autocast_mode per forward). The forward then runs the bf16 kernels (kernels._bf16amx on AMX)
         on the master weights rounded to bfloat16 — remade after every change of them, like
         the folded biases — with float32 states and sums; backward computes in float32
         through the same rounded weights, and the gradients reach the float32 master weights
@@ -645,7 +645,8 @@ class Trainer:
         """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
         with lifetimes (op indices as ``_ops`` names them), and their shapes. ``stage_x``: a
         time-major copy of x (batch-first or non-contiguous input); ``autocast``: the forward's
-        mode (bf16 on AMX: the threads' split activation rows, kernels.gemm.operand).
+        mode (bf16 where the CPU multiplies bf16: the threads' split activation rows; bf16-act on
+        every CPU: their rounded ones; kernels.gemm.operand).
 
         Each backward buffer lives only while its layer needs it, so the planner stacks a
         lower layer's scratch on the upper layer's spent gates. In a forward stack a layer's
