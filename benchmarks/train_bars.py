@@ -641,7 +641,6 @@ def autocast_table(rows: list[dict]) -> tuple[str, bool]:
     for r in rows:
         med, err = r["median_s"], r["grad_rel_error"]
         cells = [_ms(med.get(n)) for n in AUTOCAST_ENGINES]
-
         et = err.get("torch-bf16", float("nan"))
         el = [err.get(m, float("nan")) for m in modes]
         ok &= all(e <= et for e in el)

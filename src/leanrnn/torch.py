@@ -365,11 +365,9 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, autocast):
             pw = tr._forward_weights(autocast)
             model = eng.bf16_models.get(autocast)
             if model is None or model.session.weights.buffer is not pw.buffer:
-                from .formats.packing import same_panels
                 from .nn import Model
 
-                model = Model._from_packed(same_panels(pw, autocast))
-                eng.bf16_models[autocast] = model
+                model = eng.bf16_models[autocast] = Model._from_packed(pw)
         y, h_n, c_n = model.session.run(
             np.ascontiguousarray(xn), *(hx if isinstance(hx, tuple) else (hx, None)), lens
         )

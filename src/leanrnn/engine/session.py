@@ -146,6 +146,21 @@ def quantized_scratch_bytes(spec: RNNSpec, layer: int, rows: int, batch: int) ->
     return _operand_scratch(spec, layer, rows, batch, lambda n, K: n * abi.quantized_row_bytes(K))
 
 
+def operand_scratch_bytes(spec: RNNSpec, precision: str, layer: int, rows: int,
+                          batch: int) -> int:  # fmt: skip
+    """Bytes per thread of the q of an op on ``precision``'s weights (0: it takes none):
+    int8-dynamic's quantized rows, bf16-act's rounded ones on every CPU, bf16's and int8's
+    split ones where the CPU multiplies them (splits_operand). The inference plan and the
+    trainer's (train.session, under autocast) size theirs here."""
+    if precision == "int8-dynamic":
+        return quantized_scratch_bytes(spec, layer, rows, batch)
+    if precision == "bf16-act":
+        return split_scratch_bytes(spec, layer, rows, batch, one_term=True)
+    if precision in ("bf16", "int8") and splits_operand(precision):
+        return split_scratch_bytes(spec, layer, rows, batch)
+    return 0
+
+
 def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h_a, h_b, gates,
                          aux, c, lengths, keep: bool, ghn, q=NO_SCRATCH,
                          bf16_act: bool = False) -> dict:  # fmt: skip
@@ -406,13 +421,7 @@ class Session:
                     out.append(Buffer(f"c.{k}", N * w.Hp * it, k, k))
                 if spec.proj_size or (spec.cell == "gru" and not spec.linear_before_reset):
                     out.append(Buffer(f"aux.{k}", N * w.Hp * it, k, k))
-                q = 0
-                if w.precision == "int8-dynamic":
-                    q = quantized_scratch_bytes(spec, layer, T * N, N)
-                elif w.precision == "bf16-act":  # rounded rows on every CPU
-                    q = split_scratch_bytes(spec, layer, T * N, N, one_term=True)
-                elif w.precision in ("bf16", "int8") and splits_operand(w.precision):
-                    q = split_scratch_bytes(spec, layer, T * N, N)
+                q = operand_scratch_bytes(spec, w.precision, layer, T * N, N)
                 if q:
                     out.append(Buffer(f"q.{k}", config.max_threads() * q, k, k))
             if layer < L - 1:

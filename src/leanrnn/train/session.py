@@ -63,12 +63,11 @@ from ..engine.products import (
 )
 from ..engine.session import (
     kernel_constants,
+    operand_scratch_bytes,
     recurrence_arguments,
-    split_scratch_bytes,
-    splits_operand,
 )
 from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
-from ..formats.packing import PackedWeights, fold_biases, from_panels
+from ..formats.packing import PackedWeights, fold_biases, from_panels, same_panels
 from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena
@@ -252,9 +251,9 @@ class Trainer:
     def autocast(self) -> str | None:
         """None (compute in the weights' dtype), ``"bf16"`` or ``"bf16-act"``: mixed
         precision, as under ``torch.autocast("cpu", torch.bfloat16)`` (leanrnn.torch sets the
-        module's autocast_mode per forward). The forward then runs the bf16 kernels (kernels._bf16amx on AMX)
-        on the master weights rounded to bfloat16 — remade after every change of them, like
-        the folded biases — with float32 states and sums; backward computes in float32
+        module's autocast_mode per forward). The forward then runs the bf16 kernels
+        (kernels._bf16amx on AMX) on the master weights rounded to bfloat16 — remade after
+        every change of them, like the folded biases — with float32 states and sums; backward computes in float32
         through the same rounded weights, and the gradients reach the float32 master weights
         as they are (the rounding passes gradients straight through, as torch's autocast
         casts do). A tape remembers its mode: a backward outside the autocast region goes
@@ -325,13 +324,15 @@ class Trainer:
 
     def _forward_weights(self, autocast: str | None) -> PackedWeights:
         """The packed weights a forward in ``autocast`` mode runs on: the master weights, or
-        their bf16 rounding (one buffer, refilled after each change of the master weights)."""
+        their bf16 rounding (one buffer, refilled after each change of the master weights)
+        read in the mode's precision ("bf16-act": the same panels, formats.packing
+        .same_panels), which says to the kernels' calls what it says in inference."""
         if autocast is None:
             return self.weights
         if self._bf16_version != self._version:
             self._bf16 = quantize_packed(self.weights, "bf16", out=self._bf16)
             self._bf16_version = self._version
-        return self._bf16
+        return self._bf16 if autocast == "bf16" else same_panels(self._bf16, autocast)
 
     def _dense_for(self, autocast: str | None) -> list:
         """Per layer and direction, (Wd, Rd, proj, RT, projd, Wp): dense copies of the weights
@@ -718,11 +719,8 @@ class Trainer:
         add("c", (N, w.Hp), 0, fl)
         if P:
             add("aux", (N, w.Hp), 0, fl)
-        # the bf16 job's operand scratch: split rows (where splits_operand) or bf16-act's
-        # rounded ones (every CPU: the float32 tile multiplies rounded rows too)
-        one_term = autocast == "bf16-act"
-        if one_term or (autocast == "bf16" and splits_operand("bf16")):
-            q = max(split_scratch_bytes(spec, layer, R * N, N, one_term) for layer in range(L))
+        if autocast is not None:  # the bf16 job's operand scratch, as inference sizes it
+            q = max(operand_scratch_bytes(spec, autocast, layer, R * N, N) for layer in range(L))
             if q:
                 add("q", (config.max_threads(), q), 0, fl, np.uint8)
         # backward scratch
@@ -834,7 +832,7 @@ class Trainer:
         named = recurrence_arguments(
             spec, w.layers[layer][d], d, self._constants, self._sync, h_a=mem["h.a"],
             h_b=mem["h.b"], gates=mem["gates"], aux=aux, c=mem["c"], lengths=lens, keep=True,
-            ghn=ghn, bf16_act=autocast == "bf16-act", **({"q": mem["q"]} if "q" in mem else {}),
+            ghn=ghn, bf16_act=w.precision == "bf16-act", **({"q": mem["q"]} if "q" in mem else {}),
         )  # fmt: skip
         return abi.Call(abi.job_for(spec.cell, w.precision), ("parts",), x=xin, C=xin.shape[1],
                         xw=xw, xw_bf_T=0, T=T, y=yout, y_bf_T=0, **named)  # fmt: skip
