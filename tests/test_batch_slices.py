@@ -156,3 +156,42 @@ def test_sliced_chunks_stay_a_few_mib_per_thread_where_l3_is_a_socket(many_cores
     chunk = s.auto_chunk(N)
     assert chunk * step <= 2 * engine.SLICED_XW_PER_THREAD
     assert chunk * step > engine.XW_BUDGET  # still longer than an unsliced run's
+
+
+@pytest.mark.parametrize("spec", SPECS + [RNNSpec("lstm", 16, 40, batch_first=True)], ids=repr)
+@pytest.mark.parametrize("length", [7, 4, 3, 0])
+def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_cores, backend,
+                                                            monkeypatch):  # fmt: skip
+    """One sample on one thread runs kernels.recurrent._steps_one, without the batch machinery
+    (slices, live-row ends, frozen rows); two threads run the same sample on block slices. Both
+    must give the reference's values and each other's bits (two directions: a thread and the
+    loop each, checked against the reference) — also for a length short of T
+    (the steps after it not run, the state the last valid step's, y zero past it), zero
+    steps, the reverse direction, a second phase (which keeps the batch loop) and chunks."""
+    monkeypatch.setattr("leanrnn.engine.session.PARALLEL_MIN_MACS", 0)  # threads at any size
+    T, N = 7, 1
+    for dtype in (np.float64, np.float32):
+        rng = np.random.default_rng(5)
+        layers = random_layers(spec, rng, dtype, scale=0.3)
+        C, K, H = spec.input_size, spec.output_size, spec.hidden_size
+        LD = spec.num_layers * spec.num_directions
+        x = rng.standard_normal((N, T, C) if spec.batch_first else (T, N, C)).astype(dtype)
+        lengths = np.array([length])
+        h0 = rng.standard_normal((LD, N, K)).astype(dtype)
+        c0 = rng.standard_normal((LD, N, H)).astype(dtype) if spec.cell == "lstm" else None
+        one, _ = _run(spec, layers, x, h0, c0, lengths, 1, dtype)
+        two, session = _run(spec, layers, x, h0, c0, lengths, 2, dtype)
+        if spec.num_directions == 1:  # (two directions take a thread each: one loop each)
+            assert session._sync[abi.CLAIM0 * abi.LINE] > 0  # two threads took block slices
+        want = reference_forward(spec, layers, x, h0, c0, lengths)
+        model = leanrnn.Model(pack(spec, layers, dtype))
+        model.session.threads = 1
+        if spec.num_directions == 1:
+            model.session.chunk = 2  # chunks of 2 steps: the length cut per chunk
+        chunked = model.session.run(x, h0, c0, lengths)
+        for g, o, c, w in zip(one, two, chunked, want, strict=True):
+            if w is None:
+                continue
+            np.testing.assert_array_equal(g, o)  # the same GEMVs and updates, the same bits
+            np.testing.assert_array_equal(g, c)
+            np.testing.assert_allclose(g, w, rtol=RTOL[dtype], atol=atol(dtype))
