@@ -158,7 +158,7 @@ def test_sliced_chunks_stay_a_few_mib_per_thread_where_l3_is_a_socket(many_cores
     assert chunk * step > engine.XW_BUDGET  # still longer than an unsliced run's
 
 
-@pytest.mark.parametrize("spec", SPECS + [RNNSpec("lstm", 16, 40, batch_first=True)], ids=repr)
+@pytest.mark.parametrize("spec", [*SPECS, RNNSpec("lstm", 16, 40, batch_first=True)], ids=repr)
 @pytest.mark.parametrize("length", [7, 4, 3, 0])
 def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_cores, backend,
                                                             monkeypatch):  # fmt: skip
