@@ -14,6 +14,10 @@ per phase a GEMM of one block and an update of one sample's block — and a tupl
 arrays and settings; the hooks are functions passed as arguments, inlined where they are
 called, so each kernel compiles to its own cell's loop with no branch on the cell.
 
+One sample on one thread (batch-1 latency, a stream's steps) takes _steps_one instead: the
+same GEMV and update per block in the same order, so the same bits, with none of the batch
+loop's bookkeeping, which cost a third of a batch-1 LSTM H=128 step.
+
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
 ``parts``. A batch large enough (_sync.share) is cut into tile-aligned sample slices, one per
 thread, each running every step on its own with no barrier at all; otherwise each phase (step,
