@@ -164,8 +164,7 @@ def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_c
                                                             monkeypatch):  # fmt: skip
     """One sample on one thread runs kernels.recurrent._steps_one, without the batch machinery
     (slices, live-row ends, frozen rows); two threads run the same sample on block slices. Both
-    must give the reference's values and each other's bits (two directions: a thread and the
-    loop each, checked against the reference) — also for a length short of T
+    must give the reference's values and each other's bits — also for a length short of T
     (the steps after it not run, the state the last valid step's, y zero past it), zero
     steps, the reverse direction, a second phase (which keeps the batch loop) and chunks."""
     monkeypatch.setattr("leanrnn.engine.session.PARALLEL_MIN_MACS", 0)  # threads at any size
@@ -181,8 +180,7 @@ def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_c
         c0 = rng.standard_normal((LD, N, H)).astype(dtype) if spec.cell == "lstm" else None
         one, _ = _run(spec, layers, x, h0, c0, lengths, 1, dtype)
         two, session = _run(spec, layers, x, h0, c0, lengths, 2, dtype)
-        if spec.num_directions == 1:  # (two directions take a thread each: one loop each)
-            assert session._sync[abi.CLAIM0 * abi.LINE] > 0  # two threads took block slices
+        assert session._sync[abi.CLAIM0 * abi.LINE] > 0  # two threads took block slices
         want = reference_forward(spec, layers, x, h0, c0, lengths)
         model = leanrnn.Model(pack(spec, layers, dtype))
         model.session.threads = 1
@@ -195,3 +193,56 @@ def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_c
             np.testing.assert_array_equal(g, o)  # the same GEMVs and updates, the same bits
             np.testing.assert_array_equal(g, c)
             np.testing.assert_allclose(g, w, rtol=RTOL[dtype], atol=atol(dtype))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-act", "int8", "int8-dynamic"])
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn"])
+def test_one_sample_loop_on_reduced_panels_matches_block_slices(cell, precision, many_cores,
+                                                               monkeypatch):  # fmt: skip
+    """The single-sample loop hands reduced panels their operand (q, bf16_act, me) and asks for
+    their next panel as the batch loop does: one thread's bits equal two threads' block slices
+    for every precision, lengths T and short of it (the reduced kernels' own oracles are in
+    test_quant.py)."""
+    monkeypatch.setattr("leanrnn.engine.session.PARALLEL_MIN_MACS", 0)
+    spec = RNNSpec(cell, 24, 40)
+    layers = random_layers(spec, np.random.default_rng(7), np.float32, scale=0.3)
+    x = np.random.default_rng(8).standard_normal((6, 1, 24)).astype(np.float32)
+    for length in (6, 3):
+        outs = []
+        for threads in (1, 2):
+            model = leanrnn.quantize(leanrnn.Model(pack(spec, layers, np.float32)), precision)
+            model.session.threads = threads
+            outs.append(model.session.run(x, None, None, np.array([length])))
+            if threads == 2:
+                assert model.session._sync[abi.CLAIM0 * abi.LINE] > 0
+        for a, b in zip(*outs, strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("autocast", [None, "bf16-act"])
+def test_one_sample_training_forward_and_gradients_match_block_slices(cell, autocast,
+                                                                      many_cores, monkeypatch):  # fmt: skip
+    """The training forward (keep: the gates stay in xw for backward) of one sample takes the
+    single-sample loop on one thread: its tape and every gradient equal two threads' (block
+    slices), with a length short of T (the state where T steps leave it: train.session reads
+    buffer T % 2)."""
+    from leanrnn.train import Trainer
+
+    monkeypatch.setattr("leanrnn.train.session.PARALLEL_MIN_MACS", 0)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((6, 1, 12)).astype(np.float32)
+    dy = rng.standard_normal((6, 1, 32)).astype(np.float32)
+    got = []
+    for threads in (1, 2):
+        m = getattr(leanrnn, cell)(12, 32, num_layers=2, seed=4)
+        tr = Trainer(m, threads=threads, autocast=autocast)
+        tape = tr.forward(x, lengths=[5])
+        assert (tr._sync[abi.CLAIM0 * abi.LINE] > 0) == (threads == 2)  # block slices on 2
+        dx, dh0, dc0 = tr.backward(tape, dy)
+        got.append([tape.y, tape.h_n, tape.c_n, dx, dh0, dc0,
+                    *[p.grad.copy() for p in tr.parameters()]])  # fmt: skip
+    for a, b in zip(*got, strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
