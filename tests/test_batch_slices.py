@@ -162,11 +162,12 @@ def test_sliced_chunks_stay_a_few_mib_per_thread_where_l3_is_a_socket(many_cores
 @pytest.mark.parametrize("length", [7, 4, 3, 0])
 def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_cores, backend,
                                                             monkeypatch):  # fmt: skip
-    """One sample on one thread runs kernels.recurrent._steps_one, without the batch machinery
-    (slices, live-row ends, frozen rows); two threads run the same sample on block slices. Both
-    must give the reference's values and each other's bits — also for a length short of T
-    (the steps after it not run, the state the last valid step's, y zero past it), zero
-    steps, the reverse direction, a second phase (which keeps the batch loop) and chunks."""
+    """One sample runs kernels.recurrent._steps_one, without the batch loop's bookkeeping (live-row
+    ends, frozen rows); with a slot table (serve's run_slots) the same sample takes the batch
+    loop. One thread, two threads' block slices, chunks and the slot path must give each
+    other's bits and the reference's values — also for a length short of T (the steps after
+    it not run, the state the last valid step's, y zero past it), zero steps, the reverse
+    direction and a second phase (which keeps the batch loop)."""
     monkeypatch.setattr("leanrnn.engine.session.PARALLEL_MIN_MACS", 0)  # threads at any size
     T, N = 7, 1
     for dtype in (np.float64, np.float32):
@@ -180,18 +181,24 @@ def test_one_sample_loop_matches_reference_and_block_slices(spec, length, many_c
         c0 = rng.standard_normal((LD, N, H)).astype(dtype) if spec.cell == "lstm" else None
         one, _ = _run(spec, layers, x, h0, c0, lengths, 1, dtype)
         two, session = _run(spec, layers, x, h0, c0, lengths, 2, dtype)
-        assert session._sync[abi.CLAIM0 * abi.LINE] > 0  # two threads took block slices
+        if length > 0:  # (no step, no slice to claim)
+            assert session._sync[abi.CLAIM0 * abi.LINE] > 0  # two threads took block slices
         want = reference_forward(spec, layers, x, h0, c0, lengths)
         model = leanrnn.Model(pack(spec, layers, dtype))
         model.session.threads = 1
+        st = model.session.slot_states(3)
+        st.put(2, h0[:, 0], None if c0 is None else c0[:, 0])
+        y_slots = model.session.run_slots(x, st, np.array([2]), lengths)
+        slots = (y_slots, st.h[:, 2:3], None if c0 is None else st.c[:, 2:3])
         if spec.num_directions == 1:
             model.session.chunk = 2  # chunks of 2 steps: the length cut per chunk
         chunked = model.session.run(x, h0, c0, lengths)
-        for g, o, c, w in zip(one, two, chunked, want, strict=True):
+        for g, o, c, b, w in zip(one, two, chunked, slots, want, strict=True):
             if w is None:
                 continue
             np.testing.assert_array_equal(g, o)  # the same GEMVs and updates, the same bits
             np.testing.assert_array_equal(g, c)
+            np.testing.assert_array_equal(g, b)
             np.testing.assert_allclose(g, w, rtol=RTOL[dtype], atol=atol(dtype))
 
 
@@ -201,8 +208,8 @@ def test_one_sample_loop_on_reduced_panels_matches_block_slices(cell, precision,
                                                                monkeypatch):  # fmt: skip
     """The single-sample loop hands reduced panels their operand (q, bf16_act, me) and asks for
     their next panel as the batch loop does: one thread's bits equal two threads' block slices
-    for every precision, lengths T and short of it (the reduced kernels' own oracles are in
-    test_quant.py)."""
+    and the batch loop's (a slot table) for every precision, lengths T and short of it (the
+    reduced kernels' own oracles are in test_quant.py)."""
     monkeypatch.setattr("leanrnn.engine.session.PARALLEL_MIN_MACS", 0)
     spec = RNNSpec(cell, 24, 40)
     layers = random_layers(spec, np.random.default_rng(7), np.float32, scale=0.3)
@@ -218,31 +225,8 @@ def test_one_sample_loop_on_reduced_panels_matches_block_slices(cell, precision,
         for a, b in zip(*outs, strict=True):
             if a is not None:
                 np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
-@pytest.mark.parametrize("autocast", [None, "bf16-act"])
-def test_one_sample_training_forward_and_gradients_match_block_slices(cell, autocast,
-                                                                      many_cores, monkeypatch):  # fmt: skip
-    """The training forward (keep: the gates stay in xw for backward) of one sample takes the
-    single-sample loop on one thread: its tape and every gradient equal two threads' (block
-    slices), with a length short of T (the state where T steps leave it: train.session reads
-    buffer T % 2)."""
-    from leanrnn.train import Trainer
-
-    monkeypatch.setattr("leanrnn.train.session.PARALLEL_MIN_MACS", 0)
-    rng = np.random.default_rng(9)
-    x = rng.standard_normal((6, 1, 12)).astype(np.float32)
-    dy = rng.standard_normal((6, 1, 32)).astype(np.float32)
-    got = []
-    for threads in (1, 2):
-        m = getattr(leanrnn, cell)(12, 32, num_layers=2, seed=4)
-        tr = Trainer(m, threads=threads, autocast=autocast)
-        tape = tr.forward(x, lengths=[5])
-        assert (tr._sync[abi.CLAIM0 * abi.LINE] > 0) == (threads == 2)  # block slices on 2
-        dx, dh0, dc0 = tr.backward(tape, dy)
-        got.append([tape.y, tape.h_n, tape.c_n, dx, dh0, dc0,
-                    *[p.grad.copy() for p in tr.parameters()]])  # fmt: skip
-    for a, b in zip(*got, strict=True):
-        if a is not None:
-            np.testing.assert_array_equal(a, b)
+        model.session.threads = 1  # the batch loop: a slot table
+        st = model.session.slot_states(2)
+        y = model.session.run_slots(x, st, np.array([1]), np.array([length]))
+        np.testing.assert_array_equal(y, outs[0][0])
+        np.testing.assert_array_equal(st.h[:, 1:2], outs[0][1])

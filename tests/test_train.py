@@ -13,6 +13,7 @@ import leanrnn
 from helpers import bf16_act_twin
 from leanrnn.errors import DTypeError, PlanError, ShapeError, SpecError
 from leanrnn.formats import torch_format
+from leanrnn.kernels import abi
 from leanrnn.train import TapeError, Trainer
 from tolerances import ATOL, RTOL_AUTOCAST_BF16, RTOL_AUTOCAST_BF16_ACT, RTOL_FINITE_DIFF, RTOL_GRAD
 
@@ -67,6 +68,36 @@ def _assert_grads_match(tr, m, inputs, got, rtol):
     grads = torch_format.to_state_dict(tr.spec, tr.gradients())
     for name, p in m.named_parameters():
         assert _rel(grads[name], p.grad.numpy()) <= rtol, name
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("cell", "kw"), CASES)
+@pytest.mark.parametrize("lengths", [None, [3]])
+def test_one_sample_gradients_match_torch(cell, kw, lengths, threads, monkeypatch):
+    """One sample's training forward takes the single-sample step loop (kernels.recurrent
+    ._steps_one; keep: the gates stay in xw for backward), on 1 thread and on 2 threads' block
+    slices: its outputs and every gradient against torch's (float64), also with the length
+    short of T (the state where T steps leave it: train.session reads buffer T % 2)."""
+    monkeypatch.setattr("leanrnn.train.session.PARALLEL_MIN_MACS", 0)  # threads at any size
+    torch.manual_seed(0)
+    T, N, C, H = 5, 1, 4, 20
+    m = getattr(torch.nn, cell)(C, H, **kw).to(torch.float64)
+    bf = kw.get("batch_first", False)
+    L = kw.get("num_layers", 1)
+    D = 2 if kw.get("bidirectional") else 1
+    K = kw.get("proj_size") or H
+    x = torch.randn((N, T, C) if bf else (T, N, C), dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(L * D, N, K, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(L * D, N, H, dtype=torch.float64, requires_grad=True)
+    hx = (h0, c0) if cell == "LSTM" else h0
+    y_ref, cot = _torch_grads(m, x, hx, lengths, bf)
+    tr = Trainer(leanrnn.from_torch(m), threads=threads)
+    hxn = (h0.detach().numpy(), c0.detach().numpy()) if cell == "LSTM" else h0.detach().numpy()
+    tape = tr.forward(x.detach().numpy(), hxn, lengths=lengths)
+    assert (tr._sync[abi.CLAIM0 * abi.LINE] > 0) == (threads == 2)  # block slices on 2
+    assert np.abs(tape.y - y_ref).max() <= ATOL[np.float64]
+    dx, dh0, dc0 = tr.backward(tape, *cot)
+    _assert_grads_match(tr, m, (x, h0, c0), (dx, dh0, dc0), RTOL_GRAD[np.float64])
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

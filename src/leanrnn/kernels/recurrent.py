@@ -14,9 +14,9 @@ per phase a GEMM of one block and an update of one sample's block — and a tupl
 arrays and settings; the hooks are functions passed as arguments, inlined where they are
 called, so each kernel compiles to its own cell's loop with no branch on the cell.
 
-One sample on one thread (batch-1 latency, a stream's steps) takes _steps_one instead: the
-same GEMV and update per block in the same order, so the same bits, with none of the batch
-loop's bookkeeping, which cost a third of a batch-1 LSTM H=128 step.
+One sample (batch-1 latency, a stream's steps) takes _steps_one instead: the same GEMV and
+update per block in the same order and the same block slices, so the same bits, with none of
+the batch loop's bookkeeping, which cost a third of a batch-1 LSTM H=128 step.
 
 Threads (see _sync): every thread of an op calls the same kernel with its index ``me`` of
 ``parts``. A batch large enough (_sync.share) is cut into tile-aligned sample slices, one per
@@ -260,37 +260,45 @@ def _phase(gemm, update, cell, W, A, Kin, carry, s, hp, hn, n0, n1, g, xw, xw_bf
 
 @inline
 def _steps_one(gemm, update, cell, xw, xw_bf_T, Rt, K, hp, hn, gates, slot, h_store, lengths, T,
-               reverse, y, y_off, y_bf_T, consts, keep, q, bf16_act, me):  # fmt: skip
-    """_steps for one sample on one thread, no slot table and one phase per step (batch-1
-    latency, a stream's steps): the same GEMMs and updates in the same order, so the same
-    bits, without the batch machinery — no slices, live-row ends or frozen rows (the steps
-    past the sample's length are not run: _zero_tails wrote them, and its state is the last
-    valid step's, left in the buffer T steps would leave it in). That machinery cost a third of an LSTM H=128 step on a Zen 4 (5.8 against
-    ~4 us; the panel GEMV alone is 2.4), though none of it does anything for one sample."""
+               reverse, y, y_off, y_bf_T, consts, keep, q, bf16_act, me, parts, sync, g):  # fmt: skip
+    """_steps for one sample without a slot table and one phase per step (batch-1 latency, a
+    stream's steps): the same GEMVs and updates in the same order, its threads claiming the
+    same block slices, so the same bits, without the batch loop's bookkeeping — live-row ends,
+    frozen rows, per-row prefetch shares (the steps past the sample's length are not run:
+    _zero_tails wrote them, and its state is the last valid step's, left in the buffer T steps
+    would leave it in). That bookkeeping cost a third of an LSTM H=128 step on one thread of a
+    Zen 4 (5.8 against ~4 us; the panel GEMV alone is 2.4) and a fifth on two."""
     k4 = (consts[0], consts[1], consts[2], consts[3])  # zero, one, tiny, clip: read once
     U = Rt.shape[0]
     span = xw.shape[1] // U  # xw columns per unit block (its gates)
     span_bytes = span * xw.itemsize
     per = next_panel_share(Rt, 1)
-    L = min(lengths[0], T)  # (the generic loop runs min(length, T) steps too: _time_of)
+    L = min(lengths[0], T)  # (the batch loop runs min(length, T) steps too: _time_of)
     parity = 0
     for s in range(L):
         t = L - 1 - s if reverse else s
         A = operand(Rt, hp, q, me, 0, 1, K, True, bf16_act)
-        for i in range(U):
-            u = _block(i, 0, U, s)
-            nb = _block(i + 1, 0, U, s) if i + 1 < U else -1
-            gemm(cell, Rt, u, A, 0, 1, K, gates, hn, consts, nb)
-            if nb >= 0:  # the next block's panel (reduced panels) and xw span, asked for now
-                prefetch_next_panel(Rt, nb, 0, per)
-                prefetch_l2(xw, _yrow(t, 0, 1, xw_bf_T), nb * span, span_bytes)
-            update(cell, u, s, 0, t, 1, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
-                   lengths, y, y_off, y_bf_T, k4, keep)  # fmt: skip
+        for sl in range(parts):
+            lo, hi = claim(sync, me, sl, parts, g, U)
+            if hi < 0:
+                continue  # another thread has this slice
+            for i in range(lo, hi):
+                u = _block(i, lo, hi, s)
+                nb = _block(i + 1, lo, hi, s) if i + 1 < hi else -1
+                gemm(cell, Rt, u, A, 0, 1, K, gates, hn, consts, nb)
+                if nb >= 0:  # the next block's panel (reduced panels) and xw span, asked now
+                    prefetch_next_panel(Rt, nb, 0, per)
+                    prefetch_l2(xw, _yrow(t, 0, 1, xw_bf_T), nb * span, span_bytes)
+                update(cell, u, s, 0, t, 1, hp, hn, xw, xw_bf_T, K, gates, slot, h_store,
+                       lengths, y, y_off, y_bf_T, k4, keep)  # fmt: skip
+            finish(sync, parts)
+        g = end_phase(sync, parts, g)
         hp, hn = hn, hp
         parity = 1 - parity
     if (T - L) % 2 == 1:  # the state where T steps leave it, as frozen rows carry it (_time_of)
-        for j in range(hp.shape[1]):
-            hn[0, j] = hp[0, j]
+        if me == 0:  # (every thread is past the last step's barrier)
+            for j in range(hp.shape[1]):
+                hn[0, j] = hp[0, j]
         parity = 1 - parity
     return parity
 
@@ -313,9 +321,10 @@ def _steps(gemm1, update1, carry1, gemm2, update2, second, cell, xw, xw_bf_T, Rt
     hn = h_b
     parity = 0
     g = 0  # phase counter, the same on every thread
-    if parts == 1 and N == 1 and slot.shape[0] == 0 and not run2:
+    if N == 1 and slot.shape[0] == 0 and not run2:
         return _steps_one(gemm1, update1, cell, xw, xw_bf_T, Rt, K, hp, hn, gates, slot, h_store,
-                          lengths, T, reverse, y, y_off, y_bf_T, consts, keep, q, bf16_act, me)  # fmt: skip
+                          lengths, T, reverse, y, y_off, y_bf_T, consts, keep, q, bf16_act, me,
+                          parts, sync, g)  # fmt: skip
     if slot.shape[0] > 0:
         g = _gather(slot, h_store, hp, K, zero, n0, n1, me, parts, sync, g)
     for s in range(T):
