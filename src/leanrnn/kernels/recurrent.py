@@ -296,7 +296,7 @@ def _steps_one(gemm, update, cell, xw, xw_bf_T, Rt, K, hp, hn, gates, slot, h_st
         hp, hn = hn, hp
         parity = 1 - parity
     if (T - L) % 2 == 1:  # the state where T steps leave it, as frozen rows carry it (_time_of)
-        if me == 0:  # (every thread is past the last step's barrier)
+        if me == 0:  # (past the last step's barrier: every slice's update is written)
             for j in range(hp.shape[1]):
                 hn[0, j] = hp[0, j]
         parity = 1 - parity
