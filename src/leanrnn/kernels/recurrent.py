@@ -274,7 +274,6 @@ def _steps_one(gemm, update, cell, xw, xw_bf_T, Rt, K, hp, hn, gates, slot, h_st
     span_bytes = span * xw.itemsize
     per = next_panel_share(Rt, 1)
     L = min(lengths[0], T)  # (the batch loop runs min(length, T) steps too: _time_of)
-    parity = 0
     for s in range(L):
         t = L - 1 - s if reverse else s
         A = operand(Rt, hp, q, me, 0, 1, K, True, bf16_act)
@@ -294,13 +293,12 @@ def _steps_one(gemm, update, cell, xw, xw_bf_T, Rt, K, hp, hn, gates, slot, h_st
             finish(sync, parts)
         g = end_phase(sync, parts, g)
         hp, hn = hn, hp
-        parity = 1 - parity
-    if (T - L) % 2 == 1:  # the state where T steps leave it, as frozen rows carry it (_time_of)
-        if me == 0:  # (past the last step's barrier: every slice's update is written)
-            for j in range(hp.shape[1]):
-                hn[0, j] = hp[0, j]
-        parity = 1 - parity
-    return parity
+    # the state where T steps leave it, as frozen rows carry it (_time_of); past the last
+    # step's barrier every slice's update is written
+    if (T - L) % 2 == 1 and me == 0:
+        for j in range(hp.shape[1]):
+            hn[0, j] = hp[0, j]
+    return T % 2
 
 
 @inline
