@@ -15,13 +15,10 @@ Why these rules (an LSTM H=256 on this 2-core Zen 5, L2 512 KiB per core):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from .errors import PlanError
 
-# Cache sizes assumed when sysfs does not say (a typical x86 server core).
-_DEFAULT_CACHES = {1: 32 << 10, 2: 1 << 20, 3: 16 << 20}
 # The memory limit when none is given: this much of the available memory, at most _MAX_DEFAULT.
 _DEFAULT_SHARE = 4
 _MAX_DEFAULT = 256 << 20
@@ -46,32 +43,6 @@ class Hardware:
     available: int  # bytes of memory available now (MemAvailable), 0 if unknown
 
 
-def _cache_sizes() -> dict[int, int]:
-    sizes = dict(_DEFAULT_CACHES)
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = sorted(os.listdir(base))
-    except OSError:
-        return sizes
-    for e in entries:
-        try:
-            with open(f"{base}/{e}/level") as f:
-                level = int(f.read())
-            with open(f"{base}/{e}/type") as f:
-                kind = f.read().strip()
-            with open(f"{base}/{e}/size") as f:
-                raw = f.read().strip().upper()
-        except (OSError, ValueError):
-            continue
-        if kind == "Instruction":
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1:], 1)
-        digits = raw.rstrip("KMG")
-        if digits.isdigit():
-            sizes[level] = int(digits) * mult
-    return sizes
-
-
 def _available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -85,9 +56,10 @@ def _available() -> int:
 
 def hardware() -> Hardware:
     from . import config
+    from .kernels._cpu import caches  # sysfs's sizes, as the kernels' tiles read them
 
-    c = _cache_sizes()
-    return Hardware(config.cores(), c[1], c[2], c[3], _available())
+    c = caches()
+    return Hardware(config.cores(), c["L1d"], c["L2"], c["L3"], _available())
 
 
 def default_memory_limit(hw: Hardware | None = None) -> int:
