@@ -385,6 +385,42 @@ def test_grpc_raw_and_typed_contents_together_are_refused(server):
         assert "raw_input_contents" in e.value.details()
 
 
+def test_http_binary_and_json_data_together_are_refused(server):
+    """As gRPC refuses raw plus typed contents: before, a 200 answered from the binary data
+    and the JSON "data" was dropped without a word (a red team's finding, session 34)."""
+    x = np.ones((2, C), np.float32)
+    body, headers = binary_request(x, json_y=True)
+    split = int(headers["Inference-Header-Content-Length"])
+    head = json.loads(body[:split])
+    head["inputs"][0]["data"] = [123.0] * (2 * C)
+    h = json.dumps(head).encode()
+    status, data = post(server, h + body[split:], {"Inference-Header-Content-Length": str(len(h))})
+    assert status == 400 and "both" in strict(data)["error"], data[:300]
+    status, data = post(server, body, headers)  # the same request, one way: answered
+    assert status == 200, data[:300]
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [("output", "yes"), ("output", 1), ("request", "true"), ("input", 5), ("outparams", [1])],
+)
+def test_http_flags_and_parameters_of_the_wrong_type_are_refused(server, where, value):
+    """binary_data "yes" was read as false, and a "parameters" that is no object as none."""
+    req = {"inputs": [x_json()], "outputs": [{"name": "y"}]}
+    if where == "output":
+        req["outputs"][0]["parameters"] = {"binary_data": value}
+    elif where == "request":
+        req["parameters"] = {"binary_data_output": value}
+    elif where == "input":
+        req["inputs"][0]["parameters"] = value
+    else:
+        req["outputs"][0]["parameters"] = value
+    status, data = post(server, req)
+    assert status == 400, data[:300]
+    err = strict(data)["error"]
+    assert ("binary_data" in err and "true or false" in err) or '"parameters"' in err, err
+
+
 # ------------------------------------------------------------------ 10. gzip members
 def test_gzip_bodies_of_several_members_and_cut_ones(server):
     x = np.arange(2 * C, dtype=np.float32).reshape(2, C)

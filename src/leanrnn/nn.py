@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+from collections.abc import Mapping
 
 import numpy as np
 
 from .engine import Session
 from .engine.model import parameter_count, spec_line
-from .errors import DTypeError, ShapeError, SpecError
+from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import native, torch_format
 from .formats.packing import PackedWeights, pack
 from .formats.quantize import weight_bits
@@ -285,6 +287,14 @@ class Model:
         >>> sd = {k: v.numpy() for k, v in gru.state_dict().items()}  # doctest: +SKIP
         >>> m = leanrnn.from_state_dict(sd, batch_first=True)  # doctest: +SKIP
         """
+        if not isinstance(state_dict, Mapping):  # a path, a list of tensors: say which
+            path = isinstance(state_dict, str | os.PathLike)
+            what = "a path" if path else f"a {type(state_dict).__name__}"
+            raise WeightsError(
+                f"[from_state_dict] got {what} ({state_dict!r:.60}); expected a dict of "
+                "arrays named as torch's module.state_dict() names them ('weight_ih_l0', ...); "
+                "to read a file, use leanrnn.load(path)"
+            )
         sd = {k: _to_numpy(v) for k, v in state_dict.items()}
         cell = cell or getattr(cls, "_cell", None)
         spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)

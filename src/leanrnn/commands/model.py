@@ -24,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", help="l.npy: per-sample lengths [N] (integers)")
     p.add_argument(
         "--output",
-        help="write every output to this .npz file (.npz is added if missing; default: print "
-        "a summary)",
+        help="write every output to this .npz file (.npz is added to a bare name; default: "
+        "print a summary)",
     )
     p.add_argument("--threads", type=positive_int, help="kernel threads, >= 1 (default: all)")
     add_state_dict_options(p)
@@ -199,13 +199,22 @@ def run_cmd(args) -> int:
     import numpy as np
 
     from ..cli import not_an_input, output_file
-    from ..errors import ShapeError
+    from ..errors import LeanRNNError, ShapeError
 
     output = None
     if args.output:  # np.savez adds .npz to any other name; say (and check) the real one
-        output = args.output if args.output.endswith(".npz") else args.output + ".npz"
+        ext = os.path.splitext(args.output)[1]
+        if ext not in ("", ".npz"):  # out.txt became out.txt.npz without a word
+            raise LeanRNNError(f"[run --output] {args.output!r}: expected a file name ending in "
+                               ".npz (the outputs are written by name, as np.savez writes "
+                               "them), or a bare name, which gets .npz")  # fmt: skip
+        output = args.output if ext else args.output + ".npz"
         for path in {args.output, output}:
             output_file(path, "run --output", ".npz")
+        if os.path.exists(args.output) and not os.path.isfile(args.output):
+            # --output /dev/null wrote a regular file /dev/null.npz beside the device
+            raise LeanRNNError(f"[run --output] {args.output!r} is not a regular file; to "
+                               "only print the outputs' summary, leave out --output")  # fmt: skip
         not_an_input(output, "run --output", model=args.model, input=args.input,
                      lengths=args.lengths)  # fmt: skip
     model = load_model(args.model, args, threads=args.threads)

@@ -33,6 +33,15 @@ def _wait_ms(s: str) -> float:
     return v
 
 
+def _call_ms(s: str) -> float:
+    """A call's latency target: a wait (_wait_ms) that must be more than 0 (a 0 ms target was
+    run as 0.01 ms without a word: every call one step of one stream)."""
+    v = _wait_ms(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{s}: expected milliseconds > 0 (and < 60000)")
+    return v
+
+
 def _token(s: str) -> str:
     # '' required the header 'Authorization: Bearer ' and nothing else: a locked door with
     # an empty key, most likely an unset shell variable ($TOKEN)
@@ -90,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-call-ms",
-        type=_wait_ms,
+        type=_call_ms,
         default=10.0,
         help="about the longest one engine call runs: a stream's chunk is split into calls of "
         "this many ms, so streams that join wait at most about that long (default 10)",
@@ -169,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=None if args.no_grpc else 8001 if args.grpc_port is None else args.grpc_port,
         threads=threads,
         max_batch=args.max_batch, max_chunk=args.max_chunk, max_wait=args.max_wait_ms / 1000,
-        max_call=max(args.max_call_ms, 0.01) / 1000,
+        max_call=args.max_call_ms / 1000,
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
         max_queued_bytes=args.max_queued_bytes, max_concurrency=args.max_concurrency,

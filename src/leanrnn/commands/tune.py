@@ -9,7 +9,7 @@ import json
 import math
 
 from ..cli import positive_int, size
-from .serve import _wait_ms
+from .serve import _call_ms
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`leanrnn serve` uses by default for --max-batch and --max-chunk.",
     )
     p.add_argument("model", help="model file or cell:hidden[xlayers], e.g. lstm:512x2")
-    p.add_argument("--latency-ms", type=_wait_ms, default=10.0,
+    p.add_argument("--latency-ms", type=_call_ms, default=10.0,
                    help="longest one engine call may take (default 10, serve's --max-call-ms)")  # fmt: skip
     p.add_argument("--memory-limit", type=size, default=None,
                    help="bytes one call may hold, e.g. 64M (default: 1/4 of available, <= 256M)")  # fmt: skip
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
             f"[tune] {args.model!r} has {len(pairs)} recurrent sessions; tune takes one "
             "recurrent stack (an LSTM/GRU/RNN file, or a shorthand such as lstm:512x2)"
         )
-    m = tune(pairs[0][1], latency=max(args.latency_ms, 0.001) / 1000,
+    m = tune(pairs[0][1], latency=args.latency_ms / 1000,
              memory_limit=args.memory_limit, max_batch=args.max_batch,
              max_chunk=args.max_chunk, threads=args.threads)  # fmt: skip
     if args.json:

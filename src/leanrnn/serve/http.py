@@ -166,7 +166,14 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             raise InvalidRequest(f"[infer] input {clip(name)} appears twice")
         shape = check_input(info, name, t.get("datatype"), t.get("shape"))
         tp = t.get("parameters") or {}
-        size = tp.get("binary_data_size") if isinstance(tp, dict) else None
+        if not isinstance(tp, dict):
+            raise InvalidRequest(f'[infer] input {name!r}: "parameters" must be a JSON object')
+        size = tp.get("binary_data_size")
+        if size is not None and "data" in t:  # (one of the two was dropped without a word)
+            raise InvalidRequest(
+                f'[infer] input {name!r} has both "data" and binary_data_size; send its values '
+                "one way: as JSON data or as binary data after the JSON"
+            )
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidRequest(
@@ -189,7 +196,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             f"[infer] {len(blob) - offset} bytes of binary data after the inputs' declared "
             f"binary_data_size (total {offset}); the sizes must add up to the data sent"
         )
-    binary_all = params.get("binary_data_output", False) is True
+    binary_all = _flag(params, "binary_data_output", False, "the request's")
     outputs, binary = None, {}
     if req.get("outputs") not in (None, []):  # none or []: all of them (as gRPC and Triton)
         if not isinstance(req["outputs"], list):
@@ -198,11 +205,12 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         for o in req["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidRequest('[infer] each requested output needs a "name"')
-            op = o.get("parameters")
+            op = o.get("parameters") or {}
             if not isinstance(op, dict):
-                op = {}
+                raise InvalidRequest(f'[infer] output {clip(o["name"])}: "parameters" must be a '
+                                     "JSON object")  # fmt: skip
             outputs.append(o["name"])
-            binary[o["name"]] = op.get("binary_data", binary_all) is True
+            binary[o["name"]] = _flag(op, "binary_data", binary_all, f"output {clip(o['name'])}'s")
     rid = req.get("id", "")
     if not isinstance(rid, str):
         raise InvalidRequest(f'[infer] "id" must be a string; got {clip(rid)}')
@@ -210,6 +218,14 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
     for name in p.outputs:
         p.binary.setdefault(name, binary_all)
     return p
+
+
+def _flag(params: dict, key: str, default: bool, whose: str) -> bool:
+    """A boolean request parameter: "yes" or 1 was read as false without a word."""
+    v = params.get(key, default)
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"[infer] {whose} parameter {key}={clip(v)}; expected true or false")
+    return v
 
 
 def _no_constant(name: str):

@@ -1,0 +1,92 @@
+"""Hardening, eighth pass: a red team's findings on the command line and the API (the server's
+are in test_hardening5_serve, beside its server). Each test failed before its fix."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import fails_in_one_line
+from leanrnn import cli
+from leanrnn.errors import WeightsError
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory):
+    d = tmp_path_factory.mktemp("h8")
+    leanrnn.save(leanrnn.LSTM(4, 8, seed=0), str(d / "m.lrnn"))
+    np.save(d / "x.npy", np.zeros((3, 2, 4), np.float32))
+    return d
+
+
+# ------------------------------------------ run --output: another suffix, or not a file
+@pytest.mark.parametrize("name", ["out.txt", "out.npy", "y.NPZ"])
+def test_run_output_with_another_suffix_is_refused_before_any_work(name, d, capsys):
+    # before: exit 0 and "wrote y, h_n, c_n to out.txt.npz"
+    before = sorted(os.listdir(d))
+    fails_in_one_line(capsys, ["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--output",
+                               str(d / name)], name, ".npz")  # fmt: skip
+    assert sorted(os.listdir(d)) == before
+
+
+def test_run_output_that_is_a_device_is_refused(d, capsys):
+    # before: --output /dev/null wrote a regular file /dev/null.npz next to the device
+    if not os.path.exists(os.devnull) or os.path.isfile(os.devnull):
+        pytest.skip("no null device here")
+    fails_in_one_line(capsys, ["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--output",
+                               os.devnull], os.devnull, "not a regular file")  # fmt: skip
+    assert not os.path.exists(os.devnull + ".npz")
+
+
+def test_run_output_bare_name_and_npz_still_write(d, capsys):
+    for name, wrote in (("bare", "bare.npz"), ("o.npz", "o.npz"), ("v1.2/o", None)):
+        if wrote is None:  # a dot in a directory's name is no suffix of the file
+            (d / "v1.2").mkdir()
+            wrote = "v1.2/o.npz"
+        argv = ["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--output", str(d / name)]
+        assert cli.main(argv) == 0
+        assert f"to {d / wrote}" in capsys.readouterr().out
+        assert sorted(np.load(d / wrote).files) == ["c_n", "h_n", "y"]
+
+
+# --------------------------------------------- a latency target of 0 ms: refused, not clamped
+@pytest.mark.parametrize(
+    "argv",
+    [["tune", "gru:8", "--latency-ms", "0"], ["tune", "gru:8", "--latency-ms", "-1"],
+     ["serve", "m=gru:8", "--max-call-ms", "0"]],
+)  # fmt: skip
+def test_a_zero_latency_target_is_a_usage_error(argv, capsys):
+    # before: tune ran with a 0.001 ms target and serve with 0.01 ms, exit 0, without a word
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected milliseconds > 0" in err or "0..60000" in err, err
+
+
+def test_serve_max_wait_may_still_be_zero():
+    from leanrnn.commands.serve import _wait_ms
+
+    assert _wait_ms("0") == 0.0  # never wait for more streams: a documented choice
+
+
+# ------------------------------------------------------- from_state_dict of a non-mapping
+@pytest.mark.parametrize("bad", [[1, 2], "weights.pt", None, 3.0])
+def test_from_state_dict_of_something_else_names_it(bad):
+    # before: AttributeError: 'list' object has no attribute 'items'
+    with pytest.raises(WeightsError, match=r"expected a dict of arrays.*leanrnn\.load"):
+        leanrnn.from_state_dict(bad)
+    with pytest.raises(WeightsError, match="from_state_dict"):
+        leanrnn.GRU.from_state_dict(bad)
+
+
+def test_from_state_dict_takes_any_mapping():
+    from types import MappingProxyType
+
+    m = leanrnn.GRU(3, 5, seed=1)
+    again = leanrnn.from_state_dict(MappingProxyType(m.state_dict()), cell="gru")
+    x = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(again(x)[0], m(x)[0])
