@@ -90,3 +90,40 @@ def test_from_state_dict_takes_any_mapping():
     again = leanrnn.from_state_dict(MappingProxyType(m.state_dict()), cell="gru")
     x = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
     np.testing.assert_array_equal(again(x)[0], m(x)[0])
+
+
+# ------------------------------------------------------------------ masked arrays as inputs
+def test_masked_array_inputs_are_refused_not_run_unmasked(tmp_path):
+    # before: the mask was dropped and the masked values ran as data
+    m = leanrnn.LSTM(3, 4, seed=0)
+    data = np.ones((2, 1, 3), np.float32)
+    x = np.ma.masked_array(data, mask=np.zeros_like(data, bool))
+    for call in (lambda: m(x), lambda: m.session.run(x), lambda: m.stream().feed(x[0])):
+        with pytest.raises(leanrnn.errors.DTypeError, match="masked array"):
+            call()
+    np.testing.assert_array_equal(m(x.filled(0))[0], m(data)[0])  # the session stays usable
+    torch = pytest.importorskip("torch")
+    onnx_path = tmp_path / "m.onnx"
+    lstm = torch.nn.LSTM(3, 4)
+    torch.onnx.export(lstm, (torch.zeros(2, 1, 3),), str(onnx_path), input_names=["x"],
+                      dynamo=False)  # fmt: skip
+    g = leanrnn.load(str(onnx_path))
+    with pytest.raises(leanrnn.errors.DTypeError, match="input 'x' is a numpy masked array"):
+        g.run({"x": x})
+    with torch.no_grad():
+        want = lstm(torch.from_numpy(data))[0].numpy()
+    np.testing.assert_allclose(g.run({"x": data})[0], want, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------- a command's unknown flag: that command's usage
+def test_unknown_flag_after_a_command_shows_that_commands_usage(d, capsys):
+    # before: the top-level usage ("leanrnn [-h] [--version] COMMAND ..."), no run flags
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: leanrnn run" in err and "--output" in err, err
+    assert err.strip().endswith("leanrnn run: error: unrecognized arguments: --bogus"), err
+    with pytest.raises(SystemExit):
+        cli.main(["--bogus"])
+    assert "leanrnn: error: unrecognized arguments: --bogus" in capsys.readouterr().err

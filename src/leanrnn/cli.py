@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         mod.register(sub)
+    p.commands = sub.choices  # main: a command's own usage for its unknown arguments
     return p
 
 
@@ -215,7 +216,10 @@ def _stdout_closed() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (parse_args printed the top-level usage, which lists no command's flags)
+        own = parser.commands.get(getattr(args, "command", None) or "", parser)
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -22,6 +22,8 @@ def array(
             f"[{op}] {name} is a {type(a).__name__}; expected a numpy.ndarray of {dtype} "
             f"with shape {fmt_shape(names)}"
         )
+    if type(a) is not np.ndarray:
+        unmasked(op, name, a)
     if a.dtype != dtype:
         hint = f"; convert with {name}.astype(np.{dtype.name})" if a.dtype.kind in "fiu" else ""
         raise DTypeError(
@@ -34,6 +36,15 @@ def array(
         )
         raise ShapeError(f"[{op}] {name} has shape {tuple(a.shape)}; expected {spec}")
     return a
+
+
+def unmasked(op: str, name: str, a) -> None:
+    """Refuse a numpy masked array: its mask went unread and the masked values ran."""
+    if isinstance(a, np.ma.MaskedArray):
+        raise DTypeError(
+            f"[{op}] {name} is a numpy masked array; leanrnn reads no mask: pass the "
+            "sequences' lengths for padded ones, or its .filled(0) for the values as they are"
+        )
 
 
 def _shape_ok(shape: tuple, want: tuple) -> bool:

@@ -164,7 +164,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
              actors (default: one per CPU Ray has), each reading its own share of the
              Parquet row groups; a ``.parquet`` OUTPUT is written by this process
 
-    Sequences hold finite floats (float32 or float64, converted to the model's dtype); a
+    Sequences hold finite floats (float16, float32 or float64, converted to the model's dtype); a
     length-0 sequence scores zero states and no steps. Errors name the file, row group,
     column and row; no output file is left behind.
 

@@ -29,7 +29,7 @@ from ...ir import RNN_OPS
 from ...memory.arena import Arena, check_fits
 from ...memory.planner import Buffer, Plan, plan
 from ...threads import blas_controller
-from .. import _fork
+from .. import _check, _fork
 from ..session import Pool, Session
 from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
 from .passes import LoadedGraph
@@ -343,6 +343,7 @@ class GraphSession:
         out = {}
         for t in g.inputs:
             a = feeds[t.name]
+            _check.unmasked("GraphModel.run", f"input {t.name!r}", a)
             if not isinstance(a, np.ndarray):
                 a = np.asarray(a)
             if t.dtype and a.dtype != np.dtype(t.dtype):
