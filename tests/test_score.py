@@ -360,7 +360,7 @@ def test_parquet_row_ranges_read_exactly_those_rows(tmp_path, piece_bytes):
     seqs[27] = np.full((3, C), np.nan, np.float32)  # row group 1, row 7
     bad = write_parquet(str(tmp_path / "bad.parquet"), seqs, row_group_size=20)
     src = Source(bad, C, np.float32)
-    with pytest.raises(LeanRNNError, match="row group 1, column 'x', row 7: NaN"):
+    with pytest.raises(LeanRNNError, match="row group 1, column 'x', row 7, step 0: NaN"):
         list(src.range_pieces(piece_bytes, [[1, 5, 20]]))
     assert sum(len(p.seqs) for p in src.range_pieces(piece_bytes, [[1, 8, 20]])) == 12
 
@@ -433,3 +433,65 @@ def test_sorted_batches_cut_wide_length_ranges(lstm):
         lens = lengths[b]
         assert 1 - lens.sum() / (len(b) * lens.max()) <= MAX_PADDING
     assert max(len(b) for b in batches) == 126
+
+
+@pytest.mark.parametrize("form", ["npz", "npy+lengths", "parquet-flat", "parquet-nested"])
+def test_a_nan_is_named_by_its_row_and_step(form, tmp_path, lstm):
+    """With per-row lengths the check ran a row at a time and reported the step as a row: a
+    NaN at row 1, step 4 of a 4-row file was "row 5" (a red team's finding, session 34)."""
+    seqs = [np.ones((L, C), np.float32) for L in (6, 5, 6, 6)]
+    seqs[1][4, 2] = np.nan
+    x, lens = padded(seqs)
+    if form == "npz":
+        np.savez(tmp_path / "in.npz", x=x, lengths=lens)
+        src, kw = str(tmp_path / "in.npz"), {}
+    elif form == "npy+lengths":
+        np.save(tmp_path / "x.npy", x)
+        np.save(tmp_path / "l.npy", lens)
+        src, kw = str(tmp_path / "x.npy"), {"lengths": str(tmp_path / "l.npy")}
+    else:
+        src = write_parquet(str(tmp_path / "in.parquet"), seqs, form.split("-")[1], pad=1)
+        kw = {}
+    with pytest.raises(LeanRNNError, match=r"row 1, step 4: NaN or Inf"):
+        leanrnn.score(lstm, src, str(tmp_path / "out.npz"), **kw)
+    x[1, 4, 2] = 0.0  # without lengths the padded rows are checked whole: the same words
+    x[2, 5, 0] = np.inf
+    np.save(tmp_path / "whole.npy", x)
+    with pytest.raises(LeanRNNError, match=r"row 2, step 5: NaN or Inf"):
+        leanrnn.score(lstm, str(tmp_path / "whole.npy"), str(tmp_path / "out.npz"))
+
+
+def test_an_output_that_is_a_directory_or_a_device_is_refused_before_any_work(tmp_path, lstm,
+                                                                               monkeypatch):  # fmt: skip
+    """Before: a directory failed at the final rename with IsADirectoryError, after all the
+    scoring; a device such as /dev/null would have been replaced by a regular file."""
+    from leanrnn.score import data
+
+    x, lens = padded([np.ones((3, C), np.float32)] * 2)
+    np.savez(tmp_path / "in.npz", x=x, lengths=lens)
+    (tmp_path / "out.parquet").mkdir()
+    read = []
+    monkeypatch.setattr(data, "check_values", lambda *a, **k: read.append(1))
+    os.mkfifo(tmp_path / "fifo.npz")  # (not /dev/null: the old code, as root, replaced it)
+    for out, words in ((tmp_path / "out.parquet", "is a directory"),
+                       (tmp_path / "fifo.npz", "not a regular file")):  # fmt: skip
+        with pytest.raises(LeanRNNError, match=words):
+            leanrnn.score(lstm, str(tmp_path / "in.npz"), str(out))
+    assert read == [] and not os.path.isfile(tmp_path / "fifo.npz")
+
+
+def test_a_uint64_length_past_int64_is_named_as_it_is(tmp_path, lstm):
+    """2**64 - 1 was reported as "length -1" (cast to int64 before the check)."""
+    x = np.ones((2, 3, C), np.float32)
+    np.savez(tmp_path / "in.npz", x=x, lengths=np.array([2**64 - 1, 1], np.uint64))
+    with pytest.raises(LengthsError, match="row 0: length 18446744073709551615; expected"):
+        leanrnn.score(lstm, str(tmp_path / "in.npz"), str(tmp_path / "o.npz"))
+    seqs = [np.ones((2, C), np.float32)] * 2
+    path = write_parquet(str(tmp_path / "in.parquet"), seqs, "flat")
+    t = pq.read_table(path)
+    t = t.set_column(1, "length", pa.array([1, 2**64 - 1], pa.uint64()))
+    pq.write_table(t, path)
+    with pytest.raises(LengthsError, match="row 1: length 18446744073709551615 but"):
+        leanrnn.score(lstm, path, str(tmp_path / "o.npz"))
+    np.savez(tmp_path / "ok.npz", x=x, lengths=np.array([3, 1], np.uint64))  # still taken
+    assert leanrnn.score(lstm, str(tmp_path / "ok.npz"), str(tmp_path / "o.npz")).sequences == 2

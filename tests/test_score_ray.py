@@ -107,7 +107,7 @@ def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, mo
     assert type(e.value) is DataError, type(e.value)
     msg = str(e.value)
     assert msg.startswith("[score] ") and "a.parquet', row group 1" in msg, msg
-    assert "row 4: NaN" in msg, msg
+    assert "row 4, step 0: NaN" in msg, msg
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     # the next good job works
     ok = str(tmp_path / "ok.parquet")

@@ -112,6 +112,14 @@ def _check_output(output, dataset, model, lengths, local: bool) -> None:
             f"[score] output {os.fspath(output)!r} is inside the input directory "
             f"{os.fspath(dataset)!r}, whose files are all read as data; write it elsewhere"
         )
+    if os.path.exists(out) and not os.path.isfile(out):
+        # a directory failed at the final rename, after all the scoring; a device (/dev/null)
+        # would have been replaced by a regular file
+        what = "a directory" if os.path.isdir(out) else "not a regular file"
+        raise DataError(
+            f"[score] output {os.fspath(output)!r} is {what}; expected a .parquet or .npz file "
+            "path (written whole at the end, replacing a file of that name)"
+        )
     parent = os.path.dirname(out)
     if local and (not os.path.isdir(parent) or not os.access(parent, os.W_OK)):
         why = "is not writable" if os.path.isdir(parent) else "does not exist"

@@ -155,18 +155,26 @@ def _reader(path: str, src: Source):
 
 
 def check_values(a: np.ndarray, where: str, what: str, first_row: int, offsets=None) -> None:
-    """DataError naming the first row holding NaN/Inf (``offsets``: row boundaries in ``a``)."""
+    """DataError naming the row and step of the first NaN/Inf. ``a``: [N, T, C] rows of padded
+    steps, [L, C] the steps of the one row ``first_row``, or [sum L, C] rows' steps one after
+    another, row i's from ``offsets[i]`` on."""
     if a.size == 0:
         return
     bad = ~np.isfinite(a)
     if not bad.any():
         return
-    first = int(np.argmax(bad.reshape(a.shape[0], -1).any(axis=1)))
-    row = first if offsets is None else int(np.searchsorted(offsets, first, side="right") - 1)
+    if a.ndim == 3:
+        steps = bad.reshape(a.shape[0], a.shape[1], -1).any(axis=2)
+        row = int(np.argmax(steps.any(axis=1)))
+        step = int(np.argmax(steps[row]))
+    else:
+        first = int(np.argmax(bad.reshape(a.shape[0], -1).any(axis=1)))
+        row = 0 if offsets is None else int(np.searchsorted(offsets, first, side="right") - 1)
+        step = first - (0 if offsets is None else int(offsets[row]))
     raise DataError(
-        f"[score] {where}, {what}, row {first_row + row}: NaN or Inf in the input; expected "
-        "finite values (clean the data, or pass allow_nonfinite=True / --allow-nonfinite to "
-        "let them propagate to that sequence's outputs)"
+        f"[score] {where}, {what}, row {first_row + row}, step {step}: NaN or Inf in the "
+        "input; expected finite values (clean the data, or pass allow_nonfinite=True / "
+        "--allow-nonfinite to let them propagate to that sequence's outputs)"
     )
 
 
@@ -308,11 +316,18 @@ def _offsets(arr) -> np.ndarray:
     return off - off[0]
 
 
-def _check_lengths(lens: np.ndarray, limit, message) -> None:
-    """LengthsError(message(row)) for the first row whose length is outside 0..limit[row]."""
-    bad = (lens < 0) | (lens > limit)
+def _lengths(raw: np.ndarray, limit, message) -> np.ndarray:
+    """``raw`` integer lengths as int64, after a LengthsError(message(row, length)) for the
+    first row whose length is outside 0..limit[row] (uint64 past int64's range is out of it:
+    cast first, 2**64 - 1 was named "length -1")."""
+    if raw.dtype.kind == "u":
+        bad = raw > np.minimum(np.asarray(limit), np.iinfo(np.int64).max).astype(np.uint64)
+    else:
+        bad = (raw < 0) | (raw > limit)
     if bad.any():
-        raise LengthsError(message(int(np.argmax(bad))))
+        row = int(np.argmax(bad))
+        raise LengthsError(message(row, int(raw[row])))
+    return raw.astype(np.int64)
 
 
 def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
@@ -386,10 +401,9 @@ def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
                 f"[score] {where}, length column {length_column!r}: null lengths; expected "
                 "an integer per row"
             )
-        lens = lengths.to_numpy(zero_copy_only=False).astype(np.int64)
-        _check_lengths(lens, steps, lambda row: (
+        lens = _lengths(lengths.to_numpy(zero_copy_only=False), steps, lambda row, n: (
             f"[score] {where}, length column {length_column!r}, row {first_row + row}: "
-            f"length {int(lens[row])} but the row holds {int(steps[row])} steps; expected "
+            f"length {n} but the row holds {int(steps[row])} steps; expected "
             "0 <= length <= steps in the data"))  # fmt: skip
     else:
         lens = steps
@@ -542,13 +556,11 @@ class _NpyReader:
                 raise DataError(f"[score] {lname} is truncated")
             f, close = lm.open()
             try:
-                lens = np.frombuffer(f.read(N * lm.dtype.itemsize), lm.dtype).astype(np.int64)
+                raw = np.frombuffer(f.read(N * lm.dtype.itemsize), lm.dtype)
             finally:
                 close()
-            _check_lengths(lens, T, lambda row: (
-                f"[score] {lname}, row {row}: length {int(lens[row])}; expected "
-                f"0 <= length <= T={T}"))  # fmt: skip
-            self.lengths = lens
+            self.lengths = _lengths(raw, T, lambda row, n: (
+                f"[score] {lname}, row {row}: length {n}; expected 0 <= length <= T={T}"))  # fmt: skip
 
     def count(self) -> int:
         return self.x.shape[0]
