@@ -154,7 +154,8 @@ def test_load_torch_state_dict_and_continue(case, dtype, rng):
         "param_groups": sd["param_groups"],
     }
     for p, t in zip(params, tp, strict=True):
-        p.value[...] = t.detach().numpy()
+        with p.edit() as v:
+            v[...] = t.detach().numpy()
     opt = OURS[name](params, lr=1.0)
     opt.load_state_dict(sd)
     assert opt.lr == LR[name]
@@ -293,7 +294,8 @@ def test_zero_padding_stays_zero(case, rng):
     name, cfg = case
     (p,) = _params(rng, np.float32, [(6, 8)])
     pad = (slice(None), slice(5, None))
-    p.value[pad] = 0
+    with p.edit() as v:
+        v[pad] = 0
     opt = OURS[name]([p], lr=0.1, **cfg)
     for _ in range(5):
         _feed(rng, [p])
@@ -358,7 +360,8 @@ def test_state_dict_round_trip_continues_bit_for_bit(rng):
             _feed(rng, a)
             opt_a.step()
         for p, q in zip(a, b, strict=True):
-            q.value[...] = p.value
+            with q.edit() as v:
+                v[...] = p.value
         opt_b = OURS[name](b)  # other hyperparameters: the state dict brings them
         opt_b.load_state_dict(opt_a.state_dict())
         assert opt_b.state_dict()["param_groups"] == opt_a.state_dict()["param_groups"]
@@ -375,12 +378,17 @@ def test_state_dict_round_trip_continues_bit_for_bit(rng):
 def test_parameter_basics():
     v = np.arange(6, dtype=np.float32).reshape(2, 3)
     p = Parameter(v, name="W")
-    assert p.value is v and p.grad.shape == v.shape and p.grad.dtype == v.dtype
+    assert np.shares_memory(p.value, v) and not p.value.flags.writeable  # a read-only view
+    assert p.grad.shape == v.shape and p.grad.dtype == v.dtype
+    with p.edit() as w:
+        assert w is v
+        w[0, 0] = 9
+    assert p.version == 1 and p.value[0, 0] == 9
     g = p.grad
     g += 1
     p.zero_grad()
     assert p.grad is g and not g.any()
-    assert "W" in repr(p) and p.version == 0
+    assert "W" in repr(p) and p.version == 1
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -199,14 +199,14 @@ def test_finite_differences_without_torch(cell):
     nz = np.argwhere(g != 0)[:3]
     for idx in map(tuple, nz):
         old = p.value[idx]
-        p.value[idx] = old + eps
-        p.version += 1
+        with p.edit() as v:  # (bumps version: the trainer refreshes its derived weights)
+            v[idx] = old + eps
         lp = _loss(tr, x, None, lengths, cot)[0]
-        p.value[idx] = old - eps
-        p.version += 1
+        with p.edit() as v:
+            v[idx] = old - eps
         lm = _loss(tr, x, None, lengths, cot)[0]
-        p.value[idx] = old
-        p.version += 1
+        with p.edit() as v:
+            v[idx] = old
         fd = (lp - lm) / (2 * eps)
         assert abs(fd - g[idx]) <= RTOL_FINITE_DIFF[np.float64] * max(1.0, abs(fd))
 
@@ -540,8 +540,8 @@ def test_autocast_gradients_are_those_of_the_rounded_model(cell, kw, threads):
             for p in m32.parameters():
                 p.mul_(1.01)
         for prm in tr.parameters():
-            np.multiply(prm.value, np.float32(1.01), out=prm.value)
-            prm.version += 1
+            with prm.edit() as v:
+                np.multiply(v, np.float32(1.01), out=v)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -662,3 +662,48 @@ def test_autocast_refuses_what_it_cannot_do():
     with pytest.raises(SpecError, match="'bf16', 'bf16-act'"):
         tr.autocast = "fp16"
     assert tr.autocast is None
+
+
+def test_a_hand_written_update_goes_through_edit_and_the_trainer_sees_it():
+    """A red team's finding (session 34): ``p.value[...] -= lr * p.grad`` wrote the weights
+    without a version bump, so the trainer kept the folded biases and dense copies of the old
+    weights (outputs 0.46 off, gradients 1.4x off a fresh trainer's). The value is now a
+    read-only view; ``edit()`` writes it and the trainer refreshes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 2, 3))
+    dy = rng.standard_normal((5, 2, 4))
+    m = leanrnn.LSTM(3, 4, seed=0, dtype=np.float64)
+    tr = Trainer(m)
+    tr.backward(tr.forward(x), dy)
+    with pytest.raises(ValueError, match="read-only"):
+        tr.parameters()[2].value[...] -= 0.5  # (bW: what the forward folds)
+    for p in tr.parameters():
+        with p.edit() as v:
+            v -= 0.5 * p.grad
+    tr.zero_grad()
+    tape = tr.forward(x)
+    tr.backward(tape, dy)
+    fresh = Trainer(leanrnn.from_state_dict(m.state_dict(), dtype=np.float64))
+    want = fresh.forward(x)
+    fresh.backward(want, dy)
+    np.testing.assert_allclose(tape.y, want.y, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(tr.grad.buffer, fresh.grad.buffer, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(m(x)[0], want.y, rtol=0, atol=1e-12)  # the model's own forward
+
+
+def test_tape_y_is_read_only_since_backward_reads_it_again():
+    """A red team's finding (session 34): np.tanh(tape.y, out=tape.y) before backward changed
+    the gradients by 0.24% without a word."""
+    m = leanrnn.GRU(3, 4, seed=0, dtype=np.float64)
+    tr = Trainer(m)
+    x = np.random.default_rng(1).standard_normal((5, 2, 3))
+    tape = tr.forward(x)
+    with pytest.raises(ValueError, match="read-only"):
+        np.tanh(tape.y, out=tape.y)
+    want = Trainer(m)
+    wt = want.forward(x)
+    np.testing.assert_array_equal(tape.y, wt.y)
+    dy = np.ones_like(tape.y)
+    assert dy.flags.writeable
+    np.testing.assert_array_equal(tr.backward(tape, dy)[0], want.backward(wt, dy)[0])
+    np.testing.assert_array_equal(tr.grad.buffer, want.grad.buffer)

@@ -354,7 +354,7 @@ def _forward_locked(eng, x, h0, c0, weights, lengths, masks, tape, autocast):
         # y is the tape's top-layer output, which backward reads (h_prev of dR): handed to
         # torch as it is (no copy), the op saves it for backward, so torch's version check
         # refuses a backward after an in-place change (_save), as for torch.nn.LSTM's y
-        y, h_n, c_n = tp.y, tp.h_n, tp.c_n
+        y, h_n, c_n = tp._y, tp.h_n, tp.c_n
         handle = _handle(eng, tp if tape else None, weights)
     else:
         model = eng.model

@@ -55,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable
@@ -99,13 +100,17 @@ def _span(a: np.ndarray) -> tuple[int, int]:
 class Parameter:
     """One trainable array and the gradient that backward accumulates into.
 
-    value: [any shape] float32/float64, C-contiguous, writeable; optimizers update it in place
-        (rebinding it is not allowed: the owner holds views of it).
+    value: [any shape] float32/float64, C-contiguous; read here as a read-only view. Optimizers
+        update it in place, and so may a caller, through ``edit()`` (rebinding it is not
+        allowed: the owner holds views of it).
     grad: [value.shape] value.dtype; gradients accumulate into it (zeros when not given); may
         be replaced by another array of the same shape and dtype, never aliasing value.
     name: a label used in error messages.
-    version: incremented by every optimizer step that writes value, so the owner can tell the
-        weights changed and refresh what it derived from them (torch's ``_version``).
+    version: incremented by every optimizer step and ``edit()`` that writes value, so the owner
+        can tell the weights changed and refresh what it derived from them (torch's
+        ``_version``, which torch bumps on any in-place write; numpy cannot see one, hence the
+        read-only view: ``p.value -= lr * p.grad`` left a Trainer on the old folded biases
+        and dense copies, its outputs and gradients those of a mix of old and new weights).
     """
 
     __slots__ = ("_grad", "_owner", "_value", "name", "version")
@@ -151,7 +156,27 @@ class Parameter:
 
     @property
     def value(self) -> np.ndarray:
-        return self._value
+        """The array, read-only (write it with ``edit()``)."""
+        v = self._value.view()
+        v.flags.writeable = False
+        return v
+
+    @contextlib.contextmanager
+    def edit(self):
+        """The array, writeable, for an update by hand; on leaving, ``version`` is bumped and
+        the owner (a Trainer) refreshes what it derived from the weights, as after an
+        optimizer step::
+
+            with p.edit() as v:
+                v -= lr * p.grad
+        """
+        try:
+            yield self._value
+        finally:  # (an exception may come after some of the writes)
+            self.version += 1
+            owner = self._owner() if self._owner is not None else None
+            if owner is not None:
+                owner._check_weights()
 
     @property
     def grad(self) -> np.ndarray:
@@ -431,7 +456,7 @@ class _Optimizer:
     def step(self) -> None:
         """One update of every parameter from its current gradient; bumps ``version``."""
         for i, p in enumerate(self._params):
-            self._update(i, p.value, p.grad, self._state[i])
+            self._update(i, p._value, p.grad, self._state[i])
             p.version += 1
         # the owners refresh now, not at their next forward: the model's own inference and
         # save() read the folded biases, which were one step stale (0.33 off after a step)

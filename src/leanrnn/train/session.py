@@ -138,15 +138,24 @@ def trainable(spec) -> None:
 
 class Tape:
     """What one training forward produced: ``y``, ``h_n``, ``c_n`` (as ``Session.run`` returns
-    them) and, privately, what backward needs."""
+    them) and, privately, what backward needs. ``y`` reads as a read-only view: backward reads
+    it again (the top layer's h_prev), and ``np.tanh(tape.y, out=tape.y)`` before it changed
+    the gradients without a word (leanrnn.torch hands torch the array itself, ``_y``, whose
+    version counter guards it there)."""
 
     def __init__(self, trainer, y, h_n, c_n, saved: dict) -> None:
-        self.y, self.h_n, self.c_n = y, h_n, c_n
+        self._y, self.h_n, self.c_n = y, h_n, c_n
         self._trainer = trainer
         self._saved = saved
         self._version = trainer._version
         self._serial = saved["serial"]
         self.used = False
+
+    @property
+    def y(self) -> np.ndarray:
+        v = self._y.view()
+        v.flags.writeable = False
+        return v
 
 
 class Trainer:
@@ -392,6 +401,11 @@ class Trainer:
         L-1 dropout masks [T*N, D*K] (time-major rows, already scaled by 1/(1-p)) to use
         instead of drawing them (leanrnn.torch draws them with torch's generator, as
         torch.nn.LSTM does); needs a Trainer made with dropout > 0 (which plans their buffers).
+
+        A time-major C-contiguous ``x`` is read in place, by this forward and again by the
+        backward of its tape (the weight gradients): keep it unchanged until then (a loader
+        that refills one buffer: copy, or run backward first). leanrnn.torch's autograd
+        guards it with torch's version counter.
         """
         self._check_weights()
         spec, dt, op = self.spec, self.dtype, "Trainer.forward"
