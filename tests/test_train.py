@@ -707,3 +707,51 @@ def test_tape_y_is_read_only_since_backward_reads_it_again():
     assert dy.flags.writeable
     np.testing.assert_array_equal(tr.backward(tape, dy)[0], want.backward(wt, dy)[0])
     np.testing.assert_array_equal(tr.grad.buffer, want.grad.buffer)
+
+
+@pytest.mark.parametrize(("attr", "value"), [
+    ("threads", -1), ("threads", 1.5), ("segment", 2.5), ("segment", -3), ("dropout", 1.5),
+    ("dropout", "0.1"), ("memory_limit", "abc"), ("memory_limit", 0), ("recompute", "no"),
+])  # fmt: skip
+def test_settings_are_checked_when_set_after_construction(attr, value):
+    """A red team's finding (session 34): the constructor refused these, but set afterwards
+    they ran (dropout=1.5 zeroed the layers' inputs; memory_limit='abc' a raw ValueError)."""
+    tr = Trainer(leanrnn.LSTM(3, 8, num_layers=2, seed=0))
+    before = getattr(tr, attr)
+    with pytest.raises(SpecError, match=attr):
+        setattr(tr, attr, value)
+    assert getattr(tr, attr) == before
+    with pytest.raises(SpecError, match=attr):
+        Trainer(leanrnn.LSTM(3, 8, num_layers=2, seed=0), **{attr: value})
+
+
+def test_dropout_switched_on_after_a_step_plans_its_masks():
+    """Turning dropout on after a step without it reused a plan with no mask buffers."""
+    m = leanrnn.LSTM(3, 8, num_layers=2, seed=0, dtype=np.float64)
+    x = np.random.default_rng(0).standard_normal((6, 2, 3))
+    tr = Trainer(m, seed=1)
+    tr.forward(x)
+    tr.dropout = 0.5
+    tape = tr.forward(x)
+    want = Trainer(m, dropout=0.5, seed=1)
+    np.testing.assert_array_equal(tape.y, want.forward(x).y)
+    tr.dropout = 0.0
+    np.testing.assert_array_equal(tr.forward(x).y, m(x)[0])
+    rt = leanrnn.LSTM(3, 8, num_layers=2, bidirectional=True, seed=0)
+    with pytest.raises(SpecError, match="forward stack"):
+        Trainer(rt).recompute = True
+
+
+def test_a_trainer_pickled_when_settings_were_attributes_still_loads():
+    tr = Trainer(leanrnn.GRU(3, 4, num_layers=2, seed=0), segment=2, dropout=0.25)
+    state = tr.__getstate__()
+    for old, now in (("threads", "_threads_asked"), ("segment", "_segment_steps"),
+                     ("recompute", "_recompute"), ("memory_limit", "_memory_limit"),
+                     ("dropout", "_dropout")):  # fmt: skip
+        state[old] = state.pop(now)  # the pickle of an earlier version
+    back = Trainer.__new__(Trainer)
+    back.__setstate__(state)
+    assert (back.segment, back.dropout, back.recompute, back.threads) == (2, 0.25, False, None)
+    x = np.ones((4, 2, 3), np.float32)
+    back.training = tr.training = False
+    np.testing.assert_array_equal(back.forward(x).y, tr.forward(x).y)

@@ -106,6 +106,12 @@ _GEMM_AT_BYTES = 4 << 20
 _L1_WAY = 4096  # bytes of one way of an L1 data cache: 64 sets of 64-byte lines
 
 
+# Trainer settings that were plain attributes in pickles of earlier versions: (name, its field)
+_SETTINGS_BEFORE_PROPERTIES = (("threads", "_threads_asked"), ("segment", "_segment_steps"),
+                               ("recompute", "_recompute"), ("memory_limit", "_memory_limit"),
+                               ("dropout", "_dropout"))  # fmt: skip
+
+
 class TapeError(LeanRNNError, RuntimeError):
     """A tape that cannot be used: backward already ran, or the weights changed since."""
 
@@ -187,21 +193,14 @@ class Trainer:
         self.dtype = w.dtype
         trainable(self.spec)
         self.autocast = autocast
-        if recompute and self.spec.direction != "forward":
-            raise SpecError(
-                f"[Trainer] recompute=True needs a forward stack; this one is "
-                f"{self.spec.direction} (a reverse direction starts at each sample's last step, "
-                "so its segments cannot be replayed from the front)"
-            )
-        if (not isinstance(dropout, int | float | np.integer | np.floating)
-                or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0):  # fmt: skip
-            raise SpecError(f"[Trainer] dropout={dropout!r}; expected a float, 0 <= dropout < 1")
-        # refused, not truncated or clamped: segment=2.5 ran segments of 2, threads=-1 ran
-        self.threads = _check.count_or_none("Trainer", "threads", threads)
-        self.segment = _check.count_or_none("Trainer", "segment", segment, "steps >= 1")
-        self.recompute = bool(recompute)
-        self.memory_limit = _check.bytes_or_none("Trainer", "memory_limit", memory_limit)
-        self.dropout = float(dropout)
+        self._plans: dict = {}  # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes)
+        # settings: properties, checked here and whenever set later (Trainer.threads = -1 ran)
+        self.threads = threads
+        self.segment = segment
+        self.recompute = recompute
+        self.memory_limit = memory_limit
+        self._dropout = 0.0
+        self.dropout = dropout
         self.training = True
         if seed is not None and (not isinstance(seed, int | np.integer) or seed < 0
                                  or isinstance(seed, bool)):  # fmt: skip
@@ -219,7 +218,6 @@ class Trainer:
         self._serial = 0
         self._arena: Arena | None = None
         self._spare: list[Arena] = []  # arenas of released own-memory tapes (release())
-        self._plans: dict = {}  # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes)
         # arena -> {plan key: its views}: made once per arena and shape (_memory); weak, so
         # an arena's views (which hold its buffer) go with it
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -241,6 +239,9 @@ class Trainer:
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
         # (trainers pickled before autocast existed computed in float32)
         state = {"_autocast": None, "_bf16": None, "_bf16_version": -1, **state}
+        for old, now in _SETTINGS_BEFORE_PROPERTIES:  # (pickled before they were properties)
+            if old in state:
+                state[now] = state.pop(old)
         if isinstance(state.get("_dense"), list):
             state["_dense"] = {}
         self.__dict__.update(state)
@@ -278,6 +279,66 @@ class Trainer:
           rounded model's products taken at the unrounded activations (the rounding of the
           activations, like that of the weights, passes gradients straight through)."""
         return self._autocast
+
+    # Refused, not truncated or clamped, whenever set: segment=2.5 ran segments of 2, threads=-1
+    # ran, and set after construction dropout=1.5 zeroed the layers' inputs.
+    @property
+    def threads(self) -> int | None:
+        """Kernel threads (None: the process's, leanrnn.set_num_threads)."""
+        return self._threads_asked
+
+    @threads.setter
+    def threads(self, value) -> None:
+        self._threads_asked = _check.count_or_none("Trainer", "threads", value)
+
+    @property
+    def segment(self) -> int | None:
+        """Steps per segment of backward (None: chosen, _segment)."""
+        return self._segment_steps
+
+    @segment.setter
+    def segment(self, value) -> None:
+        self._segment_steps = _check.count_or_none("Trainer", "segment", value, "steps >= 1")
+
+    @property
+    def recompute(self) -> bool:
+        """Keep only segment boundaries and recompute each segment's forward in backward."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value) -> None:
+        if not isinstance(value, bool | np.bool_) and value not in (0, 1):  # "no" was True
+            raise SpecError(f"[Trainer] recompute={value!r}; expected True or False")
+        if value and self.spec.direction != "forward":
+            raise SpecError(
+                f"[Trainer] recompute=True needs a forward stack; this one is "
+                f"{self.spec.direction} (a reverse direction starts at each sample's last step, "
+                "so its segments cannot be replayed from the front)"
+            )
+        self._recompute = bool(value)
+
+    @property
+    def memory_limit(self) -> int | None:
+        """Bytes a step's plan may take: picks the segments (None: no limit)."""
+        return self._memory_limit
+
+    @memory_limit.setter
+    def memory_limit(self, value) -> None:
+        self._memory_limit = _check.bytes_or_none("Trainer", "memory_limit", value)
+
+    @property
+    def dropout(self) -> float:
+        """Inter-layer dropout probability in training mode (torch.nn.LSTM's ``dropout``)."""
+        return self._dropout
+
+    @dropout.setter
+    def dropout(self, value) -> None:
+        if (not isinstance(value, int | float | np.integer | np.floating)
+                or isinstance(value, bool) or not 0.0 <= value < 1.0):  # fmt: skip
+            raise SpecError(f"[Trainer] dropout={value!r}; expected a float, 0 <= dropout < 1")
+        if (value > 0) != (self._dropout > 0):
+            self._plans.clear()  # the plans hold the masks' buffers only with dropout on
+        self._dropout = float(value)
 
     @autocast.setter
     def autocast(self, value) -> None:
