@@ -755,3 +755,30 @@ def test_a_trainer_pickled_when_settings_were_attributes_still_loads():
     x = np.ones((4, 2, 3), np.float32)
     back.training = tr.training = False
     np.testing.assert_array_equal(back.forward(x).y, tr.forward(x).y)
+
+
+def test_an_optimizer_unpickled_without_its_trainer_refuses_to_step():
+    """A red team's finding (session 34): pickled apart, the optimizer came back over copies
+    of the trainer's parameters, and resumed training never changed the model."""
+    import pickle
+
+    from leanrnn.train import Adam, Parameter
+
+    tr = Trainer(leanrnn.GRU(3, 4, seed=0))
+    opt = Adam(tr.parameters(), lr=0.1)
+    x, dy = np.ones((5, 2, 3), np.float32), np.ones((5, 2, 4), np.float32)
+    alone = pickle.loads(pickle.dumps(opt))
+    with pytest.raises(leanrnn.errors.LeanRNNError, match="pickle.dumps"):
+        alone.step()
+    with pytest.raises(leanrnn.errors.LeanRNNError, match="copies of a trainer"):
+        copy.deepcopy(opt).step()
+    tr2, opt2 = pickle.loads(pickle.dumps((tr, opt)))  # together: bound to the new trainer
+    for t, o in ((tr, opt), (tr2, opt2)):
+        t.backward(t.forward(x), dy)
+        o.step()
+    np.testing.assert_array_equal(tr2.weights.buffer, tr.weights.buffer)
+    fresh = Adam(tr2.parameters(), lr=0.1)  # the state-dict route
+    fresh.load_state_dict(alone.state_dict())
+    own = Parameter(np.ones(3, np.float32))  # a parameter no trainer owns pickles as ever
+    o3 = pickle.loads(pickle.dumps(Adam([own], lr=0.1)))
+    o3.step()

@@ -113,20 +113,25 @@ class Parameter:
         and dense copies, its outputs and gradients those of a mix of old and new weights).
     """
 
-    __slots__ = ("_grad", "_owner", "_value", "name", "version")
+    __slots__ = ("_grad", "_orphan", "_owner", "_value", "name", "version")
 
     def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = ""):
         self.name = str(name)
         self._value = _check_array("Parameter", f"value of {self._label()}", value)
         self.version = 0
         self._owner = None  # weakref.ref to what derives state from value (a Trainer), or None
+        self._orphan = False  # a copy of an owned parameter that no owner has adopted
         self._grad = np.zeros_like(value) if grad is None else self._checked_grad(grad)
 
     def __getstate__(self) -> dict:
         # a copy or a pickle has no owner until one adopts it (Trainer.__setstate__)
-        return {k: getattr(self, k) for k in ("_grad", "_value", "name", "version")}
+        state = {k: getattr(self, k) for k in ("_grad", "_value", "name", "version")}
+        state["owned"] = self._owner is not None or self._orphan
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        self._orphan = bool(state.pop("owned", False))
         for k, v in state.items():
             object.__setattr__(self, k, v)
         self._owner = None
@@ -455,6 +460,14 @@ class _Optimizer:
 
     def step(self) -> None:
         """One update of every parameter from its current gradient; bumps ``version``."""
+        orphans = [p.name or f"params[{i}]" for i, p in enumerate(self._params) if p._orphan]
+        if orphans:  # it would update copies that no forward reads: training stalls silently
+            raise LeanRNNError(
+                f"[{type(self).__name__}.step] parameters {orphans[:3]} are copies of a "
+                "trainer's, unpickled (or copied) without it: their updates would reach no "
+                "model. Pickle the trainer and the optimizer together (pickle.dumps((tr, opt))), "
+                "or save opt.state_dict() and load it into an optimizer over tr.parameters()"
+            )
         for i, p in enumerate(self._params):
             self._update(i, p._value, p.grad, self._state[i])
             p.version += 1

@@ -255,7 +255,7 @@ class Trainer:
         # Re-point them, keeping the objects (an optimizer pickled along holds them).
         for prm, fresh in zip(self._params, self._make_parameters(), strict=True):
             prm._value, prm._grad = fresh._value, fresh._grad
-            prm._owner = weakref.ref(self)
+            prm._owner, prm._orphan = weakref.ref(self), False
 
     @property
     def autocast(self) -> str | None:
