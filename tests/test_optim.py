@@ -124,7 +124,7 @@ def test_defaults_are_torchs(name):
     theirs = getattr(torch.optim, name)([w]).defaults
     ours = OURS[name]([Parameter(np.zeros(2, np.float32))]).state_dict()["param_groups"][0]
     for k, v in ours.items():
-        if k != "params":
+        if k not in ("params", "shapes"):  # (shapes: leanrnn's check of a loaded state)
             assert theirs[k] == v, k
 
 
@@ -518,3 +518,30 @@ def test_load_state_dict_rejects_bad_input_and_leaves_optimizer_unharmed(rng):
         opt_b.step()
     for p, q in zip(a, b, strict=True):
         np.testing.assert_array_equal(p.value, q.value)
+
+
+def test_state_of_another_models_optimizer_is_refused_though_its_panels_match():
+    """A red team's finding (session 34): LSTM H=6 and H=7 pack to the same panel shapes, and
+    Adam loaded the H=7 state, its next step writing into the H=6 model's padding."""
+    import leanrnn
+    from leanrnn.train import Adam, Trainer
+
+    x = np.ones((5, 2, 4), np.float32)
+    opts = {}
+    for H in (6, 7):
+        tr = Trainer(leanrnn.LSTM(4, H, seed=0))
+        opts[H] = Adam(tr.parameters(), lr=0.1)
+        tr.backward(tr.forward(x), np.ones((5, 2, H), np.float32))
+        opts[H].step()
+    assert [p.shape for p in opts[6]._params] == [p.shape for p in opts[7]._params]
+    before = opts[6].state_dict()
+    with pytest.raises(LeanRNNError, match=r"parameter 0: \[28, 4\] there, \[24, 4\] here"):
+        opts[6].load_state_dict(opts[7].state_dict())
+    after = opts[6].state_dict()
+    for i, s in before["state"].items():  # nothing changed
+        for k, v in s.items():
+            np.testing.assert_array_equal(v, after["state"][i][k])
+    opts[6].load_state_dict(before)  # its own: taken
+    sd = opts[6].state_dict()
+    del sd["param_groups"][0]["shapes"]  # a state dict as torch's own carry none: taken
+    opts[6].load_state_dict(sd)

@@ -106,6 +106,10 @@ class Parameter:
     grad: [value.shape] value.dtype; gradients accumulate into it (zeros when not given); may
         be replaced by another array of the same shape and dtype, never aliasing value.
     name: a label used in error messages.
+    logical_shape: the shape the array stands for (a Trainer's packed panels: torch's
+        ``weight_ih_l0`` shape, etc.; default ``value.shape``): an optimizer's state dict
+        carries them, so that one of another model whose panels pack to the same array shape
+        (LSTM H=6 and H=7 both fill 16-unit panels) is refused rather than loaded.
     version: incremented by every optimizer step and ``edit()`` that writes value, so the owner
         can tell the weights changed and refresh what it derived from them (torch's
         ``_version``, which torch bumps on any in-place write; numpy cannot see one, hence the
@@ -113,11 +117,13 @@ class Parameter:
         and dense copies, its outputs and gradients those of a mix of old and new weights).
     """
 
-    __slots__ = ("_grad", "_orphan", "_owner", "_value", "name", "version")
+    __slots__ = ("_grad", "_orphan", "_owner", "_value", "logical_shape", "name", "version")
 
-    def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = ""):
+    def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = "",
+                 logical_shape: tuple[int, ...] | None = None) -> None:  # fmt: skip
         self.name = str(name)
         self._value = _check_array("Parameter", f"value of {self._label()}", value)
+        self.logical_shape = tuple(value.shape if logical_shape is None else logical_shape)
         self.version = 0
         self._owner = None  # weakref.ref to what derives state from value (a Trainer), or None
         self._orphan = False  # a copy of an owned parameter that no owner has adopted
@@ -125,7 +131,8 @@ class Parameter:
 
     def __getstate__(self) -> dict:
         # a copy or a pickle has no owner until one adopts it (Trainer.__setstate__)
-        state = {k: getattr(self, k) for k in ("_grad", "_value", "name", "version")}
+        state = {k: getattr(self, k) for k in ("_grad", "_value", "name", "version",
+                                               "logical_shape")}  # fmt: skip
         state["owned"] = self._owner is not None or self._orphan
         return state
 
@@ -135,6 +142,8 @@ class Parameter:
         for k, v in state.items():
             object.__setattr__(self, k, v)
         self._owner = None
+        if "logical_shape" not in state:  # pickled before it existed
+            self.logical_shape = tuple(self._value.shape)
 
     def _label(self) -> str:
         return f"parameter {self.name!r}" if self.name else "parameter"
@@ -496,6 +505,7 @@ class _Optimizer:
                 }
         group = {k: (tuple(v) if isinstance(v, tuple) else v) for k, v in self._hyper.items()}
         group["params"] = list(range(len(self._params)))
+        group["shapes"] = [list(p.logical_shape) for p in self._params]  # (torch keeps it too)
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -531,6 +541,16 @@ class _Optimizer:
                 f"[{where}] param_groups[0]['params'] is {ids!r:.200}; expected "
                 f"{list(range(n))!r:.200} (the state dict must be of an "
                 f"optimizer over the same {n} parameters)"
+            )
+        shapes = group.pop("shapes", None)  # absent from torch's own state dicts
+        ours = [list(p.logical_shape) for p in self._params]
+        if shapes is not None and [list(s) for s in shapes] != ours:
+            bad = next(i for i, (a, b) in enumerate(zip(shapes, ours, strict=False))
+                       if list(a) != b)  # fmt: skip
+            raise LeanRNNError(
+                f"[{where}] the state dict is of parameters shaped otherwise (parameter {bad}: "
+                f"{list(shapes[bad])} there, {ours[bad]} here): the state of another model's "
+                "optimizer"
             )
         group = {k: v for k, v in group.items() if k not in self._TORCH_ONLY or k in self._hyper}
         unexpected = sorted(set(group) - set(self._hyper))

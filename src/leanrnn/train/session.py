@@ -358,7 +358,8 @@ class Trainer:
                 names = ["Wt", "Rt"] + (["bW", "bR"] if spec.bias else []) + (
                     ["proj"] if spec.proj_size else [])  # fmt: skip
                 for n in names:
-                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}"))
+                    out.append(Parameter(getattr(pw, n), getattr(pg, n), f"l{li}.d{d}.{n}",
+                                         _logical_shape(spec, li, n)))  # fmt: skip
         return out
 
     def parameters(self) -> list[Parameter]:
@@ -1380,6 +1381,13 @@ class Trainer:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
+
+
+def _logical_shape(spec, layer: int, name: str) -> tuple[int, ...]:
+    """The shape of torch's tensor that packed parameter ``name`` of ``layer`` holds."""
+    G, K = spec.gate_width, spec.output_size
+    return {"Wt": (G, spec.layer_input_size(layer)), "Rt": (G, K), "bW": (G,), "bR": (G,),
+            "proj": (spec.proj_size, spec.hidden_size)}[name]  # fmt: skip
 
 
 def _front_rows(spec, N: int) -> int:
