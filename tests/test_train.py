@@ -782,3 +782,33 @@ def test_an_optimizer_unpickled_without_its_trainer_refuses_to_step():
     own = Parameter(np.ones(3, np.float32))  # a parameter no trainer owns pickles as ever
     o3 = pickle.loads(pickle.dumps(Adam([own], lr=0.1)))
     o3.step()
+
+
+def test_a_checkpoint_with_the_dropout_generator_resumes_bit_for_bit(tmp_path):
+    """A red team's finding (session 34): model.save + opt.state_dict resumed with other
+    dropout masks (0.015 off), the generator being in no state dict."""
+    from leanrnn.train import Adam
+
+    x = np.random.default_rng(0).standard_normal((6, 2, 3))
+    dy = np.ones((6, 2, 5))
+
+    def steps(tr, opt, n):
+        for _ in range(n):
+            tr.backward(tr.forward(x), dy)
+            opt.step()
+            tr.zero_grad()
+
+    m = leanrnn.LSTM(3, 5, num_layers=3, seed=0, dtype=np.float64)
+    tr = Trainer(m, dropout=0.3, seed=7)
+    opt = Adam(tr.parameters(), lr=0.01)
+    steps(tr, opt, 2)
+    m.save(str(tmp_path / "ck.lrnn"))
+    ck = (opt.state_dict(), tr.rng.bit_generator.state)
+    steps(tr, opt, 2)
+    m2 = leanrnn.load(str(tmp_path / "ck.lrnn"))
+    tr2 = Trainer(m2, dropout=0.3)
+    opt2 = Adam(tr2.parameters())
+    opt2.load_state_dict(ck[0])
+    tr2.rng.bit_generator.state = ck[1]
+    steps(tr2, opt2, 2)
+    np.testing.assert_array_equal(m2.weights.buffer, m.weights.buffer)

@@ -327,6 +327,13 @@ class Trainer:
         self._memory_limit = _check.bytes_or_none("Trainer", "memory_limit", value)
 
     @property
+    def rng(self) -> np.random.Generator:
+        """The generator of the dropout masks (``seed=``). A checkpoint that should resume
+        bit for bit saves ``tr.rng.bit_generator.state`` beside the weights and the optimizer's
+        state dict, and sets it back the same way (pickling the trainer keeps it too)."""
+        return self._rng
+
+    @property
     def dropout(self) -> float:
         """Inter-layer dropout probability in training mode (torch.nn.LSTM's ``dropout``)."""
         return self._dropout
