@@ -23,7 +23,7 @@ def d(tmp_path_factory):
 
 
 # ------------------------------------------ run --output: another suffix, or not a file
-@pytest.mark.parametrize("name", ["out.txt", "out.npy", "y.NPZ"])
+@pytest.mark.parametrize("name", ["out.txt", "out.npy", "y.NPZ", "m.lrnn"])
 def test_run_output_with_another_suffix_is_refused_before_any_work(name, d, capsys):
     # before: exit 0 and "wrote y, h_n, c_n to out.txt.npz"
     before = sorted(os.listdir(d))
@@ -32,17 +32,29 @@ def test_run_output_with_another_suffix_is_refused_before_any_work(name, d, caps
     assert sorted(os.listdir(d)) == before
 
 
-def test_run_output_that_is_a_device_is_refused(d, capsys):
-    # before: --output /dev/null wrote a regular file /dev/null.npz next to the device
-    if not os.path.exists(os.devnull) or os.path.isfile(os.devnull):
-        pytest.skip("no null device here")
+def test_outputs_that_are_not_regular_files_are_refused(d, capsys):
+    # before: run --output /dev/null wrote a regular file /dev/null.npz next to the device, and
+    # convert's rename replaced a FIFO (as root, it would have replaced /dev/null) — a FIFO
+    # here, not /dev/null, so that a regression cannot touch the system's files
+    for name in ("fifo", "fifo.lrnn", "fifo.npz"):
+        os.mkfifo(d / name)
     fails_in_one_line(capsys, ["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--output",
-                               os.devnull], os.devnull, "not a regular file")  # fmt: skip
-    assert not os.path.exists(os.devnull + ".npz")
+                               str(d / "fifo")], "fifo", "not a regular file")  # fmt: skip
+    fails_in_one_line(capsys, ["run", str(d / "m.lrnn"), "--input", str(d / "x.npy"), "--output",
+                               str(d / "fifo.npz")], "fifo.npz", "not a regular file")  # fmt: skip
+    fails_in_one_line(capsys, ["convert", str(d / "m.lrnn"), str(d / "fifo.lrnn")], "fifo.lrnn",
+                      "not a regular file")  # fmt: skip
+    with pytest.raises(leanrnn.errors.ModelFormatError, match="not a regular file"):
+        leanrnn.load(str(d / "m.lrnn")).save(str(d / "fifo.lrnn"))
+    assert all(not os.path.isfile(d / n) for n in ("fifo", "fifo.lrnn", "fifo.npz"))
+    assert not os.path.exists(d / "fifo.npz.npz")
+    for name in ("fifo", "fifo.lrnn", "fifo.npz"):
+        os.remove(d / name)
 
 
 def test_run_output_bare_name_and_npz_still_write(d, capsys):
-    for name, wrote in (("bare", "bare.npz"), ("o.npz", "o.npz"), ("v1.2/o", None)):
+    for name, wrote in (("bare", "bare.npz"), ("o.npz", "o.npz"), ("out.v2", "out.v2.npz"),
+                        ("v1.2/o", None)):  # fmt: skip
         if wrote is None:  # a dot in a directory's name is no suffix of the file
             (d / "v1.2").mkdir()
             wrote = "v1.2/o.npz"
@@ -98,9 +110,15 @@ def test_masked_array_inputs_are_refused_not_run_unmasked(tmp_path):
     m = leanrnn.LSTM(3, 4, seed=0)
     data = np.ones((2, 1, 3), np.float32)
     x = np.ma.masked_array(data, mask=np.zeros_like(data, bool))
-    for call in (lambda: m(x), lambda: m.session.run(x), lambda: m.stream().feed(x[0])):
+    masked_len = np.ma.masked_array([2], mask=[1])  # (the masked 2 ran as a real length)
+    for call in (lambda: m(x), lambda: m.session.run(x), lambda: m.stream().feed(x[0]),
+                 lambda: m(data, lengths=masked_len)):  # fmt: skip
         with pytest.raises(leanrnn.errors.DTypeError, match="masked array"):
             call()
+    from leanrnn.train import Parameter
+
+    with pytest.raises(leanrnn.errors.DTypeError, match="MaskedArray"):
+        Parameter(np.ma.masked_array(np.zeros(3, np.float32)))
     np.testing.assert_array_equal(m(x.filled(0))[0], m(data)[0])  # the session stays usable
     torch = pytest.importorskip("torch")
     onnx_path = tmp_path / "m.onnx"

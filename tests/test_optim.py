@@ -545,3 +545,15 @@ def test_state_of_another_models_optimizer_is_refused_though_its_panels_match():
     sd = opts[6].state_dict()
     del sd["param_groups"][0]["shapes"]  # a state dict as torch's own carry none: taken
     opts[6].load_state_dict(sd)
+
+
+@pytest.mark.parametrize("shapes", [[[2, 3]], 5, [[2, "3"], [4]], [[2, 3], [4], [5]]])
+def test_malformed_shapes_in_a_state_dict_are_a_clear_error(shapes):
+    """(a review's finding: a short list raised a bare StopIteration, a non-list a TypeError)"""
+    ps = [Parameter(np.zeros((2, 3), np.float32)), Parameter(np.zeros(4, np.float32))]
+    opt = OURS["Adam"](ps)
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["shapes"] == [[2, 3], [4]]
+    sd["param_groups"][0]["shapes"] = shapes
+    with pytest.raises(LeanRNNError, match="shapes"):
+        opt.load_state_dict(sd)

@@ -740,6 +740,26 @@ def test_dropout_switched_on_after_a_step_plans_its_masks():
     rt = leanrnn.LSTM(3, 8, num_layers=2, bidirectional=True, seed=0)
     with pytest.raises(SpecError, match="forward stack"):
         Trainer(rt).recompute = True
+    tr.recompute = None  # (as the constructor always took it: False)
+    assert tr.recompute is False
+    with pytest.raises(SpecError, match="recompute"):
+        tr.recompute = np.array([1, 0])
+
+
+def test_dropout_switched_on_under_a_memory_limit_picks_segments_that_fit():
+    """(a review's finding: the segment picked for the limit without the masks' buffers was
+    kept, and the step's arena went over the limit)"""
+    m = leanrnn.LSTM(8, 16, num_layers=2, seed=0)
+    x = np.zeros((100, 4, 8), np.float32)
+    fresh = Trainer(m, dropout=0.5)
+    limit = fresh.plan(4, 100)["total_bytes"] * 3 // 4
+    fresh.memory_limit = limit
+    want = fresh.plan(4, 100)
+    tr = Trainer(m, memory_limit=limit)
+    tr.forward(x)
+    tr.dropout = 0.5
+    got = tr.plan(4, 100)
+    assert got["total_bytes"] <= limit and got["segment"] == want["segment"], (got, want)
 
 
 def test_a_trainer_pickled_when_settings_were_attributes_still_loads():
@@ -749,9 +769,18 @@ def test_a_trainer_pickled_when_settings_were_attributes_still_loads():
                      ("recompute", "_recompute"), ("memory_limit", "_memory_limit"),
                      ("dropout", "_dropout")):  # fmt: skip
         state[old] = state.pop(now)  # the pickle of an earlier version
+    from leanrnn.train import Parameter
+
+    for i, prm in enumerate(state["_params"]):  # parameters pickled before logical shapes
+        old = Parameter.__new__(Parameter)
+        old.__setstate__({"_grad": prm._grad, "_value": prm._value, "name": prm.name,
+                          "version": prm.version})  # fmt: skip
+        state["_params"][i] = old
     back = Trainer.__new__(Trainer)
     back.__setstate__(state)
     assert (back.segment, back.dropout, back.recompute, back.threads) == (2, 0.25, False, None)
+    assert [p.logical_shape for p in back.parameters()] == [
+        p.logical_shape for p in tr.parameters()]  # fmt: skip
     x = np.ones((4, 2, 3), np.float32)
     back.training = tr.training = False
     np.testing.assert_array_equal(back.forward(x).y, tr.forward(x).y)

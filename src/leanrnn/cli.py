@@ -121,7 +121,8 @@ def positive_float(s: str) -> float:
 
 def output_file(path: str, flag: str, suffix: str = "") -> str:
     """``path`` if a file can be written there: its directory exists and it is not itself a
-    directory. Checked before the work that would produce the file, so a typo costs nothing."""
+    directory or another non-file (a device, a FIFO). Checked before the work that would
+    produce the file, so a typo costs nothing."""
     if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise LeanRNNError(
             f"[{flag}] {path!r} is a directory; expected a file path inside it, e.g. "
@@ -136,6 +137,10 @@ def output_file(path: str, flag: str, suffix: str = "") -> str:
         )
     if not os.access(parent, os.W_OK):
         raise LeanRNNError(f"[{flag}] cannot write {path!r}: {parent!r} is not writable")
+    if os.path.exists(path) and not os.path.isfile(path):
+        # run --output /dev/null wrote /dev/null.npz; a writer's rename would replace a device
+        raise LeanRNNError(f"[{flag}] {path!r} is not a regular file; expected a file path to "
+                           "write (or replace)")  # fmt: skip
     return path
 
 

@@ -289,7 +289,8 @@ class Model:
         """
         if not isinstance(state_dict, Mapping):  # a path, a list of tensors: say which
             path = isinstance(state_dict, str | os.PathLike)
-            what = "a path" if path else f"a {type(state_dict).__name__}"
+            name = type(state_dict).__name__
+            what = "a path" if path else f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name}"
             raise WeightsError(
                 f"[from_state_dict] got {what} ({state_dict!r:.60}); expected a dict of "
                 "arrays named as torch's module.state_dict() names them ('weight_ih_l0', ...); "

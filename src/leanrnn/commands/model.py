@@ -194,6 +194,12 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
+# Suffixes of other formats: `run --output` refuses them rather than write y.npy.npz (".NPZ":
+# np.savez would write y.NPZ.npz). Another suffix (out.v2) gets .npz, as np.savez gives it.
+_OTHER_FORMATS = frozenset((".npy", ".npz", ".txt", ".csv", ".json", ".parquet", ".pq", ".lrnn",
+                            ".onnx", ".pt", ".pth", ".safetensors", ".pkl", ".pickle", ".h5"))  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------- handlers
 def run_cmd(args) -> int:
     import numpy as np
@@ -204,17 +210,13 @@ def run_cmd(args) -> int:
     output = None
     if args.output:  # np.savez adds .npz to any other name; say (and check) the real one
         ext = os.path.splitext(args.output)[1]
-        if ext not in ("", ".npz"):  # out.txt became out.txt.npz without a word
-            raise LeanRNNError(f"[run --output] {args.output!r}: expected a file name ending in "
-                               ".npz (the outputs are written by name, as np.savez writes "
-                               "them), or a bare name, which gets .npz")  # fmt: skip
-        output = args.output if ext else args.output + ".npz"
-        for path in {args.output, output}:
+        if ext != ".npz" and ext.lower() in _OTHER_FORMATS:  # out.txt was out.txt.npz, silently
+            raise LeanRNNError(f"[run --output] {args.output!r} names a {ext} file; expected a "
+                               "name ending in .npz (the outputs are written by name, as "
+                               "np.savez writes them), or one without, which gets .npz")  # fmt: skip
+        output = args.output if ext == ".npz" else args.output + ".npz"
+        for path in {args.output, output}:  # (--output /dev/null wrote /dev/null.npz)
             output_file(path, "run --output", ".npz")
-        if os.path.exists(args.output) and not os.path.isfile(args.output):
-            # --output /dev/null wrote a regular file /dev/null.npz beside the device
-            raise LeanRNNError(f"[run --output] {args.output!r} is not a regular file; to "
-                               "only print the outputs' summary, leave out --output")  # fmt: skip
         not_an_input(output, "run --output", model=args.model, input=args.input,
                      lengths=args.lengths)  # fmt: skip
     model = load_model(args.model, args, threads=args.threads)

@@ -23,7 +23,7 @@ def array(
             f"with shape {fmt_shape(names)}"
         )
     if type(a) is not np.ndarray:
-        unmasked(op, name, a)
+        unmasked(op, name, a, name == "x")
     if a.dtype != dtype:
         hint = f"; convert with {name}.astype(np.{dtype.name})" if a.dtype.kind in "fiu" else ""
         raise DTypeError(
@@ -38,12 +38,14 @@ def array(
     return a
 
 
-def unmasked(op: str, name: str, a) -> None:
-    """Refuse a numpy masked array: its mask went unread and the masked values ran."""
+def unmasked(op: str, name: str, a, sequences: bool = False) -> None:
+    """Refuse a numpy masked array: its mask went unread and the masked values ran.
+    ``sequences``: ``a`` holds padded sequences (lengths say where they end)."""
     if isinstance(a, np.ma.MaskedArray):
+        hint = "pass the sequences' lengths for padded ones, or " if sequences else ""
         raise DTypeError(
-            f"[{op}] {name} is a numpy masked array; leanrnn reads no mask: pass the "
-            "sequences' lengths for padded ones, or its .filled(0) for the values as they are"
+            f"[{op}] {name} is a numpy masked array; leanrnn reads no mask: {hint or 'pass '}"
+            "its .filled(value) for the values as they are"
         )
 
 
@@ -161,6 +163,7 @@ def apart(op: str, ins: tuple, updated: tuple, owner: np.ndarray) -> None:
 
 
 def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
+    unmasked(op, "lengths", lengths)  # (a masked length ran as a real one)
     arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
     if arr.dtype.kind not in "iu":
         raise LengthsError(f"[{op}] lengths has dtype {arr.dtype}; expected an integer array")

@@ -470,6 +470,9 @@ def out_path(path, op: str = "save") -> str:
     if not p.lower().endswith(".lrnn"):
         raise ModelFormatError(f"[{op}] path {p!r} must end in .lrnn (leanrnn writes its native "
                                "format only, and other tools go by the name)")  # fmt: skip
+    if os.path.exists(p) and not os.path.isfile(p):  # the rename would replace a FIFO, a device
+        raise ModelFormatError(f"[{op}] {p!r} is not a regular file; expected a file path to "
+                               "write (or replace)")  # fmt: skip
     parent = os.path.dirname(p) or "."
     if not os.path.isdir(parent):
         what = "is not a directory" if os.path.exists(parent) else "does not exist"

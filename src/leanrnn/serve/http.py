@@ -19,7 +19,16 @@ from starlette.routing import Route
 
 from .core import Core
 from .errors import InvalidRequest, ServeError, TooLarge
-from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes, from_list
+from .protocol import (
+    EXTENSIONS,
+    VERSION,
+    assemble,
+    check_input,
+    clip,
+    flag,
+    from_bytes,
+    from_list,
+)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The JSON part of a request becomes Python objects (~30 bytes a number): larger tensors come as
@@ -165,7 +174,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         if name in tensors:
             raise InvalidRequest(f"[infer] input {clip(name)} appears twice")
         shape = check_input(info, name, t.get("datatype"), t.get("shape"))
-        tp = t.get("parameters") or {}
+        tp = {} if t.get("parameters") is None else t["parameters"]
         if not isinstance(tp, dict):
             raise InvalidRequest(f'[infer] input {name!r}: "parameters" must be a JSON object')
         size = tp.get("binary_data_size")
@@ -196,7 +205,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             f"[infer] {len(blob) - offset} bytes of binary data after the inputs' declared "
             f"binary_data_size (total {offset}); the sizes must add up to the data sent"
         )
-    binary_all = _flag(params, "binary_data_output", False, "the request's")
+    binary_all = flag(params, "binary_data_output", False)
     outputs, binary = None, {}
     if req.get("outputs") not in (None, []):  # none or []: all of them (as gRPC and Triton)
         if not isinstance(req["outputs"], list):
@@ -205,12 +214,12 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         for o in req["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidRequest('[infer] each requested output needs a "name"')
-            op = o.get("parameters") or {}
+            op = {} if o.get("parameters") is None else o["parameters"]
             if not isinstance(op, dict):
                 raise InvalidRequest(f'[infer] output {clip(o["name"])}: "parameters" must be a '
                                      "JSON object")  # fmt: skip
             outputs.append(o["name"])
-            binary[o["name"]] = _flag(op, "binary_data", binary_all, f"output {clip(o['name'])}'s")
+            binary[o["name"]] = flag(op, "binary_data", binary_all, f"output {clip(o['name'])}'s ")
     rid = req.get("id", "")
     if not isinstance(rid, str):
         raise InvalidRequest(f'[infer] "id" must be a string; got {clip(rid)}')
@@ -218,14 +227,6 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
     for name in p.outputs:
         p.binary.setdefault(name, binary_all)
     return p
-
-
-def _flag(params: dict, key: str, default: bool, whose: str) -> bool:
-    """A boolean request parameter: "yes" or 1 was read as false without a word."""
-    v = params.get(key, default)
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"[infer] {whose} parameter {key}={clip(v)}; expected true or false")
-    return v
 
 
 def _no_constant(name: str):

@@ -135,14 +135,20 @@ def check_version(model: str, version: str | None) -> None:
         )
 
 
+def flag(params: dict, key: str, default: bool, whose: str = "") -> bool:
+    """A boolean request parameter (``whose``: "output 'y''s ", to say where it was): "yes"
+    or 1 was read as false without a word."""
+    v = params.get(key, default)
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"[infer] {whose}parameter {key}={clip(v)}; expected true or false")
+    return v
+
+
 def sequence(params: dict) -> tuple[tuple, bool, bool]:
     """(key, start, end) from the request parameters. A request without a sequence_id (or with
     0 or "", as Triton) is a sequence of its own: it starts and ends with this request."""
     sid = params.get("sequence_id")
-    start, end = params.get("sequence_start", False), params.get("sequence_end", False)
-    for name, v in (("sequence_start", start), ("sequence_end", end)):
-        if not isinstance(v, bool):
-            raise InvalidRequest(f"[infer] parameter {name}={clip(v)}; expected true or false")
+    start, end = flag(params, "sequence_start", False), flag(params, "sequence_end", False)
     # bool first: False == 0, and "sequence_id": false must be refused as true is
     if isinstance(sid, bool) or not isinstance(sid, int | str | None):
         raise InvalidRequest(

@@ -69,7 +69,7 @@ _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _check_array(where: str, what: str, a: Any) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
+    if not isinstance(a, np.ndarray) or isinstance(a, np.ma.MaskedArray):
         raise DTypeError(
             f"[{where}] {what} is a {type(a).__name__}; expected a numpy array of "
             "float32 or float64"
@@ -256,6 +256,20 @@ def _as_params(where: str, params: Any, *, allow_empty: bool) -> list[Parameter]
                 "parameter once)"
             )
     return params
+
+
+def _shape_lists(shapes: Any, n: int) -> list[list[int]] | None:
+    """A state dict's ``shapes`` as n lists of ints, or None if it is not that."""
+    if not isinstance(shapes, list | tuple) or len(shapes) != n:
+        return None
+    out = []
+    for sh in shapes:
+        if not isinstance(sh, list | tuple) or not all(
+            isinstance(d, int | np.integer) and not isinstance(d, bool) for d in sh
+        ):
+            return None
+        out.append([int(d) for d in sh])
+    return out
 
 
 # --- gradient clipping -------------------------------------------------------------------------
@@ -544,14 +558,21 @@ class _Optimizer:
             )
         shapes = group.pop("shapes", None)  # absent from torch's own state dicts
         ours = [list(p.logical_shape) for p in self._params]
-        if shapes is not None and [list(s) for s in shapes] != ours:
-            bad = next(i for i, (a, b) in enumerate(zip(shapes, ours, strict=False))
-                       if list(a) != b)  # fmt: skip
-            raise LeanRNNError(
-                f"[{where}] the state dict is of parameters shaped otherwise (parameter {bad}: "
-                f"{list(shapes[bad])} there, {ours[bad]} here): the state of another model's "
-                "optimizer"
-            )
+        if shapes is not None:
+            theirs = _shape_lists(shapes, n)
+            if theirs is None:
+                raise LeanRNNError(
+                    f"[{where}] param_groups[0]['shapes'] is {shapes!r:.200}; expected {n} "
+                    "lists of ints, one per parameter, as state_dict() writes them"
+                )
+            bad = next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b),
+                       None)  # fmt: skip
+            if bad is not None:
+                raise LeanRNNError(
+                    f"[{where}] the state dict is of parameters shaped otherwise (parameter "
+                    f"{bad}: {theirs[bad]} there, {ours[bad]} here): another model's "
+                    "optimizer state; load the one saved by an optimizer over these parameters"
+                )
         group = {k: v for k, v in group.items() if k not in self._TORCH_ONLY or k in self._hyper}
         unexpected = sorted(set(group) - set(self._hyper))
         missing = sorted(set(self._hyper) - set(group))

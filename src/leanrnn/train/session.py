@@ -194,6 +194,7 @@ class Trainer:
         trainable(self.spec)
         self.autocast = autocast
         self._plans: dict = {}  # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes)
+        self._limited: dict = {}  # (N, T, memory_limit, autocast) -> segment (_limited_segment)
         # settings: properties, checked here and whenever set later (Trainer.threads = -1 ran)
         self.threads = threads
         self.segment = segment
@@ -221,7 +222,6 @@ class Trainer:
         # arena -> {plan key: its views}: made once per arena and shape (_memory); weak, so
         # an arena's views (which hold its buffer) go with it
         self._views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._limited: dict = {}  # (N, T, memory_limit, autocast) -> segment (_limited_segment)
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
@@ -255,6 +255,7 @@ class Trainer:
         # Re-point them, keeping the objects (an optimizer pickled along holds them).
         for prm, fresh in zip(self._params, self._make_parameters(), strict=True):
             prm._value, prm._grad = fresh._value, fresh._grad
+            prm.logical_shape = fresh.logical_shape  # (a pickle of before it fell back to packed)
             prm._owner, prm._orphan = weakref.ref(self), False
 
     @property
@@ -307,7 +308,11 @@ class Trainer:
 
     @recompute.setter
     def recompute(self, value) -> None:
-        if not isinstance(value, bool | np.bool_) and value not in (0, 1):  # "no" was True
+        if value is None:  # (bool(None): the constructor took it as False)
+            value = False
+        ok = isinstance(value, bool | np.bool_) or (isinstance(value, int | np.integer)
+                                                    and value in (0, 1))  # fmt: skip
+        if not ok:  # "no" was True
             raise SpecError(f"[Trainer] recompute={value!r}; expected True or False")
         if value and self.spec.direction != "forward":
             raise SpecError(
@@ -344,7 +349,10 @@ class Trainer:
                 or isinstance(value, bool) or not 0.0 <= value < 1.0):  # fmt: skip
             raise SpecError(f"[Trainer] dropout={value!r}; expected a float, 0 <= dropout < 1")
         if (value > 0) != (self._dropout > 0):
-            self._plans.clear()  # the plans hold the masks' buffers only with dropout on
+            # the plans hold the masks' buffers only with dropout on, and the segments picked
+            # for a memory limit were picked without (or with) them
+            self._plans.clear()
+            self._limited.clear()
         self._dropout = float(value)
 
     @autocast.setter
