@@ -480,9 +480,9 @@ class Trainer:
         torch.nn.LSTM does); needs a Trainer made with dropout > 0 (which plans their buffers).
 
         A time-major C-contiguous ``x`` is read in place, by this forward and again by the
-        backward of its tape (the weight gradients): keep it unchanged until then (a loader
-        that refills one buffer: copy, or run backward first). leanrnn.torch's autograd
-        guards it with torch's version counter.
+        backward of its tape (the weight gradients), and so are ``masks``: keep them unchanged
+        until then (a loader that refills one buffer: copy, or run backward first).
+        leanrnn.torch's autograd guards them with torch's version counter.
         """
         self._check_weights()
         spec, dt, op = self.spec, self.dtype, "Trainer.forward"
