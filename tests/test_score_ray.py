@@ -89,6 +89,10 @@ def test_ray_path_refuses_npz_and_bad_columns(ray_local, model, tmp_path):
     with pytest.raises(LeanRNNError, match="'nope'"):
         leanrnn.score(model, src, str(tmp_path / "o.parquet"), ray="auto", column="nope")
     assert not os.path.exists(tmp_path / "o.parquet")
+    # an .npz OUTPUT became a directory of Parquet files named out.npz (session 34's red team)
+    with pytest.raises(LeanRNNError, match="writes Parquet"):
+        leanrnn.score(model, src, str(tmp_path / "o.npz"), ray="auto")
+    assert not os.path.exists(tmp_path / "o.npz")
 
 
 def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, model, tmp_path):
@@ -108,8 +112,16 @@ def test_ray_path_bad_data_raises_leanrnn_error_and_leaves_nothing(ray_local, mo
     msg = str(e.value)
     assert msg.startswith("[score] ") and "a.parquet', row group 1" in msg, msg
     assert "row 4, step 0: NaN" in msg, msg
+    assert "\n" not in msg and "transient" not in msg, msg  # not Ray's retry advice
     assert not out.exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".")]
-    # the next good job works
+    # a directory OUTPUT: the part files its write tasks had finished were left behind
+    outdir = tmp_path / "outdir"
+    with pytest.raises(DataError, match="row 4, step 0"):
+        leanrnn.score(model, str(d), str(outdir), ray="auto", ray_actors=2)
+    assert sorted(os.listdir(tmp_path)) == ["data"], os.listdir(tmp_path)
+    # the next good job works: the failed jobs' actors gave their CPU slots back (held
+    # through the raised error's context until a garbage collection, two failed jobs took
+    # both of this Ray's CPUs and this job waited for a slot forever)
     ok = str(tmp_path / "ok.parquet")
     leanrnn.score(model, write_parquet(str(tmp_path / "in.parquet"), seqs[:20]), ok, ray="auto")
     _check(model, seqs[:20], ok)
@@ -142,6 +154,11 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     files = sorted(os.listdir(d))
     t = pq.read_table([os.path.join(d, f) for f in files if f.endswith(".parquet")])
     assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
+    # an existing directory: the job's files move in beside what is there
+    with open(os.path.join(d, "README"), "w") as f:
+        f.write("kept")
+    leanrnn.score(model, src, d, ray="auto", ray_actors=2)
+    assert "README" in os.listdir(d) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
 
 
 def _covered(items):

@@ -26,11 +26,17 @@ Ray's traps, and what is done about them:
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
+import traceback
+from itertools import count
 
 from .errors import LeanRNNError
 from .score.batching import Counters, Scorer
@@ -70,8 +76,8 @@ class Predictor:
 
     model: a path every worker can read, the bytes of a model file, or a leanrnn Model;
     column / length_column: as for leanrnn.score (None: the only list column / 'length');
-    outputs: 'final', 'steps' or 'both'; threads: kernel threads per actor (default: this
-    node's cores // actors_per_node, at least 1).
+    outputs: 'final', 'steps' or 'both'; threads: kernel threads per actor (default 1: an
+    actor per core; None: the process's default, all its cores).
     Each call sorts its batch by length, runs it in length-aware batches and returns a
     pyarrow Table in the batch's row order: length, h_n, c_n, y (see leanrnn.score.writers).
     """
@@ -135,9 +141,11 @@ class Predictor:
 
         table = batch if isinstance(batch, pa.Table) else pa.table(batch)
         col, lc = self._columns(table)
-        where = "Ray batch"
+        where = "a Ray batch (rows counted from its first)"
         if "path" in table.column_names and table.num_rows:
-            where = f"{table.column('path')[0].as_py()!r} (Ray batch)"
+            where = (
+                f"{table.column('path')[0].as_py()!r} (a Ray batch; rows counted from its first)"
+            )
         seqs = arrow_to_seqs(
             table.column(col), table.column(lc) if lc else None, self.scorer.C,
             self.scorer.dtype, where, col, lc, 0, self.allow_nonfinite,
@@ -237,6 +245,9 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
 
     opts = options or Options()
     dataset, output = os.fspath(dataset), os.fspath(output)
+    if output.lower().endswith(".npz"):  # (it became a directory of Parquet files)
+        raise DataError(f"[score --ray] output {output!r}: the Ray path writes Parquet, a "
+                        ".parquet file or a directory of them; for .npz, score without --ray")  # fmt: skip
     _parquet_files(dataset)
     m = engine_model(model, "score --ray")
     # Columns and types of every file are checked here, on the driver, before any actor
@@ -290,6 +301,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
                                        batch_size=batch_size),
         )  # fmt: skip
     steps = 0
+    failure = None  # the LeanRNNError an actor raised
+    written = None  # a directory OUTPUT's temporary directory, removed if the job fails
     out = ParquetOut(output) if single else None
     bar = _Progress(total, progress and single)
     try:
@@ -299,28 +312,45 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
             else:
                 os.makedirs(output, exist_ok=True)
         elif single:
-            for t in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                out.write_table(t)
-                steps += int(np.asarray(t.column("length")).sum())
-                bar.update(t.num_rows)
+            with _quiet_own_errors():
+                for t in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                    out.write_table(t)
+                    steps += int(np.asarray(t.column("length")).sum())
+                    bar.update(t.num_rows)
             out.close(probe.empty())
         else:
             import pyarrow.fs
 
-            fs_out = pyarrow.fs.LocalFileSystem() if "://" not in output else None
-            ds.write_parquet(output, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
-            lengths = _lengths(output)
+            local = "://" not in output
+            fs_out = pyarrow.fs.LocalFileSystem() if local else None
+            # a local directory is written beside it and moved in whole: a failed job left
+            # the part files its write tasks had finished (no partial output, as the file's)
+            to = f"{output.rstrip(os.sep)}.tmp{os.getpid()}.{next(_TMP_IDS)}" if local else output
+            written = to
+            with _quiet_own_errors():
+                ds.write_parquet(to, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
+            lengths = _lengths(to)
             steps = int(lengths.sum()) if lengths is not None else 0
+            if local:
+                _move_in(to, output)
     except BaseException as e:
         if out is not None:
             out.abort()
-        cause = _leanrnn_cause(e) if isinstance(e, ray.exceptions.RayError) else None
-        if cause is not None:  # bad data found by an actor: leanrnn's own error
-            raise cause from None
-        raise
+        if written is not None and written != output:
+            shutil.rmtree(written, ignore_errors=True)
+        failure = _leanrnn_cause(e) if isinstance(e, ray.exceptions.RayError) else None
+        if failure is None:
+            raise
+        _release(e)
     finally:
         bar.close()
         ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved
+    if failure is not None:  # bad data found by an actor: leanrnn's own error
+        # raised here, not in the except block, where it would carry Ray's error as its
+        # __context__ (see _release)
+        ds = None
+        gc.collect()
+        raise failure
     return ScoreSummary(
         output=output, sequences=total, steps=steps, seconds=time.perf_counter() - t0,
         padding=float("nan"), padding_in_order=float("nan"), peak_rss=peak_rss(),
@@ -339,13 +369,73 @@ def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
     top, seen = e, set()
     while e is not None and id(e) not in seen:
         if isinstance(e, LeanRNNError) and not isinstance(e, RayError):
-            return e
+            # Ray Data appends its retry advice ("...if you believe this to be transient")
+            # on lines of its own: wrong advice for bad data, and leanrnn's errors are one line
+            # (a new one, with no context or traceback holding Ray's objects)
+            try:
+                return type(e)(str(e).split("\n", 1)[0])
+            except TypeError:  # a subclass that takes other arguments
+                return e
         seen.add(id(e))
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
     lines = [ln for ln in str(top).splitlines() if "Error: [" in ln]
     if lines:
         return DataError(lines[-1].split("Error: ", 1)[1].strip())
     return None
+
+
+def _release(e: BaseException) -> None:
+    """Clears the finished frames in the tracebacks of Ray's error ``e`` and those it chains:
+    their locals hold the failed job's executor, so its actors and their CPU slots, for as
+    long as anything keeps the error — a log record does (pytest's log capture kept them, and
+    on a 2-CPU Ray a job after two failed ones waited for a slot forever)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # (frames still running are left as they are)
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+_TMP_IDS = count()
+
+
+def _move_in(tmp: str, output: str) -> None:
+    """The finished job's files from ``tmp`` into ``output``: the directory itself when there
+    is none yet, else file by file (what is there stays, a name written again is replaced)."""
+    if not os.path.exists(output):
+        os.replace(tmp, output)
+        return
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(output, name))
+    os.rmdir(tmp)
+
+
+class _OwnError(logging.Filter):
+    """Drops Ray Data's log of a task that failed with a leanrnn error from the console: the
+    caller gets that error itself, one line as on the local path, where Ray printed the
+    worker's traceback twice (60 lines) before it; Ray's session log keeps the record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        try:
+            return exc is None or _leanrnn_cause(exc) is None
+        except Exception:  # a filter that raises would stop Ray's thread that logged
+            return True
+
+
+@contextlib.contextmanager
+def _quiet_own_errors():
+    """_OwnError on the console handlers of Ray's loggers, for the job's duration."""
+    f = _OwnError()
+    handlers = [h for name in ("ray", "ray.data") for h in logging.getLogger(name).handlers
+                if getattr(h, "stream", None) in (sys.stderr, sys.stdout)]  # fmt: skip
+    for h in handlers:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(f)
 
 
 def _lengths(path: str):

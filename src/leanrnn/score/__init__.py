@@ -112,7 +112,8 @@ def _check_output(output, dataset, model, lengths, local: bool) -> None:
             f"[score] output {os.fspath(output)!r} is inside the input directory "
             f"{os.fspath(dataset)!r}, whose files are all read as data; write it elsewhere"
         )
-    if os.path.exists(out) and not os.path.isfile(out):
+    # (local: this process writes a file; else Ray's tasks write a directory's files)
+    if os.path.exists(out) and not os.path.isfile(out) and not (os.path.isdir(out) and not local):
         # a directory failed at the final rename, after all the scoring; a device (/dev/null)
         # would have been replaced by a regular file
         what = "a directory" if os.path.isdir(out) else "not a regular file"
