@@ -145,3 +145,25 @@ def test_unknown_flag_after_a_command_shows_that_commands_usage(d, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--bogus"])
     assert "leanrnn: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_torch_module_with_parameters_of_two_dtypes_is_refused():
+    # before: a float64 tensor assigned to a float32 module's parameter ran as float32, in
+    # silence (torch.nn's own module raises)
+    torch = pytest.importorskip("torch")
+    import leanrnn.torch as lt
+
+    m = lt.LSTM(4, 8)
+    x = torch.randn(3, 2, 4)
+    y = m(x)[0].detach().clone()
+    m.weight_hh_l0.data = m.weight_hh_l0.data.double()
+    with pytest.raises(leanrnn.errors.DTypeError, match=r"weight_hh_l0 is torch\.float64"):
+        m(x)
+    m.weight_hh_l0.data = m.weight_hh_l0.data.float()  # back as it was: the same outputs
+    assert torch.equal(m(x)[0], y)
+
+
+def test_bench_from_json_of_a_missing_file_is_one_line(tmp_path, capsys):
+    # before: "leanrnn: error: FileNotFoundError: [Errno 2] ..." (the OS's words alone)
+    fails_in_one_line(capsys, ["bench", "--from-json", str(tmp_path / "nope.json")],
+                      "--from-json", "nope.json", "results.json")  # fmt: skip

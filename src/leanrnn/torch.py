@@ -638,6 +638,11 @@ def _check_call(name: str, module, input, weights, packed: bool) -> None:
                 f"[{name}] parameter {n} has shape {got}; expected {s} for this module "
                 "(to change sizes, make a new module)"
             )
+        if w.dtype != weights[0].dtype:  # (a float64 one was packed as float32 in silence)
+            raise DTypeError(
+                f"[{name}] parameter {n} is {w.dtype} but {module._flat_weights_names[0]} is "
+                f"{weights[0].dtype}; expected one dtype for all (module.to(dtype) converts)"
+            )
 
 
 def _lowered(cell: str, proj_size: int, adt) -> tuple[bool, bool]:

@@ -226,6 +226,9 @@ def _results(path: Path) -> dict:
 
     try:
         results = json.loads(path.read_bytes())
+    except OSError as e:  # (was the OS's words alone: "FileNotFoundError: [Errno 2] ...")
+        raise LeanRNNError(f"[bench --from-json] cannot read {str(path)!r}: {e.strerror or e}; "
+                           "pass the results.json a bench run wrote") from None  # fmt: skip
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LeanRNNError(f"[bench --from-json] {str(path)!r} is not a bench results JSON "
                            f"({e}); pass the results.json a bench run wrote") from None  # fmt: skip
