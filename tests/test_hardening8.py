@@ -167,3 +167,14 @@ def test_bench_from_json_of_a_missing_file_is_one_line(tmp_path, capsys):
     # before: "leanrnn: error: FileNotFoundError: [Errno 2] ..." (the OS's words alone)
     fails_in_one_line(capsys, ["bench", "--from-json", str(tmp_path / "nope.json")],
                       "--from-json", "nope.json", "results.json")  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["plan", "lstm:16", "--train", "--autocast-mode", "bf16-act"], ["--autocast-mode", "add --autocast"]),
+    (["plan", "lstm:16x-1"], ["lstm:16x-1", "shorthand", "lstm:512x2"]),
+    (["plan", "gru:abc", "--train"], ["gru:abc", "shorthand"]),
+])  # fmt: skip
+def test_plan_flags_that_were_ignored_or_misreported(argv, words, capsys):
+    # before: --autocast-mode without --autocast was ignored in silence, and a mistyped
+    # shorthand was "does not exist or is not a file"
+    fails_in_one_line(capsys, argv, *words)

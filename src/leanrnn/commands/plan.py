@@ -55,9 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--autocast-mode",
         choices=("bf16", "bf16-act"),
-        default="bf16",
-        help="with --autocast: the weights rounded to bf16 (bf16), or the activations they "
-        "multiply too, as torch's autocast (bf16-act)",
+        default=None,
+        help="with --autocast: the weights rounded to bf16 (bf16, the default), or the "
+        "activations they multiply too, as torch's autocast (bf16-act)",
     )
     from .model import add_state_dict_options
 
@@ -71,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 MAX_HIDDEN = 1 << 20
 MAX_LAYERS = 256
 _SHORT = re.compile(r"^(lstm|gru|rnn):(\d+)(?:x(\d+))?$", re.IGNORECASE)
+_SHORT_LIKE = re.compile(r"^(lstm|gru|rnn):", re.IGNORECASE)  # meant as one, maybe mistyped
 
 
 def _bounded(op: str, name: str, text: str, hi: int) -> int:
@@ -113,6 +114,10 @@ def load_model(ref: str, args=None, op: str = "plan"):
     from .model import load_options
 
     m = _SHORT.match(ref)
+    if not m and _SHORT_LIKE.match(ref) and not os.path.exists(ref):  # lstm:16x-1, gru:abc
+        raise ModelFormatError(f"[{op}] {ref!r} is neither a file nor a shorthand "
+                               "cell:hidden[xlayers] (e.g. lstm:512x2, hidden and layers "
+                               "positive integers)")  # fmt: skip
     if m and not os.path.exists(ref):
         given = sorted(load_options(args))  # (none for args None)
         if given:  # they would be ignored: the shorthand builds its own model
@@ -148,6 +153,11 @@ def run(args) -> int:
 
             raise LeanRNNError(f"[plan --png] {args.png!r}: expected a file name ending in "
                                ".png (the timeline is a PNG image)")  # fmt: skip
+    if args.autocast_mode is not None and not args.autocast:  # it was ignored in silence
+        from leanrnn.errors import LeanRNNError
+
+        raise LeanRNNError("[plan] --autocast-mode chooses --autocast's mode: add --autocast "
+                           "(and --train)")  # fmt: skip
     model = load_model(args.model, args)
     pairs = _sessions(model)
     if not pairs:
@@ -215,7 +225,7 @@ def _run_train(args, pairs, pngs) -> int:
     for (name, base), png in zip(pairs, pngs, strict=True):
         tr = Trainer(base.weights, segment=args.chunk, recompute=args.recompute,
                      memory_limit=args.memory_limit,
-                     autocast=args.autocast_mode if args.autocast else None)  # fmt: skip
+                     autocast=(args.autocast_mode or "bf16") if args.autocast else None)  # fmt: skip
         info = tr.plan(args.batch, args.steps)
         p, spec = info["plan"], tr.spec
         # as the inference plan does at resize: a step that cannot fit is refused, not drawn
@@ -223,7 +233,7 @@ def _run_train(args, pairs, pngs) -> int:
                    f"H={spec.hidden_size} layers={spec.num_layers} N={args.batch} "
                    f"T={args.steps}", "plan --train")  # fmt: skip
         mode = ("recompute" if info["recompute"] else "store") + (
-            f", autocast {args.autocast_mode}" if args.autocast else "")  # fmt: skip
+            f", autocast {args.autocast_mode or 'bf16'}" if args.autocast else "")  # fmt: skip
         print(f"{name}: training step, {spec.cell.upper()} C={spec.input_size} "
               f"H={spec.hidden_size} layers={spec.num_layers} "
               f"directions={spec.num_directions}  N={args.batch} T={args.steps}  "
