@@ -420,8 +420,9 @@ def _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad):
     entry = _TAPES.get(int(handle[0]))
     if entry is None:
         raise TapeError(
-            f"[{op}] the tape of this forward is gone (its graph was freed, or it was made in "
-            "another process); run the forward again"
+            f"[{op}] the tape of this forward is gone (its graph was freed, it was made in "
+            "another process, or none was kept: a forward traced by torch.jit.trace under "
+            "torch.no_grad keeps none); run the forward again (trace with gradients on)"
         )
     eng, tape, versions = entry
     with eng.lock, _team():
