@@ -178,3 +178,28 @@ def test_plan_flags_that_were_ignored_or_misreported(argv, words, capsys):
     # before: --autocast-mode without --autocast was ignored in silence, and a mistyped
     # shorthand was "does not exist or is not a file"
     fails_in_one_line(capsys, argv, *words)
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU", "RNN"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_torch_module_with_an_empty_batch_returns_what_torch_returns(cell, batch_first):
+    # before: a ShapeError, where torch.nn's modules return empty outputs with a graph
+    torch = pytest.importorskip("torch")
+    import leanrnn.torch as lt
+
+    kw = dict(num_layers=2, bidirectional=True, batch_first=batch_first)
+    ours = getattr(lt, cell)(4, 8, **kw)
+    theirs = ours.to_module()
+    shape = (0, 3, 4) if batch_first else (3, 0, 4)
+    outs = []
+    for m in (ours, theirs):
+        x = torch.randn(*shape, requires_grad=True)
+        y, h = m(x)
+        hs = h if isinstance(h, tuple) else (h,)
+        (y.sum() + sum(t.sum() for t in hs)).backward()
+        outs.append((y.shape, y.dtype, [t.shape for t in hs], x.grad.shape,
+                     [None if p.grad is None else float(p.grad.abs().sum())
+                      for p in m.parameters()]))  # fmt: skip
+    assert outs[0] == outs[1]
+    with pytest.raises(leanrnn.errors.ShapeError, match="T >= 1"):
+        ours(torch.randn(4, 0, 4) if batch_first else torch.randn(0, 2, 4))

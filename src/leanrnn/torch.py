@@ -952,13 +952,13 @@ class _RNNBase(torch.nn.Module):
             if batched and self.batch_first:
                 x = x.transpose(0, 1)
             T, N = x.shape[0], x.shape[1]
-            if T < 1 or N < 1:  # else the trainer refused it, naming itself (Trainer.forward)
+            if T < 1:  # else the trainer refused it, naming itself (Trainer.forward); N = 0
+                # is torch's empty batch (below)
                 layout = ("[N, T, C] (batch_first)" if batched and self.batch_first
                           else "[T, N, C]" if batched else "unbatched [T, C]")  # fmt: skip
                 raise ShapeError(
-                    f"[{name}] input has shape {tuple(input.shape)}: T={T} steps, N={N} "
-                    f"sequences; expected {layout} with T >= 1 and N >= 1; skip empty batches "
-                    "before calling the module"
+                    f"[{name}] input has shape {tuple(input.shape)}: T={T} steps; expected "
+                    f"{layout} with T >= 1, as torch.nn's modules do"
                 )
             if x.shape[2] != self.input_size:
                 raise ShapeError(
@@ -1020,7 +1020,7 @@ class _RNNBase(torch.nn.Module):
             t is not None and t.requires_grad for t in (x, h0, c0, *weights)
         )
         masks = None
-        if self.training and self.dropout > 0 and self.num_layers > 1:
+        if N and self.training and self.dropout > 0 and self.num_layers > 1:
             masks = self._dropout_masks(T, N, D * K, wdt, rows if packed else None)
         args = (x, h0, c0, weights, lengths, masks, self._key, self._spec_str)
         # mixed precision: bf16 kernels on the weights rounded to bf16 (float32 parameters,
@@ -1033,7 +1033,13 @@ class _RNNBase(torch.nn.Module):
                 f"[{name}] autocast_mode={mode!r}; expected one of "
                 f"{', '.join(map(repr, AUTOCAST_MODES))}"
             )
-        if not _eager((x, h0, c0, lengths, masks, *weights)):
+        if N == 0:  # an empty batch: torch.nn's modules return empty outputs whose graph
+            # reaches the parameters (and x, h_0, c_0) with zero gradients; so do these
+            zero = sum(t.sum() for t in (x, h0, c0, *weights) if t is not None) * 0
+            y = x.new_zeros((T, 0, D * K)) + zero
+            h_n = x.new_zeros((LD, 0, K)) + zero
+            c_n = x.new_zeros((LD, 0, self.hidden_size)) + zero if lstm else None
+        elif not _eager((x, h0, c0, lengths, masks, *weights)):
             y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad, bf16, mode)
         elif need_grad:
             y, h_n, c_n, _ = _EagerRNN.apply(x, h0, c0, lengths, masks, self._key,
