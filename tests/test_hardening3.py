@@ -89,8 +89,9 @@ def test_size_options_share_one_parser():
 
 
 # ------------------------------------------------ leanrnn.torch: T=0 names the module
+# (N=0, torch's empty batch, returns empty outputs: test_hardening8)
 @pytest.mark.parametrize("cls", ["LSTM", "GRU", "RNN"])
-@pytest.mark.parametrize("shape", [(0, 2, 3), (2, 0, 3), (0, 3)])
+@pytest.mark.parametrize("shape", [(0, 2, 3), (0, 3)])
 def test_torch_empty_input_names_the_module(cls, shape):
     torch = pytest.importorskip("torch")
     import leanrnn.torch as lt
