@@ -154,11 +154,52 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     files = sorted(os.listdir(d))
     t = pq.read_table([os.path.join(d, f) for f in files if f.endswith(".parquet")])
     assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
-    # an existing directory: the job's files move in beside what is there
-    with open(os.path.join(d, "README"), "w") as f:
-        f.write("kept")
-    leanrnn.score(model, src, d, ray="auto", ray_actors=2)
-    assert "README" in os.listdir(d) and not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+    # a directory that holds Parquet files already: refused (a second run doubled the rows)
+    from leanrnn.score.data import DataError
+
+    with pytest.raises(DataError, match="already holds Parquet files"):
+        leanrnn.score(model, src, d, ray="auto", ray_actors=2)
+    assert sorted(os.listdir(d)) == files
+    # an existing directory without: the job's files move in beside what is there
+    d2 = tmp_path / "outdir2"
+    d2.mkdir()
+    (d2 / "README").write_text("kept")
+    leanrnn.score(model, src, str(d2), ray="auto", ray_actors=2)
+    names = sorted(os.listdir(d2))
+    t = pq.read_table([str(d2 / n) for n in names if n.endswith(".parquet")])
+    assert "README" in names and not [n for n in names if n.startswith(".")]
+    assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
+    assert sorted(os.listdir(tmp_path)) == sorted(["empty.parquet", "o.parquet", "local.parquet",
+                                                   "in.parquet", "outdir", "outdir2"])  # fmt: skip
+    # a file where the directory should go: refused before the work (it was a raw OS error
+    # after it)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="is a file"):
+        leanrnn.score(model, src, str(tmp_path / "afile"), ray="auto")
+
+
+def test_ray_quieting_drops_only_records_of_leanrnn_errors():
+    """Ray Data logged an actor's leanrnn error with the worker's traceback on the console;
+    the caller gets the error itself. Other records pass."""
+    import logging
+
+    from leanrnn.ray import _OwnError
+    from leanrnn.score.data import DataError
+
+    def record(exc):
+        try:
+            raise exc
+        except BaseException as e:
+            return logging.LogRecord("ray.data", logging.ERROR, __file__, 1, "task failed", (),
+                                     (type(e), e, e.__traceback__))  # fmt: skip
+
+    outer = RuntimeError("a wrapper")
+    outer.__cause__ = DataError("[score] 'a.parquet', row 1, step 0: NaN or Inf")
+    f = _OwnError()
+    assert not f.filter(record(outer)) and not f.filter(record(outer.__cause__))
+    assert f.filter(record(ValueError("something else")))
+    plain = logging.LogRecord("ray.data", logging.INFO, __file__, 1, "started", (), None)
+    assert f.filter(plain)
 
 
 def _covered(items):

@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 import traceback
-from itertools import count
 
 from .errors import LeanRNNError
 from .score.batching import Counters, Scorer
@@ -323,9 +322,10 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
 
             local = "://" not in output
             fs_out = pyarrow.fs.LocalFileSystem() if local else None
-            # a local directory is written beside it and moved in whole: a failed job left
-            # the part files its write tasks had finished (no partial output, as the file's)
-            to = f"{output.rstrip(os.sep)}.tmp{os.getpid()}.{next(_TMP_IDS)}" if local else output
+            # a local directory is written to a hidden one and moved in whole: a failed job
+            # left the part files its write tasks had finished (no partial output, as the
+            # file's)
+            to = _staging(output) if local else output
             written = to
             with _quiet_own_errors():
                 ds.write_parquet(to, filesystem=fs_out, ray_remote_args={"num_cpus": READ_CPUS})
@@ -396,14 +396,22 @@ def _release(e: BaseException) -> None:
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
 
 
-_TMP_IDS = count()
+def _staging(output: str) -> str:
+    """A new hidden directory for a directory OUTPUT's files until the job succeeds: inside
+    OUTPUT when it exists (its filesystem, even as a mount point or through a symlink; readers
+    skip names starting with "."), else beside where it will be."""
+    if os.path.isdir(output):
+        return tempfile.mkdtemp(dir=output, prefix=".leanrnn-")
+    real = os.path.realpath(output)
+    return tempfile.mkdtemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(real)}.")
 
 
 def _move_in(tmp: str, output: str) -> None:
-    """The finished job's files from ``tmp`` into ``output``: the directory itself when there
-    is none yet, else file by file (what is there stays, a name written again is replaced)."""
-    if not os.path.exists(output):
-        os.replace(tmp, output)
+    """The finished job's files from ``tmp`` (_staging) into ``output``: the directory itself
+    when there is none yet, else file by file (_check_output refused one holding Parquet files
+    already: a second run there doubled the rows)."""
+    if not os.path.isdir(output):
+        os.replace(tmp, os.path.realpath(output))
         return
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output, name))
@@ -427,8 +435,11 @@ class _OwnError(logging.Filter):
 def _quiet_own_errors():
     """_OwnError on the console handlers of Ray's loggers, for the job's duration."""
     f = _OwnError()
+    # by type, not by stream: Ray's handler keeps the stderr it saw at import, which Jupyter
+    # or redirect_stderr replace
     handlers = [h for name in ("ray", "ray.data") for h in logging.getLogger(name).handlers
-                if getattr(h, "stream", None) in (sys.stderr, sys.stdout)]  # fmt: skip
+                if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]  # fmt: skip
     for h in handlers:
         h.addFilter(f)
     try:
