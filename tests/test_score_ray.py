@@ -155,10 +155,13 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     t = pq.read_table([os.path.join(d, f) for f in files if f.endswith(".parquet")])
     assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
     # a directory that holds Parquet files already: refused (a second run doubled the rows)
+    from leanrnn.ray import score_on_ray
     from leanrnn.score.data import DataError
 
-    with pytest.raises(DataError, match="already holds Parquet files"):
-        leanrnn.score(model, src, d, ray="auto", ray_actors=2)
+    for run in (lambda: leanrnn.score(model, src, d, ray="auto", ray_actors=2),
+                lambda: score_on_ray(model, src, d)):  # (called directly too)  # fmt: skip
+        with pytest.raises(DataError, match="already holds Parquet files"):
+            run()
     assert sorted(os.listdir(d)) == files
     # an existing directory without: the job's files move in beside what is there
     d2 = tmp_path / "outdir2"

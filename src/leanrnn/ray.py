@@ -247,6 +247,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     if output.lower().endswith(".npz"):  # (it became a directory of Parquet files)
         raise DataError(f"[score --ray] output {output!r}: the Ray path writes Parquet, a "
                         ".parquet file or a directory of them; for .npz, score without --ray")  # fmt: skip
+    if not output.lower().endswith((".parquet", ".pq")) and "://" not in output:
+        _check_directory_output(output)
     _parquet_files(dataset)
     m = engine_model(model, "score --ray")
     # Columns and types of every file are checked here, on the driver, before any actor
@@ -394,6 +396,20 @@ def _release(e: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # (frames still running are left as they are)
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+
+
+def _check_directory_output(output: str) -> None:
+    """Refuse, before any work, a directory OUTPUT that is a file (it failed after the work,
+    at the move), or a directory that holds Parquet files already (a second run there doubled
+    the rows: readers read every file)."""
+    if os.path.lexists(output) and not os.path.isdir(output):
+        raise DataError(f"[score --ray] output {output!r} is a file; the Ray path writes a "
+                        "directory of Parquet files there (or one .parquet file: name it so)")  # fmt: skip
+    if os.path.isdir(output) and any(
+            n.lower().endswith((".parquet", ".pq")) for n in os.listdir(output)):  # fmt: skip
+        raise DataError(f"[score --ray] output directory {output!r} already holds Parquet files "
+                        "(a run before?): the job's would join them, and readers would read "
+                        "both; remove them or pick another directory")  # fmt: skip
 
 
 def _staging(output: str) -> str:

@@ -113,18 +113,6 @@ def _check_output(output, dataset, model, lengths, local: bool) -> None:
             f"{os.fspath(dataset)!r}, whose files are all read as data; write it elsewhere"
         )
     # (local: this process writes a file; else Ray's tasks write a directory's files)
-    if not local and (os.path.lexists(out) and not os.path.isdir(out)):
-        raise DataError(
-            f"[score] output {os.fspath(output)!r} is a file; the Ray path writes a directory of "
-            "Parquet files there (or one .parquet file: name it so)"
-        )
-    if not local and os.path.isdir(out) and any(
-            n.lower().endswith((".parquet", ".pq")) for n in os.listdir(out)):  # fmt: skip
-        raise DataError(
-            f"[score] output directory {os.fspath(output)!r} already holds Parquet files (a "
-            "run before?): the job's would join them, and readers would read both; remove "
-            "them or pick another directory"
-        )
     if os.path.exists(out) and not os.path.isfile(out) and not (os.path.isdir(out) and not local):
         # a directory failed at the final rename, after all the scoring; a device (/dev/null)
         # would have been replaced by a regular file
