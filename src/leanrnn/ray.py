@@ -247,7 +247,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     if output.lower().endswith(".npz"):  # (it became a directory of Parquet files)
         raise DataError(f"[score --ray] output {output!r}: the Ray path writes Parquet, a "
                         ".parquet file or a directory of them; for .npz, score without --ray")  # fmt: skip
-    if not output.lower().endswith((".parquet", ".pq")) and "://" not in output:
+    single = output.lower().endswith((".parquet", ".pq"))  # else a directory of them
+    if not single and "://" not in output:
         _check_directory_output(output)
     _parquet_files(dataset)
     m = engine_model(model, "score --ray")
@@ -282,7 +283,6 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
     finally:
         os.remove(tmp_model)
     items = _work(src, n)
-    single = output.lower().endswith((".parquet", ".pq"))
     ctx = ray.data.DataContext.get_current()
     saved = ctx.execution_options.preserve_order, ctx.enable_progress_bars
     ctx.execution_options.preserve_order = True
@@ -368,19 +368,16 @@ def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
     the error inside it is the one to raise."""
     from ray.exceptions import RayError
 
-    top, seen = e, set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, LeanRNNError) and not isinstance(e, RayError):
+    for c in _chain(e):
+        if isinstance(c, LeanRNNError) and not isinstance(c, RayError):
             # Ray Data appends its retry advice ("...if you believe this to be transient")
             # on lines of its own: wrong advice for bad data, and leanrnn's errors are one line
             # (a new one, with no context or traceback holding Ray's objects)
             try:
-                return type(e)(str(e).split("\n", 1)[0])
+                return type(c)(str(c).split("\n", 1)[0])
             except TypeError:  # a subclass that takes other arguments
-                return e
-        seen.add(id(e))
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-    lines = [ln for ln in str(top).splitlines() if "Error: [" in ln]
+                return c
+    lines = [ln for ln in str(e).splitlines() if "Error: [" in ln]
     if lines:
         return DataError(lines[-1].split("Error: ", 1)[1].strip())
     return None
@@ -391,10 +388,17 @@ def _release(e: BaseException) -> None:
     their locals hold the failed job's executor, so its actors and their CPU slots, for as
     long as anything keeps the error — a log record does (pytest's log capture kept them, and
     on a 2-CPU Ray a job after two failed ones waited for a slot forever)."""
+    for c in _chain(e):
+        traceback.clear_frames(c.__traceback__)  # (frames still running are left as they are)
+
+
+def _chain(e: BaseException | None):
+    """``e`` and the errors it wraps, outermost first: Ray's ``cause``, else ``__cause__``,
+    else ``__context__`` (each once: a chain may loop)."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)  # (frames still running are left as they are)
+        yield e
         e = getattr(e, "cause", None) or e.__cause__ or e.__context__
 
 

@@ -174,10 +174,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         if name in tensors:
             raise InvalidRequest(f"[infer] input {clip(name)} appears twice")
         shape = check_input(info, name, t.get("datatype"), t.get("shape"))
-        tp = {} if t.get("parameters") is None else t["parameters"]
-        if not isinstance(tp, dict):
-            raise InvalidRequest(f'[infer] input {name!r}: "parameters" must be a JSON object')
-        size = tp.get("binary_data_size")
+        size = _parameters(t, f"input {name!r}").get("binary_data_size")
         if size is not None and "data" in t:  # (one of the two was dropped without a word)
             raise InvalidRequest(
                 f'[infer] input {name!r} has both "data" and binary_data_size; send its values '
@@ -214,10 +211,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         for o in req["outputs"]:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidRequest('[infer] each requested output needs a "name"')
-            op = {} if o.get("parameters") is None else o["parameters"]
-            if not isinstance(op, dict):
-                raise InvalidRequest(f'[infer] output {clip(o["name"])}: "parameters" must be a '
-                                     "JSON object")  # fmt: skip
+            op = _parameters(o, f"output {clip(o['name'])}")
             outputs.append(o["name"])
             binary[o["name"]] = flag(op, "binary_data", binary_all, f"output {clip(o['name'])}'s ")
     rid = req.get("id", "")
@@ -226,6 +220,17 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
     p = assemble(info, rid, params, tensors, outputs, binary)
     for name in p.outputs:
         p.binary.setdefault(name, binary_all)
+    return p
+
+
+def _parameters(t: dict, what: str) -> dict:
+    """An input's or requested output's "parameters": {} when absent or null, else an object
+    (5 or [1] was read as none without a word)."""
+    p = t.get("parameters")
+    if p is None:
+        return {}
+    if not isinstance(p, dict):
+        raise InvalidRequest(f'[infer] {what}: "parameters" must be a JSON object')
     return p
 
 

@@ -92,6 +92,14 @@ def _check_array(where: str, what: str, a: Any) -> np.ndarray:
     return a
 
 
+def read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``: what a caller may read but must not write, because it is
+    state leanrnn derives from (numpy has no version counter to notice a write)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _span(a: np.ndarray) -> tuple[int, int]:
     start = a.__array_interface__["data"][0]
     return start, start + a.nbytes
@@ -171,9 +179,7 @@ class Parameter:
     @property
     def value(self) -> np.ndarray:
         """The array, read-only (write it with ``edit()``)."""
-        v = self._value.view()
-        v.flags.writeable = False
-        return v
+        return read_only(self._value)
 
     @contextlib.contextmanager
     def edit(self):

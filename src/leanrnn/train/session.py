@@ -79,7 +79,7 @@ from ..threads import (
     blas_controller,
     matmul_pool,
 )
-from .optim import Parameter
+from .optim import Parameter, read_only
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
@@ -159,9 +159,7 @@ class Tape:
 
     @property
     def y(self) -> np.ndarray:
-        v = self._y.view()
-        v.flags.writeable = False
-        return v
+        return read_only(self._y)
 
 
 class Trainer:
