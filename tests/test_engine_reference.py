@@ -1,16 +1,18 @@
 """The engine against the float64 NumPy oracle over every spec option (ONNX ones included)."""
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, currently_in_test_context, given, settings
 from hypothesis import strategies as st
 
 import leanrnn
-from helpers import random_layers
-from leanrnn.formats.packing import pack
+from helpers import max_err, random_layers
+from leanrnn.formats.packing import LayerWeights, pack
 from leanrnn.kernels.reference import reference_forward
 from leanrnn.spec import ACTIVATIONS, DEFAULT_ACTIVATIONS, Activation, RNNSpec
-from tolerances import RTOL, RTOL_UNBOUNDED, atol
+from tolerances import CONDITIONING, MIN_WRONG, RTOL, RTOL_UNBOUNDED, atol
 
 ACT_NAMES = sorted(ACTIVATIONS)
 UNBOUNDED = {"relu", "affine", "leakyrelu", "thresholdedrelu", "elu", "softplus"}
@@ -77,11 +79,43 @@ def _check(spec, seed, dtype, N, T, with_lengths, with_state, rtol=None, threads
     # Unbounded activations (Affine, Relu, Softplus...) can grow outputs to 1e3 and more, where
     # float32 rounding is relative: allow the dtype's tolerance relative to the magnitude too.
     tol = atol(dtype)
+    sensitivity = _sensitivity(spec, layers, x, h0, c0, lengths, (ry, rh, rc), dtype)
+    tol = max(tol, CONDITIONING * sensitivity)
+    # A model this sensitive (a thresholded gate on its step, chaotic growth) would hide a wrong
+    # formula inside its tolerance: nothing of the kernels' logic is checked by such a draw.
+    if tol >= MIN_WRONG[dtype]:
+        assume(not currently_in_test_context())
+        pytest.fail(f"a fixed case amplifies rounding to {sensitivity:.2g}: pick another")
     rtol = rtol or RTOL[dtype]
     np.testing.assert_allclose(y, ry, rtol=rtol, atol=tol)
     np.testing.assert_allclose(h_n, rh, rtol=rtol, atol=tol)
     if spec.cell == "lstm":
         np.testing.assert_allclose(c_n, rc, rtol=rtol, atol=tol)
+
+
+def _sensitivity(spec, layers, x, h0, c0, lengths, want, dtype) -> float:
+    """How far the float64 oracle moves when every input (weights, x, states) is perturbed by up
+    to one rounding of ``dtype`` (relative eps/2): the error a correct computation of this model
+    in ``dtype`` may carry. Some draws amplify rounding past ATOL (float32: 2 layers of tanh gate
+    activations; either dtype: a thresholded-relu gate whose input sits on its threshold jumps
+    by O(1)); the kernels' error is measured against this, not against a fixed figure alone."""
+    rng = np.random.default_rng(0)
+    eps = np.finfo(dtype).eps / 2
+
+    def nudge(a):
+        if a is None:
+            return None
+        a = np.asarray(a, np.float64)
+        return a * (1 + eps * rng.uniform(-1, 1, a.shape))
+
+    worst = 0.0
+    for _ in range(2):
+        moved = [[LayerWeights(*(nudge(getattr(w, f.name)) for f in fields(w))) for w in d]
+                 for d in layers]  # fmt: skip
+        got = reference_forward(spec, moved, nudge(x), nudge(h0), nudge(c0), lengths)
+        worst = max(worst, *(max_err(g, r) for g, r in zip(got, want, strict=True)
+                             if r is not None))
+    return worst if np.isfinite(worst) else np.inf
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
