@@ -113,8 +113,9 @@ def _sensitivity(spec, layers, x, h0, c0, lengths, want, dtype) -> float:
         moved = [[LayerWeights(*(nudge(getattr(w, f.name)) for f in fields(w))) for w in d]
                  for d in layers]  # fmt: skip
         got = reference_forward(spec, moved, nudge(x), nudge(h0), nudge(c0), lengths)
-        worst = max(worst, *(max_err(g, r) for g, r in zip(got, want, strict=True)
-                             if r is not None))
+        worst = max(
+            worst, *(max_err(g, r) for g, r in zip(got, want, strict=True) if r is not None)
+        )
     return worst if np.isfinite(worst) else np.inf
 
 
