@@ -224,6 +224,13 @@ def test_children_ignore_modules_in_the_working_directory(tmp_path, monkeypatch)
     assert res["ok"], res
 
 
+def test_a_timed_out_child_is_reported_with_the_timeout_it_was_given():
+    """``bench --timeout 0.01`` reported "timed out after 0 s"."""
+    res = harness.spawn({"kind": "bandwidth", "threads": 1, "sizes": [1 << 16], "big": 1 << 20},
+                        1, 0.01)  # fmt: skip
+    assert not res["ok"] and res["error"] == "timed out after 0.01 s", res
+
+
 def test_time_format_keeps_three_digits():
     assert [report.fmt_time(s) for s in (1.5e-6, 0.0009996, 0.0123, 0.9996, 12.3)] == [
         "1.5 µs", "1 ms", "12.3 ms", "1 s", "12.3 s"

@@ -467,7 +467,7 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+            return {"ok": False, "error": f"timed out after {timeout:g} s"}
         finally:
             self.wall = time.perf_counter() - self.t0
         if not self.result.exists():
