@@ -113,17 +113,17 @@ class GraphModel:
                 params += c.size
             wbytes += c.nbytes
         shapes = _input_shapes(self, batch, steps)
-        p = self.resize(shapes)
+        est = self.session.estimate(shapes)  # planned, not made: describing allocates nothing
         fixed = _fixed_sizes(self, batch, steps, shapes)
-        sess = self.session
         arena = {
             "input_shapes": {k: list(v) for k, v in shapes.items()},
-            "graph_arena_bytes": sess.arena_bytes,
-            "graph_arena_naive_bytes": p.naive_total,
-            "rnn_arena_bytes": sess.rnn_arena_bytes,
-            "shape_constant_bytes": sess.resize_constant_bytes,
+            "graph_arena_bytes": est["arena_bytes"],
+            "graph_arena_naive_bytes": est["plan"].naive_total,
+            "rnn_arena_bytes": est["rnn_arena_bytes"],
+            "shape_constant_bytes": est["shape_constant_bytes"],
         }
-        arena["total_bytes"] = sess.arena_bytes + sess.rnn_arena_bytes + sess.resize_constant_bytes
+        arena["total_bytes"] = sum(arena[k] for k in ("graph_arena_bytes", "rnn_arena_bytes",
+                                                       "shape_constant_bytes"))  # fmt: skip
         return {
             "kind": "graph",
             "inputs": [t.to_dict() for t in g.inputs],

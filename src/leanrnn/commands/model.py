@@ -141,6 +141,7 @@ def _load_array(path: str, what: str):
     import numpy as np
 
     from ..errors import ModelFormatError
+    from ..formats.checkpoint import check_zip_sizes
 
     where = f"{what} {path!r}"
     try:
@@ -152,6 +153,7 @@ def _load_array(path: str, what: str):
             head = f.read(6)
         if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # np.load's test for an .npz
             with zipfile.ZipFile(path) as z:
+                check_zip_sizes(z, path, "run")  # before np.load inflates a bomb
                 for info in z.infolist():
                     if not info.filename.endswith(".npy"):
                         continue

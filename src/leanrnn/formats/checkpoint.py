@@ -41,6 +41,10 @@ _ZIP_ERRORS = (
 MAX_ZIP_RATIO = 64
 _ZIP_SLACK = 1 << 20
 
+# A checkpoint's tensors may view at most this many times the bytes its storages hold (plus
+# _ZIP_SLACK): weights tied between two modules view theirs twice; each view is packed apart.
+MAX_SHARED_VIEWS = 4
+
 # numpy's limit on an array's rank (numpy 2; numpy 1 had 32, and refuses more itself)
 _MAX_NDIM = 64
 
@@ -72,23 +76,35 @@ def sniff(path: str) -> str:
     return "unknown"
 
 
-def check_zip_sizes(z: zipfile.ZipFile, path: str, op: str = "load") -> None:
+def check_zip_sizes(z: zipfile.ZipFile, path: str, op: str = "load",
+                    error: type[Exception] = ModelFormatError) -> None:  # fmt: skip
     """Refuse an archive whose central directory (read without decompressing anything)
     declares more than its bytes can honestly hold: a stored member whose size is not its
     stored size, a compressed member inflating more than ``MAX_ZIP_RATIO`` times, or members
-    that together inflate more than ``MAX_ZIP_RATIO`` times the archive. The one check for
-    every zip leanrnn opens (.npz here, PyTorch checkpoints before ``torch.load``, whose reader
-    inflates whole records before it checks them)."""
+    that together inflate more than ``MAX_ZIP_RATIO`` times the archive; and a member
+    compressed other than stored or deflated (what np.savez and torch.save write): zipfile
+    bounds deflate's output per read, but inflates each read's bzip2 or LZMA input in full and
+    cuts it afterwards, so a 1 KB member declaring 640 bytes took 2 GiB. The one check for
+    every zip leanrnn opens (.npz models, arrays and score inputs; PyTorch checkpoints before
+    ``torch.load``, whose reader inflates whole records before it checks them). ``error``: the
+    class to raise (a model's ModelFormatError, an input's DataError)."""
     archive = os.path.getsize(path)
     total = 0
     for info in z.infolist():
         n, packed = info.file_size, info.compress_size
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise error(
+                f"[{op}] {path!r}: member {info.filename!r} is compressed with method "
+                f"{info.compress_type}; expected stored or deflated (np.savez, "
+                "np.savez_compressed and torch.save write only those). Save it again with one "
+                "of them"
+            )
         if info.compress_type == zipfile.ZIP_STORED:
             bad = n != packed or packed > archive
         else:
             bad = packed > archive or n > MAX_ZIP_RATIO * packed + _ZIP_SLACK
         if bad:
-            raise ModelFormatError(
+            raise error(
                 f"[{op}] {path!r}: member {info.filename!r} claims to inflate {packed} stored "
                 f"bytes to {n} (the archive is {archive} bytes); expected at most "
                 f"{MAX_ZIP_RATIO}x its stored size; refusing (zip bomb?). Re-save the "
@@ -96,7 +112,7 @@ def check_zip_sizes(z: zipfile.ZipFile, path: str, op: str = "load") -> None:
             )
         total += n
     if total > MAX_ZIP_RATIO * archive + _ZIP_SLACK:
-        raise ModelFormatError(
+        raise error(
             f"[{op}] {path!r}: its {len(z.infolist())} members inflate to {total} bytes in "
             f"all from a {archive}-byte archive; expected at most {MAX_ZIP_RATIO}x; refusing "
             "(zip bomb?). Re-save the weights uncompressed"
@@ -212,7 +228,7 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     # torch already read (bounded by check_zip_sizes); only other views are copied, and those
     # copies may not exceed what the file stores.
     stored: dict[int, int] = {}
-    copies = 0
+    copies = viewed = 0
     for k, v in obj.items():
         if not isinstance(v, torch.Tensor):
             raise ModelFormatError(
@@ -220,6 +236,14 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             )
         if v.dtype == torch.bfloat16:
             raise WeightsError(f"[{op}] {path!r}: {k!r} is bfloat16; convert to float32 first")
+        # weights_only also unpickles sparse, quantized, nested and meta tensors and float8;
+        # their storage and .numpy() raise torch's own errors (a traceback from the CLI)
+        kind = _tensor_kind(v, torch)
+        if kind:
+            raise WeightsError(
+                f"[{op}] {path!r}: entry {k!r} is a {kind} tensor; expected dense (strided) "
+                "float or integer tensors on the CPU, as module.state_dict() holds them"
+            )
         storage = v.untyped_storage()
         stored[storage.data_ptr()] = storage.nbytes()
         n = v.numel() * v.element_size()
@@ -230,12 +254,36 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
                 "tensor larger than its storage. Save contiguous tensors (.contiguous())"
             )
         copies += 0 if v.is_contiguous() else n
+        viewed += n
+    # Entries viewing one storage are packed once each: a 1 MiB file of a 200-layer LSTM whose
+    # every weight views the same storage packed 810 MiB.
+    if viewed > MAX_SHARED_VIEWS * sum(stored.values()) + _ZIP_SLACK:
+        raise ModelFormatError(
+            f"[{op}] {path!r}: its tensors view {viewed} bytes in all of {sum(stored.values())} "
+            f"stored (tensors sharing storage); refusing more than {MAX_SHARED_VIEWS}x. Save "
+            "each weight in its own storage (.clone())"
+        )
     if copies > sum(stored.values()):
         raise ModelFormatError(
             f"[{op}] {path!r}: its non-contiguous tensors would copy {copies} bytes out of "
             f"{sum(stored.values())} stored; refusing. Save contiguous tensors (.contiguous())"
         )
     return {str(k): v.detach().cpu().contiguous().numpy() for k, v in obj.items()}
+
+
+def _tensor_kind(v, torch) -> str | None:
+    """What makes tensor ``v`` other than a dense CPU tensor numpy can view, or None."""
+    if v.layout != torch.strided:
+        return str(v.layout).removeprefix("torch.")
+    if v.is_nested:
+        return "nested"
+    if v.is_quantized:
+        return f"quantized ({v.dtype})"
+    if v.device.type != "cpu":
+        return f"{v.device.type}-device"
+    if v.dtype.is_complex or (v.dtype.itemsize == 1 and v.dtype.is_floating_point):
+        return f"{v.dtype}"
+    return None
 
 
 def _torch_refusal(e: Exception) -> str:

@@ -45,7 +45,10 @@ from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
-MAX_HEADER_BYTES = 64 << 20  # a header is JSON text; 64 MiB is far beyond any real model's
+# A header is JSON text: a tensor entry is ~80 bytes and a graph of 10,000 nodes ~1 MiB, so
+# 16 MiB is far beyond any real model's. Parsed, JSON takes up to ~30x its text in Python
+# objects (a 23 MiB header of empty objects peaked at 665 MiB under the old 64 MiB bound).
+MAX_HEADER_BYTES = 16 << 20
 MAX_NDIM = 64  # numpy's limit on an array's rank (numpy 2)
 
 # safetensors dtype codes <-> numpy
@@ -262,7 +265,12 @@ def _read_header(path: str, op: str) -> tuple[int, int, dict]:
                 "an 8-byte header length (file truncated?)"
             )
         (n,) = struct.unpack("<Q", head)
-        if n < 2 or n > min(size - 8, MAX_HEADER_BYTES):
+        if MAX_HEADER_BYTES < n <= size - 8:
+            raise ModelFormatError(
+                f"[{op}] {path!r} declares a {n}-byte header; refusing more than "
+                f"{MAX_HEADER_BYTES} bytes of JSON (no model's header is that large)"
+            )
+        if n < 2 or n > size - 8:
             raise ModelFormatError(
                 f"[{op}] {path!r} declares a {n}-byte header but the file holds "
                 f"{size - 8} bytes after the length field (truncated or corrupt)"

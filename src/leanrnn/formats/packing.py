@@ -130,9 +130,7 @@ class PackedWeights:
         shapes = [dict(d) for d in _chunks(self.layout(spec, precision),
                                            len(PackedLayer.__dataclass_fields__))]  # fmt: skip
         dts = {name: tensor_dtype(name, self.dtype, precision) for name in shapes[0]}
-        sizes = [round_up(int(np.prod(s)) * dts[k].itemsize, 64) for d in shapes
-                 for k, s in d.items()]  # fmt: skip
-        self.nbytes = sum(sizes)
+        self.nbytes = self.size(spec, self.dtype, precision)
         self.buffer = aligned_empty(self.nbytes)
         if zero:
             self.buffer[:] = 0
@@ -162,6 +160,13 @@ class PackedWeights:
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__)
         return new
+
+    @classmethod
+    def size(cls, spec: RNNSpec, dtype=np.float32, precision: str = "float") -> int:
+        """Bytes of the packed buffer, known before it is allocated (each tensor 64-aligned)."""
+        dtype = np.dtype(dtype)
+        return sum(round_up(int(np.prod(shape)) * tensor_dtype(k, dtype, precision).itemsize, 64)
+                   for k, shape in cls.layout(spec, precision))  # fmt: skip
 
     @staticmethod
     def layout(spec: RNNSpec, precision: str = "float") -> list[tuple[str, tuple[int, ...]]]:

@@ -105,7 +105,8 @@ class _Vec:
         return self.b.call(fence, [x])
 
     def tanh(self, x):
-        """The rational tanh of _math, lane-wise (clamped by compares: NaN passes through)."""
+        """The rational tanh of _math, lane-wise, its input and result clamped by compares (NaN
+        passes through)."""
         hi, lo = self.const(TANH_CLAMP), self.const(-TANH_CLAMP)
         a = self.b.select(self.b.fcmp_ordered(">", x, hi), hi, x)
         v = self.b.select(self.b.fcmp_ordered("<", a, lo), lo, a)
@@ -116,7 +117,10 @@ class _Vec:
         q = self.const(TANH_Q[0])
         for c in TANH_Q[1:]:
             q = self.fma(q, x2, self.const(c))
-        return self.b.fdiv(self.mul(p, v), q)
+        r = self.b.fdiv(self.mul(p, v), q)
+        one, minus_one = self.const(1.0), self.const(-1.0)
+        r = self.b.select(self.b.fcmp_ordered(">", r, one), one, r)
+        return self.b.select(self.b.fcmp_ordered("<", r, minus_one), minus_one, r)
 
     def sigmoid(self, x):
         half = self.const(0.5)

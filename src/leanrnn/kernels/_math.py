@@ -29,8 +29,11 @@ def sigmoid_(x):  # pragma: no cover
     return 1.0 / (1.0 + math.exp(-x))
 
 
-# tanh(v) ~ v * P(v^2) / Q(v^2) on [-9, 9] (and +-1 - 2e-8 beyond): the float32 tanh, here and
-# in the vector IR of _cells.
+# tanh(v) ~ v * P(v^2) / Q(v^2) on [-9, 9], the result bounded to [-1, 1]: the float32 tanh,
+# here and in the vector IR of _cells. Past |v| ~ 7.9 the rational overshoots 1 by up to 2.4e-7
+# (Eigen 3.4 moved its clamp of these coefficients to 7.9053 for that); bounding the result
+# keeps the bits below and makes sigmoid = tanh/2 + 1/2 never negative (it read -1.2e-7 at
+# x = -17.97, and a saturated LSTM output gate then flipped h's sign).
 TANH_CLAMP = 9.0
 TANH_P = (
     -2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,
@@ -40,6 +43,7 @@ TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89
 _P = tuple(np.float32(c) for c in TANH_P)
 _Q = tuple(np.float32(c) for c in TANH_Q)
 _HI, _LO = np.float32(TANH_CLAMP), np.float32(-TANH_CLAMP)
+_ONE = np.float32(1.0)
 
 
 @overload(tanh_, inline="always", fastmath=True)
@@ -64,7 +68,7 @@ def _tanh_ov(x):
             q = q * x2 + _Q[1]
             q = q * x2 + _Q[2]
             q = q * x2 + _Q[3]
-            return (p * v) / q
+            return max(min((p * v) / q, _ONE), -_ONE)  # compare-and-select: NaN passes
 
         return impl
     return lambda x: math.tanh(x)
@@ -85,8 +89,11 @@ def act(code, x, alpha, beta, zero, one):
         return sigmoid_(x)
     if code == TANH:
         return tanh_(x)
+    # RELU and HARDSIGMOID test "below the bound" so that NaN passes through, as torch's relu and
+    # the oracle's np.maximum do (NaN is in no sample's outputs otherwise: a NaN input read 0).
+    # THRESHOLDEDRELU is ONNX's literal "x if x > alpha", as onnxruntime and the oracle take it.
     if code == RELU:
-        return x if x > zero else zero
+        return zero if x < zero else x
     if code == AFFINE:
         return alpha * x + beta
     if code == LEAKYRELU:
@@ -97,8 +104,8 @@ def act(code, x, alpha, beta, zero, one):
         return alpha * tanh_(beta * x)
     if code == HARDSIGMOID:
         v = alpha * x + beta
-        v = v if v > zero else zero
-        return v if v < one else one
+        v = zero if v < zero else v
+        return one if v > one else v
     if code == ELU:
         return x if x >= zero else alpha * (math.exp(x) - one)
     if code == SOFTSIGN:

@@ -475,8 +475,11 @@ def _members(path: str, kind: str) -> dict[str, _Member]:
                 shape, dtype = _read_header(f, path, None)
                 hdr = f.tell()
             return {"": _Member(path, None, shape, dtype, size - hdr)}
+        from ..formats.checkpoint import check_zip_sizes  # here: `import leanrnn` loads score
+
         out = {}
         with zipfile.ZipFile(path) as z:
+            check_zip_sizes(z, path, "score", DataError)  # before a read inflates a bomb
             for info in z.infolist():
                 if not info.filename.endswith(".npy"):
                     continue

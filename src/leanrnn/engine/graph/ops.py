@@ -605,7 +605,8 @@ def _split_infer(ctx, node, ins, vals):
     sizes = _optional(node, ins, vals, 1, "split", "split")
     k = len(node.outputs)
     if sizes is None:
-        k = int(node.attrs.get("num_outputs", k))
+        if k < 1 or int(node.attrs.get("num_outputs", k)) != k:
+            _fail(node, f"num_outputs={node.attrs.get('num_outputs', k)} with {k} outputs named")
         q = -(-shape[a] // k)
         sizes = [q] * (k - 1) + [shape[a] - q * (k - 1)]
     if len(sizes) != len(node.outputs) or sum(sizes) != shape[a] or min(sizes) < 0:
@@ -865,10 +866,24 @@ def guard(node: Node, fn, *args):
         if str(e).startswith(f"[graph] node {node.name!r}"):
             raise
         raise type(e)(f"[graph] node {node.name!r} ({node.op}): {e}") from None
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         raise ModelFormatError(
             f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: {e}"
         ) from None
+
+
+def infer(ctx, node: Node, ins: list, vals: list) -> list[Out]:
+    """The op's output metas (guarded), refusing a node that names more outputs than its op
+    makes: the extra names passed the load's checks as defined, were never given a shape, and
+    the first run failed on them with a bare KeyError. Fewer is fine (optional outputs)."""
+    outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+    extra = [o for o in node.outputs[len(outs) :] if o]
+    if extra:
+        raise ModelFormatError(
+            f"[graph] node {node.name!r} ({node.op}) names {len(node.outputs)} outputs; the op "
+            f"makes {len(outs)} here, so {extra} would never be computed"
+        )
+    return outs
 
 
 def evaluate(ctx, node: Node, vals: list, metas: list[Out]) -> list[np.ndarray]:

@@ -13,14 +13,18 @@ import math
 import numpy as np
 
 from ...errors import ModelFormatError, UnsupportedOpError
-from ...formats.packing import ONNX_ORDER, pack
+from ...formats.packing import ONNX_ORDER, PackedWeights, pack
 from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
 from ..products import PackedMatmul
-from .ops import OPS, SUPPORTED_OPS, Ctx, Out, evaluate, guard
+from .ops import OPS, SUPPORTED_OPS, Ctx, Out, evaluate, guard, infer
 
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
 # file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
 FOLD_SLACK_BYTES = 64 << 20
+# Packed RNN weights may be this many times the RNN weights the file holds (plus the slack
+# above): nodes sharing an initializer pack it once each; two or three (weights tied between
+# an encoder and a decoder) are models, hundreds are a file built to exhaust memory.
+PACK_RATIO = 4
 
 
 class LoadedGraph:
@@ -144,7 +148,7 @@ def fold(g: Graph, threads: int | None = None) -> None:
         if any(readers.get(o, 0) for o in node.outputs if o):
             vals = [g.constants[i] if i else None for i in node.inputs]
             ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
-            metas = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            metas = infer(ctx, node, ins, vals)
             made = sum(math.prod(m.shape) for m in metas)
             read = sum(g.constants[i].size for i in set(node.inputs) if i)
             last = [i for i in set(node.inputs) if i and readers[i] == node.inputs.count(i)]
@@ -192,6 +196,19 @@ def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> No
     def get(name):
         return graph.constants[name] if name in graph.constants else lazy[name].read()
 
+    # Packed weights are bounded by the weights the file holds, as fold's values are: nodes
+    # naming the same initializers pack them once each (a 2 MiB file of 500 LSTM nodes on one
+    # W and R packed 1 GiB), and padding grows a tiny model's panels many times over, hence
+    # a ratio and slack. Counted in values (a float16 file widens at load), checked before
+    # each node's buffer is allocated.
+    def held(name):
+        c = graph.constants.get(name)
+        return c.size if c is not None else math.prod(lazy[name].dims) if name in lazy else 0
+
+    weights = {n.inputs[k] for n in graph.nodes if n.op in RNN_OPS
+               for k in (1, 2, 3, 7) if k < len(n.inputs) and n.inputs[k]}  # fmt: skip
+    limit = PACK_RATIO * sum(held(w) for w in weights) + FOLD_SLACK_BYTES // 4
+    packed = 0  # by this call (the nodes packed before have no weight inputs left)
     for node in graph.nodes:
         if node.op not in RNN_OPS or node.name in graph.packed:
             continue
@@ -231,6 +248,14 @@ def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> No
         )
         wdtype = W.dtype
         del W, R  # the unpacked weights go before the next node's are read
+        packed += PackedWeights.size(spec, dtype or wdtype) // np.dtype(dtype or wdtype).itemsize
+        if packed > limit:
+            raise ModelFormatError(
+                f"[load] node {node.name!r} ({node.op}) brings the packed RNN weights to "
+                f"{packed} values; the file's RNN weights hold {(limit - FOLD_SLACK_BYTES // 4) // PACK_RATIO}, "
+                f"and more than {PACK_RATIO}x that plus {FOLD_SLACK_BYTES // 4} values of slack "
+                "is refused (RNN nodes sharing weights pack them once each)"
+            )
         graph.packed[node.name] = pack(spec, layers, dtype or wdtype)
         for k in weight_slots:
             ins[k] = ""

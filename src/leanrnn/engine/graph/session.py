@@ -31,7 +31,7 @@ from ...memory.planner import Buffer, Plan, plan
 from ...threads import blas_controller
 from .. import _check, _fork
 from ..session import Pool, Session
-from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, rnn_computes_y
+from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, infer, rnn_computes_y
 from .passes import LoadedGraph
 from .quant_ops import BLAS_OPS as QUANT_BLAS_OPS
 
@@ -121,6 +121,16 @@ class GraphSession:
         with self._lock:
             return self._resize(metas_in, memory_limit)
 
+    def estimate(self, shapes, dtypes=None) -> dict:
+        """What ``resize(shapes, dtypes)`` would plan, without making it: the arena's plan and
+        the bytes of the graph arena, the RNN nodes' arena and the shape-computed tensors. The
+        large shape-computed tensors are not evaluated (a 170-byte file's ConstantOfShape of
+        its input's shape times k filled 808 MiB to be described) and nothing is allocated;
+        the session's own plan is left as it was."""
+        metas_in = self._input_metas(shapes, dtypes)
+        with self._lock:
+            return self._resize_checked(metas_in, None, plan_only=True)
+
     def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
         try:
             return self._resize_checked(metas_in, memory_limit)
@@ -130,11 +140,13 @@ class GraphSession:
             self._key = None
             raise
 
-    def _resize_checked(self, metas_in: dict, memory_limit: int | None) -> Plan:
+    def _resize_checked(self, metas_in: dict, memory_limit: int | None,
+                        plan_only: bool = False) -> Plan | dict:  # fmt: skip
         """Shapes first, memory next, allocation last: a shape-computed tensor proportional
         to the input (ConstantOfShape's [1, N, H] initial state) is evaluated only once the
         whole run's bytes are known to fit, so an impossible size is a PlanError before
-        anything grows (it was numpy's MemoryError, or 1 GB allocated, then refused)."""
+        anything grows (it was numpy's MemoryError, or 1 GB allocated, then refused).
+        ``plan_only``: stop before that, with ``estimate``'s figures."""
         loaded, g, ctx = self.loaded, self.loaded.graph, self._ctx
         limit = memory_limit
         metas: dict[str, Out] = {k: Out(v.shape, v.dtype) for k, v in g.constants.items()}
@@ -165,7 +177,7 @@ class GraphSession:
         for node in g.nodes:
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
-            outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+            outs = infer(ctx, node, ins, vals)
             for m in outs:
                 if limit is not None and m.nbytes > limit:
                     raise ShapeError(
@@ -227,6 +239,9 @@ class GraphSession:
             f"{rnn_bytes:,} of RNN arena)",
             _OP,
         )
+        if plan_only:
+            return {"plan": p, "arena_bytes": p.total, "rnn_arena_bytes": rnn_bytes,
+                    "shape_constant_bytes": extra + pending_bytes}  # fmt: skip
         flush()
         views = self._allocate_arena(p, layout)
         for sess, N, T, seq in rnn:

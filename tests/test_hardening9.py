@@ -1,0 +1,279 @@
+"""Hardening, ninth pass: a red team's findings on the numerics, the model files and the server.
+Each test failed before its fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import random_layers
+from leanrnn.formats.packing import LayerWeights, pack
+from leanrnn.kernels.reference import reference_forward
+from leanrnn.spec import Activation, RNNSpec
+
+
+# ------------------------------------------ float32 tanh and sigmoid within their ranges
+def _sweep(lo: float, hi: float, n: int = 4096) -> np.ndarray:
+    """n float32 values from lo to hi, both float32 neighbours of each end included."""
+    v = np.linspace(lo, hi, n).astype(np.float32)
+    return np.unique(np.concatenate([v, np.nextafter(v, np.float32(0)), -v]))
+
+
+@pytest.mark.parametrize("clip", [None, 100.0], ids=["fused", "clipped"])
+def test_float32_tanh_never_leaves_minus_one_to_one(clip):
+    """An RNN whose pre-activation is x itself (W = 1, R = 0, no bias): y = tanh(x). Past
+    |x| ~ 7.9 the rational tanh read 1.000000238 (up to 9, its clamp). ``clip`` (ONNX's, far
+    above every value here) sends the cell through the scalar activation instead of the fused
+    vector update."""
+    spec = RNNSpec("rnn", 1, 16, bias=False, clip=clip)
+    x = _sweep(7.0, 9.5)
+    w = LayerWeights(np.ones((16, 1), np.float32), np.zeros((16, 16), np.float32),
+                     np.zeros(16, np.float32), np.zeros(16, np.float32))  # fmt: skip
+    y = leanrnn.Model(pack(spec, [[w]])).session.run(x.reshape(1, -1, 1))[0][0]
+    assert np.abs(y).max() <= 1.0, float(np.abs(y).max() - 1)
+    np.testing.assert_allclose(y, np.tanh(x.astype(np.float64))[:, None].repeat(16, 1),
+                               rtol=0, atol=3e-7)  # fmt: skip
+
+
+def test_float32_sigmoid_is_never_negative():
+    """An LSTM whose input and cell gates saturate (i = 1, g = 1: c = 1) and whose output gate's
+    pre-activation is x in [-18, -16]: h = sigmoid(x) tanh(1), a few 1e-8 and positive. The
+    sigmoid (tanh(x/2)/2 + 1/2) read -1.19e-7 at x = -17.97 and h came out negative."""
+    H = 16
+    x = -_sweep(16.0, 18.0)
+    x = x[x < 0]
+    w_ih = np.zeros((4 * H, 1), np.float32)
+    w_ih[3 * H :] = 1.0  # torch's gate order i, f, g, o: o's pre-activation is x
+    b_ih = np.zeros(4 * H, np.float32)
+    b_ih[:H] = b_ih[2 * H : 3 * H] = 30.0  # i and g saturate at 1
+    sd = {"weight_ih_l0": w_ih, "weight_hh_l0": np.zeros((4 * H, H), np.float32),
+          "bias_ih_l0": b_ih, "bias_hh_l0": np.zeros(4 * H, np.float32)}  # fmt: skip
+    y, _ = leanrnn.from_state_dict(sd, cell="lstm")(x.reshape(1, -1, 1))
+    want = np.tanh(1.0) / (1.0 + np.exp(-x.astype(np.float64)))
+    assert (y >= 0).all(), float(y.min())
+    np.testing.assert_allclose(y[0], want[:, None].repeat(H, 1), rtol=0, atol=1e-7)
+
+
+# ------------------------------------------ NaN through relu and hard sigmoid
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_relu_rnn_carries_nan_to_the_samples_outputs_as_torch_does(bad):
+    """A NaN in x[0] of sample 1 (or +inf, which a second layer turns into inf - inf): relu's
+    ``x if x > 0 else 0`` read NaN as 0 and the sample's outputs came out finite (torch's RNN
+    and the float64 oracle give NaN)."""
+    m = leanrnn.RNN(4, 8, num_layers=2, nonlinearity="relu", seed=0)
+    x = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+    x[0, 1, 2] = bad
+    y, h = m(x)
+    assert np.isnan(y[:, 1]).any(), y[:, 1]
+    assert np.isfinite(y[:, [0, 2]]).all()
+    with np.errstate(invalid="ignore"):  # inf - inf in the oracle too
+        ry, rh, _ = reference_forward(m.spec, m.weights.unpack(), x)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ry))
+    np.testing.assert_array_equal(np.isnan(h), np.isnan(rh))
+    torch = pytest.importorskip("torch")
+    t = torch.nn.RNN(4, 8, num_layers=2, nonlinearity="relu")
+    t.load_state_dict({k: torch.from_numpy(v) for k, v in m.state_dict().items()})
+    ty, th = t(torch.from_numpy(x))
+    np.testing.assert_array_equal(np.isnan(y), ty.isnan().numpy())
+
+
+@pytest.mark.parametrize("name", ["relu", "hardsigmoid"])
+def test_onnx_activations_pass_nan_as_the_oracle_does(name):
+    """ONNX Relu and HardSigmoid as an RNN's activation: NaN read 0 (``v if v > 0 else 0``)."""
+    spec = RNNSpec("rnn", 3, 16, activations=((Activation.make(name, 0.2, 0.5),),))
+    layers = random_layers(spec, np.random.default_rng(1))
+    x = np.random.default_rng(2).standard_normal((4, 2, 3)).astype(np.float32)
+    x[1, 0, 0] = np.nan
+    y, h, _ = leanrnn.Model(pack(spec, layers)).session.run(x)
+    ry, rh, _ = reference_forward(spec, layers, x)
+    assert np.isnan(ry[1:, 0]).all()
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ry))
+    np.testing.assert_allclose(y, ry, atol=1e-5)  # equal_nan: the finite ones agree
+
+
+# ------------------------------------------ model and input files
+def _bz2_npz(path, arrays: dict) -> None:
+    """An .npz whose members are bzip2-compressed (np.savez writes stored or deflated only):
+    zipfile inflates each read's bzip2 input in full, so such a member's declared size bounds
+    nothing (a 1 KB file took 2 GiB)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_BZIP2) as z:
+        for k, v in arrays.items():
+            buf = io.BytesIO()
+            np.save(buf, v)
+            z.writestr(f"{k}.npy", buf.getvalue())
+
+
+def test_npz_members_compressed_other_than_deflate_are_refused_unread(tmp_path, capsys):
+    from helpers import fails_in_one_line
+    from leanrnn.errors import ModelFormatError
+    from leanrnn.score import DataError, score
+
+    m = leanrnn.LSTM(3, 4, seed=0)
+    _bz2_npz(tmp_path / "m.npz", m.state_dict())
+    with pytest.raises(ModelFormatError, match="compressed with method 12; expected stored or"):
+        leanrnn.load(str(tmp_path / "m.npz"))  # before: loaded (and a bomb inflated in full)
+    leanrnn.save(m, str(tmp_path / "m.lrnn"))
+    x = np.zeros((2, 1, 3), np.float32)
+    _bz2_npz(tmp_path / "x.npz", {"x": x})
+    fails_in_one_line(capsys, ["run", str(tmp_path / "m.lrnn"), "--input",
+                               str(tmp_path / "x.npz")], "method 12")  # fmt: skip
+    _bz2_npz(tmp_path / "s.npz", {"x": x.transpose(1, 0, 2).copy()})
+    with pytest.raises(DataError, match="method 12"):
+        score(str(tmp_path / "m.lrnn"), str(tmp_path / "s.npz"), str(tmp_path / "out.npz"))
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "qint8", "float8", "meta", "nested"])
+def test_torch_tensor_kinds_numpy_cannot_view_are_refused_by_name(kind, tmp_path, capsys):
+    """weights_only unpickles these; reading them raised torch's NotImplementedError /
+    TypeError / RuntimeError (a traceback from the CLI)."""
+    from helpers import fails_in_one_line
+    from leanrnn.errors import WeightsError
+
+    torch = pytest.importorskip("torch")
+    sd = dict(torch.nn.LSTM(4, 8).state_dict())
+    w = sd["weight_ih_l0"]
+    sd["weight_ih_l0"] = {
+        "sparse_coo": lambda: w.to_sparse(),
+        "qint8": lambda: torch.quantize_per_tensor(w, 0.1, 0, torch.qint8),
+        "float8": lambda: w.to(torch.float8_e4m3fn),
+        "meta": lambda: torch.empty(32, 4, device="meta"),
+        "nested": lambda: torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)]),
+    }[kind]()
+    p = str(tmp_path / "m.pt")
+    torch.save(sd, p)
+    with pytest.raises(WeightsError, match=r"entry 'weight_ih_l0' is a .* tensor; expected dense"):
+        leanrnn.load(p)
+    fails_in_one_line(capsys, ["inspect", p], "weight_ih_l0")
+
+
+def test_torch_entries_sharing_one_storage_many_times_are_refused(tmp_path):
+    """A 200-layer LSTM whose every weight views one storage: a 1 MiB file packed 810 MiB.
+    Weights tied between two modules (views of one storage twice) still load."""
+    from leanrnn.errors import ModelFormatError
+
+    torch = pytest.importorskip("torch")
+    H, L = 64, 200
+    w = torch.randn(4 * H, H)  # 64 KiB, every layer's W and R
+    b = torch.zeros(4 * H)
+    sd = {f"{k}_l{i}": (w if k.startswith("weight") else b) for i in range(L)
+          for k in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}  # fmt: skip
+    torch.save(sd, tmp_path / "shared.pt")
+    with pytest.raises(ModelFormatError, match="tensors sharing storage"):
+        leanrnn.load(str(tmp_path / "shared.pt"))
+    tied = {k: sd[k] for k in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")}
+    torch.save(tied, tmp_path / "tied.pt")  # W and R one storage: twice, as tied weights
+    y, _ = leanrnn.load(str(tmp_path / "tied.pt"))(np.ones((2, 1, H), np.float32))
+    assert np.isfinite(y).all()
+
+
+@pytest.fixture
+def oh():
+    """onnx.helper (the ONNX tests skip without onnx)."""
+    return pytest.importorskip("onnx").helper
+
+
+def _onnx(path, nodes, inputs, inits=(), opset=17) -> str:
+    """Save a graph of ``nodes`` with float inputs ``[(name, shape)]`` and output y."""
+    import onnx
+    from onnx import TensorProto
+    from onnx import helper as oh
+
+    ins = [oh.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs]
+    g = oh.make_graph(nodes, "g", ins, [oh.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                      initializer=list(inits))  # fmt: skip
+    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)]), path)
+    return str(path)
+
+
+def test_onnx_rnn_nodes_sharing_weights_pack_within_a_budget(tmp_path, oh):
+    """Many LSTM nodes naming one W and R: each packed its own copy (a 2 MiB file of 500
+    nodes took 1 GiB), before pruning dropped all but one."""
+    from onnx import numpy_helper
+
+    from leanrnn.engine.graph.passes import FOLD_SLACK_BYTES, PACK_RATIO
+    from leanrnn.errors import ModelFormatError
+
+    H = C = 256
+    rng = np.random.default_rng(0)
+    W, R = (numpy_helper.from_array((rng.standard_normal((1, 4 * H, C)) * 0.05)
+                                    .astype(np.float32), name) for name in "WR")  # fmt: skip
+
+    def graph(n):
+        nodes = [oh.make_node("LSTM", ["x", "W", "R"], ["y" if i == 0 else f"y{i}"],
+                              hidden_size=H) for i in range(n)]  # fmt: skip
+        return _onnx(tmp_path / f"shared{n}.onnx", nodes, [("x", ["T", "N", C])], [W, R])
+
+    held = 2 * 4 * H * C
+    over = (PACK_RATIO * held + FOLD_SLACK_BYTES // 4) // held + 2  # nodes past the budget
+    with pytest.raises(ModelFormatError, match="RNN nodes sharing weights pack them once each"):
+        leanrnn.load(graph(int(over)))
+    y = leanrnn.load(graph(2))(np.ones((3, 1, C), np.float32))  # two sharing: a model
+    assert np.isfinite(y).all()
+
+
+def test_split_with_num_outputs_zero_is_a_format_error(tmp_path, oh):
+    """``num_outputs=0`` divided by zero: a bare ZeroDivisionError, from load (a constant
+    input) or the first run (a graph input)."""
+    from leanrnn.errors import LeanRNNError
+
+    p = _onnx(tmp_path / "s.onnx", [oh.make_node("Split", ["x"], ["y"], axis=0, num_outputs=0)],
+              [("x", [2, 3])], opset=18)  # fmt: skip
+    with pytest.raises(LeanRNNError, match="num_outputs=0 with 1 outputs named"):
+        leanrnn.load(p)(np.ones((2, 3), np.float32))
+
+
+def test_a_node_naming_more_outputs_than_its_op_makes_is_refused(tmp_path, capsys, oh):
+    """Relu -> [a, b]: b passed the load's checks as defined, never got a shape, and the
+    first run (and inspect) failed with a bare KeyError('b')."""
+    from helpers import fails_in_one_line
+    from leanrnn.errors import ModelFormatError
+
+    p = _onnx(tmp_path / "extra.onnx", [oh.make_node("Relu", ["x"], ["a", "b"]),
+                                         oh.make_node("Add", ["a", "b"], ["y"])],
+              [("x", ["T", "N", 4])])  # fmt: skip
+    with pytest.raises(ModelFormatError, match=r"names 2 outputs; the op makes 1 here"):
+        leanrnn.load(p)(np.ones((3, 2, 4), np.float32))
+    fails_in_one_line(capsys, ["inspect", p], "['b'] would never be computed")
+
+
+def test_describing_a_graph_evaluates_no_large_shape_computed_tensor(tmp_path, oh):
+    """inspect's describe planned by resizing, which filled ConstantOfShape(Shape(x) * k):
+    a 170-byte file took 808 MiB to be described. Now it is estimated, not made."""
+    import tracemalloc
+
+    from onnx import TensorProto
+
+    p = _onnx(
+        tmp_path / "cos.onnx",
+        [oh.make_node("Shape", ["x"], ["s"]), oh.make_node("Mul", ["s", "k"], ["s2"]),
+         oh.make_node("ConstantOfShape", ["s2"], ["z"],
+                      value=oh.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+         oh.make_node("Add", ["z", "z"], ["y"])],
+        [("x", ["T", "N", 4])], [oh.make_tensor("k", TensorProto.INT64, [3], [1, 1, 1 << 19])],
+    )  # fmt: skip
+    model = leanrnn.load(p)
+    tracemalloc.start()
+    info = model.describe(1, 4)  # z: [4, 1, 2**21] float32, 32 MiB
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert info["arena"]["shape_constant_bytes"] >= 2 * 4 * (1 << 21) * 4  # z and y = z + z
+    assert peak < 4 << 20, peak
+    y = model(np.ones((1, 1, 4), np.float32))  # a run still makes it
+    assert y.shape == (1, 1, 1 << 21) and (y == 2).all()
+
+
+def test_a_header_beyond_the_bound_is_refused_before_it_is_parsed(tmp_path):
+    """A 23 MiB header of empty JSON objects peaked at 665 MiB (~30x) under the 64 MiB bound."""
+    import struct
+
+    from leanrnn.errors import ModelFormatError
+    from leanrnn.formats.native import MAX_HEADER_BYTES
+
+    body = b'{"x":[' + b"{}," * (MAX_HEADER_BYTES // 3) + b"{}]}"
+    (tmp_path / "h.safetensors").write_bytes(struct.pack("<Q", len(body)) + body)
+    with pytest.raises(ModelFormatError, match=r"refusing more than .* bytes of JSON"):
+        leanrnn.load(str(tmp_path / "h.safetensors"))
