@@ -81,7 +81,9 @@ def test_size_options_share_one_parser():
              "serve": ["--max-request-bytes", "--max-queued-bytes"]}  # fmt: skip
     for cmd, names in flags.items():
         types = {a.option_strings[0]: a.type for a in subs[cmd]._actions if a.option_strings}
-        assert all(types[n] is cli.size for n in names), (cmd, types)
+        # serve's request bound: cli.size within gRPC's largest message (_request_bytes)
+        assert all(types[n] in (cli.size, serve._request_bytes) for n in names), (cmd, types)
+    assert serve._request_bytes("512M") == cli.size("512M")
     assert cli.size("512M") == 512 << 20 and cli.size("2GiB") == 2 << 30
     assert cli.size("1.5k") == 1536 and cli.size("7") == 7
     for mod in (score, serve, tune):  # the copy in commands/score.py is gone

@@ -147,6 +147,22 @@ def test_streams_gone_with_unsent_answers_give_their_bytes_back(server):
 
 
 # ------------------------------------------------------------------ 2. inflating off the loop
+class _BodyCore:
+    """What http._body asks of the server's Core: the limits, and the queued-bytes budget."""
+
+    read_timeout = 30.0
+
+    def __init__(self, limit: int) -> None:
+        self.max_request_bytes = limit
+        self.held = 0
+
+    def reserve(self, n: int) -> None:
+        self.held += n
+
+    def unreserve(self, n: int) -> None:
+        self.held -= n
+
+
 def _run_body(body: bytes, encoding: str, limit: int):
     """http._body on a Starlette request carrying ``body``; (result or exception, the thread
     _inflate ran in)."""
@@ -173,7 +189,7 @@ def _run_body(body: bytes, encoding: str, limit: int):
              "headers": [(b"content-encoding", encoding.encode()),
                          (b"content-length", str(len(body)).encode())]}  # fmt: skip
     try:
-        out = asyncio.run(h._body(Request(scope, receive), limit))
+        out = asyncio.run(h._body(Request(scope, receive), _BodyCore(limit)))
     except Exception as e:  # handed back to be checked
         out = e
     finally:

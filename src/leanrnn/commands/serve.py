@@ -42,6 +42,17 @@ def _call_ms(s: str) -> float:
     return v
 
 
+def _request_bytes(s: str) -> int:
+    """--max-request-bytes: a size gRPC can take (its message limits are 32-bit: 2G started
+    HTTP, loaded the models and then died in gRPC's channel arguments)."""
+    v = size(s)
+    if v > 2**31 - 1:
+        raise argparse.ArgumentTypeError(
+            f"{s}: at most 2147483647 bytes (2G - 1), gRPC's largest message"
+        )
+    return v
+
+
 def _token(s: str) -> str:
     # '' required the header 'Authorization: Bearer ' and nothing else: a locked door with
     # an empty key, most likely an unset shell variable ($TOKEN)
@@ -118,7 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-request-bytes",
-        type=size,
+        type=_request_bytes,
         default=64 << 20,
         help="largest request body (default 64M)",
     )
@@ -142,6 +153,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("LEANRNN_SERVE_TOKEN") or None,  # set but empty: no token
         help="require 'Authorization: Bearer TOKEN' (default: $LEANRNN_SERVE_TOKEN; "
         "health endpoints stay open)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a connection may take to send a request's headers (from connecting, or "
+        "from its last answer), and to send each next piece of a request body; slower ones "
+        "are dropped (default 30)",
     )
     p.add_argument(
         "--grace",
@@ -182,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         max_streams=args.max_streams, idle_timeout=args.idle_timeout,
         max_request_bytes=args.max_request_bytes, token=args.token, grace=args.grace,
         max_queued_bytes=args.max_queued_bytes, max_concurrency=args.max_concurrency,
+        read_timeout=args.read_timeout,
     )  # fmt: skip
     with cli_advice():
         if not load_options(args):

@@ -32,8 +32,9 @@ def _resolve(fut: asyncio.Future, r: Request) -> None:
 
 class Core:
     def __init__(self, scheduler: Scheduler, *, token: str | None, max_request_bytes: int,
-                 metrics=None) -> None:  # fmt: skip
+                 metrics=None, read_timeout: float = 30.0) -> None:  # fmt: skip
         self.scheduler = scheduler
+        self.read_timeout = read_timeout  # seconds a client may stall sending a request
         self.infos = {name: ModelInfo.of(lane) for name, lane in scheduler.lanes.items()}
         self.token = token
         self.max_request_bytes = max_request_bytes
@@ -65,6 +66,13 @@ class Core:
                 "[auth] missing or wrong bearer token; send the header "
                 "'Authorization: Bearer <token>' given to leanrnn serve --token"
             )
+
+    def reserve(self, n: int) -> None:
+        """``n`` bytes of a body being read count against --max-queued-bytes (Scheduler)."""
+        self.scheduler.reserve(n)
+
+    def unreserve(self, n: int) -> None:
+        self.scheduler.unreserve(n)
 
     def error(self, e: ServeError, protocol: str) -> None:
         if self.metrics is not None:
@@ -130,6 +138,8 @@ class Core:
             raise
         if r.error is not None:
             release()
+            if isinstance(r.error, ServeError):  # refused, not failed: the server stopping
+                raise r.error
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
         try:  # (released here if the bookkeeping fails: the caller never gets the release)
             seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit

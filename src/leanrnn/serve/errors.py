@@ -38,6 +38,12 @@ class TooLarge(ServeError):
     http, grpc, kind = 413, "RESOURCE_EXHAUSTED", "too_large"
 
 
+class Timeout(ServeError):
+    """A client that stalled sending its request (--read-timeout)."""
+
+    http, grpc, kind = 408, "DEADLINE_EXCEEDED", "timeout"
+
+
 class Unavailable(ServeError):
     """The server is shutting down."""
 

@@ -104,7 +104,8 @@ class ModelInfo:
                 for x in self.outputs.values()
             ],
             "sequence_batching": {
-                "max_sequence_idle_microseconds": int(self.idle_timeout * 1e6),
+                # a uint64 in Triton's ModelConfig (1e14 s failed gRPC's ModelConfig)
+                "max_sequence_idle_microseconds": min(int(self.idle_timeout * 1e6), 2**64 - 1),
                 "oldest": {"max_candidate_sequences": self.max_batch},
             },
             "parameters": {"cell": {"string_value": self.cell}},

@@ -47,6 +47,7 @@ class ServeConfig:
     max_concurrency: int | None = None  # None: default_concurrency(max_streams, models)
     token: str | None = None
     grace: float = 30.0
+    read_timeout: float = 30.0  # seconds to send a request's headers, or the next piece of a body
 
 
 class _JSONLines(logging.Formatter):
@@ -110,7 +111,7 @@ def build(config: ServeConfig, loaded: dict | None = None,
     scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
                           metrics=metrics, max_queued_bytes=config.max_queued_bytes)  # fmt: skip
     core = Core(scheduler, token=config.token, max_request_bytes=config.max_request_bytes,
-                metrics=metrics)  # fmt: skip
+                metrics=metrics, read_timeout=config.read_timeout)  # fmt: skip
     return core, scheduler, metrics
 
 
@@ -120,6 +121,11 @@ def check_addresses(config: ServeConfig) -> None:
     loaded, and only then did gRPC fail)."""
     from ..errors import LeanRNNError
 
+    if "stats" in config.models:  # GET /v2/models/stats is every model's statistics
+        raise LeanRNNError(
+            "[serve] a model named 'stats': its metadata URL /v2/models/stats is the statistics "
+            "endpoint of the protocol; name it otherwise (NAME=PATH)"
+        )
     grpc_port = config.grpc_port
     if grpc_port is not None and grpc_port == config.http_port != 0:
         raise LeanRNNError(
@@ -226,6 +232,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
 
     ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
                           lifespan="off", log_level="warning", limit_concurrency=concurrency,
+                          http=_timed(ucfg_protocol(), config.read_timeout),
                           timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
     http_server = _Server(ucfg)
     stopping = asyncio.Event()
@@ -237,6 +244,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
         core.draining = True
         finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
+        # what did not run within the grace period fails now as UNAVAILABLE (503): left
+        # pending, uvicorn cancelled its handlers a second grace period later (plain-text 500s)
+        await loop.run_in_executor(None, scheduler.stop)
         await asyncio.sleep(0.05)  # let the last responses leave
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
@@ -261,6 +271,49 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         scheduler.stop()
         if grpc_server is not None:
             await grpc_server.stop(grace=None)
+
+
+def ucfg_protocol():
+    """The HTTP protocol class uvicorn picks by default (httptools if installed, else h11)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return AutoHTTPProtocol
+
+
+def _timed(base, timeout: float):
+    """``base`` (a uvicorn HTTP protocol) whose connections must send a whole request head
+    within ``timeout`` seconds of connecting, or of the previous answer: uvicorn times only
+    the wait after an answer (keep-alive), and that timer stops at the first byte, so 4,300
+    connections that sent nothing (or a byte now and then) held --max-concurrency and every
+    other client got 503s for as long as they stayed."""
+
+    class Timed(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = None
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(timeout, self._no_head)
+
+        def _no_head(self) -> None:
+            self._head_timer = None
+            if self.cycle is None or self.cycle.response_complete:  # no request under way
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's head has ``timeout`` seconds too
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return Timed
 
 
 def serve(config: ServeConfig) -> int:
