@@ -13,6 +13,7 @@ import pytest
 from leanrnn.bench import harness, report
 from leanrnn.bench.harness import Options, run_suite
 from leanrnn.bench.problem import Config, compare, make_problem, reference, reference_file
+from leanrnn.errors import LeanRNNError
 from tolerances import ATOL_FLOAT64_TWINS
 
 HAVE = {m: importlib.util.find_spec(m) is not None for m in ("torch", "onnxruntime", "onnx")}
@@ -270,7 +271,7 @@ def test_cli_registers_and_rerenders(tmp_path, capsys):
     opts = options_from_args(args)
     assert opts.shapes == ((1, 10), (8, 10)) and opts.hidden == (4,)
     assert {c.threads for c in opts.configs()} == {1, 2}
-    with pytest.raises(SystemExit, match="onnxrt: unknown"):
+    with pytest.raises(LeanRNNError, match="onnxrt: unknown"):
         options_from_args(build_parser().parse_args(["bench", "--engines", "onnxrt"]))
 
     path = tmp_path / "results.json"
@@ -406,7 +407,7 @@ def test_precision_option_adds_the_reduced_engines():
         "onnxruntime-int8")  # fmt: skip
     assert engines("--engines", "leanrnn,torch", "--precision", "bf16,int8-dynamic") == (
         "leanrnn-bf16", "leanrnn-int8-dynamic", "leanrnn-int8-dynamic-7bit", "torch-qint8")  # fmt: skip
-    with pytest.raises(SystemExit, match="int4: unknown"):
+    with pytest.raises(LeanRNNError, match="int4: unknown"):
         engines("--precision", "int4")
 
 

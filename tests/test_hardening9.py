@@ -3,6 +3,8 @@ Each test failed before its fix."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -277,3 +279,66 @@ def test_a_header_beyond_the_bound_is_refused_before_it_is_parsed(tmp_path):
     (tmp_path / "h.safetensors").write_bytes(struct.pack("<Q", len(body)) + body)
     with pytest.raises(ModelFormatError, match=r"refusing more than .* bytes of JSON"):
         leanrnn.load(str(tmp_path / "h.safetensors"))
+
+
+# ------------------------------------------ the command line
+def test_run_output_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """np.savez wrote straight onto --output: a full disk (here, a write that fails half way)
+    left a truncated zip where the previous output was, and the error named no file."""
+    from helpers import fails_in_one_line
+
+    leanrnn.LSTM(4, 8, seed=0).save(str(tmp_path / "m.lrnn"))
+    np.save(tmp_path / "x.npy", np.zeros((3, 2, 4), np.float32))
+    (tmp_path / "out.npz").write_bytes(b"PREVIOUS")
+
+    def savez(path, **arrays):
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 half a zip")
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(np, "savez", savez)
+    fails_in_one_line(capsys, ["run", str(tmp_path / "m.lrnn"), "--input", str(tmp_path / "x.npy"),
+                               "--output", str(tmp_path / "out.npz")],
+                      "cannot write", "out.npz", "File too large")  # fmt: skip
+    assert (tmp_path / "out.npz").read_bytes() == b"PREVIOUS"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.lrnn", "out.npz", "x.npy"]
+
+
+def test_outputs_named_near_the_file_name_limit_are_written(tmp_path, capsys):
+    """The temporary name was the output's plus '.tmpPID.N': past 255 bytes (Errno 36, naming
+    a file the user never chose) for a name the file system takes."""
+    from leanrnn import cli
+
+    leanrnn.LSTM(4, 8, seed=0).save(str(tmp_path / "m.lrnn"))
+    long = tmp_path / ("a" * 250 + ".lrnn")
+    assert cli.main(["convert", str(tmp_path / "m.lrnn"), str(long)]) == 0
+    assert leanrnn.load(str(long)).spec == leanrnn.load(str(tmp_path / "m.lrnn")).spec
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_plan_refuses_chunk_beside_memory_limit(capsys):
+    """--memory-limit picked the chunk (or the segment) and --chunk was dropped in silence."""
+    from helpers import fails_in_one_line
+
+    fails_in_one_line(capsys, ["plan", "lstm:64", "--steps", "100", "--chunk", "5",
+                               "--memory-limit", "1M"], "--chunk 5 and --memory-limit")  # fmt: skip
+    fails_in_one_line(capsys, ["plan", "lstm:64", "--train", "--chunk", "7", "--memory-limit",
+                               "30K"], "picks the segment")  # fmt: skip
+
+
+def test_reduced_precision_of_a_float64_model_is_advised_in_cli_words(tmp_path, capsys):
+    from helpers import fails_in_one_line
+
+    leanrnn.GRU(4, 8, seed=0, dtype=np.float64).save(str(tmp_path / "g64.lrnn"))
+    fails_in_one_line(capsys, ["convert", str(tmp_path / "g64.lrnn"), str(tmp_path / "o.lrnn"),
+                               "--precision", "int8"], "--dtype float32")  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [["--cells", "rnn"], ["--engines", "nope"],
+                                  ["--precision", "bogus"]])  # fmt: skip
+def test_bench_option_errors_are_one_line_like_every_commands(argv, capsys):
+    """bench printed 'leanrnn bench: ...' through SystemExit; every other command's errors are
+    'leanrnn: error: ...' (the README's promise)."""
+    from helpers import fails_in_one_line
+
+    fails_in_one_line(capsys, ["bench", *argv], argv[1])

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..errors import LeanRNNError
+
 EPILOG = """\
 default suite: LSTM and GRU, single layer, input = hidden, H in {128, 512, 1024}; (N=1, T=100),
 (N=64, T=100), (N=1, T=1000); streaming (N=1, 100 single steps, state carried); 1 and 2
@@ -155,8 +157,8 @@ def options_from_args(args):
 
         bad = [e for e in args.engines if e not in ENGINES and not _custom_engine(e)]
         if bad:
-            raise SystemExit(
-                f"leanrnn bench: --engines {','.join(bad)}: unknown; expected some of "
+            raise LeanRNNError(
+                f"[bench] --engines {','.join(bad)}: unknown; expected some of "
                 f"{','.join(ENGINES)} or module:Class (a leanrnn.bench.engines.Engine "
                 "subclass)"
             )
@@ -164,8 +166,8 @@ def options_from_args(args):
     if args.precision:
         kw["engines"] = with_precisions(kw.get("engines", base.engines), args.precision)
         if not kw["engines"]:  # ran nothing and wrote an empty report over --out
-            raise SystemExit(
-                f"leanrnn bench: --precision {','.join(args.precision)} with --engines "
+            raise LeanRNNError(
+                f"[bench] --precision {','.join(args.precision)} with --engines "
                 f"{','.join(args.engines or base.engines)} selects no engine: "
                 "the reduced rows are leanrnn's (int8-dynamic's also torch's and onnxruntime's); "
                 "add leanrnn to --engines, or f32 to --precision"
@@ -173,7 +175,7 @@ def options_from_args(args):
     if args.cells:
         bad = [c for c in args.cells if c not in ("lstm", "gru")]
         if bad:
-            raise SystemExit(f"leanrnn bench: --cells {','.join(bad)}: expected lstm and/or gru")
+            raise LeanRNNError(f"[bench] --cells {','.join(bad)}: expected lstm and/or gru")
         kw["cells"] = args.cells
     if args.hidden:
         kw["hidden"] = args.hidden
@@ -246,7 +248,7 @@ def with_precisions(engines: tuple[str, ...], precisions: tuple[str, ...]) -> tu
 
     bad = [p for p in precisions if p != "f32" and p not in PRECISION_ENGINES]
     if bad:
-        raise SystemExit(f"leanrnn bench: --precision {','.join(bad)}: unknown; expected some "
+        raise LeanRNNError(f"[bench] --precision {','.join(bad)}: unknown; expected some "
                          f"of f32,{','.join(PRECISION_ENGINES)}")  # fmt: skip
     out = list(engines) if "f32" in precisions else []
     for p in precisions:

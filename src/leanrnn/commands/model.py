@@ -91,15 +91,19 @@ def load_options(args) -> dict:
 @contextlib.contextmanager
 def cli_advice():
     """The library's advice in CLI words: 'pass dtype=np.float32 or np.float64' (a float16
-    state dict) is --dtype on the command line."""
+    state dict) and 'model.astype(np.float32)' (a float64 model given a reduced precision) are
+    --dtype on the command line."""
     from ..errors import DTypeError
 
     try:
         yield
     except DTypeError as e:
-        if "pass dtype=np.float32 or np.float64" not in str(e):
-            raise
-        raise DTypeError(f"{e} (on the command line: --dtype float32 or --dtype float64)") from None
+        for advice, flags in (("pass dtype=np.float32 or np.float64",
+                               "--dtype float32 or --dtype float64"),
+                              ("(model.astype(np.float32))", "--dtype float32")):  # fmt: skip
+            if advice in str(e):
+                raise DTypeError(f"{e} (on the command line: {flags})") from None
+        raise
 
 
 def load_model(path: str, args, **kw):
@@ -248,7 +252,10 @@ def run_cmd(args) -> int:
         feeds[rest[0]] = inp
     outs = dict(zip(model.output_names, model.run(feeds), strict=True))
     if output:
-        np.savez(output, **outs)
+        from ..files import replacing
+
+        with replacing(output, ".npz") as tmp:  # whole or not at all, the old file kept till then
+            np.savez(tmp, **outs)
         print(f"wrote {', '.join(outs)} to {output}")
     else:
         for k, v in outs.items():

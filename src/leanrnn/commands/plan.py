@@ -158,6 +158,12 @@ def run(args) -> int:
 
         raise LeanRNNError("[plan] --autocast-mode chooses --autocast's mode: add --autocast "
                            "(and --train)")  # fmt: skip
+    if args.chunk is not None and args.memory_limit is not None:  # the limit's choice won
+        from leanrnn.errors import LeanRNNError
+
+        what = "segment" if args.train else "chunk"
+        raise LeanRNNError(f"[plan] --chunk {args.chunk} and --memory-limit: --memory-limit picks "
+                           f"the {what} that fits it; pass one of the two")  # fmt: skip
     model = load_model(args.model, args)
     pairs = _sessions(model)
     if not pairs:
@@ -289,5 +295,8 @@ def draw(plan, path: str, title: str) -> None:
     ax.set_title(f"{title}: arena {plan.total / 1024:.0f} KiB, without reuse "
                  f"{plan.naive_total / 1024:.0f} KiB")  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from leanrnn.files import replacing
+
+    with replacing(path, ".png") as tmp:  # whole or not at all, the old file kept till then
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)

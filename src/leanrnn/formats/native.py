@@ -15,7 +15,6 @@ allocated.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -29,6 +28,7 @@ import numpy as np
 
 from .. import threads
 from ..errors import LeanRNNError, ModelFormatError
+from ..files import replacing
 from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, is_count, rnn_attrs, rnn_from_node
 from ..memory.arena import aligned_empty, round_up
 from ..spec import USES_ALPHA, USES_BETA, RNNSpec
@@ -328,7 +328,6 @@ def _region(pw: PackedWeights) -> list[tuple[str, np.ndarray, int]]:
 
 
 # ----------------------------------------------------------------------------------- writing
-_TMP_IDS = itertools.count()  # next() is atomic under the GIL
 _BLOCK_WORDS = 512  # version-2 checksum: 64-bit words per block (4 KiB)
 # Reading: bytes per read-and-sum step (a multiple of the 4 KiB digest block, small enough to
 # be summed from L2 right after its read), and the region size from which threads share it.
@@ -446,19 +445,13 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
     text = json.dumps(header, separators=(",", ":")).encode()
     # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
     text += b" " * ((-(8 + len(text))) % 64)
-    # A name of this call's own: with the pid alone, two threads saving to one path wrote one
-    # temp file, and the second rename found it gone (FileNotFoundError) or moved a mix.
-    tmp = f"{path}.tmp{os.getpid()}.{next(_TMP_IDS)}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            for c in chunks:
-                f.write(memoryview(c).cast("B"))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # A temporary file of this call's own: with the pid alone, two threads saving to one path
+    # wrote one temp file, and the second rename found it gone (FileNotFoundError) or moved a mix.
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for c in chunks:
+            f.write(memoryview(c).cast("B"))
 
 
 def out_path(path, op: str = "save") -> str:

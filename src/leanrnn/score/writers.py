@@ -13,7 +13,6 @@ Parquet stores h_n/c_n as fixed_size_list<fixed_size_list<float>[K]>[L*D].
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..files import temp_beside
 from .data import DataError
 
 
@@ -41,13 +41,10 @@ class Results:
 
 
 def temp_name(path: str) -> str:
-    """A hidden name next to ``path`` that is this call's own: the pid alone was shared by two
-    threads writing one output (the second rename then found the file gone)."""
-    d, base = os.path.split(os.path.abspath(path))
-    return os.path.join(d, f".{base}.tmp-{os.getpid()}-{next(_TMP_IDS)}")
-
-
-_TMP_IDS = itertools.count()  # next() is atomic under the GIL
+    """A hidden file next to ``path`` that is this call's own (files.temp_beside): the pid alone
+    was shared by two threads writing one output (the second rename then found the file gone),
+    and a name built from ``path``'s passed the 255-byte limit when ``path``'s was near it."""
+    return temp_beside(path, os.path.splitext(path)[1])
 
 
 def to_arrow(r: Results):

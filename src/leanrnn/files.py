@@ -1,0 +1,40 @@
+"""Writing a file whole or not at all: every output leanrnn writes (models, run's arrays, score's
+results, plots) goes to a temporary file beside its path, renamed over it once complete."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+from .errors import LeanRNNError
+
+
+def temp_beside(path: str, suffix: str = "") -> str:
+    """A hidden name in ``path``'s directory that is this call's own (the pid and a counter:
+    the pid alone was shared by two threads writing one output, and the second rename found
+    the file gone), ending in ``suffix`` (np.savez and matplotlib pick their format by it).
+    Short, whatever ``path`` is: a name built from the output's own passed the 255-byte limit
+    on file names when that was near it. Nothing is created."""
+    name = f".leanrnn-{os.getpid()}-{next(_IDS)}.tmp{suffix}"
+    return os.path.join(os.path.dirname(os.path.abspath(path)), name)
+
+
+_IDS = itertools.count()  # next() is atomic under the GIL
+
+
+@contextlib.contextmanager
+def replacing(path: str, suffix: str = ""):
+    """Yield a temporary path (``temp_beside``) to write; once the block ends, it replaces
+    ``path`` (os.replace: the old file, if any, stays whole until then); if the block fails,
+    it is removed and ``path`` is untouched. The OS's refusal (a full disk, a file size limit)
+    is a LeanRNNError naming ``path``, not the temporary name."""
+    tmp = temp_beside(path, suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except OSError as e:
+        raise LeanRNNError(f"[write] cannot write {path!r}: {e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
