@@ -186,9 +186,9 @@ def test_bench_engine_that_is_not_an_engine_is_refused(tmp_path, capsys):
     for name in ("os:system", "no_such_module_xyz:Engine", "leanrnn:NoSuchClass"):
         args = cli.build_parser().parse_args(["bench", "--engines", name, "--out",
                                               str(tmp_path)])  # fmt: skip
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(leanrnn.errors.LeanRNNError) as e:
             options_from_args(args)
-        msg = str(e.value.code)
+        msg = str(e.value)
         assert name in msg and "leanrnn" in msg and "onnxruntime" in msg, msg
     assert not any(tmp_path.iterdir())
 

@@ -342,3 +342,166 @@ def test_bench_option_errors_are_one_line_like_every_commands(argv, capsys):
     from helpers import fails_in_one_line
 
     fails_in_one_line(capsys, ["bench", *argv], argv[1])
+
+
+# ------------------------------------------ interrupted and re-entered runs
+def test_an_interrupted_replan_leaves_the_session_to_plan_again(monkeypatch):
+    """A KeyboardInterrupt inside a re-plan left the key naming the new shape over the old
+    views: every later run of that shape skipped the re-plan (wrong results; past the buffers
+    at T=2000, a segfault)."""
+    from leanrnn.engine.session import Session
+
+    m = leanrnn.LSTM(4, 16, seed=0)
+    rng = np.random.default_rng(0)
+    m(rng.standard_normal((6, 3, 4)).astype(np.float32))  # planned for T=6
+    x = rng.standard_normal((40, 3, 4)).astype(np.float32)
+    real, calls = Session._make_views, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Session, "_make_views", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        m(x)
+    y, _ = m(x)
+    want, _ = leanrnn.LSTM(4, 16, seed=0)(x)
+    np.testing.assert_array_equal(y, want)
+
+
+def _reenter(monkeypatch, cls, outer, inner, x):
+    """Run ``outer(x)`` with ``inner(x)`` run from inside it (as a signal handler would, on the
+    same thread, from within ``cls._execute``); the inner run's error, and outer's result."""
+    import threading
+
+    from leanrnn.errors import LeanRNNError
+
+    real, got = cls._execute, []
+
+    def execute(self, *args, **kwargs):
+        if not got:
+            got.append(None)
+            try:
+                inner(x)
+            except LeanRNNError as e:
+                got[0] = e
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "_execute", execute)
+    out = []
+    t = threading.Thread(target=lambda: out.append(outer(x)), daemon=True)
+    t.start()
+    t.join(30)  # a graph's plain lock deadlocked here
+    assert out, "the re-entered run hung"
+    return got[0], out[0]
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["same model", "pool member"])
+def test_a_run_reentered_on_its_own_thread_is_refused(monkeypatch, pooled):
+    """The session's re-entrant lock let a signal handler's run in: it overwrote the arena of
+    the run it interrupted (wrong results; through a shared Pool, a segfault)."""
+    from leanrnn.engine.session import Session
+
+    pool = leanrnn.Pool() if pooled else None
+    a = Session(leanrnn.LSTM(4, 16, seed=0).weights, pool=pool)
+    b = Session(leanrnn.LSTM(4, 16, seed=1).weights, pool=pool) if pooled else a
+    x = np.random.default_rng(0).standard_normal((30, 2, 4)).astype(np.float32)
+    err, (y, _, _) = _reenter(monkeypatch, Session, a.run, b.run, x)
+    assert err is not None and "run again while its run is in progress" in str(err), err
+    np.testing.assert_array_equal(y, leanrnn.LSTM(4, 16, seed=0)(x)[0])
+    monkeypatch.undo()
+    np.testing.assert_array_equal(b.run(x)[0],
+                                  leanrnn.LSTM(4, 16, seed=1 if pooled else 0)(x)[0])  # fmt: skip
+
+
+def test_a_graph_run_reentered_on_its_own_thread_is_refused_not_deadlocked(monkeypatch,
+                                                                           tmp_path, oh):  # fmt: skip
+    from leanrnn.engine.graph.session import GraphSession
+
+    p = _onnx(tmp_path / "relu.onnx", [oh.make_node("Relu", ["x"], ["y"])], [("x", ["T", 3])])
+    g = leanrnn.load(p)
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    err, y = _reenter(monkeypatch, GraphSession, g, g, x)
+    assert err is not None and "GraphModel.run" in str(err), err
+    np.testing.assert_array_equal(y, np.maximum(x, 0))
+
+
+def test_a_trainer_runs_one_forward_or_backward_at_a_time(monkeypatch):
+    """No lock: another thread's forward overwrote the arena a backward was reading, and the
+    gradients came out 5-87 off a scale of 272 without an error. Now the forward waits."""
+    import threading
+
+    from leanrnn.train import Trainer
+
+    m = leanrnn.LSTM(4, 16, seed=0)
+    x = np.random.default_rng(0).standard_normal((8, 3, 4)).astype(np.float32)
+    want = Trainer(m.weights)
+    want.backward(want.forward(x), np.ones((8, 3, 16), np.float32))
+    tr = Trainer(m.weights)
+    inside, go, order = threading.Event(), threading.Event(), []
+    real = Trainer._backward_segments
+
+    def slow(self, *args):
+        inside.set()
+        go.wait(10)
+        order.append("backward")
+        return real(self, *args)
+
+    monkeypatch.setattr(Trainer, "_backward_segments", slow)
+    tape = tr.forward(x)
+    t = threading.Thread(target=lambda: tr.backward(tape, np.ones((8, 3, 16), np.float32)))
+    t.start()
+    assert inside.wait(10)
+    other = threading.Thread(target=lambda: (tr.forward(x), order.append("forward")))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and order == []  # waiting for the backward's turn
+    go.set()
+    t.join(10)
+    other.join(10)
+    assert order == ["backward", "forward"]
+    for g, w in zip(tr.gradients()[0][0].__dict__.values(),
+                    want.gradients()[0][0].__dict__.values(), strict=True):  # fmt: skip
+        if g is not None:
+            np.testing.assert_array_equal(g, w)
+
+
+def test_an_interrupted_chunk_leaves_a_streams_state_as_it_was(monkeypatch):
+    """The state was both h0 and h_n of the chunk's run, updated layer by layer and chunk by
+    chunk: a KeyboardInterrupt part way left some layers advanced and others not."""
+    from leanrnn.engine.session import Session
+
+    m = leanrnn.LSTM(4, 16, num_layers=3, seed=0)
+    rng = np.random.default_rng(0)
+    s = m.stream(2)
+    s.feed(rng.standard_normal((5, 2, 4)).astype(np.float32))
+    before = s.state
+    real, calls = Session._execute, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        real(self, *args, **kwargs)  # the chunk runs, writing its final states ...
+        raise KeyboardInterrupt  # ... and is interrupted before feed returns
+
+    monkeypatch.setattr(Session, "_execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.feed(rng.standard_normal((7, 2, 4)).astype(np.float32))
+    assert calls
+    for a, b in zip(s.state, before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert s.steps == 5
+
+
+@pytest.mark.parametrize("what", ["session", "stream", "pool"])
+def test_sessions_streams_and_pools_say_they_cannot_be_pickled(what):
+    """pickle and copy said "cannot pickle '_thread.RLock' object"."""
+    import copy
+    import pickle
+
+    m = leanrnn.GRU(3, 4, seed=0)
+    obj = {"session": m.session, "stream": m.stream(1), "pool": leanrnn.Pool()}[what]
+    for f in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"cannot be pickled or copied .* lock\); "):
+            f(obj)

@@ -39,7 +39,6 @@ give each thread its own pool — or none — to run truly in parallel).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import NoReturn
 
 import numpy as np
@@ -53,6 +52,7 @@ from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
 from ..threads import PARALLEL_MIN_MACS
 from . import _check, _fork
+from ._turn import Turn, unpicklable
 
 _log = logging.getLogger("leanrnn")
 
@@ -305,14 +305,16 @@ class Pool:
     def __init__(self) -> None:
         self.arena: Arena | None = None
         self.generation = 0
-        self.lock = threading.RLock()
+        self.lock = Turn("Pool member's run")
         _fork.in_child(self, Pool._after_fork)
 
     def _after_fork(self) -> None:
         # A thread of the parent may have held the lock (it does not exist here) or been
         # swapping the arena: a fresh lock, and members re-plan (Session._after_fork).
-        self.lock = threading.RLock()
+        self.lock = Turn("Pool member's run")
         self.generation += 1
+
+    __reduce__ = unpicklable("Pool", "make a new Pool for the copies of its models")
 
     def acquire(self, nbytes: int, name: str) -> Arena:
         if self.arena is None or self.arena.nbytes < nbytes:
@@ -345,7 +347,7 @@ class Session:
             )
         self.pool = pool
         # Members of a pool take its lock, read at each run: a forked child renews it.
-        self._lock = threading.RLock() if pool is None else None
+        self._lock = Turn("Session.run") if pool is None else None
         self._gen = -1
         self._arena: Arena | None = None
         self._plan: Plan | None = None
@@ -361,12 +363,15 @@ class Session:
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
         _fork.in_child(self, Session._after_fork)
 
+    __reduce__ = unpicklable("Session", "pickle or copy the Model (its weights), whose copy "
+                             "makes a session of its own")  # fmt: skip
+
     def _after_fork(self) -> None:
         """In a forked child: another thread of the parent may have been inside a run (holding
         the lock, which nobody here will release) or a resize (views half made): a fresh lock,
         and the next run plans again."""
         if self.pool is None:
-            self._lock = threading.RLock()
+            self._lock = Turn("Session.run")
         self._key_now = ()
         self._gen = -1
 
@@ -505,8 +510,13 @@ class Session:
                     b.last,
                 )
         self._plan = p
-        self._N, self._T, self._key_now = batch, T, key
+        # the key last: an exception in between (a KeyboardInterrupt) left it naming the new
+        # shape over the old views, and every later run of that shape skipped the re-plan and
+        # ran the kernels past the buffers (wrong results; a segfault at T=2000)
+        self._key_now = ()
+        self._N, self._T = batch, T
         self._make_views()
+        self._key_now = key
         return p
 
     def auto_chunk(self, batch: int) -> int | None:

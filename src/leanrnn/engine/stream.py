@@ -9,11 +9,14 @@ import numpy as np
 from ..errors import DTypeError, LeanRNNError, ShapeError, SpecError
 from ..memory.arena import check_fits
 from . import _check
+from ._turn import unpicklable
 
 
 class Stream:
     """Created by ``Session.stream(batch)``. ``feed`` equals one long ``run`` over the
-    concatenated chunks, whatever the chunking.
+    concatenated chunks, whatever the chunking (to float rounding: the input projection's rows
+    are blocked by the chunk, so the last bits may differ, ~3e-8 in float32). A feed changes
+    the carried state all at once or, interrupted, not at all.
 
     >>> s = session.stream(batch=1)
     >>> y = s.feed(x_chunk)            # [Tc, N, C] -> [Tc, N, K]; or [N, C] -> [N, K] (one step)
@@ -35,13 +38,20 @@ class Stream:
         # the carried state, sized by the batch asked for: refused by arithmetic, by name
         check_fits(L * self.batch * (K + H) * dt.itemsize,
                    f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
-        self._h = np.zeros((L, self.batch, K), dt)
-        self._c = np.zeros((L, self.batch, H), dt) if spec.cell == "lstm" else None
+        # h and c are views of one buffer, and a chunk's final states go to a second one,
+        # copied over the first in one call once the whole chunk has run: updated in place, an
+        # interrupted chunk (KeyboardInterrupt) left some layers advanced and others not
+        self._hc, self._h, self._c = _state(L, self.batch, K, H if spec.cell == "lstm" else 0,
+                                            dt)  # fmt: skip
+        self._next: tuple | None = None  # (buffer, h, c) for a chunk's final states
         self.steps = 0  # steps fed since creation or the last full reset
         # A single step bound once (Session._step_program), made after the first step that
         # took the general path; it runs while x and out fit it, else the general path does.
         self._step = None
         self._yshape = (self.batch, K)
+
+    __reduce__ = unpicklable("Stream", "checkpoint it with saved = stream.state and restore "
+                             "into a new stream with new.state = saved")  # fmt: skip
 
     def feed(self, x, lengths=None, out=None) -> np.ndarray:
         """Run the next chunk. ``x``: [Tc, N, C] ([N, Tc, C] batch-first) or [N, C] for one
@@ -85,10 +95,16 @@ class Stream:
         if out is None and isinstance(x, np.ndarray) and x.ndim == 3:
             spec = self.session.spec
             out = np.empty((*x.shape[:2], spec.num_directions * spec.output_size), self._h.dtype)
-        # The carried state is both the initial state and the final-state output: run() reads
-        # each layer's slot before it writes it, so the update happens in place.
-        outs = (out, self._h) if self._c is None else (out, self._h, self._c)
+        # The carried state goes in; the final states come out into the second buffer, which
+        # replaces it in one copy once the chunk has run (all or nothing: see __init__).
+        if self._next is None:
+            L, N, K = self._h.shape
+            self._next = _state(L, N, K, 0 if self._c is None else self._c.shape[2],
+                                self._h.dtype)  # fmt: skip
+        buf, h_next, c_next = self._next
+        outs = (out, h_next) if self._c is None else (out, h_next, c_next)
         y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True, "Stream.feed")
+        np.copyto(self._hc, buf)
         self.steps += x.shape[1] if self.session.spec.batch_first else x.shape[0]
         if single:
             if lengths is None:  # the session is now planned for one step: bind it
@@ -170,3 +186,11 @@ class Stream:
         self._h[:, i] = 0
         if self._c is not None:
             self._c[:, i] = 0
+
+
+def _state(L: int, N: int, K: int, H: int, dtype) -> tuple:
+    """(buffer, h [L, N, K], c [L, N, H] or None for H=0): a stream's state in one buffer, so
+    that one copy moves all of it."""
+    buf = np.zeros(L * N * (K + H), dtype)
+    h = buf[: L * N * K].reshape(L, N, K)
+    return buf, h, (buf[L * N * K :].reshape(L, N, H) if H else None)

@@ -46,13 +46,15 @@ the recurrence's threads wait on each other for (a recomputing step with segment
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 
 import numpy as np
 
 from .. import config
-from ..engine import _check
+from ..engine import _check, _fork
+from ..engine._turn import Turn
 from ..engine.products import (
     PANEL,
     PackedMatmul,
@@ -110,6 +112,19 @@ _L1_WAY = 4096  # bytes of one way of an L1 data cache: 64 sets of 64-byte lines
 _SETTINGS_BEFORE_PROPERTIES = (("threads", "_threads_asked"), ("segment", "_segment_steps"),
                                ("recompute", "_recompute"), ("memory_limit", "_memory_limit"),
                                ("dropout", "_dropout"))  # fmt: skip
+
+
+def _one_at_a_time(method):
+    """A Trainer method run under the trainer's Turn: another thread's forward overwrote the
+    arena a backward was reading (gradients 5-87 off a scale of 272, and no error), and a
+    signal handler's inside a run is refused."""
+
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self._turn:
+            return method(self, *args, **kwargs)
+
+    return serialized
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -223,13 +238,19 @@ class Trainer:
         self._constants = kernel_constants(self.spec, self.dtype)
         self._consts = self._constants[0]
         self._sync = np.zeros(abi.sync_size(config.max_threads()), np.int64)
+        self._turn = Turn("Trainer")
+        _fork.in_child(self, Trainer._after_fork)
         self._refresh()
+
+    def _after_fork(self) -> None:
+        self._turn = Turn("Trainer")  # a parent's thread may have held it
 
     def __getstate__(self) -> dict:
         # the views are of this trainer's arenas: a copy has its own arenas (and a weak
         # dictionary does not pickle)
         state = self.__dict__.copy()
         state.pop("_views", None)
+        state.pop("_turn", None)
         # derived from the weights (remade when next needed): not worth their bytes
         state.update(_dense={}, _bf16=None, _bf16_version=-1)
         return state
@@ -244,6 +265,8 @@ class Trainer:
             state["_dense"] = {}
         self.__dict__.update(state)
         self._views = weakref.WeakKeyDictionary()
+        self._turn = Turn("Trainer")
+        _fork.in_child(self, Trainer._after_fork)
         # planned afresh: a plan pickled by another version may size its buffers otherwise
         # (dhn was [N, Kp] before RT's panels grew to 4 groups: the kernel would write past it)
         self._plans = {}
@@ -467,6 +490,7 @@ class Trainer:
             self._refresh()
 
     # ------------------------------------------------------------------ forward
+    @_one_at_a_time
     def forward(self, x, hx=None, lengths=None, own_memory: bool = False, masks=None) -> Tape:
         """The training forward: outputs as ``Model.forward`` computes them, and a Tape.
 
@@ -983,6 +1007,7 @@ class Trainer:
                 )
 
     # ------------------------------------------------------------------ backward
+    @_one_at_a_time
     def backward(self, tape: Tape, dy=None, dh_n=None, dc_n=None, input_grad: bool = True):
         """Gradients of a loss through the tape's forward, given the loss's gradients ``dy``
         (like tape.y, or None = 0), ``dh_n`` and ``dc_n`` (like h_n/c_n, or None = 0).

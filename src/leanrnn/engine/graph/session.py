@@ -18,7 +18,6 @@ ones run in chunks of steps, so their scratch does not grow with T.
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import numpy as np
@@ -30,6 +29,7 @@ from ...memory.arena import Arena, check_fits
 from ...memory.planner import Buffer, Plan, plan
 from ...threads import blas_controller
 from .. import _check, _fork
+from .._turn import Turn
 from ..session import Pool, Session
 from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, infer, rnn_computes_y
 from .passes import LoadedGraph
@@ -61,8 +61,10 @@ class GraphSession:
         }
         self._ctx = Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
         self._ctx.needed = loaded.needed
-        self._lock = threading.Lock()
-        _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
+        # a run from a signal handler inside a run deadlocked on a plain lock: Turn refuses it
+        self._lock = Turn("GraphModel.run")
+        # a fork mid-run must not leave the child's lock held
+        _fork.renew_lock(self, make=lambda: Turn("GraphModel.run"))
         # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
         # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
         # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).
