@@ -479,11 +479,11 @@ class Session:
             self.tuned = tune(self, latency=latency, memory_limit=memory_limit,
                               max_chunk=min(int(steps), MAX_TUNE_CHUNK), threads=self.threads,
                               measure=measure)  # fmt: skip
-            with self._lock if self.pool is None else self.pool.lock:
+            with (self._lock if self.pool is None else self.pool.lock)():
                 if self.tuned.chunk is not None:
                     self.chunk = self.tuned.chunk
                 return self._resize(self.tuned.batch, steps, None, return_sequences)
-        with self._lock if self.pool is None else self.pool.lock:
+        with (self._lock if self.pool is None else self.pool.lock)():
             return self._resize(batch, steps, memory_limit, return_sequences)
 
     def _resize(self, batch: int, steps: int, memory_limit: int | None,
@@ -788,7 +788,7 @@ class Session:
 
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences, store=None):
         """``store``: run_slots's (SlotStates, slot table), in place of h0, c0, h_n, c_n."""
-        with self._lock if self.pool is None else self.pool.lock:
+        with (self._lock if self.pool is None else self.pool.lock)():
             stale = self.pool is not None and self._gen != self.pool.generation
             memo = (N, T, return_sequences, self._chunk)
             key = self._keys.get(memo)
@@ -961,7 +961,7 @@ class Session:
         on top of a few us of kernels. ``step``: the one bound before, returned as is while it
         is still valid (_step_valid). None when the session is not planned for exactly one step
         of N (call it after such a run) or there is no native module (the JIT backend)."""
-        with self._lock if self.pool is None else self.pool.lock:
+        with (self._lock if self.pool is None else self.pool.lock)():
             if step is not None and self._step_valid(step):
                 return step
             stale = self.pool is not None and self._gen != self.pool.generation
@@ -1015,7 +1015,10 @@ class Session:
         """Run a bound step (_step_program) on ``x`` [N, C] into ``y`` [N, K]; False, with
         nothing run, when it is no longer valid or x and y do not fit it (runner.run_program):
         the caller then takes run()'s path, whose checks say what is wrong."""
-        with self._lock if self.pool is None else self.pool.lock:
+        turn = self._lock if self.pool is None else self.pool.lock
+        if turn._is_owned():  # (Turn's call, inline: a streaming step is a few us)
+            turn.refuse()
+        with turn:
             return self._step_valid(step) and runner.run_program(step.program, x, y)
 
     def _log_events(self, k: int, what: str) -> None:

@@ -121,7 +121,7 @@ def _one_at_a_time(method):
 
     @functools.wraps(method)
     def serialized(self, *args, **kwargs):
-        with self._turn:
+        with self._turn():
             return method(self, *args, **kwargs)
 
     return serialized

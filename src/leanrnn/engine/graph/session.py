@@ -120,7 +120,7 @@ class GraphSession:
         """Plan every intermediate tensor for inputs of ``shapes`` (and ``dtypes``, default the
         declared ones), in one arena; plans each RNN node's Session too."""
         metas_in = self._input_metas(shapes, dtypes)
-        with self._lock:
+        with self._lock():
             return self._resize(metas_in, memory_limit)
 
     def estimate(self, shapes, dtypes=None) -> dict:
@@ -130,7 +130,7 @@ class GraphSession:
         its input's shape times k filled 808 MiB to be described) and nothing is allocated;
         the session's own plan is left as it was."""
         metas_in = self._input_metas(shapes, dtypes)
-        with self._lock:
+        with self._lock():
             return self._resize_checked(metas_in, None, plan_only=True)
 
     def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
@@ -395,7 +395,7 @@ class GraphSession:
             )
         feeds = self._feeds(feeds)
         metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
-        with self._lock:
+        with self._lock():
             key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
             if key != self._key:
                 self._resize(metas_in, None)
