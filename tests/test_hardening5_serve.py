@@ -145,7 +145,7 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
         max_request_bytes = 1 << 30
         read_timeout = 30.0
 
-        def reserve(self, n):
+        def reserve(self, n, mine=0):
             pass
 
         def unreserve(self, n):

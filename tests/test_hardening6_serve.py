@@ -156,7 +156,7 @@ class _BodyCore:
         self.max_request_bytes = limit
         self.held = 0
 
-    def reserve(self, n: int) -> None:
+    def reserve(self, n: int, mine: int = 0) -> None:
         self.held += n
 
     def unreserve(self, n: int) -> None:
@@ -189,7 +189,9 @@ def _run_body(body: bytes, encoding: str, limit: int):
              "headers": [(b"content-encoding", encoding.encode()),
                          (b"content-length", str(len(body)).encode())]}  # fmt: skip
     try:
-        out = asyncio.run(h._body(Request(scope, receive), _BodyCore(limit)))
+        core = _BodyCore(limit)
+        out, held = asyncio.run(h._body(Request(scope, receive), core))
+        assert held == core.held == len(body)  # held until the caller has parsed it
     except Exception as e:  # handed back to be checked
         out = e
     finally:

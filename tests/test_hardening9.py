@@ -170,6 +170,15 @@ def test_torch_entries_sharing_one_storage_many_times_are_refused(tmp_path):
     torch.save(tied, tmp_path / "tied.pt")  # W and R one storage: twice, as tied weights
     y, _ = leanrnn.load(str(tmp_path / "tied.pt"))(np.ones((2, 1, H), np.float32))
     assert np.isfinite(y).all()
+    # another module registered under 6 names (one 2 MiB storage viewed 6 times) is not packed
+    lstm = torch.nn.LSTM(H, H)
+    full = {f"rnn.{k}": v for k, v in lstm.state_dict().items()}
+    shared = torch.randn(512, 1024)
+    full.update({f"block{i}.weight": shared for i in range(6)})
+    torch.save(full, tmp_path / "albert.pt")
+    x = np.ones((2, 1, H), np.float32)
+    got = leanrnn.load(str(tmp_path / "albert.pt"), prefix="rnn.")(x)[0]
+    np.testing.assert_allclose(got, lstm(torch.from_numpy(x))[0].detach().numpy(), atol=1e-5)
 
 
 @pytest.fixture
@@ -191,30 +200,62 @@ def _onnx(path, nodes, inputs, inits=(), opset=17) -> str:
     return str(path)
 
 
-def test_onnx_rnn_nodes_sharing_weights_pack_within_a_budget(tmp_path, oh):
-    """Many LSTM nodes naming one W and R: each packed its own copy (a 2 MiB file of 500
-    nodes took 1 GiB), before pruning dropped all but one."""
+def test_onnx_rnn_nodes_sharing_weights_share_one_packing(tmp_path, oh):
+    """Nodes naming one W and R (an unrolled decoder, weights tied across a stack) each packed
+    their own copy: a 2 MiB file of 500 such nodes took 1 GiB. Here 200 LSTM nodes in a chain
+    on one W and R (64 MiB packed apart) load in a few MiB and compute the chain."""
+    import tracemalloc
+
     from onnx import numpy_helper
 
-    from leanrnn.engine.graph.passes import FOLD_SLACK_BYTES, PACK_RATIO
-    from leanrnn.errors import ModelFormatError
-
-    H = C = 256
+    H = C = 128
+    n = 200
     rng = np.random.default_rng(0)
     W, R = (numpy_helper.from_array((rng.standard_normal((1, 4 * H, C)) * 0.05)
                                     .astype(np.float32), name) for name in "WR")  # fmt: skip
+    nodes, prev = [], "x"
+    for i in range(n):
+        out = "y" if i == n - 1 else f"s{i}"
+        nodes += [oh.make_node("LSTM", [prev, "W", "R"], [f"Y{i}"], hidden_size=H),
+                  oh.make_node("Squeeze", [f"Y{i}", "one"], [out])]  # fmt: skip
+        prev = out
+    one = numpy_helper.from_array(np.array([1], np.int64), "one")
+    p = _onnx(tmp_path / "chain.onnx", nodes, [("x", ["T", "N", C])], [W, R, one])
+    single = _onnx(tmp_path / "one.onnx", [*nodes[:2], oh.make_node("Identity", ["s0"], ["y"])],
+                   [("x", ["T", "N", C])], [W, R, one])  # fmt: skip
+    tracemalloc.start()
+    chain = leanrnn.load(p)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20, peak  # one packing (~0.5 MiB) and the graph, not 200 packings
+    assert len({id(w) for w in chain.graph.packed.values()}) == 1
+    x = rng.standard_normal((3, 1, C)).astype(np.float32)
+    step, want = leanrnn.load(single), x
+    for _ in range(n):
+        want = step(want)
+    np.testing.assert_allclose(chain(x), want, atol=1e-5)
 
-    def graph(n):
-        nodes = [oh.make_node("LSTM", ["x", "W", "R"], ["y" if i == 0 else f"y{i}"],
-                              hidden_size=H) for i in range(n)]  # fmt: skip
-        return _onnx(tmp_path / f"shared{n}.onnx", nodes, [("x", ["T", "N", C])], [W, R])
 
-    held = 2 * 4 * H * C
-    over = (PACK_RATIO * held + FOLD_SLACK_BYTES // 4) // held + 2  # nodes past the budget
-    with pytest.raises(ModelFormatError, match="RNN nodes sharing weights pack them once each"):
-        leanrnn.load(graph(int(over)))
-    y = leanrnn.load(graph(2))(np.ones((3, 1, C), np.float32))  # two sharing: a model
-    assert np.isfinite(y).all()
+def test_packed_rnn_weights_are_bounded_by_the_weights_the_file_holds(tmp_path, oh,
+                                                                      monkeypatch):  # fmt: skip
+    """What is packed may be PACK_RATIO times the distinct weights (padding) plus slack; with
+    the slack taken away and a ratio of 1, an H=20 LSTM (padded to 32 units) is refused."""
+    from onnx import numpy_helper
+
+    from leanrnn.engine.graph import passes
+    from leanrnn.errors import ModelFormatError
+
+    H = C = 20
+    rng = np.random.default_rng(0)
+    W, R = (numpy_helper.from_array(rng.standard_normal((1, 4 * H, C)).astype(np.float32), k)
+            for k in "WR")  # fmt: skip
+    p = _onnx(tmp_path / "pad.onnx", [oh.make_node("LSTM", ["x", "W", "R"], ["y"], hidden_size=H)],
+              [("x", ["T", "N", C])], [W, R])  # fmt: skip
+    assert leanrnn.load(p) is not None
+    monkeypatch.setattr(passes, "FOLD_SLACK_BYTES", 0)
+    monkeypatch.setattr(passes, "PACK_RATIO", 1)
+    with pytest.raises(ModelFormatError, match="brings the packed RNN weights to"):
+        leanrnn.load(p)
 
 
 def test_split_with_num_outputs_zero_is_a_format_error(tmp_path, oh):
@@ -266,6 +307,37 @@ def test_describing_a_graph_evaluates_no_large_shape_computed_tensor(tmp_path, o
     assert peak < 4 << 20, peak
     y = model(np.ones((1, 1, 4), np.float32))  # a run still makes it
     assert y.shape == (1, 1, 1 << 21) and (y == 2).all()
+
+
+def test_describe_estimates_what_a_resize_makes(tmp_path, oh):
+    """describe's figures (GraphSession.estimate, nothing made) are those of a real resize."""
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    W = numpy_helper.from_array(rng.standard_normal((1, 64, 8)).astype(np.float32), "W")
+    R = numpy_helper.from_array(rng.standard_normal((1, 64, 16)).astype(np.float32), "R")
+    p = _onnx(tmp_path / "g.onnx", [oh.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=16),
+                                    oh.make_node("Relu", ["Y"], ["y"])],
+              [("x", ["T", "N", 8])], [W, R])  # fmt: skip
+    info = leanrnn.load(p).describe(3, 7)["arena"]
+    made = leanrnn.load(p)
+    made.resize({"x": (7, 3, 8)})
+    sess = made.session
+    assert info["graph_arena_bytes"] == sess.arena_bytes > 0
+    assert info["rnn_arena_bytes"] == sess.rnn_arena_bytes > 0
+    assert info["shape_constant_bytes"] == sess.resize_constant_bytes
+
+
+def test_a_header_beyond_the_bound_is_not_written(tmp_path, monkeypatch):
+    """The reader refuses headers past MAX_HEADER_BYTES: save refuses to write one (it saved,
+    and then did not load)."""
+    from leanrnn.errors import ModelFormatError
+    from leanrnn.formats import native
+
+    monkeypatch.setattr(native, "MAX_HEADER_BYTES", 200)
+    with pytest.raises(ModelFormatError, match=r"a \.lrnn file.s may be at most 200"):
+        leanrnn.LSTM(3, 4, num_layers=3, seed=0).save(str(tmp_path / "m.lrnn"))
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_header_beyond_the_bound_is_refused_before_it_is_parsed(tmp_path):

@@ -252,7 +252,7 @@ def run_cmd(args) -> int:
         feeds[rest[0]] = inp
     outs = dict(zip(model.output_names, model.run(feeds), strict=True))
     if output:
-        from ..files import replacing
+        from .._files import replacing
 
         with replacing(output, ".npz") as tmp:  # whole or not at all, the old file kept till then
             np.savez(tmp, **outs)

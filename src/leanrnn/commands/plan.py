@@ -295,7 +295,7 @@ def draw(plan, path: str, title: str) -> None:
     ax.set_title(f"{title}: arena {plan.total / 1024:.0f} KiB, without reuse "
                  f"{plan.naive_total / 1024:.0f} KiB")  # fmt: skip
     fig.tight_layout()
-    from leanrnn.files import replacing
+    from leanrnn._files import replacing
 
     with replacing(path, ".png") as tmp:  # whole or not at all, the old file kept till then
         fig.savefig(tmp, dpi=110)

@@ -366,6 +366,12 @@ class Session:
     __reduce__ = unpicklable("Session", "pickle or copy the Model (its weights), whose copy "
                              "makes a session of its own")  # fmt: skip
 
+    @property
+    def _turn(self) -> Turn:
+        """This session's turn on its arena: its own, or its pool's (read at each run: a
+        forked child renews them)."""
+        return self._lock if self.pool is None else self.pool.lock
+
     def _after_fork(self) -> None:
         """In a forked child: another thread of the parent may have been inside a run (holding
         the lock, which nobody here will release) or a resize (views half made): a fresh lock,
@@ -479,11 +485,11 @@ class Session:
             self.tuned = tune(self, latency=latency, memory_limit=memory_limit,
                               max_chunk=min(int(steps), MAX_TUNE_CHUNK), threads=self.threads,
                               measure=measure)  # fmt: skip
-            with (self._lock if self.pool is None else self.pool.lock)():
+            with self._turn():
                 if self.tuned.chunk is not None:
                     self.chunk = self.tuned.chunk
                 return self._resize(self.tuned.batch, steps, None, return_sequences)
-        with (self._lock if self.pool is None else self.pool.lock)():
+        with self._turn():
             return self._resize(batch, steps, memory_limit, return_sequences)
 
     def _resize(self, batch: int, steps: int, memory_limit: int | None,
@@ -788,7 +794,7 @@ class Session:
 
     def _run_locked(self, x, h0, c0, lengths, y, h_n, c_n, T, N, return_sequences, store=None):
         """``store``: run_slots's (SlotStates, slot table), in place of h0, c0, h_n, c_n."""
-        with (self._lock if self.pool is None else self.pool.lock)():
+        with self._turn():
             stale = self.pool is not None and self._gen != self.pool.generation
             memo = (N, T, return_sequences, self._chunk)
             key = self._keys.get(memo)
@@ -961,7 +967,7 @@ class Session:
         on top of a few us of kernels. ``step``: the one bound before, returned as is while it
         is still valid (_step_valid). None when the session is not planned for exactly one step
         of N (call it after such a run) or there is no native module (the JIT backend)."""
-        with (self._lock if self.pool is None else self.pool.lock)():
+        with self._turn():
             if step is not None and self._step_valid(step):
                 return step
             stale = self.pool is not None and self._gen != self.pool.generation
@@ -1015,7 +1021,7 @@ class Session:
         """Run a bound step (_step_program) on ``x`` [N, C] into ``y`` [N, K]; False, with
         nothing run, when it is no longer valid or x and y do not fit it (runner.run_program):
         the caller then takes run()'s path, whose checks say what is wrong."""
-        turn = self._lock if self.pool is None else self.pool.lock
+        turn = self._turn
         if turn._is_owned():  # (Turn's call, inline: a streaming step is a few us)
             turn.refuse()
         with turn:

@@ -41,14 +41,16 @@ _ZIP_ERRORS = (
 MAX_ZIP_RATIO = 64
 _ZIP_SLACK = 1 << 20
 
-# A checkpoint's tensors may view at most this many times the bytes its storages hold (plus
-# _ZIP_SLACK): weights tied between two modules view theirs twice; each view is packed apart.
+# A checkpoint's RNN weights may view at most this many times the bytes their storages hold
+# (plus _ZIP_SLACK): each view is packed apart, and an RNN's own weights share nothing.
 MAX_SHARED_VIEWS = 4
 
 # numpy's limit on an array's rank (numpy 2; numpy 1 had 32, and refuses more itself)
 _MAX_NDIM = 64
 
 _RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$")
+# The entries of a torch RNN module that leanrnn packs (weight_ih_l0, bias_hh_l3_reverse, ...)
+_RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
 
 
 def sniff(path: str) -> str:
@@ -228,6 +230,7 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     # torch already read (bounded by check_zip_sizes); only other views are copied, and those
     # copies may not exceed what the file stores.
     stored: dict[int, int] = {}
+    rnn_stored: dict[int, int] = {}  # the storages of the entries an RNN packs, and their views
     copies = viewed = 0
     for k, v in obj.items():
         if not isinstance(v, torch.Tensor):
@@ -254,14 +257,17 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
                 "tensor larger than its storage. Save contiguous tensors (.contiguous())"
             )
         copies += 0 if v.is_contiguous() else n
-        viewed += n
-    # Entries viewing one storage are packed once each: a 1 MiB file of a 200-layer LSTM whose
-    # every weight views the same storage packed 810 MiB.
-    if viewed > MAX_SHARED_VIEWS * sum(stored.values()) + _ZIP_SLACK:
+        if _RNN_PARAM.search(str(k)):
+            rnn_stored[storage.data_ptr()] = storage.nbytes()
+            viewed += n
+    # An RNN's entries are packed once each, layer by layer: a 1 MiB file of a 200-layer LSTM
+    # whose every weight views one storage packed 810 MiB. (Other modules' entries may share
+    # storage freely, as a layer registered under several names does: they are not packed.)
+    if viewed > MAX_SHARED_VIEWS * sum(rnn_stored.values()) + _ZIP_SLACK:
         raise ModelFormatError(
-            f"[{op}] {path!r}: its tensors view {viewed} bytes in all of {sum(stored.values())} "
-            f"stored (tensors sharing storage); refusing more than {MAX_SHARED_VIEWS}x. Save "
-            "each weight in its own storage (.clone())"
+            f"[{op}] {path!r}: its RNN weights view {viewed} bytes in all of "
+            f"{sum(rnn_stored.values())} stored (tensors sharing storage); refusing more than "
+            f"{MAX_SHARED_VIEWS}x. Save each weight in its own storage (.clone())"
         )
     if copies > sum(stored.values()):
         raise ModelFormatError(

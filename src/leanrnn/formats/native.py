@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import threads
+from .._files import replacing
 from ..errors import LeanRNNError, ModelFormatError
-from ..files import replacing
 from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, is_count, rnn_attrs, rnn_from_node
 from ..memory.arena import aligned_empty, round_up
 from ..spec import USES_ALPHA, USES_BETA, RNNSpec
@@ -46,7 +46,7 @@ from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
 # A header is JSON text: a tensor entry is ~80 bytes and a graph of 10,000 nodes ~1 MiB, so
-# 16 MiB is far beyond any real model's. Parsed, JSON takes up to ~30x its text in Python
+# 16 MiB is far beyond any real model's (save refuses to write more). Parsed, JSON takes up to ~30x its text in Python
 # objects (a 23 MiB header of empty objects peaked at 665 MiB under the old 64 MiB bound).
 MAX_HEADER_BYTES = 16 << 20
 MAX_NDIM = 64  # numpy's limit on an array's rank (numpy 2)
@@ -443,6 +443,12 @@ def _write(path: str, meta: dict[str, str], blocks: list[tuple[str, list]]) -> N
     meta["checksum"] = _checksum(meta, regions, int(meta["version"]))
     header["__metadata__"] = meta
     text = json.dumps(header, separators=(",", ":")).encode()
+    if len(text) > MAX_HEADER_BYTES:  # it would save, and then not load
+        raise ModelFormatError(
+            f"[save] {path!r}: the header (tensor table and graph) would be {len(text)} bytes; "
+            f"a .lrnn file's may be at most {MAX_HEADER_BYTES} (what load reads): this model "
+            "is too large a graph for one .lrnn file"
+        )
     # Pad the header with spaces (allowed by safetensors) so the data starts 64-byte aligned.
     text += b" " * ((-(8 + len(text))) % 64)
     # A temporary file of this call's own: with the pid alone, two threads saving to one path

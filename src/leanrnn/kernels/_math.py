@@ -32,8 +32,9 @@ def sigmoid_(x):  # pragma: no cover
 # tanh(v) ~ v * P(v^2) / Q(v^2) on [-9, 9], the result bounded to [-1, 1]: the float32 tanh,
 # here and in the vector IR of _cells. Past |v| ~ 7.9 the rational overshoots 1 by up to 2.4e-7
 # (Eigen 3.4 moved its clamp of these coefficients to 7.9053 for that); bounding the result
-# keeps the bits below and makes sigmoid = tanh/2 + 1/2 never negative (it read -1.2e-7 at
-# x = -17.97, and a saturated LSTM output gate then flipped h's sign).
+# leaves the values below as they were (the scalar bits exactly; the vector IR's within an ulp,
+# as LLVM schedules the longer expression) and makes sigmoid = tanh/2 + 1/2 never negative (it
+# read -1.2e-7 at x = -17.97, and a saturated LSTM output gate then flipped h's sign).
 TANH_CLAMP = 9.0
 TANH_P = (
     -2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5.12229709037114e-08,

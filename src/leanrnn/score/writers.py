@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..files import temp_beside
+from .._files import temp_beside
 from .data import DataError
 
 

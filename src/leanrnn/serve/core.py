@@ -67,9 +67,10 @@ class Core:
                 "'Authorization: Bearer <token>' given to leanrnn serve --token"
             )
 
-    def reserve(self, n: int) -> None:
-        """``n`` bytes of a body being read count against --max-queued-bytes (Scheduler)."""
-        self.scheduler.reserve(n)
+    def reserve(self, n: int, mine: int = 0) -> None:
+        """``n`` more bytes of a body being read (holding ``mine``) count against
+        --max-queued-bytes (Scheduler.reserve)."""
+        self.scheduler.reserve(n, mine)
 
     def unreserve(self, n: int) -> None:
         self.scheduler.unreserve(n)
@@ -139,7 +140,7 @@ class Core:
         if r.error is not None:
             release()
             if isinstance(r.error, ServeError):  # refused, not failed: the server stopping
-                raise r.error
+                raise type(r.error)(str(r.error))  # (one instance is every request's)
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
         try:  # (released here if the bookkeeping fails: the caller never gets the release)
             seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit

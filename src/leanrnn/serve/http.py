@@ -105,11 +105,12 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
     raise InvalidRequest(f"[infer] gzip body of more than {MAX_MEMBERS} members; send fewer")
 
 
-async def _body(request: Request, core: Core) -> bytes:
-    """The request body, decompressed (gzip/deflate), refused past --max-request-bytes before
-    it is all read or inflated. Its bytes count against --max-queued-bytes while they arrive
-    (released when this returns: the parsed request is counted from then on), and a client
-    that sends nothing for --read-timeout seconds mid-body is dropped (408)."""
+async def _body(request: Request, core: Core) -> tuple[bytes, int]:
+    """(the request body, decompressed (gzip/deflate), refused past --max-request-bytes before
+    it is all read or inflated; the bytes it reserved). Its bytes count against
+    --max-queued-bytes from their arrival until the caller's ``core.unreserve(held)``, once the
+    request is parsed (and submitted: it is counted from then on); a client that sends
+    nothing for --read-timeout seconds mid-body is dropped (408)."""
     limit = core.max_request_bytes
     declared = _number(request.headers.get("content-length"))
     if declared is not None and declared > limit:
@@ -118,40 +119,41 @@ async def _body(request: Request, core: Core) -> bytes:
             "(--max-request-bytes); send fewer steps per request"
         )
     parts, n = [], 0
-    chunks = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
     try:
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), core.read_timeout)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise Timeout(
-                    f"[infer] the client sent none of the rest of its body for "
-                    f"{core.read_timeout:g} s ({n} bytes came); dropped (--read-timeout)"
-                ) from None
-            if n + len(chunk) > limit:
-                raise TooLarge(
-                    f"[infer] request body over {limit} bytes (--max-request-bytes); send fewer "
-                    "steps per request"
-                )
-            core.reserve(len(chunk))
-            n += len(chunk)
-            parts.append(chunk)
-    finally:
+        # one deadline, moved on at each piece (wait_for made a task per piece)
+        async with asyncio.timeout(core.read_timeout) as deadline:
+            async for chunk in request.stream():
+                if n + len(chunk) > limit:
+                    raise TooLarge(
+                        f"[infer] request body over {limit} bytes (--max-request-bytes); send "
+                        "fewer steps per request"
+                    )
+                core.reserve(len(chunk), n)
+                n += len(chunk)
+                parts.append(chunk)
+                deadline.reschedule(loop.time() + core.read_timeout)
+        body = b"".join(parts)
+        encoding = request.headers.get("content-encoding", "identity").lower()
+        if encoding in ("gzip", "deflate"):
+            if len(body) <= INFLATE_INLINE:
+                body = _inflate(body, encoding, limit)
+            else:
+                body = await asyncio.to_thread(_inflate, body, encoding, limit)
+        elif encoding != "identity":
+            raise InvalidRequest(
+                f"[infer] Content-Encoding {clip(encoding)}; expected gzip, deflate or none"
+            )
+    except TimeoutError:
         core.unreserve(n)
-    body = b"".join(parts)
-    encoding = request.headers.get("content-encoding", "identity").lower()
-    if encoding in ("gzip", "deflate"):
-        if len(body) <= INFLATE_INLINE:
-            body = _inflate(body, encoding, limit)
-        else:
-            body = await asyncio.to_thread(_inflate, body, encoding, limit)
-    elif encoding != "identity":
-        raise InvalidRequest(
-            f"[infer] Content-Encoding {clip(encoding)}; expected gzip, deflate or none"
-        )
-    return body
+        raise Timeout(
+            f"[infer] the client sent none of the rest of its body for {core.read_timeout:g} s "
+            f"({n} bytes came); dropped (--read-timeout)"
+        ) from None
+    except BaseException:
+        core.unreserve(n)
+        raise
+    return body, n
 
 
 def _parse(core: Core, info, body: bytes, header_length: str | None):
@@ -183,13 +185,14 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
     params = req.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidRequest('[infer] "parameters" must be a JSON object')
-    # a model has a handful of inputs and outputs: longer lists are refused before the loops
-    # over them (600,000 requested outputs in 15 KB of gzip held the event loop for 2.7 s)
+    # a model has a handful of inputs and outputs, each listed once at most: longer lists are
+    # refused before the loops over them (600,000 requested outputs in 15 KB of gzip held the
+    # event loop for 2.7 s)
     for what, have in (("inputs", info.inputs), ("outputs", info.outputs)):
         if isinstance(req.get(what), list) and len(req[what]) > len(have):
             raise InvalidRequest(
                 f"[infer] {len(req[what])} {what} listed; model {info.name!r} has "
-                f"{len(have)}: {sorted(have)}"
+                f"{len(have)}: {sorted(have)}, each listed once at most"
             )
     tensors, offset = {}, 0
     for t in req["inputs"]:
@@ -409,15 +412,18 @@ def make_app(core: Core, metrics=None) -> Starlette:
 
     async def infer(request):
         info = model_of(request)
-        body = await _body(request, core)
-        head = request.headers.get(HEADER_LENGTH)
-        # a large one parsed off the event loop: json.loads of a few MB of numbers held up
-        # every other stream (HTTP and gRPC) for as long as it took
-        if len(body) <= INLINE:
-            p = _parse(core, info, body, head)
-        else:
-            p = await asyncio.to_thread(_parse, core, info, body, head)
-        del body
+        body, held = await _body(request, core)
+        try:  # the body counts until its request is (infer_held submits before it awaits)
+            head = request.headers.get(HEADER_LENGTH)
+            # a large one parsed off the event loop: json.loads of a few MB of numbers held up
+            # every other stream (HTTP and gRPC) for as long as it took
+            if len(body) <= INLINE:
+                p = _parse(core, info, body, head)
+            else:
+                p = await asyncio.to_thread(_parse, core, info, body, head)
+            del body
+        finally:
+            core.unreserve(held)
         size = json_bytes(info, p)
         values, release = await core.infer_held(p, "http", size)
         try:  # a large answer off the event loop: it must not hold up the other streams

@@ -242,11 +242,13 @@ def assemble(info: ModelInfo, request_id: str, params: dict, tensors: dict,
     key, start, end = sequence(params)
     if outputs is None:
         outputs = list(info.outputs)
-    for name in outputs:
+    for k, name in enumerate(outputs):
         if name not in info.outputs:
             raise InvalidRequest(
                 f"[infer] unknown output {clip(name)} requested from model {info.name!r}; it has "
                 f"{list(info.outputs)}"
             )
+        if name in outputs[:k]:  # as an input listed twice is
+            raise InvalidRequest(f"[infer] output {clip(name)} is requested twice")
     return Parsed(info.name, request_id, key, start, end, tensors["x"], tensors.get("h0"),
                   tensors.get("c0"), outputs, binary)  # fmt: skip

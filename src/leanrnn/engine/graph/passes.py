@@ -21,9 +21,9 @@ from .ops import OPS, SUPPORTED_OPS, Ctx, Out, evaluate, guard, infer
 # Bytes any single folded constant may take at load, beyond the size of all the constants the
 # file holds: a hostile file cannot make loading allocate more than the model plausibly needs.
 FOLD_SLACK_BYTES = 64 << 20
-# Packed RNN weights may be this many times the RNN weights the file holds (plus the slack
-# above): nodes sharing an initializer pack it once each; two or three (weights tied between
-# an encoder and a decoder) are models, hundreds are a file built to exhaust memory.
+# Packed RNN weights may be this many times the distinct RNN weights the file holds (plus the
+# slack above): padding grows panels (a gate of H=20 fills 32 units), and nodes naming the same
+# weights share one packing (pack_constant_rnns), so no real model comes near it.
 PACK_RATIO = 4
 
 
@@ -182,6 +182,15 @@ def fold(g: Graph, threads: int | None = None) -> None:
     g.nodes = keep
 
 
+def _drop_weight_inputs(node: Node, ins: list[str], slots: tuple[int, ...]) -> None:
+    """The node's packed weights' inputs become "" (trailing ones dropped)."""
+    for k in slots:
+        ins[k] = ""
+    while ins and ins[-1] == "":
+        ins.pop()
+    node.inputs = tuple(ins)
+
+
 def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> None:
     """Pack every RNN node whose W, R, B, P are constants (in ``graph.constants``, or read on
     demand from ``lazy``) and drop those inputs from the node (and the constants nobody else
@@ -196,30 +205,37 @@ def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> No
     def get(name):
         return graph.constants[name] if name in graph.constants else lazy[name].read()
 
-    # Packed weights are bounded by the weights the file holds, as fold's values are: nodes
-    # naming the same initializers pack them once each (a 2 MiB file of 500 LSTM nodes on one
-    # W and R packed 1 GiB), and padding grows a tiny model's panels many times over, hence
-    # a ratio and slack. Counted in values (a float16 file widens at load), checked before
-    # each node's buffer is allocated.
+    # Nodes naming the same weights (an unrolled decoder: one LSTM node a step, on one W and
+    # R) share one packing; packed apart, a 2 MiB file of 500 such nodes took 1 GiB. What is
+    # packed is then bounded by the weights the file holds, as fold's values are, with a
+    # ratio and slack for padding (a tiny model's panels are many times its weights); counted
+    # in values (a float16 file widens at load), checked before each buffer is allocated.
     def held(name):
         c = graph.constants.get(name)
         return c.size if c is not None else math.prod(lazy[name].dims) if name in lazy else 0
 
     weights = {n.inputs[k] for n in graph.nodes if n.op in RNN_OPS
                for k in (1, 2, 3, 7) if k < len(n.inputs) and n.inputs[k]}  # fmt: skip
-    limit = PACK_RATIO * sum(held(w) for w in weights) + FOLD_SLACK_BYTES // 4
+    slack = FOLD_SLACK_BYTES // 4
+    limit = PACK_RATIO * sum(held(w) for w in weights) + slack
     packed = 0  # by this call (the nodes packed before have no weight inputs left)
+    shared: dict[tuple, PackedWeights] = {}
     for node in graph.nodes:
         if node.op not in RNN_OPS or node.name in graph.packed:
             continue
         ins = list(node.inputs) + [""] * (8 - len(node.inputs))
         weight_slots = (1, 2, 3, 7)  # W, R, B, P
+        same = (node.op, tuple(ins[k] for k in weight_slots), repr(sorted(node.attrs.items())))
         if any(
             ins[k] and ins[k] not in graph.constants and ins[k] not in lazy for k in weight_slots
         ):
             continue  # weights are computed at run time; the engine packs them per run
         if not ins[1] or not ins[2]:
             raise ModelFormatError(f"[load_onnx] node {node.name!r} ({node.op}) has no W or R")
+        if same in shared:
+            graph.packed[node.name] = shared[same]
+            _drop_weight_inputs(node, ins, weight_slots)
+            continue
         # W and R of D x [G, X] in ONNX gate order; read from the file straight into internal
         # order when the declared dims agree with the node (otherwise rnn_from_node reports)
         W = R = None
@@ -252,16 +268,11 @@ def pack_constant_rnns(graph: Graph, dtype=None, lazy: dict | None = None) -> No
         if packed > limit:
             raise ModelFormatError(
                 f"[load] node {node.name!r} ({node.op}) brings the packed RNN weights to "
-                f"{packed} values; the file's RNN weights hold {(limit - FOLD_SLACK_BYTES // 4) // PACK_RATIO}, "
-                f"and more than {PACK_RATIO}x that plus {FOLD_SLACK_BYTES // 4} values of slack "
-                "is refused (RNN nodes sharing weights pack them once each)"
+                f"{packed} values; the file's RNN weights hold {(limit - slack) // PACK_RATIO}, "
+                f"and more than {PACK_RATIO}x that plus {slack} values of slack is refused"
             )
-        graph.packed[node.name] = pack(spec, layers, dtype or wdtype)
-        for k in weight_slots:
-            ins[k] = ""
-        while ins and ins[-1] == "":
-            ins.pop()
-        node.inputs = tuple(ins)
+        graph.packed[node.name] = shared[same] = pack(spec, layers, dtype or wdtype)
+        _drop_weight_inputs(node, ins, weight_slots)
     used = {i for n in graph.nodes for i in n.inputs} | {t.name for t in graph.outputs}
     for k in [k for k in graph.constants if k not in used]:
         del graph.constants[k]

@@ -42,6 +42,10 @@ _OP = "GraphSession.resize"
 _EVALUATE_NOW = 1 << 16
 
 
+def _graph_turn() -> Turn:
+    return Turn("GraphModel.run")
+
+
 class GraphSession:
     """One planned arena for a loaded graph plus one engine Session per RNN node. Not re-entrant;
     calls are serialized by a lock."""
@@ -61,10 +65,10 @@ class GraphSession:
         }
         self._ctx = Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
         self._ctx.needed = loaded.needed
-        # a run from a signal handler inside a run deadlocked on a plain lock: Turn refuses it
-        self._lock = Turn("GraphModel.run")
+        # a run from a signal handler inside a run deadlocked on a plain lock: Turn refuses it;
         # a fork mid-run must not leave the child's lock held
-        _fork.renew_lock(self, make=lambda: Turn("GraphModel.run"))
+        _fork.renew_lock(self, make=_graph_turn)
+        self._lock = _graph_turn()
         # BLAS ops (MatMul, Gemm) between RNN nodes run on one thread: a multi-threaded BLAS's
         # spinning workers and leanrnn's spinning kernel threads otherwise starve each other on
         # every switch between them (measured: N=1 tagger run 16 ms -> 8 ms on 2 cores).

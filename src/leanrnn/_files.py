@@ -28,7 +28,9 @@ def replacing(path: str, suffix: str = ""):
     """Yield a temporary path (``temp_beside``) to write; once the block ends, it replaces
     ``path`` (os.replace: the old file, if any, stays whole until then); if the block fails,
     it is removed and ``path`` is untouched. The OS's refusal (a full disk, a file size limit)
-    is a LeanRNNError naming ``path``, not the temporary name."""
+    is a LeanRNNError naming ``path``, not the temporary name. A symlink at ``path`` is
+    written through, as writing it in place did: its target is replaced."""
+    path = os.path.realpath(path) if os.path.islink(path) else path
     tmp = temp_beside(path, suffix)
     try:
         yield tmp
