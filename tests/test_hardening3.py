@@ -364,6 +364,12 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     class Core:
         metrics = SimpleNamespace(stream_held=deltas.append)
 
+        def enter(self, protocol):  # --max-concurrency: not the point here
+            pass
+
+        def leave(self, protocol):
+            pass
+
         def authorize(self, token):
             pass
 

@@ -143,6 +143,13 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
 
     class Core:
         max_request_bytes = 1 << 30
+
+        def enter(self, protocol):  # --max-concurrency: not the point here
+            pass
+
+        def leave(self, protocol):
+            pass
+
         read_timeout = 30.0
 
         def reserve(self, n, mine=0):

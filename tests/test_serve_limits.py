@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -226,14 +227,28 @@ def test_concurrency_cap_refuses_new_calls_and_keeps_those_in_flight(tmp_path):
             c.stop_stream()
         np.testing.assert_allclose(infer(tg, third, x, headers=None).as_numpy("y"), want,
                                    rtol=0, atol=ATOL)  # fmt: skip
-        # HTTP: two idle connections held open fill the cap; closed, requests pass again
+        # HTTP: two requests in flight (bodies half sent) fill the cap, and the refusal is
+        # counted (uvicorn's own limit refused before any of leanrnn's code, and the metrics
+        # never saw it); the health endpoints answer whatever the load; closed, requests pass
         host, port = http_url.rsplit(":", 1)
         held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
-        time.sleep(0.2)  # accepted by the server
+        for s in held:
+            s.sendall(b"POST /v2/models/gru/infer HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 100\r\n\r\n{")  # fmt: skip
         hc = th.InferenceServerClient(http_url)
-        with pytest.raises(InferenceServerException) as e:
-            infer(th, hc, x, headers=None)
-        assert e.value.status() == "503"
+        deadline = time.monotonic() + 10
+        while True:  # once the server has both in flight
+            try:
+                infer(th, hc, x, headers=None)
+            except InferenceServerException as e:
+                assert e.status() == "503" and "--max-concurrency" in e.message(), e
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert hc.is_server_live() and hc.is_server_ready()
+        metrics = urllib.request.urlopen(f"http://{http_url}/metrics", timeout=10).read().decode()
+        assert 'leanrnn_serve_errors_total{kind="busy",protocol="grpc"} 1.0' in metrics, metrics
+        assert 'leanrnn_serve_errors_total{kind="busy",protocol="http"}' in metrics, metrics
         for s in held:
             s.close()
         time.sleep(0.2)

@@ -95,6 +95,12 @@ from leanrnn.serve import rpc  # noqa: E402
 class _Core:
     metrics = None
 
+    def enter(self, protocol):  # --max-concurrency: not the point here
+        pass
+
+    def leave(self, protocol):
+        pass
+
     def authorize(self, token):
         pass
 

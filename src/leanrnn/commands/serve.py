@@ -144,8 +144,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-concurrency",
         type=positive_int,
         default=None,
-        help="connections (HTTP) and calls (gRPC) in flight per transport; beyond it HTTP 503 / "
-        "RESOURCE_EXHAUSTED (default: 2 x --max-streams x models, at least 4096)",
+        help="requests (HTTP) and calls (gRPC; a stream is one) in flight per transport; beyond "
+        "it HTTP 503 / RESOURCE_EXHAUSTED (default: 2 x --max-streams x models, at least 4096); "
+        "connections at twice that",
     )
     p.add_argument(
         "--token",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
+from .errors import Busy, Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
 from .protocol import ModelInfo, Parsed, check_version, clip
 from .scheduler import Request, Scheduler
 
@@ -32,8 +32,15 @@ def _resolve(fut: asyncio.Future, r: Request) -> None:
 
 class Core:
     def __init__(self, scheduler: Scheduler, *, token: str | None, max_request_bytes: int,
-                 metrics=None, read_timeout: float = 30.0) -> None:  # fmt: skip
+                 metrics=None, read_timeout: float = 30.0,
+                 max_in_flight: int | None = None) -> None:  # fmt: skip
         self.scheduler = scheduler
+        # --max-concurrency, per transport, counted here (enter/leave, on the event loop) so
+        # that its refusals are answered and counted like every other: the transports' own
+        # limits (uvicorn's, gRPC's) refused before any of this code ran, and the metrics
+        # never saw them; they stay, at twice this, as a backstop on connections
+        self.max_in_flight = max_in_flight
+        self._in_flight = {"http": 0, "grpc": 0}
         self.read_timeout = read_timeout  # seconds a client may stall sending a request
         self.infos = {name: ModelInfo.of(lane) for name, lane in scheduler.lanes.items()}
         self.token = token
@@ -66,6 +73,20 @@ class Core:
                 "[auth] missing or wrong bearer token; send the header "
                 "'Authorization: Bearer <token>' given to leanrnn serve --token"
             )
+
+    def enter(self, protocol: str) -> None:
+        """A request (or a gRPC stream) starts on ``protocol``; Busy past --max-concurrency.
+        Pair with ``leave``."""
+        n = self._in_flight[protocol]
+        if self.max_in_flight is not None and n >= self.max_in_flight:
+            raise Busy(
+                f"[{protocol}] {n} requests in flight on {protocol}, the server's limit "
+                "(--max-concurrency); retry later"
+            )
+        self._in_flight[protocol] = n + 1
+
+    def leave(self, protocol: str) -> None:
+        self._in_flight[protocol] -= 1
 
     def reserve(self, n: int, mine: int = 0) -> None:
         """``n`` more bytes of a body being read (holding ``mine``) count against

@@ -38,6 +38,12 @@ class TooLarge(ServeError):
     http, grpc, kind = 413, "RESOURCE_EXHAUSTED", "too_large"
 
 
+class Busy(ServeError):
+    """More requests in flight on a transport than --max-concurrency."""
+
+    http, grpc, kind = 503, "RESOURCE_EXHAUSTED", "busy"
+
+
 class Timeout(ServeError):
     """A client that stalled sending its request (--read-timeout)."""
 

@@ -366,8 +366,16 @@ def _error(core: Core, e: ServeError) -> JSONResponse:
 
 
 def make_app(core: Core, metrics=None) -> Starlette:
-    def guarded(handler, auth: bool = True):
+    def guarded(handler, auth: bool = True, counted: bool = True):
+        """``handler`` behind the token check (``auth``) and, ``counted``, --max-concurrency
+        (the health endpoints and /metrics answer whatever the load)."""
+
         async def endpoint(request: Request):
+            try:
+                if counted:
+                    core.enter("http")
+            except ServeError as e:
+                return _error(core, e)
             try:
                 if auth:
                     core.authorize(request.headers.get("authorization"))
@@ -376,6 +384,9 @@ def make_app(core: Core, metrics=None) -> Starlette:
                 return _error(core, e)
             except ClientDisconnect:  # gone mid-body: nobody to answer, nothing was queued
                 return Response(status_code=400)
+            finally:
+                if counted:
+                    core.leave("http")
 
         return endpoint
 
@@ -443,12 +454,12 @@ def make_app(core: Core, metrics=None) -> Starlette:
     m = "/v2/models/{model}"
     mv = "/v2/models/{model}/versions/{version}"
     routes = [
-        Route("/v2/health/live", guarded(live, auth=False)),
-        Route("/v2/health/ready", guarded(ready, auth=False)),
+        Route("/v2/health/live", guarded(live, auth=False, counted=False)),
+        Route("/v2/health/ready", guarded(ready, auth=False, counted=False)),
         Route("/v2", guarded(server_metadata)),
         Route("/v2/models/stats", guarded(stats)),
         Route("/v2/repository/index", guarded(index), methods=["POST"]),
-        Route("/metrics", guarded(prometheus)),
+        Route("/metrics", guarded(prometheus, counted=False)),
     ]
     for base in (m, mv):
         routes += [

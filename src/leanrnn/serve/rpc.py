@@ -105,7 +105,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.core = core
 
     async def _guard(self, context, fn):
-        """Run ``fn()`` after the token check; a ServeError aborts the call with its code."""
+        """Run ``fn()`` within --max-concurrency after the token check; a ServeError aborts the
+        call with its code."""
+        try:
+            self.core.enter("grpc")
+        except ServeError as e:
+            self.core.error(e, "grpc")
+            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
         try:
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))
@@ -113,6 +119,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ServeError as e:
             self.core.error(e, "grpc")
             await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+        finally:
+            self.core.leave("grpc")
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -178,7 +186,20 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests are handed to the scheduler in the order they arrive (so one sequence's
         requests keep their order); responses go back as they complete. An error answers that
-        request only (error_message), and the stream goes on."""
+        request only (error_message), and the stream goes on. A stream counts as one call
+        against --max-concurrency until it ends."""
+        try:
+            self.core.enter("grpc")
+        except ServeError as e:
+            self.core.error(e, "grpc")
+            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+        try:
+            async for res in self._stream(request_iterator, context):
+                yield res
+        finally:
+            self.core.leave("grpc")
+
+    async def _stream(self, request_iterator, context):
         try:
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))

@@ -217,12 +217,17 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     # here
     concurrency = config.max_concurrency or default_concurrency(config.max_streams,
                                                                 len(config.models))  # fmt: skip
+    # counted by the core (its refusals answered and in the metrics); the transports' own
+    # limits, above it, bound the connections and calls that have not reached it yet (idle
+    # connections, which --read-timeout closes)
+    core.max_in_flight = concurrency
+    backstop = max(2 * concurrency, concurrency + 64)
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
         from . import rpc
 
         grpc_server, grpc_port = await rpc.start(core, config.host, config.grpc_port,
-                                                 config.max_request_bytes, concurrency)  # fmt: skip
+                                                 config.max_request_bytes, backstop)  # fmt: skip
     scheduler.start()
 
     class _Server(uvicorn.Server):
@@ -231,7 +236,8 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
             yield
 
     ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
-                          lifespan="off", log_level="warning", limit_concurrency=concurrency,
+                          lifespan="off", log_level="warning",
+                          limit_concurrency=backstop,
                           http=_timed(ucfg_protocol(), config.read_timeout),
                           timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
     http_server = _Server(ucfg)
