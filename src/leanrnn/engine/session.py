@@ -329,8 +329,9 @@ class Pool:
 
 
 class Session:
-    """Runs one model. Not re-entrant: concurrent ``run`` calls on one session are serialized
-    by a lock (use one session per thread for parallel throughput; they can share weights)."""
+    """Runs one model. Concurrent ``run`` calls on one session are serialized by a lock (use
+    one session per thread for parallel throughput; they can share weights); a run re-entered
+    on its own thread (a signal handler's, inside a run) is refused (engine._turn)."""
 
     def __init__(self, weights: PackedWeights, threads: int | None = None,
                  chunk: int | None = None, pool: Pool | None = None) -> None:  # fmt: skip

@@ -47,8 +47,9 @@ def _graph_turn() -> Turn:
 
 
 class GraphSession:
-    """One planned arena for a loaded graph plus one engine Session per RNN node. Not re-entrant;
-    calls are serialized by a lock."""
+    """One planned arena for a loaded graph plus one engine Session per RNN node. Calls are
+    serialized by a lock; one re-entered on its own thread (a signal handler's) is refused
+    (engine._turn)."""
 
     def __init__(self, loaded: LoadedGraph) -> None:
         self.loaded = loaded
