@@ -104,21 +104,24 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: Core) -> None:
         self.core = core
 
+    async def _refuse(self, context, e: ServeError):
+        """Count ``e`` and abort the call with its code (raises: the call ends here)."""
+        self.core.error(e, "grpc")
+        await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+
     async def _guard(self, context, fn):
         """Run ``fn()`` within --max-concurrency after the token check; a ServeError aborts the
         call with its code."""
         try:
             self.core.enter("grpc")
         except ServeError as e:
-            self.core.error(e, "grpc")
-            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+            await self._refuse(context, e)
         try:
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))
             return await fn() if asyncio.iscoroutinefunction(fn) else fn()
         except ServeError as e:
-            self.core.error(e, "grpc")
-            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+            await self._refuse(context, e)
         finally:
             self.core.leave("grpc")
 
@@ -191,8 +194,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self.core.enter("grpc")
         except ServeError as e:
-            self.core.error(e, "grpc")
-            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+            await self._refuse(context, e)
         try:
             async for res in self._stream(request_iterator, context):
                 yield res
@@ -204,8 +206,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))
         except ServeError as e:
-            self.core.error(e, "grpc")
-            await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
+            await self._refuse(context, e)
         # Backpressure: a client that sends but does not read would otherwise have every
         # answer of its stream queued here, without bound. Each request counts against
         # --max-queued-bytes until its answer has been written to the stream (as ModelInfer's
