@@ -137,6 +137,21 @@ def launch_server(args: list[str], timeout: float = 60.0):
     return proc, fields["http"], fields["grpc"], logs
 
 
+@contextlib.contextmanager
+def served(d, name: str, model, *args: str):
+    """``model`` saved in ``d`` and served as ``name`` (``leanrnn serve NAME=PATH ARGS``) for
+    the block: {"model", "proc", "http", "grpc", "host", "port", "logs"}. Stopped after it,
+    with exit status 0 asked, unless the block stopped it itself."""
+    path = f"{d}/{name}.lrnn"
+    model.save(path)
+    proc, http_url, grpc_url, logs = launch_server([f"{name}={path}", *args])
+    host, port = http_url.rsplit(":", 1)
+    yield {"model": model, "proc": proc, "http": http_url, "grpc": grpc_url, "host": host,
+           "port": int(port), "logs": logs}  # fmt: skip
+    if proc.poll() is None:
+        assert stop_server(proc) == 0
+
+
 def stop_server(proc) -> int:
     proc.send_signal(signal.SIGTERM)
     try:

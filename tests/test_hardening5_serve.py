@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import launch_server, stop_server
+from helpers import served
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -35,17 +35,11 @@ URL = "/v2/models/lstm/infer"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hardening5_serve")
-    model = leanrnn.LSTM(C, K, seed=5)
-    model.save(str(d / "lstm.lrnn"))
-    args = [f"lstm={d}/lstm.lrnn", "--max-batch", "4", "--max-streams", "2", "--token", TOKEN,
-            "--max-request-bytes", str(LIMIT), "--max-queued-bytes", str(QUEUED),
-            "--threads", "1"]  # fmt: skip
-    proc, http_url, grpc_url, logs = launch_server(args)
-    host, port = http_url.rsplit(":", 1)
-    yield {"model": model, "http": http_url, "grpc": grpc_url, "host": host, "port": int(port),
-           "logs": logs}  # fmt: skip
-    assert stop_server(proc) == 0
+    with served(tmp_path_factory.mktemp("hardening5_serve"), "lstm", leanrnn.LSTM(C, K, seed=5),
+                "--max-batch", "4", "--max-streams", "2", "--token", TOKEN,
+                "--max-request-bytes", str(LIMIT), "--max-queued-bytes", str(QUEUED),
+                "--threads", "1") as s:  # fmt: skip
+        yield s
 
 
 def post(server, body, headers=None):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import launch_server, stop_server
+from helpers import served
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -33,15 +33,10 @@ URL = "/v2/models/lstm/infer"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hardening9_serve")
-    model = leanrnn.LSTM(C, K, seed=3)
-    model.save(str(d / "lstm.lrnn"))
-    args = [f"lstm={d}/lstm.lrnn", "--max-batch", "4", "--threads", "1", "--read-timeout",
-            str(READ), "--max-queued-bytes", str(QUEUED)]  # fmt: skip
-    proc, http_url, grpc_url, logs = launch_server(args)
-    host, port = http_url.rsplit(":", 1)
-    yield {"model": model, "http": http_url, "grpc": grpc_url, "host": host, "port": int(port)}
-    assert stop_server(proc) == 0
+    with served(tmp_path_factory.mktemp("hardening9_serve"), "lstm", leanrnn.LSTM(C, K, seed=3),
+                "--max-batch", "4", "--threads", "1", "--read-timeout", str(READ),
+                "--max-queued-bytes", str(QUEUED)) as s:  # fmt: skip
+        yield s
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bool:
@@ -223,14 +218,9 @@ def test_typed_contents_convert_in_about_their_arrays_memory():
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
     """A GRU with K=5 under a 64 MiB --max-request-bytes, a 1 s grace."""
-    d = tmp_path_factory.mktemp("hardening9_big")
-    model = leanrnn.GRU(1, 5, seed=1)
-    model.save(str(d / "gru.lrnn"))
-    proc, http_url, grpc_url, _ = launch_server(
-        [f"gru={d}/gru.lrnn", "--max-batch", "4", "--threads", "1", "--grace", "1"])  # fmt: skip
-    yield {"proc": proc, "http": http_url, "grpc": grpc_url, "model": model}
-    if proc.poll() is None:
-        assert stop_server(proc) == 0
+    with served(tmp_path_factory.mktemp("hardening9_big"), "gru", leanrnn.GRU(1, 5, seed=1),
+                "--max-batch", "4", "--threads", "1", "--grace", "1") as s:  # fmt: skip
+        yield s
 
 
 def test_an_answer_that_passes_the_size_check_is_sent(big):

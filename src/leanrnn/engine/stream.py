@@ -35,15 +35,15 @@ class Stream:
         self.session = session
         self.batch = int(batch)
         L, K, H, dt = spec.num_layers, spec.output_size, spec.hidden_size, session.dtype
-        # the carried state, sized by the batch asked for: refused by arithmetic, by name
-        check_fits(L * self.batch * (K + H) * dt.itemsize,
-                   f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
         # h and c are views of one buffer, and a chunk's final states go to a second one,
         # copied over the first in one call once the whole chunk has run: updated in place, an
         # interrupted chunk (KeyboardInterrupt) left some layers advanced and others not
-        self._hc, self._h, self._c = _state(L, self.batch, K, H if spec.cell == "lstm" else 0,
-                                            dt)  # fmt: skip
-        self._next: tuple | None = None  # (buffer, h, c) for a chunk's final states
+        Hc = H if spec.cell == "lstm" else 0
+        # both, sized by the batch asked for: refused by arithmetic, by name
+        check_fits(2 * L * self.batch * (K + Hc) * dt.itemsize,
+                   f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
+        self._hc, self._h, self._c = _state(L, self.batch, K, Hc, dt)
+        self._next = _state(L, self.batch, K, Hc, dt)  # (buffer, h, c): a chunk's final states
         self.steps = 0  # steps fed since creation or the last full reset
         # A single step bound once (Session._step_program), made after the first step that
         # took the general path; it runs while x and out fit it, else the general path does.
@@ -97,10 +97,6 @@ class Stream:
             out = np.empty((*x.shape[:2], spec.num_directions * spec.output_size), self._h.dtype)
         # The carried state goes in; the final states come out into the second buffer, which
         # replaces it in one copy once the chunk has run (all or nothing: see __init__).
-        if self._next is None:
-            L, N, K = self._h.shape
-            self._next = _state(L, N, K, 0 if self._c is None else self._c.shape[2],
-                                self._h.dtype)  # fmt: skip
         buf, h_next, c_next = self._next
         outs = (out, h_next) if self._c is None else (out, h_next, c_next)
         y, _, _ = self.session._run(x, self._h, self._c, lengths, outs, True, True, "Stream.feed")

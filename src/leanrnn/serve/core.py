@@ -38,7 +38,7 @@ class Core:
         # --max-concurrency, per transport, counted here (enter/leave, on the event loop) so
         # that its refusals are answered and counted like every other: the transports' own
         # limits (uvicorn's, gRPC's) refused before any of this code ran, and the metrics
-        # never saw them; they stay, at twice this, as a backstop on connections
+        # never saw them; they stay, above this, as a backstop on connections (server.py)
         self.max_in_flight = max_in_flight
         self._in_flight = {"http": 0, "grpc": 0}
         self.read_timeout = read_timeout  # seconds a client may stall sending a request

@@ -144,14 +144,13 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
             raise InvalidRequest(
                 f"[infer] Content-Encoding {clip(encoding)}; expected gzip, deflate or none"
             )
-    except TimeoutError:
+    except BaseException as e:
         core.unreserve(n)
-        raise Timeout(
-            f"[infer] the client sent none of the rest of its body for {core.read_timeout:g} s "
-            f"({n} bytes came); dropped (--read-timeout)"
-        ) from None
-    except BaseException:
-        core.unreserve(n)
+        if isinstance(e, TimeoutError):  # the deadline's
+            raise Timeout(
+                f"[infer] the client sent none of the rest of its body for "
+                f"{core.read_timeout:g} s ({n} bytes came); dropped (--read-timeout)"
+            ) from None
         raise
     return body, n
 

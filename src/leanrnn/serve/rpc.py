@@ -109,13 +109,17 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.core.error(e, "grpc")
         await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
 
-    async def _guard(self, context, fn):
-        """Run ``fn()`` within --max-concurrency after the token check; a ServeError aborts the
-        call with its code."""
+    async def _enter(self, context) -> None:
+        """A call starts: counted against --max-concurrency, or refused (pair with leave)."""
         try:
             self.core.enter("grpc")
         except ServeError as e:
             await self._refuse(context, e)
+
+    async def _guard(self, context, fn):
+        """Run ``fn()`` within --max-concurrency after the token check; a ServeError aborts the
+        call with its code."""
+        await self._enter(context)
         try:
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))
@@ -191,10 +195,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         requests keep their order); responses go back as they complete. An error answers that
         request only (error_message), and the stream goes on. A stream counts as one call
         against --max-concurrency until it ends."""
-        try:
-            self.core.enter("grpc")
-        except ServeError as e:
-            await self._refuse(context, e)
+        await self._enter(context)
         try:
             async for res in self._stream(request_iterator, context):
                 yield res

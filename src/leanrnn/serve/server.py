@@ -110,8 +110,12 @@ def build(config: ServeConfig, loaded: dict | None = None,
     metrics = Metrics()
     scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
                           metrics=metrics, max_queued_bytes=config.max_queued_bytes)  # fmt: skip
+    # --max-concurrency is counted by the core (its refusals answered and in the metrics)
+    concurrency = config.max_concurrency or default_concurrency(config.max_streams,
+                                                                len(config.models))  # fmt: skip
     core = Core(scheduler, token=config.token, max_request_bytes=config.max_request_bytes,
-                metrics=metrics, read_timeout=config.read_timeout)  # fmt: skip
+                metrics=metrics, read_timeout=config.read_timeout,
+                max_in_flight=concurrency)  # fmt: skip
     return core, scheduler, metrics
 
 
@@ -213,15 +217,11 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     core, scheduler, metrics = build(config, loaded, make_lane)
     loop = asyncio.get_running_loop()
     # Each connection or call in flight holds buffers of its own (its socket's, a request being
-    # read) beyond what --max-queued-bytes counts (a request until its answer has left): bounded
-    # here
-    concurrency = config.max_concurrency or default_concurrency(config.max_streams,
-                                                                len(config.models))  # fmt: skip
-    # counted by the core (its refusals answered and in the metrics); the transports' own
-    # limits, above it, bound the connections and calls that have not reached it yet (idle
-    # connections, which --read-timeout closes)
-    core.max_in_flight = concurrency
-    backstop = max(2 * concurrency, concurrency + 64)
+    # read) beyond what --max-queued-bytes counts (a request until its answer has left): the
+    # core bounds requests (build); the transports' own limits, above that, bound the
+    # connections and calls that have not reached it yet (idle connections, which
+    # --read-timeout closes)
+    backstop = max(2 * core.max_in_flight, core.max_in_flight + 64)
     grpc_server, grpc_port = None, None
     if config.grpc_port is not None:
         from . import rpc
@@ -238,7 +238,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
                           lifespan="off", log_level="warning",
                           limit_concurrency=backstop,
-                          http=_timed(ucfg_protocol(), config.read_timeout),
+                          http=_timed(config.read_timeout),
                           timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
     http_server = _Server(ucfg)
     stopping = asyncio.Event()
@@ -279,21 +279,17 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
             await grpc_server.stop(grace=None)
 
 
-def ucfg_protocol():
-    """The HTTP protocol class uvicorn picks by default (httptools if installed, else h11)."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    return AutoHTTPProtocol
-
-
-def _timed(base, timeout: float):
-    """``base`` (a uvicorn HTTP protocol) whose connections must send a whole request head
-    within ``timeout`` seconds of connecting, or of the previous answer: uvicorn times only
+def _timed(timeout: float):
+    """The HTTP protocol uvicorn picks by default (httptools if installed, else h11), its
+    connections made to send a whole request head within ``timeout`` seconds of connecting,
+    or of the previous answer: uvicorn times only
     the wait after an answer (keep-alive), and that timer stops at the first byte, so 4,300
     connections that sent nothing (or a byte now and then) held --max-concurrency and every
     other client got 503s for as long as they stayed."""
 
-    class Timed(base):
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class Timed(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._head_timer = None
