@@ -380,6 +380,17 @@ def _attrs(node, reader: _Reader, where: str) -> dict:
     return out
 
 
+def _constant_node(n, reader: _Reader, where: str) -> np.ndarray:
+    """A Constant node's value. Its tensor is read as an initializer is (sizes checked against
+    the file; exporters emit weights so): the small-tensor bound of other attributes, which
+    keeps a graph's JSON header small, is not for it."""
+    from onnx import AttributeProto as A
+
+    if len(n.attribute) == 1 and n.attribute[0].name == "value" and n.attribute[0].type == A.TENSOR:
+        return reader.array(n.attribute[0].t, f"{where} attribute 'value'")
+    return _constant_value(_attrs(n, reader, where), where)
+
+
 def _constant_value(attrs: dict, where: str) -> np.ndarray:
     if "value" in attrs and isinstance(attrs["value"], dict):
         v = attrs["value"]
@@ -488,13 +499,13 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
         seen_names.add(name)
         where = f"node {name!r} ({op})"
         check_node_io(f"[load_onnx] {where}", n.input, n.output, defined)
-        attrs = _attrs(n, reader, where)
         if op == "Constant":
             if len(n.output) != 1 or not n.output[0]:
                 raise ModelFormatError(f"[load_onnx] {where} must have exactly one output")
-            constants[n.output[0]] = _constant_value(attrs, where)
+            constants[n.output[0]] = _constant_node(n, reader, where)
             defined.add(n.output[0])
             continue
+        attrs = _attrs(n, reader, where)
         if op == "Cast" and "to" in attrs:
             attrs["to"] = np_dtype(int(attrs["to"]), f"{where} attribute 'to'").name
         if op == "ConstantOfShape" and "value" in attrs:

@@ -129,6 +129,27 @@ def _same_dtype(node: Node, ins: list) -> np.dtype:
     return dt
 
 
+_NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.uint8, np.uint16))
+
+
+def _typed(ctx, node: Node, dt: np.dtype) -> None:
+    """Refuse a dtype outside the ONNX type constraint of an arithmetic op (numpy would run
+    it: Add of bools as a logical or, Neg of uint8 wrapping around). Add/Sub/Mul/Div and Relu
+    take 8- and 16-bit integers from opset 14, MatMul never; Neg takes signed types only; Relu
+    before opset 14 floats only. onnxruntime refuses such graphs at load too."""
+    op, narrow = node.op, dt in _NARROW_INTS
+    bad = (
+        dt.kind not in "iuf"
+        or (op == "MatMul" and narrow)
+        or (op in ("Add", "Sub", "Mul", "Div") and narrow and ctx.opset < 14)
+        or (op == "Neg" and dt.kind == "u")
+        or (op == "Relu" and dt.kind != "f" and (ctx.opset < 14 or dt.kind == "u"))
+    )
+    if bad:
+        _fail(node, f"input has dtype {dt}, which ONNX's {op} does not take at opset "
+                    f"{ctx.opset}", DTypeError)  # fmt: skip
+
+
 def _float(node: Node, m: Out) -> None:
     if m.dtype.kind != "f":
         _fail(node, f"input has dtype {m.dtype}; expected a float tensor", DTypeError)
@@ -157,6 +178,8 @@ def _unary_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
     if node.op not in ("Relu", "Neg", "Abs", "Identity"):
         _float(node, ins[0])
+    elif node.op != "Identity":
+        _typed(ctx, node, ins[0].dtype)
     return [Out(ins[0].shape, ins[0].dtype)]
 
 
@@ -193,6 +216,7 @@ def _unary(fn):
 def _binary_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
     dt = _same_dtype(node, ins)
+    _typed(ctx, node, dt)
     return [Out(_broadcast(node, ins[0].shape, ins[1].shape), dt)]
 
 
@@ -273,6 +297,7 @@ def _matmul_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 3 if node.attrs.get("fused_bias") else 2)
     ins = ins[:2]
     dt = _same_dtype(node, ins)
+    _typed(ctx, node, dt)
     sa, sb = list(ins[0].shape), list(ins[1].shape)
     if not sa or not sb:
         _fail(node, f"inputs have shapes {sa} and {sb}; MatMul needs rank >= 1")
@@ -413,9 +438,10 @@ def _transpose_infer(ctx, node, ins, vals):
     shape = ins[0].shape
     rank = len(shape)
     perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
-    if sorted(p % rank if rank else p for p in perm) != list(range(rank)) or len(perm) != rank:
-        _fail(node, f"perm {perm} is not a permutation of {rank} axes")
-    perm = [p % rank for p in perm]
+    # ONNX's perm has no negative entries: onnxruntime refuses them (taking them modulo the
+    # rank ran [0, -1] as an identity)
+    if sorted(perm) != list(range(rank)):
+        _fail(node, f"perm {perm} is not a permutation of the axes 0..{rank - 1}")
     out = tuple(shape[p] for p in perm)
     # Moving only size-1 axes keeps the memory order: the output is a reshape (no copy)
     moved = [p for p in perm if shape[p] != 1]
@@ -426,7 +452,7 @@ def _transpose_run(ctx, node, ins, outs, metas, tmp):
     if metas[0].view:
         return [ins[0].reshape(metas[0].shape)]
     rank = ins[0].ndim
-    perm = [int(p) % rank for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+    perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
     np.copyto(outs[0], ins[0].transpose(perm))
     return outs
 
@@ -435,7 +461,7 @@ def _squeeze_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 2)
     shape = ins[0].shape
     axes = _optional(node, ins, vals, 1, "axes", "axes")
-    if axes is None:
+    if not axes:  # none, or an empty list: every size-1 axis (onnxruntime reads [] so too)
         keep = [d for d in shape if d != 1]
     else:
         ax = {_axis(node, a, len(shape)) for a in axes}
@@ -507,15 +533,15 @@ def _identity_infer(ctx, node, ins, vals):
                 ModelFormatError,
             )
     outs = [Out(ins[0].shape, ins[0].dtype, view=True)]
-    if len(node.outputs) > 1:
-        outs.append(Out(ins[0].shape, np.dtype(np.bool_)))  # Dropout's mask: all kept
+    if len(node.outputs) > 1:  # Dropout's mask, all kept: bool from opset 10, before it T
+        outs.append(Out(ins[0].shape, np.dtype(np.bool_) if ctx.opset >= 10 else ins[0].dtype))
     return outs
 
 
 def _identity_run(ctx, node, ins, outs, metas, tmp):
     res = [ins[0].reshape(metas[0].shape)]
     if len(outs) > 1:
-        outs[1].fill(True)
+        outs[1].fill(1)
         res.append(outs[1])
     return res
 
@@ -568,9 +594,11 @@ def _slices(node, ins, vals, opset) -> tuple[tuple[slice, ...], tuple[int, ...]]
             f"starts/ends/axes/steps have lengths {len(starts)}/{len(ends)}/"
             f"{len(axes)}/{len(steps)}; expected equal",
         )
+    named = [_axis(node, a, len(shape)) for a in axes]
+    if len(set(named)) != len(named):  # the last would win; onnxruntime refuses the node
+        _fail(node, f"axes {list(axes)} name an axis more than once")
     sl = [slice(None)] * len(shape)
-    for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
-        a = _axis(node, a, len(shape))
+    for s, e, a, st in zip(starts, ends, named, steps, strict=True):
         if st == 0:
             _fail(node, "a step is 0")
         n = shape[a]
@@ -607,6 +635,11 @@ def _split_infer(ctx, node, ins, vals):
     if sizes is None:
         if k < 1 or int(node.attrs.get("num_outputs", k)) != k:
             _fail(node, f"num_outputs={node.attrs.get('num_outputs', k)} with {k} outputs named")
+        if (ctx.opset < 18 or "num_outputs" not in node.attrs) and shape[a] % k:
+            # only opset 18's num_outputs lets the last part be smaller; before it (and
+            # onnxruntime at any opset without num_outputs) the parts must be equal
+            _fail(node, f"axis {a} of size {shape[a]} does not split into {k} equal parts "
+                        "(give the split sizes, or num_outputs at opset 18 and later)")  # fmt: skip
         q = -(-shape[a] // k)
         sizes = [q] * (k - 1) + [shape[a] - q * (k - 1)]
     if len(sizes) != len(node.outputs) or sum(sizes) != shape[a] or min(sizes) < 0:

@@ -9,7 +9,8 @@ Activations are quantized to uint8 as onnxruntime's ``GetQuantizationParameter``
 ``scale = (max - min) / 255`` (1 when the range is empty), ``zero_point =
 round_half_even(clamp(-min / scale, 0, 255))``, ``q = clamp(round_half_even(x / scale), -zp,
 255 - zp) + zp`` where a NaN quotient clamps to the low end (SSE ``maxps`` keeps its second
-operand), i.e. quantizes to 0. Integer products accumulate exactly (in a float32 GEMM while
+operand), i.e. quantizes to 0. NaN is left out of the range, as onnxruntime's min/max leave it
+out wherever it is not the last element (there its scale comes out NaN, all codes 0). Integer products accumulate exactly (in a float32 GEMM while
 its bound allows, else in float64, which holds every sum of K < 2**37 products of 8-bit values)
 and wrap to int32 as onnxruntime's int32 accumulators do.
 The float results are ``float32(acc) * float32(a_scale * b_scale) + bias``, onnxruntime's
@@ -90,10 +91,15 @@ def quantize_uint8(x, q, scale, zp, tmp) -> None:
     x: [...] float32 input; q: [...] uint8 out; scale: [] float32 out; zp: [] uint8 out;
     tmp: [...] float32 scratch (x / scale). x may not alias q or tmp."""
     f = np.float32
+    lo = hi = f(0)
     if x.size:
-        lo, hi = min(f(0), f(x.min())), max(f(0), f(x.max()))
-    else:
-        lo = hi = f(0)
+        # NaN left out of the range, as onnxruntime's min/max leave it out (but where a NaN
+        # is the last element: its vector reduction then gives scale NaN); x.min() would give
+        # NaN, read here as an empty range: scale 1, every value rounded to an integer
+        with np.errstate(invalid="ignore"):
+            mn, mx = np.fmin.reduce(x, axis=None), np.fmax.reduce(x, axis=None)
+        if not np.isnan(mn):
+            lo, hi = min(f(0), f(mn)), max(f(0), f(mx))
     s = f(1) if hi == lo else f(f(hi - lo) / f(255))
     z = np.rint(np.clip(f(0) - f(lo / s), f(0), f(255)))  # rint: round half to even
     scale[()] = s
@@ -328,7 +334,10 @@ def _dequantize_linear_infer(ctx, node, ins, vals):
         _fail(node, f"block_size={node.attrs['block_size']}; leanrnn supports per-tensor and "
                     "per-axis scales only")  # fmt: skip
     shapes = [(), (1,)]
-    if x.shape:
+    scale = ins[1] if len(ins) > 1 else None
+    if x.shape and scale is not None and tuple(scale.shape) not in shapes:
+        # per axis: only then does axis (default 1) matter; a rank-1 x with a per-tensor
+        # scale is valid with the default
         shapes.append((x.shape[_axis(node, node.attrs.get("axis", 1), len(x.shape))],))
     _input(node, ins, 1, "x_scale", (F32,), shapes)
     zp = _input(node, ins, 2, "x_zero_point", (x.dtype,))
