@@ -9,9 +9,9 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from _onnx_graphs import assert_same, check, load, model, node, run_ort  # noqa: E402
 from onnx import helper, numpy_helper  # noqa: E402
 
+from _onnx_graphs import assert_same, check, load, model, node, run_ort  # noqa: E402
 from leanrnn.errors import DTypeError, LeanRNNError  # noqa: E402
 
 pytestmark = pytest.mark.onnx
