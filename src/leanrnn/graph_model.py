@@ -174,7 +174,8 @@ class GraphModel:
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
         """Plan the session for input ``shapes`` (dict or list) in at most ``memory_limit``
-        bytes of arena (an int, or a whole float such as 4e6); see ``GraphSession.resize``."""
+        bytes of arena, the graph's and its RNN nodes' together (an int, or a whole float such
+        as 4e6); see ``GraphSession.resize``."""
         memory_limit = _check.bytes_or_none("GraphModel.resize", "memory_limit", memory_limit)
         return self.session.resize(shapes, dtypes, memory_limit)
 

@@ -64,7 +64,8 @@ class Model:
     # -- running
     def forward(self, x, hx=None, lengths=None, out=None, return_sequences: bool = True):
         """Run the model; see ``Session.run`` for shapes. ``return_sequences=False`` returns
-        ``None`` for y and keeps memory independent of T (the run is chunked). For unbatched x
+        ``None`` for y and, for a forward stack, keeps memory independent of T (the run is
+        chunked; reverse and bidirectional stacks hold the whole sequence). For unbatched x
         [T, C], ``out=`` takes unbatched arrays (y [T, D*K], h_n [L*D, K], c_n [L*D, H]) or
         the batched ones with N=1; either way the outputs are written into them."""
         spec = self.spec

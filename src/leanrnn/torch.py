@@ -318,7 +318,10 @@ def _replay(tr: Trainer, tape):
     if tr.spec.batch_first:
         x = np.ascontiguousarray(x.transpose(1, 0, 2))
     hx = (sv["h0"], sv["c0"]) if sv["c0"] is not None else sv["h0"]
-    return tr.forward(x, hx, lengths=sv["lens"], own_memory=True, masks=sv["masks"])
+    masks = sv["masks"]  # (mask, scale): a scale where the trainer drew it (Trainer._draw_masks)
+    if masks is not None:
+        masks = [m if scale is None else m * scale for m, scale in masks]
+    return tr.forward(x, hx, lengths=sv["lens"], own_memory=True, masks=masks)
 
 
 # ---------------------------------------------------------------------------- operators

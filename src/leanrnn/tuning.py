@@ -300,7 +300,8 @@ class _Timer:
 
 def tune(session, *, latency: float | None = None, memory_limit: int | None = None,
          max_batch: int = MAX_TUNE_BATCH, max_chunk: int = MAX_TUNE_CHUNK,
-         threads: int | None = None, measure=None, hw: Hardware | None = None) -> Measured:  # fmt: skip
+         threads: int | None = None, measure=None, hw: Hardware | None = None,
+         plan_steps: int | None = None) -> Measured:  # fmt: skip
     """The largest batch, then the largest chunk, whose engine call meets ``latency`` (seconds
     per call of batch rows x chunk steps; default DEFAULT_LATENCY) and ``memory_limit`` (bytes
     one call holds, ``call_bytes``; default ``default_memory_limit()``), measured on this
@@ -313,8 +314,10 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     latency under load is its share of the engine's time per stream-step) finds the batch,
     then one over the powers of two up to ``max_chunk`` finds the chunk: ~10 calls measured. A stack that cannot
     be chunked (reverse, bidirectional) is measured at ``max_chunk`` steps and gets chunk
-    None. If not even batch 1 meets the target, batch 1 is chosen (the server must run) and
-    the table says "over"; if not even batch 1 fits the memory limit, PlanError says so.
+    None; its memory is counted at ``plan_steps`` (default ``max_chunk``), the steps its runs
+    will hold whole (``Session.resize("auto", steps)`` passes them). If not even batch 1 meets
+    the target, batch 1 is chosen (the server must run) and the table says "over"; if not even
+    batch 1 fits the memory limit, PlanError says so.
     """
     from . import config
 
@@ -330,12 +333,18 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     top = 1 << (max_chunk.bit_length() - 1)  # chunks are powers of two (the scheduler's T)
     chunks = [1 << i for i in range(top.bit_length())] if chunkable else [max_chunk]
     first = chunks[0]
-    smallest = call_bytes(session, 1, first)
+    held = max(max_chunk, plan_steps or 0)  # a whole-sequence stack's steps
+
+    def nbytes_of(b: int, c: int) -> int:
+        return call_bytes(session, b, c if chunkable else held)
+
+    smallest = nbytes_of(1, first)
     if smallest > limit:
         # Too slow is served anyway (batch 1, "over"), but memory beyond the limit is what the
         # limit forbids: choosing batch 1 would hold it regardless.
         raise PlanError(
-            f"[tune] memory_limit={limit} bytes; the smallest call (batch 1 x chunk {first}) "
+            f"[tune] memory_limit={limit} bytes; the smallest call (batch 1 x chunk "
+            f"{first if chunkable else held}) "
             f"holds {smallest}: raise the memory limit to at least {smallest}"
         )
     measure = measure or _Timer(session, threads)
@@ -345,7 +354,7 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     def point(b: int, c: int) -> Point:
         p = seen.get((b, c))
         if p is None:
-            nbytes = call_bytes(session, b, c)
+            nbytes = nbytes_of(b, c)
             # Over the memory limit: never run it (that is what the limit protects).
             secs = float(measure(b, c)) if nbytes <= limit else float("inf")
             p = seen[(b, c)] = Point(b, c, secs, nbytes)

@@ -39,6 +39,7 @@ give each thread its own pool — or none — to run truly in parallel).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import NoReturn
 
 import numpy as np
@@ -298,14 +299,18 @@ class Pool:
 
     >>> pool = Pool(); a = Session(w1, pool=pool); b = Session(w2, pool=pool)
 
-    The arena grows to the largest plan any member asks for; members re-make their views when
-    it does. ``lock`` serializes runs of all members, so sharing is safe across threads.
+    The arena is sized to the largest plan of its members (each member's latest); a member
+    resized with a ``memory_limit`` the arena exceeds shrinks it to that largest plan. When the
+    arena is replaced, every member drops its views of the old one (re-made at its next run),
+    so the pool holds one arena, not one per member. ``lock`` serializes runs of all members,
+    so sharing is safe across threads.
     """
 
     def __init__(self) -> None:
         self.arena: Arena | None = None
         self.generation = 0
         self.lock = Turn("Pool member's run")
+        self._needs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # member -> bytes
         _fork.in_child(self, Pool._after_fork)
 
     def _after_fork(self) -> None:
@@ -316,10 +321,20 @@ class Pool:
 
     __reduce__ = unpicklable("Pool", "make a new Pool for the copies of its models")
 
-    def acquire(self, nbytes: int, name: str) -> Arena:
-        if self.arena is None or self.arena.nbytes < nbytes:
+    def acquire(self, nbytes: int, name: str, member=None, limit: int | None = None) -> Arena:
+        """The arena, holding at least ``nbytes`` for ``member`` (the pool's lock held: no
+        member is running). A new arena when it is too small, or when ``limit`` (the member's
+        memory_limit) is below it and no member's plan needs all of it."""
+        if member is not None:
+            self._needs[member] = nbytes
+        size = max([nbytes, *self._needs.values()])
+        held = self.arena.nbytes if self.arena is not None else 0
+        if self.arena is None or held < nbytes or (limit is not None and held > limit
+                                                   and size < held):  # fmt: skip
+            for m in list(self._needs):  # their views would keep the old arena alive
+                m._drop_views()
             self.arena = None
-            self.arena = Arena(nbytes, name=f"pool[{name}]")
+            self.arena = Arena(size, name=f"pool[{name}]")
             self.generation += 1
         return self.arena
 
@@ -354,6 +369,10 @@ class Session:
         self._plan: Plan | None = None
         self._N = self._T = -1
         self.tuned = None  # resize(batch="auto")'s choice (leanrnn.tuning.Measured)
+        # The last resize's memory_limit and, for batch="auto", the tuned chunk as a cap: the
+        # re-plans of later runs (another N, T or return_sequences) keep within them too.
+        self._limit: tuple[int, int | None] | None = None
+        self._streams: weakref.WeakSet = weakref.WeakSet()  # their bound steps view the arena
         self._key_now: tuple = ()
         self._keys: dict[tuple, tuple] = {}  # (N, T, return_sequences, chunk) -> _key(...)
         spec, dt = self.spec, self.dtype
@@ -460,8 +479,11 @@ class Session:
         With ``memory_limit`` (bytes of arena: an int, or a whole float such as 4e6), a
         unidirectional stack gets the largest chunk (timesteps) whose plan fits; ``PlanError`` —
         before anything is allocated — if not even one step fits, or if a bidirectional stack
-        does not fit whole. ``return_sequences=False`` plans for runs that keep only final
-        states (chunked by default, see DEFAULT_CHUNK).
+        does not fit whole. The limit stays with the session: a later run of another shape
+        (another batch, longer steps, ``return_sequences=False``) plans its chunk within it, or
+        raises PlanError; an arena held from before that exceeds it is released (a resize
+        without a limit lifts it). ``return_sequences=False`` plans for runs that keep only
+        final states (chunked by default, see DEFAULT_CHUNK).
         Takes the session's (or its pool's) lock: a run on another thread finishes first.
 
         ``batch="auto"``: measure calls on this machine (``leanrnn.tuning.tune``) and plan for
@@ -483,24 +505,32 @@ class Session:
 
             if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or steps < 1:
                 raise ShapeError(f"[Session.resize] steps={steps!r}; expected a positive int")
+            # a stack that cannot be chunked holds all ``steps`` whatever the call's chunk: its
+            # memory is checked at them (bidirectional at T=4000 went 50x over the limit)
             self.tuned = tune(self, latency=latency, memory_limit=memory_limit,
                               max_chunk=min(int(steps), MAX_TUNE_CHUNK), threads=self.threads,
-                              measure=measure)  # fmt: skip
+                              measure=measure, plan_steps=int(steps))  # fmt: skip
             with self._turn():
                 if self.tuned.chunk is not None:
                     self.chunk = self.tuned.chunk
-                return self._resize(self.tuned.batch, steps, None, return_sequences)
+                limit = None if memory_limit is None else (memory_limit, self.tuned.chunk)
+                return self._resize(self.tuned.batch, steps, limit, return_sequences)
         with self._turn():
-            return self._resize(batch, steps, memory_limit, return_sequences)
+            limit = None if memory_limit is None else (memory_limit, None)
+            return self._resize(batch, steps, limit, return_sequences)
 
-    def _resize(self, batch: int, steps: int, memory_limit: int | None,
+    def _resize(self, batch: int, steps: int, limit: tuple[int, int | None] | None,
                 return_sequences: bool) -> Plan:  # fmt: skip
+        """``limit``: (memory_limit, the largest chunk to take) or None; kept for later runs."""
         for name, v in (("batch", batch), ("steps", steps)):
             if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
                 raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
         batch, steps = int(batch), int(steps)
-        if memory_limit is not None:
-            self.chunk = self._largest_chunk(batch, steps, int(memory_limit), not return_sequences)
+        memory_limit = None if limit is None else int(limit[0])
+        if limit is not None:
+            self.chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
+                                             limit[1])  # fmt: skip
+        self._limit = limit
         key = self._key(batch, steps, return_sequences)
         _, T, staged, discard = key
         p = plan(self.buffers(batch, T, staged, discard), limit=memory_limit)
@@ -554,41 +584,71 @@ class Session:
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
-    def _largest_chunk(self, batch: int, steps: int, limit: int, discard: bool) -> int:
-        def fits(t: int) -> bool:
+    def planned_bytes(self, batch: int, steps: int, return_sequences: bool = True,
+                      memory_limit: int | None = None) -> int:  # fmt: skip
+        """The arena ``resize(batch, steps, memory_limit, return_sequences)`` would plan, in
+        bytes, without planning it (PlanError as resize's when the limit cannot be met)."""
+        with self._turn():
+            chunk = self.chunk
+            try:
+                if memory_limit is not None:
+                    self.chunk = self._largest_chunk(batch, steps, int(memory_limit),
+                                                     not return_sequences)  # fmt: skip
+                return plan(self.buffers(*self._key(batch, steps, return_sequences))).total
+            finally:
+                self.chunk = chunk
+
+    def _largest_chunk(self, batch: int, steps: int, limit: int, discard: bool,
+                       cap: int | None = None) -> int:  # fmt: skip
+        """The largest chunk (<= ``cap``) whose plan fits ``limit``; PlanError naming what the
+        smallest possible plan needs (final-states-only runs' buffers included)."""
+
+        def need(t: int) -> int:
             staged = t < steps and self.spec.batch_first
-            return plan(self.buffers(batch, t, staged, discard)).total <= limit
+            return plan(self.buffers(batch, t, staged, discard)).total
 
         if not self.chunkable:
-            if not fits(steps):
-                need = plan(self.buffers(batch, steps)).total
+            if need(steps) > limit:
                 raise PlanError(
                     f"[Session.resize] a {self.spec.direction} stack needs the whole sequence: "
-                    f"{need} bytes of arena for N={batch}, T={steps}; memory_limit={limit}"
+                    f"{need(steps)} bytes of arena for N={batch}, T={steps}; "
+                    f"memory_limit={limit}"
                 )
             return steps
-        if not fits(1):
-            need = plan(self.buffers(batch, 1, self.spec.batch_first)).total
+        if need(1) > limit:
             raise PlanError(
-                f"[Session.resize] even one step needs {need} bytes of arena for N={batch}; "
+                f"[Session.resize] even one step needs {need(1)} bytes of arena for N={batch}; "
                 f"memory_limit={limit}"
             )
-        lo, hi = 1, steps  # largest t with fits(t): the plan grows monotonically with t
+        lo, hi = 1, min(steps, cap or steps)  # largest t that fits: plans grow with t
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fits(mid):
+            if need(mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
     def _allocate(self, nbytes: int, name: str) -> None:
+        limit = None if self._limit is None else self._limit[0]
         if self.pool is not None:
-            self._arena = self.pool.acquire(nbytes, name)
+            self._arena = self.pool.acquire(nbytes, name, self, limit)
             self._gen = self.pool.generation
-        elif self._arena is None or self._arena.nbytes < nbytes:
-            self._arena = None  # drop the old arena before taking the new one
+            return
+        held = self._arena.nbytes if self._arena is not None else 0
+        if self._arena is None or held < nbytes or (limit is not None and held > limit):
+            self._drop_views()  # the old arena goes before the new one is taken
             self._arena = Arena(nbytes, name=f"arena[{name}]")
+
+    def _drop_views(self) -> None:
+        """Let go of the arena and everything viewing it (its pool is replacing it); the next
+        run plans again. Called with the session's (its pool's) lock held."""
+        self._key_now = ()
+        self._gen = -1
+        self._arena = None
+        self._views, self._op_views, self._calls, self._layer_inputs = {}, [], [], []
+        for st in list(self._streams):
+            st._step = None
 
     def _make_views(self) -> None:
         spec, w, p, a = self.spec, self.weights, self._plan, self._arena
@@ -804,7 +864,7 @@ class Session:
                     self._keys.clear()
                 key = self._keys[memo] = self._key(N, T, return_sequences)
             if stale or key != self._key_now:
-                self._resize(N, T, None, return_sequences)
+                self._resize(N, T, self._limit, return_sequences)
             if self._T >= T:
                 self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
             else:
@@ -1039,7 +1099,9 @@ class Session:
         """A ``Stream`` over this session: feed chunks, state carried (unidirectional stacks)."""
         from .stream import Stream
 
-        return Stream(self, batch)
+        st = Stream(self, batch)
+        self._streams.add(st)
+        return st
 
     def __repr__(self) -> str:
         planned = (

@@ -87,6 +87,7 @@ __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
 
 _PLANS_KEPT = 16  # memory plans kept per trainer (one per step shape)
+_MASK_BLOCK = 64 << 10  # bytes of uniforms drawn at a time for the dropout masks (_draw_masks)
 _SPARE_KEPT = 2  # released own-memory arenas kept for reuse
 # Trainer.autocast's modes: the weights rounded to bf16, and also the activations they multiply
 AUTOCAST_MODES = ("bf16", "bf16-act")
@@ -532,25 +533,28 @@ class Trainer:
             c0 = _check.array(op, "c0", c0, dt, (L * D, N, H), ("L*D", "N", "H"))
         lens = np.full(N, T, np.int64) if lengths is None else np.array(
             _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
-        S = self._segment(T, N)
+        # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
+        # is read in place when it is already laid out so (the tape keeps a reference); else a
+        # copy in the arena, counted by the segment a memory limit picks
+        stage = spec.batch_first or not x.flags.c_contiguous
+        S = self._segment(T, N, stage)
         recompute = (self.recompute or self.memory_limit is not None) and S < T
         if masks is not None:
             if not self.dropout or len(masks) != L - 1:
                 raise ShapeError(f"[{op}] got {len(masks)} dropout masks for {L} layers; expected "
                                  "L-1 of them, and a Trainer made with dropout > 0")  # fmt: skip
             DK = D * K
-            masks = [_check.array(op, "masks", m, dt, (T * N, DK), ("T*N", "D*K")) for m in masks]
-        elif self.training and self.dropout and L > 1:
-            masks = self._masks(T, N)
-        # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
-        # is read in place when it is already laid out so (the tape keeps a reference)
-        stage = spec.batch_first or not x.flags.c_contiguous
+            masks = [(_check.array(op, "masks", m, dt, (T * N, DK), ("T*N", "D*K")), None)
+                     for m in masks]  # fmt: skip
+        draw = masks is None and self.training and self.dropout and L > 1
         # Every check is above this line: from here the shared arena is overwritten, so the
         # live tape in it (if any) is stale from now on, and only then.
         mode = self.autocast
         mem = self._memory(N, T, S, recompute, own_memory, stage, mode)
         if mem["_arena"] is self._arena:
             self._serial += 1
+        if draw:
+            masks = self._draw_masks(mem, T * N)
         if stage:
             xt = mem["x"]
             xt[:] = (
@@ -592,13 +596,16 @@ class Trainer:
         yout = np.ascontiguousarray(yv.transpose(1, 0, 2)) if spec.batch_first else yv
         return Tape(self, yout, h_n, c_n, saved)
 
-    def _segment(self, T: int, N: int) -> int:
+    def _segment(self, T: int, N: int, stage: bool | None = None) -> int:
+        """``stage``: x is copied into the arena (batch-first or non-contiguous input; default:
+        batch-first), which a memory limit counts."""
+        stage = self.spec.batch_first if stage is None else stage
         if self.memory_limit is not None:
             # the search plans a few dozen segment lengths (~20 ms): once per step shape
-            key = (N, T, self.memory_limit, self.autocast)
+            key = (N, T, self.memory_limit, self.autocast, stage)
             S = self._limited.get(key)
             if S is None:
-                S = self._limited_segment(T, N)
+                S = self._limited_segment(T, N, stage)
                 if len(self._limited) >= _PLANS_KEPT:
                     self._limited.clear()
                 self._limited[key] = S
@@ -621,22 +628,36 @@ class Trainer:
         S = min(root, max(1, -(-_GEMM_ROWS // N)))
         return S if self._boundaries_fit(N, T, S) else root
 
-    def _masks(self, T: int, N: int) -> list[np.ndarray]:
-        spec, p = self.spec, self.dropout
-        DK = spec.num_directions * spec.output_size
-        keep = 1.0 - p
-        return [((self._rng.random((T * N, DK)) >= p) / keep).astype(self.dtype)
-                for _ in range(spec.num_layers - 1)]  # fmt: skip
+    def _draw_masks(self, mem: dict, rows: int) -> list[tuple[np.ndarray, object]]:
+        """The step's dropout masks, drawn into the arena: per layer below the top, a byte per
+        value (1: kept), with the scale 1/(1-p) applied where a mask is (x * kept * scale is
+        x * (kept / (1-p)) to the bit, the float mask it replaces). The uniforms come in blocks
+        through a small planned buffer, in the order one [rows, D*K] draw per layer gives them
+        (the same masks from the same generator state), instead of a float64 array of T*N*D*K
+        and a float mask of the step's size per layer outside every plan and limit."""
+        p, u = self.dropout, mem["u"]
+        scale = self.dtype.type(1.0 / (1.0 - p))
+        out = []
+        for layer in range(self.spec.num_layers - 1):
+            kept = mem[f"mask.{layer}"]
+            for r0 in range(0, rows, u.shape[0]):
+                block = u[: min(u.shape[0], rows - r0)]
+                self._rng.random(out=block)
+                np.greater_equal(block, p, out=kept[r0 : r0 + block.shape[0]])
+            out.append((kept, scale))
+        return out
 
-    def plan(self, batch: int, steps: int) -> dict:
+    def plan(self, batch: int, steps: int, staged: bool | None = None) -> dict:
         """What a training step of ``batch`` x ``steps`` will use: its segment length, whether it
         recomputes, the arena (reserve + scratch; ``plan``: the planner's placements, their op
         indices named by ``ops``, ``lifetimes`` in words) and the boundary states, in bytes
-        (``checkpoint_bytes``: 0 when they live in dx's not yet written rows)."""
-        S = self._segment(steps, batch)
+        (``checkpoint_bytes``: 0 when they live in dx's not yet written rows). ``staged``:
+        whether x is copied into the arena — batch-first input, or time-major input that is
+        not C-contiguous (a view such as x.transpose(1, 0, 2)); default: batch-first."""
+        stage = self.spec.batch_first if staged is None else bool(staged)
+        S = self._segment(steps, batch, stage)
         recompute = (self.recompute or self.memory_limit is not None) and S < steps
-        p = plan(self._buffers(batch, steps, S, recompute, self.spec.batch_first,
-                               self.autocast)[0])  # fmt: skip
+        p = plan(self._buffers(batch, steps, S, recompute, stage, self.autocast)[0])
         arena = p.total
         ops = self._ops()
 
@@ -689,29 +710,29 @@ class Trainer:
             return 0
         return -(-T // S) * self._boundary_floats(N) * self.dtype.itemsize
 
-    def _need(self, N: int, T: int, S: int, recompute: bool) -> int:
+    def _need(self, N: int, T: int, S: int, recompute: bool, stage: bool | None = None) -> int:
         """Bytes of a step of N x T in segments of S: arena + boundary states (the same count
-        that ``memory_limit`` is held to and that its errors report)."""
-        need = plan(self._buffers(N, T, S, recompute, self.spec.batch_first,
-                                  self.autocast)[0]).total  # fmt: skip
+        that ``memory_limit`` is held to and that its errors report). ``stage``: as _segment."""
+        stage = self.spec.batch_first if stage is None else stage
+        need = plan(self._buffers(N, T, S, recompute, stage, self.autocast)[0]).total
         return need + self._checkpoint_bytes(N, T, S)
 
-    def _limited_segment(self, T: int, N: int) -> int:
+    def _limited_segment(self, T: int, N: int, stage: bool) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
         longest recomputed segment that fits (arena + boundary states; PlanError if none)."""
         limit = int(self.memory_limit)
-        if self._need(N, T, T, False) <= limit:
+        if self._need(N, T, T, False, stage) <= limit:
             return T
         if self.spec.direction != "forward":
             raise PlanError(
                 f"[Trainer] a {self.spec.direction} stack stores the whole sequence: "
-                f"{self._need(N, T, T, False)} bytes for N={N}, T={T}; memory_limit={limit}"
+                f"{self._need(N, T, T, False, stage)} bytes for N={N}, T={T}; memory_limit={limit}"
             )
 
         def longest(lo: int, hi: int) -> int:  # need(lo) fits and need grows over [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self._need(N, T, mid, True) <= limit:
+                if self._need(N, T, mid, True, stage) <= limit:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -726,7 +747,7 @@ class Trainer:
             while lo < fit:  # the exact shortest one, between the last miss and fit
                 mid = (lo + fit) // 2
                 lo, fit = (lo, mid) if self._boundaries_fit(N, T, mid) else (mid + 1, fit)
-            if self._need(N, T, fit, True) <= limit:
+            if self._need(N, T, fit, True, stage) <= limit:
                 return longest(fit, T - 1)
         # Below it, bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the
         # minimum. Where the minimum lies depends on how the per-step buffers (a) weigh against
@@ -735,13 +756,19 @@ class Trainer:
         # GEMMs).
         top = T - 1 if fit is None else fit - 1
         grid = sorted({int(s) for s in np.unique(np.geomspace(1, max(top, 1), 48).round())})
-        needs = {S: self._need(N, T, S, True) for S in grid}
+        needs = {S: self._need(N, T, S, True, stage) for S in grid}
         best = min(needs, key=needs.get)
         if needs[best] > limit:
             raise PlanError(
                 f"[Trainer] even recomputing segments of {best} steps (the least memory) needs "
                 f"{needs[best]} bytes for N={N}, T={T}; memory_limit={limit}: lower the batch "
                 "or raise the limit"
+                + (
+                    ""
+                    if not stage or self.spec.batch_first
+                    else f" (x is not C-contiguous: its copy takes {T * N * self.spec.input_size * self.dtype.itemsize} "
+                    "of them; a C-contiguous time-major x is read in place)"
+                )
             )
         return longest(best, top)
 
@@ -809,6 +836,8 @@ class Trainer:
                 add(f"y.{layer}", (pre + RN, D * K), 0, end if held else gemm)
                 if self.dropout:
                     add(f"xd.{layer}", (RN, D * K), 0, end if held else ops(layer + 1)[1])
+                    # the step's drawn mask (a byte per value: _draw_masks), held to the end
+                    add(f"mask.{layer}", (T * N, D * K), 0, end, np.uint8)
                 # written by the dx GEMM of the layer above, read by this layer's step loop
                 add(f"dy.{layer}", (RN, D * K), ops(layer + 1)[2] if D == 1 else first(layer + 1),
                     loop if D == 1 else dx)  # fmt: skip
@@ -826,6 +855,8 @@ class Trainer:
                 add(f"dxd.{layer}", (RN, spec.layer_input_size(layer)), loop, dx)
         # forward scratch (one op at a time; recomputing, backward replays the forward too)
         fl = 1 if recompute else 0
+        if self.dropout and L > 1:  # uniforms for the masks, a block at a time (_draw_masks)
+            add("u", (max(1, _MASK_BLOCK // (8 * D * K)), D * K), 0, 0, np.float64)
         add("h.a", (N, w.Kp), 0, fl)
         add("h.b", (N, w.Kp), 0, fl)
         add("gates", (N, w.Gp), 0, fl)
@@ -1002,9 +1033,11 @@ class Trainer:
                 if spec.cell == "lstm":
                     cs[k] = mem["c"][:, : spec.hidden_size]
             if masks is not None and layer < L - 1:
-                np.multiply(
-                    yout, masks[layer][s0 * N : s1 * N], out=mem[f"xd.{layer}"][off : off + TN]
-                )
+                mask, scale = masks[layer]
+                xd = mem[f"xd.{layer}"][off : off + TN]
+                np.multiply(yout, mask[s0 * N : s1 * N], out=xd)
+                if scale is not None:  # (a drawn mask: kept bytes, see _draw_masks)
+                    xd *= scale
 
     # ------------------------------------------------------------------ backward
     @_one_at_a_time
@@ -1147,7 +1180,10 @@ class Trainer:
                 self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc,
                                   h0s, c0s, lens, T, N, off)  # fmt: skip
             if layer > 0 and masks is not None:
-                dxin *= masks[layer - 1][s0 * N : s1 * N]
+                mask, scale = masks[layer - 1]
+                dxin *= mask[s0 * N : s1 * N]
+                if scale is not None:
+                    dxin *= scale
 
     def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc, h0s,
                      c0s, lens, T, N, off) -> None:  # fmt: skip

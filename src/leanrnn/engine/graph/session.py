@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ... import config
-from ...errors import DTypeError, ShapeError
+from ...errors import DTypeError, PlanError, ShapeError
 from ...ir import RNN_OPS
 from ...memory.arena import Arena, check_fits
 from ...memory.planner import Buffer, Plan, plan
@@ -123,7 +123,9 @@ class GraphSession:
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
         """Plan every intermediate tensor for inputs of ``shapes`` (and ``dtypes``, default the
-        declared ones), in one arena; plans each RNN node's Session too."""
+        declared ones), in one arena; plans each RNN node's Session too. ``memory_limit``
+        holds the two arenas together: the RNN nodes get what the graph's leaves, forward ones
+        chunking to fit; PlanError (nothing allocated) if that cannot be met."""
         metas_in = self._input_metas(shapes, dtypes)
         with self._lock():
             return self._resize(metas_in, memory_limit)
@@ -185,7 +187,9 @@ class GraphSession:
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
             outs = infer(ctx, node, ins, vals)
-            for m in outs:
+            for name, m in zip(node.outputs, outs, strict=False):
+                if not name:  # an output the node does not make (an RNN's unnamed Y)
+                    continue
                 if limit is not None and m.nbytes > limit:
                     raise ShapeError(
                         f"[GraphSession.resize] node {node.name!r} ({node.op}) "
@@ -224,6 +228,9 @@ class GraphSession:
         p, layout = self._plan_layout(steps, metas, limit)
         # Everything a run holds at once: the arena, the outputs handed out fresh per run, the
         # shape-computed values and the RNN nodes' shared arena (the largest of their plans).
+        # A memory limit holds both arenas: the RNN nodes plan within what the graph's leaves
+        # (forward ones chunk to fit, as Session.resize(memory_limit=) does).
+        rnn_limit = None if limit is None else limit - p.total
         fresh_bytes = sum(metas[r].nbytes for r in layout[0])
         rnn = []
         rnn_bytes = 0
@@ -235,8 +242,12 @@ class GraphSession:
                 seq = rnn_computes_y(ctx, node)
                 rnn.append((sess, N, T, seq))
                 if N >= 1 and T >= 1:  # else sess.resize refuses it, below
-                    need = plan(sess.buffers(*sess._key(N, T, seq))).total
-                    rnn_bytes = max(rnn_bytes, need)
+                    if rnn_limit is not None and rnn_limit < 1:
+                        raise PlanError(
+                            f"[GraphSession.resize] the graph's arena takes {p.total} bytes of "
+                            f"memory_limit={limit}: none is left for RNN node {node.name!r}"
+                        )
+                    rnn_bytes = max(rnn_bytes, sess.planned_bytes(N, T, seq, rnn_limit))
         total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes
         check_fits(
             total,
@@ -250,9 +261,9 @@ class GraphSession:
             return {"plan": p, "arena_bytes": p.total, "rnn_arena_bytes": rnn_bytes,
                     "shape_constant_bytes": extra + pending_bytes}  # fmt: skip
         flush()
-        views = self._allocate_arena(p, layout)
+        views = self._allocate_arena(p, layout, limit)
         for sess, N, T, seq in rnn:
-            sess.resize(N, T, return_sequences=seq)
+            sess.resize(N, T, memory_limit=rnn_limit, return_sequences=seq)
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra
@@ -321,11 +332,12 @@ class GraphSession:
                 shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
         return p, (fresh, root, inplace, shapes)
 
-    def _allocate_arena(self, p: Plan, layout) -> dict[str, np.ndarray]:
-        """Take the arena ``p`` needs (reusing the current one when it is large enough) and
-        make every planned view; the layout becomes the session's."""
+    def _allocate_arena(self, p: Plan, layout, limit: int | None = None) -> dict[str, np.ndarray]:
+        """Take the arena ``p`` needs (reusing the current one when it is large enough, and
+        not over ``limit``) and make every planned view; the layout becomes the session's."""
         fresh, root, inplace, shapes = layout
-        if self._arena is None or self._arena.nbytes < p.total:
+        held = self._arena.nbytes if self._arena is not None else 0
+        if self._arena is None or held < p.total or (limit is not None and held > limit):
             self._arena = None  # drop the old arena before taking the new one
             self._arena = Arena(p.total, name=f"graph arena[{self.loaded.graph.name}]")
         views = {}
