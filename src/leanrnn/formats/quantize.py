@@ -20,7 +20,9 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   W and R: s_j = max_k |w_kj| / 127, q_kj = round(w_kj / s_j) in [-127, 127]. Absolute error
   <= s_j / 2 per weight. The scales are stored in the panel's last SCALE_ROWS rows.
 - ``int8-dynamic``: what torch's and onnxruntime's dynamic quantization do — int8 weights and
-  activations quantized per row as the kernels run (kernels._qdot), summed exactly in int32.
+  activations quantized per row as the kernels run (kernels._qdot), summed exactly in int32
+  (up to dot_exact_inputs(qmax) inputs per product, 132104 with 8-bit codes: a wider layer is
+  refused, its sums would wrap around).
   Weights symmetric per packed column in 8 bits, s_j = max_k |w_kj| / 127 (codes -127..127;
   -128 unused, see kernels._qdot's AVX2 path), error <= s_j / 2 per weight; laid out 4
   inputs per row (dot_panel) with two tail rows: the column scales and 128 * sum_k q_kj.
@@ -260,6 +262,42 @@ def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
                     getattr(pd, name)[...] = getattr(ps, name)
 
 
+# The smallest float32 magnitude that rounds to infinity in bfloat16 (bf16_round): past the
+# largest bfloat16, 0x7F7F, by half its last place.
+BF16_OVERFLOW = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
+
+
+def _check_bf16_range(w: np.ndarray) -> None:
+    """Refuse finite weights that bfloat16 would round to infinity (|w| >= 3.3961e38): an inf
+    weight times a zero activation term is NaN, on some paths and not others."""
+    with np.errstate(invalid="ignore"):
+        over = np.abs(w) >= BF16_OVERFLOW
+    if over.any() and np.isfinite(w[over]).any():
+        raise WeightsError(f"[quantize] weights as large as {np.abs(w[over]).max():.4g} are past "
+                           f"bfloat16's range (< {BF16_OVERFLOW:.5g}): they would round to "
+                           "infinity. Keep this model float32, or use int8")  # fmt: skip
+
+
+def dot_exact_inputs(qmax: int = DOT_QMAX) -> int:
+    """The most inputs an int8-dynamic product sums exactly in int32: per input the activation
+    code less its offset, at most 128 in size, times a weight code of at most ``qmax``."""
+    return (2**31 - 1) // (CODE_OFFSET * qmax)
+
+
+def _check_dot_inputs(spec: RNNSpec, qmax: int, op: str) -> None:
+    """Refuse int8-dynamic weights for a layer wider than its int32 sums hold exactly."""
+    most = dot_exact_inputs(qmax)
+    for layer in range(spec.num_layers):
+        for what, k in (("inputs", spec.layer_input_size(layer)), ("outputs", spec.output_size)):
+            if k > most:
+                raise DTypeError(
+                    f"[{op}] layer {layer} has {k} {what}; int8-dynamic sums its 8-bit products "
+                    f"in int32, exactly up to {most} per product ({dot_exact_inputs(DOT_NARROW_QMAX)}"
+                    " with reduce_range=True): past that the sums wrap around. Use int8 or bf16 "
+                    "for this model"
+                )
+
+
 def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None = None,
                     reduce_range: bool = False) -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
@@ -271,6 +309,8 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
     again after every optimizer step, train.session). ``reduce_range``: int8-dynamic's codes
     7-bit (DOT_NARROW_QMAX; see the module docstring)."""
     check_precision(precision, pw.dtype, "quantize")
+    if precision == "int8-dynamic":
+        _check_dot_inputs(pw.spec, DOT_NARROW_QMAX if reduce_range else DOT_QMAX, "quantize")
     if reduce_range and precision != "int8-dynamic":
         raise DTypeError(f"[quantize] reduce_range (7-bit weight codes) is int8-dynamic's; "
                          f"{precision!r} multiplies no integer codes")  # fmt: skip
@@ -298,6 +338,7 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
             for name in _PANELS:
                 src, dst = getattr(ps, name), getattr(pd, name)
                 if panel_format(precision) == "bf16":
+                    _check_bf16_range(src)
                     dst[...] = bf16_panel(src)
                 elif precision == "int8-dynamic":
                     dst[...] = dot_panel(src, DOT_NARROW_QMAX if reduce_range else DOT_QMAX)
@@ -375,6 +416,8 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
     fmt = panel_format(pw.precision)
     if fmt not in ("bf16", "int8", "int8-dynamic"):
         return
+    if fmt == "int8-dynamic":
+        _check_loaded_dot_inputs(pw, op, path)
     for li, dirs in enumerate(pw.layers):
         for di, pl in enumerate(dirs):
             for name in _PANELS:
@@ -397,6 +440,27 @@ def check_loaded(pw: PackedWeights, op: str, path: str) -> None:
                 if not (np.isfinite(s).all() and (s >= 0).all()):
                     raise ModelFormatError(f"{tag} has int8 scales that are negative or not "
                                            "finite; the file is corrupt")  # fmt: skip
+
+
+def _check_loaded_dot_inputs(pw: PackedWeights, op: str, path: str) -> None:
+    """A file's int8-dynamic panels no wider than their codes' int32 sums hold exactly (what
+    quantize refuses to make; another writer may not): a panel past the 8-bit bound passes
+    only with codes small enough for its width (7-bit ones, to twice the width)."""
+    for li, dirs in enumerate(pw.layers):
+        for di, pl in enumerate(dirs):
+            for name in _PANELS:
+                panel = getattr(pl, name)
+                K = pw.spec.layer_input_size(li) if name == "Wt" else pw.spec.output_size
+                if K <= dot_exact_inputs(DOT_QMAX):
+                    continue
+                lo, hi = _code_range(panel)
+                qmax = max(1, int(max(-int(lo.min()), int(hi.max()))))
+                if K > dot_exact_inputs(qmax):
+                    raise ModelFormatError(
+                        f"[{op}] {path!r}: layer {li} direction {di} {name} sums {K} products "
+                        f"of codes up to {qmax} in int32, exact only up to "
+                        f"{dot_exact_inputs(qmax)} of them: its sums would wrap around"
+                    )
 
 
 def _dot_panel_consistent(panel: np.ndarray, K: int) -> bool:

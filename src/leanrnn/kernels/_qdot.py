@@ -115,6 +115,11 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
         zero_i = ir.Constant(vqi32, [0] * lanes)
         zero_f = ir.Constant(vqf, [0.0] * lanes)
         splat = ir.Constant(vqi32, [0] * lanes)
+        # The store's sum * scale + init as one explicit FMA: numba's fast-math pass marks
+        # every float op "contract", and LLVM then fused the multiply and the add in some
+        # tiles and not others, so the same int32 sums gave outputs 1 ulp apart by path.
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vqf, [vqf] * 3),
+                                             f"llvm.fma.v{lanes}f32")  # fmt: skip
 
         def const(v):
             return ir.Constant(i64, v)
@@ -281,10 +286,10 @@ def codegen(nvec: int, isa: _cpu.Isa, dot: str | None = None):
                                                         vqi32.as_pointer()), align=1)  # fmt: skip
                     tot = builder.sub(tot, builder.and_(corr, corr_mask))
                 tot = builder.sitofp(tot, vqf)
-                tot = builder.fmul(tot, builder.fmul(s_rowv, s_col))
                 ptr = builder.bitcast(builder.gep(ca, [builder.add(base, const(col))]),
                                       vqf.as_pointer())  # fmt: skip
-                builder.store(builder.fadd(tot, init_of(ptr, col)), ptr, align=4)
+                out = builder.call(fma, [tot, builder.fmul(s_rowv, s_col), init_of(ptr, col)])
+                builder.store(out, ptr, align=4)
 
         def old(ptr, col):
             return builder.load(ptr, align=4)

@@ -101,10 +101,15 @@ def quantize_uint8(x, q, scale, zp, tmp) -> None:
         if not np.isnan(mn):
             lo, hi = min(f(0), f(mn)), max(f(0), f(mx))
     s = f(1) if hi == lo else f(f(hi - lo) / f(255))
-    z = np.rint(np.clip(f(0) - f(lo / s), f(0), f(255)))  # rint: round half to even
+    with np.errstate(invalid="ignore"):
+        zf = f(0) - f(lo / s)  # NaN for an infinite range (-inf / inf)
+    # rint: round half to even; a NaN zero point clamps to the high end, as onnxruntime's
+    # std::min(255, NaN) returns 255
+    z = f(255) if np.isnan(zf) else np.rint(np.clip(zf, f(0), f(255)))
     scale[()] = s
     zp[()] = z
-    np.divide(x, s, out=tmp)
+    with np.errstate(invalid="ignore"):  # inf / inf: NaN, clamped low below
+        np.divide(x, s, out=tmp)
     np.fmax(tmp, -z, out=tmp)  # fmax/fmin: a NaN quotient takes the bound, as SSE max/min do
     np.fmin(tmp, f(255) - z, out=tmp)
     np.rint(tmp, out=tmp)
