@@ -11,7 +11,7 @@ from helpers import tile_gemm
 from leanrnn.errors import DTypeError, ModelFormatError, WeightsError
 from leanrnn.formats import quantize as qz
 from leanrnn.formats.packing import LayerWeights, pack
-from leanrnn.kernels.abi import B, DOT_NARROW_QMAX, DOT_QMAX
+from leanrnn.kernels.abi import DOT_NARROW_QMAX, DOT_QMAX, B
 from leanrnn.spec import RNNSpec
 from test_quant_dynamic import _dot_operands
 
