@@ -263,7 +263,9 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         import ray
         import ray.data
     except ImportError:
-        raise DataError("[score --ray] Ray is not installed; pip install 'leanrnn[ray]'") from None
+        raise DataError(
+            "[score --ray] Ray is not installed; pip install 'leanrnn[ray]' (in a clone: pip install -e '.[ray]')"
+        ) from None
     t0 = time.perf_counter()
     _init(address)
     cpus = int(ray.cluster_resources().get("CPU", 1))

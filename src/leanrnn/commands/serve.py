@@ -71,14 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serves recurrent models (any file leanrnn.load takes) over the KServe v2 "
         "inference protocol with Triton's sequence extension, on HTTP/REST and gRPC, so "
         "tritonclient and other KServe clients work unchanged. The steps of all live streams "
-        "run as batched engine calls. Needs `pip install leanrnn[serve]`.",
+        "run as batched engine calls. Needs `pip install leanrnn[serve]` (in a clone: "
+        "`pip install -e '.[serve]'`).",
     )
     p.add_argument("models", nargs="+", type=_model, metavar="MODEL",
                    help="a model file, or NAME=PATH to choose the name clients use")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 "
                    "for every interface)")  # fmt: skip
-    p.add_argument("--http-port", type=port, default=8000, help="0: any free port")
+    p.add_argument("--http-port", type=port, default=8000, help="0: any free port (default 8000)")
     p.add_argument("--grpc-port", type=port, default=None,
                    help="0: any free port (default 8001)")  # fmt: skip
     p.add_argument("--no-grpc", action="store_true", help="HTTP only")
@@ -100,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-chunk",
         type=positive_int,
         default=16,
-        help="most steps of one stream in one engine call (rounded down to a power of two)",
+        help="most steps of one stream in one engine call (rounded down to a power of two; "
+        "default 16)",
     )
     p.add_argument(
         "--max-wait-ms",
@@ -119,13 +121,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-streams",
         type=positive_int,
         default=1024,
-        help="live sequences per model; beyond it new ones get HTTP 429 / RESOURCE_EXHAUSTED",
+        help="live sequences per model; beyond it new ones get HTTP 429 / RESOURCE_EXHAUSTED "
+        "(default 1024)",
     )
     p.add_argument(
         "--idle-timeout",
         type=positive_float,
         default=60.0,
-        help="seconds without a request before a sequence is evicted",
+        help="seconds without a request before a sequence is evicted (default 60)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -167,7 +170,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--grace",
         type=positive_float,
         default=30.0,
-        help="on SIGTERM, seconds to finish accepted work before exiting",
+        help="on SIGTERM, seconds to finish accepted work before exiting (default 30)",
     )
     from .model import add_state_dict_options
 
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         from ..serve.server import ServeConfig, serve
     except ModuleNotFoundError as e:
         raise LeanRNNError(
-            f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]'"
+            f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]' (in a clone: pip install -e '.[serve]')"
         ) from None
     from .. import config as _config
     from .model import cli_advice, load_model, load_options

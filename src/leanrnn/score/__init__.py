@@ -130,6 +130,24 @@ def _check_output(output, dataset, model, lengths, local: bool) -> None:
         )
 
 
+def _check_parquet(dataset, output) -> None:
+    """Parquet in or out needs pyarrow (the ``score`` extra): said before any work, not as an
+    ImportError from inside the reader, or from the writer after all the scoring."""
+    from .data import list_files
+
+    paths = [os.fspath(output)]
+    if isinstance(dataset, str | os.PathLike) and os.path.exists(dataset):
+        paths += list_files(os.fspath(dataset))
+    if not any(p.lower().endswith((".parquet", ".pq")) for p in paths):
+        return
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise DataError("[score] Parquet input or output needs pyarrow: pip install "
+                        "'leanrnn[score]' (in a clone: pip install -e '.[score]'); .npy and .npz "
+                        "need nothing more") from None  # fmt: skip
+
+
 def _path(what: str, path):
     """``path`` as a str (str, bytes or os.PathLike); anything else is named."""
     try:
@@ -193,6 +211,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     # This process writes the output unless Ray's write tasks do (a directory OUTPUT).
     here = ray is None or os.fspath(output).lower().endswith((".parquet", ".pq"))
     _check_output(output, dataset, model, lengths, local=here)
+    _check_parquet(dataset, output)
     model = _load(model, threads)
     engine_model(model)
     if ray is not None:
