@@ -162,3 +162,21 @@ def test_dynamic_quantize_linear_leaves_nan_out_of_its_range(pos, tmp):
     want = run_ort(m, {"x": x})
     for g, w, what in zip(got, want, ("q", "scale", "zero point"), strict=True):
         assert_same(g, w, f"{what}: ")
+
+
+# ----------------------------------------------------------- the review's: Gemm's types
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8], ids=str)
+def test_gemm_outside_its_onnx_types_is_refused(dtype, tmp):
+    """Gemm of bools ran as numpy's boolean product, of int8 wrapped in int8."""
+    x = np.array([[1, 0], [1, 1]], dtype)
+    m = model([node("Gemm", ["x", "x"])], {"x": x}, opset=13, out_dtypes=[dtype])
+    _refused_by_both(m, {"x": x}, tmp, "does not take", DTypeError)
+
+
+def test_dequantize_linear_one_element_scale_is_per_tensor_whatever_the_axis(tmp):
+    """A [1] scale with axis=5 on a rank-2 x loaded (infer reads [1] as per tensor) and then
+    failed at run ('axis 5 is out of range'); onnxruntime reads it per tensor."""
+    x = np.array([[-7, 3], [0, 124]], np.int8)
+    consts = {"s": np.array([0.5], F32), "z": np.array([0], np.int8)}
+    m = model([node("DequantizeLinear", ["x", "s", "z"], axis=5)], {"x": x}, consts)
+    check(m, {"x": x}, tmp)

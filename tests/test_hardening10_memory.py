@@ -69,6 +69,49 @@ def test_a_limit_releases_a_larger_arena_held_from_before():
     assert s.arena_bytes <= MiB
 
 
+def test_a_short_run_under_a_limit_leaves_the_chunk_of_the_long_ones():
+    """A re-plan under a kept limit searched chunks only up to that run's steps: one streamed
+    step set the chunk to 1, and every later long run went a step at a time. A chunk set
+    after the limit was overwritten at the next run."""
+    m = leanrnn.LSTM(64, 64, seed=0)
+    s = m.session
+    s.resize(8, 2000, memory_limit=MiB)
+    chunk = s.chunk
+    assert 1 < chunk < 2000
+    st = s.stream(8)
+    st.feed(np.ones((8, 64), np.float32))
+    x = _x(2000, 8, 64)
+    y = s.run(x)[0]
+    assert s.chunk == chunk and s.plan.total <= MiB
+    np.testing.assert_allclose(y, Session(m.weights).run(x)[0], rtol=0, atol=1e-6)
+    s.chunk = 16  # under the limit: the largest chunk from now on
+    s.run(x)
+    assert s.chunk == 16 and s._T == 16
+
+
+def test_a_refused_pool_plan_leaves_the_other_members_running():
+    """A member's plan too large for the machine was recorded as its need before the arena
+    failed: every member's next plan asked for it too and failed."""
+    pool = leanrnn.Pool()
+    w = leanrnn.LSTM(64, 64, seed=0).weights
+    a, b = Session(w, pool=pool), Session(w, pool=pool)
+    x = _x(100, 8, 64)
+    want = b.run(x)[0]
+    a.chunk = 10**6
+    with pytest.raises(PlanError):
+        a.resize(4096, 10**6)
+    np.testing.assert_array_equal(b.run(x)[0], want)
+    b.resize(8, 100)
+
+
+def test_describe_leaves_the_session_and_its_limit_as_they_were():
+    m = leanrnn.LSTM(64, 64, seed=0)
+    m.session.resize(8, 2000, memory_limit=MiB)
+    plan = m.session.plan
+    m.describe(64, 5000)
+    assert m.session.plan is plan and m.session._limit is not None
+
+
 def test_limit_errors_name_a_need_that_then_fits():
     """The PlanError of a final-states-only resize named the need without that run's output
     buffer: a limit of the named bytes was refused again with the same message."""
@@ -184,12 +227,27 @@ def test_drawn_dropout_masks_are_planned_and_the_same_masks_as_before():
     assert peaks[1] < peaks[0] + T * N * 48, peaks
 
 
-def test_a_training_memory_limit_counts_the_dropout_masks():
-    plain = Trainer(leanrnn.LSTM(32, 48, num_layers=3, seed=0), memory_limit=64 * MiB)
-    tr = _dropout_trainer(memory_limit=64 * MiB)
+def test_a_training_plan_holds_the_masks_it_draws_and_only_those():
+    """Drawn masks are planned (a byte per value, to the end of the step); masks handed in
+    (leanrnn.torch's, drawn by torch) are not, nor are they in eval mode."""
     T, N = 1000, 16
-    with_masks, without = tr.plan(N, T)["total_bytes"], plain.plan(N, T)["total_bytes"]
-    assert with_masks >= without + 2 * T * N * 48  # two layers' masks, a byte each
+    tr = _dropout_trainer(memory_limit=64 * MiB)
+    drawn = {pl.buffer.name: pl.buffer.nbytes for pl in tr.plan(N, T)["plan"].placements}
+    assert drawn["mask.0"] == drawn["mask.1"] == T * N * 48 and "mask.2" not in drawn
+    given = tr.plan(N, T, masks=True)["plan"].placements
+    assert not any(pl.buffer.name.startswith(("mask.", "u")) for pl in given)
+    tr.training = False
+    assert not any(pl.buffer.name.startswith("mask.") for pl in tr.plan(N, T)["plan"].placements)
+
+
+def test_a_training_limit_releases_a_larger_arena_held_from_before():
+    m = leanrnn.LSTM(32, 64, seed=0)
+    tr = Trainer(m)
+    tr.forward(_x(2000, 16, 32))
+    assert tr._arena.nbytes > 4 * MiB
+    tr.memory_limit = 4 * MiB
+    tr.forward(_x(2000, 16, 32))
+    assert tr._arena.nbytes <= 4 * MiB
 
 
 # ---------------------------------------------------------------- graphs with RNN nodes
@@ -220,7 +278,8 @@ def test_a_graph_memory_limit_holds_its_rnn_nodes_arena_too(tmp_path):
     bi = leanrnn.load(_onnx_lstm(tmp_path / "bi.onnx", 32, 64, "bidirectional"))
     with pytest.raises(PlanError, match="whole sequence"):
         bi.resize({"x": (3000, 8, 32)}, memory_limit=20 * MiB)
-    fw = leanrnn.load(_onnx_lstm(tmp_path / "fw.onnx", 32, 64, "forward"))
+    fw_path = _onnx_lstm(tmp_path / "fw.onnx", 32, 64, "forward")
+    fw = leanrnn.load(fw_path)
     x = _x(3000, 8, 32)
     want = fw.run({"x": x})[0]  # no limit: the oracle
     limit = fw.session.arena_bytes + fw.session.rnn_arena_bytes // 2  # the RNN node must chunk
@@ -229,3 +288,48 @@ def test_a_graph_memory_limit_holds_its_rnn_nodes_arena_too(tmp_path):
     assert s.arena_bytes + s.rnn_arena_bytes <= limit
     np.testing.assert_allclose(fw.run({"x": x})[0], want, rtol=0, atol=1e-6)
     assert s.arena_bytes + s.rnn_arena_bytes <= limit
+    x2 = _x(5000, 8, 32)  # another shape: planned within the same limit
+    np.testing.assert_allclose(fw.run({"x": x2})[0], leanrnn.load(fw_path).run({"x": x2})[0],
+                               rtol=0, atol=1e-6)  # fmt: skip
+    assert s.arena_bytes + s.rnn_arena_bytes <= limit
+
+
+def test_a_graph_limit_lets_go_of_a_larger_graph_arena(tmp_path):
+    """The graph kept any held arena at or under the limit while its RNN nodes took the rest
+    of the limit: up to twice the limit together."""
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    # a graph arena of its own: Relu(x) and Sigmoid(x) live until their Concat, the output
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Sigmoid", ["x"], ["b"]),
+             helper.make_node("Concat", ["a", "b"], ["y"], axis=1)]  # fmt: skip
+    g = helper.make_graph(nodes, "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])  # fmt: skip
+    mp = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    mp.ir_version = 8
+    (tmp_path / "relu.onnx").write_bytes(mp.SerializeToString())
+    gm = leanrnn.load(str(tmp_path / "relu.onnx"))
+    gm.run({"x": np.ones((100_000, 8), np.float32)})
+    big = gm.session.arena_bytes
+    gm.resize({"x": (1000, 8)}, memory_limit=big // 10)
+    assert gm.session.arena_bytes <= big // 10
+
+
+def test_a_graph_limit_refuses_rnn_nodes_whose_weights_are_packed_per_run(tmp_path):
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    H, C = 8, 4
+    node = helper.make_node("LSTM", ["x", "W", "R"], ["", "h"], hidden_size=H)
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([node], "g",
+                          [vi("x", TensorProto.FLOAT, [5, 1, C]), vi("W", TensorProto.FLOAT, [1, 4 * H, C]),
+                           vi("R", TensorProto.FLOAT, [1, 4 * H, H])],
+                          [vi("h", TensorProto.FLOAT, None)])  # fmt: skip
+    mp = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    mp.ir_version = 8
+    (tmp_path / "w_in.onnx").write_bytes(mp.SerializeToString())
+    gm = leanrnn.load(str(tmp_path / "w_in.onnx"))
+    with pytest.raises(PlanError, match="packed per run"):
+        gm.resize({"x": (5, 1, C), "W": (1, 4 * H, C), "R": (1, 4 * H, H)}, memory_limit=64 * MiB)

@@ -84,13 +84,15 @@ def test_the_integer_tiles_give_the_same_bits_on_every_path(qmax):
 
 def _fma_store(panel, A, K, nvec, C0, mode, bias) -> np.ndarray:
     """The store as one FMA, from the exact int32 sums: float32(sum) * float32(s_row * s_col)
-    + init rounded once (in float64 both the product, of a sum below 2**29, and the add of a
-    float32 are exact here but for ties, then rounded to float32)."""
+    + init rounded once (a sum below 2**24 is exact in float32, its product with a float32
+    exact in float64, and the float64 add rounds only at ties before the one float32
+    rounding). The AMX store is the same code (_qdot.store_row); this CPU has no AMX tile to
+    run it on."""
     q, s, _ = qz.dot_codes(panel)
     M, cols = A.shape[0], nvec * B
     codes = A[:, :K].astype(np.int64) - 128
     tot = codes @ q[1, :K, :cols].astype(np.int64)  # panel 1, as the runs read it
-    assert np.abs(tot).max() < 2**29  # times a float32: exact in float64
+    assert np.abs(tot).max() < 2**24  # exact as a float32, as the tile converts it
     s_row = A[:, -4:].copy().view(F32)[:, 0]
     scale = (s_row[:, None] * s[1][None, :cols]).astype(F32)  # one float32 product, as the tile
     init = {0: np.zeros((M, cols)), 1: C0.astype(np.float64), 2: bias[:cols].astype(np.float64)}
@@ -129,3 +131,15 @@ def test_dynamic_quantize_linear_of_an_infinite_range_as_onnxruntime(tmp_path):
     got = load_graph(m, tmp_path).run({"x": x})
     for g, w in zip(got, run_ort(m, {"x": x}), strict=True):
         assert_same(g, w)
+
+
+def test_mixed_precision_training_refuses_weights_bf16_cannot_hold():
+    """The same range check where autocast rounds the master weights after each update, named
+    for the trainer (and without temporaries of the weights' size)."""
+    from leanrnn.train import Trainer
+
+    m = leanrnn.LSTM(4, 8, seed=0)
+    m.weights.layers[0][0].Wt[0, 0, 0] = 3.4e38
+    tr = Trainer(m, autocast="bf16")
+    with pytest.raises(WeightsError, match=r"\[Trainer \(autocast\)\].*bfloat16"):
+        tr.forward(np.ones((3, 2, 4), F32))

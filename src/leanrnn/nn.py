@@ -214,7 +214,8 @@ class Model:
     def describe(self, batch: int, steps: int) -> dict:
         """Layers, parameters, weight bytes and the arena planned for ``batch`` x ``steps``."""
         spec = self.spec
-        p = self.session.resize(batch, steps)
+        p = self.session.planned(batch, steps)  # (the session's own plan and limit untouched)
+        check_fits(p.total, f"the arena of N={batch}, T={steps}", "describe")
         return {
             "kind": "rnn",
             "layers": [

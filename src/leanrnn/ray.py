@@ -264,7 +264,8 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         import ray.data
     except ImportError:
         raise DataError(
-            "[score --ray] Ray is not installed; pip install 'leanrnn[ray]' (in a clone: pip install -e '.[ray]')"
+            "[score --ray] Ray is not installed; pip install 'leanrnn[ray]' (in a clone: "
+            "pip install -e '.[ray]')"
         ) from None
     t0 = time.perf_counter()
     _init(address)

@@ -343,8 +343,8 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
         # Too slow is served anyway (batch 1, "over"), but memory beyond the limit is what the
         # limit forbids: choosing batch 1 would hold it regardless.
         raise PlanError(
-            f"[tune] memory_limit={limit} bytes; the smallest call (batch 1 x chunk "
-            f"{first if chunkable else held}) "
+            f"[tune] memory_limit={limit} bytes; the smallest call (batch 1 x "
+            f"{f'chunk {first}' if chunkable else f'{held} steps, held whole'}) "
             f"holds {smallest}: raise the memory limit to at least {smallest}"
         )
     measure = measure or _Timer(session, threads)

@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         from ..serve.server import ServeConfig, serve
     except ModuleNotFoundError as e:
         raise LeanRNNError(
-            f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]' (in a clone: pip install -e '.[serve]')"
+            f"[serve] {e.name} is not installed; pip install 'leanrnn[serve]' (in a clone: "
+            "pip install -e '.[serve]')"
         ) from None
     from .. import config as _config
     from .model import cli_advice, load_model, load_options

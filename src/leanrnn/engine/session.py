@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -294,6 +295,24 @@ class _Step:
         self.program, self.calls, self.key, self.threads = program, calls, key, threads
 
 
+def _batch_steps(batch, steps) -> tuple[int, int]:
+    for name, v in (("batch", batch), ("steps", steps)):
+        if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
+            raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
+    return int(batch), int(steps)
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """A session's memory limit: ``nbytes`` of arena, chunks of at most ``cap`` steps (None: no
+    cap; resize("auto")'s tuned chunk, or one set after the limit), searched up to ``steps``
+    (the limited resize's)."""
+
+    nbytes: int
+    cap: int | None
+    steps: int
+
+
 class Pool:
     """One arena shared by several sessions that run one at a time (MNN's multi-model sharing).
 
@@ -323,11 +342,11 @@ class Pool:
 
     def acquire(self, nbytes: int, name: str, member=None, limit: int | None = None) -> Arena:
         """The arena, holding at least ``nbytes`` for ``member`` (the pool's lock held: no
-        member is running). A new arena when it is too small, or when ``limit`` (the member's
-        memory_limit) is below it and no member's plan needs all of it."""
-        if member is not None:
-            self._needs[member] = nbytes
-        size = max([nbytes, *self._needs.values()])
+        member is running). A new arena when there is none (or making it failed), when it is
+        too small, or when ``limit`` (the member's memory_limit) is below it and no member's
+        plan needs all of it. A need is recorded once it is met: one refused (too large for
+        the machine) must not become every member's."""
+        size = max([nbytes, *(v for m, v in self._needs.items() if m is not member)])
         held = self.arena.nbytes if self.arena is not None else 0
         if self.arena is None or held < nbytes or (limit is not None and held > limit
                                                    and size < held):  # fmt: skip
@@ -336,6 +355,8 @@ class Pool:
             self.arena = None
             self.arena = Arena(size, name=f"pool[{name}]")
             self.generation += 1
+        if member is not None:
+            self._needs[member] = nbytes
         return self.arena
 
     @property
@@ -369,9 +390,9 @@ class Session:
         self._plan: Plan | None = None
         self._N = self._T = -1
         self.tuned = None  # resize(batch="auto")'s choice (leanrnn.tuning.Measured)
-        # The last resize's memory_limit and, for batch="auto", the tuned chunk as a cap: the
-        # re-plans of later runs (another N, T or return_sequences) keep within them too.
-        self._limit: tuple[int, int | None] | None = None
+        # The last resize's (memory_limit, largest chunk, steps): the re-plans of later runs
+        # (another N, T or return_sequences) keep within the limit too (_resize, _Limit).
+        self._limit: _Limit | None = None
         self._streams: weakref.WeakSet = weakref.WeakSet()  # their bound steps view the arena
         self._key_now: tuple = ()
         self._keys: dict[tuple, tuple] = {}  # (N, T, return_sequences, chunk) -> _key(...)
@@ -421,6 +442,9 @@ class Session:
     def chunk(self, v) -> None:
         # A property, as threads: chunk=0, -5 or 2.5 set after construction reached the planner.
         self._chunk = _positive_or_none("Session", "chunk", v)
+        limit = getattr(self, "_limit", None)
+        if limit is not None:  # under a memory limit, the chunk asked for is its largest
+            self._limit = _Limit(limit.nbytes, self._chunk, limit.steps)
 
     # ---------------------------------------------------------------- planning
     @property
@@ -512,24 +536,23 @@ class Session:
                               measure=measure, plan_steps=int(steps))  # fmt: skip
             with self._turn():
                 if self.tuned.chunk is not None:
-                    self.chunk = self.tuned.chunk
-                limit = None if memory_limit is None else (memory_limit, self.tuned.chunk)
+                    self._chunk = self.tuned.chunk
+                limit = None
+                if memory_limit is not None:
+                    limit = _Limit(int(memory_limit), self.tuned.chunk, int(steps))
                 return self._resize(self.tuned.batch, steps, limit, return_sequences)
         with self._turn():
-            limit = None if memory_limit is None else (memory_limit, None)
+            limit = None if memory_limit is None else _Limit(int(memory_limit), None, steps)
             return self._resize(batch, steps, limit, return_sequences)
 
-    def _resize(self, batch: int, steps: int, limit: tuple[int, int | None] | None,
+    def _resize(self, batch: int, steps: int, limit: _Limit | None,
                 return_sequences: bool) -> Plan:  # fmt: skip
-        """``limit``: (memory_limit, the largest chunk to take) or None; kept for later runs."""
-        for name, v in (("batch", batch), ("steps", steps)):
-            if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
-                raise ShapeError(f"[Session.resize] {name}={v!r}; expected a positive int")
-        batch, steps = int(batch), int(steps)
-        memory_limit = None if limit is None else int(limit[0])
+        """``limit``: the memory limit to plan within, kept for the re-plans of later runs."""
+        batch, steps = _batch_steps(batch, steps)
+        memory_limit = None if limit is None else limit.nbytes
         if limit is not None:
-            self.chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
-                                             limit[1])  # fmt: skip
+            self._chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
+                                              limit.cap, limit.steps)  # fmt: skip
         self._limit = limit
         key = self._key(batch, steps, return_sequences)
         _, T, staged, discard = key
@@ -584,26 +607,31 @@ class Session:
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
-    def planned_bytes(self, batch: int, steps: int, return_sequences: bool = True,
-                      memory_limit: int | None = None) -> int:  # fmt: skip
-        """The arena ``resize(batch, steps, memory_limit, return_sequences)`` would plan, in
-        bytes, without planning it (PlanError as resize's when the limit cannot be met)."""
+    def planned(self, batch: int, steps: int, return_sequences: bool = True,
+                memory_limit: int | None = None) -> Plan:  # fmt: skip
+        """The plan ``resize(batch, steps, memory_limit, return_sequences)`` would make, without
+        making it (nothing allocated, the session's plan and limit as they were; PlanError as
+        resize's when the limit cannot be met)."""
+        batch, steps = _batch_steps(batch, steps)
         with self._turn():
-            chunk = self.chunk
+            chunk = self._chunk
             try:
                 if memory_limit is not None:
-                    self.chunk = self._largest_chunk(batch, steps, int(memory_limit),
-                                                     not return_sequences)  # fmt: skip
-                return plan(self.buffers(*self._key(batch, steps, return_sequences))).total
+                    self._chunk = self._largest_chunk(batch, steps, int(memory_limit),
+                                                      not return_sequences)  # fmt: skip
+                return plan(self.buffers(*self._key(batch, steps, return_sequences)))
             finally:
-                self.chunk = chunk
+                self._chunk = chunk
 
     def _largest_chunk(self, batch: int, steps: int, limit: int, discard: bool,
-                       cap: int | None = None) -> int:  # fmt: skip
-        """The largest chunk (<= ``cap``) whose plan fits ``limit``; PlanError naming what the
-        smallest possible plan needs (final-states-only runs' buffers included)."""
+                       cap: int | None = None, upto: int | None = None) -> int | None:  # fmt: skip
+        """The chunk for runs of ``batch`` x ``steps`` within ``limit``: the largest (<= ``cap``,
+        searched up to ``upto`` steps, the limited resize's: a short run, a stream's one step,
+        must not shrink the chunk of the long runs after it) whose plan fits; PlanError naming
+        what the smallest possible plan needs (final-states-only runs' buffers included)."""
 
-        def need(t: int) -> int:
+        def need(t: int) -> int:  # the plan of such a run with chunk t
+            t = min(t, steps)
             staged = t < steps and self.spec.batch_first
             return plan(self.buffers(batch, t, staged, discard)).total
 
@@ -614,13 +642,16 @@ class Session:
                     f"{need(steps)} bytes of arena for N={batch}, T={steps}; "
                     f"memory_limit={limit}"
                 )
-            return steps
+            return self._chunk  # (ignored: such a stack runs whole)
         if need(1) > limit:
             raise PlanError(
                 f"[Session.resize] even one step needs {need(1)} bytes of arena for N={batch}; "
                 f"memory_limit={limit}"
             )
-        lo, hi = 1, min(steps, cap or steps)  # largest t that fits: plans grow with t
+        top = min(max(steps, upto or steps), cap or max(steps, upto or steps))
+        if need(top) <= limit:  # the whole run fits: the chunk stays as long as allowed
+            return top
+        lo, hi = 1, min(top, steps) - 1  # largest t that fits: plans grow with t
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if need(mid) <= limit:
@@ -630,7 +661,7 @@ class Session:
         return lo
 
     def _allocate(self, nbytes: int, name: str) -> None:
-        limit = None if self._limit is None else self._limit[0]
+        limit = None if self._limit is None else self._limit.nbytes
         if self.pool is not None:
             self._arena = self.pool.acquire(nbytes, name, self, limit)
             self._gen = self.pool.generation
@@ -642,7 +673,9 @@ class Session:
 
     def _drop_views(self) -> None:
         """Let go of the arena and everything viewing it (its pool is replacing it); the next
-        run plans again. Called with the session's (its pool's) lock held."""
+        run plans again. Called with the session's (its pool's) lock held. A stream's bound
+        step is dropped too; one that a feed binds just after (outside the lock) keeps the old
+        arena until that stream's next feed finds it stale (_step_valid) and binds anew."""
         self._key_now = ()
         self._gen = -1
         self._arena = None
@@ -1100,7 +1133,8 @@ class Session:
         from .stream import Stream
 
         st = Stream(self, batch)
-        self._streams.add(st)
+        with self._turn():  # _drop_views walks the set under the same lock
+            self._streams.add(st)
         return st
 
     def __repr__(self) -> str:

@@ -267,15 +267,16 @@ def _copy_rest(src: PackedWeights, dst: PackedWeights) -> None:
 BF16_OVERFLOW = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
 
 
-def _check_bf16_range(w: np.ndarray) -> None:
+def _check_bf16_range(w: np.ndarray, op: str) -> None:
     """Refuse finite weights that bfloat16 would round to infinity (|w| >= 3.3961e38): an inf
-    weight times a zero activation term is NaN, on some paths and not others."""
-    with np.errstate(invalid="ignore"):
-        over = np.abs(w) >= BF16_OVERFLOW
-    if over.any() and np.isfinite(w[over]).any():
-        raise WeightsError(f"[quantize] weights as large as {np.abs(w[over]).max():.4g} are past "
-                           f"bfloat16's range (< {BF16_OVERFLOW:.5g}): they would round to "
-                           "infinity. Keep this model float32, or use int8")  # fmt: skip
+    weight times a zero activation term is NaN, on some paths and not others. Two reductions,
+    no temporaries (mixed-precision training checks its master weights after every update);
+    fmax/fmin pass over NaN, and an infinity is the weights' own."""
+    hi, lo = float(np.fmax.reduce(w, axis=None)), float(np.fmin.reduce(w, axis=None))
+    big = max((v for v in (hi, -lo) if np.isfinite(v)), default=0.0)
+    if big >= BF16_OVERFLOW:
+        raise WeightsError(f"[{op}] weights as large as {big:.4g} are past bfloat16's range "
+                           f"(< {BF16_OVERFLOW:.5g}): they would round to infinity")  # fmt: skip
 
 
 def dot_exact_inputs(qmax: int = DOT_QMAX) -> int:
@@ -287,19 +288,20 @@ def dot_exact_inputs(qmax: int = DOT_QMAX) -> int:
 def _check_dot_inputs(spec: RNNSpec, qmax: int, op: str) -> None:
     """Refuse int8-dynamic weights for a layer wider than its int32 sums hold exactly."""
     most = dot_exact_inputs(qmax)
+    wider = "" if qmax != DOT_QMAX else (
+        f"; {dot_exact_inputs(DOT_NARROW_QMAX)} with reduce_range=True")  # fmt: skip
     for layer in range(spec.num_layers):
         for what, k in (("inputs", spec.layer_input_size(layer)), ("outputs", spec.output_size)):
             if k > most:
                 raise DTypeError(
-                    f"[{op}] layer {layer} has {k} {what}; int8-dynamic sums its 8-bit products "
-                    f"in int32, exactly up to {most} per product ({dot_exact_inputs(DOT_NARROW_QMAX)}"
-                    " with reduce_range=True): past that the sums wrap around. Use int8 or bf16 "
-                    "for this model"
+                    f"[{op}] layer {layer} has {k} {what}; int8-dynamic sums its products of "
+                    f"{qmax}-bounded weight codes in int32, exactly up to {most} per product"
+                    f"{wider}: past that the sums wrap around. Use int8 or bf16 for this model"
                 )
 
 
 def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None = None,
-                    reduce_range: bool = False) -> PackedWeights:  # fmt: skip
+                    reduce_range: bool = False, op: str = "quantize") -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
     PRECISIONS; "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the
     panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would
@@ -338,7 +340,7 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
             for name in _PANELS:
                 src, dst = getattr(ps, name), getattr(pd, name)
                 if panel_format(precision) == "bf16":
-                    _check_bf16_range(src)
+                    _check_bf16_range(src, op)
                     dst[...] = bf16_panel(src)
                 elif precision == "int8-dynamic":
                     dst[...] = dot_panel(src, DOT_NARROW_QMAX if reduce_range else DOT_QMAX)

@@ -438,7 +438,8 @@ class Trainer:
         if autocast is None:
             return self.weights
         if self._bf16_version != self._version:
-            self._bf16 = quantize_packed(self.weights, "bf16", out=self._bf16)
+            self._bf16 = quantize_packed(self.weights, "bf16", out=self._bf16,
+                                         op="Trainer (autocast)")  # fmt: skip
             self._bf16_version = self._version
         return self._bf16 if autocast == "bf16" else same_panels(self._bf16, autocast)
 
@@ -537,7 +538,9 @@ class Trainer:
         # is read in place when it is already laid out so (the tape keeps a reference); else a
         # copy in the arena, counted by the segment a memory limit picks
         stage = spec.batch_first or not x.flags.c_contiguous
-        S = self._segment(T, N, stage)
+        # the trainer's own dropout masks, planned in the arena only when it draws them
+        draw = bool(masks is None and self._draws())
+        S = self._segment(T, N, stage, draw)
         recompute = (self.recompute or self.memory_limit is not None) and S < T
         if masks is not None:
             if not self.dropout or len(masks) != L - 1:
@@ -546,11 +549,10 @@ class Trainer:
             DK = D * K
             masks = [(_check.array(op, "masks", m, dt, (T * N, DK), ("T*N", "D*K")), None)
                      for m in masks]  # fmt: skip
-        draw = masks is None and self.training and self.dropout and L > 1
         # Every check is above this line: from here the shared arena is overwritten, so the
         # live tape in it (if any) is stale from now on, and only then.
         mode = self.autocast
-        mem = self._memory(N, T, S, recompute, own_memory, stage, mode)
+        mem = self._memory(N, T, S, recompute, own_memory, stage, mode, draw)
         if mem["_arena"] is self._arena:
             self._serial += 1
         if draw:
@@ -596,16 +598,22 @@ class Trainer:
         yout = np.ascontiguousarray(yv.transpose(1, 0, 2)) if spec.batch_first else yv
         return Tape(self, yout, h_n, c_n, saved)
 
-    def _segment(self, T: int, N: int, stage: bool | None = None) -> int:
+    def _draws(self) -> bool:
+        """Whether a forward without ``masks=`` draws dropout masks (training mode, dropout on,
+        two layers or more)."""
+        return bool(self.training and self.dropout and self.spec.num_layers > 1)
+
+    def _segment(self, T: int, N: int, stage: bool | None = None, draw: bool = False) -> int:
         """``stage``: x is copied into the arena (batch-first or non-contiguous input; default:
-        batch-first), which a memory limit counts."""
+        batch-first); ``draw``: the dropout masks are drawn into it. A memory limit counts
+        both."""
         stage = self.spec.batch_first if stage is None else stage
         if self.memory_limit is not None:
             # the search plans a few dozen segment lengths (~20 ms): once per step shape
-            key = (N, T, self.memory_limit, self.autocast, stage)
+            key = (N, T, self.memory_limit, self.autocast, stage, draw)
             S = self._limited.get(key)
             if S is None:
-                S = self._limited_segment(T, N, stage)
+                S = self._limited_segment(T, N, stage, draw)
                 if len(self._limited) >= _PLANS_KEPT:
                     self._limited.clear()
                 self._limited[key] = S
@@ -647,17 +655,22 @@ class Trainer:
             out.append((kept, scale))
         return out
 
-    def plan(self, batch: int, steps: int, staged: bool | None = None) -> dict:
+    def plan(self, batch: int, steps: int, staged: bool | None = None,
+             masks: bool = False) -> dict:  # fmt: skip
         """What a training step of ``batch`` x ``steps`` will use: its segment length, whether it
         recomputes, the arena (reserve + scratch; ``plan``: the planner's placements, their op
         indices named by ``ops``, ``lifetimes`` in words) and the boundary states, in bytes
         (``checkpoint_bytes``: 0 when they live in dx's not yet written rows). ``staged``:
         whether x is copied into the arena — batch-first input, or time-major input that is
-        not C-contiguous (a view such as x.transpose(1, 0, 2)); default: batch-first."""
+        not C-contiguous (a view such as x.transpose(1, 0, 2)); default: batch-first.
+        ``masks``: the step is given its dropout masks (``forward(masks=)``, as leanrnn.torch
+        does); by default the trainer draws them (in training mode with dropout) into the
+        arena."""
         stage = self.spec.batch_first if staged is None else bool(staged)
-        S = self._segment(steps, batch, stage)
+        draw = not masks and self._draws()
+        S = self._segment(steps, batch, stage, draw)
         recompute = (self.recompute or self.memory_limit is not None) and S < steps
-        p = plan(self._buffers(batch, steps, S, recompute, stage, self.autocast)[0])
+        p = plan(self._buffers(batch, steps, S, recompute, stage, self.autocast, draw)[0])
         arena = p.total
         ops = self._ops()
 
@@ -710,29 +723,32 @@ class Trainer:
             return 0
         return -(-T // S) * self._boundary_floats(N) * self.dtype.itemsize
 
-    def _need(self, N: int, T: int, S: int, recompute: bool, stage: bool | None = None) -> int:
+    def _need(self, N: int, T: int, S: int, recompute: bool, stage: bool | None = None,
+              draw: bool = False) -> int:  # fmt: skip
         """Bytes of a step of N x T in segments of S: arena + boundary states (the same count
-        that ``memory_limit`` is held to and that its errors report). ``stage``: as _segment."""
+        that ``memory_limit`` is held to and that its errors report). ``stage``, ``draw``: as
+        _segment."""
         stage = self.spec.batch_first if stage is None else stage
-        need = plan(self._buffers(N, T, S, recompute, stage, self.autocast)[0]).total
+        need = plan(self._buffers(N, T, S, recompute, stage, self.autocast, draw)[0]).total
         return need + self._checkpoint_bytes(N, T, S)
 
-    def _limited_segment(self, T: int, N: int, stage: bool) -> int:
+    def _limited_segment(self, T: int, N: int, stage: bool, draw: bool = False) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
         longest recomputed segment that fits (arena + boundary states; PlanError if none)."""
         limit = int(self.memory_limit)
-        if self._need(N, T, T, False, stage) <= limit:
+        if self._need(N, T, T, False, stage, draw) <= limit:
             return T
         if self.spec.direction != "forward":
             raise PlanError(
                 f"[Trainer] a {self.spec.direction} stack stores the whole sequence: "
-                f"{self._need(N, T, T, False, stage)} bytes for N={N}, T={T}; memory_limit={limit}"
+                f"{self._need(N, T, T, False, stage, draw)} bytes for N={N}, T={T}; "
+                f"memory_limit={limit}"
             )
 
         def longest(lo: int, hi: int) -> int:  # need(lo) fits and need grows over [lo, hi]
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self._need(N, T, mid, True, stage) <= limit:
+                if self._need(N, T, mid, True, stage, draw) <= limit:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -747,7 +763,7 @@ class Trainer:
             while lo < fit:  # the exact shortest one, between the last miss and fit
                 mid = (lo + fit) // 2
                 lo, fit = (lo, mid) if self._boundaries_fit(N, T, mid) else (mid + 1, fit)
-            if self._need(N, T, fit, True, stage) <= limit:
+            if self._need(N, T, fit, True, stage, draw) <= limit:
                 return longest(fit, T - 1)
         # Below it, bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the
         # minimum. Where the minimum lies depends on how the per-step buffers (a) weigh against
@@ -756,21 +772,24 @@ class Trainer:
         # GEMMs).
         top = T - 1 if fit is None else fit - 1
         grid = sorted({int(s) for s in np.unique(np.geomspace(1, max(top, 1), 48).round())})
-        needs = {S: self._need(N, T, S, True, stage) for S in grid}
+        needs = {S: self._need(N, T, S, True, stage, draw) for S in grid}
         best = min(needs, key=needs.get)
         if needs[best] > limit:
             raise PlanError(
                 f"[Trainer] even recomputing segments of {best} steps (the least memory) needs "
                 f"{needs[best]} bytes for N={N}, T={T}; memory_limit={limit}: lower the batch "
-                "or raise the limit"
-                + (
-                    ""
-                    if not stage or self.spec.batch_first
-                    else f" (x is not C-contiguous: its copy takes {T * N * self.spec.input_size * self.dtype.itemsize} "
-                    "of them; a C-contiguous time-major x is read in place)"
-                )
+                "or raise the limit" + self._staged_hint(stage, T, N)
             )
         return longest(best, top)
+
+    def _staged_hint(self, stage: bool, T: int, N: int) -> str:
+        """What a memory limit's error adds where the caller's x is copied for no layout's
+        sake (time-major but not C-contiguous): the copy's bytes, and how to avoid it."""
+        if not stage or self.spec.batch_first:
+            return ""
+        nbytes = T * N * self.spec.input_size * self.dtype.itemsize
+        return (f" (x is not C-contiguous: its copy takes {nbytes} of them; a C-contiguous "
+                "time-major x is read in place)")  # fmt: skip
 
     def _ops(self) -> list[str]:
         """Names of the plan's op indices: the forward, backward's replay of a segment, then
@@ -782,7 +801,7 @@ class Trainer:
         return ops
 
     def _buffers(self, N: int, T: int, S: int, recompute: bool, stage_x: bool = True,
-                 autocast: str | None = None):  # fmt: skip
+                 autocast: str | None = None, draw: bool = False):  # fmt: skip
         """The reserve and the scratch of a step of N x T (segments of S) as planner Buffers
         with lifetimes (op indices as ``_ops`` names them), and their shapes. ``stage_x``: a
         time-major copy of x (batch-first or non-contiguous input); ``autocast``: the forward's
@@ -836,7 +855,7 @@ class Trainer:
                 add(f"y.{layer}", (pre + RN, D * K), 0, end if held else gemm)
                 if self.dropout:
                     add(f"xd.{layer}", (RN, D * K), 0, end if held else ops(layer + 1)[1])
-                    # the step's drawn mask (a byte per value: _draw_masks), held to the end
+                if draw:  # the step's drawn mask (a byte per value: _draw_masks), to the end
                     add(f"mask.{layer}", (T * N, D * K), 0, end, np.uint8)
                 # written by the dx GEMM of the layer above, read by this layer's step loop
                 add(f"dy.{layer}", (RN, D * K), ops(layer + 1)[2] if D == 1 else first(layer + 1),
@@ -855,7 +874,7 @@ class Trainer:
                 add(f"dxd.{layer}", (RN, spec.layer_input_size(layer)), loop, dx)
         # forward scratch (one op at a time; recomputing, backward replays the forward too)
         fl = 1 if recompute else 0
-        if self.dropout and L > 1:  # uniforms for the masks, a block at a time (_draw_masks)
+        if draw:  # uniforms for the masks, a block at a time (_draw_masks)
             add("u", (max(1, _MASK_BLOCK // (8 * D * K)), D * K), 0, 0, np.float64)
         add("h.a", (N, w.Kp), 0, fl)
         add("h.b", (N, w.Kp), 0, fl)
@@ -922,29 +941,33 @@ class Trainer:
         return min(w.Gp, max(1, cols // Wd) * Wd)
 
     def _memory(self, N: int, T: int, S: int, recompute: bool, own: bool, stage_x: bool,
-                autocast: str | None = None) -> dict:  # fmt: skip
+                autocast: str | None = None, draw: bool = False) -> dict:  # fmt: skip
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
         scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
         per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
-        key = (N, T, S, recompute, stage_x, autocast, self._native_gemm())
+        key = (N, T, S, recompute, stage_x, autocast, draw, self._native_gemm())
         made = self._plans.get(key)
         if made is None:
             if len(self._plans) >= _PLANS_KEPT:
                 self._plans.clear()
-            bufs, shapes = self._buffers(N, T, S, recompute, stage_x, autocast)
+            bufs, shapes = self._buffers(N, T, S, recompute, stage_x, autocast, draw)
             made = self._plans[key] = (plan(bufs), shapes)
         p, shapes = made
         spec = self.spec
         if own:
             # a released tape's arena when one is big enough: fresh pages cost a page fault
             # each, ~1 ms per 4 MiB
-            arena = next((a for a in self._spare if a.nbytes >= p.total), None)
+            most = self.memory_limit  # (a spare over the limit would hold more than it)
+            arena = next((a for a in self._spare
+                          if a.nbytes >= p.total and (most is None or a.nbytes <= most)), None)  # fmt: skip
             if arena is not None:
                 self._spare.remove(arena)
             else:
                 arena = Arena(p.total, name="tape")
         else:
-            if self._arena is None or self._arena.nbytes < p.total:
+            held = self._arena.nbytes if self._arena is not None else 0
+            most = self.memory_limit
+            if self._arena is None or held < p.total or (most is not None and held > most):
                 self._arena = None
                 self._arena = Arena(p.total, name=f"train[{spec.cell} N={N} T={T}]")
             arena = self._arena

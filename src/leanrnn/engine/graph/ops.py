@@ -135,12 +135,12 @@ _NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.uint8, np.u
 def _typed(ctx, node: Node, dt: np.dtype) -> None:
     """Refuse a dtype outside the ONNX type constraint of an arithmetic op (numpy would run
     it: Add of bools as a logical or, Neg of uint8 wrapping around). Add/Sub/Mul/Div and Relu
-    take 8- and 16-bit integers from opset 14, MatMul never; Neg takes signed types only; Relu
-    before opset 14 floats only. onnxruntime refuses such graphs at load too."""
+    take 8- and 16-bit integers from opset 14, MatMul and Gemm never; Neg takes signed types
+    only; Relu before opset 14 floats only. onnxruntime refuses such graphs at load too."""
     op, narrow = node.op, dt in _NARROW_INTS
     bad = (
         dt.kind not in "iuf"
-        or (op == "MatMul" and narrow)
+        or (op in ("MatMul", "Gemm") and narrow)
         or (op in ("Add", "Sub", "Mul", "Div") and narrow and ctx.opset < 14)
         or (op == "Neg" and dt.kind == "u")
         or (op == "Relu" and dt.kind != "f" and (ctx.opset < 14 or dt.kind == "u"))
@@ -376,6 +376,7 @@ def _matmul_run(ctx, node, ins, outs, metas, tmp):
 def _gemm_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 3)
     dt = _same_dtype(node, ins)
+    _typed(ctx, node, dt)
     A, Bm = ins[0].shape, ins[1].shape
     if len(A) != 2 or len(Bm) != 2:
         _fail(node, f"A is {list(A)}, B is {list(Bm)}; Gemm needs 2-D A and B")

@@ -10,9 +10,10 @@ Activations are quantized to uint8 as onnxruntime's ``GetQuantizationParameter``
 round_half_even(clamp(-min / scale, 0, 255))``, ``q = clamp(round_half_even(x / scale), -zp,
 255 - zp) + zp`` where a NaN quotient clamps to the low end (SSE ``maxps`` keeps its second
 operand), i.e. quantizes to 0. NaN is left out of the range, as onnxruntime's min/max leave it
-out wherever it is not the last element (there its scale comes out NaN, all codes 0). Integer products accumulate exactly (in a float32 GEMM while
-its bound allows, else in float64, which holds every sum of K < 2**37 products of 8-bit values)
-and wrap to int32 as onnxruntime's int32 accumulators do.
+out wherever it is not the last element (there its scale comes out NaN, all codes 0).
+Integer products accumulate exactly (in a float32 GEMM while its bound allows, else in
+float64, which holds every sum of K < 2**37 products of 8-bit values) and wrap to int32 as
+onnxruntime's int32 accumulators do.
 The float results are ``float32(acc) * float32(a_scale * b_scale) + bias``, onnxruntime's
 output processor. Each op's ``run`` computes into the arena views it is handed (outputs and
 ``scratch`` buffers); nothing here allocates at run time beyond a few scalars.
@@ -368,7 +369,8 @@ def dequantize_linear(x, scale, zp, out, diff) -> None:
 def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
     x, scale = ins[0], ins[1]
     zp = _zp_or_zero(_opt(ins, 2), x.dtype)
-    if scale.ndim == 1 and x.ndim > 1:  # per axis (or [1]): along `axis`
+    if scale.ndim == 1 and scale.size > 1 and x.ndim > 1:  # per axis: along `axis` (a
+        # one-element scale is per tensor, whatever axis says, as onnxruntime reads it)
         from .ops import _axis
 
         axis = _axis(node, node.attrs.get("axis", 1), x.ndim)

@@ -80,6 +80,7 @@ class GraphSession:
             and ((loaded.threads or config.get_num_threads()) > 1)
         )
         self._key = None
+        self._limit: int | None = None  # the last resize's memory_limit (runs re-plan within it)
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self.resize_constant_bytes = 0
@@ -142,7 +143,9 @@ class GraphSession:
 
     def _resize(self, metas_in: dict, memory_limit: int | None) -> Plan:
         try:
-            return self._resize_checked(metas_in, memory_limit)
+            p = self._resize_checked(metas_in, memory_limit)
+            self._limit = memory_limit  # kept for the runs of other shapes, as a Session's
+            return p
         except BaseException:
             # refused (or failed) part way: the next run plans again from scratch, so a
             # half-made plan (an RNN session resized, the other not) is never run
@@ -231,6 +234,17 @@ class GraphSession:
         # A memory limit holds both arenas: the RNN nodes plan within what the graph's leaves
         # (forward ones chunk to fit, as Session.resize(memory_limit=) does).
         rnn_limit = None if limit is None else limit - p.total
+        if limit is not None:
+            loose = [
+                n.name for n, _, _ in steps if n.op in RNN_OPS and n.name not in self._sessions
+            ]
+            if loose:
+                raise PlanError(
+                    f"[GraphSession.resize] RNN nodes {loose[:4]} have weights computed per run "
+                    "(graph inputs or computed tensors, packed per run with sessions of their "
+                    "own): their memory is outside any plan, so a memory_limit cannot hold it; "
+                    "make their weights initializers, or plan without a limit"
+                )
         fresh_bytes = sum(metas[r].nbytes for r in layout[0])
         rnn = []
         rnn_bytes = 0
@@ -247,7 +261,7 @@ class GraphSession:
                             f"[GraphSession.resize] the graph's arena takes {p.total} bytes of "
                             f"memory_limit={limit}: none is left for RNN node {node.name!r}"
                         )
-                    rnn_bytes = max(rnn_bytes, sess.planned_bytes(N, T, seq, rnn_limit))
+                    rnn_bytes = max(rnn_bytes, sess.planned(N, T, seq, rnn_limit).total)
         total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes
         check_fits(
             total,
@@ -261,7 +275,8 @@ class GraphSession:
             return {"plan": p, "arena_bytes": p.total, "rnn_arena_bytes": rnn_bytes,
                     "shape_constant_bytes": extra + pending_bytes}  # fmt: skip
         flush()
-        views = self._allocate_arena(p, layout, limit)
+        # a held arena over what the limit leaves beside the RNN nodes' is let go
+        views = self._allocate_arena(p, layout, None if limit is None else limit - rnn_bytes)
         for sess, N, T, seq in rnn:
             sess.resize(N, T, memory_limit=rnn_limit, return_sequences=seq)
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
@@ -332,12 +347,12 @@ class GraphSession:
                 shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
         return p, (fresh, root, inplace, shapes)
 
-    def _allocate_arena(self, p: Plan, layout, limit: int | None = None) -> dict[str, np.ndarray]:
+    def _allocate_arena(self, p: Plan, layout, cap: int | None = None) -> dict[str, np.ndarray]:
         """Take the arena ``p`` needs (reusing the current one when it is large enough, and
-        not over ``limit``) and make every planned view; the layout becomes the session's."""
+        not over ``cap`` bytes) and make every planned view; the layout becomes the session's."""
         fresh, root, inplace, shapes = layout
         held = self._arena.nbytes if self._arena is not None else 0
-        if self._arena is None or held < p.total or (limit is not None and held > limit):
+        if self._arena is None or held < p.total or (cap is not None and held > cap):
             self._arena = None  # drop the old arena before taking the new one
             self._arena = Arena(p.total, name=f"graph arena[{self.loaded.graph.name}]")
         views = {}
@@ -414,8 +429,8 @@ class GraphSession:
         metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
         with self._lock():
             key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
-            if key != self._key:
-                self._resize(metas_in, None)
+            if key != self._key:  # another shape: planned within the last resize's limit
+                self._resize(metas_in, self._limit)
             if not self._blas_alone:
                 return self._execute(feeds, times)
             with blas_controller().limit(limits=1, user_api="blas"):
