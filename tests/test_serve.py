@@ -364,7 +364,7 @@ def test_bad_input_clear_errors_other_streams_unaffected(server):
     code, data = raw_post(server, "/v2/models/nope/infer", json.dumps({"inputs": [good]}).encode())
     assert code == 404 and "unknown model 'nope'" in json.loads(data)["error"]
     feed_live()
-    # through the clients: wrong dtype, unknown and doubly started sequences, both protocols
+    # through the clients: wrong dtype and unknown sequences, both protocols
     for mod, c in ((hmod, hc), (gmod, gc)):
         i = mod.InferInput("x", [2, 3], "FP64")
         i.set_data_from_numpy(np.zeros((2, 3)))
@@ -372,8 +372,6 @@ def test_bad_input_clear_errors_other_streams_unaffected(server):
             c.infer("lstm", [i])
         with pytest.raises(InferenceServerException, match="sequence 'ghost' is not live"):
             infer(mod, c, "lstm", x[:1], sequence_id="ghost")
-        with pytest.raises(InferenceServerException, match="sequence 'live' of model 'lstm', whic"):
-            infer(mod, c, "lstm", x[:1], sequence_id="live", sequence_start=True)
         with pytest.raises(InferenceServerException, match="unknown model"):
             infer(mod, c, "nope", x[:1])
         feed_live()

@@ -60,7 +60,7 @@ class ModelInfo:
     inputs: dict[str, Tensor]
     outputs: dict[str, Tensor]
     idle_timeout: float
-    max_batch: int
+    max_streams: int
     cell: str
 
     @classmethod
@@ -72,7 +72,7 @@ class ModelInfo:
             ins["c0"] = Tensor("c0", (L, H), optional=True)
             outs["c_n"] = Tensor("c_n", (L, H))
         return cls(lane.name, DATATYPES[lane.dtype], lane.dtype, ins, outs, lane.idle_timeout,
-                   lane.max_batch, lane.spec.cell)  # fmt: skip
+                   lane.max_streams, lane.spec.cell)  # fmt: skip
 
     def metadata(self) -> dict:
         def t(x: Tensor) -> dict:
@@ -106,7 +106,9 @@ class ModelInfo:
             "sequence_batching": {
                 # a uint64 in Triton's ModelConfig (1e14 s failed gRPC's ModelConfig)
                 "max_sequence_idle_microseconds": min(int(self.idle_timeout * 1e6), 2**64 - 1),
-                "oldest": {"max_candidate_sequences": self.max_batch},
+                # the live sequences it holds (--max-streams; past them a new one is refused
+                # with 429, where Triton's backlog would queue it)
+                "oldest": {"max_candidate_sequences": self.max_streams},
             },
             "parameters": {"cell": {"string_value": self.cell}},
         }
@@ -147,7 +149,9 @@ def flag(params: dict, key: str, default: bool, whose: str = "") -> bool:
 
 def sequence(params: dict) -> tuple[tuple, bool, bool]:
     """(key, start, end) from the request parameters. A request without a sequence_id (or with
-    0 or "", as Triton) is a sequence of its own: it starts and ends with this request."""
+    0 or "", Triton's "no sequence") is a sequence of its own: it starts and ends with this
+    request (Triton refuses such a request to a sequence model; this server lets a stateless
+    call through)."""
     sid = params.get("sequence_id")
     start, end = flag(params, "sequence_start", False), flag(params, "sequence_end", False)
     # bool first: False == 0, and "sequence_id": false must be refused as true is

@@ -256,6 +256,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if closed:  # the client went while it computed: nobody to send it to
                 release()
                 return
+            # One answer per request, its last: Triton marks every stream answer so, and its
+            # clients wait for the mark to know a request is complete
+            res.infer_response.parameters["triton_final_response"].bool_param = True
             n = res.ByteSize()
             account(0, n - cost)  # the answer now, in place of the request
             out.put_nowait((res, n, release))

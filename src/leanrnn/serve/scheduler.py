@@ -275,14 +275,16 @@ class Lane:
         s = self.seqs.get(key)
         name = self.name
         if start:
-            # A start on an id whose sequence_end is queued is a new sequence (Triton's
-            # semantics): it takes its own slot now, and the ending one finishes on its own.
+            # A start on a live id begins a new sequence, as Triton's sequence batcher does (it
+            # "terminates the old one early"): the old one's queued steps still run, in order,
+            # its last one now ending it; with none queued its slot is free at once. (A client
+            # that restarts, or resets its state with a start, is not locked out of its id
+            # until the idle timeout.) A start after a queued sequence_end is the same case.
             if s is not None and not s.ending:
-                raise SequenceError(
-                    f"[infer] sequence_start for sequence {describe(key)} of model {name!r}, "
-                    f"which is live ({s.steps} steps so far); expected a new sequence_id; end "
-                    "that sequence first (sequence_end) or start another id"
-                )
+                if s.queue:
+                    s.queue[-1].end = s.ending = True
+                else:
+                    self._release(s)
             if not self.free:
                 what = (
                     "a request without a sequence_id (a sequence of its own) was not run"
