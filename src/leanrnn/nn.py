@@ -325,6 +325,9 @@ class Model:
         torch only here)."""
         spec, sd = torch_format.from_torch_module(module)
         dtype = dtype or sd["weight_ih_l0"].dtype
+        if np.dtype(dtype) == np.float16:
+            raise DTypeError("[from_torch] the module's weights are float16; leanrnn computes "
+                             "in float32 or float64: pass dtype=np.float32")  # fmt: skip
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
         target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell]
         return target._from_packed(weights)
@@ -334,6 +337,8 @@ def _to_numpy(v) -> np.ndarray:
     if isinstance(v, np.ndarray):
         return v
     if hasattr(v, "detach"):  # a torch tensor; no torch import needed
+        if str(v.dtype) == "torch.bfloat16":  # no numpy dtype: float32's values, exactly
+            v = v.float()
         return v.detach().cpu().numpy()
     return np.asarray(v)
 

@@ -904,7 +904,11 @@ class _RNNBase(torch.nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the dropout/num_layers warning: torch's said it
             m = cls(module.input_size, module.hidden_size, **kw)
-        m.load_state_dict(module.state_dict())
+        # the weights it computes with, by torch's own list: parametrized ones (weight_norm)
+        # resolved, a subclass's child modules left out (its state_dict holds both)
+        names = getattr(module, "_flat_weights_names", None) or list(module.state_dict())
+        with torch.no_grad():
+            m.load_state_dict({k: getattr(module, k).detach() for k in names})
         m.train(module.training)
         if ours:
             m.autocast_mode = getattr(module, "autocast_mode", "bf16")
@@ -1129,11 +1133,13 @@ class RNN(_RNNBase):
 
 
 def from_module(module: torch.nn.Module) -> _RNNBase:
-    """leanrnn.torch's twin of a torch.nn.LSTM, GRU or RNN (options and weights copied)."""
+    """leanrnn.torch's twin of a torch.nn.LSTM, GRU or RNN, or a copy of one of leanrnn.torch's
+    own (options and weights copied)."""
     for twin, cls in ((LSTM, torch.nn.LSTM), (GRU, torch.nn.GRU), (RNN, torch.nn.RNN)):
-        if isinstance(module, cls):
+        if isinstance(module, cls | twin):
             return twin.from_module(module)
+    t = type(module)
     raise WeightsError(
-        f"[leanrnn.torch.from_module] got {type(module).__name__}; expected torch.nn.LSTM, GRU "
-        "or RNN"
+        f"[leanrnn.torch.from_module] got {t.__module__}.{t.__qualname__}; expected "
+        "torch.nn.LSTM, GRU or RNN (a model holding one: pass that submodule)"
     )

@@ -78,8 +78,8 @@ def add_state_dict_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-first", action="store_const", const=True, default=None,
                    help="the module was built with batch_first=True: inputs are [N, T, C]")  # fmt: skip
     g.add_argument("--dtype", choices=("float32", "float64"),
-                   help="convert the weights to this dtype (needed for float16 or bfloat16 "
-                   "state dicts; default: as stored)")  # fmt: skip
+                   help="convert the weights to this dtype (needed for float16 state dicts; "
+                   "bfloat16 ones load as float32, exactly; default: as stored)")  # fmt: skip
 
 
 def load_options(args) -> dict:

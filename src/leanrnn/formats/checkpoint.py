@@ -225,6 +225,11 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"[{op}] {path!r} holds a {type(obj).__name__}; expected a state "
             "dict (save module.state_dict(), not the module)"
         )
+    # Training checkpoints nest the state dict ({"epoch": 5, "model_state_dict": sd,
+    # "optimizer_state_dict": ...}, PyTorch's own tutorial): nested dicts become key prefixes
+    # ("model_state_dict.rnn.weight_ih_l0", which prefix= picks), entries that are not tensors
+    # (numbers, strings, a module's _extra_state) are left out.
+    obj = _tensors_of(obj, path, op)
     # A tensor's shape and strides are declared in the pickle: a stride-0 view of one stored
     # float can declare 2**30 of them. Contiguous tensors become numpy views of the storage
     # torch already read (bounded by check_zip_sizes); only other views are copied, and those
@@ -233,12 +238,6 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     rnn_stored: dict[int, int] = {}  # the storages of the entries an RNN packs, and their views
     copies = viewed = 0
     for k, v in obj.items():
-        if not isinstance(v, torch.Tensor):
-            raise ModelFormatError(
-                f"[{op}] {path!r}: entry {k!r} is a {type(v).__name__}; expected tensors only"
-            )
-        if v.dtype == torch.bfloat16:
-            raise WeightsError(f"[{op}] {path!r}: {k!r} is bfloat16; convert to float32 first")
         # weights_only also unpickles sparse, quantized, nested and meta tensors and float8;
         # their storage and .numpy() raise torch's own errors (a traceback from the CLI)
         kind = _tensor_kind(v, torch)
@@ -274,7 +273,39 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"[{op}] {path!r}: its non-contiguous tensors would copy {copies} bytes out of "
             f"{sum(stored.values())} stored; refusing. Save contiguous tensors (.contiguous())"
         )
-    return {str(k): v.detach().cpu().contiguous().numpy() for k, v in obj.items()}
+    # bfloat16 has no numpy dtype: its values are float32's, exactly (the top 16 bits)
+    return {str(k): (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().contiguous()
+            .numpy() for k, v in obj.items()}  # fmt: skip
+
+
+def _tensors_of(obj: dict, path: str, op: str) -> dict:
+    """The tensors of a (nested) checkpoint dict, by dotted key; at most _NESTING levels and
+    _MAX_ENTRIES entries walked (the pickle is in memory already: this bounds the walk)."""
+    import torch
+
+    out: dict = {}
+    walked = 0
+    stack = [("", obj, 0)]
+    while stack:
+        prefix, d, depth = stack.pop()
+        for k, v in d.items():
+            walked += 1
+            if walked > _MAX_ENTRIES:
+                raise ModelFormatError(f"[{op}] {path!r}: more than {_MAX_ENTRIES} entries; "
+                                       "expected a state dict")  # fmt: skip
+            key = f"{prefix}{k}"
+            if isinstance(v, torch.Tensor):
+                out[key] = v
+            elif isinstance(v, dict) and depth < _NESTING:
+                stack.append((key + ".", v, depth + 1))
+    if not out:
+        raise ModelFormatError(f"[{op}] {path!r} holds no tensors; expected a state dict "
+                               "(save module.state_dict(), not the module)")  # fmt: skip
+    return dict(sorted(out.items()))
+
+
+_NESTING = 4  # dict levels of a training checkpoint walked for tensors
+_MAX_ENTRIES = 1 << 20
 
 
 def _tensor_kind(v, torch) -> str | None:
@@ -349,6 +380,8 @@ def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict
                 f"{others[:8]}; pass prefix={prefix!r} (on the command line: --prefix "
                 f"{prefix}) to load just the RNN"
             )
+    if prefix and not prefix.endswith(".") and any(k.startswith(prefix + ".") for k in sd):
+        prefix += "."  # prefix="rnn" means the module "rnn." (its keys go on after a dot)
     picked = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     if not picked:
         raise WeightsError(

@@ -67,6 +67,9 @@ _ST_DTYPES = {
     "BOOL": np.bool_,
 }
 _ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+# Read only: bfloat16 tensors of other writers' files (Hugging Face's) as their uint16 bits,
+# widened to float32 by read_safetensors (exact); leanrnn writes none.
+_ST_READ_ONLY = {"BF16": np.uint16}
 
 
 # ------------------------------------------------------------------- safetensors: the container
@@ -77,6 +80,7 @@ class _Entry:
     shape: tuple[int, ...]
     begin: int
     end: int
+    bf16: bool = False  # a BF16 tensor read as its uint16 bits (read_safetensors widens it)
 
 
 class _Container:
@@ -123,7 +127,7 @@ class _Container:
         if not isinstance(e, dict):
             raise ModelFormatError(f"[{op}] {path!r}: entry {name!r} is not an object")
         code, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if code not in _ST_DTYPES:
+        if code not in _ST_DTYPES and code not in _ST_READ_ONLY:
             raise ModelFormatError(
                 f"[{op}] {path!r}: tensor {name!r} has dtype {code!r}; expected one of "
                 f"{sorted(_ST_DTYPES)}"
@@ -142,7 +146,7 @@ class _Container:
             raise ModelFormatError(
                 f"[{op}] {path!r}: tensor {name!r} has data_offsets {offs!r}; expected [begin, end]"
             )
-        dtype = np.dtype(_ST_DTYPES[code])
+        dtype = np.dtype(_ST_DTYPES.get(code) or _ST_READ_ONLY[code])
         want = math.prod(shape) * dtype.itemsize  # Python ints: no overflow
         begin, end = offs
         if end < begin or end > self.data_size or end - begin != want:
@@ -151,7 +155,7 @@ class _Container:
                 f"offsets [{begin}, {end}] span {end - begin} of a {self.data_size}-byte data "
                 "section"
             )
-        return _Entry(name, dtype, tuple(shape), begin, end)
+        return _Entry(name, dtype, tuple(shape), begin, end, code == "BF16")
 
     def read_into(self, f, entry_begin: int, buf: np.ndarray) -> None:
         f.seek(self.data_start + entry_begin)
@@ -303,7 +307,11 @@ def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
     """Every tensor of a plain safetensors file, sizes checked against the file first."""
     c = _Container(str(path), op)
     with open(c.path, "rb") as f:
-        return {name: c.array(f, e) for name, e in sorted(c.entries.items())}
+        out = {name: c.array(f, e) for name, e in sorted(c.entries.items())}
+    for name, e in c.entries.items():
+        if e.bf16:  # bfloat16 bits -> float32, exactly
+            out[name] = (out[name].astype(np.uint32) << 16).view(np.float32)
+    return out
 
 
 def read_metadata(path: str, op: str = "load") -> dict[str, str]:

@@ -179,13 +179,29 @@ def from_torch_module(module) -> tuple[RNNSpec, dict[str, np.ndarray]]:
     """(spec, numpy state dict) of a torch.nn.LSTM/GRU/RNN. Imports torch only here."""
     import torch
 
+    if type(module).__module__ == "leanrnn.torch" and hasattr(module, "to_module"):
+        module = module.to_module()  # leanrnn.torch's modules: torch's names and weights
     kinds = {torch.nn.LSTM: "lstm", torch.nn.GRU: "gru", torch.nn.RNN: "rnn"}
     cell = next((c for t, c in kinds.items() if isinstance(module, t)), None)
     if cell is None:
+        t = type(module)
         raise WeightsError(
-            f"[from_torch] got {type(module).__name__}; expected torch.nn.LSTM, GRU or RNN"
+            f"[from_torch] got {t.__module__}.{t.__qualname__}; expected torch.nn.LSTM, GRU or "
+            "RNN (a model holding one: pass that submodule, e.g. model.rnn; a DataParallel or "
+            "torch.compile wrapper: its .module or ._orig_mod; torch's quantized LSTM: load the "
+            "float module and use leanrnn.quantize)"
         )
-    sd = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    # The weights the module computes with, by torch's own list of them: parametrized ones
+    # (weight_norm) resolved, child modules of a subclass left out (its state_dict has both)
+    names = getattr(module, "_flat_weights_names", None)
+    if names:
+        params = {k: getattr(module, k) for k in names}
+    else:
+        params = dict(module.state_dict())
+    sd = {
+        k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
+        for k, v in params.items()
+    }  # fmt: skip  (bfloat16: float32's values, exactly)
     nonlin = getattr(module, "nonlinearity", "tanh")
     spec = infer_spec(sd, cell, nonlin, bool(module.batch_first))
     return spec, sd
