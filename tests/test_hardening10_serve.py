@@ -91,6 +91,22 @@ def test_a_start_on_a_live_sequence_with_steps_queued_lets_them_finish_first():
     assert len(lane.free) == 2 and not lane.seqs  # both slots back
 
 
+def test_a_refused_restart_leaves_the_live_sequence_as_it_was():
+    """A start on a live id that the lane cannot take (every slot in use: 429) ended the old
+    sequence anyway: its next step was refused as 'already has a sequence_end queued'."""
+    from leanrnn.serve.errors import Exhausted
+
+    lane = Lane("g", MODEL, Pool(), threads=1, max_streams=1, max_batch=4, max_chunk=4,
+                idle_timeout=60.0)  # fmt: skip
+    x = _x(3, 7)
+    lane.submit(("i", 5), True, False, x[:1], None, None, False, None, 0.0)
+    with pytest.raises(Exhausted):
+        lane.submit(("i", 5), True, False, x[1:2], None, None, False, None, 0.0)
+    s = lane.seqs[("i", 5)]
+    assert not s.ending and not s.queue[-1].end
+    lane.submit(("i", 5), False, True, x[1:], None, None, False, None, 0.0)  # continues
+
+
 def test_stream_answers_carry_triton_final_response(server):
     """Triton marks every stream answer of a non-decoupled model final; clients that wait for
     the mark (Triton's decoupled loop) waited forever here."""
@@ -126,6 +142,8 @@ def test_an_unknown_route_answers_the_protocols_json_error(server):
             r = conn.getresponse()
             body = json.loads(r.read())
             assert r.status == status and "unsupported" in body["error"], (status, body)
+            if status == 405:
+                assert "POST" in (r.getheader("Allow") or ""), r.getheaders()
     finally:
         conn.close()
     client = th.InferenceServerClient(server["http"])

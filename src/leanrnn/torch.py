@@ -879,7 +879,11 @@ class _RNNBase(torch.nn.Module):
         else:
             m = torch.nn.RNN(self.input_size, self.hidden_size, nonlinearity=self._nonlinearity,
                              **kw)  # fmt: skip
-        m.load_state_dict(self.state_dict())
+        with torch.no_grad():  # (a parametrized or subclassed module's too)
+            weights = torch_format.module_weights(
+                self, f"leanrnn.torch.{type(self).__name__}.to_module"
+            )
+            m.load_state_dict({k: v.detach() for k, v in weights.items()})
         m.train(self.training)
         return m
 
@@ -904,11 +908,11 @@ class _RNNBase(torch.nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the dropout/num_layers warning: torch's said it
             m = cls(module.input_size, module.hidden_size, **kw)
-        # the weights it computes with, by torch's own list: parametrized ones (weight_norm)
-        # resolved, a subclass's child modules left out (its state_dict holds both)
-        names = getattr(module, "_flat_weights_names", None) or list(module.state_dict())
-        with torch.no_grad():
-            m.load_state_dict({k: getattr(module, k).detach() for k in names})
+        with torch.no_grad():  # the weights it computes with (torch_format.module_weights)
+            weights = torch_format.module_weights(
+                module, f"leanrnn.torch.{cls.__name__}.from_module"
+            )
+            m.load_state_dict({k: v.detach() for k, v in weights.items()})
         m.train(module.training)
         if ours:
             m.autocast_mode = getattr(module, "autocast_mode", "bf16")

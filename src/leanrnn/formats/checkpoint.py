@@ -236,7 +236,7 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     # copies may not exceed what the file stores.
     stored: dict[int, int] = {}
     rnn_stored: dict[int, int] = {}  # the storages of the entries an RNN packs, and their views
-    copies = viewed = 0
+    copies = viewed = widened = 0
     for k, v in obj.items():
         # weights_only also unpickles sparse, quantized, nested and meta tensors and float8;
         # their storage and .numpy() raise torch's own errors (a traceback from the CLI)
@@ -256,6 +256,8 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
                 "tensor larger than its storage. Save contiguous tensors (.contiguous())"
             )
         copies += 0 if v.is_contiguous() else n
+        if v.dtype == torch.bfloat16:  # widened to float32 below: a copy of twice the bytes
+            widened += 2 * n
         if _RNN_PARAM.search(str(k)):
             rnn_stored[storage.data_ptr()] = storage.nbytes()
             viewed += n
@@ -268,10 +270,13 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"{sum(rnn_stored.values())} stored (tensors sharing storage); refusing more than "
             f"{MAX_SHARED_VIEWS}x. Save each weight in its own storage (.clone())"
         )
-    if copies > sum(stored.values()):
+    if copies + widened > 2 * sum(stored.values()):
+        # (bfloat16 entries viewing one storage each widen to a copy of their own: a 2 MB
+        # file of 64 names for one tensor asked for 256 MiB)
         raise ModelFormatError(
-            f"[{op}] {path!r}: its non-contiguous tensors would copy {copies} bytes out of "
-            f"{sum(stored.values())} stored; refusing. Save contiguous tensors (.contiguous())"
+            f"[{op}] {path!r}: its non-contiguous and bfloat16 tensors would copy "
+            f"{copies + widened} bytes out of {sum(stored.values())} stored; refusing. Save "
+            "contiguous tensors (.contiguous()), each in its own storage (.clone())"
         )
     # bfloat16 has no numpy dtype: its values are float32's, exactly (the top 16 bits)
     return {str(k): (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().contiguous()
@@ -279,12 +284,15 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
 
 
 def _tensors_of(obj: dict, path: str, op: str) -> dict:
-    """The tensors of a (nested) checkpoint dict, by dotted key; at most _NESTING levels and
-    _MAX_ENTRIES entries walked (the pickle is in memory already: this bounds the walk)."""
+    """The tensors of a (nested) checkpoint dict, by dotted key: dicts _NESTING levels deep at
+    most, each walked once (a pickle can name one dict many times: 32 references a level made
+    a 3 KB file a million entries), _MAX_ENTRIES entries in all, and no two entries under one
+    key ({"rnn.w": a, "rnn": {"w": b}})."""
     import torch
 
     out: dict = {}
     walked = 0
+    seen = {id(obj)}
     stack = [("", obj, 0)]
     while stack:
         prefix, d, depth = stack.pop()
@@ -294,10 +302,18 @@ def _tensors_of(obj: dict, path: str, op: str) -> dict:
                 raise ModelFormatError(f"[{op}] {path!r}: more than {_MAX_ENTRIES} entries; "
                                        "expected a state dict")  # fmt: skip
             key = f"{prefix}{k}"
-            if isinstance(v, torch.Tensor):
-                out[key] = v
-            elif isinstance(v, dict) and depth < _NESTING:
+            if isinstance(v, dict):
+                if id(v) in seen or depth >= _NESTING:
+                    why = "is named twice" if id(v) in seen else f"nests past {_NESTING} levels"
+                    raise ModelFormatError(f"[{op}] {path!r}: the dict at {key!r} {why}; "
+                                           "expected a state dict (or one in a checkpoint dict)")  # fmt: skip
+                seen.add(id(v))
                 stack.append((key + ".", v, depth + 1))
+            elif isinstance(v, torch.Tensor):
+                if key in out:
+                    raise ModelFormatError(f"[{op}] {path!r}: two entries are named {key!r} "
+                                           "(one nested); expected unique names")  # fmt: skip
+                out[key] = v
     if not out:
         raise ModelFormatError(f"[{op}] {path!r} holds no tensors; expected a state dict "
                                "(save module.state_dict(), not the module)")  # fmt: skip

@@ -310,7 +310,9 @@ def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
         out = {name: c.array(f, e) for name, e in sorted(c.entries.items())}
     for name, e in c.entries.items():
         if e.bf16:  # bfloat16 bits -> float32, exactly
-            out[name] = (out[name].astype(np.uint32) << 16).view(np.float32)
+            w = out[name].astype(np.uint32)
+            w <<= 16
+            out[name] = w.view(np.float32)
     return out
 
 
@@ -565,6 +567,10 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
             f"[{op}] {path!r} is a safetensors file without leanrnn metadata; "
             "expected a .lrnn file (or load it as a state dict)"
         )
+    bf16 = sorted(e.name for e in c.entries.values() if e.bf16)
+    if bf16:  # other writers' code, read for state dicts only: leanrnn writes none
+        raise ModelFormatError(f"[{op}] {path!r}: entries {bf16[:4]} are BF16, which .lrnn "
+                               "files never hold (bf16 panels are U16); the file is corrupt")  # fmt: skip
     try:
         version = int(meta.get("version", ""))
     except ValueError:

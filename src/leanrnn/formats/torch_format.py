@@ -9,6 +9,7 @@ linear_before_reset. torch itself is imported only by ``from_torch_module``.
 from __future__ import annotations
 
 import re
+import sys
 
 import numpy as np
 
@@ -175,11 +176,34 @@ def to_state_dict(spec: RNNSpec, layers: list[list[LayerWeights]]) -> dict[str, 
     return sd
 
 
+def module_weights(module, op: str) -> dict:
+    """The weights a torch RNN module computes with, by torch's own list of them
+    (``_flat_weights_names``): parametrized ones (``parametrizations.weight_norm``) resolved,
+    a subclass's child modules left out (its state_dict holds both). A weight that is neither
+    a parameter nor parametrized is a hook's: the old ``torch.nn.utils.weight_norm`` recomputes
+    it before each forward, so it reads as of the last one (one optimizer step stale): refused."""
+    from torch.nn.utils import parametrize
+
+    names = getattr(module, "_flat_weights_names", None) or list(module.state_dict())
+    out = {}
+    for k in names:
+        if k not in module._parameters and not parametrize.is_parametrized(module, k):
+            raise WeightsError(
+                f"[{op}] the module's {k!r} is computed by a hook (the old "
+                "torch.nn.utils.weight_norm's), so it holds the last forward's value: remove it "
+                f"first (torch.nn.utils.remove_weight_norm(module, {k!r})), or use "
+                "torch.nn.utils.parametrizations.weight_norm"
+            )
+        out[k] = getattr(module, k)
+    return out
+
+
 def from_torch_module(module) -> tuple[RNNSpec, dict[str, np.ndarray]]:
     """(spec, numpy state dict) of a torch.nn.LSTM/GRU/RNN. Imports torch only here."""
     import torch
 
-    if type(module).__module__ == "leanrnn.torch" and hasattr(module, "to_module"):
+    lt = sys.modules.get("leanrnn.torch")  # (imported by whoever made such a module)
+    if lt is not None and isinstance(module, lt._RNNBase):
         module = module.to_module()  # leanrnn.torch's modules: torch's names and weights
     kinds = {torch.nn.LSTM: "lstm", torch.nn.GRU: "gru", torch.nn.RNN: "rnn"}
     cell = next((c for t, c in kinds.items() if isinstance(module, t)), None)
@@ -191,13 +215,7 @@ def from_torch_module(module) -> tuple[RNNSpec, dict[str, np.ndarray]]:
             "torch.compile wrapper: its .module or ._orig_mod; torch's quantized LSTM: load the "
             "float module and use leanrnn.quantize)"
         )
-    # The weights the module computes with, by torch's own list of them: parametrized ones
-    # (weight_norm) resolved, child modules of a subclass left out (its state_dict has both)
-    names = getattr(module, "_flat_weights_names", None)
-    if names:
-        params = {k: getattr(module, k) for k in names}
-    else:
-        params = dict(module.state_dict())
+    params = module_weights(module, "from_torch")
     sd = {
         k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
         for k, v in params.items()

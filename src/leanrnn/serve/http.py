@@ -473,7 +473,10 @@ def make_app(core: Core, metrics=None) -> Starlette:
         # the protocol's error body for any route or method the server does not have
         # (Starlette's own is text/plain, which tritonclient fails to parse)
         what = "method" if exc.status_code == 405 else "endpoint"
-        return JSONResponse({"error": f"unsupported {what}: {request.method} {request.url.path}"},
-                            status_code=exc.status_code)  # fmt: skip
+        return JSONResponse(
+            {"error": f"unsupported {what}: {request.method} {request.url.path}"},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )  # fmt: skip  (405's Allow)
 
     return Starlette(routes=routes, exception_handlers={404: not_routed, 405: not_routed})

@@ -108,7 +108,7 @@ class ModelInfo:
                 "max_sequence_idle_microseconds": min(int(self.idle_timeout * 1e6), 2**64 - 1),
                 # the live sequences it holds (--max-streams; past them a new one is refused
                 # with 429, where Triton's backlog would queue it)
-                "oldest": {"max_candidate_sequences": self.max_streams},
+                "oldest": {"max_candidate_sequences": min(self.max_streams, 2**31 - 1)},
             },
             "parameters": {"cell": {"string_value": self.cell}},
         }

@@ -280,12 +280,11 @@ class Lane:
             # its last one now ending it; with none queued its slot is free at once. (A client
             # that restarts, or resets its state with a start, is not locked out of its id
             # until the idle timeout.) A start after a queued sequence_end is the same case.
-            if s is not None and not s.ending:
-                if s.queue:
-                    s.queue[-1].end = s.ending = True
-                else:
-                    self._release(s)
-            if not self.free:
+            # Everything that can refuse comes first: a refused start (429) leaves the old
+            # sequence as it was.
+            old = s if s is not None and not s.ending else None
+            self._check_state(h0, c0)
+            if not self.free and not (old is not None and not old.queue):
                 what = (
                     "a request without a sequence_id (a sequence of its own) was not run"
                     if key[0] == ""  # an internal counter: no id the client knows
@@ -296,7 +295,11 @@ class Lane:
                     f"takes (--max-streams); {what}; retry later, end idle sequences, or raise "
                     "--max-streams"
                 )
-            self._check_state(h0, c0)
+            if old is not None:
+                if old.queue:
+                    old.queue[-1].end = old.ending = True
+                else:
+                    self._release(old)
             slot = self.free.pop()
             try:
                 self.states.put(slot, h0, c0)
@@ -381,7 +384,9 @@ class Lane:
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
         """Outside the lock: one engine call over ``picked``; returns (T, stream-steps). Only
-        the head requests of in-flight sequences are touched, which no other thread changes."""
+        the head requests of in-flight sequences are touched, and only their x, y and pos,
+        which no other thread changes (a restart's submit may set a head's ``end``, which
+        ``finish`` reads, under the lock)."""
         n = len(picked)
         heads = [s.queue[0] for s in picked]
         T = bucket(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
