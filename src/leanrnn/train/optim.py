@@ -125,7 +125,8 @@ class Parameter:
         and dense copies, its outputs and gradients those of a mix of old and new weights).
     """
 
-    __slots__ = ("_grad", "_orphan", "_owner", "_value", "logical_shape", "name", "version")
+    __slots__ = ("_grad", "_orphan", "_owner", "_stale", "_value", "logical_shape", "name",
+                 "version")  # fmt: skip
 
     def __init__(self, value: np.ndarray, grad: np.ndarray | None = None, name: str = "",
                  logical_shape: tuple[int, ...] | None = None) -> None:  # fmt: skip
@@ -135,6 +136,10 @@ class Parameter:
         self.version = 0
         self._owner = None  # weakref.ref to what derives state from value (a Trainer), or None
         self._orphan = False  # a copy of an owned parameter that no owner has adopted
+        # An owned parameter zeroed with no backward since: torch's gradient would be None
+        # (zero_grad sets it so), and its optimizers skip such a parameter; a step on the
+        # zeros would still apply momentum and weight decay (SGD moved a weight by 0.59)
+        self._stale = False
         self._grad = np.zeros_like(value) if grad is None else self._checked_grad(grad)
 
     def __getstate__(self) -> dict:
@@ -150,6 +155,7 @@ class Parameter:
         for k, v in state.items():
             object.__setattr__(self, k, v)
         self._owner = None
+        self._stale = False
         if "logical_shape" not in state:  # pickled before it existed
             self.logical_shape = tuple(self._value.shape)
 
@@ -215,8 +221,12 @@ class Parameter:
         return self._value.dtype
 
     def zero_grad(self) -> None:
-        """Set the gradient to zero in place (the buffer is caller-owned, never set to None)."""
+        """Set the gradient to zero in place (the buffer is caller-owned, never set to None).
+        A trainer's parameter is then skipped by optimizer steps until a backward writes its
+        gradient again, as torch skips a parameter whose grad zero_grad set to None; a
+        parameter of your own keeps stepping on what you write into its gradient."""
         self._grad.fill(0)
+        self._stale = self._owner is not None
 
     def __repr__(self) -> str:
         return (
@@ -498,6 +508,8 @@ class _Optimizer:
                 "or save opt.state_dict() and load it into an optimizer over tr.parameters()"
             )
         for i, p in enumerate(self._params):
+            if p._stale:  # no backward since zero_grad: torch's grad is None, its step skips it
+                continue
             self._update(i, p._value, p.grad, self._state[i])
             p.version += 1
         # the owners refresh now, not at their next forward: the model's own inference and
@@ -656,6 +668,13 @@ class _Optimizer:
                 out[k] = int(step)
                 continue
             a = np.asarray(v)  # torch tensors convert too
+            if a.shape != p.shape and a.shape == p.logical_shape:
+                raise ShapeError(
+                    f"[{where}] {label}[{k!r}] has shape {a.shape}, torch's layout of the "
+                    f"weight; a trainer's optimizer state is laid out as its packed parameters "
+                    f"{p.shape}: optimizer state does not move between torch.optim and "
+                    "leanrnn.train (start the optimizer afresh, or resume where it was saved)"
+                )
             if a.shape != p.shape:
                 raise ShapeError(
                     f"[{where}] {label}[{k!r}] has shape {a.shape}; expected "

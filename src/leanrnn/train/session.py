@@ -404,7 +404,11 @@ class Trainer:
         return self._params
 
     def zero_grad(self) -> None:
+        """Zero the gradients; until the next backward an optimizer's step skips these
+        parameters (Parameter.zero_grad), as torch's does after zero_grad."""
         self.grad.buffer[:] = 0
+        for p in self._params:
+            p._stale = True
 
     def release(self, tape: Tape) -> None:
         """Done with an own-memory tape (``forward(own_memory=True)``) and everything read from
@@ -1116,6 +1120,8 @@ class Trainer:
                 )
             dc[:] = _check.array(op, "dc_n", dc_n, dt, (LD, N, H), ("L*D", "N", "H"))
         tape.used = True
+        for p in self._params:  # gradients written: the next step takes them (zero_grad)
+            p._stale = False
         # every row is written (direction 0 of layer 0); until then dx's rows may hold the
         # boundary states (_boundaries)
         dx = sv["dx"] if input_grad else None
