@@ -337,9 +337,7 @@ def _to_numpy(v) -> np.ndarray:
     if isinstance(v, np.ndarray):
         return v
     if hasattr(v, "detach"):  # a torch tensor; no torch import needed
-        if str(v.dtype) == "torch.bfloat16":  # no numpy dtype: float32's values, exactly
-            v = v.float()
-        return v.detach().cpu().numpy()
+        return torch_format.tensor_array(v)
     return np.asarray(v)
 
 

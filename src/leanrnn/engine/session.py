@@ -49,7 +49,7 @@ from .. import config
 from ..errors import DTypeError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights
 from ..kernels import _cpu, abi, runner
-from ..memory.arena import ALIGN, Arena, check_fits, round_up
+from ..memory.arena import ALIGN, Arena, check_fits, reusable, round_up
 from ..memory.planner import Buffer, Plan, plan
 from ..spec import RNNSpec
 from ..threads import PARALLEL_MIN_MACS
@@ -347,9 +347,8 @@ class Pool:
         plan needs all of it. A need is recorded once it is met: one refused (too large for
         the machine) must not become every member's."""
         size = max([nbytes, *(v for m, v in self._needs.items() if m is not member)])
-        held = self.arena.nbytes if self.arena is not None else 0
-        if self.arena is None or held < nbytes or (limit is not None and held > limit
-                                                   and size < held):  # fmt: skip
+        # over the limit, the arena is kept only while some member's plan needs all of it
+        if not reusable(self.arena, nbytes, None if limit is None else max(limit, size)):
             for m in list(self._needs):  # their views would keep the old arena alive
                 m._drop_views()
             self.arena = None
@@ -648,7 +647,8 @@ class Session:
                 f"[Session.resize] even one step needs {need(1)} bytes of arena for N={batch}; "
                 f"memory_limit={limit}"
             )
-        top = min(max(steps, upto or steps), cap or max(steps, upto or steps))
+        reach = max(steps, upto or steps)
+        top = min(reach, cap or reach)
         if need(top) <= limit:  # the whole run fits: the chunk stays as long as allowed
             return top
         lo, hi = 1, min(top, steps) - 1  # largest t that fits: plans grow with t
@@ -666,8 +666,7 @@ class Session:
             self._arena = self.pool.acquire(nbytes, name, self, limit)
             self._gen = self.pool.generation
             return
-        held = self._arena.nbytes if self._arena is not None else 0
-        if self._arena is None or held < nbytes or (limit is not None and held > limit):
+        if not reusable(self._arena, nbytes, limit):
             self._drop_views()  # the old arena goes before the new one is taken
             self._arena = Arena(nbytes, name=f"arena[{name}]")
 

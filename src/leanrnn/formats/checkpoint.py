@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ModelFormatError, WeightsError
 from . import native
+from .torch_format import tensor_array
 
 # What zipfile raises on corrupt archives (RuntimeError: "encrypted", from a flipped flag bit)
 _ZIP_ERRORS = (
@@ -278,9 +279,7 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
             f"{copies + widened} bytes out of {sum(stored.values())} stored; refusing. Save "
             "contiguous tensors (.contiguous()), each in its own storage (.clone())"
         )
-    # bfloat16 has no numpy dtype: its values are float32's, exactly (the top 16 bits)
-    return {str(k): (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().contiguous()
-            .numpy() for k, v in obj.items()}  # fmt: skip
+    return {str(k): tensor_array(v) for k, v in obj.items()}
 
 
 def _tensors_of(obj: dict, path: str, op: str) -> dict:

@@ -41,7 +41,7 @@ from .packing import (
     panel_format,
     tensor_dtype,
 )
-from .quantize import check_loaded, legacy_bf16_shape, pair_legacy_bf16
+from .quantize import bf16_value, check_loaded, legacy_bf16_shape, pair_legacy_bf16
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -306,13 +306,11 @@ def is_safetensors(head: bytes) -> bool:
 def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
     """Every tensor of a plain safetensors file, sizes checked against the file first."""
     c = _Container(str(path), op)
+    out = {}
     with open(c.path, "rb") as f:
-        out = {name: c.array(f, e) for name, e in sorted(c.entries.items())}
-    for name, e in c.entries.items():
-        if e.bf16:  # bfloat16 bits -> float32, exactly
-            w = out[name].astype(np.uint32)
-            w <<= 16
-            out[name] = w.view(np.float32)
+        for name, e in sorted(c.entries.items()):
+            a = c.array(f, e)
+            out[name] = bf16_value(a) if e.bf16 else a  # bfloat16 bits: float32, exactly
     return out
 
 

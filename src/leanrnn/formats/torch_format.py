@@ -176,6 +176,14 @@ def to_state_dict(spec: RNNSpec, layers: list[list[LayerWeights]]) -> dict[str, 
     return sd
 
 
+def tensor_array(v) -> np.ndarray:
+    """A torch tensor's values as a numpy array: detached, on the CPU, contiguous; bfloat16,
+    which numpy has no dtype for, as float32 (exact: its top 16 bits). Needs no torch import."""
+    if str(v.dtype) == "torch.bfloat16":
+        v = v.float()
+    return v.detach().cpu().contiguous().numpy()
+
+
 def module_weights(module, op: str) -> dict:
     """The weights a torch RNN module computes with, by torch's own list of them
     (``_flat_weights_names``): parametrized ones (``parametrizations.weight_norm``) resolved,
@@ -216,10 +224,7 @@ def from_torch_module(module) -> tuple[RNNSpec, dict[str, np.ndarray]]:
             "float module and use leanrnn.quantize)"
         )
     params = module_weights(module, "from_torch")
-    sd = {
-        k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy()
-        for k, v in params.items()
-    }  # fmt: skip  (bfloat16: float32's values, exactly)
+    sd = {k: tensor_array(v) for k, v in params.items()}
     nonlin = getattr(module, "nonlinearity", "tanh")
     spec = infer_spec(sd, cell, nonlin, bool(module.batch_first))
     return spec, sd

@@ -84,6 +84,13 @@ def round_up(n: int, m: int) -> int:
     return -(-int(n) // m) * m
 
 
+def reusable(arena: Arena | None, nbytes: int, cap: int | None = None) -> bool:
+    """Whether ``arena`` can serve a plan of ``nbytes``: it exists, is large enough, and holds
+    no more than ``cap`` bytes (a memory limit: a larger arena kept from an earlier plan would
+    hold more than the limit allows)."""
+    return arena is not None and arena.nbytes >= nbytes and (cap is None or arena.nbytes <= cap)
+
+
 class Arena:
     """A single aligned byte buffer; ``view`` returns typed, C-contiguous windows into it."""
 

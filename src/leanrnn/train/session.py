@@ -72,7 +72,7 @@ from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
 from ..formats.packing import PackedWeights, fold_biases, from_panels, same_panels
 from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
-from ..memory.arena import Arena
+from ..memory.arena import Arena, reusable
 from ..memory.planner import Buffer, plan
 from ..threads import (
     PACKED_MATMUL_PARALLEL_MACS,
@@ -961,17 +961,14 @@ class Trainer:
         if own:
             # a released tape's arena when one is big enough: fresh pages cost a page fault
             # each, ~1 ms per 4 MiB
-            most = self.memory_limit  # (a spare over the limit would hold more than it)
-            arena = next((a for a in self._spare
-                          if a.nbytes >= p.total and (most is None or a.nbytes <= most)), None)  # fmt: skip
+            arena = next((a for a in self._spare if reusable(a, p.total, self.memory_limit)),
+                         None)  # fmt: skip
             if arena is not None:
                 self._spare.remove(arena)
             else:
                 arena = Arena(p.total, name="tape")
         else:
-            held = self._arena.nbytes if self._arena is not None else 0
-            most = self.memory_limit
-            if self._arena is None or held < p.total or (most is not None and held > most):
+            if not reusable(self._arena, p.total, self.memory_limit):
                 self._arena = None
                 self._arena = Arena(p.total, name=f"train[{spec.cell} N={N} T={T}]")
             arena = self._arena
@@ -1060,11 +1057,7 @@ class Trainer:
                 if spec.cell == "lstm":
                     cs[k] = mem["c"][:, : spec.hidden_size]
             if masks is not None and layer < L - 1:
-                mask, scale = masks[layer]
-                xd = mem[f"xd.{layer}"][off : off + TN]
-                np.multiply(yout, mask[s0 * N : s1 * N], out=xd)
-                if scale is not None:  # (a drawn mask: kept bytes, see _draw_masks)
-                    xd *= scale
+                _masked(yout, masks[layer], s0 * N, s1 * N, mem[f"xd.{layer}"][off : off + TN])
 
     # ------------------------------------------------------------------ backward
     @_one_at_a_time
@@ -1209,10 +1202,7 @@ class Trainer:
                 self._backward_op(sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc,
                                   h0s, c0s, lens, T, N, off)  # fmt: skip
             if layer > 0 and masks is not None:
-                mask, scale = masks[layer - 1]
-                dxin *= mask[s0 * N : s1 * N]
-                if scale is not None:
-                    dxin *= scale
+                _masked(dxin, masks[layer - 1], s0 * N, s1 * N, dxin)
 
     def _backward_op(self, sv, mem, layer, d, k, xin, dxin, ylay, hprev, dylay, dh, dc, h0s,
                      c0s, lens, T, N, off) -> None:  # fmt: skip
@@ -1491,6 +1481,16 @@ def _logical_shape(spec, layer: int, name: str) -> tuple[int, ...]:
     G, K = spec.gate_width, spec.output_size
     return {"Wt": (G, spec.layer_input_size(layer)), "Rt": (G, K), "bW": (G,), "bR": (G,),
             "proj": (spec.proj_size, spec.hidden_size)}[name]  # fmt: skip
+
+
+def _masked(a: np.ndarray, mask: tuple, r0: int, r1: int, out: np.ndarray) -> None:
+    """out = a * the dropout mask's rows r0..r1: ``mask`` is (rows, scale), a caller's float
+    mask with scale None, or a drawn one of kept bytes with its 1/(1-p) (Trainer._draw_masks:
+    a * kept * scale is a * (kept / (1-p)) to the bit)."""
+    rows, scale = mask
+    np.multiply(a, rows[r0:r1], out=out)
+    if scale is not None:
+        out *= scale
 
 
 def _front_rows(spec, N: int) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 from ... import config
 from ...errors import DTypeError, PlanError, ShapeError
 from ...ir import RNN_OPS
-from ...memory.arena import Arena, check_fits
+from ...memory.arena import Arena, check_fits, reusable
 from ...memory.planner import Buffer, Plan, plan
 from ...threads import blas_controller
 from .. import _check, _fork
@@ -351,8 +351,7 @@ class GraphSession:
         """Take the arena ``p`` needs (reusing the current one when it is large enough, and
         not over ``cap`` bytes) and make every planned view; the layout becomes the session's."""
         fresh, root, inplace, shapes = layout
-        held = self._arena.nbytes if self._arena is not None else 0
-        if self._arena is None or held < p.total or (cap is not None and held > cap):
+        if not reusable(self._arena, p.total, cap):
             self._arena = None  # drop the old arena before taking the new one
             self._arena = Arena(p.total, name=f"graph arena[{self.loaded.graph.name}]")
         views = {}
