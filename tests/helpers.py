@@ -114,6 +114,15 @@ def src_env() -> dict:
     return dict(os.environ, PYTHONPATH=_SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
+def _read_all(pipe, sink) -> None:
+    """Every line of ``pipe`` to ``sink``; the pipe closed at its end (the process's exit).
+    Left open, it was closed by the garbage collector whenever it ran, and the ResourceWarning
+    landed in whatever test was recording warnings then (test_build_warnings, now and then)."""
+    with pipe:
+        for line in pipe:
+            sink(line)
+
+
 def launch_server(args: list[str], timeout: float = 60.0):
     """Start ``leanrnn serve ARGS --http-port 0 --grpc-port 0``; (process, http url, grpc url,
     log lines). Its stderr (JSON lines) is read as it comes, so the server never blocks on it."""
@@ -122,8 +131,8 @@ def launch_server(args: list[str], timeout: float = 60.0):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     logs: list[str] = []
-    threading.Thread(target=lambda: [lines.put(s) for s in proc.stdout], daemon=True).start()
-    threading.Thread(target=lambda: [logs.append(s) for s in proc.stderr], daemon=True).start()
+    threading.Thread(target=_read_all, args=(proc.stdout, lines.put), daemon=True).start()
+    threading.Thread(target=_read_all, args=(proc.stderr, logs.append), daemon=True).start()
     try:
         line = lines.get(timeout=timeout)
     except queue.Empty:
