@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -442,6 +442,55 @@ class _Hyper:
         obj._hyper = obj._checked({**obj._hyper, self.name: value})
 
 
+class _Group(MutableMapping):
+    """``opt.param_groups[0]``: torch's parameter-group dict, live. Reading a key reads the
+    optimizer's hyperparameter; writing one checks it and takes effect at the next step, so
+    torch's idioms work unchanged (``for g in opt.param_groups: g["lr"] = lr`` in a
+    hand-written schedule). ``update(...)`` checks all the new values together (SGD's nesterov
+    and dampening depend on each other); ``"params"`` is the parameter list, read-only; keys
+    cannot be added or removed."""
+
+    __slots__ = ("_opt",)
+
+    def __init__(self, opt: _Optimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "params":
+            return self._opt.params
+        return self._opt._hyper[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.update({key: value})
+
+    def update(self, other: Any = (), /, **kw: Any) -> None:
+        new = {**dict(other), **kw}
+        w = f"{type(self._opt).__name__}.param_groups"
+        bad = sorted(str(k) for k in new if k not in self._opt._hyper)
+        if bad:
+            raise SpecError(
+                f"[{w}] cannot set {bad}; expected hyperparameters of "
+                f"{sorted(self._opt._hyper)} (a leanrnn optimizer has one group, its "
+                "parameters fixed at construction)"
+            )
+        self._opt._hyper = self._opt._checked({**self._opt._hyper, **new})
+
+    def __delitem__(self, key: str) -> None:
+        raise SpecError(
+            f"[{type(self._opt).__name__}.param_groups] cannot delete {key!r}: every "
+            "hyperparameter has a value"
+        )
+
+    def __iter__(self):
+        return iter([*self._opt._hyper, "params"])
+
+    def __len__(self) -> int:
+        return len(self._opt._hyper) + 1
+
+    def __repr__(self) -> str:
+        return repr({**self._opt._hyper, "params": f"<{len(self._opt._params)} parameters>"})
+
+
 class _Optimizer:
     """What SGD and Adam share: the parameter list, checked hyperparameters, per-parameter
     state, the shared scratch buffers, zero_grad and state_dict/load_state_dict."""
@@ -491,14 +540,31 @@ class _Optimizer:
             v = self._views[k][i] = flat[: value.size].reshape(value.shape)
         return v
 
-    def zero_grad(self) -> None:
-        """Zero every parameter's gradient in place (torch's set_to_none has no meaning here:
-        the gradient buffers belong to the caller)."""
+    @property
+    def param_groups(self) -> list[_Group]:
+        """torch.optim's ``param_groups``: one group, whose hyperparameters read and write this
+        optimizer's (see ``_Group``)."""
+        return [_Group(self)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every parameter's gradient in place. The buffers belong to the caller, so they
+        are never replaced by None; what torch's ``set_to_none=True`` (its default) means for
+        a step, that a parameter with no backward since is skipped, holds for a trainer's
+        parameters either way (``Parameter.zero_grad``)."""
+        _bool(f"{type(self).__name__}.zero_grad", "set_to_none", set_to_none)
         for p in self._params:
             p.zero_grad()
 
-    def step(self) -> None:
-        """One update of every parameter from its current gradient; bumps ``version``."""
+    def step(self, closure: Any = None) -> Any:
+        """One update of every parameter from its current gradient; bumps ``version``.
+        closure: as torch's, an optional callable that recomputes the loss (forward and
+        backward) and returns it; it is called first and its return value returned."""
+        if closure is not None and not callable(closure):
+            raise SpecError(
+                f"[{type(self).__name__}.step] closure is a {type(closure).__name__}; "
+                "expected a callable that runs forward and backward and returns the loss"
+            )
+        loss = closure() if closure is not None else None
         orphans = [p.name or f"params[{i}]" for i, p in enumerate(self._params) if p._orphan]
         if orphans:  # it would update copies that no forward reads: training stalls silently
             raise LeanRNNError(
@@ -518,6 +584,7 @@ class _Optimizer:
                   for o in [p._owner()] if o is not None}  # fmt: skip
         for o in owners.values():
             o._check_weights()
+        return loss
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         raise NotImplementedError
