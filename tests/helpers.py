@@ -161,6 +161,21 @@ def served(d, name: str, model, *args: str):
         assert stop_server(proc) == 0
 
 
+def grpc_health(url: str, service: str = "") -> str:
+    """grpc.health.v1's status of ``service`` on the server at ``url``, by name ('SERVING',
+    'NOT_SERVING'), or the status code's name when the call fails ('NOT_FOUND')."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(url) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=10)  # fmt: skip
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+
 def stop_server(proc) -> int:
     proc.send_signal(signal.SIGTERM)
     try:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import launch_server, stop_server
+from helpers import grpc_health, launch_server, stop_server
 from tolerances import ATOL_SCORE
 
 pytest.importorskip("starlette")
@@ -110,10 +110,39 @@ def test_health_metadata_config(server, protocol):
     assert sorted(m["name"] for m in index) == ["gru", "lstm"]
     stats = c.get_inference_statistics("lstm", **as_json)
     assert stats["model_stats"][0]["name"] == "lstm"
+    if protocol == "grpc":  # gRPC's standard health service, as Kubernetes' gRPC probes call it
+        for service in ("", "inference.GRPCInferenceService"):
+            assert grpc_health(server["grpc"], service) == "SERVING"
+        assert grpc_health(server["grpc"], "lstm.nope") == "NOT_FOUND"
     with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
         c.get_model_metadata("nope")
     with pytest.raises(InferenceServerException, match="no version '2'"):
         c.get_model_metadata("lstm", "2")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_statistics_count_failures_and_compute_time(server, protocol):
+    """Triton's statistics: a refused request counts as a failure (it was counted nowhere), and
+    compute_infer is the time in the engine, within the request's total."""
+    mod, c = client(server, protocol)
+    as_json = {"as_json": True} if mod is tg else {}
+
+    def stats():
+        s = c.get_inference_statistics("gru", **as_json)["model_stats"][0]["inference_stats"]
+        return {k: (int(v.get("count", 0)), int(v.get("ns", 0))) for k, v in s.items()}
+
+    before = stats()
+    x = rand(np.random.default_rng(5), 40)
+    for _ in range(3):
+        infer(mod, c, "gru", x)
+    with pytest.raises(InferenceServerException, match="sequence"):
+        infer(mod, c, "gru", x[:1], sequence_id=987654321, sequence_start=False)
+    after = stats()
+    d = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1])
+         for k in after}  # fmt: skip
+    assert d["success"][0] == d["queue"][0] == d["compute_infer"][0] == 3
+    assert d["fail"][0] == 1 and d["fail"][1] > 0
+    assert 0 < d["compute_infer"][1] and d["queue"][1] + d["compute_infer"][1] <= d["success"][1]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import launch_server, src_env
+from helpers import grpc_health, launch_server, src_env
 from tolerances import ATOL_SCORE
 
 pytest.importorskip("starlette")
@@ -171,7 +171,13 @@ def test_sigterm_finishes_accepted_work_then_exits(server):
         assert time.monotonic() - t0 < 30 and t.is_alive()
         time.sleep(0.01)
     assert t.is_alive()  # and still running when the signal comes
+    assert grpc_health(server["grpc"]) == "SERVING"
     server["proc"].send_signal(signal.SIGTERM)
+    # draining: gRPC's health service says so at once (load balancers stop sending work)
+    while (status := grpc_health(server["grpc"])) == "SERVING":
+        assert time.monotonic() - t0 < 30 and t.is_alive()
+        time.sleep(0.01)
+    assert status == "NOT_SERVING"
     t.join(timeout=60)
     assert server["proc"].wait(timeout=60) == 0
     np.testing.assert_allclose(out["y"], server["model"](x)[0], rtol=0, atol=ATOL)

@@ -48,8 +48,10 @@ class Core:
         self.metrics = metrics
         self.ready = False
         self.draining = False
-        # Triton's statistics extension: per model [count, total ns, queue ns, last ms]
-        self._stats = {name: [0, 0, 0, 0] for name in self.infos}
+        # Triton's statistics extension, per model: successes [count, total ns, queue ns,
+        # compute ns], failures [count, ns], the last inference's time (ms since the epoch)
+        self._stats = {name: {"ok": [0, 0, 0, 0], "fail": [0, 0], "last": 0}
+                       for name in self.infos}  # fmt: skip
 
     def info(self, model: str, version: str | None = None) -> ModelInfo:
         info = self.infos.get(model)
@@ -104,19 +106,31 @@ class Core:
 
     def stats(self, model: str) -> dict:
         """Triton's statistics for ``model`` (the JSON form of ModelStatistics)."""
-        count, ns, queue_ns, last = self._stats[model]
+        st = self._stats[model]
+        count, ns, queue_ns, compute_ns = st["ok"]
         lane = self.scheduler.lanes[model]
+        # compute_infer: from a request's first step in a batched engine call to its last (a
+        # chunk's steps run one batched call each, among other streams' steps); compute_input
+        # and compute_output (parsing, encoding) are not measured apart and are absent, as
+        # Triton leaves fields it has nothing for
         return {
             "name": model,
             "version": "1",
-            "last_inference": last,
+            "last_inference": st["last"],
             "inference_count": count,
             "execution_count": lane.calls,
             "inference_stats": {
                 "success": {"count": count, "ns": ns},
+                "fail": {"count": st["fail"][0], "ns": st["fail"][1]},
                 "queue": {"count": count, "ns": queue_ns},
+                "compute_infer": {"count": count, "ns": compute_ns},
             },
         }
+
+    def _failed(self, model: str, t0: float) -> None:
+        fail = self._stats[model]["fail"]
+        fail[0] += 1
+        fail[1] += int((time.monotonic() - t0) * 1e9)
 
     async def infer_held(self, p: Parsed, protocol: str,
                          json_bytes: int = 0) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
@@ -145,10 +159,14 @@ class Core:
         fut = loop.create_future()
         t0 = time.monotonic()
         want_state = any(name != "y" for name in p.outputs)
-        sent = self.scheduler.submit(
-            p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
-            lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
-        )  # fmt: skip
+        try:  # refused by the scheduler (unknown or evicted sequence, full, ...): a failure
+            sent = self.scheduler.submit(
+                p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
+                lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
+            )  # fmt: skip
+        except ServeError:
+            self._failed(p.model, t0)
+            raise
 
         def release() -> None:
             self.scheduler.release(sent)
@@ -160,16 +178,21 @@ class Core:
             raise
         if r.error is not None:
             release()
+            self._failed(p.model, t0)
             if isinstance(r.error, ServeError):  # refused, not failed: the server stopping
                 raise type(r.error)(str(r.error))  # (one instance is every request's)
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
         try:  # (released here if the bookkeeping fails: the caller never gets the release)
-            seconds, queued = time.monotonic() - t0, (r.t_first or t0) - r.t_submit
+            now = time.monotonic()
+            seconds, queued = now - t0, (r.t_first or t0) - r.t_submit
             st = self._stats[p.model]
-            st[0] += 1
-            st[1] += int(seconds * 1e9)
-            st[2] += int(queued * 1e9)
-            st[3] = int(time.time() * 1000)
+            ok = st["ok"]
+            ok[0] += 1
+            ok[1] += int(seconds * 1e9)
+            ok[2] += int(queued * 1e9)
+            done = r.t_done or now
+            ok[3] += int((done - (r.t_first or done)) * 1e9)
+            st["last"] = int(time.time() * 1000)
             if self.metrics is not None:
                 self.metrics.request(p.model, protocol, seconds, queued)
             values = {"y": r.y, "h_n": r.h_out, "c_n": r.c_out}

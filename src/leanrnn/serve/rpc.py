@@ -1,6 +1,9 @@
 """KServe v2 over gRPC (``grpc.aio``), service ``inference.GRPCInferenceService``: health, server
 and model metadata, model config and statistics, the repository index, ``ModelInfer`` and the
-bidirectional ``ModelStreamInfer``.
+bidirectional ``ModelStreamInfer``; beside it gRPC's standard health service
+(``grpc.health.v1.Health``, grpcio-health-checking's servicer), which load balancers and
+Kubernetes' gRPC probes call: services "" and ``inference.GRPCInferenceService`` are SERVING
+while the server is ready and NOT_SERVING before and from shutdown on (``Health``).
 
 The message and service definitions are Triton's published ``grpc_service.proto`` and
 ``model_config.proto``, as compiled by NVIDIA into the ``tritonclient[grpc]`` package (its
@@ -16,6 +19,8 @@ import asyncio
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .core import Core, hostport
@@ -317,8 +322,27 @@ def _nothing() -> None:
     pass
 
 
+class Health:
+    """The statuses of grpc.health.v1's services, set as the server's readiness changes."""
+
+    SERVICES = ("", "inference.GRPCInferenceService")
+
+    def __init__(self) -> None:
+        self.servicer = health_aio.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else (
+            health_pb2.HealthCheckResponse.NOT_SERVING)  # fmt: skip
+        for name in self.SERVICES:
+            await self.servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        await self.servicer.enter_graceful_shutdown()  # NOT_SERVING, for good
+
+
 async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int):
-    """A running grpc.aio server on host:port (0: any free port); returns (server, port).
+    """A running grpc.aio server on host:port (0: any free port), its health service NOT_SERVING
+    until ``Health.set(True)``; returns (server, port, health).
     Beyond ``max_rpcs`` calls in flight (a ModelStreamInfer stream counts as one until it
     ends) new calls get RESOURCE_EXHAUSTED; the ones in flight are unaffected."""
     server = grpc.aio.server(maximum_concurrent_rpcs=max_rpcs, options=[
@@ -332,6 +356,9 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
         ("grpc.max_send_message_length", -1),
     ])  # fmt: skip
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(core), server)
+    health = Health()
+    await health.set(False)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     try:
         bound = server.add_insecure_port(hostport(host, port))
     except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
@@ -342,4 +369,4 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
             "machine); pick another --grpc-port"
         )
     await server.start()
-    return server, bound
+    return server, bound, health

@@ -97,6 +97,7 @@ class Request:
         "on_done",
         "pos",
         "seq",
+        "t_done",
         "t_first",
         "t_submit",
         "want_state",
@@ -113,7 +114,8 @@ class Request:
         self.hold, self.finished = hold, False
         self.h_out = self.c_out = self.error = None
         self.t_submit = time.monotonic()
-        self.t_first: float | None = None
+        self.t_first: float | None = None  # its first step's engine call began
+        self.t_done: float | None = None  # the engine was done with it
         self.seq = None
 
 
@@ -550,8 +552,10 @@ class Scheduler:
 
     def _done(self, done: list[Request]) -> None:
         """Under the lock: the engine is done with ``done``; the bytes of those not held go."""
+        now = time.monotonic()
         for r in done:
             r.finished = True
+            r.t_done = now
             if not r.hold:
                 self.queued_bytes -= r.nbytes
 

@@ -222,12 +222,12 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     # connections and calls that have not reached it yet (idle connections, which
     # --read-timeout closes)
     backstop = max(2 * core.max_in_flight, core.max_in_flight + 64)
-    grpc_server, grpc_port = None, None
+    grpc_server, grpc_port, health = None, None, None
     if config.grpc_port is not None:
         from . import rpc
 
-        grpc_server, grpc_port = await rpc.start(core, config.host, config.grpc_port,
-                                                 config.max_request_bytes, backstop)  # fmt: skip
+        grpc_server, grpc_port, health = await rpc.start(
+            core, config.host, config.grpc_port, config.max_request_bytes, backstop)  # fmt: skip
     scheduler.start()
 
     class _Server(uvicorn.Server):
@@ -249,6 +249,8 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         stopping.set()
         _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
         core.draining = True
+        if health is not None:
+            await health.shutdown()
         finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
         # what did not run within the grace period fails now as UNAVAILABLE (503): left
         # pending, uvicorn cancelled its handlers a second grace period later (plain-text 500s)
@@ -265,6 +267,8 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     while not http_server.started and not serving.done():
         await asyncio.sleep(0.01)
     core.ready = True
+    if health is not None and not stopping.is_set():
+        await health.set(True)
     fields = {"http": hostport(config.host, http_port),
               "grpc": hostport(config.host, grpc_port) if grpc_port else None,
               "models": sorted(core.infos), "startup_s": round(time.monotonic() - t0, 2)}  # fmt: skip
