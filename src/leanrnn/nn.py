@@ -19,7 +19,7 @@ import numpy as np
 from .engine import Session
 from .engine.model import parameter_count, spec_line
 from .errors import DTypeError, ShapeError, SpecError, WeightsError
-from .formats import native, torch_format
+from .formats import checkpoint, native, torch_format
 from .formats.packing import PackedWeights, pack
 from .formats.quantize import weight_bits
 from .memory.arena import check_fits, round_up
@@ -276,8 +276,12 @@ class Model:
     @classmethod
     def from_state_dict(cls, state_dict: dict, *, cell: str | None = None,
                         nonlinearity: str = "tanh", batch_first: bool = False,
-                        dtype=None) -> Model:  # fmt: skip
+                        dtype=None, prefix: str | None = None) -> Model:  # fmt: skip
         """Build from a PyTorch-named dict of arrays (numpy or torch tensors on the CPU).
+
+        ``prefix`` picks the RNN module out of a whole model's state dict (``"encoder.rnn."``,
+        or ``"encoder.rnn"``); without it, keys of one RNN module under a prefix are taken when
+        nothing else is there, and anything else is refused, naming the prefixes present.
 
         The cell, sizes, layers, directions, bias and proj_size are read off the weights; what
         they cannot say must be passed as the module was built: ``batch_first`` (a module made
@@ -298,6 +302,8 @@ class Model:
                 "arrays named as torch's module.state_dict() names them ('weight_ih_l0', ...); "
                 "to read a file, use leanrnn.load(path)"
             )
+        if prefix is not None or "weight_ih_l0" not in state_dict:
+            state_dict = checkpoint.select_rnn(state_dict, prefix, None, "from_state_dict")
         sd = {k: _to_numpy(v) for k, v in state_dict.items()}
         cell = cell or getattr(cls, "_cell", None)
         spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)

@@ -15,6 +15,7 @@ import struct
 import tokenize
 import zipfile
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -371,36 +372,43 @@ def read_state_dict(path: str, kind: str | None = None) -> dict[str, np.ndarray]
     )
 
 
-def select_rnn(sd: dict[str, np.ndarray], prefix: str | None, path: str) -> dict[str, np.ndarray]:
+def select_rnn(sd: dict[str, Any], prefix: str | None, path: str | None,
+               where: str = "load") -> dict[str, Any]:  # fmt: skip
     """The one RNN module's entries of a state dict, prefix stripped (``lstm.weight_ih_l0`` ->
     ``weight_ih_l0``). With several RNN modules, or other parameters besides, ``prefix`` must
-    say which module to take — nothing is dropped silently."""
+    say which module to take — nothing is dropped silently. ``path``: the file the dict came
+    from, for the messages (None: a dict passed in); ``where``: the caller's name for them."""
+    if prefix is not None and not isinstance(prefix, str):
+        raise WeightsError(f"[{where}] prefix={prefix!r}; expected a str such as 'encoder.rnn.'")
+    of = f"{path!r}" if path is not None else "the state dict"
     prefixes = sorted({m.group(1) for k in sd if (m := _RNN_KEY.match(k))})
     if prefix is None:
         if not prefixes:
             raise WeightsError(
-                f"[load] {path!r} has no '*weight_ih_l0' entry among keys "
+                f"[{where}] {of} has no '*weight_ih_l0' entry among keys "
                 f"{sorted(sd)[:8]}; expected a torch.nn.LSTM/GRU/RNN state dict"
             )
         if len(prefixes) > 1:
             raise WeightsError(
-                f"[load] {path!r} holds several RNN modules {prefixes}; pass prefix= (on the "
-                "command line: --prefix) to pick one"
+                f"[{where}] {of} holds several RNN modules {prefixes}; pass prefix="
+                + (" (on the command line: --prefix)" if path is not None else "")
+                + " to pick one"
             )
         prefix = prefixes[0]
         others = sorted(k for k in sd if not k.startswith(prefix))
         if others:
             raise WeightsError(
-                f"[load] {path!r} holds other parameters besides the RNN {prefix!r}: "
-                f"{others[:8]}; pass prefix={prefix!r} (on the command line: --prefix "
-                f"{prefix}) to load just the RNN"
+                f"[{where}] {of} holds other parameters besides the RNN {prefix!r}: "
+                f"{others[:8]}; pass prefix={prefix!r}"
+                + (f" (on the command line: --prefix {prefix})" if path is not None else "")
+                + " to load just the RNN"
             )
     if prefix and not prefix.endswith(".") and any(k.startswith(prefix + ".") for k in sd):
         prefix += "."  # prefix="rnn" means the module "rnn." (its keys go on after a dot)
     picked = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     if not picked:
         raise WeightsError(
-            f"[load] {path!r}: no keys start with prefix {prefix!r}; RNN prefixes "
+            f"[{where}] {of}: no keys start with prefix {prefix!r}; RNN prefixes "
             f"present: {prefixes}"
         )
     return picked
