@@ -40,7 +40,9 @@ def test_prefix_picks_the_module_of_a_whole_models_state_dict(prefix):
 @pytest.mark.torch
 def test_prefix_errors_name_what_is_there():
     sd = Tagger().state_dict()
-    with pytest.raises(WeightsError, match=r"other parameters besides the RNN 'rnn.'.*prefix='rnn.'"):
+    with pytest.raises(
+        WeightsError, match=r"other parameters besides the RNN 'rnn.'.*prefix='rnn.'"
+    ):
         leanrnn.from_state_dict(sd)
     with pytest.raises(WeightsError, match=r"no keys start with prefix 'nope'.*\['rnn.'\]"):
         leanrnn.from_state_dict(sd, prefix="nope")
