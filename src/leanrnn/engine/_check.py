@@ -172,7 +172,9 @@ def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
     if N and (arr.min() < 0 or arr.max() > T):
         bad = [int(v) for v in arr if v < 0 or v > T][:5]
         raise LengthsError(f"[{op}] lengths {bad} out of range; expected 0 <= length <= T={T}")
-    return arr
+    # int64 from here on: a chunked run computes lengths - t0, which wrapped around for unsigned
+    # lengths (an ended sample ran again in every later chunk) and overflowed int8/int16
+    return arr.astype(np.int64, copy=False)
 
 
 def count_or_none(op: str, name: str, v, what: str = "a positive int") -> int | None:
