@@ -72,12 +72,25 @@ class GraphModel:
 
     @property
     def lengths_input(self) -> str | None:
-        """The graph input that feeds an RNN node's sequence_lens, if one does."""
-        names = set(self.input_names)
-        for node in self.rnn_nodes:
-            if len(node.inputs) > 4 and node.inputs[4] in names:
-                return node.inputs[4]
-        return None
+        """The graph input that feeds an RNN node's sequence_lens, directly or through the ops
+        an exporter puts between them (torch's Cast, or the sort of pack_padded_sequence's
+        enforce_sorted=False: Cast, TopK): the one integer graph input the sequence_lens
+        tensors are computed from; None when there is none, or several."""
+        ints = {t.name for t in self.graph.inputs if np.dtype(t.dtype).kind in "iu"}
+        made_by = {o: n for n in self.graph.nodes for o in n.outputs if o}
+        found: set[str] = set()
+        seen: set[str] = set()
+        todo = [n.inputs[4] for n in self.rnn_nodes if len(n.inputs) > 4 and n.inputs[4]]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in ints:
+                found.add(name)
+            elif name in made_by:
+                todo.extend(i for i in made_by[name].inputs if i)
+        return found.pop() if len(found) == 1 else None
 
     def __repr__(self) -> str:
         ops = ", ".join(n.op for n in self.graph.nodes)

@@ -727,6 +727,181 @@ def _cast_run(ctx, node, ins, outs, metas, tmp):
     return outs
 
 
+# --------------------------------------------------------------- sorting, scattering, ranges
+# What torch's ONNX export of pack_padded_sequence(..., enforce_sorted=False) adds around an RNN
+# node: TopK sorts the lengths (longest first), the batch is gathered in that order, and
+# Range + ScatterElements build the inverse permutation that gathers y back; ReduceProd counts
+# the batch from a shape.
+
+
+def _topk_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    x = ins[0]
+    if x.dtype.kind not in "iuf":
+        _fail(node, f"input has dtype {x.dtype}; expected a numeric tensor", DTypeError)
+    if not x.shape:
+        _fail(node, "input is a scalar; expected rank >= 1")
+    a = _axis(node, node.attrs.get("axis", -1), len(x.shape))
+    ks = _ints(node, vals[1], "K")
+    if len(ks) != 1:
+        _fail(node, f"K has {len(ks)} values; expected one")
+    k = ks[0]
+    if not 0 <= k <= x.shape[a]:
+        _fail(node, f"K={k}; expected 0 <= K <= {x.shape[a]}, the size of axis {a}")
+    shape = (*x.shape[:a], k, *x.shape[a + 1 :])
+    return [Out(shape, x.dtype), Out(shape, np.dtype(np.int64))]
+
+
+def _topk_order(node, x: np.ndarray, a: int) -> np.ndarray:
+    """Indices along axis ``a`` in TopK's order: largest (or smallest) first, equal values in
+    index order (ONNX's rule; a stable sort of the reversed axis, reversed back, gives it for
+    largest-first)."""
+    if int(node.attrs.get("largest", 1)):
+        n = x.shape[a]
+        rev = np.flip(x, axis=a)
+        return (n - 1) - np.flip(np.argsort(rev, axis=a, kind="stable"), axis=a)
+    return np.argsort(x, axis=a, kind="stable")
+
+
+def _topk_run(ctx, node, ins, outs, metas, tmp):
+    x = ins[0]
+    a = _axis(node, node.attrs.get("axis", -1), x.ndim)
+    k = metas[0].shape[a]
+    order = _topk_order(node, x, a)
+    idx = np.take(order, np.arange(k), axis=a)
+    np.copyto(outs[1], idx)
+    np.copyto(outs[0], np.take_along_axis(x, idx, axis=a))
+    return outs
+
+
+def _scatter_elements_infer(ctx, node, ins, vals):
+    _nin(node, ins, 3, 3)
+    data, idx, upd = ins
+    if idx.dtype.kind not in "iu":
+        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    if upd.dtype != data.dtype:
+        _fail(node, f"updates have dtype {upd.dtype}; expected {data.dtype}, the data's",
+              DTypeError)  # fmt: skip
+    if idx.shape != upd.shape or len(idx.shape) != len(data.shape):
+        _fail(node, f"indices {list(idx.shape)} and updates {list(upd.shape)} must have one "
+                    f"shape, of the data's rank {len(data.shape)}")  # fmt: skip
+    a = _axis(node, node.attrs.get("axis", 0), len(data.shape)) if data.shape else 0
+    if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
+        _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
+                    f"axis {a}")  # fmt: skip
+    reduction = node.attrs.get("reduction", "none")
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    if reduction not in _SCATTER_REDUCE:
+        _fail(node, f"reduction={reduction!r}; expected one of {sorted(_SCATTER_REDUCE)}",
+              ModelFormatError)  # fmt: skip
+    return [Out(data.shape, data.dtype)]
+
+
+_SCATTER_REDUCE = {"none": None, "add": np.add, "mul": np.multiply, "max": np.maximum,
+                   "min": np.minimum}  # fmt: skip
+
+
+def _scatter_elements_run(ctx, node, ins, outs, metas, tmp):
+    data, idx, upd = ins
+    out = outs[0]
+    np.copyto(out, data)
+    if not idx.size:
+        return outs
+    a = _axis(node, node.attrs.get("axis", 0), data.ndim)
+    n = data.shape[a]
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -n or hi >= n:
+        _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
+    where = list(np.indices(idx.shape, sparse=True))
+    where[a] = np.where(idx < 0, idx + n, idx)
+    reduction = node.attrs.get("reduction", "none")
+    fn = _SCATTER_REDUCE[reduction.decode() if isinstance(reduction, bytes) else reduction]
+    if fn is None:  # later updates of one element win, as onnxruntime writes them in order
+        out[tuple(where)] = upd
+    else:
+        fn.at(out, tuple(where), upd)
+    return outs
+
+
+_RANGE_TYPES = frozenset(
+    np.dtype(t) for t in (np.float32, np.float64, np.int16, np.int32, np.int64)
+)
+
+
+def _range_infer(ctx, node, ins, vals):
+    _nin(node, ins, 3, 3)
+    dt = _same_dtype(node, ins)
+    if dt not in _RANGE_TYPES:
+        _fail(node, f"inputs have dtype {dt}; expected float32/64 or int16/32/64", DTypeError)
+    if any(m.shape not in ((), (1,)) for m in ins):
+        _fail(node, f"inputs have shapes {[list(m.shape) for m in ins]}; expected scalars")
+    if any(v is None for v in vals):
+        _fail(node, "start, limit and delta must be known from constants or input shapes (the "
+                    "output's length depends on them)", ModelFormatError)  # fmt: skip
+    start, limit, delta = (np.asarray(v, dt).reshape(()) for v in vals)
+    if delta == 0:
+        _fail(node, "delta is 0")
+    n = max(math.ceil((float(limit) - float(start)) / float(delta)), 0)
+    return [Out((n,), dt)]  # (its size is checked against memory before it is made)
+
+
+def _range_run(ctx, node, ins, outs, metas, tmp):
+    start, delta = (np.asarray(v).reshape(()) for v in (ins[0], ins[2]))
+    # ONNX defines element i as start + i * delta, in the inputs' type
+    np.multiply(np.arange(outs[0].size, dtype=outs[0].dtype), delta, out=outs[0])
+    outs[0] += start
+    return outs
+
+
+def _reduce_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 2)
+    x = ins[0]
+    if x.dtype.kind not in "iuf":
+        _fail(node, f"input has dtype {x.dtype}; expected a numeric tensor", DTypeError)
+    axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
+    if axes_as_input and "axes" in node.attrs:  # (onnxruntime refuses it: it would be ignored)
+        _fail(node, f"has an 'axes' attribute; at opset {ctx.opset} the axes are its second "
+                    "input", ModelFormatError)  # fmt: skip
+    if not axes_as_input and len(ins) > 1:
+        _fail(node, f"has {len(ins)} inputs; before opset "
+                    f"{13 if node.op == 'ReduceSum' else 18} the axes are an attribute",
+              ModelFormatError)  # fmt: skip
+    axes = _optional(node, ins, vals, 1, "__none__" if axes_as_input else "axes", "axes")
+    rank = len(x.shape)
+    if not axes:
+        if axes_as_input and int(node.attrs.get("noop_with_empty_axes", 0)):
+            return [Out(x.shape, x.dtype, view=True)]
+        axes = list(range(rank))
+    named = sorted({_axis(node, a, rank) for a in axes})
+    if len(named) != len(axes):
+        _fail(node, f"axes {axes} name an axis more than once")
+    if node.op in ("ReduceMax", "ReduceMin") and any(x.shape[a] == 0 for a in named):
+        _fail(node, f"reduces an empty axis of {list(x.shape)}; a max/min of nothing is undefined")
+    keep = int(node.attrs.get("keepdims", 1))
+    shape = tuple(1 if i in named else d for i, d in enumerate(x.shape)
+                  if keep or i not in named)  # fmt: skip
+    return [Out(shape, x.dtype, view=False)]
+
+
+_REDUCE = {"ReduceProd": np.prod, "ReduceSum": np.sum, "ReduceMax": np.max, "ReduceMin": np.min,
+           "ReduceMean": np.mean}  # fmt: skip
+
+
+def _reduce_run(ctx, node, ins, outs, metas, tmp):
+    x = ins[0]
+    if metas[0].view:
+        return [x]
+    axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
+    axes = (([int(v) for v in np.asarray(ins[1]).reshape(-1)] if len(ins) > 1 and ins[1] is not None
+             else None) if axes_as_input else node.attrs.get("axes"))  # fmt: skip
+    axes = tuple(range(x.ndim)) if not axes else tuple(sorted({a % x.ndim for a in axes}))
+    r = _REDUCE[node.op](x, axis=axes, keepdims=bool(int(node.attrs.get("keepdims", 1))))
+    np.copyto(outs[0], np.asarray(r).astype(x.dtype, copy=False).reshape(metas[0].shape),
+              casting="unsafe")  # fmt: skip
+    return outs
+
+
 # ---------------------------------------------------------------------------------- RNN nodes
 def _rnn_layout(node: Node) -> tuple[int, int]:
     layout = int(node.attrs.get("layout", 0))
@@ -881,6 +1056,10 @@ OPS: dict[str, OpDef] = {
     "Shape": OpDef(_shape_infer, _shape_run),
     "ConstantOfShape": OpDef(_constant_of_shape_infer, _constant_of_shape_run),
     "Cast": OpDef(_cast_infer, _cast_run),
+    "TopK": OpDef(_topk_infer, _topk_run),
+    "ScatterElements": OpDef(_scatter_elements_infer, _scatter_elements_run),
+    "Range": OpDef(_range_infer, _range_run),
+    **{k: OpDef(_reduce_infer, _reduce_run) for k in _REDUCE},
     **{k: OpDef(_rnn_infer, _rnn_run, _rnn_scratch) for k in RNN_OPS},
     **quant_ops(OpDef),  # DynamicQuantizeLinear, MatMulInteger and onnxruntime's fused forms
 }
