@@ -92,18 +92,20 @@ def test_a_start_on_a_live_sequence_with_steps_queued_lets_them_finish_first():
 
 
 def test_a_refused_restart_leaves_the_live_sequence_as_it_was():
-    """A start on a live id that the lane cannot take (every slot in use: 429) ended the old
-    sequence anyway: its next step was refused as 'already has a sequence_end queued'."""
-    from leanrnn.serve.errors import Exhausted
+    """A start on a live id that is refused ended the old sequence anyway: its next step was
+    refused as 'already has a sequence_end queued'. (Session 37: a restart no longer needs a
+    slot of its own, so the refusal left is a bad initial state.)"""
+    from leanrnn.errors import ShapeError
 
     lane = Lane("g", MODEL, Pool(), threads=1, max_streams=1, max_batch=4, max_chunk=4,
                 idle_timeout=60.0)  # fmt: skip
     x = _x(3, 7)
     lane.submit(("i", 5), True, False, x[:1], None, None, False, None, 0.0)
-    with pytest.raises(Exhausted):
-        lane.submit(("i", 5), True, False, x[1:2], None, None, False, None, 0.0)
+    bad_h0 = np.zeros((1, K + 1), np.float32)
+    with pytest.raises(ShapeError):
+        lane.submit(("i", 5), True, False, x[1:2], bad_h0, None, False, None, 0.0)
     s = lane.seqs[("i", 5)]
-    assert not s.ending and not s.queue[-1].end
+    assert not s.ending and not s.queue[-1].end and len(s.queue) == 1
     lane.submit(("i", 5), False, True, x[1:], None, None, False, None, 0.0)  # continues
 
 

@@ -265,12 +265,22 @@ class SlotStates:
         """Slot ``slot`` (0..S-1)'s state: h [L*D, K] and c [L*D, H] (LSTM), numpy arrays of
         the states' dtype, or zeros where None. Nothing converted or broadcast: a wrong slot,
         shape or dtype raises before anything is written."""
-        op, (LD, K, H, _), S = "SlotStates.put", self.shape, self.S
+        op, S = "SlotStates.put", self.S
         if not isinstance(slot, int | np.integer) or isinstance(slot, bool) or not 0 <= slot < S:
             raise ShapeError(
                 f"[{op}] slot {slot!r}; expected an int in 0..{S - 1} (a slot of these S={S} "
                 "states; -1 marks padding rows in run_slots, it is no slot)"
             )
+        self.check(h, c, op)
+        self.h[:, slot] = 0 if h is None else h
+        if self._c is not None:
+            self._c[:, slot] = 0  # the padding units too
+            if c is not None:
+                self.c[:, slot] = c
+
+    def check(self, h=None, c=None, op: str = "SlotStates.check") -> None:
+        """Raise unless ``put(slot, h, c)`` would take ``h`` and ``c`` (for a put made later)."""
+        LD, K, H, _ = self.shape
         if h is not None:
             _check.array(op, "h", h, self.dtype, (LD, K), ("L*D", "K"))
         if c is not None:
@@ -279,11 +289,6 @@ class SlotStates:
                     f"[{op}] c was given but a {self.cell.upper()} has no cell state; pass h only"
                 )
             _check.array(op, "c", c, self.dtype, (LD, H), ("L*D", "H"))
-        self.h[:, slot] = 0 if h is None else h
-        if self._c is not None:
-            self._c[:, slot] = 0  # the padding units too
-            if c is not None:
-                self.c[:, slot] = c
 
 
 class _Step:

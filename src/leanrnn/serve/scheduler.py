@@ -96,6 +96,7 @@ class Request:
         "nbytes",
         "on_done",
         "pos",
+        "reset",
         "seq",
         "t_done",
         "t_first",
@@ -116,6 +117,8 @@ class Request:
         self.t_submit = time.monotonic()
         self.t_first: float | None = None  # its first step's engine call began
         self.t_done: float | None = None  # the engine was done with it
+        # (h0, c0) a restart puts into its sequence's slot before its first step (Lane.submit)
+        self.reset: tuple | None = None
         self.seq = None
 
 
@@ -276,17 +279,30 @@ class Lane:
         """Queue ``x`` [T, C] for sequence ``key``; raises (and changes nothing) if it cannot."""
         s = self.seqs.get(key)
         name = self.name
-        if start:
+        reset = None
+        if start and s is not None and (s.queue or s.inflight):
             # A start on a live id begins a new sequence, as Triton's sequence batcher does (it
             # "terminates the old one early"): the old one's queued steps still run, in order,
-            # its last one now ending it; with none queued its slot is free at once. (A client
-            # that restarts, or resets its state with a start, is not locked out of its id
-            # until the idle timeout.) A start after a queued sequence_end is the same case.
-            # Everything that can refuse comes first: a refused start (429) leaves the old
-            # sequence as it was.
-            old = s if s is not None and not s.ending else None
+            # and then the new one's, in the same slot, its state put there (h0/c0, or zeros)
+            # just before its first step. No second slot: a restart is never refused for want
+            # of one (at --max-streams it was, and the new sequence's next steps, accepted as
+            # the old one's, silently continued it). A start after a queued sequence_end is
+            # the same case: the slot is kept rather than freed.
             self._check_state(h0, c0)
-            if not self.free and not (old is not None and not old.queue):
+            self.states.check(h0, c0, "infer")
+            reset = (h0, c0)
+            if s.ending:
+                s.queue[-1].end = False  # (finish reads it under the lock, as this runs)
+                s.ending = False
+            self.evicted.pop(key, None)
+        elif start:
+            # A start on a live id with nothing queued: its slot is free at once, and taken
+            # again. Everything that can refuse comes first: a refused start (429) leaves the
+            # old sequence as it was.
+            old = s
+            self._check_state(h0, c0)
+            self.states.check(h0, c0, "infer")
+            if not self.free and old is None:
                 what = (
                     "a request without a sequence_id (a sequence of its own) was not run"
                     if key[0] == ""  # an internal counter: no id the client knows
@@ -298,10 +314,7 @@ class Lane:
                     "--max-streams"
                 )
             if old is not None:
-                if old.queue:
-                    old.queue[-1].end = old.ending = True
-                else:
-                    self._release(old)
+                self._release(old)
             slot = self.free.pop()
             try:
                 self.states.put(slot, h0, c0)
@@ -337,7 +350,7 @@ class Lane:
                 )
         y = np.empty((x.shape[0], self.DK), self.dtype)
         r = Request(x, y, end, want_state, on_done, extra, hold)
-        r.seq = s
+        r.seq, r.reset = s, reset
         s.queue.append(r)
         s.last = now
         if end:
@@ -397,6 +410,10 @@ class Lane:
         # Rows longest first: a row whose steps are done leaves the step GEMMs with every row
         # after it (kernels.recurrent._live_end), and so do the padding rows at the end.
         rows = sorted(range(n), key=ks.__getitem__, reverse=True)
+        for s, r in zip(picked, heads, strict=True):
+            if r.reset is not None:  # a restart's first step: its state, in the slot it reuses
+                self.states.put(s.slot, *r.reset)
+                r.reset = None
         slot[:n] = [picked[i].slot for i in rows]
         slot[n:] = -1  # padding rows (bucket): no slot, never advanced
         lens[:n] = [ks[i] for i in rows]
