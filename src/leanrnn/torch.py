@@ -100,15 +100,24 @@ __all__ = ["GRU", "LSTM", "RNN", "from_module"]
 
 
 # ---------------------------------------------------------------------------- spec strings
+# The ops' autograd formula's version, carried in every op call's spec string. torch.compile's
+# caches (AOTAutograd's, inductor's) key a compiled graph on the forward graph, in which a
+# custom op is its name and arguments: a changed backward formula (session 37: rnn_backward
+# takes x, y and the masks) was not seen, and the stale compiled backward kept running, with
+# wrong gradients, until the cache was cleared. Bump it whenever _backward's graph changes.
+_OPS_VERSION = 2
+
+
 def _spec_string(cell: str, C: int, H: int, L: int, bidir: bool, P: int, bias: bool,
                  nonlinearity: str) -> str:  # fmt: skip
-    return json.dumps([cell, C, H, L, bidir, P, bias, nonlinearity])
+    return json.dumps([cell, C, H, L, bidir, P, bias, nonlinearity, _OPS_VERSION])
 
 
 @lru_cache(maxsize=256)
 def _spec(s: str) -> RNNSpec:
-    """The spec (always time-major: the ops take [T, N, C]) an op's spec string names."""
-    cell, C, H, L, bidir, P, bias, nonlin = json.loads(s)
+    """The spec (always time-major: the ops take [T, N, C]) an op's spec string names (with
+    or without the version: programs exported before it carry none)."""
+    cell, C, H, L, bidir, P, bias, nonlin = json.loads(s)[:8]
     acts = None
     if cell == "rnn":
         acts = ((Activation.make(nonlin),),) * (2 if bidir else 1)
@@ -490,16 +499,22 @@ def _rnn_forward_fake(x, h0, c0, weights, lengths, masks, key, spec, tape, bf16=
     mutates_args=(),
     device_types="cpu",
     schema="(Tensor handle, Tensor dy, Tensor dh_n, Tensor? dc_n, Tensor[] weights, str spec, "
-    "bool input_grad=True) -> Tensor[]",
+    "bool input_grad=True, Tensor? x=None, Tensor? y=None, Tensor? masks=None) -> Tensor[]",
 )
-def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec, input_grad=True):
+def _rnn_backward(handle, dy, dh_n, dc_n, weights, spec, input_grad=True, x=None, y=None,
+                  masks=None):  # fmt: skip
     """[dx ([0] unless ``input_grad``), dh0, dc0 (LSTM; else [0]), *weight gradients in
-    torch's names, shapes and order]."""
+    torch's names, shapes and order]. ``x``, ``y`` and ``masks`` are not read here but by the
+    tape, in place: passing them makes a compiled graph keep their memory until backward
+    (inductor freed x and y after the forward and reused their buffers, e.g. for 2*y in the
+    loss's backward: silently wrong weight gradients). Defaults: programs traced before
+    these arguments existed call the op without them."""
     return _backward_grads(handle, dy, dh_n, dc_n, weights, input_grad)
 
 
 @_rnn_backward.register_fake
-def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec, input_grad=True):
+def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec, input_grad=True, x=None, y=None,
+                       masks=None):  # fmt: skip
     s = _spec(spec)
     T, N = dy.shape[0], dy.shape[1]
     LD, K, H = s.num_layers * s.num_directions, s.output_size, s.hidden_size
@@ -509,12 +524,13 @@ def _rnn_backward_fake(handle, dy, dh_n, dc_n, weights, spec, input_grad=True):
     return out
 
 
-def _save(ctx, x, h0, c0, spec, output, weights) -> None:
-    """What backward keeps, for both paths: the handle, and x and y too: the tape reads x, and
-    y is the last layer's reserve (its h_{t-1} for dR), in place, so torch's version check
-    must refuse a backward after either was modified in place (as it does for
-    torch.nn.LSTM); y modified in place gave wrong gradients silently."""
-    ctx.save_for_backward(output[3], x, output[0], *weights)
+def _save(ctx, x, h0, c0, spec, output, weights, masks) -> None:
+    """What backward keeps, for both paths: the handle, and x, y and the dropout masks too: the
+    tape reads x and the masks, and y is the last layer's reserve (its h_{t-1} for dR), in
+    place, so torch's version check must refuse a backward after one was modified in place
+    (as it does for torch.nn.LSTM; y modified in place gave wrong gradients silently), and a
+    compiled graph must not free them before backward (rnn_backward takes them)."""
+    ctx.save_for_backward(output[3], x, output[0], masks, *weights)
     ctx.spec = spec
     ctx.lstm = _spec(spec).cell == "lstm"
     ctx.has = (h0 is not None, c0 is not None)
@@ -522,14 +538,23 @@ def _save(ctx, x, h0, c0, spec, output, weights) -> None:
 
 def _setup_context(ctx, inputs, output):
     x, h0, c0, weights, lengths, masks, key, spec, tape = inputs[:9]
-    _save(ctx, x, h0, c0, spec, output, weights)
+    _save(ctx, x, h0, c0, spec, output, weights, masks)
 
 
 def _backward(ctx, dy, dh_n, dc_n, _dhandle):
-    handle, _x, _y, *weights = ctx.saved_tensors
+    handle, x, y, masks, *weights = ctx.saved_tensors
     # dx only when x needs it (the input GEMM skipped, as torch's modules skip it)
     grads = torch.ops.leanrnn.rnn_backward(
-        handle, dy, dh_n, dc_n if ctx.lstm else None, weights, ctx.spec, ctx.needs_input_grad[0]
+        handle,
+        dy,
+        dh_n,
+        dc_n if ctx.lstm else None,
+        weights,
+        ctx.spec,
+        ctx.needs_input_grad[0],
+        x,
+        y,
+        masks,
     )
     dx, dh0, dc0, dw = grads[0], grads[1], grads[2], list(grads[3:])
     return (dx if ctx.needs_input_grad[0] else None, dh0 if ctx.has[0] else None,
@@ -563,7 +588,7 @@ class _EagerRNN(torch.autograd.Function):
         ctx.mark_non_differentiable(out[3])
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
-        _save(ctx, x, h0, c0, spec, out, weights)
+        _save(ctx, x, h0, c0, spec, out, weights, masks)
         return out
 
     @staticmethod
@@ -589,7 +614,7 @@ class _EagerRNN(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def _first_order(ctx, dy, dh_n, dc_n, _dhandle):
-        handle, _x, _y, *weights = ctx.saved_tensors
+        handle, _x, _y, _masks, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
         # (no gradients for lengths, masks, key, spec, bf16, mode)
@@ -855,6 +880,8 @@ class _RNNBase(torch.nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        spec = json.loads(self._spec_str)  # pickled by an older leanrnn: this one's version
+        self._spec_str = json.dumps([*spec[:8], _OPS_VERSION])
         self._key = next(_KEYS)
         self._finalizer = weakref.finalize(self, _ENGINES.pop, self._key, None)
 
