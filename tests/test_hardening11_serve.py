@@ -6,7 +6,9 @@ its own initial state. Each test failed before."""
 
 from __future__ import annotations
 
+import json
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -83,3 +85,126 @@ def test_a_restart_with_zero_state_and_state_snapshots_of_both_lives():
     ])  # fmt: skip
     np.testing.assert_allclose(reqs[0].y, _offline(old), rtol=0, atol=1e-6)
     np.testing.assert_allclose(reqs[1].y, _offline(new), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------- clients that hold the transports' call caps
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+tg = pytest.importorskip("tritonclient.grpc")
+th = pytest.importorskip("tritonclient.http")
+
+GRU = leanrnn.GRU(C, 4, seed=12)
+
+
+def _infer_http(url: str, x: np.ndarray) -> np.ndarray:
+    i = th.InferInput("x", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return th.InferenceServerClient(url).infer("gru", [i]).as_numpy("y")
+
+
+def _trickle(host: str, port: int, out: list, seconds: float) -> None:
+    """An infer request whose body arrives a byte at a time, 0.3 s apart, for ``seconds``
+    (or until the server answers); appends the status line."""
+    import socket
+
+    s = socket.create_connection((host, port), timeout=30)
+    try:
+        s.sendall(b"POST /v2/models/gru/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 1000\r\n\r\n")  # fmt: skip
+        s.settimeout(0.3)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                s.sendall(b" ")
+                got = s.recv(200)
+                if got:
+                    out.append(got.split(b"\r\n")[0].decode())
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        out.append("no answer")
+    finally:
+        s.close()
+
+
+def test_trickled_bodies_and_idle_streams_do_not_hold_the_call_caps(tmp_path):
+    """A body trickled a byte before each --read-timeout held a --max-concurrency slot for as
+    long as its client liked (every other client: 503), and a ModelStreamInfer stream that sent
+    nothing held a gRPC call slot forever (every other call: RESOURCE_EXHAUSTED)."""
+    import threading
+
+    from helpers import served
+
+    with served(tmp_path, "gru", GRU, "--max-concurrency", "2", "--read-timeout", "1",
+                "--idle-timeout", "1.5", "--threads", "1") as s:  # fmt: skip
+        # HTTP: two tricklers take both slots; the minimum rate drops them after ~1 s
+        statuses: list = []
+        ts = [threading.Thread(target=_trickle, args=(s["host"], s["port"], statuses, 8.0))
+              for _ in range(2)]  # fmt: skip
+        for t in ts:
+            t.start()
+        time.sleep(0.5)
+        x = _x(3, 9)
+        t0 = time.monotonic()
+        while True:  # a normal client gets through once they are dropped
+            try:
+                y = _infer_http(s["http"], x)
+                break
+            except Exception:  # 503 while the slots are held
+                assert time.monotonic() - t0 < 6, "the tricklers held the HTTP slots"
+                time.sleep(0.2)
+        np.testing.assert_allclose(y, GRU(x[:, None])[0][:, 0], rtol=0, atol=1e-6)
+        for t in ts:
+            t.join()
+        assert statuses == ["HTTP/1.1 408 Request Timeout"] * 2, statuses
+
+        # gRPC: two streams that send nothing are closed after --idle-timeout
+        errors: list = []
+        clients = [tg.InferenceServerClient(s["grpc"]) for _ in range(2)]
+        for c in clients:
+            c.start_stream(callback=lambda result, error: errors.append(error))
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        while True:
+            try:
+                tg.InferenceServerClient(s["grpc"]).get_model_metadata("gru")
+                break
+            except Exception:  # RESOURCE_EXHAUSTED while the streams are open
+                assert time.monotonic() - t0 < 6, "idle streams held the gRPC calls"
+                time.sleep(0.2)
+        time.sleep(0.3)
+        for c in clients:
+            c.stop_stream()
+        assert len(errors) == 2 and all("--idle-timeout" in str(e) for e in errors), errors
+
+
+def test_sigterm_while_a_body_arrives_answers_the_protocols_503(tmp_path):
+    """A body still arriving at SIGTERM was cut by uvicorn's own shutdown: a plain-text 500 and
+    a traceback in the log; every other request refused then gets the JSON 503."""
+    import signal
+    import socket
+
+    from helpers import served
+
+    with served(tmp_path, "gru", GRU, "--grace", "2", "--threads", "1") as s:
+        sock = socket.create_connection((s["host"], s["port"]), timeout=30)
+        try:
+            sock.sendall(b"POST /v2/models/gru/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 1000\r\n\r\n{")  # fmt: skip
+            time.sleep(0.3)
+            s["proc"].send_signal(signal.SIGTERM)
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                got = sock.recv(4096)
+                if not got:
+                    break
+                answer += got
+        finally:
+            sock.close()
+        assert s["proc"].wait(timeout=30) == 0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), answer
+    assert "shutting down" in json.loads(body)["error"]
+    assert not any("Traceback" in line for line in s["logs"]), "".join(s["logs"])

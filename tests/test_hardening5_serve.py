@@ -145,6 +145,10 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
             pass
 
         read_timeout = 30.0
+        draining = False
+
+        def __init__(self):
+            self.bodies = set()  # (bodies being read, which a shutdown would cut)
 
         def reserve(self, n, mine=0):
             pass

@@ -151,10 +151,12 @@ class _BodyCore:
     """What http._body asks of the server's Core: the limits, and the queued-bytes budget."""
 
     read_timeout = 30.0
+    draining = False
 
     def __init__(self, limit: int) -> None:
         self.max_request_bytes = limit
         self.held = 0
+        self.bodies: set = set()
 
     def reserve(self, n: int, mine: int = 0) -> None:
         self.held += n

@@ -94,6 +94,7 @@ from leanrnn.serve import rpc  # noqa: E402
 
 class _Core:
     metrics = None
+    idle_timeout = 60.0
 
     def enter(self, protocol):  # --max-concurrency: not the point here
         pass

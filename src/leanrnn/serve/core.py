@@ -48,10 +48,25 @@ class Core:
         self.metrics = metrics
         self.ready = False
         self.draining = False
+        # the deadlines (asyncio.Timeout) of HTTP bodies being read, which a shutdown cuts
+        self.bodies: set = set()
         # Triton's statistics extension, per model: successes [count, total ns, queue ns,
         # compute ns], failures [count, ns], the last inference's time (ms since the epoch)
         self._stats = {name: {"ok": [0, 0, 0, 0], "fail": [0, 0], "last": 0}
                        for name in self.infos}  # fmt: skip
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds a sequence may go without a request before it is evicted (--idle-timeout)."""
+        return max(lane.idle_timeout for lane in self.scheduler.lanes.values())
+
+    def cut_bodies(self) -> None:
+        """On the event loop, once ``draining``: the bodies still arriving stop being read, and
+        their requests are answered 503 (left to arrive, they were cut by uvicorn's own
+        shutdown and answered a plain-text 500)."""
+        now = asyncio.get_running_loop().time()
+        for deadline in list(self.bodies):
+            deadline.reschedule(now)
 
     def info(self, model: str, version: str | None = None) -> ModelInfo:
         info = self.infos.get(model)

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .core import Core
-from .errors import InvalidRequest, ServeError, Timeout, TooLarge
+from .errors import InvalidRequest, ServeError, Timeout, TooLarge, Unavailable
 from .protocol import (
     EXTENSIONS,
     VERSION,
@@ -57,6 +57,11 @@ MAX_MEMBERS = 65536
 # tens of ms or more to inflate (up to --max-request-bytes), which on the event loop held up
 # every other stream (HTTP and gRPC) meanwhile.
 INFLATE_INLINE = 256 << 10
+# A body must keep arriving at this average rate once --read-timeout has passed (Apache's
+# mod_reqtimeout MinRate): a client that trickled a byte before each --read-timeout held a
+# --max-concurrency slot for as long as it liked. 64 KiB/s lets the largest 64 MiB body take 17
+# minutes, and holding a slot costs that much bandwidth.
+MIN_BODY_RATE = 64 << 10
 # JSON has no NaN or infinity (RFC 8259): they go as these strings (proto3's JSON mapping of
 # floats), which tritonclient's as_numpy (numpy) reads back as nan and +-inf.
 _NONFINITE = {"nan": '"NaN"', "inf": '"Infinity"', "-inf": '"-Infinity"'}
@@ -110,7 +115,9 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
     it is all read or inflated; the bytes it reserved). Its bytes count against
     --max-queued-bytes from their arrival until the caller's ``core.unreserve(held)``, once the
     request is parsed (and submitted: it is counted from then on); a client that sends
-    nothing for --read-timeout seconds mid-body is dropped (408)."""
+    nothing for --read-timeout seconds mid-body, or sends it slower than MIN_BODY_RATE on
+    average after that, is dropped (408); a SIGTERM stops the reading (503, as every other
+    request refused then: Core.cut_bodies)."""
     limit = core.max_request_bytes
     declared = _number(request.headers.get("content-length"))
     if declared is not None and declared > limit:
@@ -120,9 +127,13 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
         )
     parts, n = [], 0
     loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    deadline = None
     try:
-        # one deadline, moved on at each piece (wait_for made a task per piece)
+        # one deadline, moved on at each piece (wait_for made a task per piece): --read-timeout
+        # after the last piece, but no later than the minimum rate allows for what came
         async with asyncio.timeout(core.read_timeout) as deadline:
+            core.bodies.add(deadline)
             async for chunk in request.stream():
                 if n + len(chunk) > limit:
                     raise TooLarge(
@@ -132,7 +143,9 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
                 core.reserve(len(chunk), n)
                 n += len(chunk)
                 parts.append(chunk)
-                deadline.reschedule(loop.time() + core.read_timeout)
+                now = loop.time()
+                if not core.draining:  # (cut: it stays due)
+                    deadline.reschedule(min(now, t0 + n / MIN_BODY_RATE) + core.read_timeout)
         body = b"".join(parts)
         encoding = request.headers.get("content-encoding", "identity").lower()
         if encoding in ("gzip", "deflate"):
@@ -146,12 +159,21 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
             )
     except BaseException as e:
         core.unreserve(n)
+        if isinstance(e, TimeoutError) and core.draining:  # cut by the shutdown
+            raise Unavailable(
+                "[infer] the server is shutting down; this request's body was still arriving: "
+                "send it elsewhere"
+            ) from None
         if isinstance(e, TimeoutError):  # the deadline's
+            seconds = loop.time() - t0
             raise Timeout(
-                f"[infer] the client sent none of the rest of its body for "
-                f"{core.read_timeout:g} s ({n} bytes came); dropped (--read-timeout)"
+                f"[infer] the client sent its body too slowly ({n} bytes in {seconds:.1f} s; "
+                f"a request may pause at most {core.read_timeout:g} s (--read-timeout) and must "
+                f"average {MIN_BODY_RATE // 1024} KiB/s after that); dropped"
             ) from None
         raise
+    finally:
+        core.bodies.discard(deadline)
     return body, n
 
 

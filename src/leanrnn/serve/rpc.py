@@ -24,7 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .core import Core, hostport
-from .errors import InvalidRequest, ServeError
+from .errors import InvalidRequest, ServeError, Unavailable
 from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes
 from .scheduler import request_bytes
 
@@ -229,6 +229,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()  # only the unfinished: a stream may carry millions
         closed = False
         metrics = self.core.metrics
+        loop = asyncio.get_running_loop()
+        idle = self.core.idle_timeout
+        last = [loop.time()]  # the stream's last request read or answer written
+        idled = asyncio.Event()
 
         def account(requests: int, nbytes: int) -> None:
             held[0] += requests
@@ -270,13 +274,27 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def pump():
             requests = request_iterator.__aiter__()
+            nxt = None
             try:
                 while True:
                     await room.wait()
+                    nxt = asyncio.ensure_future(requests.__anext__())
+                    # A stream that sends nothing for --idle-timeout with nothing of its in
+                    # flight is closed: idle streams held --max-concurrency's calls for as long
+                    # as they stayed open (and any sequence of theirs is evicted by then)
+                    while True:
+                        wait = idle if held[0] else last[0] + idle - loop.time()
+                        if wait <= 0:
+                            nxt.cancel()
+                            idled.set()
+                            return
+                        if (await asyncio.wait({nxt}, timeout=wait))[0]:
+                            break
                     try:
-                        request = await requests.__anext__()
+                        request = nxt.result()
                     except StopAsyncIteration:
                         break
+                    last[0] = loop.time()
                     cost = request.ByteSize()
                     try:
                         info, p = await parse_async(self.core, request)
@@ -293,6 +311,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
+                if nxt is not None and not nxt.done():  # (cancelled: the client went)
+                    nxt.cancel()
                 out.put_nowait((None, 0, _nothing))
 
         reader = asyncio.ensure_future(pump())
@@ -306,6 +326,14 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 finally:  # sent, or the client went: its bytes stop counting either way
                     release()
                 account(-1, -n)
+                last[0] = loop.time()
+            if idled.is_set():
+                e = Unavailable(
+                    f"[stream] no request on this ModelStreamInfer stream for {idle:g} s "
+                    "(--idle-timeout) and none in flight: closed, as its sequences are evicted "
+                    "by then; open a new stream (and start its sequences again)"
+                )
+                await self._refuse(context, e)
         finally:  # the client is gone or done: what the stream still holds stops counting
             closed = True
             reader.cancel()

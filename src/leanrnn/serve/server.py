@@ -249,6 +249,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         stopping.set()
         _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
         core.draining = True
+        core.cut_bodies()
         if health is not None:
             await health.shutdown()
         finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
