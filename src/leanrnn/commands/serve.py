@@ -128,7 +128,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--idle-timeout",
         type=positive_float,
         default=60.0,
-        help="seconds without a request before a sequence is evicted (default 60)",
+        help="seconds without a request before a sequence is evicted, and a gRPC stream with "
+        "nothing in flight is closed (default 60)",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -163,8 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive_float,
         default=30.0,
         help="seconds a connection may take to send a request's headers (from connecting, or "
-        "from its last answer), and to send each next piece of a request body; slower ones "
-        "are dropped (default 30)",
+        "from its last answer), and to send each next piece of a request body (which must "
+        "average 64 KiB/s after that); slower ones are dropped (default 30)",
     )
     p.add_argument(
         "--grace",
