@@ -363,6 +363,7 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
 
     class Core:
         metrics = SimpleNamespace(stream_held=deltas.append)
+        idle_timeout = 60.0
 
         def enter(self, protocol):  # --max-concurrency: not the point here
             pass

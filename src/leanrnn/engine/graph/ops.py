@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,29 +32,22 @@ from ..products import (
     padded_tail_width,
 )
 from ..session import Session
+from .base import (
+    OpDef,
+    Out,
+    _axis,
+    _broadcast,
+    _fail,
+    _float,
+    _ints,
+    _nin,
+    _numeric,
+    _optional,
+    _same_dtype,
+    _typed,
+    _view_run,
+)
 from .quant_ops import quant_ops
-
-
-@dataclass(frozen=True, eq=False)
-class Out:
-    """What ``infer`` says about one output: shape, dtype, whether it is a view of input 0's
-    memory (no buffer of its own), and its value when it is known from shapes alone."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    view: bool = False
-    value: np.ndarray | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class OpDef:
-    infer: Callable  # (ctx, node, ins: [Out|None], vals: [ndarray|None]) -> [Out]
-    run: Callable  # (ctx, node, ins: [ndarray|None], outs: [ndarray|None], metas, tmp) -> [ndarray]
-    scratch: Callable | None = None  # (ctx, node, ins, metas, needed) -> {name: (shape, dtype)}
 
 
 class Ctx:
@@ -71,106 +63,6 @@ class Ctx:
         self.matmuls: dict[str, PackedMatmul] = matmuls or {}
         self.sync = np.zeros(abi.sync_size(1), np.int64)
         self.needed: set[str] = set()
-
-
-# ------------------------------------------------------------------------------------ helpers
-def _fail(node: Node, msg: str, cls: type[LeanRNNError] = ShapeError):
-    raise cls(f"[graph] node {node.name!r} ({node.op}): {msg}")
-
-
-def _numeric(node: Node, name) -> np.dtype:
-    """A numeric or bool dtype by its numpy name (names only: np.dtype(None) is float64)."""
-    dt = np.dtype(name) if isinstance(name, str) else None
-    if dt is None or dt.kind not in "biuf":
-        _fail(node, f"dtype {name!r}; expected a numeric or bool dtype name", ModelFormatError)
-    return dt
-
-
-def _axis(node: Node, axis, rank: int) -> int:
-    a = int(axis)
-    if not -rank <= a < rank:
-        _fail(node, f"axis {a} is out of range for a rank-{rank} tensor")
-    return a % rank
-
-
-def _ints(node: Node, value, what: str) -> list[int]:
-    if value is None:
-        _fail(
-            node,
-            f"{what} must be a constant or computable from input shapes (Shape, Gather, "
-            "Concat, ...); here it depends on input values",
-            ModelFormatError,
-        )
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu" or arr.ndim > 1:
-        _fail(node, f"{what} is {arr.dtype}{list(arr.shape)}; expected a 1-D integer tensor")
-    return [int(v) for v in arr.reshape(-1)]
-
-
-def _optional(node: Node, ins: list, vals: list, i: int, attr: str, what: str) -> list[int] | None:
-    """An int list given as attribute ``attr`` (older opsets) or as input ``i`` (newer)."""
-    if attr in node.attrs:
-        return [int(v) for v in node.attrs[attr]]
-    if i < len(ins) and ins[i] is not None:
-        return _ints(node, vals[i], what)
-    return None
-
-
-def _same_dtype(node: Node, ins: list) -> np.dtype:
-    present = [m for m in ins if m is not None]
-    dt = present[0].dtype
-    for m in present[1:]:
-        if m.dtype != dt:
-            _fail(
-                node,
-                f"inputs have dtypes {[str(x.dtype) for x in present]}; expected one dtype",
-                DTypeError,
-            )
-    return dt
-
-
-_NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.uint8, np.uint16))
-
-
-def _typed(ctx, node: Node, dt: np.dtype) -> None:
-    """Refuse a dtype outside the ONNX type constraint of an arithmetic op (numpy would run
-    it: Add of bools as a logical or, Neg of uint8 wrapping around). Add/Sub/Mul/Div and Relu
-    take 8- and 16-bit integers from opset 14, MatMul and Gemm never; Neg takes signed types
-    only; Relu before opset 14 floats only. onnxruntime refuses such graphs at load too."""
-    op, narrow = node.op, dt in _NARROW_INTS
-    bad = (
-        dt.kind not in "iuf"
-        or (op in ("MatMul", "Gemm") and narrow)
-        or (op in ("Add", "Sub", "Mul", "Div") and narrow and ctx.opset < 14)
-        or (op == "Neg" and dt.kind == "u")
-        or (op == "Relu" and dt.kind != "f" and (ctx.opset < 14 or dt.kind == "u"))
-    )
-    if bad:
-        _fail(node, f"input has dtype {dt}, which ONNX's {op} does not take at opset "
-                    f"{ctx.opset}", DTypeError)  # fmt: skip
-
-
-def _float(node: Node, m: Out) -> None:
-    if m.dtype.kind != "f":
-        _fail(node, f"input has dtype {m.dtype}; expected a float tensor", DTypeError)
-
-
-def _broadcast(node: Node, *shapes) -> tuple[int, ...]:
-    try:
-        return tuple(int(d) for d in np.broadcast_shapes(*shapes))
-    except ValueError:
-        _fail(node, f"shapes {[list(s) for s in shapes]} do not broadcast")
-
-
-def _nin(node: Node, ins: list, lo: int, hi: int | None = None) -> None:
-    n = len(ins)
-    if n < lo or (hi is not None and n > hi) or any(m is None for m in ins[:lo]):
-        want = f"{lo}" if hi == lo else f"{lo}..{hi if hi is not None else 'n'}"
-        _fail(node, f"has {n} inputs; expected {want} (required ones present)", ModelFormatError)
-
-
-def _view_run(ctx, node, ins, outs, metas, tmp):
-    return [ins[0].reshape(metas[0].shape)]
 
 
 # -------------------------------------------------------------------------- elementwise ops

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import DTypeError, ModelFormatError, ShapeError
+from .base import Out, _axis
 
 U8, I8, I32, F32, F64 = (np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.float32, np.float64))
 _EIGHT_BITS = (U8, I8)
@@ -169,7 +170,6 @@ def scale_to_float(acc, multiplier, bias, out) -> None:
 
 # --------------------------------------------------------------------------------------- ops
 def _dql_infer(ctx, node, ins, vals):
-    from .ops import Out
 
     _require(node, ins, 1, 1)
     x = _input(node, ins, 0, "x", (F32,))
@@ -199,7 +199,6 @@ def _dql_run(ctx, node, ins, outs, metas, tmp):
 
 
 def _matmul_integer_infer(ctx, node, ins, vals):
-    from .ops import Out
 
     _require(node, ins, 2, 4)
     a = _input(node, ins, 0, "A", _EIGHT_BITS)
@@ -260,7 +259,6 @@ def _matmul_integer_run(ctx, node, ins, outs, metas, tmp):
 
 def _mitf_infer(ctx, node, ins, vals):
     """MatMulIntegerToFloat(A, B, a_scale, b_scale, a_zero_point?, b_zero_point?, bias?)."""
-    from .ops import Out
 
     _require(node, ins, 4, 7)
     a = _input(node, ins, 0, "A", _EIGHT_BITS)
@@ -294,7 +292,6 @@ def _mitf_run(ctx, node, ins, outs, metas, tmp):
 
 def _dqmm_infer(ctx, node, ins, vals):
     """DynamicQuantizeMatMul(A float32, B, b_scale, b_zero_point?, bias?)."""
-    from .ops import Out
 
     _require(node, ins, 3, 5)
     a = _input(node, ins, 0, "A", (F32,))
@@ -332,7 +329,6 @@ def _dequantize_linear_infer(ctx, node, ins, vals):
     """DequantizeLinear(x, x_scale, x_zero_point?) -> float32 (x - zero_point) * scale, per
     tensor or per slice along ``axis`` (what quantize_dynamic writes after an embedding's
     Gather from an int8 table)."""
-    from .ops import Out, _axis
 
     _require(node, ins, 2, 3)
     x = _input(node, ins, 0, "x", (U8, I8, I32))
@@ -371,7 +367,6 @@ def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
     zp = _zp_or_zero(_opt(ins, 2), x.dtype)
     if scale.ndim == 1 and scale.size > 1 and x.ndim > 1:  # per axis: along `axis` (a
         # one-element scale is per tensor, whatever axis says, as onnxruntime reads it)
-        from .ops import _axis
 
         axis = _axis(node, node.attrs.get("axis", 1), x.ndim)
         shape = [1] * x.ndim
