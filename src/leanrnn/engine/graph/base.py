@@ -135,5 +135,3 @@ def _nin(node: Node, ins: list, lo: int, hi: int | None = None) -> None:
 
 def _view_run(ctx, node, ins, outs, metas, tmp):
     return [ins[0].reshape(metas[0].shape)]
-
-

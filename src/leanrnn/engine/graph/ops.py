@@ -47,6 +47,7 @@ from .base import (
     _typed,
     _view_run,
 )
+from .layer_ops import layer_ops
 from .quant_ops import quant_ops
 
 
@@ -954,6 +955,7 @@ OPS: dict[str, OpDef] = {
     **{k: OpDef(_reduce_infer, _reduce_run) for k in _REDUCE},
     **{k: OpDef(_rnn_infer, _rnn_run, _rnn_scratch) for k in RNN_OPS},
     **quant_ops(OpDef),  # DynamicQuantizeLinear, MatMulInteger and onnxruntime's fused forms
+    **layer_ops(OpDef),  # masks, normalization, convolution front-ends around the RNN
 }
 # Elementwise ops whose output may take over an input's memory (see GraphSession._plan_arena)
 INPLACE_OPS = frozenset([*_UNARY, *_BINARY, "Softmax", "LogSoftmax"])

@@ -1,0 +1,504 @@
+"""The ops real recurrent models put around their RNN nodes, as torch's two ONNX exporters write
+them (a survey of 34 deployed-style models in session 37): masks from lengths (``Less``,
+``Equal``, ``Not``, ``Where``), pooling and decoding (``ArgMax``, ``GatherElements``, ``Tile``),
+activations (``Clip`` for Hardtanh and clamp, ``LeakyRelu``, ``Pow``, ``Erf``, ``Gelu``),
+normalization (``LayerNormalization``, ``BatchNormalization`` in inference form) and the
+convolution front-ends of speech and OCR models (``Conv``, ``MaxPool``, 1-D and 2-D).
+
+Each ``run`` writes its output into the arena view it is handed; numpy temporaries of an
+input's size are made where a formula needs one (the RNN nodes, which hold the model's time,
+allocate nothing). Semantics are ONNX's, checked op by op against onnxruntime
+(tests/test_hardening11_graph.py); where ONNX leaves a case open, onnxruntime's choice is taken
+and the docstring says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...errors import DTypeError, ModelFormatError
+from .base import Out, _axis, _broadcast, _fail, _ints, _nin, _same_dtype
+
+BOOL = np.dtype(bool)
+I64 = np.dtype(np.int64)
+
+
+def _numeric(node, m: Out, what: str = "input") -> None:
+    if m.dtype.kind not in "iuf":
+        _fail(node, f"{what} has dtype {m.dtype}; expected a numeric tensor", DTypeError)
+
+
+# ------------------------------------------------------------------ comparisons and logic
+_COMPARE = {
+    "Equal": np.equal,
+    "Less": np.less,
+    "Greater": np.greater,
+    "LessOrEqual": np.less_equal,
+    "GreaterOrEqual": np.greater_equal,
+}
+_LOGIC = {"And": np.logical_and, "Or": np.logical_or, "Xor": np.logical_xor}
+
+
+def _compare_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    dt = _same_dtype(node, ins)
+    if node.op in _LOGIC and dt != BOOL:
+        _fail(node, f"inputs have dtype {dt}; expected bool", DTypeError)
+    if node.op in _COMPARE and dt.kind not in "iuf" and not (node.op == "Equal" and dt == BOOL):
+        _fail(node, f"inputs have dtype {dt}; expected numeric tensors", DTypeError)
+    return [Out(_broadcast(node, ins[0].shape, ins[1].shape), BOOL)]
+
+
+def _compare_run(ctx, node, ins, outs, metas, tmp):
+    ({**_COMPARE, **_LOGIC})[node.op](ins[0], ins[1], out=outs[0])
+    return outs
+
+
+def _not_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    if ins[0].dtype != BOOL:
+        _fail(node, f"input has dtype {ins[0].dtype}; expected bool", DTypeError)
+    return [Out(ins[0].shape, BOOL)]
+
+
+def _not_run(ctx, node, ins, outs, metas, tmp):
+    np.logical_not(ins[0], out=outs[0])
+    return outs
+
+
+def _where_infer(ctx, node, ins, vals):
+    _nin(node, ins, 3, 3)
+    cond, x, y = ins
+    if cond.dtype != BOOL:
+        _fail(node, f"condition has dtype {cond.dtype}; expected bool", DTypeError)
+    dt = _same_dtype(node, [x, y])
+    return [Out(_broadcast(node, cond.shape, x.shape, y.shape), dt)]
+
+
+def _where_run(ctx, node, ins, outs, metas, tmp):
+    cond, x, y = ins
+    np.copyto(outs[0], np.broadcast_to(y, outs[0].shape))
+    np.copyto(
+        outs[0], np.broadcast_to(x, outs[0].shape), where=np.broadcast_to(cond, outs[0].shape)
+    )
+    return outs
+
+
+# ------------------------------------------------------------------------ elementwise math
+def _clip_bounds(node, ins, vals, dt) -> tuple:
+    """(min, max) as scalars of ``dt`` (None: unbounded): attributes before opset 11, optional
+    scalar inputs after (values at run time: ``vals`` may be None at infer)."""
+    if len(ins) == 1 and ("min" in node.attrs or "max" in node.attrs):
+        lo, hi = node.attrs.get("min"), node.attrs.get("max")
+        return (None if lo is None else dt.type(lo)), (None if hi is None else dt.type(hi))
+    bounds = []
+    for i in (1, 2):
+        m = ins[i] if i < len(ins) else None
+        if m is None:
+            bounds.append(None)
+            continue
+        if m.dtype != dt or math.prod(m.shape) != 1:
+            _fail(node, f"input {i} is {m.dtype}{list(m.shape)}; expected a scalar of {dt}")
+        v = vals[i] if vals is not None else None
+        bounds.append(None if v is None else dt.type(np.asarray(v).reshape(())))
+    return tuple(bounds)
+
+
+def _clip_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 3)
+    _numeric(node, ins[0])
+    _clip_bounds(node, ins, None, ins[0].dtype)  # the checks
+    return [Out(ins[0].shape, ins[0].dtype)]
+
+
+def _clip_run(ctx, node, ins, outs, metas, tmp):
+    x, o = ins[0], outs[0]
+    lo, hi = _clip_bounds(node, [None if a is None else Out(a.shape, a.dtype) for a in ins],
+                          ins, x.dtype)  # fmt: skip
+    # ONNX (opset 13): min(max(x, lo), hi), so every value is hi when lo > hi
+    np.copyto(o, x)
+    if lo is not None:
+        np.maximum(o, lo, out=o)
+    if hi is not None:
+        np.minimum(o, hi, out=o)
+    return outs
+
+
+def _leaky_relu_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    if ins[0].dtype.kind != "f":
+        _fail(node, f"input has dtype {ins[0].dtype}; expected a float tensor", DTypeError)
+    return [Out(ins[0].shape, ins[0].dtype)]
+
+
+def _leaky_relu_run(ctx, node, ins, outs, metas, tmp):
+    x, o = ins[0], outs[0]
+    alpha = x.dtype.type(node.attrs.get("alpha", 0.01))
+    np.multiply(x, alpha, out=o)
+    np.copyto(o, x, where=x >= 0)
+    return outs
+
+
+def _pow_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    _numeric(node, ins[0], "the base")
+    _numeric(node, ins[1], "the exponent")
+    return [Out(_broadcast(node, ins[0].shape, ins[1].shape), ins[0].dtype)]
+
+
+def _pow_run(ctx, node, ins, outs, metas, tmp):
+    x, y = ins
+    if x.dtype.kind == "f":
+        np.power(x, y.astype(x.dtype, copy=False), out=outs[0])
+    else:  # integer bases: onnxruntime computes in the base's type (a float exponent too)
+        np.copyto(outs[0], np.power(x.astype(np.float64), y.astype(np.float64)),
+                  casting="unsafe")  # fmt: skip
+    return outs
+
+
+def erf(x: np.ndarray, out: np.ndarray) -> None:
+    """erf(x) into ``out``. float64: exact (math.erf per value, which numpy lacks). float32:
+    within 2e-7 absolutely, computed in float64: a Taylor series for |x| < 0.5 and Numerical
+    Recipes' Chebyshev fit of erfc (fractional error < 1.2e-7) beyond."""
+    if x.dtype == np.float64:
+        np.copyto(out, np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64))
+        return
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = 0.17087277
+    for c in (-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418,
+              0.37409196, 1.00002368, -1.26551223):  # fmt: skip
+        poly = c + t * poly
+    r = 1.0 - t * np.exp(-z * z + poly)
+    z2 = z * z  # 2/sqrt(pi) (x - x^3/3 + x^5/10 - x^7/42 + x^9/216 - x^11/1320)
+    series = z * (1 + z2 * (-1 / 3 + z2 * (1 / 10 + z2 * (-1 / 42 + z2 * (1 / 216 - z2 / 1320)))))
+    r = np.where(z < 0.5, series * (2 / math.sqrt(math.pi)), r)
+    np.copyto(out, np.copysign(r, x), casting="same_kind")
+
+
+def _float_unary_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    if ins[0].dtype.kind != "f":
+        _fail(node, f"input has dtype {ins[0].dtype}; expected a float tensor", DTypeError)
+    if node.op == "Gelu" and node.attrs.get("approximate", "none") not in ("none", "tanh"):
+        _fail(node, f"approximate={node.attrs['approximate']!r}; expected 'none' or 'tanh'",
+              ModelFormatError)  # fmt: skip
+    return [Out(ins[0].shape, ins[0].dtype)]
+
+
+def _erf_run(ctx, node, ins, outs, metas, tmp):
+    erf(ins[0], outs[0])
+    return outs
+
+
+def _gelu_run(ctx, node, ins, outs, metas, tmp):
+    x, o = ins[0], outs[0]
+    t = x.dtype.type
+    if (
+        node.attrs.get("approximate", "none") == "tanh"
+    ):  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        inner = x * x
+        inner *= t(0.044715)
+        inner += t(1)
+        inner *= x
+        inner *= t(math.sqrt(2 / math.pi))
+        np.tanh(inner, out=o)
+    else:  # 0.5 x (1 + erf(x / sqrt(2)))
+        erf(x * t(1 / math.sqrt(2)), o)
+    o += t(1)
+    o *= x
+    o *= t(0.5)
+    return outs
+
+
+# -------------------------------------------------------------------- indexing and decoding
+def _arg_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    _numeric(node, ins[0])
+    shape = ins[0].shape
+    if not shape:
+        _fail(node, "input is a scalar; expected rank >= 1")
+    a = _axis(node, node.attrs.get("axis", 0), len(shape))
+    if shape[a] == 0:
+        _fail(node, f"axis {a} of {list(shape)} is empty: no index to return")
+    keep = int(node.attrs.get("keepdims", 1))
+    out = (*shape[:a], *((1,) if keep else ()), *shape[a + 1 :])
+    return [Out(out, I64)]
+
+
+def _arg_run(ctx, node, ins, outs, metas, tmp):
+    x = ins[0]
+    a = _axis(node, node.attrs.get("axis", 0), x.ndim)
+    fn = np.argmax if node.op == "ArgMax" else np.argmin
+    if int(node.attrs.get("select_last_index", 0)):  # the last of equal extremes
+        idx = (x.shape[a] - 1) - fn(np.flip(x, axis=a), axis=a)
+    else:
+        idx = fn(x, axis=a)
+    np.copyto(outs[0], idx.reshape(metas[0].shape))
+    return outs
+
+
+def _gather_elements_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    data, idx = ins
+    if idx.dtype.kind not in "iu":
+        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    if len(idx.shape) != len(data.shape) or not data.shape:
+        _fail(node, f"indices {list(idx.shape)} must have the rank of data {list(data.shape)}")
+    a = _axis(node, node.attrs.get("axis", 0), len(data.shape))
+    if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
+        _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
+                    f"axis {a}")  # fmt: skip
+    return [Out(idx.shape, data.dtype)]
+
+
+def _gather_elements_run(ctx, node, ins, outs, metas, tmp):
+    data, idx = ins
+    a = _axis(node, node.attrs.get("axis", 0), data.ndim)
+    n = data.shape[a]
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -n or hi >= n:
+            _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
+    where = list(np.indices(idx.shape, sparse=True))
+    where[a] = np.where(idx < 0, idx + n, idx)
+    np.copyto(outs[0], data[tuple(where)])
+    return outs
+
+
+def _tile_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    reps = _ints(node, vals[1], "repeats")
+    shape = ins[0].shape
+    if len(reps) != len(shape) or any(r < 0 for r in reps):
+        _fail(node, f"repeats {reps}; expected {len(shape)} values >= 0, one per axis of "
+                    f"{list(shape)}")  # fmt: skip
+    return [Out(tuple(d * r for d, r in zip(shape, reps, strict=True)), ins[0].dtype)]
+
+
+def _tile_run(ctx, node, ins, outs, metas, tmp):
+    x, o = ins[0], outs[0]
+    reps = tuple(o.shape[i] // x.shape[i] if x.shape[i] else 0 for i in range(x.ndim))
+    # a view of o as [r0, d0, r1, d1, ...]: x broadcast into every repeat at once
+    view = o.reshape(tuple(v for r, d in zip(reps, x.shape, strict=True) for v in (r, d)))
+    np.copyto(view, x.reshape(tuple(v for d in x.shape for v in (1, d))))
+    return outs
+
+
+# ---------------------------------------------------------------------------- normalization
+def _layer_norm_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 3)
+    x = ins[0]
+    if x.dtype.kind != "f":
+        _fail(node, f"input has dtype {x.dtype}; expected a float tensor", DTypeError)
+    a = _axis(node, node.attrs.get("axis", -1), len(x.shape))
+    inner = x.shape[a:]
+    for i, what in ((1, "scale"), (2, "bias")):
+        m = ins[i] if i < len(ins) else None
+        if m is not None and (m.dtype != x.dtype or _broadcast(node, inner, m.shape) != inner):
+            _fail(node, f"{what} is {m.dtype}{list(m.shape)}; expected {x.dtype} broadcasting "
+                        f"to the normalized axes {list(inner)}")  # fmt: skip
+    stats = (*x.shape[:a], *(1,) * len(inner))
+    stash = np.float32 if int(node.attrs.get("stash_type", 1)) == 1 else x.dtype
+    return [Out(x.shape, x.dtype), Out(stats, np.dtype(stash)), Out(stats, np.dtype(stash))]
+
+
+def _layer_norm_run(ctx, node, ins, outs, metas, tmp):
+    x = ins[0]
+    a = _axis(node, node.attrs.get("axis", -1), x.ndim)
+    axes = tuple(range(a, x.ndim))
+    # statistics in float32 at least (stash_type 1), as onnxruntime computes them
+    work = x.astype(np.promote_types(x.dtype, np.float32), copy=False)
+    mean = work.mean(axis=axes, keepdims=True)
+    centered = work - mean
+    var = np.mean(centered * centered, axis=axes, keepdims=True)
+    inv = 1.0 / np.sqrt(var + work.dtype.type(node.attrs.get("epsilon", 1e-5)))
+    y = centered * inv
+    if len(ins) > 1 and ins[1] is not None:
+        y *= ins[1]
+    if len(ins) > 2 and ins[2] is not None:
+        y += ins[2]
+    np.copyto(outs[0], y, casting="same_kind")
+    for o, v in zip(outs[1:], (mean, inv), strict=False):
+        if o is not None:
+            np.copyto(o, v, casting="same_kind")
+    return outs
+
+
+def _batch_norm_infer(ctx, node, ins, vals):
+    _nin(node, ins, 5, 5)
+    x = ins[0]
+    if x.dtype.kind != "f":
+        _fail(node, f"input has dtype {x.dtype}; expected a float tensor", DTypeError)
+    if int(node.attrs.get("training_mode", 0)) or len([o for o in node.outputs if o]) > 1:
+        _fail(node, "training mode (running statistics as outputs); expected the inference "
+                    "form: export the model in eval()", ModelFormatError)  # fmt: skip
+    if len(x.shape) < 2:
+        _fail(node, f"input is {list(x.shape)}; expected [N, C, ...]")
+    C = x.shape[1]
+    for m, what in zip(ins[1:], ("scale", "bias", "mean", "var"), strict=True):
+        if m.shape != (C,) or m.dtype.kind != "f":
+            _fail(node, f"{what} is {m.dtype}{list(m.shape)}; expected a float [{C}] (the "
+                        "channels, axis 1)")  # fmt: skip
+    return [Out(x.shape, x.dtype)]
+
+
+def _batch_norm_run(ctx, node, ins, outs, metas, tmp):
+    x, scale, bias, mean, var = ins
+    shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
+    t = x.dtype.type
+    inv = (scale / np.sqrt(var + t(node.attrs.get("epsilon", 1e-5)))).astype(x.dtype)
+    np.subtract(x, mean.astype(x.dtype).reshape(shape), out=outs[0])
+    outs[0] *= inv.reshape(shape)
+    outs[0] += bias.astype(x.dtype).reshape(shape)
+    return outs
+
+
+# -------------------------------------------------------------------- convolution front-ends
+def _window(node, ins, vals, pool: bool):
+    """(spatial kernel, strides, dilations, pads [begin..., end...]) of a Conv or MaxPool, checked
+    against the input's spatial shape."""
+    x = ins[0]
+    nd = len(x.shape) - 2
+    if nd not in (1, 2):
+        _fail(node, f"input is {list(x.shape)}; expected [N, C, L] or [N, C, H, W] (1-D or 2-D)",
+              ModelFormatError)  # fmt: skip
+    if pool:
+        kernel = [int(k) for k in node.attrs.get("kernel_shape", [])]
+    else:
+        kernel = list(ins[1].shape[2:])
+        if "kernel_shape" in node.attrs and [int(k) for k in node.attrs["kernel_shape"]] != kernel:
+            _fail(node, f"kernel_shape {node.attrs['kernel_shape']} is not the weight's {kernel}")
+    if len(kernel) != nd:
+        _fail(node, f"kernel {kernel} for a {nd}-D input", ModelFormatError)
+    strides = [int(s) for s in node.attrs.get("strides", [1] * nd)]
+    dil = [int(d) for d in node.attrs.get("dilations", [1] * nd)]
+    pads = [int(p) for p in node.attrs.get("pads", [0] * (2 * nd))]
+    auto = node.attrs.get("auto_pad", "NOTSET")
+    if auto not in ("NOTSET", "VALID", ""):
+        _fail(node, f"auto_pad={auto!r}; expected NOTSET or VALID (explicit pads, as torch's "
+                    "exporters write them)", ModelFormatError)  # fmt: skip
+    if auto == "VALID":
+        pads = [0] * (2 * nd)
+    if int(node.attrs.get("ceil_mode", 0)):
+        _fail(node, "ceil_mode=1; expected 0 (torch's default)", ModelFormatError)
+    if (
+        (len(strides), len(dil), len(pads)) != (nd, nd, 2 * nd)
+        or min(strides + dil) < 1
+        or (min(pads) < 0)
+    ):
+        _fail(node, f"strides {strides}, dilations {dil}, pads {pads}; expected {nd}, {nd} and "
+                    f"{2 * nd} values (>= 1, >= 1, >= 0)", ModelFormatError)  # fmt: skip
+    return kernel, strides, dil, pads
+
+
+def _out_len(n, k, s, d, p0, p1) -> int:
+    return (n + p0 + p1 - d * (k - 1) - 1) // s + 1
+
+
+def _windows(x, kernel, strides, dil, pads, fill):
+    """x [N, C, *spatial] padded (with ``fill``) and viewed as windows [N, C, *out, *kernel]."""
+    nd = len(kernel)
+    pw = [(0, 0), (0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)]
+    xp = np.pad(x, pw, constant_values=fill) if any(pads) else x
+    span = [d * (k - 1) + 1 for k, d in zip(kernel, dil, strict=True)]
+    w = np.lib.stride_tricks.sliding_window_view(xp, span, axis=tuple(range(2, 2 + nd)))
+    sl = (slice(None), slice(None), *[slice(None, None, s) for s in strides],
+          *[slice(None, None, d) for d in dil])  # fmt: skip
+    return w[sl]
+
+
+def _conv_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 3)
+    x, w = ins[0], ins[1]
+    if x.dtype.kind != "f" or w.dtype != x.dtype:
+        _fail(node, f"input {x.dtype} and weight {w.dtype}; expected one float dtype", DTypeError)
+    kernel, strides, dil, pads = _window(node, ins, vals, pool=False)
+    N, C = x.shape[:2]
+    M, group = w.shape[0], int(node.attrs.get("group", 1))
+    if group < 1 or C % group or M % group or w.shape[1] != C // group:
+        _fail(node, f"weight {list(w.shape)} with group={group} for {C} input channels; "
+                    f"expected [M, C/group, ...] with C and M divisible by group")  # fmt: skip
+    b = ins[2] if len(ins) > 2 else None
+    if b is not None and (b.shape != (M,) or b.dtype != x.dtype):
+        _fail(node, f"bias is {b.dtype}{list(b.shape)}; expected {x.dtype}[{M}]")
+    nd = len(kernel)
+    out = [_out_len(x.shape[2 + i], kernel[i], strides[i], dil[i], pads[i], pads[i + nd])
+           for i in range(nd)]  # fmt: skip
+    if min(out) < 1:
+        _fail(node, f"input {list(x.shape)} is smaller than the kernel {kernel} (dilated)")
+    return [Out((N, M, *out), x.dtype)]
+
+
+def _conv_run(ctx, node, ins, outs, metas, tmp):
+    x, w = ins[0], ins[1]
+    kernel, strides, dil, pads = _window(node, [Out(x.shape, x.dtype), Out(w.shape, w.dtype)],
+                                         None, pool=False)  # fmt: skip
+    nd, group = len(kernel), int(node.attrs.get("group", 1))
+    win = _windows(x, kernel, strides, dil, pads, 0)  # [N, C, *out, *k]
+    N, C, M = x.shape[0], x.shape[1], w.shape[0]
+    o = outs[0]
+    cg, mg = C // group, M // group
+    out_sp = o.shape[2:]
+    for g in range(group):
+        # [N, *out, cg * k] @ [cg * k, mg]: one GEMM per group over every output position
+        patch = win[:, g * cg : (g + 1) * cg]
+        patch = np.moveaxis(patch, 1, 1 + nd).reshape(N, *out_sp, -1)
+        wg = w[g * mg : (g + 1) * mg].reshape(mg, -1)
+        res = patch @ wg.T  # [N, *out, mg]
+        o[:, g * mg : (g + 1) * mg] = np.moveaxis(res, -1, 1)
+    if len(ins) > 2 and ins[2] is not None:
+        o += ins[2].reshape((1, M) + (1,) * nd)
+    return outs
+
+
+def _maxpool_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, 1)
+    x = ins[0]
+    _numeric(node, x)
+    if len([o for o in node.outputs if o]) > 1:
+        _fail(node, "asks for the Indices output; expected Y only", ModelFormatError)
+    if int(node.attrs.get("storage_order", 0)):
+        _fail(node, "storage_order=1; expected 0", ModelFormatError)
+    kernel, strides, dil, pads = _window(node, ins, vals, pool=True)
+    nd = len(kernel)
+    if any(max(pads[i], pads[i + nd]) >= kernel[i] for i in range(nd)):
+        _fail(node, f"pads {pads} reach a whole kernel {kernel} (a window of padding only)")
+    out = [_out_len(x.shape[2 + i], kernel[i], strides[i], dil[i], pads[i], pads[i + nd])
+           for i in range(nd)]  # fmt: skip
+    if min(out) < 1:
+        _fail(node, f"input {list(x.shape)} is smaller than the kernel {kernel}")
+    return [Out((*x.shape[:2], *out), x.dtype)]
+
+
+def _maxpool_run(ctx, node, ins, outs, metas, tmp):
+    x = ins[0]
+    kernel, strides, dil, pads = _window(node, [Out(x.shape, x.dtype)], None, pool=True)
+    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    win = _windows(x, kernel, strides, dil, pads, fill)
+    np.max(win, axis=tuple(range(-len(kernel), 0)), out=outs[0])
+    return outs
+
+
+def layer_ops(OpDef) -> dict:
+    """The ops of this module as ``OpDef``s for ``ops.OPS`` (passed in: ops imports us)."""
+    return {
+        **{k: OpDef(_compare_infer, _compare_run) for k in (*_COMPARE, *_LOGIC)},
+        "Not": OpDef(_not_infer, _not_run),
+        "Where": OpDef(_where_infer, _where_run),
+        "Clip": OpDef(_clip_infer, _clip_run),
+        "LeakyRelu": OpDef(_leaky_relu_infer, _leaky_relu_run),
+        "Pow": OpDef(_pow_infer, _pow_run),
+        "Erf": OpDef(_float_unary_infer, _erf_run),
+        "Gelu": OpDef(_float_unary_infer, _gelu_run),
+        "ArgMax": OpDef(_arg_infer, _arg_run),
+        "ArgMin": OpDef(_arg_infer, _arg_run),
+        "GatherElements": OpDef(_gather_elements_infer, _gather_elements_run),
+        "Tile": OpDef(_tile_infer, _tile_run),
+        "LayerNormalization": OpDef(_layer_norm_infer, _layer_norm_run),
+        "BatchNormalization": OpDef(_batch_norm_infer, _batch_norm_run),
+        "Conv": OpDef(_conv_infer, _conv_run),
+        "MaxPool": OpDef(_maxpool_infer, _maxpool_run),
+    }
