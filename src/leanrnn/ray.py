@@ -171,7 +171,7 @@ class _RowGroupScorer(Predictor):
             src = self._sources.get(path)
             if src is None:
                 src = self._sources[path] = Source(path, sc.C, sc.dtype, self.options)
-            for r in sc.windows(src.range_pieces(sc.piece_bytes, item["ranges"])):
+            for r in sc.windows(src.range_pieces(sc.piece_bytes, item["ranges"], sc.row_cost)):
                 yield to_arrow(r)
 
 

@@ -227,7 +227,7 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
     tb = scorer.tuning
     out = open_output(os.fspath(output))
     try:
-        for r in scorer.windows(src.pieces(scorer.piece_bytes)):
+        for r in scorer.windows(src.pieces(scorer.piece_bytes, scorer.row_cost)):
             out.write(r)
             bar.update(len(r))
         out.close(scorer.empty())

@@ -17,6 +17,7 @@ import numpy as np
 from .. import tuning
 from ..engine import Session
 from ..errors import SpecError
+from .data import ROW_OBJECT_BYTES
 from .writers import Results
 
 OUTPUTS = ("final", "steps", "both")
@@ -141,20 +142,29 @@ class Scorer:
         """Bytes of input to read per piece (see PIECES_PER_WINDOW)."""
         return max(1, self.tuning.window_bytes // PIECES_PER_WINDOW)
 
+    @property
+    def row_cost(self) -> int:
+        """Bytes a sequence costs a piece and its window beyond its values: its objects, and
+        its final states when they are scored."""
+        return ROW_OBJECT_BYTES + self._final_bytes
+
+    @property
+    def _final_bytes(self) -> int:
+        return (self.LD * (self.K + self.H)) * self.dtype.itemsize if self.final else 0
+
     def windows(self, pieces: Iterable) -> Iterator[Results]:
         """Scores of the sequences of ``pieces`` (leanrnn.score.data.Piece: .seqs, .nbytes), one
         Results per read-ahead window, in input order. A window closes once the pieces it holds
         and the outputs it will produce reach tuning.window_bytes: the local path and each Ray
         actor run this same loop."""
-        it = self.dtype.itemsize
-        final_bytes = (self.LD * (self.K + self.H)) * it if self.final else 0
-        step_out = self.DK * it if self.steps else 0
+        row_cost = self.row_cost
+        step_out = self.DK * self.dtype.itemsize if self.steps else 0
         window, held = [], 0
         for piece in pieces:
             held += piece.nbytes
             for s in piece.seqs:
                 window.append(s)
-                held += final_bytes + len(s) * step_out
+                held += row_cost + len(s) * step_out
             if held >= self.tuning.window_bytes:
                 yield self.score(window)
                 window, held = [], 0

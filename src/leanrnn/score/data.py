@@ -9,6 +9,7 @@ sizes (npy headers, Parquet metadata) are checked against what the file holds be
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import tokenize
@@ -93,9 +94,18 @@ def _regular(path: str) -> None:
         )
 
 
+# What one sequence costs beyond its values while a piece and its window are held: its array
+# view (~100 bytes), its slot in the piece's list and the window's, its length. Pieces are cut
+# by it too: a file of short or empty sequences (3M empty rows in 7 KB of Parquet) made
+# pieces of millions of rows, 623 MiB under a 16M memory limit. Callers add what each
+# sequence's outputs take (Scorer.row_cost).
+ROW_OBJECT_BYTES = 256
+
+
 class Source:
     """All input files in order: ``count()`` sequences (from metadata, nothing read), then
-    ``pieces(piece_bytes)``."""
+    ``pieces(piece_bytes, row_cost)``: about ``piece_bytes`` of input (and ``row_cost`` bytes
+    a sequence) per piece."""
 
     def __init__(self, path: str, C: int, dtype: np.dtype, options: Options | None = None):
         self.files = list_files(path)
@@ -118,9 +128,9 @@ class Source:
     def count(self) -> int:
         return sum(r.count() for r in self._readers)
 
-    def pieces(self, piece_bytes: int) -> Iterator[Piece]:
+    def pieces(self, piece_bytes: int, row_cost: int = ROW_OBJECT_BYTES) -> Iterator[Piece]:
         for r in self._readers:
-            yield from r.pieces(piece_bytes)
+            yield from r.pieces(piece_bytes, row_cost)
 
     def row_groups(self) -> list[tuple[str, int, int, int]]:
         """(file, row group, rows, uncompressed bytes) of every non-empty Parquet row group, in
@@ -135,11 +145,12 @@ class Source:
                     out.append((r.path, g, rg.num_rows, rg.total_byte_size))
         return out
 
-    def range_pieces(self, piece_bytes: int, ranges: list) -> Iterator[Piece]:
+    def range_pieces(self, piece_bytes: int, ranges: list,
+                     row_cost: int = ROW_OBJECT_BYTES) -> Iterator[Piece]:  # fmt: skip
         """The pieces of ``ranges`` ((row group, first row, end row) triples) of this Source's
         single Parquet file."""
         (r,) = self._readers
-        return r.pieces(piece_bytes, ranges)
+        return r.pieces(piece_bytes, row_cost, ranges)
 
 
 def _kind(path: str) -> str:
@@ -234,7 +245,8 @@ class _ParquetReader:
     def count(self) -> int:
         return self.pf.metadata.num_rows
 
-    def pieces(self, piece_bytes: int, ranges: list | None = None) -> Iterator[Piece]:
+    def pieces(self, piece_bytes: int, row_cost: int = ROW_OBJECT_BYTES,
+               ranges: list | None = None) -> Iterator[Piece]:  # fmt: skip
         """ranges: (row group, first row, end row) triples to read, in this order (None: every
         row; the Ray path hands each actor a share of a file). Rows before a range's first row
         are decoded and dropped: Parquet cannot start reading inside a row group."""
@@ -249,7 +261,7 @@ class _ParquetReader:
             r1 = min(r1, rg.num_rows)
             if r1 <= r0:
                 continue
-            per_row = max(1, rg.total_byte_size // rg.num_rows)
+            per_row = rg.total_byte_size // rg.num_rows + row_cost
             rows = max(1, min(r1 - r0, piece_bytes // per_row))
             where = f"{self.path!r}, row group {g}"
             start = 0  # row group row of b's first row
@@ -541,7 +553,15 @@ class _NpyReader:
             raise ShapeError(
                 f"[score] {name} has shape {x.shape}; expected [N, T, C={C}] (padded, batch-first)"
             )
-        need = int(np.prod(x.shape)) * x.dtype.itemsize
+        if any(d < 0 for d in x.shape):  # (np.load refuses them; np.prod would wrap around)
+            raise DataError(f"[score] {name} declares shape {x.shape}: a negative dimension")
+        need = math.prod(x.shape) * x.dtype.itemsize
+        if x.shape[0] and not x.shape[1]:
+            # no bytes back each declared sequence: 2**40 of them in a 128-byte file
+            raise DataError(
+                f"[score] {name} declares {x.shape[0]} sequences of T=0 steps; the file holds no "
+                "step to score (expected T >= 1)"
+            )
         if need > x.data_bytes:
             raise DataError(
                 f"[score] {name} declares shape {x.shape} ({need} bytes) but the file holds "
@@ -568,11 +588,11 @@ class _NpyReader:
     def count(self) -> int:
         return self.x.shape[0]
 
-    def pieces(self, piece_bytes: int) -> Iterator[Piece]:
+    def pieces(self, piece_bytes: int, row_cost: int = ROW_OBJECT_BYTES) -> Iterator[Piece]:
         x, dt = self.x, self.src.dtype
         N, T, C = x.shape
         row_bytes = T * C * x.dtype.itemsize
-        rows = max(1, piece_bytes // max(1, row_bytes))
+        rows = max(1, piece_bytes // (row_bytes + row_cost))
         f, close = x.open()
         try:
             for r0 in range(0, N, rows):
