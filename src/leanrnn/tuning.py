@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PlanError
+from .memory.arena import machine_memory
 
 # The memory limit when none is given: this much of the available memory, at most _MAX_DEFAULT.
 _DEFAULT_SHARE = 4
@@ -228,12 +229,24 @@ class Measured:
     def fits(self, p: Point) -> bool:
         return p.seconds <= self.latency and p.nbytes <= self.memory_limit
 
+    @property
+    def meets_target(self) -> bool:
+        """Whether the chosen point's call fits the latency target (batch 1 is chosen when
+        nothing does: a server must run)."""
+        return any(self.fits(p) for p in self.points
+                   if p.batch == self.batch and p.chunk == (self.chunk or p.chunk))  # fmt: skip
+
     def rows(self) -> list[tuple[str, ...]]:
         """The table's rows: batch, chunk, ms per call, us per stream-step, MiB, verdict."""
         out = []
         for p in sorted(self.points, key=lambda p: (p.batch, p.chunk)):
             chosen = p.batch == self.batch and p.chunk == (self.chunk or p.chunk)
-            verdict = "chosen" if chosen else ("ok" if self.fits(p) else "over")
+            fits = self.fits(p)
+            # a choice that misses the target says so ('chosen, over'): it is what runs, and
+            # reading 'chosen' alone, a user took batch 1 to meet a target nothing meets
+            verdict = (
+                ("chosen" if fits else "chosen, over") if chosen else ("ok" if fits else "over")
+            )
             out.append((str(p.batch), str(p.chunk), f"{p.seconds * 1e3:.3f}",
                         f"{p.step_us:.2f}", f"{p.nbytes / (1 << 20):.2f}", verdict))  # fmt: skip
         return out
@@ -280,7 +293,9 @@ class _Timer:
         D, L, K, H = spec.num_directions, spec.num_layers, spec.output_size, spec.hidden_size
         s.chunk = chunk
         shape = (batch, chunk) if spec.batch_first else (chunk, batch)
-        x = np.random.default_rng(0).standard_normal((*shape, spec.input_size)).astype(dt)
+        # drawn in the session's dtype: a float64 draw, then a copy, was 2x x's bytes beyond
+        # what call_bytes counts
+        x = np.random.default_rng(0).standard_normal((*shape, spec.input_size), dtype=dt)
         y = np.empty((*shape, D * K), dt)
         h = np.zeros((L * D, batch, K), dt)
         out = (y, h)
@@ -316,13 +331,17 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     be chunked (reverse, bidirectional) is measured at ``max_chunk`` steps and gets chunk
     None; its memory is counted at ``plan_steps`` (default ``max_chunk``), the steps its runs
     will hold whole (``Session.resize("auto", steps)`` passes them). If not even batch 1 meets
-    the target, batch 1 is chosen (the server must run) and the table says "over"; if not even
-    batch 1 fits the memory limit, PlanError says so.
+    the target, batch 1 is chosen (the server must run), the table says "chosen, over" and
+    ``meets_target`` is False; if not even batch 1 fits the memory limit, PlanError says so. A
+    memory limit above half the machine's memory is taken as that half.
     """
     from . import config
 
     hw = hw or hardware()
     limit = int(memory_limit) if memory_limit is not None else default_memory_limit(hw)
+    # a limit beyond the machine is the machine's: points past it would really be allocated
+    # (--memory-limit 1T --max-batch 3000000 went on to a 6.9 GiB arena, then out of memory)
+    limit = min(limit, machine_memory() // 2)
     target = DEFAULT_LATENCY if latency is None else float(latency)
     if not target > 0:
         raise PlanError(f"[tune] latency={latency!r}; expected seconds > 0, e.g. 0.01")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from ..cli import positive_int, size
 from .serve import _call_ms
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
                        seconds=p.seconds if math.isfinite(p.seconds) else None)
                   for p in m.points]  # fmt: skip
         print(json.dumps(dict(batch=m.batch, chunk=m.chunk, latency=m.latency,
-                              memory_limit=m.memory_limit, threads=m.threads, points=points),
+                              meets_target=m.meets_target, memory_limit=m.memory_limit,
+                              threads=m.threads, points=points),
                          allow_nan=False))  # fmt: skip
         return 0
     title = (f"{args.model}: calls measured with {m.threads} thread(s); target "
@@ -73,9 +75,13 @@ def run(args: argparse.Namespace) -> int:
         for h in m.HEADER:
             t.add_column(h, justify="right")
         for r in m.rows():
-            t.add_row(*r, style="bold" if r[-1] == "chosen" else None)
+            t.add_row(*r, style="bold" if r[-1].startswith("chosen") else None)
         Console().print(t)
     chunk = "whole sequences" if m.chunk is None else m.chunk
     print(f"batch {m.batch}, chunk {chunk}  (leanrnn serve --max-batch {m.batch}"
           + (f" --max-chunk {m.chunk})" if m.chunk else ")"))  # fmt: skip
+    if not m.meets_target:
+        print(f"warning: no call meets the {m.latency * 1e3:g} ms target on this machine, "
+              "not even batch 1: this is the fastest there is; raise --latency-ms, or expect "
+              "calls over it", file=sys.stderr)  # fmt: skip
     return 0
