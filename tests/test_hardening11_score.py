@@ -52,3 +52,50 @@ def test_many_empty_sequences_stay_within_the_memory_limit(tmp_path):
     assert peak < 48 << 20, f"{peak / 2**20:.0f} MiB of Python allocations at a 16 MiB limit"
     h = np.load(tmp_path / "o.npz")["h_n"]
     assert h.shape == (N, 2, 16) and not h.any()
+
+
+def test_sigterm_cleans_up_as_ctrl_c_does(tmp_path):
+    """SIGTERM (`timeout`, a scheduler's stop) killed `leanrnn score` without its cleanup: the
+    hidden spool directory stayed beside OUTPUT (312 MB in the report, 43 GB in another)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import src_env
+
+    model = tmp_path / "m.lrnn"
+    leanrnn.LSTM(8, 64, num_layers=2, seed=1).save(str(model))
+    n = 40_000
+    np.savez(tmp_path / "x.npz", x=np.ones((n, 50, 8), np.float32), lengths=np.full(n, 50))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    cmd = [sys.executable, "-m", "leanrnn", "score", str(model), str(tmp_path / "x.npz"),
+           str(out_dir / "o.npz"), "--outputs", "both", "--threads", "1", "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=src_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while not any(p.name.startswith(".leanrnn-score-") for p in out_dir.iterdir()):
+        assert proc.poll() is None, "finished before the test could stop it"
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert list(out_dir.iterdir()) == []
+
+
+def test_an_unreachable_ray_address_is_refused_at_once(tmp_path):
+    pytest.importorskip("ray")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import time
+
+    from leanrnn.errors import SpecError
+
+    rows = [np.zeros((3, 8), np.float32).tolist()]
+    pq.write_table(pa.table({"x": rows}), str(tmp_path / "in.parquet"))
+    t0 = time.monotonic()
+    with pytest.raises(SpecError, match=r"nothing answers at '127.0.0.1:1'"):
+        leanrnn.score(MODEL, str(tmp_path / "in.parquet"), str(tmp_path / "o.parquet"),
+                      ray="127.0.0.1:1")  # fmt: skip
+    assert time.monotonic() - t0 < 30  # (Ray retried for ever)

@@ -37,7 +37,7 @@ import tempfile
 import time
 import traceback
 
-from .errors import LeanRNNError
+from .errors import LeanRNNError, SpecError
 from .score.batching import Counters, Scorer
 from .score.data import DataError, Options, Source, arrow_to_seqs
 from .score.writers import to_arrow
@@ -200,6 +200,26 @@ def _work(src: Source, actors: int) -> list[dict]:
     return items
 
 
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse an address ('host:port' or 'ray://host:port') where nothing listens, before
+    ray.init: Ray retries such an address for ever, printing a warning every 40 s (--ray
+    127.0.0.1:1 ran for 10 minutes without an error)."""
+    import socket
+
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not host:port (Ray's own words, such as 'local'): Ray checks it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise SpecError(
+            f"[score --ray] nothing answers at {address!r} ({e.strerror or e}): start the "
+            "cluster there (ray start --head), or pass --ray auto for a Ray on this machine"
+        ) from None
+
+
 def _init(address: str):
     import ray
 
@@ -207,8 +227,12 @@ def _init(address: str):
         return
     if address == "auto":
         # A cluster RAY_ADDRESS names, else a local Ray on this machine's cores.
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False)
+        named = os.environ.get("RAY_ADDRESS") or None
+        if named:
+            _reachable(named)
+        ray.init(address=named, log_to_driver=False)
     else:
+        _reachable(address)
         ray.init(address=address, log_to_driver=False)
 
 
