@@ -812,6 +812,7 @@ class Session:
                 f"expected {dt} [L*D={L * D}, K={K}, H={H}] (this model's): make them with "
                 "this session's slot_states(streams)"
             )
+        given = lengths  # (the caller's array: an output over it is refused, copied or not)
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         slot = _slot_table(op, slot, N, states.S, lengths)
@@ -827,7 +828,7 @@ class Session:
             y = _check.array(op, "out (y)", out, dt, yshape, names)
             _check.writable(op, "out y", y)
             ins = (("x", x), ("states.h", states.h), ("states.c", states._c), ("slot", slot),
-                   ("lengths", lengths))  # fmt: skip
+                   ("lengths", given))  # fmt: skip
             _check.disjoint(op, (("y", y),), ins)
         if not x.flags.aligned:
             x = x.copy()
@@ -870,11 +871,12 @@ class Session:
             if spec.cell != "lstm":
                 raise ShapeError(f"[{op}] c0 was given but a {spec.cell.upper()} has no cell state")
             c0 = _check.array(op, "c0", c0, dt, (LD, N, H), ("L*D", "N", "H"))
+        given = lengths  # (the caller's array: an output over it is refused, copied or not)
         if lengths is not None:
             lengths = _check.lengths(op, lengths, N, T)
         y, h_n, c_n = self._outputs(out, T, N, return_sequences, _trusted, op)
         if out is not None and not _trusted:  # a Stream checks the y it passes itself
-            ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", lengths))
+            ins = (("x", x), ("h0", h0), ("c0", c0), ("lengths", given))
             _check.disjoint(op, (("y", y), ("h_n", h_n), ("c_n", c_n)), ins, IN_PLACE)
         # The kernels take aligned arrays only (h0, c0, lengths, h_n and c_n are copied by
         # numpy, which does not care); numpy allocates aligned, so this copies only arrays
