@@ -146,6 +146,17 @@ def test_gather_elements(axis, tmp):
     check(model([node("GatherElements", ["d", "i"], axis=axis)], feeds), feeds, tmp)
 
 
+@pytest.mark.parametrize("data_shape,idx,batch_dims", [
+    ((3, 4, 5), [[0, 1], [2, -1]], 0), ((3, 4, 5), [[1], [-3]], 0), ((3, 4), [[2, 3]], 0),
+    ((2, 4, 5), [[1], [3]], 1), ((2, 3, 4, 5), [[[0, 1], [2, 3]], [[1, 0], [0, -1]]], 1),
+], ids=str)  # fmt: skip
+def test_gather_nd(data_shape, idx, batch_dims, tmp):
+    data = _rand(data_shape, F32, 35)
+    feeds = {"d": data, "i": np.array(idx, I64)}
+    check(model([node("GatherND", ["d", "i"], batch_dims=batch_dims)], feeds, opset=13), feeds,
+          tmp)  # fmt: skip
+
+
 def test_gather_elements_out_of_range_refused(tmp):
     feeds = {"d": np.zeros((2, 3), F32), "i": np.array([[3]], I64)}
     m = model([node("GatherElements", ["d", "i"], axis=1)], feeds)

@@ -1,6 +1,6 @@
 """The ops real recurrent models put around their RNN nodes, as torch's two ONNX exporters write
 them (a survey of 34 deployed-style models in session 37): masks from lengths (``Less``,
-``Equal``, ``Not``, ``Where``), pooling and decoding (``ArgMax``, ``GatherElements``, ``Tile``),
+``Equal``, ``Not``, ``Where``), pooling and decoding (``ArgMax``, ``GatherElements``, ``GatherND``, ``Tile``),
 activations (``Clip`` for Hardtanh and clamp, ``LeakyRelu``, ``Pow``, ``Erf``, ``Gelu``),
 normalization (``LayerNormalization``, ``BatchNormalization`` in inference form) and the
 convolution front-ends of speech and OCR models (``Conv``, ``MaxPool``, 1-D and 2-D).
@@ -268,6 +268,38 @@ def _gather_elements_run(ctx, node, ins, outs, metas, tmp):
     return outs
 
 
+def _gather_nd_infer(ctx, node, ins, vals):
+    _nin(node, ins, 2, 2)
+    data, idx = ins
+    if idx.dtype != I64:
+        _fail(node, f"indices have dtype {idx.dtype}; expected int64", DTypeError)
+    b = int(node.attrs.get("batch_dims", 0))
+    if not idx.shape or not 0 <= b < min(len(data.shape), len(idx.shape)):
+        _fail(node, f"batch_dims={b} for data {list(data.shape)} and indices {list(idx.shape)}")
+    k = idx.shape[-1]
+    if data.shape[:b] != idx.shape[:b] or not 1 <= k <= len(data.shape) - b:
+        _fail(node, f"indices {list(idx.shape)} for data {list(data.shape)} with batch_dims={b}: "
+                    "expected the same batch dims and a last dim of 1..rank(data)-batch_dims")  # fmt: skip
+    return [Out((*idx.shape[:-1], *data.shape[b + k :]), data.dtype)]
+
+
+def _gather_nd_run(ctx, node, ins, outs, metas, tmp):
+    data, idx = ins
+    b, k = int(node.attrs.get("batch_dims", 0)), idx.shape[-1]
+    B = math.prod(data.shape[:b])
+    d = data.reshape(B, *data.shape[b:])
+    ii = idx.reshape(B, -1, k)
+    coords = []
+    for j in range(k):
+        n, c = d.shape[1 + j], ii[..., j]
+        if c.size and (int(c.min()) < -n or int(c.max()) >= n):
+            bad = int(c.min()) if int(c.min()) < -n else int(c.max())
+            _fail(node, f"index {bad} is out of range [-{n}, {n}) for axis {b + j} of data")
+        coords.append(np.where(c < 0, c + n, c))
+    np.copyto(outs[0], d[(np.arange(B)[:, None], *coords)].reshape(metas[0].shape))
+    return outs
+
+
 def _tile_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
     reps = _ints(node, vals[1], "repeats")
@@ -496,6 +528,7 @@ def layer_ops(OpDef) -> dict:
         "ArgMax": OpDef(_arg_infer, _arg_run),
         "ArgMin": OpDef(_arg_infer, _arg_run),
         "GatherElements": OpDef(_gather_elements_infer, _gather_elements_run),
+        "GatherND": OpDef(_gather_nd_infer, _gather_nd_run),
         "Tile": OpDef(_tile_infer, _tile_run),
         "LayerNormalization": OpDef(_layer_norm_infer, _layer_norm_run),
         "BatchNormalization": OpDef(_batch_norm_infer, _batch_norm_run),
