@@ -12,7 +12,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from _onnx_graphs import check, load, model, node, run_ort  # noqa: E402
+from _onnx_graphs import check, load, model, node, run_ort, save  # noqa: E402
 from helpers import torch_export  # noqa: E402
 from leanrnn.errors import LeanRNNError  # noqa: E402
 
@@ -322,3 +322,80 @@ def test_exported_models_with_these_ops_match_torch(kind, tmp):
         for g, w, o in zip(got, want, theirs, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(g, o, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------- from the review: bounded memory, onnxruntime's ways
+def test_conv_and_maxpool_memory_stays_near_the_output(tmp):
+    """The whole im2col (1.6 GB for a 400 KB output, kernel 1000) and the padded copy of the
+    input (7.45 GiB for pads of 10**9 on 4 values) were made before any size check."""
+    import tracemalloc
+
+    from leanrnn.errors import ShapeError
+
+    x = np.ones((1, 4, 20_000), F32)
+    m = model([node("Conv", ["x", "w"])], {"x": x}, {"w": np.ones((1, 4, 1000), F32)})
+    g = load(m, tmp)
+    tracemalloc.start()
+    try:
+        y = g.run({"x": x})[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_allclose(y, run_ort(m, {"x": x})[0], rtol=1e-5)
+    assert peak < 80 << 20, f"{peak / 2**20:.0f} MiB for a {y.nbytes / 2**20:.2f} MiB output"
+    P = 10**9  # pads far beyond the input, strides to match: three outputs, x[0] in the middle
+    x = np.arange(1, 5, dtype=F32).reshape(1, 1, 4)
+    conv = model([node("Conv", ["x", "w"], pads=[P, P], strides=[P])], {"x": x},
+                 {"w": np.full((1, 1, 1), 2, F32)})  # fmt: skip
+    np.testing.assert_array_equal(load(conv, tmp).run({"x": x})[0], [[[0, 2, 0]]])
+    pool = model([node("MaxPool", ["x"], kernel_shape=[2 * P + 4], pads=[P, P])], {"x": x})
+    with pytest.raises(ShapeError, match=r"kernel \[2000000004\] is over twice the input"):
+        load(pool, tmp).run({"x": x})
+
+
+@pytest.mark.parametrize("start,limit,delta", [(-(2**62), -(2**62) + 5, 1), (0, 2**53 + 1, 2**52)],
+                         ids=["far", "count"])  # fmt: skip
+def test_range_int64_counts_exactly(start, limit, delta, tmp):
+    consts = {k: np.array(v, I64) for k, v in (("s", start), ("l", limit), ("d", delta))}
+    x = np.zeros(1, F32)
+    m = model([node("Range", ["s", "l", "d"])], {"x": x}, consts, opset=11)
+    got, want = load(m, tmp).run({"x": x})[0], run_ort(m, {"x": x})[0]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("start,limit,delta", [(0.0, 1.0, 0.1), (1.0, 100.0, 0.3)], ids=str)
+def test_range_float_steps_accumulate_as_onnxruntime(start, limit, delta, tmp):
+    consts = {k: np.array(v, F32) for k, v in (("s", start), ("l", limit), ("d", delta))}
+    x = np.zeros(1, F32)
+    m = model([node("Range", ["s", "l", "d"])], {"x": x}, consts, opset=11)
+    np.testing.assert_array_equal(load(m, tmp).run({"x": x})[0], run_ort(m, {"x": x})[0])
+
+
+def test_reduce_mean_of_an_empty_axis_and_pow_with_a_wider_exponent(tmp):
+    x = np.zeros((2, 0), F32)
+    m = model([node("ReduceMean", ["x"], axes=[1])], {"x": x}, opset=13)
+    check(m, {"x": x}, tmp)
+    x = np.array([3, 7.5, 100, 1e6], F32)
+    m = model([node("Pow", ["x", "e"])], {"x": x}, {"e": np.array(1.0000001, F64)}, opset=13)
+    np.testing.assert_array_equal(load(m, tmp).run({"x": x})[0], run_ort(m, {"x": x})[0])
+
+
+def test_lengths_input_is_not_the_token_ids(tmp):
+    """sequence_lens computed from token ids [N, T] (a count of non-padding tokens): the ids are
+    no lengths input, and `run --lengths` must not feed lengths into them."""
+    import leanrnn
+
+    T, N, C, H = 4, 2, 3, 5
+    rng = np.random.default_rng(40)
+    feeds = {"x": _rand((T, N, C), F32, 41), "tokens": np.array([[3, 1, 0, 0], [2, 2, 2, 0]], I64)}
+    nodes = [node("Greater", ["tokens", "zero"], ["nz"]), node("Cast", ["nz"], ["nzi"], name="c1", to=7),
+             node("ReduceSum", ["nzi", "one"], ["len64"], keepdims=0),
+             node("Cast", ["len64"], ["lens"], name="c2", to=6),
+             node("LSTM", ["x", "W", "R", "", "lens"], ["y"], hidden_size=H)]  # fmt: skip
+    consts = {"zero": np.array(0, I64), "one": np.array([1], I64),
+              "W": rng.standard_normal((1, 4 * H, C)).astype(F32),
+              "R": rng.standard_normal((1, 4 * H, H)).astype(F32)}  # fmt: skip
+    m = model(nodes, feeds, consts, opset=13, out_dtypes=[F32])
+    g = leanrnn.load(save(m, tmp))
+    assert g.lengths_input is None
+    check(m, feeds, tmp)

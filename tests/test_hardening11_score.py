@@ -99,3 +99,13 @@ def test_an_unreachable_ray_address_is_refused_at_once(tmp_path):
         leanrnn.score(MODEL, str(tmp_path / "in.parquet"), str(tmp_path / "o.parquet"),
                       ray="127.0.0.1:1")  # fmt: skip
     assert time.monotonic() - t0 < 30  # (Ray retried for ever)
+
+
+def test_cli_main_in_process_gives_sigterm_back():
+    import signal
+
+    from leanrnn import cli
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert cli.main(["plan", "lstm:8", "--batch", "1", "--steps", "2"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

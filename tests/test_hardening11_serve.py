@@ -208,3 +208,38 @@ def test_sigterm_while_a_body_arrives_answers_the_protocols_503(tmp_path):
     assert head.startswith(b"HTTP/1.1 503"), answer
     assert "shutting down" in json.loads(body)["error"]
     assert not any("Traceback" in line for line in s["logs"]), "".join(s["logs"])
+
+
+def test_cutting_bodies_spares_a_deadline_firing_in_the_same_turn():
+    """A body's deadline that had just fired refused cut_bodies' reschedule (RuntimeError), and
+    the shutdown stopped half done: health still SERVING, 503s for ever, SIGTERM ignored."""
+    import asyncio
+    import types
+
+    from leanrnn.serve.core import Core
+
+    async def main():
+        core = types.SimpleNamespace(bodies=set())
+        loop = asyncio.get_running_loop()
+        timed_out = []
+
+        async def body():
+            try:
+                async with asyncio.timeout(None) as d:
+                    core.bodies.add(d)
+                    d.reschedule(loop.time() + 0.05)
+                    await asyncio.sleep(10)
+            except TimeoutError:
+                timed_out.append(True)
+
+        t = asyncio.ensure_future(body())
+        await asyncio.sleep(0)
+        (d,) = core.bodies
+        done = loop.create_future()
+        # the shutdown's cut, due in the same loop turn as the deadline (which runs first)
+        loop.call_at(d.when(), lambda: done.set_result(Core.cut_bodies(core)))
+        await done
+        await t
+        return timed_out
+
+    assert asyncio.run(main()) == [True]

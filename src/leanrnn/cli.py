@@ -219,24 +219,26 @@ def _stdout_closed() -> bool:
     return True
 
 
-def _terminate_as_exit() -> None:
+def _terminate_as_exit():
     """SIGTERM (a job scheduler's stop, `timeout`, `kill`) ends a command as Ctrl-C does: by an
     exception, so what it writes is cleaned up on the way out (score's spool directory, the
     temporary files of output written whole or not at all) instead of left beside the output
     (312 MB, and 43 GB, of a stopped score's spool). Commands with their own handling (serve's
-    drain) install theirs over it. Only from the main thread of the process's own CLI."""
+    drain) install theirs over it. Only from the main thread, and only over the default
+    handler; returns what restores it."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
-        return
+        return lambda: None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # someone's own handler (an embedding program, a test runner): left alone
+        return lambda: None  # someone's own handler (an embedding program): left alone
 
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    _terminate_as_exit()
+    restore = _terminate_as_exit()
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, not at exit, where a closed pipe is an ignored exception
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"leanrnn: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    finally:
+        restore()  # main() called in-process (an embedding program) gets its SIGTERM back
 
 
 if __name__ == "__main__":  # pragma: no cover

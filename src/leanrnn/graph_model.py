@@ -76,7 +76,9 @@ class GraphModel:
         an exporter puts between them (torch's Cast, or the sort of pack_padded_sequence's
         enforce_sorted=False: Cast, TopK): the one integer graph input the sequence_lens
         tensors are computed from; None when there is none, or several."""
-        ints = {t.name for t in self.graph.inputs if np.dtype(t.dtype).kind in "iu"}
+        # rank 1 ([N]), or undeclared: token ids [N, T] feed sequence_lens too (a mask's sum)
+        ints = {t.name for t in self.graph.inputs if np.dtype(t.dtype).kind in "iu"
+                and (t.shape is None or len(t.shape) == 1)}  # fmt: skip
         made_by = {o: n for n in self.graph.nodes for o in n.outputs if o}
         found: set[str] = set()
         seen: set[str] = set()

@@ -105,6 +105,8 @@ __all__ = ["GRU", "LSTM", "RNN", "from_module"]
 # custom op is its name and arguments: a changed backward formula (session 37: rnn_backward
 # takes x, y and the masks) was not seen, and the stale compiled backward kept running, with
 # wrong gradients, until the cache was cleared. Bump it whenever _backward's graph changes.
+# (Programs exported before the version existed carry none; a compile cache an older leanrnn
+# left for them is not told apart: clear it, TORCHINDUCTOR_CACHE_DIR, after upgrading.)
 _OPS_VERSION = 2
 
 

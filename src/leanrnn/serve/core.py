@@ -66,7 +66,8 @@ class Core:
         shutdown and answered a plain-text 500)."""
         now = asyncio.get_running_loop().time()
         for deadline in list(self.bodies):
-            deadline.reschedule(now)
+            if not deadline.expired():  # (one expiring now refuses a reschedule: it is done)
+                deadline.reschedule(now)
 
     def info(self, model: str, version: str | None = None) -> ModelInfo:
         info = self.infos.get(model)

@@ -134,6 +134,8 @@ async def _body(request: Request, core: Core) -> tuple[bytes, int]:
         # after the last piece, but no later than the minimum rate allows for what came
         async with asyncio.timeout(core.read_timeout) as deadline:
             core.bodies.add(deadline)
+            if core.draining:  # began after the shutdown's cut: due at once as well
+                deadline.reschedule(loop.time())
             async for chunk in request.stream():
                 if n + len(chunk) > limit:
                     raise TooLarge(

@@ -249,18 +249,22 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         stopping.set()
         _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
         core.draining = True
-        core.cut_bodies()
-        if health is not None:
-            await health.shutdown()
-        finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
-        # what did not run within the grace period fails now as UNAVAILABLE (503): left
-        # pending, uvicorn cancelled its handlers a second grace period later (plain-text 500s)
-        await loop.run_in_executor(None, scheduler.stop)
-        await asyncio.sleep(0.05)  # let the last responses leave
-        if grpc_server is not None:
-            await grpc_server.stop(grace=1.0)
-        http_server.should_exit = True
-        _log.info("drained", extra={"fields": {"all_finished": finished}})
+        finished = False
+        try:  # (whatever fails here, the server still exits: half-stopped, it answered 503s)
+            core.cut_bodies()
+            if health is not None:
+                await health.shutdown()
+            finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
+            # what did not run within the grace period fails now as UNAVAILABLE (503): left
+            # pending, uvicorn cancelled its handlers a second grace period later (plain-text
+            # 500s)
+            await loop.run_in_executor(None, scheduler.stop)
+            await asyncio.sleep(0.05)  # let the last responses leave
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+        finally:
+            http_server.should_exit = True
+            _log.info("drained", extra={"fields": {"all_finished": finished}})
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(shutdown(s.name)))

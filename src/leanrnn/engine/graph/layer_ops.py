@@ -150,18 +150,30 @@ def _pow_infer(ctx, node, ins, vals):
 
 def _pow_run(ctx, node, ins, outs, metas, tmp):
     x, y = ins
-    if x.dtype.kind == "f":
+    if x.dtype.kind == "f" and y.dtype.itemsize <= x.dtype.itemsize:
         np.power(x, y.astype(x.dtype, copy=False), out=outs[0])
-    else:  # integer bases: onnxruntime computes in the base's type (a float exponent too)
-        np.copyto(outs[0], np.power(x.astype(np.float64), y.astype(np.float64)),
-                  casting="unsafe")  # fmt: skip
+    else:
+        # an integer base, or a wider exponent: computed in float64 and cast to the base's type,
+        # as onnxruntime's std::pow promotes (a float32 base with a float64 exponent differs
+        # in the last bits otherwise)
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.copyto(outs[0], np.power(x.astype(np.float64), y.astype(np.float64)),
+                      casting="unsafe")  # fmt: skip
     return outs
+
+
+ERF_BLOCK = 1 << 16
 
 
 def erf(x: np.ndarray, out: np.ndarray) -> None:
     """erf(x) into ``out``. float64: exact (math.erf per value, which numpy lacks). float32:
     within 2e-7 absolutely, computed in float64: a Taylor series for |x| < 0.5 and Numerical
     Recipes' Chebyshev fit of erfc (fractional error < 1.2e-7) beyond."""
+    if x.size > ERF_BLOCK:  # in blocks: the float64 work is several times the output
+        xs, os_ = x.reshape(-1), out.reshape(-1)
+        for a in range(0, x.size, ERF_BLOCK):
+            erf(xs[a : a + ERF_BLOCK], os_[a : a + ERF_BLOCK])
+        return
     if x.dtype == np.float64:
         np.copyto(out, np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64))
         return
@@ -229,6 +241,8 @@ def _arg_infer(ctx, node, ins, vals):
 
 
 def _arg_run(ctx, node, ins, outs, metas, tmp):
+    # NaN counts as the largest (and smallest) value, as numpy and torch have it; onnxruntime
+    # skips NaN
     x = ins[0]
     a = _axis(node, node.attrs.get("axis", 0), x.ndim)
     fn = np.argmax if node.op == "ArgMax" else np.argmin
@@ -430,16 +444,41 @@ def _out_len(n, k, s, d, p0, p1) -> int:
     return (n + p0 + p1 - d * (k - 1) - 1) // s + 1
 
 
-def _windows(x, kernel, strides, dil, pads, fill):
-    """x [N, C, *spatial] padded (with ``fill``) and viewed as windows [N, C, *out, *kernel]."""
+# Bytes of window patches made at once: the convolution runs over blocks of output positions
+# (an im2col of the whole output was thousands of times the output's checked bytes for a
+# long kernel: 1.6 GB for a 400 KB output), and padding is never materialized (a MaxPool of a
+# [1, 1, 4] input with pads of 10**9 padded a 7.45 GiB copy).
+PATCH_BYTES = 16 << 20
+
+
+def _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, fill):
+    """The windows of samples n0:n1 at flat output positions a:b (C order over ``out``):
+    [n1 - n0, C, b - a, *kernel], padding read as ``fill``. Indices are made per window
+    element (a few per output position), so pads of any size cost nothing."""
     nd = len(kernel)
-    pw = [(0, 0), (0, 0)] + [(pads[i], pads[i + nd]) for i in range(nd)]
-    xp = np.pad(x, pw, constant_values=fill) if any(pads) else x
-    span = [d * (k - 1) + 1 for k, d in zip(kernel, dil, strict=True)]
-    w = np.lib.stride_tricks.sliding_window_view(xp, span, axis=tuple(range(2, 2 + nd)))
-    sl = (slice(None), slice(None), *[slice(None, None, s) for s in strides],
-          *[slice(None, None, d) for d in dil])  # fmt: skip
-    return w[sl]
+    pos = np.unravel_index(np.arange(a, b), out)
+    idx, valid = [], None
+    for i in range(nd):
+        shape = [b - a] + [kernel[j] if j == i else 1 for j in range(nd)]
+        j = np.arange(kernel[i]).reshape(shape[1:])
+        at = pos[i].reshape([b - a] + [1] * nd) * strides[i] + j * dil[i] - pads[i]
+        ok = (at >= 0) & (at < x.shape[2 + i])
+        valid = ok if valid is None else valid & ok
+        idx.append(np.clip(at, 0, x.shape[2 + i] - 1))
+    w = x[(slice(n0, n1), slice(None), *idx)]  # [n, C, B, *kernel]
+    if not valid.all():
+        np.copyto(w, x.dtype.type(fill), where=~valid)
+    return w
+
+
+def _blocks(N: int, P: int, per_position: int):
+    """(n0, n1, a, b) blocks of samples x output positions whose patches take at most
+    PATCH_BYTES (one position of one sample at least)."""
+    nb = max(1, min(N, PATCH_BYTES // max(1, per_position * P)))
+    pb = max(1, min(P, PATCH_BYTES // max(1, per_position * nb)))
+    for n0 in range(0, N, nb):
+        for a in range(0, P, pb):
+            yield n0, min(N, n0 + nb), a, min(P, a + pb)
 
 
 def _conv_infer(ctx, node, ins, vals):
@@ -468,21 +507,21 @@ def _conv_run(ctx, node, ins, outs, metas, tmp):
     x, w = ins[0], ins[1]
     kernel, strides, dil, pads = _window(node, [Out(x.shape, x.dtype), Out(w.shape, w.dtype)],
                                          None, pool=False)  # fmt: skip
-    nd, group = len(kernel), int(node.attrs.get("group", 1))
-    win = _windows(x, kernel, strides, dil, pads, 0)  # [N, C, *out, *k]
+    group = int(node.attrs.get("group", 1))
     N, C, M = x.shape[0], x.shape[1], w.shape[0]
-    o = outs[0]
     cg, mg = C // group, M // group
-    out_sp = o.shape[2:]
-    for g in range(group):
-        # [N, *out, cg * k] @ [cg * k, mg]: one GEMM per group over every output position
-        patch = win[:, g * cg : (g + 1) * cg]
-        patch = np.moveaxis(patch, 1, 1 + nd).reshape(N, *out_sp, -1)
-        wg = w[g * mg : (g + 1) * mg].reshape(mg, -1)
-        res = patch @ wg.T  # [N, *out, mg]
-        o[:, g * mg : (g + 1) * mg] = np.moveaxis(res, -1, 1)
+    out = outs[0].shape[2:]
+    P, K = math.prod(out), math.prod(kernel)
+    o = outs[0].reshape(N, M, P)
+    wg = [w[g * mg : (g + 1) * mg].reshape(mg, cg * K).T for g in range(group)]
+    for n0, n1, a, b in _blocks(N, P, C * K * x.dtype.itemsize):
+        patch = _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, 0)
+        for g in range(group):
+            # [n, B, cg * K] @ [cg * K, mg]: one GEMM per group over the block's positions
+            cols = np.moveaxis(patch[:, g * cg : (g + 1) * cg], 1, 2).reshape(n1 - n0, b - a, -1)
+            o[n0:n1, g * mg : (g + 1) * mg, a:b] = np.moveaxis(cols @ wg[g], -1, 1)
     if len(ins) > 2 and ins[2] is not None:
-        o += ins[2].reshape((1, M) + (1,) * nd)
+        o += ins[2].reshape(1, M, 1)
     return outs
 
 
@@ -498,6 +537,10 @@ def _maxpool_infer(ctx, node, ins, vals):
     nd = len(kernel)
     if any(max(pads[i], pads[i + nd]) >= kernel[i] for i in range(nd)):
         _fail(node, f"pads {pads} reach a whole kernel {kernel} (a window of padding only)")
+    if any(kernel[i] > 2 * x.shape[2 + i] + 1 for i in range(nd)):
+        # (mostly padding: a window's work is its kernel, which no data bounds otherwise)
+        _fail(node, f"kernel {kernel} is over twice the input's {list(x.shape[2:])}; expected "
+                    "windows within the input and its padding")  # fmt: skip
     out = [_out_len(x.shape[2 + i], kernel[i], strides[i], dil[i], pads[i], pads[i + nd])
            for i in range(nd)]  # fmt: skip
     if min(out) < 1:
@@ -506,11 +549,18 @@ def _maxpool_infer(ctx, node, ins, vals):
 
 
 def _maxpool_run(ctx, node, ins, outs, metas, tmp):
+    # a NaN in a window makes its maximum NaN, as torch's max_pool does (onnxruntime skips
+    # NaN): a model exported from torch computes what it computed there
     x = ins[0]
     kernel, strides, dil, pads = _window(node, [Out(x.shape, x.dtype)], None, pool=True)
     fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    win = _windows(x, kernel, strides, dil, pads, fill)
-    np.max(win, axis=tuple(range(-len(kernel), 0)), out=outs[0])
+    N, C = x.shape[:2]
+    out = outs[0].shape[2:]
+    P, K = math.prod(out), math.prod(kernel)
+    o = outs[0].reshape(N, C, P)
+    for n0, n1, a, b in _blocks(N, P, C * K * x.dtype.itemsize):
+        win = _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, fill)
+        np.max(win.reshape(n1 - n0, C, b - a, K), axis=-1, out=o[n0:n1, :, a:b])
     return outs
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import config
-from ...errors import DTypeError, LeanRNNError, ModelFormatError, ShapeError
+from ...errors import DTypeError, LeanRNNError, ModelFormatError, PlanError, ShapeError
 from ...formats.packing import pack
 from ...ir import RNN_OPS, Graph, Node, rnn_from_node
 from ...kernels import abi
@@ -735,15 +735,23 @@ def _range_infer(ctx, node, ins, vals):
     start, limit, delta = (np.asarray(v, dt).reshape(()) for v in vals)
     if delta == 0:
         _fail(node, "delta is 0")
-    n = max(math.ceil((float(limit) - float(start)) / float(delta)), 0)
+    if dt.kind == "i":  # exactly, in Python's integers (through floats, int64 counts rounded)
+        n = max(-((int(start) - int(limit)) // int(delta)), 0)
+    else:
+        n = max(math.ceil((float(limit) - float(start)) / float(delta)), 0)
     return [Out((n,), dt)]  # (its size is checked against memory before it is made)
 
 
 def _range_run(ctx, node, ins, outs, metas, tmp):
     start, delta = (np.asarray(v).reshape(()) for v in (ins[0], ins[2]))
-    # ONNX defines element i as start + i * delta, in the inputs' type
-    np.multiply(np.arange(outs[0].size, dtype=outs[0].dtype), delta, out=outs[0])
-    outs[0] += start
+    o = outs[0]
+    if o.size:
+        # start, start + delta, (start + delta) + delta, ...: delta added step by step in the
+        # inputs' type, as onnxruntime computes it (start + i * delta differs for fractional
+        # float steps: Range(0, 1, 0.1)[7] is 0.70000005 there)
+        o.fill(delta)
+        o[0] = start
+        np.add.accumulate(o, out=o)
     return outs
 
 
@@ -789,7 +797,11 @@ def _reduce_run(ctx, node, ins, outs, metas, tmp):
     axes = (([int(v) for v in np.asarray(ins[1]).reshape(-1)] if len(ins) > 1 and ins[1] is not None
              else None) if axes_as_input else node.attrs.get("axes"))  # fmt: skip
     axes = tuple(range(x.ndim)) if not axes else tuple(sorted({a % x.ndim for a in axes}))
-    r = _REDUCE[node.op](x, axis=axes, keepdims=bool(int(node.attrs.get("keepdims", 1))))
+    keep = bool(int(node.attrs.get("keepdims", 1)))
+    if node.op == "ReduceMean" and not math.prod(x.shape[a] for a in axes):
+        outs[0].fill(0)  # the mean of nothing: 0, as onnxruntime has it (numpy: NaN, warning)
+        return outs
+    r = _REDUCE[node.op](x, axis=axes, keepdims=keep)
     np.copyto(outs[0], np.asarray(r).astype(x.dtype, copy=False).reshape(metas[0].shape),
               casting="unsafe")  # fmt: skip
     return outs
@@ -976,6 +988,10 @@ def guard(node: Node, fn, *args):
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         raise ModelFormatError(
             f"[graph] node {node.name!r} ({node.op}): {type(e).__name__}: {e}"
+        ) from None
+    except MemoryError as e:  # (numpy's names the shape it could not allocate)
+        raise PlanError(
+            f"[graph] node {node.name!r} ({node.op}) needs more memory than this machine gives: {e}"
         ) from None
 
 
