@@ -106,6 +106,9 @@ def test_cli_main_in_process_gives_sigterm_back():
 
     from leanrnn import cli
 
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    assert cli.main(["plan", "lstm:8", "--batch", "1", "--steps", "2"]) == 0
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (Ray, in this worker, sets one)
+    try:
+        assert cli.main(["plan", "lstm:8", "--batch", "1", "--steps", "2"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -223,6 +223,8 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
 def _init(address: str):
     import ray
 
+    if address != "auto":
+        _reachable(address)  # (also with a Ray already up here: the address named is wrong)
     if ray.is_initialized():
         return
     if address == "auto":
@@ -232,7 +234,6 @@ def _init(address: str):
             _reachable(named)
         ray.init(address=named, log_to_driver=False)
     else:
-        _reachable(address)
         ray.init(address=address, log_to_driver=False)
 
 
