@@ -119,6 +119,16 @@ def _float(node: Node, m: Out) -> None:
         _fail(node, f"input has dtype {m.dtype}; expected a float tensor", DTypeError)
 
 
+def _numeric_tensor(node: Node, m: Out, what: str = "input") -> None:
+    if m.dtype.kind not in "iuf":
+        _fail(node, f"{what} has dtype {m.dtype}; expected a numeric tensor", DTypeError)
+
+
+def _indices(node: Node, m: Out) -> None:
+    if m.dtype.kind not in "iu":
+        _fail(node, f"indices have dtype {m.dtype}; expected int32 or int64", DTypeError)
+
+
 def _broadcast(node: Node, *shapes) -> tuple[int, ...]:
     try:
         return tuple(int(d) for d in np.broadcast_shapes(*shapes))

@@ -19,15 +19,21 @@ import math
 import numpy as np
 
 from ...errors import DTypeError, ModelFormatError
-from .base import Out, _axis, _broadcast, _fail, _ints, _nin, _same_dtype
+from .base import (
+    Out,
+    _axis,
+    _broadcast,
+    _fail,
+    _float,
+    _indices,
+    _ints,
+    _nin,
+    _numeric_tensor,
+    _same_dtype,
+)
 
 BOOL = np.dtype(bool)
 I64 = np.dtype(np.int64)
-
-
-def _numeric(node, m: Out, what: str = "input") -> None:
-    if m.dtype.kind not in "iuf":
-        _fail(node, f"{what} has dtype {m.dtype}; expected a numeric tensor", DTypeError)
 
 
 # ------------------------------------------------------------------ comparisons and logic
@@ -108,7 +114,7 @@ def _clip_bounds(node, ins, vals, dt) -> tuple:
 
 def _clip_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 3)
-    _numeric(node, ins[0])
+    _numeric_tensor(node, ins[0])
     _clip_bounds(node, ins, None, ins[0].dtype)  # the checks
     return [Out(ins[0].shape, ins[0].dtype)]
 
@@ -128,8 +134,7 @@ def _clip_run(ctx, node, ins, outs, metas, tmp):
 
 def _leaky_relu_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
-    if ins[0].dtype.kind != "f":
-        _fail(node, f"input has dtype {ins[0].dtype}; expected a float tensor", DTypeError)
+    _float(node, ins[0])
     return [Out(ins[0].shape, ins[0].dtype)]
 
 
@@ -143,8 +148,8 @@ def _leaky_relu_run(ctx, node, ins, outs, metas, tmp):
 
 def _pow_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
-    _numeric(node, ins[0], "the base")
-    _numeric(node, ins[1], "the exponent")
+    _numeric_tensor(node, ins[0], "the base")
+    _numeric_tensor(node, ins[1], "the exponent")
     return [Out(_broadcast(node, ins[0].shape, ins[1].shape), ins[0].dtype)]
 
 
@@ -192,8 +197,7 @@ def erf(x: np.ndarray, out: np.ndarray) -> None:
 
 def _float_unary_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
-    if ins[0].dtype.kind != "f":
-        _fail(node, f"input has dtype {ins[0].dtype}; expected a float tensor", DTypeError)
+    _float(node, ins[0])
     if node.op == "Gelu" and node.attrs.get("approximate", "none") not in ("none", "tanh"):
         _fail(node, f"approximate={node.attrs['approximate']!r}; expected 'none' or 'tanh'",
               ModelFormatError)  # fmt: skip
@@ -228,7 +232,7 @@ def _gelu_run(ctx, node, ins, outs, metas, tmp):
 # -------------------------------------------------------------------- indexing and decoding
 def _arg_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
-    _numeric(node, ins[0])
+    _numeric_tensor(node, ins[0])
     shape = ins[0].shape
     if not shape:
         _fail(node, "input is a scalar; expected rank >= 1")
@@ -257,8 +261,7 @@ def _arg_run(ctx, node, ins, outs, metas, tmp):
 def _gather_elements_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
     data, idx = ins
-    if idx.dtype.kind not in "iu":
-        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    _indices(node, idx)
     if len(idx.shape) != len(data.shape) or not data.shape:
         _fail(node, f"indices {list(idx.shape)} must have the rank of data {list(data.shape)}")
     a = _axis(node, node.attrs.get("axis", 0), len(data.shape))
@@ -337,8 +340,7 @@ def _tile_run(ctx, node, ins, outs, metas, tmp):
 def _layer_norm_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 3)
     x = ins[0]
-    if x.dtype.kind != "f":
-        _fail(node, f"input has dtype {x.dtype}; expected a float tensor", DTypeError)
+    _float(node, x)
     a = _axis(node, node.attrs.get("axis", -1), len(x.shape))
     inner = x.shape[a:]
     for i, what in ((1, "scale"), (2, "bias")):
@@ -376,8 +378,7 @@ def _layer_norm_run(ctx, node, ins, outs, metas, tmp):
 def _batch_norm_infer(ctx, node, ins, vals):
     _nin(node, ins, 5, 5)
     x = ins[0]
-    if x.dtype.kind != "f":
-        _fail(node, f"input has dtype {x.dtype}; expected a float tensor", DTypeError)
+    _float(node, x)
     if int(node.attrs.get("training_mode", 0)) or len([o for o in node.outputs if o]) > 1:
         _fail(node, "training mode (running statistics as outputs); expected the inference "
                     "form: export the model in eval()", ModelFormatError)  # fmt: skip
@@ -528,7 +529,7 @@ def _conv_run(ctx, node, ins, outs, metas, tmp):
 def _maxpool_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
     x = ins[0]
-    _numeric(node, x)
+    _numeric_tensor(node, x)
     if len([o for o in node.outputs if o]) > 1:
         _fail(node, "asks for the Indices output; expected Y only", ModelFormatError)
     if int(node.attrs.get("storage_order", 0)):

@@ -39,9 +39,11 @@ from .base import (
     _broadcast,
     _fail,
     _float,
+    _indices,
     _ints,
     _nin,
     _numeric,
+    _numeric_tensor,
     _optional,
     _same_dtype,
     _typed,
@@ -300,8 +302,7 @@ def _gemm_run(ctx, node, ins, outs, metas, tmp):
 def _gather_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
     data, idx = ins
-    if idx.dtype.kind not in "iu":
-        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    _indices(node, idx)
     if not data.shape:
         _fail(node, "data is a scalar; expected rank >= 1")
     a = _axis(node, node.attrs.get("axis", 0), len(data.shape))
@@ -630,8 +631,7 @@ def _cast_run(ctx, node, ins, outs, metas, tmp):
 def _topk_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 2)
     x = ins[0]
-    if x.dtype.kind not in "iuf":
-        _fail(node, f"input has dtype {x.dtype}; expected a numeric tensor", DTypeError)
+    _numeric_tensor(node, x)
     if not x.shape:
         _fail(node, "input is a scalar; expected rank >= 1")
     a = _axis(node, node.attrs.get("axis", -1), len(x.shape))
@@ -670,8 +670,7 @@ def _topk_run(ctx, node, ins, outs, metas, tmp):
 def _scatter_elements_infer(ctx, node, ins, vals):
     _nin(node, ins, 3, 3)
     data, idx, upd = ins
-    if idx.dtype.kind not in "iu":
-        _fail(node, f"indices have dtype {idx.dtype}; expected int32 or int64", DTypeError)
+    _indices(node, idx)
     if upd.dtype != data.dtype:
         _fail(node, f"updates have dtype {upd.dtype}; expected {data.dtype}, the data's",
               DTypeError)  # fmt: skip
@@ -758,8 +757,7 @@ def _range_run(ctx, node, ins, outs, metas, tmp):
 def _reduce_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 2)
     x = ins[0]
-    if x.dtype.kind not in "iuf":
-        _fail(node, f"input has dtype {x.dtype}; expected a numeric tensor", DTypeError)
+    _numeric_tensor(node, x)
     axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
     if axes_as_input and "axes" in node.attrs:  # (onnxruntime refuses it: it would be ignored)
         _fail(node, f"has an 'axes' attribute; at opset {ctx.opset} the axes are its second "
