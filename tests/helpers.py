@@ -155,8 +155,14 @@ def served(d, name: str, model, *args: str):
     model.save(path)
     proc, http_url, grpc_url, logs = launch_server([f"{name}={path}", *args])
     host, port = http_url.rsplit(":", 1)
-    yield {"model": model, "proc": proc, "http": http_url, "grpc": grpc_url, "host": host,
-           "port": int(port), "logs": logs}  # fmt: skip
+    try:
+        yield {"model": model, "proc": proc, "http": http_url, "grpc": grpc_url, "host": host,
+               "port": int(port), "logs": logs}  # fmt: skip
+    except BaseException:  # a failed test: the server must not outlive it (one ran for an hour)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
     if proc.poll() is None:
         assert stop_server(proc) == 0
 
