@@ -182,6 +182,27 @@ def test_tile_repeats_from_a_shape(tmp):
     check(model(nodes, {"x": x}, consts), {"x": x}, tmp, [np.tile(h0, (1, 4, 1))])
 
 
+@pytest.mark.parametrize("eq,shapes", [
+    ("nth,ntc->nhc", [(2, 5, 3), (2, 5, 4)]),  # attention pooling over time
+    ("ij,jk", [(3, 4), (4, 5)]),  # implicit output
+    ("bij,bjk->bik", [(2, 3, 4), (2, 4, 5)]),
+    ("...ij,...jk->...ik", [(2, 1, 3, 4), (1, 3, 4, 2)]),  # broadcast ellipsis
+    ("i,i->", [(6,), (6,)]), ("ii->i", [(4, 4)]), ("ij->ji", [(3, 5)]),
+    ("ab,bc,cd->ad", [(2, 3), (3, 4), (4, 2)]), ("bij , bjk -> bik", [(1, 2, 3), (1, 3, 2)]),
+], ids=lambda v: v if isinstance(v, str) else None)  # fmt: skip
+def test_einsum(eq, shapes, tmp):
+    feeds = {f"x{i}": _rand(s, F32, 50 + i) for i, s in enumerate(shapes)}
+    check(model([node("Einsum", list(feeds), equation=eq)], feeds, opset=12), feeds, tmp)
+
+
+def test_einsum_equation_that_does_not_fit_is_refused(tmp):
+    feeds = {"a": _rand((2, 3), F32, 60), "b": _rand((4, 5), F32, 61)}
+    m = model([node("Einsum", ["a", "b"], equation="ij,jk->ik")], feeds, opset=12,
+              out_dtypes=[F32])  # fmt: skip
+    with pytest.raises(LeanRNNError, match=r"label 'j' is 3 in one input and 4"):
+        load(m, tmp).run(feeds)
+
+
 # --------------------------------------------------------------------------- normalization
 @pytest.mark.parametrize("axis", [-1, -2, 1])
 @pytest.mark.parametrize("with_bias", [True, False])

@@ -1,6 +1,6 @@
 """The ops real recurrent models put around their RNN nodes, as torch's two ONNX exporters write
 them (a survey of 34 deployed-style models in session 37): masks from lengths (``Less``,
-``Equal``, ``Not``, ``Where``), pooling and decoding (``ArgMax``, ``GatherElements``, ``GatherND``, ``Tile``),
+``Equal``, ``Not``, ``Where``), pooling and decoding (``ArgMax``, ``GatherElements``, ``GatherND``, ``Tile``, ``Einsum`` for attention over time),
 activations (``Clip`` for Hardtanh and clamp, ``LeakyRelu``, ``Pow``, ``Erf``, ``Gelu``),
 normalization (``LayerNormalization``, ``BatchNormalization`` in inference form) and the
 convolution front-ends of speech and OCR models (``Conv``, ``MaxPool``, 1-D and 2-D).
@@ -336,6 +336,69 @@ def _tile_run(ctx, node, ins, outs, metas, tmp):
     return outs
 
 
+def _einsum_terms(node, ins) -> tuple[str, list[str], str]:
+    """(equation without spaces, input terms, output term) checked against the inputs: one
+    letter per named axis, ``...`` for the broadcast ones; the output term is the explicit one,
+    or (implicit mode) the ellipsis then the letters used once, in alphabetical order."""
+    eq = node.attrs.get("equation")
+    if not isinstance(eq, str) or not eq:
+        _fail(node, f"equation={eq!r}; expected an einsum equation such as 'nth,ntc->nhc'",
+              ModelFormatError)  # fmt: skip
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ins):
+        _fail(node, f"equation {eq!r} names {len(terms)} inputs; the node has {len(ins)}",
+              ModelFormatError)  # fmt: skip
+    letters = [t.replace("...", "") for t in [*terms, *([rhs] if arrow else [])]]
+    bad = [t for t in letters if t and not (t.isalpha() and t.isascii())]
+    if bad or any(t.count("...") > 1 for t in [*terms, rhs]):
+        _fail(node, f"equation {eq!r}; expected letters, commas, one '...' per term and '->'",
+              ModelFormatError)  # fmt: skip
+    if not arrow:
+        once = sorted(c for c in set("".join(letters)) if "".join(letters).count(c) == 1)
+        rhs = ("..." if "..." in lhs else "") + "".join(once)
+    return f"{lhs}->{rhs}", terms, rhs
+
+
+def _einsum_infer(ctx, node, ins, vals):
+    _nin(node, ins, 1, None)
+    dt = _same_dtype(node, ins)
+    _numeric_tensor(node, ins[0])
+    eq, terms, rhs = _einsum_terms(node, ins)
+    dims: dict[str, int] = {}
+    ell: list[tuple[int, ...]] = []
+    for term, m in zip(terms, ins, strict=True):
+        named = term.replace("...", "")
+        extra = len(m.shape) - len(named)
+        if extra < 0 or (extra and "..." not in term):
+            _fail(node, f"term {term!r} does not fit input {list(m.shape)}")
+        head = term.index("...") if "..." in term else len(named)
+        ell.append(tuple(m.shape[head : head + extra]))
+        axes = list(m.shape[:head]) + list(m.shape[head + extra :])
+        for c, d in zip(named, axes, strict=True):
+            if dims.setdefault(c, d) != d:
+                _fail(node, f"label {c!r} is {dims[c]} in one input and {d} in another")
+    if any(c not in dims for c in rhs.replace("...", "")):
+        _fail(node, f"output term {rhs!r} names a label no input has", ModelFormatError)
+    shape = []
+    for part in rhs.split("...") if "..." in rhs else [rhs]:
+        shape.append([dims[c] for c in part])
+    if "..." in rhs:
+        shape = shape[0] + list(_broadcast(node, *ell)) + shape[1]
+    else:
+        shape = shape[0]
+    return [Out(tuple(shape), dt)]
+
+
+def _einsum_run(ctx, node, ins, outs, metas, tmp):
+    eq, _, _ = _einsum_terms(node, ins)
+    # two operands: numpy's BLAS path (its temporaries are about the operands' size); more:
+    # its own loops, which make none
+    np.einsum(eq, *ins, out=outs[0], optimize=len(ins) == 2)
+    return outs
+
+
 # ---------------------------------------------------------------------------- normalization
 def _layer_norm_infer(ctx, node, ins, vals):
     _nin(node, ins, 2, 3)
@@ -581,6 +644,7 @@ def layer_ops(OpDef) -> dict:
         "GatherElements": OpDef(_gather_elements_infer, _gather_elements_run),
         "GatherND": OpDef(_gather_nd_infer, _gather_nd_run),
         "Tile": OpDef(_tile_infer, _tile_run),
+        "Einsum": OpDef(_einsum_infer, _einsum_run),
         "LayerNormalization": OpDef(_layer_norm_infer, _layer_norm_run),
         "BatchNormalization": OpDef(_batch_norm_infer, _batch_norm_run),
         "Conv": OpDef(_conv_infer, _conv_run),
