@@ -420,3 +420,80 @@ def test_lengths_input_is_not_the_token_ids(tmp):
     g = leanrnn.load(save(m, tmp))
     assert g.lengths_input is None
     check(m, feeds, tmp)
+
+
+# ------------------------------------------------- from fuzzing the ops against onnxruntime
+@pytest.mark.parametrize(
+    "opset,ins", [(13, ["x", "lo"]), (11, ["x"]), (13, ["x", "", "hi"])], ids=str
+)
+def test_clip_absent_bound_is_the_types_extreme(opset, ins, tmp):
+    """ONNX: an absent bound is the type's lowest/highest value, so +-inf become finite
+    (torch's clamp(min=0) export); leanrnn left inf alone."""
+    x = np.array([-np.inf, -1, 0.5, np.inf], F32)
+    consts = {"lo": np.array(0, F32), "hi": np.array(1, F32)}
+    m = model([node("Clip", ins)], {"x": x}, {k: consts[k] for k in ins[1:] if k}, opset=opset)
+    check(m, {"x": x}, tmp)
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("ReduceSum", {"keepdims": 2}), ("ArgMax", {"keepdims": 2, "axis": 1}),
+    ("TopK", {"largest": 2}),
+], ids=str)  # fmt: skip
+def test_flags_are_true_when_1_as_onnxruntime_reads_them(op, attrs, tmp):
+    x = _rand((3, 4), F32, 70)
+    ins, consts, outs = ["x"], {}, ["y"]
+    if op == "TopK":
+        ins, consts, outs = ["x", "k"], {"k": np.array([2], I64)}, ["v", "i"]
+    m = model([node(op, ins, outs, **attrs)], {"x": x}, consts, opset=11)
+    check(m, {"x": x}, tmp)
+
+
+@pytest.mark.parametrize("op,attrs,match", [
+    ("Conv", {"strides": [1.5]}, "strides"), ("ArgMax", {"axis": 1.5}, "axis=1.5"),
+    ("LeakyRelu", {"alpha": [0, 2]}, "alpha"), ("ReduceSum", {"keepdims": "1"}, "keepdims"),
+], ids=str)  # fmt: skip
+def test_attributes_of_the_wrong_type_are_refused(op, attrs, match, tmp):
+    from leanrnn.errors import ModelFormatError
+
+    x = _rand((1, 2, 5), F32, 71)
+    consts = {"w": _rand((1, 2, 3), F32, 72)} if op == "Conv" else {}
+    ins = ["x", "w"] if op == "Conv" else ["x"]
+    m = model([node(op, ins, **attrs)], {"x": x}, consts, opset=11, out_dtypes=[F32])
+    with pytest.raises(ModelFormatError, match=match):
+        load(m, tmp).run({"x": x})
+
+
+def test_empty_edges_as_onnxruntime(tmp):
+    x = np.zeros((1, 0, 3), F32)  # ReduceMax over an empty axis: -inf (ONNX 18's identity)
+    check(model([node("ReduceMax", ["x"], axes=[1])], {"x": x}, opset=13), {"x": x}, tmp)
+    x = _rand((1, 1, 2), F32, 73)  # an input shorter than the kernel: an empty output
+    check(model([node("MaxPool", ["x"], kernel_shape=[3])], {"x": x}, opset=12), {"x": x}, tmp)
+    feeds = {"d": np.zeros((0, 3), F32), "i": np.zeros((0, 1), I64)}  # GatherND, empty batch
+    check(model([node("GatherND", ["d", "i"], batch_dims=1)], feeds, opset=13), feeds, tmp)
+
+
+def test_an_empty_output_with_huge_dims_is_refused_clearly(tmp):
+    from leanrnn.errors import ShapeError
+
+    x = np.zeros((0, 2), F32)
+    m = model([node("Tile", ["x", "r"])], {"x": x}, {"r": np.array([2**62, 2**62], I64)},
+              out_dtypes=[F32])  # fmt: skip
+    with pytest.raises(ShapeError, match=r"below 2\*\*62"):
+        load(m, tmp).run({"x": x})
+
+
+def test_conv_without_channels_stays_small(tmp):
+    import tracemalloc
+
+    x = np.zeros((1, 0, 20_000), F32)
+    m = model([node("Conv", ["x", "w"])], {"x": x}, {"w": np.zeros((1, 0, 10_000), F32)},
+              out_dtypes=[F32])  # fmt: skip
+    g = load(m, tmp)
+    tracemalloc.start()
+    try:
+        y = g.run({"x": x})[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert y.shape == (1, 1, 10_001) and not y.any()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB (the index arrays of every position at once)"

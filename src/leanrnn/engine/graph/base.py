@@ -51,6 +51,8 @@ def _numeric(node: Node, name) -> np.dtype:
 
 
 def _axis(node: Node, axis, rank: int) -> int:
+    if not _is_int(axis):
+        _fail(node, f"axis={axis!r:.80}; expected an int", ModelFormatError)
     a = int(axis)
     if not -rank <= a < rank:
         _fail(node, f"axis {a} is out of range for a rank-{rank} tensor")
@@ -78,6 +80,46 @@ def _optional(node: Node, ins: list, vals: list, i: int, attr: str, what: str) -
     if i < len(ins) and ins[i] is not None:
         return _ints(node, vals[i], what)
     return None
+
+
+# Typed attribute reads: onnxruntime refuses an attribute of the wrong type at load (a float
+# stride, a string kernel, a list where one alpha is due), where int() and float() truncated,
+# iterated or broadcast it into a result of their own.
+def _is_int(v) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
+def attr_int(node: Node, name: str, default: int) -> int:
+    v = node.attrs.get(name, default)
+    if not _is_int(v):
+        _fail(node, f"attribute {name}={v!r:.80}; expected an int", ModelFormatError)
+    return int(v)
+
+
+def attr_flag(node: Node, name: str, default: int) -> bool:
+    """A 0/1 int attribute, read as onnxruntime reads it: true when it is 1."""
+    return attr_int(node, name, default) == 1
+
+
+def attr_ints(node: Node, name: str, default: list[int]) -> list[int]:
+    v = node.attrs.get(name, default)
+    if not isinstance(v, list | tuple) or not all(_is_int(x) for x in v):
+        _fail(node, f"attribute {name}={v!r:.80}; expected a list of ints", ModelFormatError)
+    return [int(x) for x in v]
+
+
+def attr_float(node: Node, name: str, default: float) -> float:
+    v = node.attrs.get(name, default)
+    if not isinstance(v, float | int | np.floating | np.integer) or isinstance(v, bool):
+        _fail(node, f"attribute {name}={v!r:.80}; expected a float", ModelFormatError)
+    return float(v)
+
+
+def attr_str(node: Node, name: str, default: str) -> str:
+    v = node.attrs.get(name, default)
+    if not isinstance(v, str):
+        _fail(node, f"attribute {name}={v!r:.80}; expected a string", ModelFormatError)
+    return v
 
 
 def _same_dtype(node: Node, ins: list) -> np.dtype:

@@ -30,6 +30,11 @@ from .base import (
     _nin,
     _numeric_tensor,
     _same_dtype,
+    attr_flag,
+    attr_float,
+    attr_int,
+    attr_ints,
+    attr_str,
 )
 
 BOOL = np.dtype(bool)
@@ -97,7 +102,10 @@ def _clip_bounds(node, ins, vals, dt) -> tuple:
     """(min, max) as scalars of ``dt`` (None: unbounded): attributes before opset 11, optional
     scalar inputs after (values at run time: ``vals`` may be None at infer)."""
     if len(ins) == 1 and ("min" in node.attrs or "max" in node.attrs):
-        lo, hi = node.attrs.get("min"), node.attrs.get("max")
+        lo = attr_float(node, "min", 0.0) if "min" in node.attrs else None
+        hi = attr_float(node, "max", 0.0) if "max" in node.attrs else None
+        if lo is not None and hi is not None and lo > hi:  # (onnxruntime's Clip-6 refuses it)
+            _fail(node, f"min={lo:g} > max={hi:g}", ModelFormatError)
         return (None if lo is None else dt.type(lo)), (None if hi is None else dt.type(hi))
     bounds = []
     for i in (1, 2):
@@ -123,11 +131,13 @@ def _clip_run(ctx, node, ins, outs, metas, tmp):
     x, o = ins[0], outs[0]
     lo, hi = _clip_bounds(node, [None if a is None else Out(a.shape, a.dtype) for a in ins],
                           ins, x.dtype)  # fmt: skip
-    # ONNX (opset 13): min(max(x, lo), hi), so every value is hi when lo > hi
-    np.copyto(o, x)
-    if lo is not None:
-        np.maximum(o, lo, out=o)
-    if hi is not None:
+    # ONNX (opset 13): min(max(x, lo), hi), so every value is hi when lo > hi; an absent bound
+    # is the type's lowest or highest finite value (so +-inf become finite, as in onnxruntime)
+    info = np.finfo(x.dtype) if x.dtype.kind == "f" else np.iinfo(x.dtype)
+    lo = info.min if lo is None else lo
+    hi = info.max if hi is None else hi
+    with np.errstate(invalid="ignore"):
+        np.maximum(x, lo, out=o)
         np.minimum(o, hi, out=o)
     return outs
 
@@ -140,7 +150,7 @@ def _leaky_relu_infer(ctx, node, ins, vals):
 
 def _leaky_relu_run(ctx, node, ins, outs, metas, tmp):
     x, o = ins[0], outs[0]
-    alpha = x.dtype.type(node.attrs.get("alpha", 0.01))
+    alpha = x.dtype.type(attr_float(node, "alpha", 0.01))
     np.multiply(x, alpha, out=o)
     np.copyto(o, x, where=x >= 0)
     return outs
@@ -198,7 +208,7 @@ def erf(x: np.ndarray, out: np.ndarray) -> None:
 def _float_unary_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 1)
     _float(node, ins[0])
-    if node.op == "Gelu" and node.attrs.get("approximate", "none") not in ("none", "tanh"):
+    if node.op == "Gelu" and attr_str(node, "approximate", "none") not in ("none", "tanh"):
         _fail(node, f"approximate={node.attrs['approximate']!r}; expected 'none' or 'tanh'",
               ModelFormatError)  # fmt: skip
     return [Out(ins[0].shape, ins[0].dtype)]
@@ -213,7 +223,7 @@ def _gelu_run(ctx, node, ins, outs, metas, tmp):
     x, o = ins[0], outs[0]
     t = x.dtype.type
     if (
-        node.attrs.get("approximate", "none") == "tanh"
+        attr_str(node, "approximate", "none") == "tanh"
     ):  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         inner = x * x
         inner *= t(0.044715)
@@ -239,7 +249,7 @@ def _arg_infer(ctx, node, ins, vals):
     a = _axis(node, node.attrs.get("axis", 0), len(shape))
     if shape[a] == 0:
         _fail(node, f"axis {a} of {list(shape)} is empty: no index to return")
-    keep = int(node.attrs.get("keepdims", 1))
+    keep = attr_flag(node, "keepdims", 1)
     out = (*shape[:a], *((1,) if keep else ()), *shape[a + 1 :])
     return [Out(out, I64)]
 
@@ -250,7 +260,7 @@ def _arg_run(ctx, node, ins, outs, metas, tmp):
     x = ins[0]
     a = _axis(node, node.attrs.get("axis", 0), x.ndim)
     fn = np.argmax if node.op == "ArgMax" else np.argmin
-    if int(node.attrs.get("select_last_index", 0)):  # the last of equal extremes
+    if attr_flag(node, "select_last_index", 0):  # the last of equal extremes
         idx = (x.shape[a] - 1) - fn(np.flip(x, axis=a), axis=a)
     else:
         idx = fn(x, axis=a)
@@ -290,7 +300,7 @@ def _gather_nd_infer(ctx, node, ins, vals):
     data, idx = ins
     if idx.dtype != I64:
         _fail(node, f"indices have dtype {idx.dtype}; expected int64", DTypeError)
-    b = int(node.attrs.get("batch_dims", 0))
+    b = attr_int(node, "batch_dims", 0)
     if not idx.shape or not 0 <= b < min(len(data.shape), len(idx.shape)):
         _fail(node, f"batch_dims={b} for data {list(data.shape)} and indices {list(idx.shape)}")
     k = idx.shape[-1]
@@ -302,8 +312,10 @@ def _gather_nd_infer(ctx, node, ins, vals):
 
 def _gather_nd_run(ctx, node, ins, outs, metas, tmp):
     data, idx = ins
-    b, k = int(node.attrs.get("batch_dims", 0)), idx.shape[-1]
+    b, k = attr_int(node, "batch_dims", 0), idx.shape[-1]
     B = math.prod(data.shape[:b])
+    if not B or not outs[0].size:  # an empty batch or no indices: nothing to gather
+        return outs
     d = data.reshape(B, *data.shape[b:])
     ii = idx.reshape(B, -1, k)
     coords = []
@@ -412,7 +424,7 @@ def _layer_norm_infer(ctx, node, ins, vals):
             _fail(node, f"{what} is {m.dtype}{list(m.shape)}; expected {x.dtype} broadcasting "
                         f"to the normalized axes {list(inner)}")  # fmt: skip
     stats = (*x.shape[:a], *(1,) * len(inner))
-    stash = np.float32 if int(node.attrs.get("stash_type", 1)) == 1 else x.dtype
+    stash = np.float32 if attr_int(node, "stash_type", 1) == 1 else x.dtype
     return [Out(x.shape, x.dtype), Out(stats, np.dtype(stash)), Out(stats, np.dtype(stash))]
 
 
@@ -425,7 +437,7 @@ def _layer_norm_run(ctx, node, ins, outs, metas, tmp):
     mean = work.mean(axis=axes, keepdims=True)
     centered = work - mean
     var = np.mean(centered * centered, axis=axes, keepdims=True)
-    inv = 1.0 / np.sqrt(var + work.dtype.type(node.attrs.get("epsilon", 1e-5)))
+    inv = 1.0 / np.sqrt(var + work.dtype.type(attr_float(node, "epsilon", 1e-5)))
     y = centered * inv
     if len(ins) > 1 and ins[1] is not None:
         y *= ins[1]
@@ -442,7 +454,7 @@ def _batch_norm_infer(ctx, node, ins, vals):
     _nin(node, ins, 5, 5)
     x = ins[0]
     _float(node, x)
-    if int(node.attrs.get("training_mode", 0)) or len([o for o in node.outputs if o]) > 1:
+    if attr_int(node, "training_mode", 0) or len([o for o in node.outputs if o]) > 1:
         _fail(node, "training mode (running statistics as outputs); expected the inference "
                     "form: export the model in eval()", ModelFormatError)  # fmt: skip
     if len(x.shape) < 2:
@@ -459,7 +471,7 @@ def _batch_norm_run(ctx, node, ins, outs, metas, tmp):
     x, scale, bias, mean, var = ins
     shape = (1, x.shape[1]) + (1,) * (x.ndim - 2)
     t = x.dtype.type
-    inv = (scale / np.sqrt(var + t(node.attrs.get("epsilon", 1e-5)))).astype(x.dtype)
+    inv = (scale / np.sqrt(var + t(attr_float(node, "epsilon", 1e-5)))).astype(x.dtype)
     np.subtract(x, mean.astype(x.dtype).reshape(shape), out=outs[0])
     outs[0] *= inv.reshape(shape)
     outs[0] += bias.astype(x.dtype).reshape(shape)
@@ -476,23 +488,23 @@ def _window(node, ins, vals, pool: bool):
         _fail(node, f"input is {list(x.shape)}; expected [N, C, L] or [N, C, H, W] (1-D or 2-D)",
               ModelFormatError)  # fmt: skip
     if pool:
-        kernel = [int(k) for k in node.attrs.get("kernel_shape", [])]
+        kernel = attr_ints(node, "kernel_shape", [])
     else:
         kernel = list(ins[1].shape[2:])
-        if "kernel_shape" in node.attrs and [int(k) for k in node.attrs["kernel_shape"]] != kernel:
+        if "kernel_shape" in node.attrs and attr_ints(node, "kernel_shape", []) != kernel:
             _fail(node, f"kernel_shape {node.attrs['kernel_shape']} is not the weight's {kernel}")
     if len(kernel) != nd:
         _fail(node, f"kernel {kernel} for a {nd}-D input", ModelFormatError)
-    strides = [int(s) for s in node.attrs.get("strides", [1] * nd)]
-    dil = [int(d) for d in node.attrs.get("dilations", [1] * nd)]
-    pads = [int(p) for p in node.attrs.get("pads", [0] * (2 * nd))]
-    auto = node.attrs.get("auto_pad", "NOTSET")
+    strides = attr_ints(node, "strides", [1] * nd)
+    dil = attr_ints(node, "dilations", [1] * nd)
+    pads = attr_ints(node, "pads", [0] * (2 * nd))
+    auto = attr_str(node, "auto_pad", "NOTSET")
     if auto not in ("NOTSET", "VALID", ""):
         _fail(node, f"auto_pad={auto!r}; expected NOTSET or VALID (explicit pads, as torch's "
                     "exporters write them)", ModelFormatError)  # fmt: skip
     if auto == "VALID":
         pads = [0] * (2 * nd)
-    if int(node.attrs.get("ceil_mode", 0)):
+    if attr_int(node, "ceil_mode", 0):
         _fail(node, "ceil_mode=1; expected 0 (torch's default)", ModelFormatError)
     if (
         (len(strides), len(dil), len(pads)) != (nd, nd, 2 * nd)
@@ -535,6 +547,13 @@ def _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, fill):
     return w
 
 
+def _position_bytes(C: int, kernel: list[int], dt: np.dtype) -> int:
+    """What one output position of one sample costs _patches: its window values, the validity
+    mask and the int64 index rows (counted even with no channels, whose windows are empty)."""
+    K = math.prod(kernel)
+    return K * (max(C, 1) * dt.itemsize + 1) + 8 * sum(kernel)
+
+
 def _blocks(N: int, P: int, per_position: int):
     """(n0, n1, a, b) blocks of samples x output positions whose patches take at most
     PATCH_BYTES (one position of one sample at least)."""
@@ -552,10 +571,12 @@ def _conv_infer(ctx, node, ins, vals):
         _fail(node, f"input {x.dtype} and weight {w.dtype}; expected one float dtype", DTypeError)
     kernel, strides, dil, pads = _window(node, ins, vals, pool=False)
     N, C = x.shape[:2]
-    M, group = w.shape[0], int(node.attrs.get("group", 1))
+    M, group = w.shape[0], attr_int(node, "group", 1)
     if group < 1 or C % group or M % group or w.shape[1] != C // group:
         _fail(node, f"weight {list(w.shape)} with group={group} for {C} input channels; "
                     f"expected [M, C/group, ...] with C and M divisible by group")  # fmt: skip
+    if min(kernel) < 1:
+        _fail(node, f"weight {list(w.shape)} has an empty kernel")
     b = ins[2] if len(ins) > 2 else None
     if b is not None and (b.shape != (M,) or b.dtype != x.dtype):
         _fail(node, f"bias is {b.dtype}{list(b.shape)}; expected {x.dtype}[{M}]")
@@ -571,14 +592,14 @@ def _conv_run(ctx, node, ins, outs, metas, tmp):
     x, w = ins[0], ins[1]
     kernel, strides, dil, pads = _window(node, [Out(x.shape, x.dtype), Out(w.shape, w.dtype)],
                                          None, pool=False)  # fmt: skip
-    group = int(node.attrs.get("group", 1))
+    group = attr_int(node, "group", 1)
     N, C, M = x.shape[0], x.shape[1], w.shape[0]
     cg, mg = C // group, M // group
     out = outs[0].shape[2:]
     P, K = math.prod(out), math.prod(kernel)
     o = outs[0].reshape(N, M, P)
     wg = [w[g * mg : (g + 1) * mg].reshape(mg, cg * K).T for g in range(group)]
-    for n0, n1, a, b in _blocks(N, P, C * K * x.dtype.itemsize):
+    for n0, n1, a, b in _blocks(N, P, _position_bytes(C, kernel, x.dtype)):
         patch = _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, 0)
         for g in range(group):
             # [n, B, cg * K] @ [cg * K, mg]: one GEMM per group over the block's positions
@@ -595,7 +616,7 @@ def _maxpool_infer(ctx, node, ins, vals):
     _numeric_tensor(node, x)
     if len([o for o in node.outputs if o]) > 1:
         _fail(node, "asks for the Indices output; expected Y only", ModelFormatError)
-    if int(node.attrs.get("storage_order", 0)):
+    if attr_int(node, "storage_order", 0):
         _fail(node, "storage_order=1; expected 0", ModelFormatError)
     kernel, strides, dil, pads = _window(node, ins, vals, pool=True)
     nd = len(kernel)
@@ -605,11 +626,9 @@ def _maxpool_infer(ctx, node, ins, vals):
         # (mostly padding: a window's work is its kernel, which no data bounds otherwise)
         _fail(node, f"kernel {kernel} is over twice the input's {list(x.shape[2:])}; expected "
                     "windows within the input and its padding")  # fmt: skip
-    out = [_out_len(x.shape[2 + i], kernel[i], strides[i], dil[i], pads[i], pads[i + nd])
+    out = [max(0, _out_len(x.shape[2 + i], kernel[i], strides[i], dil[i], pads[i], pads[i + nd]))
            for i in range(nd)]  # fmt: skip
-    if min(out) < 1:
-        _fail(node, f"input {list(x.shape)} is smaller than the kernel {kernel}")
-    return [Out((*x.shape[:2], *out), x.dtype)]
+    return [Out((*x.shape[:2], *out), x.dtype)]  # (an input shorter than the kernel: empty)
 
 
 def _maxpool_run(ctx, node, ins, outs, metas, tmp):
@@ -622,7 +641,7 @@ def _maxpool_run(ctx, node, ins, outs, metas, tmp):
     out = outs[0].shape[2:]
     P, K = math.prod(out), math.prod(kernel)
     o = outs[0].reshape(N, C, P)
-    for n0, n1, a, b in _blocks(N, P, C * K * x.dtype.itemsize):
+    for n0, n1, a, b in _blocks(N, P, _position_bytes(C, kernel, x.dtype)):
         win = _patches(x, kernel, strides, dil, pads, out, n0, n1, a, b, fill)
         np.max(win.reshape(n1 - n0, C, b - a, K), axis=-1, out=o[n0:n1, :, a:b])
     return outs

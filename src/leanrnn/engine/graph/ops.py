@@ -48,6 +48,9 @@ from .base import (
     _same_dtype,
     _typed,
     _view_run,
+    attr_flag,
+    attr_ints,
+    attr_str,
 )
 from .layer_ops import layer_ops
 from .quant_ops import quant_ops
@@ -649,7 +652,7 @@ def _topk_order(node, x: np.ndarray, a: int) -> np.ndarray:
     """Indices along axis ``a`` in TopK's order: largest (or smallest) first, equal values in
     index order (ONNX's rule; a stable sort of the reversed axis, reversed back, gives it for
     largest-first)."""
-    if int(node.attrs.get("largest", 1)):
+    if attr_flag(node, "largest", 1):
         n = x.shape[a]
         rev = np.flip(x, axis=a)
         return (n - 1) - np.flip(np.argsort(rev, axis=a, kind="stable"), axis=a)
@@ -681,9 +684,7 @@ def _scatter_elements_infer(ctx, node, ins, vals):
     if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
         _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
                     f"axis {a}")  # fmt: skip
-    reduction = node.attrs.get("reduction", "none")
-    if isinstance(reduction, bytes):
-        reduction = reduction.decode()
+    reduction = attr_str(node, "reduction", "none")
     if reduction not in _SCATTER_REDUCE:
         _fail(node, f"reduction={reduction!r}; expected one of {sorted(_SCATTER_REDUCE)}",
               ModelFormatError)  # fmt: skip
@@ -707,8 +708,7 @@ def _scatter_elements_run(ctx, node, ins, outs, metas, tmp):
         _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
     where = list(np.indices(idx.shape, sparse=True))
     where[a] = np.where(idx < 0, idx + n, idx)
-    reduction = node.attrs.get("reduction", "none")
-    fn = _SCATTER_REDUCE[reduction.decode() if isinstance(reduction, bytes) else reduction]
+    fn = _SCATTER_REDUCE[attr_str(node, "reduction", "none")]
     if fn is None:  # later updates of one element win, as onnxruntime writes them in order
         out[tuple(where)] = upd
     else:
@@ -769,15 +769,13 @@ def _reduce_infer(ctx, node, ins, vals):
     axes = _optional(node, ins, vals, 1, "__none__" if axes_as_input else "axes", "axes")
     rank = len(x.shape)
     if not axes:
-        if axes_as_input and int(node.attrs.get("noop_with_empty_axes", 0)):
+        if axes_as_input and attr_flag(node, "noop_with_empty_axes", 0):
             return [Out(x.shape, x.dtype, view=True)]
         axes = list(range(rank))
     named = sorted({_axis(node, a, rank) for a in axes})
     if len(named) != len(axes):
         _fail(node, f"axes {axes} name an axis more than once")
-    if node.op in ("ReduceMax", "ReduceMin") and any(x.shape[a] == 0 for a in named):
-        _fail(node, f"reduces an empty axis of {list(x.shape)}; a max/min of nothing is undefined")
-    keep = int(node.attrs.get("keepdims", 1))
+    keep = attr_flag(node, "keepdims", 1)
     shape = tuple(1 if i in named else d for i, d in enumerate(x.shape)
                   if keep or i not in named)  # fmt: skip
     return [Out(shape, x.dtype, view=False)]
@@ -793,11 +791,16 @@ def _reduce_run(ctx, node, ins, outs, metas, tmp):
         return [x]
     axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
     axes = (([int(v) for v in np.asarray(ins[1]).reshape(-1)] if len(ins) > 1 and ins[1] is not None
-             else None) if axes_as_input else node.attrs.get("axes"))  # fmt: skip
+             else None) if axes_as_input else attr_ints(node, "axes", []))  # fmt: skip
     axes = tuple(range(x.ndim)) if not axes else tuple(sorted({a % x.ndim for a in axes}))
-    keep = bool(int(node.attrs.get("keepdims", 1)))
-    if node.op == "ReduceMean" and not math.prod(x.shape[a] for a in axes):
-        outs[0].fill(0)  # the mean of nothing: 0, as onnxruntime has it (numpy: NaN, warning)
+    keep = attr_flag(node, "keepdims", 1)
+    if not math.prod(x.shape[a] for a in axes):  # nothing to reduce: the op's identity
+        # (ONNX 18: max of nothing is the lowest value, min the highest; onnxruntime's mean 0)
+        info = np.finfo(x.dtype) if x.dtype.kind == "f" else np.iinfo(x.dtype)
+        empty = {"ReduceMax": -np.inf if x.dtype.kind == "f" else info.min,
+                 "ReduceMin": np.inf if x.dtype.kind == "f" else info.max,
+                 "ReduceProd": 1, "ReduceSum": 0, "ReduceMean": 0}  # fmt: skip
+        outs[0].fill(empty[node.op])
         return outs
     r = _REDUCE[node.op](x, axis=axes, keepdims=keep)
     np.copyto(outs[0], np.asarray(r).astype(x.dtype, copy=False).reshape(metas[0].shape),
@@ -993,11 +996,20 @@ def guard(node: Node, fn, *args):
         ) from None
 
 
+MAX_DIM = 1 << 62
+
+
 def infer(ctx, node: Node, ins: list, vals: list) -> list[Out]:
     """The op's output metas (guarded), refusing a node that names more outputs than its op
     makes: the extra names passed the load's checks as defined, were never given a shape, and
     the first run failed on them with a bare KeyError. Fewer is fine (optional outputs)."""
     outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
+    for m in outs:  # (an empty output passed every byte check, then numpy refused the dims)
+        if any(d >= MAX_DIM for d in m.shape) or math.prod(d for d in m.shape if d) >= MAX_DIM:
+            raise ShapeError(
+                f"[graph] node {node.name!r} ({node.op}): output {list(m.shape)}; expected "
+                f"dimensions (and a size) below 2**62"
+            )
     extra = [o for o in node.outputs[len(outs) :] if o]
     if extra:
         raise ModelFormatError(
