@@ -497,3 +497,30 @@ def test_conv_without_channels_stays_small(tmp):
         tracemalloc.stop()
     assert y.shape == (1, 1, 10_001) and not y.any()
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB (the index arrays of every position at once)"
+
+
+# -------------------------------------------------------- from the second review of the ops
+def test_second_review_cases_as_onnxruntime(tmp):
+    from leanrnn.errors import ShapeError
+
+    # a size-1 label broadcasts (a learned query of batch 1 against a batch of keys)
+    feeds = {"q": _rand((1, 2, 4), F32, 80), "k": _rand((3, 5, 2, 4), F32, 81)}
+    check(model([node("Einsum", ["q", "k"], equation="bhd,bthd->bth")], feeds, opset=12),
+          feeds, tmp)  # fmt: skip
+    # a MaxPool input shorter than its kernel: C's division gives one window here
+    x = np.array([[[0.0, 1.0]]], F32)
+    m = model([node("MaxPool", ["x"], kernel_shape=[4], strides=[3])], {"x": x}, opset=12)
+    check(m, {"x": x}, tmp, [np.array([[[1.0]]], F32)])
+    m = model([node("MaxPool", ["x"], kernel_shape=[4])], {"x": x}, opset=12, out_dtypes=[F32])
+    with pytest.raises(ShapeError, match="shorter than the kernel"):
+        load(m, tmp).run({"x": x})
+    # select_last_index: any nonzero value is true, as onnxruntime reads it
+    x = np.array([[1, 3, 3, 0], [2, 2, 1, 2]], F32)
+    m = model([node("ArgMax", ["x"], axis=1, select_last_index=2)], {"x": x}, opset=12)
+    check(m, {"x": x}, tmp, [np.array([[2], [3]], I64)])
+    # an empty output whose bytes (not elements) reach 2**63
+    x = np.zeros((0, 2), F32)
+    m = model([node("Tile", ["x", "r"])], {"x": x}, {"r": np.array([1, 2**60], I64)},
+              out_dtypes=[F32])  # fmt: skip
+    with pytest.raises(ShapeError, match=r"below 2\*\*62"):
+        load(m, tmp).run({"x": x})

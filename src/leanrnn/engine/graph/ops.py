@@ -1005,10 +1005,11 @@ def infer(ctx, node: Node, ins: list, vals: list) -> list[Out]:
     the first run failed on them with a bare KeyError. Fewer is fine (optional outputs)."""
     outs = guard(node, OPS[node.op].infer, ctx, node, ins, vals)
     for m in outs:  # (an empty output passed every byte check, then numpy refused the dims)
-        if any(d >= MAX_DIM for d in m.shape) or math.prod(d for d in m.shape if d) >= MAX_DIM:
+        nonzero = math.prod(d for d in m.shape if d) * m.dtype.itemsize
+        if any(d >= MAX_DIM for d in m.shape) or nonzero >= MAX_DIM:
             raise ShapeError(
-                f"[graph] node {node.name!r} ({node.op}): output {list(m.shape)}; expected "
-                f"dimensions (and a size) below 2**62"
+                f"[graph] node {node.name!r} ({node.op}): output {list(m.shape)} of "
+                f"{m.dtype}; expected dimensions (and bytes) below 2**62"
             )
     extra = [o for o in node.outputs[len(outs) :] if o]
     if extra:
