@@ -13,7 +13,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from _onnx_graphs import check, load, model, node, run_ort, save  # noqa: E402
-from helpers import torch_export  # noqa: E402
+from helpers import torch_export, traced_peak  # noqa: E402
 from leanrnn.errors import LeanRNNError  # noqa: E402
 
 pytestmark = pytest.mark.onnx
@@ -349,19 +349,14 @@ def test_exported_models_with_these_ops_match_torch(kind, tmp):
 def test_conv_and_maxpool_memory_stays_near_the_output(tmp):
     """The whole im2col (1.6 GB for a 400 KB output, kernel 1000) and the padded copy of the
     input (7.45 GiB for pads of 10**9 on 4 values) were made before any size check."""
-    import tracemalloc
-
     from leanrnn.errors import ShapeError
 
     x = np.ones((1, 4, 20_000), F32)
     m = model([node("Conv", ["x", "w"])], {"x": x}, {"w": np.ones((1, 4, 1000), F32)})
     g = load(m, tmp)
-    tracemalloc.start()
-    try:
+    with traced_peak() as mem:
         y = g.run({"x": x})[0]
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = mem.peak
     np.testing.assert_allclose(y, run_ort(m, {"x": x})[0], rtol=1e-5)
     assert peak < 80 << 20, f"{peak / 2**20:.0f} MiB for a {y.nbytes / 2**20:.2f} MiB output"
     P = 10**9  # pads far beyond the input, strides to match: three outputs, x[0] in the middle
@@ -483,18 +478,13 @@ def test_an_empty_output_with_huge_dims_is_refused_clearly(tmp):
 
 
 def test_conv_without_channels_stays_small(tmp):
-    import tracemalloc
-
     x = np.zeros((1, 0, 20_000), F32)
     m = model([node("Conv", ["x", "w"])], {"x": x}, {"w": np.zeros((1, 0, 10_000), F32)},
               out_dtypes=[F32])  # fmt: skip
     g = load(m, tmp)
-    tracemalloc.start()
-    try:
+    with traced_peak() as mem:
         y = g.run({"x": x})[0]
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = mem.peak
     assert y.shape == (1, 1, 10_001) and not y.any()
     assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB (the index arrays of every position at once)"
 

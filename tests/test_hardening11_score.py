@@ -7,12 +7,12 @@ T=0 steps ran forever, spooling states to disk, and negative .npy dimensions gav
 from __future__ import annotations
 
 import os
-import tracemalloc
 
 import numpy as np
 import pytest
 
 import leanrnn
+from helpers import traced_peak
 from leanrnn.score.data import DataError
 
 MODEL = leanrnn.LSTM(8, 16, num_layers=2, seed=3)
@@ -41,12 +41,9 @@ def test_many_empty_sequences_stay_within_the_memory_limit(tmp_path):
     col = pa.ListArray.from_arrays(pa.array(np.zeros(N + 1, np.int32)), steps)
     src = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"x": col}), str(src), row_group_size=N)
-    tracemalloc.start()
-    try:
+    with traced_peak() as mem:
         s = leanrnn.score(MODEL, str(src), str(tmp_path / "o.npz"), memory_limit=16 << 20)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = mem.peak
     assert s.sequences == N
     # before: every row's view and states in one piece, ~380 bytes a row (150 MB here)
     assert peak < 48 << 20, f"{peak / 2**20:.0f} MiB of Python allocations at a 16 MiB limit"
