@@ -374,6 +374,9 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
         def authorize(self, token):
             pass
 
+        def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
+            pass
+
         async def infer_held(self, p, transport):
             await gate.wait()
             return {}, lambda: None

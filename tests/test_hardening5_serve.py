@@ -156,6 +156,9 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
         def unreserve(self, n):
             pass
 
+        def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
+            pass
+
         def info(self, model, version=None):
             return Info
 

@@ -143,6 +143,9 @@ def test_statistics_count_failures_and_compute_time(server, protocol):
     assert d["success"][0] == d["queue"][0] == d["compute_infer"][0] == 3
     assert d["fail"][0] == 1 and d["fail"][1] > 0
     assert 0 < d["compute_infer"][1] and d["queue"][1] + d["compute_infer"][1] <= d["success"][1]
+    # parsing (the refused one's too) and encoding, measured in the front end
+    assert d["compute_input"][0] == 4 and d["compute_output"][0] == 3
+    assert d["compute_input"][1] > 0 and d["compute_output"][1] > 0
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -105,6 +105,9 @@ class _Core:
     def authorize(self, token):
         pass
 
+    def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
+        pass
+
     def error(self, e, transport):
         pass
 

@@ -52,7 +52,8 @@ class Core:
         self.bodies: set = set()
         # Triton's statistics extension, per model: successes [count, total ns, queue ns,
         # compute ns], failures [count, ns], the last inference's time (ms since the epoch)
-        self._stats = {name: {"ok": [0, 0, 0, 0], "fail": [0, 0], "last": 0}
+        self._stats = {name: {"ok": [0, 0, 0, 0], "fail": [0, 0], "last": 0,
+                              "compute_input": [0, 0], "compute_output": [0, 0]}
                        for name in self.infos}  # fmt: skip
 
     @property
@@ -127,8 +128,8 @@ class Core:
         lane = self.scheduler.lanes[model]
         # compute_infer: from a request's first step in a batched engine call to its last (a
         # chunk's steps run one batched call each, among other streams' steps); compute_input
-        # and compute_output (parsing, encoding) are not measured apart and are absent, as
-        # Triton leaves fields it has nothing for
+        # and compute_output: the front ends' parsing of a request and encoding of its answer
+        ci, co = st["compute_input"], st["compute_output"]
         return {
             "name": model,
             "version": "1",
@@ -140,8 +141,17 @@ class Core:
                 "fail": {"count": st["fail"][0], "ns": st["fail"][1]},
                 "queue": {"count": count, "ns": queue_ns},
                 "compute_infer": {"count": count, "ns": compute_ns},
+                "compute_input": {"count": ci[0], "ns": ci[1]},
+                "compute_output": {"count": co[0], "ns": co[1]},
             },
         }
+
+    def io(self, model: str, what: str, seconds: float) -> None:
+        """One request's parsing (``what`` = "compute_input") or its answer's encoding
+        ("compute_output") took ``seconds`` (Triton's statistics)."""
+        c = self._stats[model][what]
+        c[0] += 1
+        c[1] += int(seconds * 1e9)
 
     def _failed(self, model: str, t0: float) -> None:
         fail = self._stats[model]["fail"]

@@ -451,19 +451,25 @@ def make_app(core: Core, metrics=None) -> Starlette:
             head = request.headers.get(HEADER_LENGTH)
             # a large one parsed off the event loop: json.loads of a few MB of numbers held up
             # every other stream (HTTP and gRPC) for as long as it took
+            t0 = time.perf_counter()
             if len(body) <= INLINE:
                 p = _parse(core, info, body, head)
             else:
                 p = await asyncio.to_thread(_parse, core, info, body, head)
+            core.io(info.name, "compute_input", time.perf_counter() - t0)
             del body
         finally:
             core.unreserve(held)
         size = json_bytes(info, p)
         values, release = await core.infer_held(p, "http", size)
         try:  # a large answer off the event loop: it must not hold up the other streams
+            t0 = time.perf_counter()
             if size + sum(a.nbytes for a in values.values()) <= INLINE:
-                return _Answer(*_encode(info, p, values), release)
-            return _Answer(*await asyncio.to_thread(_encode, info, p, values, True), release)
+                answer = _Answer(*_encode(info, p, values), release)
+            else:
+                answer = _Answer(*await asyncio.to_thread(_encode, info, p, values, True), release)
+            core.io(info.name, "compute_output", time.perf_counter() - t0)
+            return answer
         except BaseException:
             release()
             raise

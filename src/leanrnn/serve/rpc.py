@@ -15,6 +15,7 @@ the .proto files (nor generated code pinned to one protobuf release) lives in th
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -186,12 +187,17 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         async def fn():
+            t0 = time.perf_counter()
             info, p = await parse_async(self.core, request)
+            self.core.io(request.model_name, "compute_input", time.perf_counter() - t0)
             values, release = await self.core.infer_held(p, "grpc")
             # the request's bytes count until the call is over: its answer written to the
             # transport (gRPC's flow control: a client that does not read holds it), or gone
             context.add_done_callback(lambda _: release())
-            return encode(info, p, values)
+            t0 = time.perf_counter()
+            res = encode(info, p, values)
+            self.core.io(request.model_name, "compute_output", time.perf_counter() - t0)
+            return res
 
         return await self._guard(context, fn)
 
@@ -252,7 +258,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 info, p = item
                 # submits before its first await: the pump lets it run before the next request
                 values, release = await self.core.infer_held(p, "grpc")
+                t0 = time.perf_counter()
                 res = pb.ModelStreamInferResponse(infer_response=encode(info, p, values))
+                self.core.io(request.model_name, "compute_output", time.perf_counter() - t0)
             except ServeError as e:
                 self.core.error(e, "grpc")
                 res = pb.ModelStreamInferResponse(
@@ -297,7 +305,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     last[0] = loop.time()
                     cost = request.ByteSize()
                     try:
+                        t0 = time.perf_counter()
                         info, p = await parse_async(self.core, request)
+                        self.core.io(request.model_name, "compute_input", time.perf_counter() - t0)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         item = (info, p)
                     except ServeError as e:
