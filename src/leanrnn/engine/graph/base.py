@@ -122,6 +122,26 @@ def attr_str(node: Node, name: str, default: str) -> str:
     return v
 
 
+def _fits_off_axis(node: Node, data: Out, idx: Out, a: int) -> None:
+    """GatherElements/ScatterElements: indices may not be larger than data off the axis."""
+    if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
+        _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
+                    f"axis {a}")  # fmt: skip
+
+
+def _element_index(node: Node, idx: np.ndarray, a: int, n: int) -> tuple:
+    """The index tuple that addresses, for every element of ``idx``, its own position with
+    axis ``a`` replaced by its value (GatherElements/ScatterElements), after checking the values
+    within [-n, n) (negatives count from the end)."""
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -n or hi >= n:
+            _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
+    where = list(np.indices(idx.shape, sparse=True))
+    where[a] = np.where(idx < 0, idx + n, idx)
+    return tuple(where)
+
+
 def _same_dtype(node: Node, ins: list) -> np.dtype:
     present = [m for m in ins if m is not None]
     dt = present[0].dtype

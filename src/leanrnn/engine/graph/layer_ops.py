@@ -23,7 +23,9 @@ from .base import (
     Out,
     _axis,
     _broadcast,
+    _element_index,
     _fail,
+    _fits_off_axis,
     _float,
     _indices,
     _ints,
@@ -140,12 +142,6 @@ def _clip_run(ctx, node, ins, outs, metas, tmp):
         np.maximum(x, lo, out=o)
         np.minimum(o, hi, out=o)
     return outs
-
-
-def _leaky_relu_infer(ctx, node, ins, vals):
-    _nin(node, ins, 1, 1)
-    _float(node, ins[0])
-    return [Out(ins[0].shape, ins[0].dtype)]
 
 
 def _leaky_relu_run(ctx, node, ins, outs, metas, tmp):
@@ -275,23 +271,14 @@ def _gather_elements_infer(ctx, node, ins, vals):
     if len(idx.shape) != len(data.shape) or not data.shape:
         _fail(node, f"indices {list(idx.shape)} must have the rank of data {list(data.shape)}")
     a = _axis(node, node.attrs.get("axis", 0), len(data.shape))
-    if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
-        _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
-                    f"axis {a}")  # fmt: skip
+    _fits_off_axis(node, data, idx, a)
     return [Out(idx.shape, data.dtype)]
 
 
 def _gather_elements_run(ctx, node, ins, outs, metas, tmp):
     data, idx = ins
     a = _axis(node, node.attrs.get("axis", 0), data.ndim)
-    n = data.shape[a]
-    if idx.size:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < -n or hi >= n:
-            _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
-    where = list(np.indices(idx.shape, sparse=True))
-    where[a] = np.where(idx < 0, idx + n, idx)
-    np.copyto(outs[0], data[tuple(where)])
+    np.copyto(outs[0], data[_element_index(node, idx, a, data.shape[a])])
     return outs
 
 
@@ -669,7 +656,7 @@ def layer_ops(OpDef) -> dict:
         "Not": OpDef(_not_infer, _not_run),
         "Where": OpDef(_where_infer, _where_run),
         "Clip": OpDef(_clip_infer, _clip_run),
-        "LeakyRelu": OpDef(_leaky_relu_infer, _leaky_relu_run),
+        "LeakyRelu": OpDef(_float_unary_infer, _leaky_relu_run),
         "Pow": OpDef(_pow_infer, _pow_run),
         "Erf": OpDef(_float_unary_infer, _erf_run),
         "Gelu": OpDef(_float_unary_infer, _gelu_run),

@@ -37,7 +37,9 @@ from .base import (
     Out,
     _axis,
     _broadcast,
+    _element_index,
     _fail,
+    _fits_off_axis,
     _float,
     _indices,
     _ints,
@@ -681,9 +683,7 @@ def _scatter_elements_infer(ctx, node, ins, vals):
         _fail(node, f"indices {list(idx.shape)} and updates {list(upd.shape)} must have one "
                     f"shape, of the data's rank {len(data.shape)}")  # fmt: skip
     a = _axis(node, node.attrs.get("axis", 0), len(data.shape)) if data.shape else 0
-    if any(i > d for j, (i, d) in enumerate(zip(idx.shape, data.shape, strict=True)) if j != a):
-        _fail(node, f"indices {list(idx.shape)} are larger than data {list(data.shape)} off "
-                    f"axis {a}")  # fmt: skip
+    _fits_off_axis(node, data, idx, a)
     reduction = attr_str(node, "reduction", "none")
     if reduction not in _SCATTER_REDUCE:
         _fail(node, f"reduction={reduction!r}; expected one of {sorted(_SCATTER_REDUCE)}",
@@ -702,17 +702,12 @@ def _scatter_elements_run(ctx, node, ins, outs, metas, tmp):
     if not idx.size:
         return outs
     a = _axis(node, node.attrs.get("axis", 0), data.ndim)
-    n = data.shape[a]
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < -n or hi >= n:
-        _fail(node, f"index {lo if lo < -n else hi} is out of range [-{n}, {n}) for axis {a}")
-    where = list(np.indices(idx.shape, sparse=True))
-    where[a] = np.where(idx < 0, idx + n, idx)
+    where = _element_index(node, idx, a, data.shape[a])
     fn = _SCATTER_REDUCE[attr_str(node, "reduction", "none")]
     if fn is None:  # later updates of one element win, as onnxruntime writes them in order
-        out[tuple(where)] = upd
+        out[where] = upd
     else:
-        fn.at(out, tuple(where), upd)
+        fn.at(out, where, upd)
     return outs
 
 
@@ -754,11 +749,19 @@ def _range_run(ctx, node, ins, outs, metas, tmp):
     return outs
 
 
+def _reduce_axes(ctx, node, ins, vals) -> tuple[bool, list[int] | None]:
+    """(whether this opset gives the axes as input 1, the axes as given: None or [] for none)
+    of a Reduce node; ``ins`` are metas and ``vals`` values (at run, the arrays themselves)."""
+    if ctx.opset >= (13 if node.op == "ReduceSum" else 18):
+        return True, _optional(node, ins, vals, 1, "__none__", "axes")
+    return False, attr_ints(node, "axes", []) if "axes" in node.attrs else None
+
+
 def _reduce_infer(ctx, node, ins, vals):
     _nin(node, ins, 1, 2)
     x = ins[0]
     _numeric_tensor(node, x)
-    axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
+    axes_as_input, axes = _reduce_axes(ctx, node, ins, vals)
     if axes_as_input and "axes" in node.attrs:  # (onnxruntime refuses it: it would be ignored)
         _fail(node, f"has an 'axes' attribute; at opset {ctx.opset} the axes are its second "
                     "input", ModelFormatError)  # fmt: skip
@@ -766,7 +769,6 @@ def _reduce_infer(ctx, node, ins, vals):
         _fail(node, f"has {len(ins)} inputs; before opset "
                     f"{13 if node.op == 'ReduceSum' else 18} the axes are an attribute",
               ModelFormatError)  # fmt: skip
-    axes = _optional(node, ins, vals, 1, "__none__" if axes_as_input else "axes", "axes")
     rank = len(x.shape)
     if not axes:
         if axes_as_input and attr_flag(node, "noop_with_empty_axes", 0):
@@ -789,9 +791,8 @@ def _reduce_run(ctx, node, ins, outs, metas, tmp):
     x = ins[0]
     if metas[0].view:
         return [x]
-    axes_as_input = ctx.opset >= (13 if node.op == "ReduceSum" else 18)
-    axes = (([int(v) for v in np.asarray(ins[1]).reshape(-1)] if len(ins) > 1 and ins[1] is not None
-             else None) if axes_as_input else attr_ints(node, "axes", []))  # fmt: skip
+    metas_in = [None if a is None else Out(a.shape, a.dtype) for a in ins]
+    _, axes = _reduce_axes(ctx, node, metas_in, ins)
     axes = tuple(range(x.ndim)) if not axes else tuple(sorted({a % x.ndim for a in axes}))
     keep = attr_flag(node, "keepdims", 1)
     if not math.prod(x.shape[a] for a in axes):  # nothing to reduce: the op's identity
