@@ -147,16 +147,12 @@ class Core:
         }
 
     def io(self, model: str, what: str, seconds: float) -> None:
-        """One request's parsing (``what`` = "compute_input") or its answer's encoding
-        ("compute_output") took ``seconds`` (Triton's statistics)."""
+        """Count one request in Triton's statistics ``what`` of ``model``, taking ``seconds``:
+        its parsing ("compute_input"), its answer's encoding ("compute_output") or, from
+        infer_held, a failure ("fail")."""
         c = self._stats[model][what]
         c[0] += 1
         c[1] += int(seconds * 1e9)
-
-    def _failed(self, model: str, t0: float) -> None:
-        fail = self._stats[model]["fail"]
-        fail[0] += 1
-        fail[1] += int((time.monotonic() - t0) * 1e9)
 
     async def infer_held(self, p: Parsed, protocol: str,
                          json_bytes: int = 0) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
@@ -191,7 +187,7 @@ class Core:
                 lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
             )  # fmt: skip
         except ServeError:
-            self._failed(p.model, t0)
+            self.io(p.model, "fail", time.monotonic() - t0)
             raise
 
         def release() -> None:
@@ -204,7 +200,7 @@ class Core:
             raise
         if r.error is not None:
             release()
-            self._failed(p.model, t0)
+            self.io(p.model, "fail", time.monotonic() - t0)
             if isinstance(r.error, ServeError):  # refused, not failed: the server stopping
                 raise type(r.error)(str(r.error))  # (one instance is every request's)
             raise Internal(f"[infer] the engine failed on this request: {r.error}")
