@@ -355,10 +355,11 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     pytest.importorskip("tritonclient.grpc")
     from leanrnn.serve import rpc
 
-    info = SimpleNamespace(outputs={"y": SimpleNamespace(shape=[1, 1])}, dtype=np.float32)
+    info = SimpleNamespace(name="m", outputs={"y": SimpleNamespace(shape=[1, 1])},
+                           dtype=np.float32)  # fmt: skip
     parsed = SimpleNamespace(x=np.zeros((1, 1), np.float32))
     monkeypatch.setattr(rpc, "parse", lambda core, req: (info, parsed))
-    monkeypatch.setattr(rpc, "encode", lambda info, p, values: rpc.pb.ModelInferResponse())
+    monkeypatch.setattr(rpc, "answer", lambda info, p, values, stream=False: b"")
     deltas = []
 
     class Core:
@@ -387,7 +388,7 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
 
     async def requests():
         for _ in range(3):
-            yield rpc.pb.ModelInferRequest(model_name="m")
+            yield rpc.pb.ModelInferRequest(model_name="m").SerializeToString()
         await asyncio.Event().wait()  # the client keeps the stream open, then goes
 
     async def main():

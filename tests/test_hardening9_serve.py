@@ -166,7 +166,7 @@ def test_typed_contents_are_counted_before_and_converted_without_a_list(server):
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc
 
-    T = 40_000  # 80,000 values: past rpc.CONTENTS_INLINE
+    T = 40_000  # 80,000 values, 320 kB: past core.INLINE, so parsed in a worker thread
     x = np.random.default_rng(0).standard_normal((T, C)).astype(np.float32)
     with grpc.insecure_channel(server["grpc"]) as ch:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)

@@ -127,7 +127,7 @@ async def _held_after(servicer, n: int) -> int:
 
     async def requests():
         for _ in range(n):
-            yield rpc.pb.ModelInferRequest(model_name="m")
+            yield rpc.pb.ModelInferRequest(model_name="m").SerializeToString()
 
     answered = 0
     async for _ in servicer.ModelStreamInfer(requests(), _Context()):
@@ -138,10 +138,11 @@ async def _held_after(servicer, n: int) -> int:
 
 
 def test_a_long_grpc_stream_does_not_grow(monkeypatch):
-    info = SimpleNamespace(outputs={"y": SimpleNamespace(shape=[1, 1])}, dtype=np.float32)
+    info = SimpleNamespace(name="m", outputs={"y": SimpleNamespace(shape=[1, 1])},
+                           dtype=np.float32)  # fmt: skip
     parsed = SimpleNamespace(x=np.zeros((1, 1), np.float32))
     monkeypatch.setattr(rpc, "parse", lambda core, req: (info, parsed))
-    monkeypatch.setattr(rpc, "encode", lambda info, p, values: rpc.pb.ModelInferResponse())
+    monkeypatch.setattr(rpc, "answer", lambda info, p, values, stream=False: b"")
     servicer = rpc.Servicer(_Core())
     asyncio.run(_held_after(servicer, 500))  # warm-up: the loop's and modules' own allocations
 

@@ -18,6 +18,17 @@ from .scheduler import Request, Scheduler
 
 _log = logging.getLogger("leanrnn.serve")
 
+# Requests and answers up to this many bytes are parsed and encoded on the event loop (a thread
+# hop costs more than they do); larger ones in a worker thread, so that one large message does
+# not hold up every other stream (HTTP and gRPC) for as long as its conversion takes.
+INLINE = 256 << 10
+
+
+async def off_loop(nbytes: int, fn, *args):
+    """``fn(*args)``: on the event loop for a message of at most INLINE bytes, else in a worker
+    thread."""
+    return fn(*args) if nbytes <= INLINE else await asyncio.to_thread(fn, *args)
+
 
 def hostport(host: str, port: int) -> str:
     """'HOST:PORT', an IPv6 address in brackets ('[::1]:8001'): gRPC read '::1:0' as the

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .core import Core
+from .core import INLINE, Core
 from .errors import InvalidRequest, ServeError, Timeout, TooLarge, Unavailable
 from .protocol import (
     EXTENSIONS,
@@ -47,8 +47,6 @@ JSON_PIECE = 1024
 SEND_PIECE = 256 << 10
 # Seconds an answer's piece may wait for a client that does not read (_sent).
 SEND_TIMEOUT = 30.0
-# Answers up to this size are encoded on the event loop (a thread hop costs more than they do).
-INLINE = 256 << 10
 # A gzip body is inflated INFLATE_PIECE compressed bytes at a time, and may have at most
 # MAX_MEMBERS members (concatenated gzip streams: RFC 1952; BGZF writes one per 64 KiB).
 INFLATE_PIECE = 64 << 10

@@ -20,11 +20,12 @@ import time
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from .core import Core, hostport
+from .core import Core, hostport, off_loop
 from .errors import InvalidRequest, ServeError, Unavailable
 from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes
 from .scheduler import request_bytes
@@ -36,9 +37,11 @@ pb = service_pb2
 WINDOW = 1024
 WINDOW_BYTES = 4 << 20
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
-# Requests with more typed contents values than this are parsed in a worker thread (~10 ns a
-# value; a thread hop costs more than a small request's parse).
-CONTENTS_INLINE = 1 << 16
+# ModelInfer and ModelStreamInfer take and give serialized messages: grpc.aio would otherwise
+# decode and encode them on the event loop, and upb's FromString, ByteSize and SerializeToString
+# each take ~1.2 ms a MiB (a 50 MiB answer held every other stream ~180 ms). Those past
+# core.INLINE bytes are read and written in a worker thread, with their parsing and encoding.
+RAW = ("ModelInfer", "ModelStreamInfer")
 
 
 def _params(m) -> dict:
@@ -49,18 +52,14 @@ def _params(m) -> dict:
     return out
 
 
-def _contents(req) -> int:
-    """Values a request carries in typed contents (converted one by one, unlike raw bytes)."""
-    return sum(len(getattr(t.contents, f.name)) for t in req.inputs
-               for f, _ in t.contents.ListFields())  # fmt: skip
-
-
-async def parse_async(core: Core, req) -> tuple:
-    """``parse``, off the event loop when the request has many typed contents values: a 57 MiB
-    fp32_contents request held every other client (HTTP and gRPC) for 1.3-1.8 s."""
-    if _contents(req) <= CONTENTS_INLINE:
-        return parse(core, req)
-    return await asyncio.to_thread(parse, core, req)
+def decode(data: bytes):
+    """The ModelInferRequest serialized in ``data``."""
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError as e:  # (gRPC's own deserializer answered a bare INTERNAL)
+        raise InvalidRequest(
+            f"[infer] the request is not a ModelInferRequest message: {e}"
+        ) from None
 
 
 def parse(core: Core, req) -> tuple:
@@ -98,12 +97,44 @@ def parse(core: Core, req) -> tuple:
     return info, assemble(info, req.id, _params(req.parameters), tensors, outputs, {})
 
 
-def encode(info, p, values: dict[str, np.ndarray]):
-    res = pb.ModelInferResponse(model_name=info.name, model_version=VERSION, id=p.id)
+def answer(info, p, values: dict[str, np.ndarray], stream: bool = False) -> bytes:
+    """The serialized ModelInferResponse of ``values`` (a ModelStreamInferResponse's:
+    ``stream``), built in place (a response copied into its stream message was another copy)."""
+    out = pb.ModelStreamInferResponse() if stream else pb.ModelInferResponse()
+    res = out.infer_response if stream else out
+    res.model_name, res.model_version, res.id = info.name, VERSION, p.id
     for name, a in values.items():
         res.outputs.add(name=name, datatype=info.datatype, shape=list(a.shape))
         res.raw_output_contents.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
-    return res
+    if stream:
+        _final(res)
+    return out.SerializeToString()
+
+
+def _final(res) -> None:
+    # One answer per stream request, its last: Triton marks every stream answer so, and its
+    # clients wait for the mark to know a request is complete
+    res.parameters["triton_final_response"].bool_param = True
+
+
+def add_service(servicer, server) -> None:
+    """Register ``servicer`` as inference.GRPCInferenceService on ``server``: every method as
+    the published definitions declare it, but RAW's taking and giving bytes."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}  # fmt: skip
+    handlers = {}
+    for m in service.methods:
+        raw = m.name in RAW
+        handlers[m.name] = kinds[m.client_streaming, m.server_streaming](
+            getattr(servicer, m.name),
+            request_deserializer=None if raw else getattr(pb, m.input_type.name).FromString,
+            response_serializer=None if raw else getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))  # fmt: skip
+    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: faster lookup
+        server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -185,18 +216,19 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await self._guard(context, fn)
 
-    async def ModelInfer(self, request, context):
+    async def ModelInfer(self, data: bytes, context):
         async def fn():
             t0 = time.perf_counter()
-            info, p = await parse_async(self.core, request)
-            self.core.io(request.model_name, "compute_input", time.perf_counter() - t0)
+            request = await off_loop(len(data), decode, data)
+            info, p = await off_loop(len(data), parse, self.core, request)
+            self.core.io(info.name, "compute_input", time.perf_counter() - t0)
             values, release = await self.core.infer_held(p, "grpc")
             # the request's bytes count until the call is over: its answer written to the
             # transport (gRPC's flow control: a client that does not read holds it), or gone
             context.add_done_callback(lambda _: release())
             t0 = time.perf_counter()
-            res = encode(info, p, values)
-            self.core.io(request.model_name, "compute_output", time.perf_counter() - t0)
+            res = await off_loop(_nbytes(values), answer, info, p, values)
+            self.core.io(info.name, "compute_output", time.perf_counter() - t0)
             return res
 
         return await self._guard(context, fn)
@@ -259,26 +291,24 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 # submits before its first await: the pump lets it run before the next request
                 values, release = await self.core.infer_held(p, "grpc")
                 t0 = time.perf_counter()
-                res = pb.ModelStreamInferResponse(infer_response=encode(info, p, values))
-                self.core.io(request.model_name, "compute_output", time.perf_counter() - t0)
+                res = await off_loop(_nbytes(values), answer, info, p, values, True)
+                self.core.io(info.name, "compute_output", time.perf_counter() - t0)
             except ServeError as e:
                 self.core.error(e, "grpc")
-                res = pb.ModelStreamInferResponse(
-                    error_message=str(e),
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name, id=request.id))  # fmt: skip
+                failed = pb.ModelStreamInferResponse(error_message=str(e))
+                if request is not None:  # (None: not a ModelInferRequest at all)
+                    failed.infer_response.model_name = request.model_name
+                    failed.infer_response.id = request.id
+                _final(failed.infer_response)
+                res = failed.SerializeToString()
             except BaseException:
                 release()
                 raise
             if closed:  # the client went while it computed: nobody to send it to
                 release()
                 return
-            # One answer per request, its last: Triton marks every stream answer so, and its
-            # clients wait for the mark to know a request is complete
-            res.infer_response.parameters["triton_final_response"].bool_param = True
-            n = res.ByteSize()
-            account(0, n - cost)  # the answer now, in place of the request
-            out.put_nowait((res, n, release))
+            account(0, len(res) - cost)  # the answer now, in place of the request
+            out.put_nowait((res, len(res), release))
 
         async def pump():
             requests = request_iterator.__aiter__()
@@ -299,19 +329,22 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         if (await asyncio.wait({nxt}, timeout=wait))[0]:
                             break
                     try:
-                        request = nxt.result()
+                        data = nxt.result()
                     except StopAsyncIteration:
                         break
                     last[0] = loop.time()
-                    cost = request.ByteSize()
+                    cost = len(data)
+                    request = None
                     try:
                         t0 = time.perf_counter()
-                        info, p = await parse_async(self.core, request)
-                        self.core.io(request.model_name, "compute_input", time.perf_counter() - t0)
+                        request = await off_loop(len(data), decode, data)
+                        info, p = await off_loop(len(data), parse, self.core, request)
+                        self.core.io(info.name, "compute_input", time.perf_counter() - t0)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         item = (info, p)
                     except ServeError as e:
                         item = e
+                    del data
                     account(1, cost)
                     # submitted in arrival order: the task submits before its first await,
                     # and runs before the next request is read
@@ -356,6 +389,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             metrics = None  # answers still computing then count nowhere
 
 
+def _nbytes(values: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in values.values())
+
+
 def _nothing() -> None:
     pass
 
@@ -393,7 +430,7 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
         # passed the check, ran, advanced its sequence, and then could not be sent
         ("grpc.max_send_message_length", -1),
     ])  # fmt: skip
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(core), server)
+    add_service(Servicer(core), server)
     health = Health()
     await health.set(False)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

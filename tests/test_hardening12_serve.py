@@ -1,0 +1,178 @@
+"""Session 38: gRPC messages were decoded and encoded on the event loop by grpc.aio (upb takes
+~1.2 ms a MiB for each of FromString, ByteSize and SerializeToString), so one 50 MiB answer
+held every other stream for ~180 ms; a message that was not a ModelInferRequest got a bare
+INTERNAL. Each test failed before."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import leanrnn
+from helpers import served
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2 as pb  # noqa: E402
+
+C, H = 3, 5
+MODEL = leanrnn.GRU(C, H, seed=12)
+METHOD = "/inference.GRPCInferenceService/"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with served(tmp_path_factory.mktemp("hardening12_serve"), "gru", MODEL, "--threads",
+                "1") as s:  # fmt: skip
+        yield s
+
+
+def _request(x: np.ndarray, **params) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="gru", id="r")
+    req.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    req.raw_input_contents.append(x.tobytes())
+    for key, v in params.items():
+        setattr(req.parameters[key], "bool_param" if isinstance(v, bool) else "int64_param", v)
+    return req
+
+
+def _y(res) -> np.ndarray:
+    return np.frombuffer(res.raw_output_contents[0], np.float32).reshape(-1, H)
+
+
+class _Core:
+    """What Servicer asks of a Core, each answer ``values``; the threads parse and answer
+    ran on are recorded by the spies below."""
+
+    metrics = None
+    idle_timeout = 60.0
+
+    def __init__(self, values):
+        self.values = values
+
+    def enter(self, protocol):  # --max-concurrency: not the point here
+        pass
+
+    def leave(self, protocol):
+        pass
+
+    def authorize(self, token):
+        pass
+
+    def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
+        pass
+
+    def error(self, e, protocol):
+        raise AssertionError(e)
+
+    async def infer_held(self, p, protocol):
+        return self.values, lambda: None
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+    def add_done_callback(self, fn):
+        pass
+
+
+@pytest.mark.parametrize("T, off", [(4, False), (24_000, True)], ids=["small", "large"])
+def test_grpc_messages_past_inline_are_read_and_written_off_the_event_loop(monkeypatch, T, off):
+    from types import SimpleNamespace
+
+    from leanrnn.serve import rpc
+
+    x = np.ones((T, C), np.float32)  # 288 kB, past core.INLINE, at T=24,000; its y 480 kB
+    info = SimpleNamespace(name="gru", datatype="FP32", outputs={"y": SimpleNamespace(shape=[-1, H])},
+                           dtype=np.dtype(np.float32))  # fmt: skip
+    seen = {}
+
+    def spy(name, fn):
+        def wrapped(*args):
+            seen[name] = threading.get_ident()
+            return fn(*args)
+
+        monkeypatch.setattr(rpc, name, wrapped)
+
+    spy("decode", rpc.decode)
+    spy("parse", lambda core, req: (info, SimpleNamespace(id=req.id, x=x)))
+    spy("answer", rpc.answer)
+    y = np.arange(T * H, dtype=np.float32).reshape(T, H)
+    data = _request(np.ones((T, C), np.float32)).SerializeToString()
+
+    async def main():
+        servicer = rpc.Servicer(_Core({"y": y}))
+        unary = await servicer.ModelInfer(data, _Context())
+
+        async def one():
+            yield data
+
+        streamed = [m async for m in servicer.ModelStreamInfer(one(), _Context())]
+        return threading.get_ident(), unary, streamed
+
+    loop_thread, unary, streamed = asyncio.run(main())
+    assert set(seen) == {"decode", "parse", "answer"}
+    assert all((t != loop_thread) == off for t in seen.values()), (seen, loop_thread)
+    np.testing.assert_array_equal(_y(pb.ModelInferResponse.FromString(unary)), y)
+    (m,) = [pb.ModelStreamInferResponse.FromString(b) for b in streamed]
+    assert not m.error_message and m.infer_response.id == "r"
+    assert m.infer_response.parameters["triton_final_response"].bool_param
+    np.testing.assert_array_equal(_y(m.infer_response), y)
+
+
+def test_a_message_that_is_not_a_request_is_invalid_and_the_stream_goes_on(server):
+    with grpc.insecure_channel(server["grpc"]) as ch:
+        infer = ch.unary_unary(METHOD + "ModelInfer")  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as e:
+            infer(b"\xff\xff\xff", timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # was INTERNAL
+        assert "not a ModelInferRequest" in e.value.details()
+
+        x = np.random.default_rng(0).standard_normal((7, C)).astype(np.float32)
+        stream = ch.stream_stream(METHOD + "ModelStreamInfer",
+                                  response_deserializer=pb.ModelStreamInferResponse.FromString)  # fmt: skip
+        good = _request(x).SerializeToString()
+        bad, ok = list(stream(iter([b"\xff\xff\xff", good]), timeout=30))
+    assert "not a ModelInferRequest" in bad.error_message
+    assert bad.infer_response.parameters["triton_final_response"].bool_param
+    assert not ok.error_message
+    np.testing.assert_allclose(_y(ok.infer_response), MODEL(x[:, None])[0][:, 0], rtol=0,
+                               atol=1e-6)  # fmt: skip
+
+
+def test_large_answers_over_grpc_match_the_model(server):
+    """A request and answer past core.INLINE, through the worker thread, on both calls."""
+    import tritonclient.grpc as tg
+
+    T = 16_000  # x 192 kB, y 320 kB
+    x = np.random.default_rng(1).standard_normal((T, C)).astype(np.float32)
+    want = MODEL(x[:, None])[0][:, 0]
+    with grpc.insecure_channel(server["grpc"]) as ch:
+        res = ch.unary_unary(METHOD + "ModelInfer",
+                             request_serializer=pb.ModelInferRequest.SerializeToString,
+                             response_deserializer=pb.ModelInferResponse.FromString)(
+            _request(x), timeout=60)  # fmt: skip
+    np.testing.assert_allclose(_y(res), want, rtol=0, atol=1e-5)
+
+    answers: list = []
+    done = threading.Event()
+    client = tg.InferenceServerClient(server["grpc"])
+    try:
+        client.start_stream(
+            callback=lambda result, error: (answers.append((result, error)), done.set())
+        )
+        i = tg.InferInput("x", [T, C], "FP32")
+        i.set_data_from_numpy(x)
+        client.async_stream_infer("gru", [i], sequence_id=5, sequence_start=True,
+                                  sequence_end=True)  # fmt: skip
+        assert done.wait(60)
+    finally:
+        client.stop_stream()
+        client.close()
+    ((r, e),) = answers
+    assert e is None, e
+    np.testing.assert_allclose(r.as_numpy("y").reshape(T, H), want, rtol=0, atol=1e-5)
