@@ -357,6 +357,9 @@ def _einsum_terms(node, ins) -> tuple[str, list[str], str]:
     if not arrow:
         once = sorted(c for c in set("".join(letters)) if "".join(letters).count(c) == 1)
         rhs = ("..." if "..." in lhs else "") + "".join(once)
+    named = rhs.replace("...", "")
+    if len(set(named)) != len(named):  # ("ij->ii" was planned, then refused by numpy at run)
+        _fail(node, f"equation {eq!r}: the output term names a label twice", ModelFormatError)
     return f"{lhs}->{rhs}", terms, rhs
 
 
