@@ -176,3 +176,35 @@ def test_large_answers_over_grpc_match_the_model(server):
     ((r, e),) = answers
     assert e is None, e
     np.testing.assert_allclose(r.as_numpy("y").reshape(T, H), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_extensions_the_server_does_not_implement_are_refused_not_ignored(server, protocol):
+    """A classification (class_count) or shared-memory output was answered as the plain
+    tensor in the body: the client read floats where it asked for class strings, or waited on
+    its shared memory. Refused by name now; the server goes on."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+    from tritonclient.utils import InferenceServerException
+
+    t = th if protocol == "http" else tg
+    client = t.InferenceServerClient(server[protocol])
+    x = np.random.default_rng(2).standard_normal((4, C)).astype(np.float32)
+    i = t.InferInput("x", [4, C], "FP32")
+    i.set_data_from_numpy(x)
+    try:
+        with pytest.raises(InferenceServerException, match="classification extension"):
+            client.infer("gru", [i], outputs=[t.InferRequestedOutput("y", class_count=3)])
+        shm = t.InferRequestedOutput("y")
+        shm.set_shared_memory("region", 4 * H * 4)
+        with pytest.raises(InferenceServerException, match="shared-memory extensions"):
+            client.infer("gru", [i], outputs=[shm])
+        shm_in = t.InferInput("x", [4, C], "FP32")
+        shm_in.set_shared_memory("region", x.nbytes)
+        with pytest.raises(InferenceServerException, match="shared-memory extensions"):
+            client.infer("gru", [shm_in])
+        r = client.infer("gru", [i], outputs=[t.InferRequestedOutput("y")])
+        np.testing.assert_allclose(r.as_numpy("y"), MODEL(x[:, None])[0][:, 0], rtol=0,
+                                   atol=1e-6)  # fmt: skip
+    finally:
+        client.close()

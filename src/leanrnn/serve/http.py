@@ -28,6 +28,7 @@ from .protocol import (
     flag,
     from_bytes,
     from_list,
+    unsupported,
 )
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -223,7 +224,9 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
         if name in tensors:
             raise InvalidRequest(f"[infer] input {clip(name)} appears twice")
         shape = check_input(info, name, t.get("datatype"), t.get("shape"))
-        size = _parameters(t, f"input {name!r}").get("binary_data_size")
+        ip = _parameters(t, f"input {name!r}")
+        unsupported(ip, f"input {name!r}")
+        size = ip.get("binary_data_size")
         if size is not None and "data" in t:  # (one of the two was dropped without a word)
             raise InvalidRequest(
                 f'[infer] input {name!r} has both "data" and binary_data_size; send its values '
@@ -261,6 +264,7 @@ def _parse(core: Core, info, body: bytes, header_length: str | None):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidRequest('[infer] each requested output needs a "name"')
             op = _parameters(o, f"output {clip(o['name'])}")
+            unsupported(op, f"output {clip(o['name'])}")
             outputs.append(o["name"])
             binary[o["name"]] = flag(op, "binary_data", binary_all, f"output {clip(o['name'])}'s ")
     rid = req.get("id", "")

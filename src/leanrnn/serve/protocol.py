@@ -147,6 +147,26 @@ def flag(params: dict, key: str, default: bool, whose: str = "") -> bool:
     return v
 
 
+def unsupported(params: dict, what: str) -> None:
+    """Refuse the parameters of protocol extensions this server does not implement (nor list
+    in its metadata) on an input or requested output (``what``: "output 'y'"): a requested
+    classification or shared-memory output was answered as the plain tensor in the body, and
+    the client read strings that were not there, or its shared memory unwritten."""
+    for key in params:
+        if key == "classification":
+            raise InvalidRequest(
+                f"[infer] {what} asks for classification (class_count); this server does not "
+                "implement the classification extension: request the tensor and take its top "
+                "classes in the client"
+            )
+        if key.startswith("shared_memory_"):
+            raise InvalidRequest(
+                f"[infer] {what} has parameter {clip(key)}; this server does not implement the "
+                "shared-memory extensions: send the data in the request (binary_data or raw "
+                "contents)"
+            )
+
+
 def sequence(params: dict) -> tuple[tuple, bool, bool]:
     """(key, start, end) from the request parameters. A request without a sequence_id (or with
     0 or "", Triton's "no sequence") is a sequence of its own: it starts and ends with this

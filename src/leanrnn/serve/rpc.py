@@ -27,7 +27,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .core import Core, hostport, off_loop
 from .errors import InvalidRequest, ServeError, Unavailable
-from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes
+from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes, unsupported
 from .scheduler import request_bytes
 
 pb = service_pb2
@@ -75,6 +75,7 @@ def parse(core: Core, req) -> tuple:
         if t.name in tensors:
             raise InvalidRequest(f"[infer] input {clip(t.name)} appears twice")
         shape = check_input(info, t.name, t.datatype, list(t.shape))
+        unsupported(t.parameters, f"input {t.name!r}")
         if raw and t.HasField("contents"):  # Triton refuses this too: which one was meant?
             raise InvalidRequest(
                 f"[infer] input {t.name!r} has both contents and raw_input_contents; send its "
@@ -93,6 +94,8 @@ def parse(core: Core, req) -> tuple:
             # one number at a time into the array: np.asarray made a Python float of each
             # first (13x the message's size in memory, and 5x the time)
             tensors[t.name] = np.fromiter(values, info.dtype, len(values)).reshape(shape)
+    for o in req.outputs:
+        unsupported(o.parameters, f"output {clip(o.name)}")
     outputs = [o.name for o in req.outputs] or None
     return info, assemble(info, req.id, _params(req.parameters), tensors, outputs, {})
 
