@@ -183,7 +183,7 @@ def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h
     )  # fmt: skip
     if spec.cell == "lstm":
         named.update(peep=pl.peep, use_peep=spec.peepholes, proj=pl.proj, P=spec.proj_size,
-                     c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
+                     H=spec.hidden_size, c=c, hfull=aux, input_forget=spec.input_forget)  # fmt: skip
     elif spec.cell == "gru":
         named.update(rb=pl.rb, linear_before_reset=spec.linear_before_reset, rh=aux, ghn=ghn)
     return named

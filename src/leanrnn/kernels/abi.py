@@ -63,7 +63,7 @@ _BACK_TAIL = "dgs:F2 dhn:F2 lengths:L1 T:i reverse:b consts:F1 sync:L1 parts:i"
 _SLOTS = "slot:L1 h_store:F2"
 _OUTPUT = "lengths:L1 T:i reverse:b y:F2 y_off:i y_bf_T:i acts:L1 alphas:F1 betas:F1"
 JOBS = {j.name: j for j in (
-    Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i h_a:F2 "
+    Job("lstm", f"x:F2 W:F3 b:F1 C:i {_RECURRENCE} peep:F2 use_peep:b proj:F3 P:i H:i h_a:F2 "
         f"h_b:F2 c:F2 {_SLOTS} gates:F2 hfull:F2 {_OUTPUT} input_forget:b consts:F1 keep:b sync:L1 "
         f"{_SCRATCH} parts:i",
         ("input_projection K=C", "lstm")),

@@ -259,7 +259,9 @@ def _rnn_back_f32(typingctx, G, gr, gc, dgs, dr, dcol, relu):
         pre, dht = v.load(0), v.load(3)
         h = v.tanh(pre)
         dtanh = v.mul(dht, v.b.fsub(v.const(1.0), v.mul(h, h)))
-        drelu = v.b.select(v.b.fcmp_ordered(">", pre, v.const(0.0)), dht, v.const(0.0))
+        # torch's threshold_backward, "pre <= 0 ? 0 : dh": a NaN pre-activation passes dh on
+        # (an ordered ">" had zeroed it, and that sample's gradients differed from torch's)
+        drelu = v.b.select(v.b.fcmp_unordered(">", pre, v.const(0.0)), dht, v.const(0.0))
         is_relu = builder.icmp_signed("!=", args[6], ir.Constant(args[6].type, 0))
         d = builder.select(is_relu, drelu, dtanh)
         v.store(d, 0)
@@ -279,7 +281,7 @@ def _rnn_back_ov(G, gr, gc, dgs, dr, dcol, relu):
         for j in range(B):
             pre = G[gr, gc + j]
             if relu:
-                d = dgs[dr, dcol + j] if pre > 0 else 0.0
+                d = 0.0 if pre <= 0 else dgs[dr, dcol + j]
             else:
                 h = tanh_(pre)
                 d = dgs[dr, dcol + j] * (1 - h * h)

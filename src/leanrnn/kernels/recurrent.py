@@ -42,7 +42,8 @@ Arrays (shared vocabulary; D*K output columns, Kp/Hp/Gp padded sizes):
            step's GEMM stays on contiguous rows. Slots are distinct (the engine checks).
   h_store: [S, K]    the hidden states by slot (only columns 0..K are read and written, so
                      unpadded rows will do); [0, 0] without a slot table
-  gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h)
+  gates:   [N, Gp]   scratch; hfull/rh: [N, Hp] scratch (LSTM projection / GRU r*h); H the
+                     real hidden width the LSTM projection reads of hfull
   lengths: [N] int64 valid steps per sample (<= T); a sample's state freezes after it, and
            from then on its row leaves the step GEMMs when no live row comes after it
            (_live_end): rows sorted longest first (serve's calls, score's batches) run each
@@ -438,8 +439,8 @@ def _lstm_projected(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_
 
 
 def _lstm(
-    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, h_a, h_b, c, slot, h_store, gates, hfull, lengths,
-    T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, bf16_act, me,
+    xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, H, h_a, h_b, c, slot, h_store, gates, hfull,
+    lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, bf16_act, me,
     parts, sync,
 ):  # fmt: skip
     # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
@@ -449,7 +450,9 @@ def _lstm(
     cell = (peep, use_peep, P, c, hfull, input_forget, fast, (acts[0], acts[1], acts[2]),
             (alphas[0], alphas[1], alphas[2]), (betas[0], betas[1], betas[2]))  # fmt: skip
     Kout = P if P > 0 else K  # output columns
-    second = (P > 0, proj, hfull, hfull.shape[1])  # the projection
+    # the projection, over the H real units only: the padding's hfull is NaN when an input is
+    # infinite (inf * the padding's zero weights), and NaN * 0 reached every projected unit
+    second = (P > 0, proj, hfull, H)
     return _steps(_lstm_gates, _lstm_cell, P == 0, _lstm_projection, _lstm_projected, second, cell,
                   xw, xw_bf_T, Rt, K, h_a, h_b, slot, h_store, gates, lengths, T, reverse, y, y_off,
                   Kout, y_bf_T, consts, keep, q, bf16_act, me, parts, sync)  # fmt: skip

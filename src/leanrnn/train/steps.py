@@ -139,7 +139,7 @@ def rnn_backward(G, dy, y_off, dh, Rd, K, rows, relu: bool):
         dh_t = np.zeros_like(pre)
         dh_t[:, :K] = dh[act, :K] + dy[r, y_off : y_off + K]
         if relu:
-            d = dh_t * (pre > 0)
+            d = np.where(pre <= 0, 0, dh_t)  # torch's threshold_backward: NaN passes dh
         else:
             h = np.tanh(pre)
             d = dh_t * (1 - h * h)
