@@ -591,6 +591,13 @@ class _EagerRNN(torch.autograd.Function):
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
         _save(ctx, x, h0, c0, spec, out, weights, masks)
+        if _saved_tensor_hooks():
+            # Saved-tensor hooks (activation offload, compression) may save a copy of the
+            # handle, and the tape goes with the original's storage (_handle): it was freed
+            # when the forward returned, and backward found no tape. The graph holds the
+            # original then, so the tape lives as long as the graph; and the weights, whose
+            # versions (not their copies') say whether one changed since.
+            ctx.originals = (out[3], weights)
         return out
 
     @staticmethod
@@ -605,24 +612,50 @@ class _EagerRNN(torch.autograd.Function):
         # that passes create_graph=True and never differentiates twice still runs.
         if not torch.is_grad_enabled():
             return grads
+        # The error node must lie on the paths to what a second differentiation asks for:
+        # fed fresh leaves, autograd.grad(penalty, x) found no path through it, never ran it,
+        # and answered None (torch.autograd.functional's jvp, hvp and hessian: zeros). An
+        # empty slice's sum of x, y (its node leads to h0, c0), the weights and the incoming
+        # gradients puts it there, adding exactly 0 whatever they hold (inf, NaN).
+        _handle_, x, y, _masks, *weights = ctx.saved_tensors
+        anchor = sum(t.reshape(-1)[:0].sum() for t in (x, y, *weights, dy, dh_n, dc_n)
+                     if isinstance(t, torch.Tensor) and t.requires_grad)  # fmt: skip
         live = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
         err = torch._C._functions.DelayedError(_TWICE, len(live))
-        marked = err(*[grads[i].detach().requires_grad_() for i in live])
+        ins = [grads[i].detach() + anchor for i in live]
+        marked = err(*[g if g.requires_grad else g.requires_grad_() for g in ins])
         out = list(grads)
         for i, g in zip(live, marked if isinstance(marked, tuple) else (marked,), strict=True):
             out[i] = g
         return tuple(out)
 
     @staticmethod
+    def jvp(ctx, *tangents):
+        # (torch's own answer, "You must implement the jvp function", named no way out)
+        raise NotImplementedError(
+            "[leanrnn.torch] forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
+            "supported by leanrnn.torch's modules; use torch.nn.LSTM/GRU/RNN for it "
+            "(to_module() converts)"
+        )
+
+    @staticmethod
     @once_differentiable
     def _first_order(ctx, dy, dh_n, dc_n, _dhandle):
         handle, _x, _y, _masks, *weights = ctx.saved_tensors
+        if hasattr(ctx, "originals"):  # (saved-tensor hooks: ctx.saved_tensors may be copies)
+            handle, weights = ctx.originals
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
         # (no gradients for lengths, masks, key, spec, bf16, mode)
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
                 grads[2] if ctx.has[1] else None, None, None, None, None, None, None,
                 *grads[3:])  # fmt: skip
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether torch.autograd.graph.saved_tensors_hooks (or save_on_cpu) are in force."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -649,6 +682,9 @@ def _param_shapes(spec: str, names: tuple[str, ...]) -> tuple[tuple[int, ...], .
     return tuple(torch_format.param_shape(sp, n) for n in names)
 
 
+_FLOATS = (torch.float32, torch.float64)
+
+
 def _check_call(name: str, module, input, weights, packed: bool) -> None:
     """Entry checks of forward: a tensor or PackedSequence comes in, and the parameters still
     have the shapes of the module's spec (one replaced by another shape raised an IndexError
@@ -660,6 +696,13 @@ def _check_call(name: str, module, input, weights, packed: bool) -> None:
         raise DTypeError(
             f"[{name}] input is a {type(input).__name__}; expected a torch.Tensor [T, N, C] "
             "or a PackedSequence (convert arrays with torch.from_numpy)"
+        )
+    if weights and isinstance(weights[0], torch.Tensor) and weights[0].dtype not in _FLOATS:
+        # (module.half() / .bfloat16(): the error named neither the module nor the way)
+        raise DTypeError(
+            f"[{name}] parameters are {weights[0].dtype}; leanrnn.torch's modules compute in "
+            "float32 or float64 (module.float() converts back): for 16-bit compute keep float32 "
+            "parameters and run under torch.autocast('cpu', torch.bfloat16)"
         )
     want = _param_shapes(module._spec_str, tuple(module._flat_weights_names))
     for n, w, s in zip(module._flat_weights_names, weights, want, strict=True):
