@@ -91,3 +91,21 @@ def test_saved_tensor_hooks_that_copy_keep_the_tape(hooks):
         grads.append([p.grad.clone() for p in m.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_a_vectorized_backward_is_refused_by_name():
+    """torch's legacy vmap batches the gradients coming in: "Batching rule not implemented
+    for aten::detach" from inside torch before."""
+    ref, mine = _pair()
+    x = torch.randn(2, 1, 3, dtype=torch.float64)
+    assert F.jacobian(lambda xx: ref(xx)[0].sum(0), x, vectorize=True).shape == (1, 4, 2, 1, 3)
+    with pytest.raises(NotImplementedError, match="vectorized backward"):
+        F.jacobian(lambda xx: mine(xx)[0].sum(0), x, vectorize=True)
+    xl = x.clone().requires_grad_()
+    y = mine(xl)[0]
+    eye = torch.eye(4, dtype=torch.float64).reshape(4, 1, 1, 4).expand(4, 2, 1, 4)
+    with pytest.raises(NotImplementedError, match="vectorized backward"):
+        torch.autograd.grad(y, xl, eye, is_grads_batched=True)
+    # one backward per output, as vectorize=False does, gives torch's
+    want = F.jacobian(lambda xx: ref(xx)[0].sum(0), x)
+    torch.testing.assert_close(F.jacobian(lambda xx: mine(xx)[0].sum(0), x), want)

@@ -543,7 +543,25 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, x, h0, c0, spec, output, weights, masks)
 
 
+def _not_batched(*grads) -> None:
+    """Refuse a backward under vmap (jacobian(vectorize=True), autograd.grad(is_grads_batched=
+    True): torch's legacy vmap batches the incoming gradients): it failed inside torch,
+    "Batching rule not implemented for aten::detach"."""
+    fc = torch._C._functorch
+    legacy = getattr(fc, "is_legacy_batchedtensor", lambda t: False)
+    if _functorch_transform() or any(
+        isinstance(g, torch.Tensor) and (legacy(g) or fc.is_batchedtensor(g)) for g in grads
+    ):
+        raise NotImplementedError(
+            "[leanrnn.torch] a vectorized backward (torch.autograd.functional.jacobian("
+            "vectorize=True), torch.autograd.grad(is_grads_batched=True)) is not supported by "
+            "leanrnn.torch's modules; use vectorize=False (one backward per output), or torch.nn's "
+            "module (to_module() converts)"
+        )
+
+
 def _backward(ctx, dy, dh_n, dc_n, _dhandle):
+    _not_batched(dy, dh_n, dc_n)
     handle, x, y, masks, *weights = ctx.saved_tensors
     # dx only when x needs it (the input GEMM skipped, as torch's modules skip it)
     grads = torch.ops.leanrnn.rnn_backward(
@@ -602,6 +620,7 @@ class _EagerRNN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_n, dc_n, _dhandle):
+        _not_batched(dy, dh_n, dc_n)
         grads = _EagerRNN._first_order(ctx, dy, dh_n, dc_n, _dhandle)
         # A double backward is refused, as the ops' is, not silently 0. once_differentiable
         # alone marks the gradients only where the incoming ones require grad: for a loss
