@@ -163,7 +163,6 @@ class _Engine:
             self.copies = [np.empty(tuple(w.shape), dt) for w in weights]
             self.seen = [None] * len(weights)
         params = self.tr.parameters()
-        changed = False
         for i, w in enumerate(weights):
             a = w.detach().numpy()
             sig = (w.data_ptr(), w._version)
@@ -173,9 +172,11 @@ class _Engine:
             self._write(i, self.copies[i])
             params[i].version += 1  # the trainer refolds biases and remakes its dense copies
             self.seen[i] = sig
-            changed = True
-        if changed:
-            self.tr._check_weights()  # the inference path reads the folded biases too
+        # The inference path reads the folded biases too. Asked every time (a comparison of
+        # versions when nothing changed): asked only after a change was seen, a Ctrl-C between
+        # the two left parameters marked seen and the biases unfolded, and no later sync
+        # refolded them (no_grad forwards 0.3-1.3 off until the next step)
+        self.tr._check_weights()
         return self.tr
 
     def _slot(self, pw: PackedWeights, i: int):

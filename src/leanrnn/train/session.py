@@ -981,10 +981,13 @@ class Trainer:
         if views is None or views["_plan"] is not p:
             if len(cache) >= _PLANS_KEPT:
                 cache.clear()
-            views = cache[key] = {"_plan": p}
+            views = {"_plan": p}
             for pl in p.placements:
                 shape, dtype = shapes[pl.buffer.name]
                 views[pl.buffer.name] = arena.view(pl.offset, shape, dtype)
+            # cached once whole: cached first, an exception (Ctrl-C) part way left a half-made
+            # entry that passed the check above, and every later forward of this shape failed
+            cache[key] = views
         # (the arena itself only in the caller's copy: in the cache it would keep itself alive)
         return {**views, "_arena": arena}
 
