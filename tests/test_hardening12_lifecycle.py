@@ -94,3 +94,37 @@ def test_an_interrupted_repack_in_leanrnn_torch_refolds_at_the_next_forward():
         _interrupted(lambda: m(x), _interrupt_at("call", "_check_weights", caller="sync"))
         ref = m.to_module()  # torch's own GRU with the same parameters
         torch.testing.assert_close(m(x)[0], ref(x)[0], rtol=0, atol=1e-6)
+
+
+def test_bench_keeps_its_results_whole_when_the_disk_is_full(tmp_path):
+    """results.json and report.md were written in place: a full disk (a file size limit here)
+    cut a good report.md short, and left results.json unparseable, every row measured lost."""
+    import json
+    import subprocess
+
+    from helpers import src_env
+
+    out = tmp_path / "bench"
+    args = ["bench", "--engines", "leanrnn", "--cells", "lstm", "--batch", "1", "--steps", "10",
+            "--stream-steps", "0", "--threads", "1", "--no-memray", "--no-bandwidth",
+            "--no-plots", "--repeats", "3", "--warmup", "1", "--interleave", "0",
+            "--max-time", "0.2", "--no-progress"]  # fmt: skip
+    limited = ("import resource, sys; from leanrnn import cli; "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); "
+               "sys.exit(cli.main(sys.argv[2:]))")  # fmt: skip
+
+    def run(limit, *argv):
+        return subprocess.run([sys.executable, "-c", limited, str(limit), *argv], env=src_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    assert run(1 << 30, *args, "--hidden", "16", "--out", str(out)).returncode == 0
+    report = (out / "report.md").read_bytes()
+    results = (out / "results.json").read_bytes()
+    assert len(report) > 1000
+    r = run(1000, "bench", "--from-json", str(out / "results.json"), "--no-plots")
+    assert r.returncode != 0 and "cannot write" in r.stderr and "report.md" in r.stderr, r.stderr
+    assert (out / "report.md").read_bytes() == report  # kept whole
+    r = run(len(results) + 200, *args, "--hidden", "16,32,48", "--out", str(out))
+    assert r.returncode != 0 and "results.json" in r.stderr, r.stderr
+    assert json.loads((out / "results.json").read_text())["rows"]  # parses: what it measured
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left

@@ -40,3 +40,10 @@ def replacing(path: str, suffix: str = ""):
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def write_text(path, text: str) -> None:
+    """``path`` holds ``text`` whole, or keeps what it held (``replacing``): written in place, a
+    full disk or a Ctrl-C left it cut short (bench's results.json unparseable, every row lost)."""
+    with replacing(str(path)) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)

@@ -39,6 +39,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._files import write_text
 from .problem import Config
 
 SCHEMA = "leanrnn-bench/1"
@@ -828,13 +829,13 @@ def run_suite(opts: Options, progress: bool = True) -> dict:
                 results["rows"] = _merge_rounds(results["rows"])
                 advance(f"{name}: {_note(row)}" if len(group) > 1 else _note(row))
             # Saved after every group: an interrupted run keeps what it measured.
-            (out / "results.json").write_text(dumps(results, indent=1))
+            write_text(out / "results.json", dumps(results, indent=1))
     finally:
         stop()
     for r in results["rows"]:
         r.pop("_rounds", None)
     results["machine"]["loadavg_end"] = os.getloadavg()
-    (out / "results.json").write_text(dumps(results, indent=1))
+    write_text(out / "results.json", dumps(results, indent=1))
     return results
 
 

@@ -10,6 +10,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from .._files import write_text
 from .problem import Config
 
 BASE = "leanrnn"
@@ -616,6 +617,6 @@ def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
             pngs = []
         files |= {p.stem: p for p in pngs}
     md = out / "report.md"
-    md.write_text(render(results, pngs))
+    write_text(md, render(results, pngs))
     files["report"] = md
     return files
