@@ -128,3 +128,25 @@ def test_bench_keeps_its_results_whole_when_the_disk_is_full(tmp_path):
     assert r.returncode != 0 and "results.json" in r.stderr, r.stderr
     assert json.loads((out / "results.json").read_text())["rows"]  # parses: what it measured
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_waiting_on_another_process_build_says_so(tmp_path, capsys):
+    """A second process waiting on another's kernel build printed nothing for the build's
+    minutes, and looked hung. (flock locks belong to open files: two opens in one process
+    contend as two processes do.)"""
+    import fcntl
+    import threading
+    import time
+
+    from leanrnn.kernels import runner
+
+    path = tmp_path / ".lock"
+    with open(path, "w") as held, open(path, "w") as mine:
+        fcntl.flock(held, fcntl.LOCK_EX)  # "the builder"
+        threading.Timer(1.2, fcntl.flock, (held, fcntl.LOCK_UN)).start()
+        t0 = time.monotonic()
+        with runner._exclusive(mine):
+            waited = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert "another process is compiling the kernels" in err and "its build is over" in err, err
+    assert waited >= 1.0  # (it did wait for the lock)

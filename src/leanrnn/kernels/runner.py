@@ -339,6 +339,10 @@ def where() -> Path:
     return _where or native.build_dir()
 
 
+# Seconds between tries of a build lock another process holds.
+LOCK_POLL = 0.5
+
+
 @contextlib.contextmanager
 def _exclusive(f):
     """Hold an exclusive lock on file ``f``: another process may be building right now (where
@@ -348,7 +352,21 @@ def _exclusive(f):
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # Another process is building: said, with the clock ticking (a process waiting on
+        # another's build printed nothing for minutes, and looked hung)
+        shown = Progress(sys.stderr, "another process is compiling the kernels for this "
+                         f"machine ({BUILD_TIME}); waiting for it")  # fmt: skip
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                shown.tick()
+                time.sleep(LOCK_POLL)
+        shown.close("its build is over")
     try:
         yield
     finally:
