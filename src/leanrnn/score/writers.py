@@ -13,6 +13,7 @@ Parquet stores h_n/c_n as fixed_size_list<fixed_size_list<float>[K]>[L*D].
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._files import temp_beside
+from ..errors import LeanRNNError
 from .data import DataError
 
 
@@ -38,6 +40,22 @@ class Results:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+
+def _target(path: str) -> str:
+    """Where ``path``'s output goes: through a symlink to its target, as save and convert write
+    (os.replace over the link replaced the link itself with a file)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """The OS's refusal (a full disk, a file size limit) as an error naming the output: "OSError:
+    [Errno 27] File too large" named no file."""
+    try:
+        yield
+    except OSError as e:
+        raise LeanRNNError(f"[score] cannot write {path!r}: {e.strerror or e}") from None
 
 
 def temp_name(path: str) -> str:
@@ -71,7 +89,8 @@ def to_arrow(r: Results):
 
 class ParquetOut:
     def __init__(self, path: str) -> None:
-        self.path, self.tmp = path, temp_name(path)
+        self.path = _target(path)
+        self.tmp = temp_name(self.path)
         self._w = None
 
     def write(self, r: Results) -> None:
@@ -86,14 +105,17 @@ class ParquetOut:
             # pyarrow's attempt (hash every value, then fall back to plain) costs ~40% of
             # writing them for nothing.
             dict_cols = [c for c in t.schema.names if c == "length"]
-            self._w = pq.ParquetWriter(self.tmp, t.schema, use_dictionary=dict_cols)
-        self._w.write_table(t)
+            with _writing(self.path):
+                self._w = pq.ParquetWriter(self.tmp, t.schema, use_dictionary=dict_cols)
+        with _writing(self.path):
+            self._w.write_table(t)
 
     def close(self, empty: Results) -> None:
         if self._w is None:  # no input at all: an empty file with the right columns
             self.write(empty)
-        self._w.close()
-        os.replace(self.tmp, self.path)
+        with _writing(self.path):
+            self._w.close()
+            os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
         if self._w is not None:
@@ -112,8 +134,10 @@ class NpzOut:
     PIECE = 16 << 20
 
     def __init__(self, path: str) -> None:
-        self.path, self.tmp = path, temp_name(path)
-        self._dir = tempfile.mkdtemp(prefix=".leanrnn-score-", dir=os.path.dirname(self.tmp))
+        self.path = _target(path)
+        self.tmp = temp_name(self.path)
+        with _writing(self.path):
+            self._dir = tempfile.mkdtemp(prefix=".leanrnn-score-", dir=os.path.dirname(self.tmp))
         self._files: dict[str, object] = {}
         self._meta: dict[str, tuple] = {}  # name -> (row shape, dtype)
         self._n = 0
@@ -127,11 +151,12 @@ class NpzOut:
         f.write(np.ascontiguousarray(a).data)
 
     def write(self, r: Results) -> None:
-        self._spool("length", r.lengths.astype(np.int64))
-        for name in ("h_n", "c_n", "y"):
-            a = r.y_flat if name == "y" else getattr(r, name)
-            if a is not None:
-                self._spool(name, a)
+        with _writing(self.path):
+            self._spool("length", r.lengths.astype(np.int64))
+            for name in ("h_n", "c_n", "y"):
+                a = r.y_flat if name == "y" else getattr(r, name)
+                if a is not None:
+                    self._spool(name, a)
         if len(r):
             self._tmax = max(self._tmax, int(r.lengths.max()))
         self._n += len(r)
@@ -139,22 +164,23 @@ class NpzOut:
     def close(self, empty: Results) -> None:
         if self._n == 0:
             self.write(empty)
-        for f in self._files.values():
-            f.close()
         try:
-            with zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-                for name, (row, dt) in self._meta.items():
-                    src = os.path.join(self._dir, name)
-                    if name == "y":
-                        self._write_y(z, src, row, dt)
-                    else:
-                        with (
-                            open(src, "rb") as f,
-                            z.open(name + ".npy", "w", force_zip64=True) as o,
-                        ):
-                            _header(o, (self._n, *row), dt)
-                            shutil.copyfileobj(f, o, self.PIECE)
-            os.replace(self.tmp, self.path)
+            with _writing(self.path):
+                for f in self._files.values():
+                    f.close()  # (flushing: a full disk may refuse the last piece here)
+                with zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+                    for name, (row, dt) in self._meta.items():
+                        src = os.path.join(self._dir, name)
+                        if name == "y":
+                            self._write_y(z, src, row, dt)
+                        else:
+                            with (
+                                open(src, "rb") as f,
+                                z.open(name + ".npy", "w", force_zip64=True) as o,
+                            ):
+                                _header(o, (self._n, *row), dt)
+                                shutil.copyfileobj(f, o, self.PIECE)
+                os.replace(self.tmp, self.path)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
 
