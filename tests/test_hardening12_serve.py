@@ -208,3 +208,42 @@ def test_extensions_the_server_does_not_implement_are_refused_not_ignored(server
                                    atol=1e-6)  # fmt: skip
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("where", ["tuning", "grpc"])
+def test_ctrl_c_while_starting_is_one_line_and_frees_the_ports(where, tmp_path, monkeypatch,
+                                                               capsys):  # fmt: skip
+    """SIGINT before "ready" printed ~50 lines of traceback ending in grpc's "Event loop is
+    closed" and "coroutine 'AioServer.shutdown' was never awaited"."""
+    import gc
+    import socket
+    import warnings
+
+    from leanrnn import cli
+    from leanrnn.serve import rpc, server
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "tuning":
+        monkeypatch.setattr(server, "build", interrupt)
+    else:
+        monkeypatch.setattr(rpc.Health, "set", lambda self, serving: interrupt())
+    path = tmp_path / "m.lrnn"
+    MODEL.save(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc = cli.main(["serve", str(path), "--http-port", str(port), "--grpc-port", "0",
+                       "--threads", "1"])  # fmt: skip
+        gc.collect()
+    err = capsys.readouterr().err
+    assert rc == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "leanrnn: interrupted", err
+    assert not [w for w in seen if "never awaited" in str(w.message)], [
+        str(w.message) for w in seen
+    ]
+    with socket.socket() as s:  # the HTTP port was let go
+        s.bind(("127.0.0.1", port))

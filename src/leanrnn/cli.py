@@ -45,6 +45,7 @@ USER_ERRORS = (LeanRNNError, OSError, MemoryError, ValueError, EOFError)
 # `leanrnn inspect m.lrnn | head -1`: the reader left; as for any command cut off by SIGPIPE,
 # the shell's 128 + 13, and no message (there is nothing wrong to report).
 EXIT_BROKEN_PIPE = 141
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 
 
 def _count(s: str, least: int) -> int:
@@ -262,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"leanrnn: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the command's cleanup has run; a line, not a traceback
+        if os.environ.get("LEANRNN_DEBUG", "").strip() not in ("", "0"):
+            raise
+        print("leanrnn: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         restore()  # main() called in-process (an embedding program) gets its SIGTERM back
 

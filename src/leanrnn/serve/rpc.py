@@ -433,18 +433,22 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
         # passed the check, ran, advanced its sequence, and then could not be sent
         ("grpc.max_send_message_length", -1),
     ])  # fmt: skip
-    add_service(Servicer(core), server)
-    health = Health()
-    await health.set(False)
-    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     try:
-        bound = server.add_insecure_port(hostport(host, port))
-    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
-        bound = 0
-    if bound == 0:
-        raise OSError(
-            f"[serve] cannot bind gRPC to {hostport(host, port)} (in use, or not an address of this "
-            "machine); pick another --grpc-port"
-        )
-    await server.start()
+        add_service(Servicer(core), server)
+        health = Health()
+        await health.set(False)
+        health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+        try:
+            bound = server.add_insecure_port(hostport(host, port))
+        except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+            bound = 0
+        if bound == 0:
+            raise OSError(
+                f"[serve] cannot bind gRPC to {hostport(host, port)} (in use, or not an address of "
+                "this machine); pick another --grpc-port"
+            )
+        await server.start()
+    except BaseException:  # (Ctrl-C while starting: left to the collector, grpc's shutdown
+        await server.stop(None)  # coroutine was never awaited and the loop had closed)
+        raise
     return server, bound, health

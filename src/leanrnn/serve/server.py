@@ -193,9 +193,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     """Serve until SIGTERM/SIGINT. ``loaded``: {name: model} already loaded, or a callable
     returning it, called once the HTTP port is bound (a taken port fails before a long load);
     None: the files of config.models, loaded plainly."""
-    import uvicorn
+    import uvicorn  # noqa: F401 (here: not installed fails before a long load and tuning)
 
-    from .http import make_app
+    from .http import make_app  # noqa: F401 (starlette, likewise)
 
     check_addresses(config)
     _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
@@ -208,26 +208,43 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
             f"{e.strerror}; pick another --http-port"
         ) from None
     http_port = sock.getsockname()[1]
-    if callable(loaded):
-        try:
+    try:  # (a failure or Ctrl-C while loading, tuning or starting gRPC closes the port)
+        if callable(loaded):
             loaded = loaded()
-        except BaseException:
-            sock.close()
-            raise
-    core, scheduler, metrics = build(config, loaded, make_lane)
-    loop = asyncio.get_running_loop()
-    # Each connection or call in flight holds buffers of its own (its socket's, a request being
-    # read) beyond what --max-queued-bytes counts (a request until its answer has left): the
-    # core bounds requests (build); the transports' own limits, above that, bound the
-    # connections and calls that have not reached it yet (idle connections, which
-    # --read-timeout closes)
-    backstop = max(2 * core.max_in_flight, core.max_in_flight + 64)
-    grpc_server, grpc_port, health = None, None, None
-    if config.grpc_port is not None:
-        from . import rpc
+        core, scheduler, metrics = build(config, loaded, make_lane)
+        # Each connection or call in flight holds buffers of its own (its socket's, a request
+        # being read) beyond what --max-queued-bytes counts (a request until its answer has
+        # left): the core bounds requests (build); the transports' own limits, above that,
+        # bound the connections and calls that have not reached it yet (idle connections,
+        # which --read-timeout closes)
+        backstop = max(2 * core.max_in_flight, core.max_in_flight + 64)
+        grpc_server, grpc_port, health = None, None, None
+        if config.grpc_port is not None:
+            from . import rpc
 
-        grpc_server, grpc_port, health = await rpc.start(
-            core, config.host, config.grpc_port, config.max_request_bytes, backstop)  # fmt: skip
+            grpc_server, grpc_port, health = await rpc.start(
+                core, config.host, config.grpc_port, config.max_request_bytes, backstop)  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        await _run(config, core, scheduler, metrics, sock, backstop, grpc_server, grpc_port,
+                   health, http_port, t0, ready_line)  # fmt: skip
+    finally:  # (also when interrupted before the signal handlers are in: Ctrl-C while starting)
+        scheduler.stop()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=None)
+
+
+async def _run(config, core, scheduler, metrics, sock, backstop, grpc_server, grpc_port, health,
+               http_port, t0, ready_line) -> None:  # fmt: skip
+    """serve_async's second half: the scheduler and the HTTP server running until a signal's
+    shutdown has drained them."""
+    import uvicorn
+
+    from .http import make_app
+
+    loop = asyncio.get_running_loop()
     scheduler.start()
 
     class _Server(uvicorn.Server):
@@ -280,12 +297,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     _log.info("ready", extra={"fields": fields})
     ready_line(f"leanrnn serve: ready http={fields['http']}"
                + (f" grpc={fields['grpc']}" if grpc_port else ""))  # fmt: skip
-    try:
-        await serving
-    finally:
-        scheduler.stop()
-        if grpc_server is not None:
-            await grpc_server.stop(grace=None)
+    await serving
 
 
 def _timed(timeout: float):
