@@ -313,3 +313,42 @@ def bf16_act_twin(m32, x, hx, cell, h_seen):
         out.append(h)
     states = [h[None]] + ([c[None]] if cell == "LSTM" else [])
     return torch.stack(out), states, params
+
+
+class ServeCoreStub:
+    """What serve's rpc.Servicer asks of its Core, with no engine behind it: every request is
+    answered ``values`` (outputs by name) at once; limits, tokens and statistics pass."""
+
+    metrics = None
+    idle_timeout = 60.0
+
+    def __init__(self, values: dict | None = None) -> None:
+        self.values = {} if values is None else values
+
+    def enter(self, protocol):  # --max-concurrency: not the point here
+        pass
+
+    def leave(self, protocol):
+        pass
+
+    def authorize(self, token):
+        pass
+
+    def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
+        pass
+
+    def error(self, e, protocol):
+        pass
+
+    async def infer_held(self, p, protocol):
+        return self.values, lambda: None
+
+
+class GrpcContextStub:
+    """What rpc.Servicer asks of a call's grpc.aio context."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def add_done_callback(self, fn):
+        pass

@@ -56,6 +56,16 @@ def _grads(mod, x, dy):
     return xt.grad.numpy(), {k: p.grad.numpy().copy() for k, p in mod.named_parameters()}
 
 
+def _same_grads(ref, mine, x, dy) -> dict:
+    """torch's module ``ref`` and ``mine`` give the same dx and parameter gradients; torch's."""
+    dxt, gt = _grads(ref, x, dy)
+    dxl, gl = _grads(mine, x, dy)
+    _same(dxl, dxt)
+    for k in gt:
+        _same(gl[k], gt[k])
+    return gt
+
+
 def test_projected_lstm_gradients_with_an_infinite_input_as_torch():
     """torch's gradients are NaN in weight_ih's column of the infinite input only (0 * inf);
     leanrnn's were NaN in every parameter."""
@@ -64,11 +74,7 @@ def test_projected_lstm_gradients_with_an_infinite_input_as_torch():
     mine = lt.from_module(ref)
     x, dy = _x((4, 2, 3)), _x((4, 2, 4), 2)
     x[1, 0, 1] = np.inf
-    dxt, gt = _grads(ref, x, dy)
-    dxl, gl = _grads(mine, x, dy)
-    _same(dxl, dxt)
-    for k in gt:
-        _same(gl[k], gt[k])
+    gt = _same_grads(ref, mine, x, dy)
     assert np.isnan(gt["weight_ih_l0"]).sum() == 80 and not np.isnan(gt["weight_hh_l0"]).any()
 
 
@@ -80,9 +86,5 @@ def test_relu_rnn_backward_passes_the_gradient_at_a_nan_pre_activation_as_torch(
     np_dtype = np.float32 if dtype == torch.float32 else np.float64
     x, dy = _x((5, 3, 3)).astype(np_dtype), _x((5, 3, 16), 3).astype(np_dtype)
     x[2, 1, 0] = np.nan
-    dxt, gt = _grads(ref, x, dy)
-    dxl, gl = _grads(mine, x, dy)
-    _same(dxl, dxt)
-    for k in gt:
-        _same(gl[k], gt[k])
+    gt = _same_grads(ref, mine, x, dy)
     assert np.isfinite(gt["bias_ih_l0"]).all()  # (finite on both sides: nothing flagged it)

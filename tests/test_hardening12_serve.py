@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import served
+from helpers import GrpcContextStub, ServeCoreStub, served
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("tritonclient.grpc")
@@ -43,43 +43,6 @@ def _y(res) -> np.ndarray:
     return np.frombuffer(res.raw_output_contents[0], np.float32).reshape(-1, H)
 
 
-class _Core:
-    """What Servicer asks of a Core, each answer ``values``; the threads parse and answer
-    ran on are recorded by the spies below."""
-
-    metrics = None
-    idle_timeout = 60.0
-
-    def __init__(self, values):
-        self.values = values
-
-    def enter(self, protocol):  # --max-concurrency: not the point here
-        pass
-
-    def leave(self, protocol):
-        pass
-
-    def authorize(self, token):
-        pass
-
-    def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
-        pass
-
-    def error(self, e, protocol):
-        raise AssertionError(e)
-
-    async def infer_held(self, p, protocol):
-        return self.values, lambda: None
-
-
-class _Context:
-    def invocation_metadata(self):
-        return ()
-
-    def add_done_callback(self, fn):
-        pass
-
-
 @pytest.mark.parametrize("T, off", [(4, False), (24_000, True)], ids=["small", "large"])
 def test_grpc_messages_past_inline_are_read_and_written_off_the_event_loop(monkeypatch, T, off):
     from types import SimpleNamespace
@@ -105,13 +68,13 @@ def test_grpc_messages_past_inline_are_read_and_written_off_the_event_loop(monke
     data = _request(np.ones((T, C), np.float32)).SerializeToString()
 
     async def main():
-        servicer = rpc.Servicer(_Core({"y": y}))
-        unary = await servicer.ModelInfer(data, _Context())
+        servicer = rpc.Servicer(ServeCoreStub({"y": y}))
+        unary = await servicer.ModelInfer(data, GrpcContextStub())
 
         async def one():
             yield data
 
-        streamed = [m async for m in servicer.ModelStreamInfer(one(), _Context())]
+        streamed = [m async for m in servicer.ModelStreamInfer(one(), GrpcContextStub())]
         return threading.get_ident(), unary, streamed
 
     loop_thread, unary, streamed = asyncio.run(main())

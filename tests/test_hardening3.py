@@ -362,21 +362,10 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     monkeypatch.setattr(rpc, "answer", lambda info, p, values, stream=False: b"")
     deltas = []
 
-    class Core:
+    from helpers import ServeCoreStub
+
+    class Core(ServeCoreStub):
         metrics = SimpleNamespace(stream_held=deltas.append)
-        idle_timeout = 60.0
-
-        def enter(self, protocol):  # --max-concurrency: not the point here
-            pass
-
-        def leave(self, protocol):
-            pass
-
-        def authorize(self, token):
-            pass
-
-        def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
-            pass
 
         async def infer_held(self, p, transport):
             await gate.wait()

@@ -89,35 +89,8 @@ def test_accepted_work_is_bounded_by_max_queued_bytes():
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("tritonclient.grpc")
 
+from helpers import GrpcContextStub, ServeCoreStub  # noqa: E402
 from leanrnn.serve import rpc  # noqa: E402
-
-
-class _Core:
-    metrics = None
-    idle_timeout = 60.0
-
-    def enter(self, protocol):  # --max-concurrency: not the point here
-        pass
-
-    def leave(self, protocol):
-        pass
-
-    def authorize(self, token):
-        pass
-
-    def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
-        pass
-
-    def error(self, e, transport):
-        pass
-
-    async def infer_held(self, p, transport):
-        return {}, lambda: None
-
-
-class _Context:
-    def invocation_metadata(self):
-        return ()
 
 
 async def _held_after(servicer, n: int) -> int:
@@ -130,7 +103,7 @@ async def _held_after(servicer, n: int) -> int:
             yield rpc.pb.ModelInferRequest(model_name="m").SerializeToString()
 
     answered = 0
-    async for _ in servicer.ModelStreamInfer(requests(), _Context()):
+    async for _ in servicer.ModelStreamInfer(requests(), GrpcContextStub()):
         answered += 1
         if answered == n:
             return tracemalloc.get_traced_memory()[0] - base
@@ -143,7 +116,7 @@ def test_a_long_grpc_stream_does_not_grow(monkeypatch):
     parsed = SimpleNamespace(x=np.zeros((1, 1), np.float32))
     monkeypatch.setattr(rpc, "parse", lambda core, req: (info, parsed))
     monkeypatch.setattr(rpc, "answer", lambda info, p, values, stream=False: b"")
-    servicer = rpc.Servicer(_Core())
+    servicer = rpc.Servicer(ServeCoreStub())
     asyncio.run(_held_after(servicer, 500))  # warm-up: the loop's and modules' own allocations
 
     def grown(n):
