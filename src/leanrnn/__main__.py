@@ -1,7 +1,5 @@
 """``python -m leanrnn`` is the ``leanrnn`` command."""
 
-import sys
+from .cli import entry
 
-from .cli import main
-
-sys.exit(main())
+entry()

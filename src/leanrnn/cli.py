@@ -17,6 +17,7 @@ import os
 import re
 import select
 import sys
+import threading
 
 from .errors import LeanRNNError
 
@@ -46,6 +47,7 @@ USER_ERRORS = (LeanRNNError, OSError, MemoryError, ValueError, EOFError)
 # the shell's 128 + 13, and no message (there is nothing wrong to report).
 EXIT_BROKEN_PIPE = 141
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+_interrupted = threading.Event()  # main() ended by Ctrl-C (entry() then dies by SIGINT)
 
 
 def _count(s: str, least: int) -> int:
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     restore = _terminate_as_exit()
+    _interrupted.clear()
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, not at exit, where a closed pipe is an ignored exception
@@ -267,10 +270,27 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LEANRNN_DEBUG", "").strip() not in ("", "0"):
             raise
         print("leanrnn: interrupted", file=sys.stderr)
+        _interrupted.set()
         return EXIT_INTERRUPTED
     finally:
         restore()  # main() called in-process (an embedding program) gets its SIGTERM back
 
 
+def entry(argv: list[str] | None = None) -> None:
+    """The ``leanrnn`` command (and ``python -m leanrnn``): ``main``, its status the process's.
+    Interrupted, the process dies by SIGINT as an uncaught KeyboardInterrupt would make it:
+    a shell stops a script's loop only for a child killed by SIGINT, and went on after an exit
+    with 130 (``for f in *.npz; do leanrnn score ...; done`` could not be stopped)."""
+    rc = main(argv)
+    if _interrupted.is_set():
+        import signal
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

@@ -15,6 +15,7 @@ the .proto files (nor generated code pinned to one protobuf release) lives in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -448,7 +449,11 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
                 "this machine); pick another --grpc-port"
             )
         await server.start()
-    except BaseException:  # (Ctrl-C while starting: left to the collector, grpc's shutdown
-        await server.stop(None)  # coroutine was never awaited and the loop had closed)
+    except BaseException:
+        # Ctrl-C while starting (the task cancelled at its next await): left to the collector,
+        # grpc's shutdown coroutine was never awaited and the loop had closed. A server whose
+        # start was cancelled refuses to stop (InvalidStateError): there is nothing to stop.
+        with contextlib.suppress(Exception):
+            await server.stop(None)
         raise
     return server, bound, health

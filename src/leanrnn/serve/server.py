@@ -232,6 +232,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
                    health, http_port, t0, ready_line)  # fmt: skip
     finally:  # (also when interrupted before the signal handlers are in: Ctrl-C while starting)
         scheduler.stop()
+        sock.close()  # (uvicorn's, once it serves; closing twice is nothing)
         if grpc_server is not None:
             await grpc_server.stop(grace=None)
 
