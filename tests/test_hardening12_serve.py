@@ -232,3 +232,53 @@ def test_ctrl_c_while_starting_is_one_line_and_frees_the_port(where, tmp_path):
     assert err.strip().splitlines()[-1] == "leanrnn: interrupted", err
     with socket.socket() as s:  # the HTTP port was let go
         s.bind(("127.0.0.1", port))
+
+
+def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
+    """The serialized message stayed referenced (by the read's future, until the next request
+    came) beside x while the request computed: the request's size again, which
+    --max-queued-bytes did not count."""
+    import tracemalloc
+    from types import SimpleNamespace
+
+    from leanrnn.serve import rpc
+
+    info = SimpleNamespace(name="m", outputs={"y": SimpleNamespace(shape=[-1, 1])},
+                           dtype=np.dtype(np.float32))  # fmt: skip
+
+    def parse(core, req):
+        return info, SimpleNamespace(id=req.id, x=np.frombuffer(req.raw_input_contents[0],
+                                                                np.float32).copy())  # fmt: skip
+
+    monkeypatch.setattr(rpc, "parse", parse)
+    gate = asyncio.Event()
+
+    class Core(ServeCoreStub):
+        async def infer_held(self, p, protocol):
+            await gate.wait()
+            return {}, lambda: None
+
+    X = 8 << 20  # bytes of x
+
+    async def requests():
+        req = pb.ModelInferRequest(model_name="m", id="r")
+        req.raw_input_contents.append(bytes(X))
+        yield req.SerializeToString()
+        del req
+        await asyncio.Event().wait()  # the client keeps the stream open
+
+    async def main():
+        answers = rpc.Servicer(Core()).ModelStreamInfer(requests(), GrpcContextStub())
+        first = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.2)  # read, parsed, computing
+        held = tracemalloc.get_traced_memory()[0] - base
+        first.cancel()
+        return held
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        held = asyncio.run(main())
+    finally:
+        tracemalloc.stop()
+    assert held < 1.5 * X, f"{held / X:.2f} x the request's x"

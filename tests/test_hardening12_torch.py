@@ -109,3 +109,21 @@ def test_a_vectorized_backward_is_refused_by_name():
     # one backward per output, as vectorize=False does, gives torch's
     want = F.jacobian(lambda xx: ref(xx)[0].sum(0), x)
     torch.testing.assert_close(F.jacobian(lambda xx: mine(xx)[0].sum(0), x), want)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "frozen"])
+def test_forward_mode_ad_is_refused_when_nothing_requires_grad_too(how):
+    """Without an input requiring grad the forward skipped the autograd Function (whose jvp
+    refuses) and the tangent was dropped: the output had none."""
+    import contextlib
+
+    import torch.autograd.forward_ad as fwAD
+
+    _, mine = _pair()
+    mine.requires_grad_(False)
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    ctx = torch.no_grad() if how == "no_grad" else contextlib.nullcontext()
+    with fwAD.dual_level(), ctx, pytest.raises(NotImplementedError, match="forward-mode AD"):
+        mine(fwAD.make_dual(x, torch.randn_like(x)))
+    with fwAD.dual_level():  # a dual level open, no dual input: runs
+        torch.testing.assert_close(mine(x)[0], _pair()[1](x)[0])

@@ -595,6 +595,11 @@ _TWICE = (b"[leanrnn.torch] a double backward (create_graph=True, then different
           b"(to_module() converts)")  # fmt: skip
 
 
+_FORWARD_AD = ("[{}] forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
+               "supported by leanrnn.torch's modules; use torch.nn.LSTM/GRU/RNN for it "
+               "(to_module() converts)")  # fmt: skip
+
+
 class _EagerRNN(torch.autograd.Function):
     """The ops' autograd formula without the ops, for eager calls (_eager): the same bodies
     (_forward, _backward_grads), the same saved tensors and version checks, without the
@@ -652,11 +657,7 @@ class _EagerRNN(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, *tangents):
         # (torch's own answer, "You must implement the jvp function", named no way out)
-        raise NotImplementedError(
-            "[leanrnn.torch] forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
-            "supported by leanrnn.torch's modules; use torch.nn.LSTM/GRU/RNN for it "
-            "(to_module() converts)"
-        )
+        raise NotImplementedError(_FORWARD_AD.format("leanrnn.torch"))
 
     @staticmethod
     @once_differentiable
@@ -752,6 +753,18 @@ def _lowered(cell: str, proj_size: int, adt) -> tuple[bool, bool]:
     onednn = (adt == torch.bfloat16 and torch.backends.mkldnn.is_available()
               and torch._C._get_mkldnn_enabled() and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
     return onednn, onednn
+
+
+def _no_tangents(name: str, tensors) -> None:
+    """Refuse forward-mode AD: _EagerRNN.jvp refuses it, but only where the forward runs the
+    autograd Function (some input requires grad); without, a dual input's tangent was dropped
+    (no_grad, frozen parameters: the output had none, and nothing said so)."""
+    from torch.autograd import forward_ad
+
+    if getattr(forward_ad, "_current_level", -1) < 0:  # no dual level open: nothing to carry
+        return
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(_FORWARD_AD.format(name))
 
 
 def _functorch_transform() -> bool:
@@ -1119,6 +1132,7 @@ class _RNNBase(torch.nn.Module):
                     f"[{name}] {nm} has dtype {t.dtype}; expected {wdt} (the parameters' dtype): "
                     f"convert it with .to({wdt}){alt}"
                 )
+        _no_tangents(name, (x, h0, c0, *weights))
         need_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, h0, c0, *weights)
         )

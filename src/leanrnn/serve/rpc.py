@@ -225,6 +225,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             t0 = time.perf_counter()
             request = await off_loop(len(data), decode, data)
             info, p = await off_loop(len(data), parse, self.core, request)
+            del request  # (x is a copy: the decoded message, the request's size again, goes)
             self.core.io(info.name, "compute_input", time.perf_counter() - t0)
             values, release = await self.core.infer_held(p, "grpc")
             # the request's bytes count until the call is over: its answer written to the
@@ -286,7 +287,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             else:
                 room.clear()
 
-        async def one(request, item, cost: int):
+        async def one(ids, item, cost: int):
             release = _nothing
             try:
                 if isinstance(item, ServeError):
@@ -300,9 +301,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             except ServeError as e:
                 self.core.error(e, "grpc")
                 failed = pb.ModelStreamInferResponse(error_message=str(e))
-                if request is not None:  # (None: not a ModelInferRequest at all)
-                    failed.infer_response.model_name = request.model_name
-                    failed.infer_response.id = request.id
+                if ids is not None:  # (None: not a ModelInferRequest at all)
+                    failed.infer_response.model_name, failed.infer_response.id = ids
                 _final(failed.infer_response)
                 res = failed.SerializeToString()
             except BaseException:
@@ -336,23 +336,28 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         data = nxt.result()
                     except StopAsyncIteration:
                         break
+                    # Only x (a copy) outlives the parse: the future held the message until the
+                    # next request came, and the decoded one stayed until then too (each the
+                    # request's size again, which --max-queued-bytes did not see)
+                    nxt = None
                     last[0] = loop.time()
                     cost = len(data)
-                    request = None
+                    ids = request = None
                     try:
                         t0 = time.perf_counter()
                         request = await off_loop(len(data), decode, data)
+                        ids = (request.model_name, request.id)
                         info, p = await off_loop(len(data), parse, self.core, request)
                         self.core.io(info.name, "compute_input", time.perf_counter() - t0)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         item = (info, p)
                     except ServeError as e:
                         item = e
-                    del data
+                    data = request = None
                     account(1, cost)
                     # submitted in arrival order: the task submits before its first await,
                     # and runs before the next request is read
-                    task = asyncio.ensure_future(one(request, item, cost))
+                    task = asyncio.ensure_future(one(ids, item, cost))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     await asyncio.sleep(0)
