@@ -112,7 +112,7 @@ def test_large_answers_over_grpc_match_the_model(server):
     """A request and answer past core.INLINE, through the worker thread, on both calls."""
     import tritonclient.grpc as tg
 
-    T = 16_000  # x 192 kB, y 320 kB
+    T = 24_000  # x 288 kB, y 480 kB
     x = np.random.default_rng(1).standard_normal((T, C)).astype(np.float32)
     want = MODEL(x[:, None])[0][:, 0]
     with grpc.insecure_channel(server["grpc"]) as ch:

@@ -30,16 +30,31 @@ def replacing(path: str, suffix: str = ""):
     it is removed and ``path`` is untouched. The OS's refusal (a full disk, a file size limit)
     is a LeanRNNError naming ``path``, not the temporary name. A symlink at ``path`` is
     written through, as writing it in place did: its target is replaced."""
-    path = os.path.realpath(path) if os.path.islink(path) else path
+    path = through_link(path)
     tmp = temp_beside(path, suffix)
     try:
-        yield tmp
-        os.replace(tmp, path)
-    except OSError as e:
-        raise LeanRNNError(f"[write] cannot write {path!r}: {e.strerror or e}") from None
+        with refused_as_error(path):
+            yield tmp
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def through_link(path: str) -> str:
+    """Where writing ``path`` goes: a symlink's target (os.replace over the link itself would
+    put a file in its place)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
+@contextlib.contextmanager
+def refused_as_error(path: str, op: str = "write"):
+    """The OS's refusal to write ``path`` (a full disk, a file size limit, permissions) as a
+    LeanRNNError naming it ("OSError: [Errno 27] File too large" named no file)."""
+    try:
+        yield
+    except OSError as e:
+        raise LeanRNNError(f"[{op}] cannot write {path!r}: {e.strerror or e}") from e
 
 
 def write_text(path, text: str) -> None:

@@ -643,7 +643,7 @@ class _EagerRNN(torch.autograd.Function):
         # empty slice's sum of x, y (its node leads to h0, c0), the weights and the incoming
         # gradients puts it there, adding exactly 0 whatever they hold (inf, NaN).
         _handle_, x, y, _masks, *weights = ctx.saved_tensors
-        anchor = sum(t.reshape(-1)[:0].sum() for t in (x, y, *weights, dy, dh_n, dc_n)
+        anchor = sum(t.narrow(0, 0, 0).sum() for t in (x, y, *weights, dy, dh_n, dc_n)
                      if isinstance(t, torch.Tensor) and t.requires_grad)  # fmt: skip
         live = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
         err = torch._C._functions.DelayedError(_TWICE, len(live))

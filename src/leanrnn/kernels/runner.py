@@ -352,21 +352,26 @@ def _exclusive(f):
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
+    # Another process holding it for more than a moment is building: said, with the clock
+    # ticking (a process waiting on another's build printed nothing for minutes, and looked
+    # hung); a moment's hold (loading what another built) goes unsaid
+    shown, tries = None, 0
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        # Another process is building: said, with the clock ticking (a process waiting on
-        # another's build printed nothing for minutes, and looked hung)
-        shown = Progress(sys.stderr, "another process is compiling the kernels for this "
-                         f"machine ({BUILD_TIME}); waiting for it")  # fmt: skip
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                shown.tick()
+                tries += 1
+                if shown is None and tries * LOCK_POLL >= 1.0:
+                    shown = Progress(sys.stderr, "another process is compiling the kernels "
+                                     f"for this machine ({BUILD_TIME}); waiting for it")  # fmt: skip
+                elif shown is not None:
+                    shown.tick()
                 time.sleep(LOCK_POLL)
-        shown.close("its build is over")
+    finally:  # (a Ctrl-C while waiting ends the line too)
+        if shown is not None:
+            shown.close("its build is over" if sys.exc_info()[0] is None else "stopped waiting")
     try:
         yield
     finally:

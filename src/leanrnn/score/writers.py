@@ -13,7 +13,6 @@ Parquet stores h_n/c_n as fixed_size_list<fixed_size_list<float>[K]>[L*D].
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -22,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._files import temp_beside
-from ..errors import LeanRNNError
+from .._files import refused_as_error, temp_beside, through_link
 from .data import DataError
 
 
@@ -40,22 +38,6 @@ class Results:
 
     def __len__(self) -> int:
         return len(self.lengths)
-
-
-def _target(path: str) -> str:
-    """Where ``path``'s output goes: through a symlink to its target, as save and convert write
-    (os.replace over the link replaced the link itself with a file)."""
-    return os.path.realpath(path) if os.path.islink(path) else path
-
-
-@contextlib.contextmanager
-def _writing(path: str):
-    """The OS's refusal (a full disk, a file size limit) as an error naming the output: "OSError:
-    [Errno 27] File too large" named no file."""
-    try:
-        yield
-    except OSError as e:
-        raise LeanRNNError(f"[score] cannot write {path!r}: {e.strerror or e}") from None
 
 
 def temp_name(path: str) -> str:
@@ -89,7 +71,7 @@ def to_arrow(r: Results):
 
 class ParquetOut:
     def __init__(self, path: str) -> None:
-        self.path = _target(path)
+        self.path = through_link(path)
         self.tmp = temp_name(self.path)
         self._w = None
 
@@ -105,15 +87,15 @@ class ParquetOut:
             # pyarrow's attempt (hash every value, then fall back to plain) costs ~40% of
             # writing them for nothing.
             dict_cols = [c for c in t.schema.names if c == "length"]
-            with _writing(self.path):
+            with refused_as_error(self.path, "score"):
                 self._w = pq.ParquetWriter(self.tmp, t.schema, use_dictionary=dict_cols)
-        with _writing(self.path):
+        with refused_as_error(self.path, "score"):
             self._w.write_table(t)
 
     def close(self, empty: Results) -> None:
         if self._w is None:  # no input at all: an empty file with the right columns
             self.write(empty)
-        with _writing(self.path):
+        with refused_as_error(self.path, "score"):
             self._w.close()
             os.replace(self.tmp, self.path)
 
@@ -134,9 +116,9 @@ class NpzOut:
     PIECE = 16 << 20
 
     def __init__(self, path: str) -> None:
-        self.path = _target(path)
+        self.path = through_link(path)
         self.tmp = temp_name(self.path)
-        with _writing(self.path):
+        with refused_as_error(self.path, "score"):
             self._dir = tempfile.mkdtemp(prefix=".leanrnn-score-", dir=os.path.dirname(self.tmp))
         self._files: dict[str, object] = {}
         self._meta: dict[str, tuple] = {}  # name -> (row shape, dtype)
@@ -151,7 +133,7 @@ class NpzOut:
         f.write(np.ascontiguousarray(a).data)
 
     def write(self, r: Results) -> None:
-        with _writing(self.path):
+        with refused_as_error(self.path, "score"):
             self._spool("length", r.lengths.astype(np.int64))
             for name in ("h_n", "c_n", "y"):
                 a = r.y_flat if name == "y" else getattr(r, name)
@@ -165,7 +147,7 @@ class NpzOut:
         if self._n == 0:
             self.write(empty)
         try:
-            with _writing(self.path):
+            with refused_as_error(self.path, "score"):
                 for f in self._files.values():
                     f.close()  # (flushing: a full disk may refuse the last piece here)
                 with zipfile.ZipFile(self.tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .core import INLINE, Core
+from .core import INLINE, Core, off_loop
 from .errors import InvalidRequest, ServeError, Timeout, TooLarge, Unavailable
 from .protocol import (
     EXTENSIONS,
@@ -454,10 +454,7 @@ def make_app(core: Core, metrics=None) -> Starlette:
             # a large one parsed off the event loop: json.loads of a few MB of numbers held up
             # every other stream (HTTP and gRPC) for as long as it took
             t0 = time.perf_counter()
-            if len(body) <= INLINE:
-                p = _parse(core, info, body, head)
-            else:
-                p = await asyncio.to_thread(_parse, core, info, body, head)
+            p = await off_loop(len(body), _parse, core, info, body, head)
             core.io(info.name, "compute_input", time.perf_counter() - t0)
             del body
         finally:
