@@ -282,3 +282,40 @@ def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
     finally:
         tracemalloc.stop()
     assert held < 1.5 * X, f"{held / X:.2f} x the request's x"
+
+
+def test_a_stream_abandoned_mid_read_leaves_no_unretrieved_task():
+    """A client gone while its next request was being read: grpc's iterator ended the read
+    with StopAsyncIteration after the cancel, and asyncio printed "Task exception was never
+    retrieved" to stderr, outside the server's JSON log."""
+    import gc
+
+    from leanrnn.serve import rpc
+
+    class Requests:  # a read that ends on its own as the stream closes
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+            raise StopAsyncIteration
+
+    reported = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        answers = rpc.Servicer(ServeCoreStub()).ModelStreamInfer(Requests(), GrpcContextStub())
+        first = asyncio.ensure_future(answers.__anext__())
+        await asyncio.sleep(0.05)  # reading
+        first.cancel()  # the client goes
+        await asyncio.sleep(0.05)
+        await answers.aclose()
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not reported, [str(c.get("exception") or c.get("message")) for c in reported]

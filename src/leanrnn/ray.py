@@ -6,7 +6,11 @@ pool that reads its row ranges itself and scores them) -> the driver writes OUTP
     >>> import ray, leanrnn.ray                                              # doctest: +SKIP
     >>> ds = ray.data.read_parquet("utterances/")                            # doctest: +SKIP
     >>> ds = ds.map_batches(leanrnn.ray.Predictor, fn_constructor_kwargs={"model": "lstm.lrnn"},
-    ...                     batch_format="pyarrow", concurrency=2, num_cpus=0.9)  # doctest: +SKIP
+    ...                     batch_format="pyarrow", concurrency=2, num_cpus=0.5)  # doctest: +SKIP
+
+(2 actors of num_cpus=0.5 on a 2-CPU cluster: the read tasks need a CPU slot of their own, and
+at 0.9 each the job waited for one forever; slots are bookkeeping, the actors' threads still use
+every core.)
 
 Ray's traps, and what is done about them:
 - Shipping the input through Ray costs more CPU than scoring leaves spare: a read task decodes

@@ -124,9 +124,9 @@ def load_model(ref: str, args=None, op: str = "plan"):
             flags = ", ".join("--" + k.replace("_", "-") for k in given)
             raise ModelFormatError(f"[{op}] {flags} given with the shorthand {ref!r}; these "
                                    "options are for state-dict files: drop them")  # fmt: skip
-        H = _bounded("plan", "hidden", m.group(2), MAX_HIDDEN)
-        L = _bounded("plan", "layers", m.group(3) or "1", MAX_LAYERS)
-        return random_model("plan", m.group(1).lower(), H, L)
+        H = _bounded(op, "hidden", m.group(2), MAX_HIDDEN)
+        L = _bounded(op, "layers", m.group(3) or "1", MAX_LAYERS)
+        return random_model(op, m.group(1).lower(), H, L)
     return load_file(ref, args)
 
 

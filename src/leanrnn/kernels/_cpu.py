@@ -246,8 +246,8 @@ def amx_enabled() -> bool:
         from ..errors import LeanRNNError
 
         raise LeanRNNError(f"[{ENV_AMX}] {os.environ[ENV_AMX]!r} is not a switch leanrnn knows; "
-                           "expected 0 (AMX off) or 1 (on, where the CPU has it); unset it for "
-                           "the default (on)")  # fmt: skip
+                           "expected 0, false, no or off (AMX off) or 1, true, yes or on (on, "
+                           "where the CPU has it); unset it for the default (on)")  # fmt: skip
     return value not in _AMX_OFF
 
 

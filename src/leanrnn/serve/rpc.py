@@ -363,8 +363,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                if nxt is not None and not nxt.done():  # (cancelled: the client went)
+                if nxt is not None:  # (cancelled: the client went)
                     nxt.cancel()
+                    # a read cut short may still end on its own (grpc's iterator raising
+                    # StopAsyncIteration as it closes): taken here, not printed to stderr by
+                    # asyncio as "Task exception was never retrieved", outside the JSON log
+                    nxt.add_done_callback(_taken)
                 out.put_nowait((None, 0, _nothing))
 
         reader = asyncio.ensure_future(pump())
@@ -396,6 +400,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if metrics is not None:
                 metrics.stream_held(-held[1])
             metrics = None  # answers still computing then count nowhere
+
+
+def _taken(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 def _nbytes(values: dict[str, np.ndarray]) -> int:

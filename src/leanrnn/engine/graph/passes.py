@@ -70,7 +70,8 @@ def check(g: Graph) -> None:
         if node.op not in OPS:
             raise UnsupportedOpError(
                 f"[load] node {node.name!r} has op {node.op!r}, which leanrnn does not "
-                f"implement; supported ops: {', '.join(SUPPORTED_OPS)}"
+                f"implement; supported ops: {', '.join(SUPPORTED_OPS)} (and onnxruntime's "
+                "com.microsoft::DynamicQuantizeLSTM, read as an int8 LSTM when the file loads)"
             )
         if node.name in names:
             raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
