@@ -337,6 +337,12 @@ class ServeCoreStub:
     def io(self, model, what, seconds):  # (Triton's statistics: not the point here)
         pass
 
+    def reserve(self, n, mine=0):  # (--max-queued-bytes: not the point here)
+        pass
+
+    def unreserve(self, n):
+        pass
+
     def error(self, e, protocol):
         pass
 

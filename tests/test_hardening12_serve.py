@@ -319,3 +319,87 @@ def test_a_stream_abandoned_mid_read_leaves_no_unretrieved_task():
     asyncio.run(main())
     gc.collect()
     assert not reported, [str(c.get("exception") or c.get("message")) for c in reported]
+
+
+def test_a_request_of_many_small_fields_is_refused_before_it_is_decoded(server):
+    """16 MiB of empty `outputs {}` entries took 2.4 GB and 12 s of Python before any check
+    (and 256 KiB of them, parsed on the event loop, held every other stream ~180 ms)."""
+    name = pb.ModelInferRequest(model_name="gru").SerializeToString()
+    with grpc.insecure_channel(server["grpc"]) as ch:
+        infer = ch.unary_unary(METHOD + "ModelInfer")
+        with pytest.raises(grpc.RpcError) as e:
+            infer(name + b"\x32\x00" * 100_000, timeout=30)  # field 6 (outputs), empty
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "more than 256 top-level fields" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # few enough to decode: counted before loops
+            infer(name + b"\x32\x00" * 200, timeout=30)
+        assert "200 outputs listed" in e.value.details()
+        x = np.random.default_rng(3).standard_normal((5, C)).astype(np.float32)
+        ok = ch.unary_unary(METHOD + "ModelInfer",
+                            response_deserializer=pb.ModelInferResponse.FromString)(
+            _request(x).SerializeToString(), timeout=30)  # fmt: skip
+    np.testing.assert_allclose(_y(ok), MODEL(x[:, None])[0][:, 0], rtol=0, atol=1e-6)
+
+
+def test_a_refused_grpc_request_is_counted_while_decoded_and_let_go_at_once(monkeypatch):
+    """Its bytes count against --max-queued-bytes from before decoding (12 calls of 60 MiB
+    took the server 2.4 GB past a 1 GiB limit), and a refusal's traceback no longer keeps
+    its frames, and the message, in a cycle until a garbage collection."""
+    import gc
+    import tracemalloc
+
+    from leanrnn.serve import rpc
+    from leanrnn.serve.errors import InvalidRequest
+
+    events = []
+    decode = rpc.decode
+    monkeypatch.setattr(rpc, "decode", lambda data: (events.append("decode"), decode(data))[1])
+
+    def parse(core, req):
+        raise InvalidRequest("refused")
+
+    monkeypatch.setattr(rpc, "parse", parse)
+
+    class Core(ServeCoreStub):
+        def reserve(self, n, mine=0):
+            events.append(("reserve", n))
+
+        def unreserve(self, n):
+            events.append(("unreserve", n))
+
+    class Aborted(Exception):
+        pass
+
+    class Context(GrpcContextStub):  # as grpc's: it keeps the error it raised
+        async def abort(self, code, details):
+            self.error = Aborted(details)
+            raise self.error
+
+    X = 8 << 20
+
+    def call():
+        req = pb.ModelInferRequest(model_name="m")
+        req.raw_input_contents.append(bytes(X))
+        box = [req.SerializeToString()]  # handed over, not kept: as grpc's (Cython) caller
+        del req
+        n = len(box[0])
+
+        async def main():
+            with pytest.raises(Aborted):
+                await rpc.Servicer(Core()).ModelInfer(box.pop(), Context())
+
+        return n, main
+
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        n, main = call()
+        asyncio.run(main())
+        del main
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert events[:2] == [("reserve", n), "decode"] and events[-1] == ("unreserve", n), events
+    assert held < X / 2, f"{held / X:.2f} x the request held after its refusal"

@@ -43,6 +43,10 @@ _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 # each take ~1.2 ms a MiB (a 50 MiB answer held every other stream ~180 ms). Those past
 # core.INLINE bytes are read and written in a worker thread, with their parsing and encoding.
 RAW = ("ModelInfer", "ModelStreamInfer")
+# The most top-level fields of a request message, and parameters of one of its tensors (a
+# request has a handful of each); the most dimensions of an input (the models' take 2).
+MAX_FIELDS = 256
+MAX_DIMS = 8
 
 
 def _params(m) -> dict:
@@ -54,7 +58,10 @@ def _params(m) -> dict:
 
 
 def decode(data: bytes):
-    """The ModelInferRequest serialized in ``data``."""
+    """The ModelInferRequest serialized in ``data``, if it has at most MAX_FIELDS top-level
+    fields: a request has a few (its inputs, outputs, parameters and raw buffers), and 16 MiB
+    of empty ``outputs {}`` entries decoded into 2.4 GB and 12 s of Python before any check."""
+    _few_fields(data)
     try:
         return pb.ModelInferRequest.FromString(data)
     except DecodeError as e:  # (gRPC's own deserializer answered a bare INTERNAL)
@@ -63,8 +70,56 @@ def decode(data: bytes):
         ) from None
 
 
+def _few_fields(data: bytes) -> None:
+    """Refuse ``data`` if it holds more than MAX_FIELDS top-level protobuf fields, counted by
+    walking their tags and lengths (at most MAX_FIELDS steps; what is malformed is left to the
+    decoder to refuse)."""
+    i, end = 0, len(data)
+    for _ in range(MAX_FIELDS):
+        if i >= end:
+            return
+        tag, i = _varint(data, i)
+        kind = tag & 7
+        if kind == 0:
+            _, i = _varint(data, i)
+        elif kind == 1:
+            i += 8
+        elif kind == 2:
+            size, i = _varint(data, i)
+            i += size
+        elif kind == 5:
+            i += 4
+        else:  # groups, or not protobuf at all: FromString says which
+            return
+    if i < end:
+        raise InvalidRequest(
+            f"[infer] the request has more than {MAX_FIELDS} top-level fields; a "
+            "ModelInferRequest has a handful (its inputs, outputs, parameters and raw buffers)"
+        )
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    """(value, next index) of the base-128 varint at ``data[i]`` (at most 10 bytes read)."""
+    value = shift = 0
+    for j in range(i, min(i + 10, len(data))):
+        value |= (data[j] & 0x7F) << shift
+        if data[j] < 0x80:
+            return value, j + 1
+        shift += 7
+    return value, len(data)  # (cut short: the walk ends, the decoder refuses it)
+
+
 def parse(core: Core, req) -> tuple:
     info = core.info(req.model_name, req.model_version)
+    # counted before any loop over them: a few MB of empty entries are millions of Python
+    # steps (and the 256 KiB parsed on the event loop held every other stream ~180 ms)
+    for what, got, have in (("inputs", req.inputs, info.inputs), ("outputs", req.outputs,
+                                                                      info.outputs)):  # fmt: skip
+        if len(got) > len(have):
+            raise InvalidRequest(
+                f"[infer] {len(got)} {what} listed; model {info.name!r} has {len(have)}: "
+                f"{sorted(have)}, each listed once at most"
+            )
     raw = req.raw_input_contents
     if raw and len(raw) != len(req.inputs):
         raise InvalidRequest(
@@ -75,6 +130,11 @@ def parse(core: Core, req) -> tuple:
     for i, t in enumerate(req.inputs):
         if t.name in tensors:
             raise InvalidRequest(f"[infer] input {clip(t.name)} appears twice")
+        if len(t.shape) > MAX_DIMS or len(t.parameters) > MAX_FIELDS:
+            raise InvalidRequest(
+                f"[infer] input {clip(t.name)} has {len(t.shape)} dimensions and "
+                f"{len(t.parameters)} parameters; at most {MAX_DIMS} and {MAX_FIELDS}"
+            )
         shape = check_input(info, t.name, t.datatype, list(t.shape))
         unsupported(t.parameters, f"input {t.name!r}")
         if raw and t.HasField("contents"):  # Triton refuses this too: which one was meant?
@@ -96,6 +156,9 @@ def parse(core: Core, req) -> tuple:
             # first (13x the message's size in memory, and 5x the time)
             tensors[t.name] = np.fromiter(values, info.dtype, len(values)).reshape(shape)
     for o in req.outputs:
+        if len(o.parameters) > MAX_FIELDS:
+            raise InvalidRequest(f"[infer] output {clip(o.name)} has {len(o.parameters)} "
+                                 f"parameters; at most {MAX_FIELDS}")  # fmt: skip
         unsupported(o.parameters, f"output {clip(o.name)}")
     outputs = [o.name for o in req.outputs] or None
     return info, assemble(info, req.id, _params(req.parameters), tensors, outputs, {})
@@ -146,8 +209,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.core = core
 
     async def _refuse(self, context, e: ServeError):
-        """Count ``e`` and abort the call with its code (raises: the call ends here)."""
+        """Count ``e`` and abort the call with its code (raises: the call ends here). ``e``'s
+        traceback is dropped first: grpc's AbortError, raised while ``e`` is handled, and the
+        call's context form a cycle with it, which kept the frames of a refused request, and
+        its message, until a garbage collection (+120-180 MiB per refused 60 MiB call)."""
         self.core.error(e, "grpc")
+        e.with_traceback(None)
         await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
 
     async def _enter(self, context) -> None:
@@ -220,13 +287,32 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await self._guard(context, fn)
 
+    async def _read(self, data: bytes, ids: list) -> tuple:
+        """(info, parsed) of one serialized request; ``ids`` gets its (model_name, id) once
+        decoded. Its bytes count against --max-queued-bytes while it is decoded and parsed,
+        as an HTTP body's do while read (past it: RESOURCE_EXHAUSTED before any decoding; 12
+        calls of 60 MiB took the server 2.4 GB past a 1 GiB limit). Only x, a copy, outlives
+        this: the decoded message (the request's size again) goes with the frame."""
+        n = len(data)
+        self.core.reserve(n)
+        try:
+            t0 = time.perf_counter()
+            request = await off_loop(n, decode, data)
+            ids[:] = (request.model_name, request.id)
+            info, p = await off_loop(n, parse, self.core, request)
+            self.core.io(info.name, "compute_input", time.perf_counter() - t0)
+            return info, p
+        finally:
+            self.core.unreserve(n)
+
     async def ModelInfer(self, data: bytes, context):
         async def fn():
-            t0 = time.perf_counter()
-            request = await off_loop(len(data), decode, data)
-            info, p = await off_loop(len(data), parse, self.core, request)
-            del request  # (x is a copy: the decoded message, the request's size again, goes)
-            self.core.io(info.name, "compute_input", time.perf_counter() - t0)
+            # the message leaves this call's frames at once: a refusal's AbortError, in a
+            # cycle with the call's context, keeps them until a garbage collection
+            nonlocal data
+            mine, data = data, None
+            info, p = await self._read(mine, [])
+            del mine
             values, release = await self.core.infer_held(p, "grpc")
             # the request's bytes count until the call is over: its answer written to the
             # transport (gRPC's flow control: a client that does not read holds it), or gone
@@ -342,22 +428,18 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     nxt = None
                     last[0] = loop.time()
                     cost = len(data)
-                    ids = request = None
+                    ids: list = []
                     try:
-                        t0 = time.perf_counter()
-                        request = await off_loop(len(data), decode, data)
-                        ids = (request.model_name, request.id)
-                        info, p = await off_loop(len(data), parse, self.core, request)
-                        self.core.io(info.name, "compute_input", time.perf_counter() - t0)
+                        info, p = await self._read(data, ids)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         item = (info, p)
                     except ServeError as e:
-                        item = e
-                    data = request = None
+                        item = e.with_traceback(None)  # (its frames held the message)
+                    data = None
                     account(1, cost)
                     # submitted in arrival order: the task submits before its first await,
                     # and runs before the next request is read
-                    task = asyncio.ensure_future(one(ids, item, cost))
+                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     await asyncio.sleep(0)
