@@ -30,6 +30,11 @@ async def off_loop(nbytes: int, fn, *args):
     return fn(*args) if nbytes <= INLINE else await asyncio.to_thread(fn, *args)
 
 
+def nbytes(values: dict[str, np.ndarray]) -> int:
+    """The bytes of an answer's arrays (what decides where it is encoded: INLINE)."""
+    return sum(a.nbytes for a in values.values())
+
+
 def hostport(host: str, port: int) -> str:
     """'HOST:PORT', an IPv6 address in brackets ('[::1]:8001'): gRPC read '::1:0' as the
     address ::0.1.0.0 on its default port, and clients need the brackets too."""

@@ -147,6 +147,18 @@ def flag(params: dict, key: str, default: bool, whose: str = "") -> bool:
     return v
 
 
+def check_listed(info: ModelInfo, inputs: int, outputs: int) -> None:
+    """A model has a handful of inputs and outputs, each listed once at most: a request listing
+    more is refused before any loop over them (600,000 requested outputs in 15 KB of gzip held
+    the event loop for 2.7 s; 16 MiB of empty gRPC ``outputs {}`` entries took 12 s)."""
+    for what, n, have in (("inputs", inputs, info.inputs), ("outputs", outputs, info.outputs)):
+        if n > len(have):
+            raise InvalidRequest(
+                f"[infer] {n} {what} listed; model {info.name!r} has {len(have)}: "
+                f"{sorted(have)}, each listed once at most"
+            )
+
+
 def unsupported(params: dict, what: str) -> None:
     """Refuse the parameters of protocol extensions this server does not implement (nor list
     in its metadata) on an input or requested output (``what``: "output 'y'"): a requested

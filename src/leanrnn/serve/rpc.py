@@ -26,9 +26,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from .core import Core, hostport, off_loop
+from .core import Core, hostport, nbytes, off_loop
 from .errors import InvalidRequest, ServeError, Unavailable
-from .protocol import EXTENSIONS, VERSION, assemble, check_input, clip, from_bytes, unsupported
+from .protocol import (
+    EXTENSIONS,
+    VERSION,
+    assemble,
+    check_input,
+    check_listed,
+    clip,
+    from_bytes,
+    unsupported,
+)
 from .scheduler import request_bytes
 
 pb = service_pb2
@@ -111,15 +120,7 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 
 def parse(core: Core, req) -> tuple:
     info = core.info(req.model_name, req.model_version)
-    # counted before any loop over them: a few MB of empty entries are millions of Python
-    # steps (and the 256 KiB parsed on the event loop held every other stream ~180 ms)
-    for what, got, have in (("inputs", req.inputs, info.inputs), ("outputs", req.outputs,
-                                                                      info.outputs)):  # fmt: skip
-        if len(got) > len(have):
-            raise InvalidRequest(
-                f"[infer] {len(got)} {what} listed; model {info.name!r} has {len(have)}: "
-                f"{sorted(have)}, each listed once at most"
-            )
+    check_listed(info, len(req.inputs), len(req.outputs))
     raw = req.raw_input_contents
     if raw and len(raw) != len(req.inputs):
         raise InvalidRequest(
@@ -318,7 +319,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             # transport (gRPC's flow control: a client that does not read holds it), or gone
             context.add_done_callback(lambda _: release())
             t0 = time.perf_counter()
-            res = await off_loop(_nbytes(values), answer, info, p, values)
+            res = await off_loop(nbytes(values), answer, info, p, values)
             self.core.io(info.name, "compute_output", time.perf_counter() - t0)
             return res
 
@@ -382,7 +383,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 # submits before its first await: the pump lets it run before the next request
                 values, release = await self.core.infer_held(p, "grpc")
                 t0 = time.perf_counter()
-                res = await off_loop(_nbytes(values), answer, info, p, values, True)
+                res = await off_loop(nbytes(values), answer, info, p, values, True)
                 self.core.io(info.name, "compute_output", time.perf_counter() - t0)
             except ServeError as e:
                 self.core.error(e, "grpc")
@@ -487,10 +488,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 def _taken(f: asyncio.Future) -> None:
     if not f.cancelled():
         f.exception()
-
-
-def _nbytes(values: dict[str, np.ndarray]) -> int:
-    return sum(a.nbytes for a in values.values())
 
 
 def _nothing() -> None:
