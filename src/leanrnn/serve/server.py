@@ -193,9 +193,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     """Serve until SIGTERM/SIGINT. ``loaded``: {name: model} already loaded, or a callable
     returning it, called once the HTTP port is bound (a taken port fails before a long load);
     None: the files of config.models, loaded plainly."""
-    import uvicorn  # noqa: F401 (here: not installed fails before a long load and tuning)
+    import uvicorn  # (here: not installed fails before a long load and tuning)
 
-    from .http import make_app  # noqa: F401 (starlette, likewise)
+    from .http import make_app  # (starlette, likewise)
 
     check_addresses(config)
     _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
@@ -223,82 +223,77 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
             from . import rpc
 
             grpc_server, grpc_port, health = await rpc.start(
-                core, config.host, config.grpc_port, config.max_request_bytes, backstop)  # fmt: skip
+                core, config.host, config.grpc_port, config.max_request_bytes, backstop
+            )
     except BaseException:
         sock.close()
         raise
-    try:
-        await _run(config, core, scheduler, metrics, sock, backstop, grpc_server, grpc_port,
-                   health, http_port, t0, ready_line)  # fmt: skip
-    finally:  # (also when interrupted before the signal handlers are in: Ctrl-C while starting)
+    try:  # (the finally also when interrupted before the signal handlers are in: Ctrl-C
+        # while starting)
+        loop = asyncio.get_running_loop()
+        scheduler.start()
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # ours below: drain first, then stop the transports
+                yield
+
+        ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
+                              lifespan="off", log_level="warning",
+                              limit_concurrency=backstop,
+                              http=_timed(config.read_timeout),
+                              timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
+        http_server = _Server(ucfg)
+        stopping = asyncio.Event()
+
+        async def shutdown(signame: str) -> None:
+            if stopping.is_set():
+                return
+            stopping.set()
+            _log.info(
+                "shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}}
+            )
+            core.draining = True
+            finished = False
+            try:  # (whatever fails here, the server still exits: half-stopped, it answered 503s)
+                core.cut_bodies()
+                if health is not None:
+                    await health.shutdown()
+                finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
+                # what did not run within the grace period fails now as UNAVAILABLE (503): left
+                # pending, uvicorn cancelled its handlers a second grace period later (plain-text
+                # 500s)
+                await loop.run_in_executor(None, scheduler.stop)
+                await asyncio.sleep(0.05)  # let the last responses leave
+                if grpc_server is not None:
+                    await grpc_server.stop(grace=1.0)
+            finally:
+                http_server.should_exit = True
+                _log.info("drained", extra={"fields": {"all_finished": finished}})
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(shutdown(s.name)))
+        serving = asyncio.ensure_future(http_server.serve(sockets=[sock]))
+        while not http_server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        core.ready = True
+        if health is not None and not stopping.is_set():
+            await health.set(True)
+        fields = {
+            "http": hostport(config.host, http_port),
+            "grpc": hostport(config.host, grpc_port) if grpc_port else None,
+            "models": sorted(core.infos),
+            "startup_s": round(time.monotonic() - t0, 2),
+        }
+        _log.info("ready", extra={"fields": fields})
+        ready_line(f"leanrnn serve: ready http={fields['http']}"
+                   + (f" grpc={fields['grpc']}" if grpc_port else ""))  # fmt: skip
+        await serving
+    finally:
         scheduler.stop()
         sock.close()  # (uvicorn's, once it serves; closing twice is nothing)
         if grpc_server is not None:
             await grpc_server.stop(grace=None)
-
-
-async def _run(config, core, scheduler, metrics, sock, backstop, grpc_server, grpc_port, health,
-               http_port, t0, ready_line) -> None:  # fmt: skip
-    """serve_async's second half: the scheduler and the HTTP server running until a signal's
-    shutdown has drained them."""
-    import uvicorn
-
-    from .http import make_app
-
-    loop = asyncio.get_running_loop()
-    scheduler.start()
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # ours below: drain first, then stop the transports
-            yield
-
-    ucfg = uvicorn.Config(make_app(core, metrics), log_config=None, access_log=False,
-                          lifespan="off", log_level="warning",
-                          limit_concurrency=backstop,
-                          http=_timed(config.read_timeout),
-                          timeout_graceful_shutdown=max(1, int(config.grace)))  # fmt: skip
-    http_server = _Server(ucfg)
-    stopping = asyncio.Event()
-
-    async def shutdown(signame: str) -> None:
-        if stopping.is_set():
-            return
-        stopping.set()
-        _log.info("shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}})
-        core.draining = True
-        finished = False
-        try:  # (whatever fails here, the server still exits: half-stopped, it answered 503s)
-            core.cut_bodies()
-            if health is not None:
-                await health.shutdown()
-            finished = await loop.run_in_executor(None, scheduler.drain, config.grace)
-            # what did not run within the grace period fails now as UNAVAILABLE (503): left
-            # pending, uvicorn cancelled its handlers a second grace period later (plain-text
-            # 500s)
-            await loop.run_in_executor(None, scheduler.stop)
-            await asyncio.sleep(0.05)  # let the last responses leave
-            if grpc_server is not None:
-                await grpc_server.stop(grace=1.0)
-        finally:
-            http_server.should_exit = True
-            _log.info("drained", extra={"fields": {"all_finished": finished}})
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(shutdown(s.name)))
-    serving = asyncio.ensure_future(http_server.serve(sockets=[sock]))
-    while not http_server.started and not serving.done():
-        await asyncio.sleep(0.01)
-    core.ready = True
-    if health is not None and not stopping.is_set():
-        await health.set(True)
-    fields = {"http": hostport(config.host, http_port),
-              "grpc": hostport(config.host, grpc_port) if grpc_port else None,
-              "models": sorted(core.infos), "startup_s": round(time.monotonic() - t0, 2)}  # fmt: skip
-    _log.info("ready", extra={"fields": fields})
-    ready_line(f"leanrnn serve: ready http={fields['http']}"
-               + (f" grpc={fields['grpc']}" if grpc_port else ""))  # fmt: skip
-    await serving
 
 
 def _timed(timeout: float):
