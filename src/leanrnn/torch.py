@@ -85,6 +85,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
@@ -759,11 +760,9 @@ def _no_tangents(name: str, tensors) -> None:
     """Refuse forward-mode AD: _EagerRNN.jvp refuses it, but only where the forward runs the
     autograd Function (some input requires grad); without, a dual input's tangent was dropped
     (no_grad, frozen parameters: the output had none, and nothing said so)."""
-    from torch.autograd import forward_ad
-
-    if getattr(forward_ad, "_current_level", -1) < 0:  # no dual level open: nothing to carry
+    if getattr(_forward_ad, "_current_level", -1) < 0:  # no dual level open: nothing to carry
         return
-    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+    if any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         raise NotImplementedError(_FORWARD_AD.format(name))
 
 

@@ -440,8 +440,8 @@ def _lstm_projected(cell, u, s, n, t, N, hp, hn, xw, xw_bf_T, K, gates, slot, h_
 
 def _lstm(
     xw, xw_bf_T, Rt, K, peep, use_peep, proj, P, H, h_a, h_b, c, slot, h_store, gates, hfull,
-    lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q, bf16_act, me,
-    parts, sync,
+    lengths, T, reverse, y, y_off, y_bf_T, acts, alphas, betas, input_forget, consts, keep, q,
+    bf16_act, me, parts, sync,
 ):  # fmt: skip
     # The common case (PyTorch's LSTM) as one fused loop per unit block: all four gates, the
     # cell and the hidden update in registers, one vector pass — no per-gate passes.
