@@ -88,31 +88,51 @@ class TensorInfo:
 @dataclass
 class Node:
     """One op. ``op`` is the ONNX operator name (the op vocabulary), ``inputs`` use "" for an
-    absent optional input, ``attrs`` holds JSON values only (ints, floats, strings, lists)."""
+    absent optional input, ``attrs`` holds JSON values only (ints, floats, strings, lists).
+
+    Control flow is flat: ONNX's ``If`` is one node whose inputs are its condition, then its
+    then-branch's outputs, then its else-branch's (``1 + 2 * len(outputs)`` inputs), and the
+    branches' nodes sit in the graph before it, each with ``when``: the (condition tensor,
+    truth) pairs under which it runs, outermost first. Conditions must be known when a run is
+    planned (computed from input shapes and constants: the exporters' "squeeze this dim if it
+    is 1"), so a plan holds the taken branch's nodes only and the If's outputs are views of
+    that branch's."""
 
     op: str
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attrs: dict = field(default_factory=dict)
+    when: tuple[tuple[str, bool], ...] = ()
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "op": self.op,
             "name": self.name,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "attrs": self.attrs,
         }
+        if self.when:  # (absent for every unconditional node: files without If are unchanged)
+            d["when"] = [[c, t] for c, t in self.when]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> Node:
+        when = d.get("when") or []
+        if not isinstance(when, list) or not all(
+            isinstance(w, list) and len(w) == 2 and isinstance(w[0], str) and w[0]
+            and isinstance(w[1], bool) for w in when
+        ):  # fmt: skip
+            raise ValueError(f"node {d.get('name')!r} has when={when!r}; expected "
+                             "[[condition name, true|false], ...]")  # fmt: skip
         return Node(
             str(d["op"]),
             str(d["name"]),
             tuple(str(s) for s in d["inputs"]),
             tuple(str(s) for s in d["outputs"]),
             dict(d.get("attrs") or {}),
+            tuple((c, t) for c, t in when),
         )
 
 

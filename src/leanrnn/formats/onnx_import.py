@@ -491,32 +491,7 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     defined = set(constants) | set(lazy) | {t.name for t in inputs}
     nodes: list[Node] = []
     seen_names: set[str] = set()
-    for i, n in enumerate(g.node):
-        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
-        name = n.name or f"{n.op_type}_{i}"
-        while name in seen_names:
-            name = f"{name}_{i}"
-        seen_names.add(name)
-        where = f"node {name!r} ({op})"
-        check_node_io(f"[load_onnx] {where}", n.input, n.output, defined)
-        if op == "Constant":
-            if len(n.output) != 1 or not n.output[0]:
-                raise ModelFormatError(f"[load_onnx] {where} must have exactly one output")
-            constants[n.output[0]] = _constant_node(n, reader, where)
-            defined.add(n.output[0])
-            continue
-        attrs = _attrs(n, reader, where)
-        if op == "Cast" and "to" in attrs:
-            attrs["to"] = np_dtype(int(attrs["to"]), f"{where} attribute 'to'").name
-        if op == "ConstantOfShape" and "value" in attrs:
-            v = attrs["value"]
-            if not isinstance(v, dict) or len(v["values"]) != 1:
-                raise ModelFormatError(f"[load_onnx] {where}: value must be a one-element tensor")
-        node = Node(op, name, tuple(n.input), tuple(n.output), attrs)
-        if op in RNN_OPS:
-            node.attrs = rnn_attrs(op, attrs, where)
-        nodes.append(node)
-        defined |= {o for o in n.output if o}
+    _add_nodes(g.node, {}, (), "", nodes, constants, defined, seen_names, reader)
     for t in outputs:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
@@ -531,6 +506,97 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     for k in sorted(k for k in lazy if k in read):
         graph.constants[k] = lazy[k].read()
     return graph
+
+
+def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, constants: dict,
+               defined: set, seen_names: set, reader: _Reader) -> None:  # fmt: skip
+    """Convert ``protos`` (a graph's or a branch's nodes) into ``nodes``. ``rename`` maps a
+    branch's own tensor names to graph-unique ones (names from outer scopes stay as they are);
+    ``when`` is the conditions the nodes run under, ``prefix`` goes before their names (a
+    branch's nodes are named under their If). An If's branches are flattened in front of
+    it (see ``ir.Node``)."""
+    for i, n in enumerate(protos):
+        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
+        name = prefix + (n.name or f"{n.op_type}_{i}")
+        while name in seen_names:
+            name = f"{name}_{i}"
+        seen_names.add(name)
+        where = f"node {name!r} ({op})"
+        ins = tuple(rename.get(x, x) for x in n.input)
+        for o in n.output:  # a branch's outputs get names no other tensor has
+            if o and when:
+                fresh = f"{name}:{o}"
+                while fresh in defined:
+                    fresh += "'"
+                rename[o] = fresh
+        outs = tuple(rename.get(o, o) for o in n.output)
+        check_node_io(f"[load_onnx] {where}", ins, outs, defined)
+        if op == "Constant":
+            if len(outs) != 1 or not outs[0]:
+                raise ModelFormatError(f"[load_onnx] {where} must have exactly one output")
+            constants[outs[0]] = _constant_node(n, reader, where)
+            defined.add(outs[0])
+            continue
+        if op == "If":
+            _add_if(n, name, ins, outs, rename, when, nodes, constants, defined, seen_names,
+                    reader)  # fmt: skip
+            continue
+        attrs = _attrs(n, reader, where)
+        if op == "Cast" and "to" in attrs:
+            attrs["to"] = np_dtype(int(attrs["to"]), f"{where} attribute 'to'").name
+        if op == "ConstantOfShape" and "value" in attrs:
+            v = attrs["value"]
+            if not isinstance(v, dict) or len(v["values"]) != 1:
+                raise ModelFormatError(f"[load_onnx] {where}: value must be a one-element tensor")
+        node = Node(op, name, ins, outs, attrs, when)
+        if op in RNN_OPS:
+            node.attrs = rnn_attrs(op, attrs, where)
+        nodes.append(node)
+        defined |= {o for o in outs if o}
+
+
+def _add_if(n, name: str, ins, outs, rename: dict, when: tuple, nodes: list, constants: dict,
+            defined: set, seen_names: set, reader: _Reader) -> None:  # fmt: skip
+    """An ONNX If: each branch's initializers become constants and its nodes are added under
+    the condition (true for then_branch, false for else_branch), then one If node picks the
+    branch outputs. A branch's names are its own: renamed apart from every other scope's."""
+    from onnx import AttributeProto as A
+
+    where = f"node {name!r} (If)"
+    branches = {a.name: a.g for a in n.attribute if a.type == A.GRAPH}
+    if len(ins) != 1 or not ins[0] or set(branches) != {"then_branch", "else_branch"}:
+        raise ModelFormatError(
+            f"[load_onnx] {where} needs one condition input and then_branch and else_branch "
+            f"graphs; it has inputs {list(ins)} and graphs {sorted(branches)}"
+        )
+    picked = []
+    for key, truth in (("then_branch", True), ("else_branch", False)):
+        b = branches[key]
+        if len(b.output) != len(outs):
+            raise ModelFormatError(
+                f"[load_onnx] {where}: {key} has {len(b.output)} outputs; the If has {len(outs)}"
+            )
+        if len(b.input) or len(b.sparse_initializer):
+            raise ModelFormatError(f"[load_onnx] {where}: {key} declares inputs or sparse "
+                                   "initializers; an If's branches take neither")  # fmt: skip
+        inner = dict(rename)  # a branch sees the outer names, and its own apart
+        for t in b.initializer:
+            fresh = f"{name}/{key}:{t.name}"
+            while fresh in defined:
+                fresh += "'"
+            inner[t.name] = fresh
+            constants[fresh] = reader.array(t, f"{where} {key} initializer {t.name!r}")
+            defined.add(fresh)
+        _add_nodes(b.node, inner, (*when, (ins[0], truth)), f"{name}/{key}/", nodes,
+                   constants, defined, seen_names, reader)  # fmt: skip
+        got = [inner.get(o.name, o.name) for o in b.output]
+        for o in got:
+            if o not in defined:
+                raise ModelFormatError(f"[load_onnx] {where}: {key} output {o!r} is never "
+                                       "produced")  # fmt: skip
+        picked += got
+    nodes.append(Node("If", name, (ins[0], *picked), outs, {}, when))
+    defined |= set(outs)
 
 
 class _Lazy:

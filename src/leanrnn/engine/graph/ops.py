@@ -940,8 +940,39 @@ def _rnn_run(ctx, node, ins, outs, metas, tmp):
     return outs[: len(node.outputs)]
 
 
+# ---------------------------------------------------------------------------------- control
+def truth(node: Node, name: str, value) -> bool:
+    """The truth of condition ``name`` of ``node`` (an If, or a node of one's branch): a
+    one-element tensor known when the run is planned, or a ModelFormatError naming both."""
+    if value is None:
+        _fail(node, f"condition {name!r} depends on input values; leanrnn runs If only when its "
+              "condition comes from input shapes and constants (known when a run is planned)",
+              ModelFormatError)  # fmt: skip
+    v = np.asarray(value)
+    if v.size != 1:
+        _fail(node, f"condition {name!r} has shape {list(v.shape)}; expected one element",
+              ModelFormatError)  # fmt: skip
+    return bool(v.reshape(-1)[0])
+
+
+def taken_branch(node: Node, cond) -> list[Node]:
+    """An If node as the planned run holds it: one Identity (a view, no copy) per output, of
+    the taken branch's output. Named as the If, so the plan's per-node records name it."""
+    k = len(node.outputs)
+    srcs = node.inputs[1 : 1 + k] if truth(node, node.inputs[0], cond) else node.inputs[1 + k :]
+    return [
+        Node("Identity", node.name, (s,), (o,)) for s, o in zip(srcs, node.outputs, strict=True)
+    ]
+
+
+def _if_unexpanded(ctx, node, *args):
+    # GraphSession plans an If as its taken branch (taken_branch); nothing else may run one
+    _fail(node, "If is planned as its taken branch, never run as a node", ModelFormatError)
+
+
 # ------------------------------------------------------------------------------------ registry
 OPS: dict[str, OpDef] = {
+    "If": OpDef(_if_unexpanded, _if_unexpanded),
     **{k: OpDef(_unary_infer, _unary(f)) for k, f in _UNARY.items()},
     **{k: OpDef(_binary_infer, _binary(f)) for k, f in _BINARY.items()},
     "Softmax": OpDef(_softmax_infer, _softmax_run, _softmax_scratch),

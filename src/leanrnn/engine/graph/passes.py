@@ -65,6 +65,7 @@ def check(g: Graph) -> None:
                 f"{t.dtype!r}; expected a numeric or bool dtype"
             )
     defined = set(g.constants) | {t.name for t in g.inputs}
+    scope: dict[str, tuple] = {}  # the conditions a tensor is made under (none: always)
     names = set()
     for node in g.nodes:
         if node.op not in OPS:
@@ -77,15 +78,50 @@ def check(g: Graph) -> None:
             raise ModelFormatError(f"[load] two nodes are named {node.name!r}")
         names.add(node.name)
         check_node_io(f"[load] node {node.name!r} ({node.op})", node.inputs, node.outputs, defined)
+        _check_scope(node, scope, defined)
         defined |= {o for o in node.outputs if o}
+        scope.update((o, node.when) for o in node.outputs if o)
         if node.op in RNN_OPS:
             _check_rnn(g, node)
     for t in g.outputs:
         if t.name not in defined:
             raise ModelFormatError(f"[load] graph output {t.name!r} is never produced")
+        if scope.get(t.name):
+            raise ModelFormatError(f"[load] graph output {t.name!r} is made only in a branch")
     stray = sorted(set(g.packed) - {n.name for n in g.nodes if n.op in RNN_OPS})
     if stray:
         raise ModelFormatError(f"[load] packed weights for unknown RNN nodes {stray}")
+
+
+def _check_scope(node: Node, scope: dict[str, tuple], defined: set[str]) -> None:
+    """Branches as ``ir.Node`` lays them out: a node's conditions are defined before it, it
+    reads only what is made whenever it runs (a tensor made under conditions that begin its
+    own), and an If has a condition and each branch's outputs, read under that branch's
+    condition. A file that breaks this would read a tensor its plan never made."""
+    where = f"[load] node {node.name!r} ({node.op})"
+    for c, t in node.when:
+        if c not in defined or not isinstance(t, bool):
+            raise ModelFormatError(f"{where} runs when {c!r}, which no earlier node, input or "
+                                   "constant defines")  # fmt: skip
+    reads = [(i, node.when) for i in node.inputs if i]
+    if node.op == "If":
+        k = len(node.outputs)
+        if not k or len(node.inputs) != 1 + 2 * k or "" in node.inputs:
+            raise ModelFormatError(
+                f"{where} has {len(node.inputs)} inputs and {k} outputs; expected the "
+                "condition, then each branch's outputs (1 + 2 x outputs, none empty)"
+            )
+        c = node.inputs[0]
+        reads = [(c, node.when)] + [
+            (i, (*node.when, (c, j <= k))) for j, i in enumerate(node.inputs[1:], start=1)
+        ]
+    for i, runs in reads:
+        made = scope.get(i, ())
+        if tuple(runs[: len(made)]) != tuple(made):
+            raise ModelFormatError(
+                f"{where} reads {i!r}, which is made only when {list(made)}; the node runs "
+                f"when {list(runs)}"
+            )
 
 
 def _check_rnn(g: Graph, node: Node) -> None:
@@ -143,7 +179,14 @@ def fold(g: Graph, threads: int | None = None) -> None:
     alive = grown = 0
     keep = []
     for node in g.nodes:
-        if node.op in RNN_OPS or not all(i == "" or i in g.constants for i in node.inputs):
+        # If nodes and their branches' nodes wait for the plan: a branch not taken may not
+        # even be computable (a Squeeze of a dim that is not 1)
+        if (
+            node.op in RNN_OPS
+            or node.op == "If"
+            or node.when
+            or not all(i == "" or i in g.constants for i in node.inputs)
+        ):
             keep.append(node)
             continue
         if any(readers.get(o, 0) for o in node.outputs if o):
@@ -287,7 +330,7 @@ def prune(g: Graph) -> set[str]:
     for node in reversed(g.nodes):
         if any(o in needed for o in node.outputs):
             keep.append(node)
-            needed |= {i for i in node.inputs if i}
+            needed |= {i for i in node.inputs if i} | {c for c, _ in node.when}
     g.nodes = keep[::-1]
     for k in [k for k in g.constants if k not in needed]:
         del g.constants[k]
@@ -372,6 +415,14 @@ def classify(g: Graph, input_names: list[str]) -> tuple[dict[str, str], set[str]
             shape_nodes.add(node.name)
         else:
             k = "data"
+        conds = [c for c, _ in node.when] + ([node.inputs[0]] if node.op == "If" else [])
+        data = [c for c in conds if kind.get(c) == "data"]
+        if data:
+            raise UnsupportedOpError(
+                f"[load] node {node.name!r} ({node.op}) runs on condition {data[0]!r}, which "
+                "depends on input values; leanrnn runs If only when its condition comes from "
+                "input shapes and constants (known when a run is planned)"
+            )
         kind.update(dict.fromkeys((o for o in node.outputs if o), k))
     return kind, shape_nodes
 

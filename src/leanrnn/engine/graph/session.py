@@ -31,7 +31,18 @@ from ...threads import blas_controller
 from .. import _check, _fork
 from .._turn import Turn
 from ..session import Pool, Session
-from .ops import INPLACE_OPS, OPS, Ctx, Out, evaluate, guard, infer, rnn_computes_y
+from .ops import (
+    INPLACE_OPS,
+    OPS,
+    Ctx,
+    Out,
+    evaluate,
+    guard,
+    infer,
+    rnn_computes_y,
+    taken_branch,
+    truth,
+)
 from .passes import LoadedGraph
 from .quant_ops import BLAS_OPS as QUANT_BLAS_OPS
 
@@ -186,7 +197,26 @@ class GraphSession:
             pending_names.clear()
             pending_bytes = 0
 
-        for node in g.nodes:
+        def known(name: str):
+            # a condition's value, made now if it waits (a view of a large shape value)
+            if name in pending_names:
+                flush()
+            return values.get(name)
+
+        def planned_nodes():
+            # the nodes this run holds: a branch's only when its conditions hold (read in
+            # order, outermost first: an inner condition exists only inside its branch), an
+            # If as views of its taken branch's outputs. A generator, so each condition is
+            # read after the nodes before it have been evaluated.
+            for node in g.nodes:
+                if not all(truth(node, c, known(c)) == t for c, t in node.when):
+                    continue
+                if node.op == "If":
+                    yield from taken_branch(node, known(node.inputs[0]))
+                else:
+                    yield node
+
+        for node in planned_nodes():
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
             outs = infer(ctx, node, ins, vals)
