@@ -46,11 +46,33 @@ def rate(text: str) -> float:
 
 
 def out_file(text: str) -> str:
-    """argparse type: a file path whose directory exists (checked before training, not after)."""
+    """argparse type: a file path in an existing directory that takes a new file (checked
+    before training by making one there, not found out after it: a directory of /sys or
+    /proc passes every permission check as root, then refuses the write)."""
     parent = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text) or not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a file path in an existing directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: cannot write in {parent!r} ({e.strerror or e})"
+        ) from None
     return text
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")
+
+
+def plot_file(text: str) -> str:
+    """argparse type: ``out_file`` with a suffix matplotlib writes (``curve`` became
+    ``curve.png``, and ``curve.txt`` failed after training)."""
+    if not text.lower().endswith(PLOT_SUFFIXES):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected an image path ending in {', '.join(PLOT_SUFFIXES)}"
+        )
+    return out_file(text)
 
 
 def in_file(text: str) -> str:
@@ -69,7 +91,7 @@ def add_common_args(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--threads", type=count, default=2)
     p.add_argument("--lr", type=rate, default=None, help="Adam's learning rate")
     p.add_argument("--eval-every", type=count, default=None, help="steps between validations")
-    p.add_argument("--plot", type=out_file, metavar="PNG", help="write the loss curve(s) here")
+    p.add_argument("--plot", type=plot_file, metavar="PNG", help="write the loss curve(s) here")
     p.add_argument(
         "--json",
         type=out_file,
@@ -287,6 +309,10 @@ def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
         print("[compare] leanrnn.torch is not available here; skipping that engine",
               file=sys.stderr)  # fmt: skip
         engines.remove("leanrnn-torch")
+    if not engines:
+        raise SystemExit(f"[compare] --engines {args.engines!r}: no engine to run here; expected "
+                         f"a comma-separated subset of {', '.join(ENGINES)} (torch's need "
+                         "torch installed)")  # fmt: skip
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         init = args.init or os.path.join(tmp, "init.npz")
@@ -296,7 +322,9 @@ def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
             out = os.path.join(tmp, f"{e}.json")
             cmd = [sys.executable, script, "--engine", e, "--json", out, "--init", init, *rest]
             print(f"[compare] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-            subprocess.run(cmd, check=True)
+            code = subprocess.run(cmd).returncode
+            if code:  # its own error is printed above; a traceback of this process adds nothing
+                raise SystemExit(f"[compare] the {e} run failed (exit status {code})")
             records.append(json.loads(Path(out).read_text()))
     print(table(records))
     if args.json:
@@ -319,14 +347,27 @@ def init_arrays(
     if path:
         try:
             with np.load(path) as z:
+                if not hasattr(z, "files"):  # a .npy: one array, no names
+                    raise ValueError("a single array, not named arrays")
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError) as e:  # not an .npz (a pickle, a torch zip, text...)
-            raise SystemExit(f"[examples] --init {path}: cannot read it as .npz ({e}); expected "
-                             "torch-named arrays saved with np.savez") from None  # fmt: skip
+            # (numpy calls any file that is not .npy/.npz "pickled data", text included)
+            why = "not an .npz file" if "pickled" in str(e) else str(e)
+            raise SystemExit(f"[examples] --init {path}: cannot read it as .npz ({why}); "
+                             "expected torch-named arrays saved with np.savez") from None  # fmt: skip
         # np.load opens any zip, a torch checkpoint too, and hands back its members as bytes
         if not arrays or not all(isinstance(v, np.ndarray) for v in arrays.values()):
             raise SystemExit(f"[examples] --init {path} holds no arrays; expected torch-named "
                              "arrays (weight_ih_l0, ...) saved with np.savez")  # fmt: skip
+        # another model's weights (the other example's, other sizes) fail here, naming what
+        # differs, not deep in a framework's load_state_dict
+        want = {k: v.shape for k, v in make_numpy().items()}
+        got = {k: v.shape for k, v in arrays.items()}
+        if got != want:
+            diff = sorted(f"{k}: {got.get(k)} (expected {want.get(k)})"
+                          for k in set(got) | set(want) if got.get(k) != want.get(k))  # fmt: skip
+            raise SystemExit(f"[examples] --init {path} does not fit this model and its options: "
+                             f"{'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}")  # fmt: skip
         return arrays
     if engine != "numpy":
         return make_torch()

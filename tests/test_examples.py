@@ -143,3 +143,32 @@ def test_compare_runs_engines_in_processes_and_plots(runs, tmp_path):
     assert [r[1].strip() for r in rows] == ["leanrnn numpy-only"], out.stdout
     assert float(rows[0][3]) == pytest.approx(rec["val_loss"][-1], abs=1e-4)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--plot", "/proc/curve.png"], "cannot write in '/proc'"),
+        (["--json", "/proc/record.json"], "cannot write in '/proc'"),
+        (["--plot", "{tmp}/curve.txt"], "expected an image path ending in .png"),
+        (["--plot", "{tmp}/curve"], "expected an image path ending in .png"),
+        (["--compare", "--engines", ","], "no engine to run here"),
+        (["--init", "{tmp}/text.npz"], "not an .npz file"),
+        (["--init", "{tmp}/other.npz"], "does not fit this model"),
+    ],
+)
+def test_bad_options_end_in_one_line_before_training(extra, message, tmp_path, capsys):
+    """Session 39: each of these ran the whole training and then died in a traceback (an
+    unwritable or unsupported --plot/--json path, matplotlib's format error, an IndexError
+    for no engines), or trained into a framework's traceback (another model's --init), or
+    called a text file "pickled data". Now each is one line, before any training step."""
+    (tmp_path / "text.npz").write_text("not arrays\n")
+    np.savez(tmp_path / "other.npz", **{"rnn.weight_ih_l0": np.zeros((3, 3), np.float32)})
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in [*TINY["char_lm"], *extra]]
+    mod = _load("char_lm")
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    said = str(e.value.code) + capsys.readouterr().err
+    assert message in said
+    assert "Traceback" not in said
+    assert not list(tmp_path.glob(".write-test-*"))

@@ -117,6 +117,10 @@ class PackedWeights:
             raise DTypeError(f"[pack] dtype {self.dtype}; expected float32 or float64")
         check_precision(precision, self.dtype, "pack")
         self.precision = precision
+        # Bumped by a writer of the values (a Trainer whose parameters an optimizer stepped),
+        # so every other holder of state derived from them (a second Trainer over the same
+        # model: its dense copies and bf16 rounding) knows to remake it
+        self.generation = 0
         H, P = spec.hidden_size, spec.proj_size
         K = spec.output_size
         self.B = B

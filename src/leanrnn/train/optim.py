@@ -6,8 +6,9 @@ Why in place, on flat arrays: the training session hands out its packed weight b
 (`Parameter.value`) and a gradient buffer of the same layout (`Parameter.grad`), so an optimizer
 step must write into those very arrays; nothing is repacked. The packed layout has padding
 entries, whose weight and gradient are zero; every update below maps (value 0, grad 0) to 0 with
-all-zero state (SGD: 0 - lr*0; Adam: m = v = 0, so 0/(0 + eps) = 0; AdamW's decay 0*(1 - lr*wd)
-= 0), so padding stays zero under every optimizer. `Parameter.version` counts the steps that
+all-zero state (SGD: 0 - lr*0; Adam: m = v = 0, so 0/(0 + eps) = 0, and with eps = 0 an entry
+whose denominator is 0 is not moved; AdamW's decay 0*(1 - lr*wd) = 0), so padding stays zero
+under every optimizer. `Parameter.version` counts the steps that
 wrote a value (torch's `_version`), so the session knows to refresh what it derived from them.
 
 The math, written once (theta value, g gradient, lr, wd weight decay, t step count from 1):
@@ -112,7 +113,9 @@ class Parameter:
         update it in place, and so may a caller, through ``edit()`` (rebinding it is not
         allowed: the owner holds views of it).
     grad: [value.shape] value.dtype; gradients accumulate into it (zeros when not given); may
-        be replaced by another array of the same shape and dtype, never aliasing value.
+        be replaced by another array of the same shape and dtype, never aliasing value, except
+        on a Trainer's parameters, whose grad is the trainer's own buffer (backward writes
+        there: write into it in place instead).
     name: a label used in error messages.
     logical_shape: the shape the array stands for (a Trainer's packed panels: torch's
         ``weight_ih_l0`` shape, etc.; default ``value.shape``): an optimizer's state dict
@@ -210,6 +213,14 @@ class Parameter:
 
     @grad.setter
     def grad(self, grad: np.ndarray) -> None:
+        if self._owner is not None and grad is not self._grad:
+            # backward accumulates into the trainer's gradient buffer, of which _grad is a
+            # view: a replaced array would never see a gradient and every step would be 0
+            raise LayoutError(
+                f"[Parameter] grad of {self._label()} is a view of its trainer's gradient "
+                "buffer, which backward writes; it cannot be replaced. Write into it in place "
+                "(p.grad[...] = g), or zero it with zero_grad()"
+            )
         self._grad = self._checked_grad(grad)
 
     @property
@@ -220,13 +231,16 @@ class Parameter:
     def dtype(self) -> np.dtype:
         return self._value.dtype
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Set the gradient to zero in place (the buffer is caller-owned, never set to None).
-        A trainer's parameter is then skipped by optimizer steps until a backward writes its
-        gradient again, as torch skips a parameter whose grad zero_grad set to None; a
-        parameter of your own keeps stepping on what you write into its gradient."""
+        With ``set_to_none`` (torch's default), a trainer's parameter is then skipped by
+        optimizer steps until a backward writes its gradient again, as torch skips a
+        parameter whose grad zero_grad set to None; without it the next step applies to the
+        zeros (momentum, weight decay), as torch's does. A parameter of your own keeps
+        stepping on what you write into its gradient."""
+        _bool("Parameter.zero_grad", "set_to_none", set_to_none)
         self._grad.fill(0)
-        self._stale = self._owner is not None
+        self._stale = set_to_none and self._owner is not None
 
     def __repr__(self) -> str:
         return (
@@ -548,12 +562,12 @@ class _Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every parameter's gradient in place. The buffers belong to the caller, so they
-        are never replaced by None; what torch's ``set_to_none=True`` (its default) means for
-        a step, that a parameter with no backward since is skipped, holds for a trainer's
-        parameters either way (``Parameter.zero_grad``)."""
+        are never replaced by None; what torch's ``set_to_none`` means for the next step
+        holds for a trainer's parameters: with True (the default) one with no backward since
+        is skipped, with False it steps on the zeros (``Parameter.zero_grad``)."""
         _bool(f"{type(self).__name__}.zero_grad", "set_to_none", set_to_none)
         for p in self._params:
-            p.zero_grad()
+            p.zero_grad(set_to_none)
 
     def step(self, closure: Any = None) -> Any:
         """One update of every parameter from its current gradient; bumps ``version``.
@@ -998,7 +1012,13 @@ class Adam(_Optimizer):
         np.divide(d, bias_correction2_sqrt, out=d)
         np.add(d, eps, out=d)
         np.multiply(m, -step_size, out=tmp)
-        np.divide(tmp, d, out=tmp)
+        if eps == 0:
+            # 0/0 where every gradient so far was 0 (m = v = 0): torch writes NaN there and the
+            # next forward spreads it to every weight. A trainer's padding is such an entry on
+            # every step: it is left unmoved (tmp holds -step_size * 0), as any eps > 0 leaves it
+            np.divide(tmp, d, out=tmp, where=d != 0)
+        else:
+            np.divide(tmp, d, out=tmp)
         np.add(theta, tmp, out=theta)
 
 

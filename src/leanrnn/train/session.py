@@ -258,7 +258,8 @@ class Trainer:
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled trainer
         # (trainers pickled before autocast existed computed in float32)
-        state = {"_autocast": None, "_bf16": None, "_bf16_version": -1, **state}
+        state = {"_autocast": None, "_bf16": None, "_bf16_version": -1, "_generation": -1,
+                 **state}  # fmt: skip
         for old, now in _SETTINGS_BEFORE_PROPERTIES:  # (pickled before they were properties)
             if old in state:
                 state[now] = state.pop(old)
@@ -403,12 +404,13 @@ class Trainer:
         """The trainable tensors (views of the packed weights and of ``grad``), for an optimizer."""
         return self._params
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; until the next backward an optimizer's step skips these
-        parameters (Parameter.zero_grad), as torch's does after zero_grad."""
+        parameters, as torch's does after zero_grad (with ``set_to_none=False`` it steps on
+        the zeros, as torch's: Parameter.zero_grad)."""
         self.grad.buffer[:] = 0
         for p in self._params:
-            p._stale = True
+            p.zero_grad(set_to_none)
 
     def release(self, tape: Tape) -> None:
         """Done with an own-memory tape (``forward(own_memory=True)``) and everything read from
@@ -432,6 +434,7 @@ class Trainer:
                 fold_biases(self.spec, pl)
         self._dense = {}
         self._seen = [p.version for p in self._params]
+        self._generation = self.weights.generation
         self._version += 1
 
     def _forward_weights(self, autocast: str | None) -> PackedWeights:
@@ -492,8 +495,19 @@ class Trainer:
         return next((g for g in (4, 2) if -(-groups // g) >= threads), 1)
 
     def _check_weights(self) -> None:
+        """Refresh what is derived from the weights if they changed: through this trainer's
+        parameters (then every other trainer over the same model is told, through the
+        weights' generation: its dense copies and bf16 rounding were silently stale) or
+        through another trainer's."""
         if [p.version for p in self._params] != self._seen:
+            self.weights.generation += 1
+        if self._weights_changed():
             self._refresh()
+
+    def _weights_changed(self) -> bool:
+        return [
+            p.version for p in self._params
+        ] != self._seen or self.weights.generation != self._generation
 
     # ------------------------------------------------------------------ forward
     @_one_at_a_time
@@ -1077,7 +1091,7 @@ class Trainer:
             raise TapeError(f"[{op}] this tape was released (Trainer.release); run forward again")
         if tape.used:
             raise TapeError(f"[{op}] backward already ran on this tape; run forward again")
-        if tape._version != self._version or [p.version for p in self._params] != self._seen:
+        if tape._version != self._version or self._weights_changed():
             raise TapeError(f"[{op}] the weights changed since this tape's forward (an optimizer "
                             "step?); run forward again")  # fmt: skip
         sv = tape._saved

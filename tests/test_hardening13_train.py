@@ -1,0 +1,117 @@
+"""Session 39: the numpy-only training workflow used over a whole project (a red-team pass);
+every case failed before its fix. Oracles: a fresh Trainer on the same weights, torch.optim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn.errors import LayoutError
+from leanrnn.train import SGD, Adam, AdamW, Trainer
+from leanrnn.train.session import TapeError
+
+F32 = np.float32
+
+
+def _x(seed=0, shape=(6, 3, 4), dtype=F32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _step(tr, x):
+    t = tr.forward(x)
+    return t, tr.backward(t, np.ones_like(t.y))
+
+
+@pytest.mark.parametrize("autocast", [None, "bf16"])
+def test_second_trainer_over_one_model_sees_the_first_ones_steps(autocast):
+    """Two Trainers over one model share its packed weights. Steps through A left B on its
+    old dense copies (backward) and bf16 rounding (forward): B's gradients were 0.25 off a
+    fresh trainer's, and under autocast its outputs 1.36 off."""
+    m = leanrnn.LSTM(4, 5, seed=0)
+    x = _x()
+    A, B = Trainer(m), Trainer(m, autocast=autocast)
+    _step(B, x)  # B has derived its copies from the first weights
+    opt = SGD(A.parameters(), lr=0.5)
+    for _ in range(3):
+        A.zero_grad()
+        _step(A, x)
+        opt.step()
+    fresh = Trainer(leanrnn.from_state_dict(m.state_dict()), autocast=autocast)
+    B.zero_grad()
+    tb, (dxb, dhb, dcb) = _step(B, x)
+    tf, (dxf, dhf, dcf) = _step(fresh, x)
+    np.testing.assert_array_equal(tb.y, tf.y)
+    np.testing.assert_array_equal(dxb, dxf)
+    np.testing.assert_array_equal(B.grad.buffer, fresh.grad.buffer)
+
+
+def test_a_tape_taken_before_another_trainers_step_is_refused():
+    """torch refuses a backward through weights changed in place since the forward."""
+    m = leanrnn.GRU(4, 5, seed=0)
+    x = _x(1)
+    A, B = Trainer(m), Trainer(m)
+    tape = B.forward(x)
+    _step(A, x)
+    SGD(A.parameters(), lr=0.1).step()
+    with pytest.raises(TapeError, match="weights changed"):
+        B.backward(tape, np.ones_like(tape.y))
+
+
+@pytest.mark.parametrize("cls", [Adam, AdamW])
+def test_adam_eps_zero_keeps_the_padding_and_the_model_finite(cls):
+    """eps=0 (torch accepts it): 0/0 wrote NaN into every padding entry on the first step,
+    and the next forward spread it to every weight. Against torch.optim step by step."""
+    torch = pytest.importorskip("torch")
+    tm = torch.nn.LSTM(4, 5).double()
+    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    tr = Trainer(m)
+    opt = cls(tr.parameters(), lr=1e-2, eps=0.0)
+    topt = getattr(torch.optim, cls.__name__)(tm.parameters(), lr=1e-2, eps=0.0)
+    x = _x(2, dtype=np.float64)
+    for _ in range(3):
+        tr.zero_grad()
+        _step(tr, x)
+        opt.step()
+        topt.zero_grad()
+        tm(torch.from_numpy(x))[0].sum().backward()
+        topt.step()
+    for p in tr.parameters():
+        assert np.isfinite(p.value).all()
+    for k, v in tm.state_dict().items():
+        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_replacing_a_trainers_parameter_grad_is_refused():
+    """The replaced array never saw a gradient (backward writes the trainer's buffer), so
+    every step moved the weights by 0, silently."""
+    tr = Trainer(leanrnn.GRU(4, 5, seed=0))
+    p = tr.parameters()[0]
+    with pytest.raises(LayoutError, match="cannot be replaced"):
+        p.grad = np.zeros_like(p.grad)
+    p.grad = p.grad  # the same buffer: nothing changes
+    _step(tr, _x())
+    assert np.abs(p.grad).sum() > 0
+
+
+@pytest.mark.parametrize("how", ["optimizer", "trainer"])
+def test_zero_grad_set_to_none_false_steps_on_the_zeros_as_torch(how):
+    """torch's zero_grad(set_to_none=False) keeps zero gradients, and the next step applies
+    momentum and weight decay to them; leanrnn skipped the parameters either way (0.43 off)."""
+    torch = pytest.importorskip("torch")
+    tm = torch.nn.RNN(4, 5).double()
+    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    tr = Trainer(m)
+    opt = SGD(tr.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    topt = torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x = _x(3, dtype=np.float64)
+    _step(tr, x)
+    opt.step()
+    tm(torch.from_numpy(x))[0].sum().backward()
+    topt.step()
+    (opt if how == "optimizer" else tr).zero_grad(set_to_none=False)
+    topt.zero_grad(set_to_none=False)
+    opt.step()  # on the zeros
+    topt.step()
+    for k, v in tm.state_dict().items():
+        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
