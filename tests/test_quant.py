@@ -266,7 +266,8 @@ def test_pack_int8_takes_quantized_weights_without_rounding_again():
                                           .astype(np.float32))  # fmt: skip
             np.testing.assert_array_equal(lq.R, (q.Rq * q.R_scale.astype(np.float64)[:, None])
                                           .astype(np.float32))  # fmt: skip
-    assert quantize_packed(pw, "int8") is pw
+    again = quantize_packed(pw, "int8")  # not rounded again: a copy of the same bytes
+    assert again is not pw and np.array_equal(again.buffer, pw.buffer)
     with pytest.raises(WeightsError, match="int8"):
         bad = [[dataclasses.replace(q, Wq=q.Wq.astype(np.int16)) for q in d] for d in qlayers]
         pack_int8(spec, bad)

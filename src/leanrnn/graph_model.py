@@ -40,6 +40,13 @@ class GraphModel:
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
         self._session: GraphSession | None = None
 
+    def __reduce__(self):
+        # deepcopy and pickle (a worker process, a copy per thread): the graph (its constants
+        # and packed weights copied, PackedWeights.__reduce__) loaded again, as a saved
+        # .lrnn is: the load-time passes leave a graph they made as it is. The lock, the
+        # session and its arenas belong to this process and this model.
+        return type(self), (self.graph, self._loaded.threads)
+
     @property
     def threads(self) -> int | None:
         """Kernel threads (None: all); set before the first run, which plans the session."""

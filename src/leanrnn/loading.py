@@ -68,6 +68,13 @@ def load(
         if isinstance(obj, PackedWeights):
             _agree(path, asked, _recorded(obj.spec))
             model = _CELL_MODULES[obj.spec.cell]._from_packed(obj, threads)
+            if dtype is not None and dtype != model.dtype and obj.precision != "float":
+                # (astype's own advice is a Python call; this is also `run --dtype`'s error)
+                raise DTypeError(
+                    f"[load] {path!r} holds {obj.precision} weights, which run float32 only; "
+                    f"load it without dtype={dtype.name} (run: without --dtype), or load the "
+                    "float32 model it was made from in float64"
+                )
             return model if dtype is None or dtype == model.dtype else model.astype(dtype)
         _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})}, {})
         return GraphModel(obj, threads=threads)

@@ -25,7 +25,8 @@ def check_reduced(precision, op: str, reduce_range: bool = False) -> None:
         raise DTypeError(f"[{op}] reduce_range={reduce_range!r}; expected True or False")
     if reduce_range and precision is None:
         raise DTypeError(f"[{op}] reduce_range (7-bit weight codes) needs precision "
-                         "'int8-dynamic' (--precision int8-dynamic)")  # fmt: skip
+                         "'int8-dynamic' named with it (--precision int8-dynamic), also for "
+                         "a model that is int8-dynamic already")  # fmt: skip
     if precision not in REDUCED:
         raise DTypeError(f"[{op}] precision {precision!r}; expected one of "
                          f"{', '.join(map(repr, REDUCED))}")  # fmt: skip

@@ -54,9 +54,10 @@ Design.
   float32 activations, states and sums; backward computes in float32 through the same rounded
   weights (a backward outside the autocast region still goes through the forward that ran),
   and the gradients reach the float32 parameters, as in torch. Outputs have the dtypes torch's
-  modules return under CPU autocast (_lowered): the autocast dtype for the RNN (torch builds
-  its cell from autocast matmuls) and for an LSTM that oneDNN runs (its default on CPUs with
-  bf16 support) or that has a projection; float32 for the GRU and for an LSTM with oneDNN off.
+  modules return under CPU autocast (_autocast_dtypes): the autocast dtype for the RNN (torch
+  builds its cell from autocast matmuls) and for an LSTM that oneDNN runs (its default on
+  CPUs with bf16 support, unpacked input, no projection); elsewhere the dtype the states meet
+  (a float32 state or input gives float32; y and h_n of a projection the autocast dtype).
   float64 modules and float16 autocast compute in the parameters' dtype. A module's
   ``autocast_mode`` picks the Trainer.autocast mode: "bf16" (the default, above) or
   "bf16-act", which rounds the activations the weights multiply to bfloat16 too, as torch's
@@ -741,19 +742,28 @@ def _check_call(name: str, module, input, weights, packed: bool) -> None:
             )
 
 
-def _lowered(cell: str, proj_size: int, adt) -> tuple[bool, bool]:
-    """Whether torch's own float32 module returns (y and h_n, c_n) in the autocast dtype
-    ``adt`` under CPU autocast (read off torch 2.13; float32 otherwise): the RNN's always (its
-    cell is autocast matmuls), the GRU's never, the LSTM's where oneDNN runs it in bfloat16
-    (enabled and bf16-capable: all three), with a projection y and h_n (torch's own cell:
-    autocast matmuls again, c summed in float32)."""
+def _autocast_dtypes(cell: str, proj_size: int, packed: bool, xdt, sdt, adt) -> tuple:
+    """The dtypes torch's own float32 module returns under CPU autocast to ``adt``: (y and h_n,
+    c_n). Read off torch 2.13 over every cell, projection, packed input, input dtype and
+    state dtype (tests/test_hardening13_torch.py compares them all). torch builds the cells
+    from autocast matmuls (their results in ``adt``) and sums them with the states, so what
+    a state meets decides: ``sdt`` is the dtype of the state given (h_0 for a GRU, c_0 for
+    an LSTM) or else of the input (``xdt``; torch's zero states take it).
+    - RNN: tanh/relu of two matmuls, ``adt``;
+    - GRU: h' = n + z*(h - n), the state's dtype met with ``adt``;
+    - LSTM that oneDNN runs (bf16 autocast on a CPU with bf16 support, oneDNN on, no
+      projection, not packed): ``adt`` for all three;
+    - any other LSTM: c' = f*c + i*g in c's dtype met with ``adt``, and h, y with it, unless
+      a projection (a matmul again) gives y and h_n in ``adt``."""
     if cell != "lstm":
-        return cell == "rnn", False
-    if proj_size > 0:
-        return True, False
-    onednn = (adt == torch.bfloat16 and torch.backends.mkldnn.is_available()
-              and torch._C._get_mkldnn_enabled() and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
-    return onednn, onednn
+        return (adt if cell == "rnn" else torch.promote_types(adt, sdt or xdt)), None
+    onednn = (adt == torch.bfloat16 and not proj_size and not packed
+              and torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
+    if onednn:
+        return adt, adt
+    c = torch.promote_types(adt, sdt or xdt)
+    return (adt if proj_size else c), c
 
 
 def _no_tangents(name: str, tensors) -> None:
@@ -1053,7 +1063,10 @@ class _RNNBase(torch.nn.Module):
                     f"[{name}] PackedSequence data has shape {tuple(data.shape)}; expected "
                     f"[sum of lengths, {self.input_size}]"
                 )
-            x = data.new_zeros((T * N, self.input_size)).index_copy(0, rows, data)
+            # (outside autocast: its type promotion for index_copy refuses bfloat16 data under
+            # float16 autocast, "Unexpected floating ScalarType", where torch's module runs)
+            with torch.autocast("cpu", enabled=False):
+                x = data.new_zeros((T * N, self.input_size)).index_copy(0, rows, data)
             x = x.view(T, N, self.input_size)
         else:
             if input.dim() not in (2, 3):
@@ -1117,6 +1130,7 @@ class _RNNBase(torch.nn.Module):
         # dtypes: torch's rule (input and states in the parameters' dtype), except under CPU
         # autocast, where torch's modules take any float input and compute as documented above
         autocast = torch.is_autocast_enabled("cpu")
+        given = tuple(None if t is None else t.dtype for t in (x, h0, c0))  # (autocast's outputs)
         if autocast:
             x = x.to(wdt)
             h0 = h0.to(wdt) if h0 is not None else None
@@ -1164,9 +1178,10 @@ class _RNNBase(torch.nn.Module):
             y, h_n, c_n, _ = _forward(*args, False, bf16, mode)
         adt = torch.get_autocast_dtype("cpu") if autocast else None
         if adt is not None and wdt == torch.float32:
-            lower_h, lower_c = _lowered(self._cell, self.proj_size, adt)
-            y, h_n = (y.to(adt), h_n.to(adt)) if lower_h else (y, h_n)
-            c_n = c_n.to(adt) if lower_c else c_n
+            hdt, cdt = _autocast_dtypes(self._cell, self.proj_size, packed, given[0],
+                                        given[2] if lstm else given[1], adt)  # fmt: skip
+            y, h_n = y.to(hdt), h_n.to(hdt)
+            c_n = c_n.to(cdt) if lstm else c_n
         if packed:
             out = PackedSequence(y.reshape(T * N, D * K)[rows], batch_sizes, sorted_indices,
                                  unsorted_indices)  # fmt: skip

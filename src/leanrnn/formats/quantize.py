@@ -37,6 +37,7 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -268,15 +269,20 @@ BF16_OVERFLOW = float(np.array(0x7F7F8000, np.uint32).view(np.float32))
 
 
 def _check_bf16_range(w: np.ndarray, op: str) -> None:
-    """Refuse finite weights that bfloat16 would round to infinity (|w| >= 3.3961e38): an inf
-    weight times a zero activation term is NaN, on some paths and not others. Two reductions,
-    no temporaries (mixed-precision training checks its master weights after every update);
-    fmax/fmin pass over NaN, and an infinity is the weights' own."""
+    """Refuse weights that are or would round to infinity in bfloat16 (|w| >= 3.3961e38): an
+    inf weight times a zero activation term is NaN, and bf16 splits each activation in two
+    terms (hi, lo) whose lo is 0 wherever the activation is a bfloat16 already, on the CPUs
+    that multiply bf16 (AVX512-BF16, AMX) and not on the others: an inf weight gave NaN there
+    and tanh(inf) = 1 elsewhere and in float32. Two reductions, no temporaries
+    (mixed-precision training checks its master weights after every update); fmax/fmin pass
+    over NaN, which is NaN on every path."""
     hi, lo = float(np.fmax.reduce(w, axis=None)), float(np.fmin.reduce(w, axis=None))
-    big = max((v for v in (hi, -lo) if np.isfinite(v)), default=0.0)
+    big = max(hi, -lo, 0.0)
     if big >= BF16_OVERFLOW:
-        raise WeightsError(f"[{op}] weights as large as {big:.4g} are past bfloat16's range "
-                           f"(< {BF16_OVERFLOW:.5g}): they would round to infinity")  # fmt: skip
+        what = "infinite weights are" if np.isinf(big) else f"weights as large as {big:.4g} are"
+        raise WeightsError(f"[{op}] {what} past bfloat16's range (< {BF16_OVERFLOW:.5g}): "
+                           "times the zero terms bf16 splits activations into, an "
+                           "infinity is NaN")  # fmt: skip
 
 
 def dot_exact_inputs(qmax: int = DOT_QMAX) -> int:
@@ -303,7 +309,7 @@ def _check_dot_inputs(spec: RNNSpec, qmax: int, op: str) -> None:
 def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None = None,
                     reduce_range: bool = False, op: str = "quantize") -> PackedWeights:  # fmt: skip
     """``pw`` (float32 weights) with its W and R panels in ``precision`` (formats.packing
-    PRECISIONS; "float" returns ``pw`` itself). New buffer, one per model, ~1/2 or ~1/4 of the
+    PRECISIONS; ``pw``'s own precision, a copy of it). New buffer, one per model, ~1/2 or ~1/4 of the
     panels' bytes; ``pw`` is not changed. Quantizing reduced weights again is refused (it would
     round twice): quantize the float32 model; between precisions of the same panels ("bf16",
     "bf16-act") the panels are copied as they are. ``out``: weights of this spec and precision
@@ -321,7 +327,8 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
             raise DTypeError("[quantize] the weights are int8-dynamic with 8-bit codes "
                              "already; rounding them again to 7 bits would round twice: "
                              "quantize the float32 model with reduce_range=True")  # fmt: skip
-        return pw
+        # a copy, as every other precision gives: one on the same buffer changed with it
+        return copy.deepcopy(pw)
     same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
     if pw.precision != "float" and not same:
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
