@@ -30,6 +30,10 @@ async def off_loop(nbytes: int, fn, *args):
     return fn(*args) if nbytes <= INLINE else await asyncio.to_thread(fn, *args)
 
 
+# Refusals logged per second, at most (Core.error); the rest are counted in the next line
+REFUSALS_LOGGED = 50
+
+
 def nbytes(values: dict[str, np.ndarray]) -> int:
     """The bytes of an answer's arrays (what decides where it is encoded: INLINE)."""
     return sum(a.nbytes for a in values.values())
@@ -62,6 +66,9 @@ class Core:
         self.token = token
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
+        # refusals logged per second at most (the metrics count every one): a client needs no
+        # token to be refused, and one refusal a line let it write the log at its request rate
+        self._refusal_log = [0.0, 0, 0]  # [this second began, lines in it, suppressed]
         self.ready = False
         self.draining = False
         # the deadlines (asyncio.Timeout) of HTTP bodies being read, which a shutdown cuts
@@ -134,8 +141,17 @@ class Core:
     def error(self, e: ServeError, protocol: str) -> None:
         if self.metrics is not None:
             self.metrics.error(e.kind, protocol)
-        _log.info("refused", extra={"fields": {"protocol": protocol, "kind": e.kind,
-                                                "error": str(e)}})  # fmt: skip
+        now, window = time.monotonic(), self._refusal_log
+        if now - window[0] >= 1.0:
+            window[0], window[1] = now, 0
+        if window[1] >= REFUSALS_LOGGED:
+            window[2] += 1
+            return
+        window[1] += 1
+        fields = {"protocol": protocol, "kind": e.kind, "error": str(e)[:1024]}
+        if window[2]:  # how many went unlogged before this one
+            fields["suppressed"], window[2] = window[2], 0
+        _log.info("refused", extra={"fields": fields})
 
     def stats(self, model: str) -> dict:
         """Triton's statistics for ``model`` (the JSON form of ModelStatistics)."""
