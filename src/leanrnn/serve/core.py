@@ -223,7 +223,12 @@ class Core:
             raise
 
         def release() -> None:
-            self.scheduler.release(sent)
+            # once, and the request let go of: gRPC keeps a call's done callbacks (this, from
+            # rpc) in a cycle with its context, which held x and y until a garbage collection
+            nonlocal sent
+            if sent is not None:
+                self.scheduler.release(sent)
+                sent = None
 
         try:
             r: Request = await fut
