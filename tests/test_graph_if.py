@@ -118,7 +118,7 @@ def test_condition_from_values_is_refused_at_load_naming_the_node(tmp):
     x = np.ones((2, 3), F32)
     m = model(nodes, {"x": x}, {"zero": np.array(0, F32)}, out_dtypes=[F32])
     run_ort(m, {"x": x})  # a valid model: onnxruntime runs it
-    with pytest.raises(UnsupportedOpError, match=r"by_value.*depends on input values"):
+    with pytest.raises(UnsupportedOpError, match=r"If node 'by_value'.*depends on input values"):
         leanrnn.load(save(m, tmp))
 
 
@@ -194,3 +194,119 @@ def test_lrnn_reading_a_branch_tensor_outside_its_branch_is_refused(tmp):
     g.save(path)
     with pytest.raises(ModelFormatError, match="made only when"):
         leanrnn.load(path)
+
+
+# --------------------------------------------- a red-team pass over the above (session 39)
+def _dim_is(x: str, axis: int, value: int):
+    """Nodes and constants of c = (Shape(x)[axis] == value)."""
+    nodes = [node("Shape", [x], ["s"]), node("Gather", ["s", "ax"], ["d"], axis=0),
+             node("Equal", ["d", "v"], ["c"])]  # fmt: skip
+    return nodes, {"ax": np.array(axis, I64), "v": np.array(value, I64)}
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_lstm_in_a_branch_with_weights_built_in_the_branch_is_packed_at_load(T, tmp):
+    """TorchScript builds a branch's W and R with Concat of constants inside the branch;
+    those nodes were never folded, so the LSTM was packed again on every run (5x slower at
+    H=512), could not be quantized and refused memory_limit."""
+    rng = np.random.default_rng(0)
+    H, C = 5, 3
+    Wa, Wb = (rng.standard_normal((1, 2 * H, C)).astype(F32) * 0.3 for _ in range(2))
+    R = rng.standard_normal((1, 4 * H, H)).astype(F32) * 0.3
+    then = _branch([node("Concat", ["wa", "wb"], ["W"], name="cat", axis=1),
+                    node("LSTM", ["x", "W", "r"], ["", "lh"], name="lstm", hidden_size=H)],
+                   ["lh"], "t", [numpy_helper.from_array(a, k) for k, a in
+                                 (("wa", Wa), ("wb", Wb), ("r", R))])  # fmt: skip
+    other = _branch([node("ReduceSum", ["x", "ax0"], ["rs"], name="rs", keepdims=1)], ["rs"], "e")
+    cond, consts = _dim_is("x", 0, 1)
+    nodes = [*cond, node("If", ["c"], ["h"], name="if", then_branch=then, else_branch=other)]
+    x = rng.standard_normal((T, 2, C)).astype(F32)
+    m = model(nodes, {"x": x}, {**consts, "ax0": np.array([0], I64)}, out_dtypes=[F32],
+              dynamic=True)  # fmt: skip
+    g = load(m, tmp)
+    assert "if/then_branch/lstm" in g.graph.packed
+    check(m, {"x": x}, tmp)
+    leanrnn.quantize(g, "int8")  # refused before: "W and R as graph inputs"
+
+
+def test_quantized_lstm_in_a_branch_stays_in_it(tmp):
+    """onnxruntime's DynamicQuantizeLSTM, lowered to an LSTM at load, lost its branch: one
+    reading a branch tensor was refused ("made only when ..."), one reading an outer tensor
+    ran on every plan."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    rng = np.random.default_rng(1)
+    H, C = 5, 3
+    W = rng.standard_normal((1, 4 * H, C)).astype(F32) * 0.3
+    R = rng.standard_normal((1, 4 * H, H)).astype(F32) * 0.3
+    x3 = rng.standard_normal((3, 2, C)).astype(F32)
+    src = model([node("LSTM", ["xn", "W", "R"], ["", "lh"], name="lstm", hidden_size=H)],
+                {"xn": x3}, {"W": W, "R": R}, out_dtypes=[F32], dynamic=True)  # fmt: skip
+    quantize_dynamic(save(src, tmp), str(tmp / "q.onnx"), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["LSTM"])  # fmt: skip
+    qm = onnx.load(str(tmp / "q.onnx"))
+    g = qm.graph
+    qnodes = list(g.node)
+    assert {n.op_type for n in qnodes} == {"DynamicQuantizeLSTM"}
+    del g.node[:]
+    cond, consts = _dim_is("x", 0, 1)
+    g.initializer.extend(numpy_helper.from_array(v, k)
+                         for k, v in {**consts, "ax0": np.array([0], I64)}.items())  # fmt: skip
+    then = _branch([node("Neg", ["x"], ["xn"], name="neg"), *qnodes], ["lh"], "t")
+    other = _branch([node("ReduceSum", ["x", "ax0"], ["rs"], name="rs", keepdims=1)], ["rs"], "e")
+    g.node.extend([*cond, node("If", ["c"], ["h"], name="if", then_branch=then,
+                               else_branch=other)])  # fmt: skip
+    del g.input[:]
+    g.input.append(helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ("T", "N", C)))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, None))
+    lm = leanrnn.load(save(qm, tmp))
+    for x in (x3, x3[:1]):
+        (got,) = lm.run({"x": x})
+        (want,) = run_ort(qm, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3)
+
+
+def test_a_later_tensor_named_like_a_renamed_branch_tensor_loads(tmp):
+    """A branch's tensors are renamed "<node>:<name>"; a top-level tensor of that name
+    defined after the If was refused as redefined, though onnxruntime runs the model."""
+    cond, consts = _dim_is("x", 0, 1)
+    nodes = [*cond,
+             node("If", ["c"], ["y"], name="if",
+                  then_branch=_branch([node("Neg", ["x"], ["n"], name="n")], ["n"], "t"),
+                  else_branch=_branch([node("Abs", ["x"], ["a"], name="a")], ["a"], "e")),
+             node("Relu", ["y"], ["if/then_branch/n:n"], name="relu"),
+             node("Neg", ["if/then_branch/n:n"], ["z"], name="z")]  # fmt: skip
+    for shape in [(1, 3), (2, 3)]:
+        x = np.random.default_rng(2).standard_normal(shape).astype(F32)
+        check(model(nodes, {"x": x}, consts, out_dtypes=[F32], dynamic=True), {"x": x}, tmp)
+
+
+def test_float_condition_and_duplicate_outputs_are_refused(tmp):
+    """onnxruntime refuses a float condition at load; leanrnn ran it (a NaN read as true).
+    An If naming one output twice let the last branch output win, silently."""
+    nodes, consts = _squeeze_if()
+    nodes[2] = node("Cast", ["dim"], ["c"], to=onnx.TensorProto.FLOAT)
+    x = np.ones((2, 1, 4), F32)
+    with pytest.raises(ModelFormatError, match="condition 'c' has dtype float32; expected bool"):
+        load(model(nodes, {"x": x}, consts, out_dtypes=[F32], dynamic=True), tmp).run({"x": x})
+    nodes, consts = _squeeze_if()
+    g = load(model(nodes, {"x": x}, consts, out_dtypes=[F32], dynamic=True), tmp)
+    sq = next(n for n in g.graph.nodes if n.op == "Squeeze")
+    sq.outputs = (sq.outputs[0], sq.outputs[0])
+    g.save(tmp / "twice.lrnn")
+    with pytest.raises(ModelFormatError, match="names an output twice"):
+        leanrnn.load(tmp / "twice.lrnn")
+
+
+def test_a_refusal_quotes_a_bounded_number_of_conditions(tmp):
+    """A hostile file's 400,000 conditions made a 5 MB error message."""
+    nodes, consts = _squeeze_if()
+    x = np.ones((2, 1, 4), F32)
+    g = load(model(nodes, {"x": x}, consts, out_dtypes=[F32], dynamic=True), tmp)
+    branch = next(n for n in g.graph.nodes if n.when)
+    branch.when = branch.when * 5000
+    g.save(tmp / "many.lrnn")
+    with pytest.raises(ModelFormatError, match=r"5000 in all") as e:
+        leanrnn.load(tmp / "many.lrnn")
+    assert len(str(e.value)) < 400

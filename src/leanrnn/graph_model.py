@@ -130,6 +130,8 @@ class GraphModel:
                 wbytes += pw.nbytes
             else:
                 layers.append({"node": node.name, "op": node.op})
+            if node.when:  # runs in an If's branch, when these conditions hold
+                layers[-1]["when"] = [[c, t] for c, t in node.when]
         for c in g.constants.values():
             if c.dtype.kind == "f":
                 params += c.size

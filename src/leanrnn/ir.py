@@ -47,9 +47,12 @@ def check_node_io(where: str, inputs, outputs, defined: set[str]) -> None:
                 f"{where} reads {i!r}, which no graph input, constant or earlier node defines "
                 "(nodes not in topological order, or a dangling name)"
             )
-    for o in outputs:
-        if o and o in defined:
+    named = [o for o in outputs if o]
+    for o in named:
+        if o in defined:
             raise ModelFormatError(f"{where} redefines tensor {o!r}")
+    if len(set(named)) != len(named):  # (an If's ("y", "y"): its last branch output won)
+        raise ModelFormatError(f"{where} names an output twice: {list(outputs)}")
 
 
 def is_count(v) -> bool:

@@ -299,6 +299,8 @@ def inspect_cmd(args) -> int:
         for layer in info["layers"]:
             extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
                      f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
+            if layer.get("when"):  # an If's branch: runs only when these hold
+                extra += "  when " + ", ".join(f"{c}={t}" for c, t in layer["when"][:4])
             print(f"    {layer['op']:<16} {layer['node']}{extra}")
     else:
         print(f"  dtype: {info['dtype']}")

@@ -491,7 +491,8 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     defined = set(constants) | set(lazy) | {t.name for t in inputs}
     nodes: list[Node] = []
     seen_names: set[str] = set()
-    _add_nodes(g.node, {}, (), "", nodes, constants, defined, seen_names, reader)
+    reserved = frozenset(o for n in g.node for o in n.output) | {vi.name for vi in g.output}
+    _add_nodes(g.node, {}, (), "", nodes, constants, defined, seen_names, reader, reserved)
     for t in outputs:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
@@ -509,12 +510,14 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
 
 
 def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, constants: dict,
-               defined: set, seen_names: set, reader: _Reader) -> None:  # fmt: skip
+               defined: set, seen_names: set, reader: _Reader,
+               reserved: frozenset = frozenset()) -> None:  # fmt: skip
     """Convert ``protos`` (a graph's or a branch's nodes) into ``nodes``. ``rename`` maps a
     branch's own tensor names to graph-unique ones (names from outer scopes stay as they are);
     ``when`` is the conditions the nodes run under, ``prefix`` goes before their names (a
     branch's nodes are named under their If). An If's branches are flattened in front of
-    it (see ``ir.Node``)."""
+    it (see ``ir.Node``). ``reserved``: the top-level graph's tensor names, which a branch's
+    renamed ones must avoid too (one defined after the If was refused as redefined)."""
     for i, n in enumerate(protos):
         op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}"
         name = prefix + (n.name or f"{n.op_type}_{i}")
@@ -526,7 +529,7 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
         for o in n.output:  # a branch's outputs get names no other tensor has
             if o and when:
                 fresh = f"{name}:{o}"
-                while fresh in defined:
+                while fresh in defined or fresh in reserved:
                     fresh += "'"
                 rename[o] = fresh
         outs = tuple(rename.get(o, o) for o in n.output)
@@ -539,7 +542,7 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
             continue
         if op == "If":
             _add_if(n, name, ins, outs, rename, when, nodes, constants, defined, seen_names,
-                    reader)  # fmt: skip
+                    reader, reserved)  # fmt: skip
             continue
         attrs = _attrs(n, reader, where)
         if op == "Cast" and "to" in attrs:
@@ -556,7 +559,8 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
 
 
 def _add_if(n, name: str, ins, outs, rename: dict, when: tuple, nodes: list, constants: dict,
-            defined: set, seen_names: set, reader: _Reader) -> None:  # fmt: skip
+            defined: set, seen_names: set, reader: _Reader,
+            reserved: frozenset) -> None:  # fmt: skip
     """An ONNX If: each branch's initializers become constants and its nodes are added under
     the condition (true for then_branch, false for else_branch), then one If node picks the
     branch outputs. A branch's names are its own: renamed apart from every other scope's."""
@@ -582,13 +586,13 @@ def _add_if(n, name: str, ins, outs, rename: dict, when: tuple, nodes: list, con
         inner = dict(rename)  # a branch sees the outer names, and its own apart
         for t in b.initializer:
             fresh = f"{name}/{key}:{t.name}"
-            while fresh in defined:
+            while fresh in defined or fresh in reserved:
                 fresh += "'"
             inner[t.name] = fresh
             constants[fresh] = reader.array(t, f"{where} {key} initializer {t.name!r}")
             defined.add(fresh)
         _add_nodes(b.node, inner, (*when, (ins[0], truth)), f"{name}/{key}/", nodes,
-                   constants, defined, seen_names, reader)  # fmt: skip
+                   constants, defined, seen_names, reader, reserved)  # fmt: skip
         got = [inner.get(o.name, o.name) for o in b.output]
         for o in got:
             if o not in defined:

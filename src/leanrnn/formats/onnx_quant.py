@@ -175,4 +175,6 @@ def lower_quantized_lstms(graph: Graph) -> None:
             graph.constants[name] = dequantize(m)
             names.append(name)
         x, _, _, *rest = node.inputs[:8]
-        graph.nodes[k] = Node("LSTM", node.name, (x, *names, *rest), node.outputs, attrs)
+        graph.nodes[k] = Node(
+            "LSTM", node.name, (x, *names, *rest), node.outputs, attrs, node.when
+        )  # (inside an If's branch, it stays there)

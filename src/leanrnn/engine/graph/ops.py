@@ -949,6 +949,8 @@ def truth(node: Node, name: str, value) -> bool:
               "condition comes from input shapes and constants (known when a run is planned)",
               ModelFormatError)  # fmt: skip
     v = np.asarray(value)
+    if v.dtype != np.bool_:  # (onnxruntime refuses the model; a NaN float read as true)
+        _fail(node, f"condition {name!r} has dtype {v.dtype}; expected bool", ModelFormatError)
     if v.size != 1:
         _fail(node, f"condition {name!r} has shape {list(v.shape)}; expected one element",
               ModelFormatError)  # fmt: skip

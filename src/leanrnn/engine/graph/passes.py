@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ...errors import ModelFormatError, UnsupportedOpError
+from ...errors import LeanRNNError, ModelFormatError, UnsupportedOpError
 from ...formats.packing import ONNX_ORDER, PackedWeights, pack
 from ...ir import RNN_OPS, Graph, Node, check_node_io, rnn_from_node
 from ..products import PackedMatmul
@@ -119,9 +119,15 @@ def _check_scope(node: Node, scope: dict[str, tuple], defined: set[str]) -> None
         made = scope.get(i, ())
         if tuple(runs[: len(made)]) != tuple(made):
             raise ModelFormatError(
-                f"{where} reads {i!r}, which is made only when {list(made)}; the node runs "
-                f"when {list(runs)}"
+                f"{where} reads {i!r}, which is made only when {_conditions(made)}; the node "
+                f"runs when {_conditions(runs)}"
             )
+
+
+def _conditions(when) -> str:
+    """Conditions for a message: a hostile file's 400,000 of them made a 5 MB one."""
+    shown = ", ".join(f"{c!r}={t}" for c, t in list(when)[:4])
+    return f"[{shown}{f', ... ({len(when)} in all)' if len(when) > 4 else ''}]"
 
 
 def _check_rnn(g: Graph, node: Node) -> None:
@@ -184,7 +190,6 @@ def fold(g: Graph, threads: int | None = None) -> None:
         if (
             node.op in RNN_OPS
             or node.op == "If"
-            or node.when
             or not all(i == "" or i in g.constants for i in node.inputs)
         ):
             keep.append(node)
@@ -192,7 +197,17 @@ def fold(g: Graph, threads: int | None = None) -> None:
         if any(readers.get(o, 0) for o in node.outputs if o):
             vals = [g.constants[i] if i else None for i in node.inputs]
             ins = [None if v is None else Out(v.shape, v.dtype) for v in vals]
-            metas = infer(ctx, node, ins, vals)
+            try:
+                metas = infer(ctx, node, ins, vals)
+            except LeanRNNError:
+                # A branch's node of constants folds too (the weights an exporter builds
+                # inside a branch: its RNN is then packed at load, not per run), unless it
+                # cannot be computed (a branch not meant to run: a Squeeze of a dim that is
+                # not 1); then it waits for a plan that takes its branch
+                if not node.when:
+                    raise
+                keep.append(node)
+                continue
             made = sum(math.prod(m.shape) for m in metas)
             read = sum(g.constants[i].size for i in set(node.inputs) if i)
             last = [i for i in set(node.inputs) if i and readers[i] == node.inputs.count(i)]
@@ -210,7 +225,14 @@ def fold(g: Graph, threads: int | None = None) -> None:
                         "subgraphs do not expand this much"
                     )
             grown += max(made - read, 0)
-            res = guard(node, evaluate, ctx, node, vals, metas)
+            try:
+                res = guard(node, evaluate, ctx, node, vals, metas)
+            except LeanRNNError:
+                if not node.when:
+                    raise
+                grown -= max(made - read, 0)
+                keep.append(node)
+                continue
             del vals
             for name, arr in zip(node.outputs, res, strict=False):
                 if name and readers.get(name, 0):
@@ -406,6 +428,7 @@ def classify(g: Graph, input_names: list[str]) -> tuple[dict[str, str], set[str]
     kind = dict.fromkeys(g.constants, "const")
     kind.update(dict.fromkeys(input_names, "data"))
     shape_nodes: set[str] = set()
+    ifs = {n.inputs[0]: n.name for n in g.nodes if n.op == "If" and n.inputs}  # by condition
     for node in g.nodes:
         if node.op == "Shape" or (
             node.op not in RNN_OPS
@@ -419,9 +442,9 @@ def classify(g: Graph, input_names: list[str]) -> tuple[dict[str, str], set[str]
         data = [c for c in conds if kind.get(c) == "data"]
         if data:
             raise UnsupportedOpError(
-                f"[load] node {node.name!r} ({node.op}) runs on condition {data[0]!r}, which "
-                "depends on input values; leanrnn runs If only when its condition comes from "
-                "input shapes and constants (known when a run is planned)"
+                f"[load] If node {ifs.get(data[0], node.name)!r} has condition {data[0]!r}, "
+                "which depends on input values; leanrnn runs If only when its condition comes "
+                "from input shapes and constants (known when a run is planned)"
             )
         kind.update(dict.fromkeys((o for o in node.outputs if o), k))
     return kind, shape_nodes
