@@ -125,3 +125,35 @@ def test_a_released_answer_lets_go_of_its_request():
     finally:
         gc.enable()
         sched.stop()
+
+
+def test_evicted_ids_are_remembered_in_bounded_bytes_and_still_named():
+    """The ids of evicted sequences (remembered to tell their next request why) were kept
+    whole: 250-character ids took ~720 bytes an entry, up to 47-103 MiB per model. A digest
+    is kept now, and the error still names the id the request sent."""
+    import tracemalloc
+
+    from leanrnn.serve.errors import SequenceError
+
+    lane = Lane("m", leanrnn.GRU(3, 4, seed=0), Pool(), threads=1, max_streams=4096,
+                max_batch=64, max_chunk=4, idle_timeout=1.0)  # fmt: skip
+    lane.warm_up()
+    x = np.zeros((1, 3), np.float32)
+
+    def sid(i: int) -> str:  # made afresh each time, as a server parses each request's id
+        return f"{i:06d}" + "\U0001f600" * 244
+
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()  # what the 2000 sequences leave behind, from here
+    for i in range(2000):
+        lane.submit(("s", sid(i)), True, False, x, None, None, False, None, 0.0)
+    while lane.ready:  # their first steps run: the sequences go idle
+        picked = lane.take()
+        lane.run(picked, t_cap=4, now=0.0)
+        lane.finish(picked, 0.0)
+    assert len(lane.reap(100.0)) == 2000  # (the list it returns, with the ids, goes here)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert grown / 2000 < 500, f"{grown / 2000:.0f} bytes an evicted id"
+    with pytest.raises(SequenceError, match=r"sequence '000007.*was evicted"):
+        lane.submit(("s", sid(7)), False, False, x, None, None, False, None, 101.0)
