@@ -62,7 +62,9 @@ def out_file(text: str) -> str:
     return text
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp")
+# what matplotlib's savefig writes without extra packages
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif",
+                 ".tiff", ".pgf")  # fmt: skip
 
 
 def plot_file(text: str) -> str:
@@ -346,9 +348,10 @@ def init_arrays(
 
     if path:
         try:
-            with np.load(path) as z:
-                if not hasattr(z, "files"):  # a .npy: one array, no names
-                    raise ValueError("a single array, not named arrays")
+            z = np.load(path)
+            if isinstance(z, np.ndarray):  # a .npy: one array, no names
+                raise ValueError("a single array (.npy), not named arrays")
+            with z:
                 arrays = {k: z[k] for k in z.files}
         except (OSError, ValueError) as e:  # not an .npz (a pickle, a torch zip, text...)
             # (numpy calls any file that is not .npy/.npz "pickled data", text included)

@@ -155,6 +155,7 @@ def test_compare_runs_engines_in_processes_and_plots(runs, tmp_path):
         (["--compare", "--engines", ","], "no engine to run here"),
         (["--init", "{tmp}/text.npz"], "not an .npz file"),
         (["--init", "{tmp}/other.npz"], "does not fit this model"),
+        (["--init", "{tmp}/one.npy"], "a single array (.npy)"),
     ],
 )
 def test_bad_options_end_in_one_line_before_training(extra, message, tmp_path, capsys):
@@ -164,6 +165,7 @@ def test_bad_options_end_in_one_line_before_training(extra, message, tmp_path, c
     called a text file "pickled data". Now each is one line, before any training step."""
     (tmp_path / "text.npz").write_text("not arrays\n")
     np.savez(tmp_path / "other.npz", **{"rnn.weight_ih_l0": np.zeros((3, 3), np.float32)})
+    np.save(tmp_path / "one.npy", np.zeros(3, np.float32))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in [*TINY["char_lm"], *extra]]
     mod = _load("char_lm")
     with pytest.raises(SystemExit) as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import http.client
 import json
+import logging
 import time
 import weakref
 
@@ -39,6 +40,11 @@ def test_a_finished_request_is_freed_without_a_garbage_collection():
             sched.submit("m", ("s", i), True, True, x, on_done=box.append)
             del x, box
         assert sched.drain(30)
+        # drain returns once nothing is pending, a moment before the scheduler thread has
+        # called on_done and let the batch go: wait for that (a slow machine's scheduling)
+        deadline = time.monotonic() + 10
+        while any(ref() is not None for ref in xs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert all(ref() is None for ref in xs), "a finished request's x is still alive"
     finally:
         gc.enable()
@@ -157,3 +163,42 @@ def test_evicted_ids_are_remembered_in_bounded_bytes_and_still_named():
     assert grown / 2000 < 500, f"{grown / 2000:.0f} bytes an evicted id"
     with pytest.raises(SequenceError, match=r"sequence '000007.*was evicted"):
         lane.submit(("s", sid(7)), False, False, x, None, None, False, None, 101.0)
+
+
+def test_a_failed_engine_call_lets_go_of_its_batch():
+    """A failed call's requests keep the error; its traceback held Lane.run's frame and so
+    the batch, in a cycle: their x and y lived until a garbage collection."""
+    lane = Lane("m", leanrnn.GRU(3, 4, seed=0), Pool(), threads=1, max_streams=8, max_batch=4,
+                max_chunk=4, idle_timeout=60.0)  # fmt: skip
+    lane.warm_up()
+    real = lane.run
+
+    def failing(picked, t_cap, now):
+        heads = [q.queue[0] for q in picked]  # the batch's requests, as Lane.run's frame holds
+        assert heads is not None
+        raise RuntimeError("boom")
+
+    lane.run = failing
+    sched = Scheduler({"m": lane}, max_wait=0.0)
+    sched.start()
+    log = logging.getLogger("leanrnn.serve")
+    log.disabled = True  # (pytest's log capture keeps each record's traceback: the batch too)
+    gc.collect()
+    gc.disable()
+    try:
+        x = np.ones((3, 3), np.float32)
+        ref = weakref.ref(x)
+        errors = []
+        sched.submit("m", ("s", 1), True, True, x, on_done=lambda r: errors.append(r.error))
+        del x
+        assert sched.drain(30)
+        deadline = time.monotonic() + 10
+        while (ref() is not None or not errors) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(errors[0], RuntimeError)
+        assert ref() is None, "the failed request's x is still alive"
+    finally:
+        gc.enable()
+        log.disabled = False
+        lane.run = real
+        sched.stop()

@@ -15,12 +15,16 @@ import pytest
 torch = pytest.importorskip("torch")
 lt = pytest.importorskip("leanrnn.torch")
 
-F32, BF16 = torch.float32, torch.bfloat16
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 CASES = [
     (cell, proj, packed, xdt, sdt)
     for cell, proj, packed, xdt, sdt in itertools.product(
-        ["lstm", "gru", "rnn"], [0, 3], [False, True], [F32, BF16], [None, F32, BF16]
+        ["lstm", "gru", "rnn"],
+        [0, 3],
+        [False, True],
+        [F32, BF16, F16, F64],
+        [None, F32, BF16, F16, F64],
     )
     if not (proj and cell != "lstm")
 ]
@@ -67,5 +71,5 @@ def test_autocast_output_dtypes_are_torchs(adt, onednn):
             ran += 1
             if got != want:
                 wrong.append((cell, proj, packed, xdt, sdt, "torch", want, "leanrnn", got))
-    assert ran >= 30
+    assert ran >= 80
     assert not wrong, "\n".join(map(str, wrong))

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import leanrnn
-from leanrnn.errors import LayoutError
 from leanrnn.train import SGD, Adam, AdamW, Trainer
 from leanrnn.train.session import TapeError
 
@@ -82,16 +81,60 @@ def test_adam_eps_zero_keeps_the_padding_and_the_model_finite(cls):
         np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
 
 
-def test_replacing_a_trainers_parameter_grad_is_refused():
-    """The replaced array never saw a gradient (backward writes the trainer's buffer), so
-    every step moved the weights by 0, silently."""
+def test_assigning_a_trainers_parameter_grad_copies_into_its_buffer_and_steps():
+    """A replaced grad array never saw a gradient (backward writes the trainer's buffer) and
+    every step moved the weights by 0, silently. Assigning now copies into the buffer, and the
+    step uses it, also right after zero_grad (torch's p.grad = g after a None grad)."""
     tr = Trainer(leanrnn.GRU(4, 5, seed=0))
     p = tr.parameters()[0]
-    with pytest.raises(LayoutError, match="cannot be replaced"):
-        p.grad = np.zeros_like(p.grad)
-    p.grad = p.grad  # the same buffer: nothing changes
+    tr.zero_grad()
+    g = np.random.default_rng(0).standard_normal(p.shape).astype(p.dtype)
+    p.grad = g
+    assert np.shares_memory(p.grad, tr.grad.buffer)
+    np.testing.assert_array_equal(p.grad, g)
+    before = p.value.copy()
+    SGD([p], lr=0.5).step()
+    np.testing.assert_allclose(p.value, before - 0.5 * g, rtol=1e-6)
+    with pytest.raises(leanrnn.errors.ShapeError):
+        p.grad = np.zeros(3, p.dtype)
+    _step(tr, _x())  # backward still accumulates into the same buffer
+    assert np.shares_memory(p.grad, tr.grad.buffer) and np.abs(p.grad).sum() > 0
+
+
+@pytest.mark.parametrize("case", ["fresh", "zero_grad twice"])
+def test_parameters_without_a_gradient_are_skipped_as_torch(case):
+    """torch skips a parameter whose grad is None: before any backward, and after
+    zero_grad() then zero_grad(set_to_none=False) (None stays None). leanrnn applied weight
+    decay and momentum to zeros in both (0.0044 and 1.83 off torch)."""
+    torch = pytest.importorskip("torch")
+    tm = torch.nn.GRU(4, 5).double()
+    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    tr = Trainer(m)
+    opt = SGD(tr.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    topt = torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    if case == "zero_grad twice":
+        x = _x(4, dtype=np.float64)
+        _step(tr, x)
+        opt.step()
+        tm(torch.from_numpy(x))[0].sum().backward()
+        topt.step()
+        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)
+        topt.zero_grad()
+        topt.zero_grad(set_to_none=False)
+    opt.step()
+    topt.step()
+    for k, v in tm.state_dict().items():
+        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
+
+
+def test_trainer_zero_grad_checks_its_argument_before_zeroing():
+    tr = Trainer(leanrnn.GRU(4, 5, seed=0))
     _step(tr, _x())
-    assert np.abs(p.grad).sum() > 0
+    kept = tr.grad.buffer.copy()
+    with pytest.raises(leanrnn.errors.SpecError):
+        tr.zero_grad(set_to_none="yes")
+    np.testing.assert_array_equal(tr.grad.buffer, kept)
 
 
 @pytest.mark.parametrize("how", ["optimizer", "trainer"])

@@ -752,12 +752,12 @@ def _autocast_dtypes(cell: str, proj_size: int, packed: bool, xdt, sdt, adt) -> 
     - RNN: tanh/relu of two matmuls, ``adt``;
     - GRU: h' = n + z*(h - n), the state's dtype met with ``adt``;
     - LSTM that oneDNN runs (bf16 autocast on a CPU with bf16 support, oneDNN on, no
-      projection, not packed): ``adt`` for all three;
+      projection, not packed, input not float16): ``adt`` for all three;
     - any other LSTM: c' = f*c + i*g in c's dtype met with ``adt``, and h, y with it, unless
       a projection (a matmul again) gives y and h_n in ``adt``."""
     if cell != "lstm":
         return (adt if cell == "rnn" else torch.promote_types(adt, sdt or xdt)), None
-    onednn = (adt == torch.bfloat16 and not proj_size and not packed
+    onednn = (adt == torch.bfloat16 and not proj_size and not packed and xdt != torch.float16
               and torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()
               and torch.ops.mkldnn._is_mkldnn_bf16_supported())  # fmt: skip
     if onednn:

@@ -300,7 +300,9 @@ def inspect_cmd(args) -> int:
             extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
                      f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
             if layer.get("when"):  # an If's branch: runs only when these hold
-                extra += "  when " + ", ".join(f"{c}={t}" for c, t in layer["when"][:4])
+                when = layer["when"]
+                extra += "  when " + ", ".join(f"{c}={t}" for c, t in when[:4])
+                extra += ", ..." if len(when) > 4 else ""
             print(f"    {layer['op']:<16} {layer['node']}{extra}")
     else:
         print(f"  dtype: {info['dtype']}")

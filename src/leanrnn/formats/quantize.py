@@ -136,7 +136,8 @@ def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarra
     w64 = np.asarray(w, np.float64)
     if not np.isfinite(w64).all():
         raise WeightsError("[quantize] int8 weights must be finite; the model holds NaN or inf "
-                           "weights (quantize to 'bf16' instead, which keeps them)")  # fmt: skip
+                           "weights (bf16 keeps NaN ones but refuses infinite ones as well: "
+                           "fix the weights first)")  # fmt: skip
     scale = (np.abs(w64).max(axis=-2) / qmax).astype(np.float32)
     s = scale.astype(np.float64)[..., None, :]
     q = np.rint(np.divide(w64, s, out=np.zeros_like(w64), where=s > 0))
@@ -328,7 +329,13 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
                              "already; rounding them again to 7 bits would round twice: "
                              "quantize the float32 model with reduce_range=True")  # fmt: skip
         # a copy, as every other precision gives: one on the same buffer changed with it
-        return copy.deepcopy(pw)
+        if out is None:
+            return copy.deepcopy(pw)
+        if out.spec != pw.spec or out.precision != precision:
+            raise DTypeError(f"[quantize] out holds {out.precision} weights of {out.spec}; "
+                             f"expected {precision} weights of {pw.spec}")  # fmt: skip
+        out.buffer[:] = pw.buffer
+        return out
     same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
     if pw.precision != "float" and not same:
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "

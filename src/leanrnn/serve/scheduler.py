@@ -179,8 +179,10 @@ class Sequence:
 def describe(key) -> str:
     """A sequence id as the user sent it: 42 or 'abc', a long one cut (it goes into errors
     and the eviction log: 250-character ids made a 3 KB log line per eviction)."""
-    text = repr(key[1]) if isinstance(key, tuple) else repr(key)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text) - 2} characters)"
+    sid = key[1] if isinstance(key, tuple) else key
+    text = repr(sid)
+    n = len(sid) if isinstance(sid, str) else len(text)
+    return text if len(text) <= 80 else f"{text[:60]}... ({n} characters)"
 
 
 class Lane:
@@ -695,7 +697,9 @@ class Scheduler:
                 error = None
             except Exception as e:  # an engine failure: those requests fail, the server lives
                 _log.exception("engine call failed", extra={"fields": {"model": lane.name}})
-                error = e
+                # (logged: its traceback held Lane.run's frame, and so the batch's requests,
+                # in a cycle with the requests that keep the error)
+                error = e.with_traceback(None)
             t1 = time.monotonic()
             with cond:
                 self._inflight -= len(picked)

@@ -113,9 +113,9 @@ class Parameter:
         update it in place, and so may a caller, through ``edit()`` (rebinding it is not
         allowed: the owner holds views of it).
     grad: [value.shape] value.dtype; gradients accumulate into it (zeros when not given); may
-        be replaced by another array of the same shape and dtype, never aliasing value, except
-        on a Trainer's parameters, whose grad is the trainer's own buffer (backward writes
-        there: write into it in place instead).
+        be replaced by another array of the same shape and dtype, never aliasing value. A
+        Trainer's parameter's grad is a view of the trainer's own buffer (backward writes
+        there): assigning ``p.grad = g`` copies g into it, and the next step uses it.
     name: a label used in error messages.
     logical_shape: the shape the array stands for (a Trainer's packed panels: torch's
         ``weight_ih_l0`` shape, etc.; default ``value.shape``): an optimizer's state dict
@@ -213,15 +213,20 @@ class Parameter:
 
     @grad.setter
     def grad(self, grad: np.ndarray) -> None:
-        if self._owner is not None and grad is not self._grad:
-            # backward accumulates into the trainer's gradient buffer, of which _grad is a
-            # view: a replaced array would never see a gradient and every step would be 0
-            raise LayoutError(
-                f"[Parameter] grad of {self._label()} is a view of its trainer's gradient "
-                "buffer, which backward writes; it cannot be replaced. Write into it in place "
-                "(p.grad[...] = g), or zero it with zero_grad()"
-            )
-        self._grad = self._checked_grad(grad)
+        if self._owner is None:
+            self._grad = self._checked_grad(grad)
+            return
+        # A trainer's parameter: backward accumulates into the trainer's gradient buffer, of
+        # which _grad is a view, so a new array would never see a gradient (every step was
+        # 0). The values are copied in, and the next step uses them, as after torch's
+        # p.grad = g (also after zero_grad, which torch's None stands for).
+        if grad is not self._grad:
+            if not isinstance(grad, np.ndarray) or grad.shape != self._grad.shape:
+                self._checked_grad(grad)  # (its errors name what is wrong)
+            if grad.dtype != self._grad.dtype:
+                self._checked_grad(grad)
+            self._grad[...] = grad
+        self._stale = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -240,7 +245,9 @@ class Parameter:
         stepping on what you write into its gradient."""
         _bool("Parameter.zero_grad", "set_to_none", set_to_none)
         self._grad.fill(0)
-        self._stale = set_to_none and self._owner is not None
+        # (a gradient that is "None" already stays so: torch's zero_grad(set_to_none=False)
+        # leaves a None grad None)
+        self._stale = (set_to_none or self._stale) and self._owner is not None
 
     def __repr__(self) -> str:
         return (

@@ -81,7 +81,7 @@ from ..threads import (
     blas_controller,
     matmul_pool,
 )
-from .optim import Parameter, read_only
+from .optim import Parameter, _bool, read_only
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
 
@@ -225,6 +225,9 @@ class Trainer:
         self._params = self._make_parameters()
         for prm in self._params:  # an optimizer's step refreshes this trainer (optim.step)
             prm._owner = weakref.ref(self)
+            # no gradient before the first backward (torch's None): a step skips them, where
+            # it applied weight decay and momentum to the zeros
+            prm._stale = True
         self._version = -1
         self._seen = None
         self._dense: dict = {}  # rounding (None or "bf16") -> backward's dense weights (_dense_for)
@@ -408,6 +411,7 @@ class Trainer:
         """Zero the gradients; until the next backward an optimizer's step skips these
         parameters, as torch's does after zero_grad (with ``set_to_none=False`` it steps on
         the zeros, as torch's: Parameter.zero_grad)."""
+        _bool("Trainer.zero_grad", "set_to_none", set_to_none)  # (before any gradient goes)
         self.grad.buffer[:] = 0
         for p in self._params:
             p.zero_grad(set_to_none)
