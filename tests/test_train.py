@@ -469,7 +469,10 @@ def test_recomputing_step_needs_a_small_fraction_of_its_outputs(gemm, monkeypatc
     p = Trainer(m, recompute=True).plan(64, 1000)
     outputs = 2 * 1000 * 64 * 512 * 4  # y and dx, float32
     assert p["recompute"] and p["boundaries_in_dx"]
-    assert p["total_bytes"] <= outputs / 16, (p["segment"], p["total_bytes"], outputs)
+    # (the dense copies of the weights, counted in total_bytes since session 39, go with the
+    # weights, not with the step: ~2x the weights whatever N and T)
+    step = p["total_bytes"] - p["dense_weight_bytes"]
+    assert step <= outputs / 16, (p["segment"], step, outputs)
 
 
 def test_backward_leaves_the_process_blas_threads_as_they_were():

@@ -248,12 +248,12 @@ def _run_train(args, pairs, pngs) -> int:
         for row in p.table():
             life = info["lifetimes"][row["name"]]
             print(f"{row['name']:<12}{row['bytes']:>14,}{row['offset']:>14,}  {life}")
-        print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients"
-              + (", + about half again for their bf16 rounding" if args.autocast else "")
-              + ")")  # fmt: skip
+        print(f"weights     {tr.weights.nbytes:>14,} B (+ the same again for the gradients)")
         print(f"arena       {p.total:>14,} B (without reuse {p.naive_total:,} B)")
         print(f"boundaries  {info['checkpoint_bytes']:>14,} B (every layer's state at each "
               "segment start" + (", in dx's rows" if info["boundaries_in_dx"] else "") + ")")  # fmt: skip
+        print(f"dense copies{info['dense_weight_bytes']:>14,} B (of the weights, for backward's "
+              "products" + (", and their bf16 rounding" if args.autocast else "") + ")")  # fmt: skip
         print(f"total       {info['total_bytes']:>14,} B beyond weights, gradients, inputs and "
               "outputs")  # fmt: skip
         if png:

@@ -9,6 +9,7 @@ sizes (npy headers, Parquet metadata) are checked against what the file holds be
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import stat
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DTypeError, LeanRNNError, LengthsError, ShapeError
+
+_log = logging.getLogger("leanrnn")
 
 SUFFIXES = (".parquet", ".pq", ".npy", ".npz")
 # npz keys looked for when none are given.
@@ -256,6 +259,21 @@ class _ParquetReader:
         cols = [self.column] + ([self.length_column] if self.length_column else [])
         if ranges is None:
             ranges = [(g, 0, md.row_group(g).num_rows) for g in range(md.num_row_groups)]
+        # pyarrow decodes a row group's column whole, whatever the batch size: a group larger
+        # than a piece takes its size beyond the buffers the limit planned (pandas and pyarrow
+        # write one group up to 1Mi rows: 10k sequences of T=32 peaked 2.6x a 64 MB limit).
+        # The file cannot be read in less; say so, once, with the fix.
+        big = max((md.row_group(g).total_byte_size for g, _, _ in ranges), default=0)
+        if big > piece_bytes:
+            _log.warning(
+                "leanrnn: %r has row groups of up to %.1f MiB (uncompressed), which pyarrow "
+                "decodes whole: memory will exceed the %.1f MiB read a piece may take under "
+                "the memory limit by about that much. Rewrite the file with smaller row groups "
+                "(pyarrow.parquet.write_table(table, path, row_group_size=N)) to stay within it",
+                self.path,
+                big / 2**20,
+                piece_bytes / 2**20,
+            )
         for g, r0, r1 in ranges:
             rg = md.row_group(g)
             r1 = min(r1, rg.num_rows)

@@ -702,11 +702,13 @@ class Trainer:
             return ops[b.first] if b.first == b.last else f"{ops[b.first]} .. {ops[b.last]}"
 
         ck = self._checkpoint_bytes(batch, steps, S)
+        dense = self._dense_bytes()
         return dict(segment=S, segments=-(-steps // S), recompute=recompute, arena_bytes=arena,
                     plan=p, ops=ops,
                     lifetimes={pl.buffer.name: life(pl.buffer) for pl in p.placements},
                     boundaries_in_dx=self._boundaries_fit(batch, steps, S),
-                    checkpoint_bytes=ck, total_bytes=arena + ck)  # fmt: skip
+                    checkpoint_bytes=ck, dense_weight_bytes=dense,
+                    total_bytes=arena + ck + dense)  # fmt: skip
 
     def _boundary_floats(self, N: int) -> int:
         """Values of every layer's state at one segment boundary (h, and c for an LSTM)."""
@@ -739,6 +741,32 @@ class Trainer:
         ckc = [b[hsz:].reshape(LD, N, H) for b in blocks] if spec.cell == "lstm" else None
         return ckh, ckc
 
+    def _dense_bytes(self) -> int:
+        """Bytes of what backward keeps derived from the weights (_dense_for: dense W and R, R's
+        column panels, the projection, W packed for the engine's GEMM; under autocast also the
+        bf16 rounding, _forward_weights): ~1.5-2.5x the weights, made at the first step and
+        after each change of the weights. Counted with every step's plan (``plan``,
+        ``memory_limit``), which left them out (35.9 MiB beyond a 4 MiB figure at H=512)."""
+        spec, w, isz = self.spec, self.weights, self.dtype.itemsize
+        W = self._dh_groups() * abi.B
+        native = self._native_gemm()
+        P, H = spec.proj_size, spec.hidden_size
+        values = 0
+        for li, dirs in enumerate(w.layers):
+            cin = spec.layer_input_size(li)
+            for pl in dirs:
+                gp = pl.Wt.shape[0] * pl.Wt.shape[2]  # dense rows of from_panels
+                kp = pl.Rt.shape[1]
+                values += gp * cin + gp * kp + gp * -(-kp // W) * W  # Wd, Rd, RT
+                values += P * w.Hp + P * H  # projd, proj
+                if native:  # Wp: PackedMatmul.of(Wd), its panels and bias slot
+                    panels = -(-cin // PANEL)
+                    values += panels * PANEL * (gp + 1)
+        extra = 0
+        if self.autocast is not None:
+            extra = PackedWeights.size(spec, self.dtype, "bf16")
+        return values * isz + extra
+
     def _checkpoint_bytes(self, N: int, T: int, S: int) -> int:
         """Bytes of the boundary states beyond the step's outputs: none when they live in dx."""
         if self._boundaries_fit(N, T, S):
@@ -752,7 +780,7 @@ class Trainer:
         _segment."""
         stage = self.spec.batch_first if stage is None else stage
         need = plan(self._buffers(N, T, S, recompute, stage, self.autocast, draw)[0]).total
-        return need + self._checkpoint_bytes(N, T, S)
+        return need + self._checkpoint_bytes(N, T, S) + self._dense_bytes()
 
     def _limited_segment(self, T: int, N: int, stage: bool, draw: bool = False) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
