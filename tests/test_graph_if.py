@@ -35,19 +35,24 @@ def _branch(nodes, outputs, name, inits=()):
                                                for o in outputs], list(inits))  # fmt: skip
 
 
+def _dim_is(x: str, axis: int, value: int):
+    """Nodes and constants of c = (Shape(x)[axis] == value)."""
+    nodes = [node("Shape", [x], ["s"]), node("Gather", ["s", "ax"], ["d"], axis=0),
+             node("Equal", ["d", "v"], ["c"])]  # fmt: skip
+    return nodes, {"ax": np.array(axis, I64), "v": np.array(value, I64)}
+
+
 def _squeeze_if(axis: int = 1):
     """y = x.squeeze(axis) as TorchScript exports it for a dynamic dim: an If on the dim."""
-    then = _branch([node("Squeeze", ["x", "ax"], ["sq"], name="sq")], ["sq"], "then",
-                   [numpy_helper.from_array(np.array([axis], I64), "ax")])  # fmt: skip
+    then = _branch([node("Squeeze", ["x", "sq_axes"], ["sq"], name="sq")], ["sq"], "then",
+                   [numpy_helper.from_array(np.array([axis], I64), "sq_axes")])  # fmt: skip
     other = _branch([node("Identity", ["x"], ["id"], name="id")], ["id"], "else")
+    cond, consts = _dim_is("x", axis, 1)
     nodes = [
-        node("Shape", ["x"], ["s"]),
-        node("Gather", ["s", "d"], ["dim"], axis=0),
-        node("Equal", ["dim", "one"], ["c"]),
+        *cond,
         node("If", ["c"], ["y"], name="if", then_branch=then, else_branch=other),
         node("Relu", ["y"], ["out"]),
     ]
-    consts = {"d": np.array(axis, I64), "one": np.array(1, I64)}
     return nodes, consts
 
 
@@ -197,13 +202,6 @@ def test_lrnn_reading_a_branch_tensor_outside_its_branch_is_refused(tmp):
 
 
 # --------------------------------------------- a red-team pass over the above (session 39)
-def _dim_is(x: str, axis: int, value: int):
-    """Nodes and constants of c = (Shape(x)[axis] == value)."""
-    nodes = [node("Shape", [x], ["s"]), node("Gather", ["s", "ax"], ["d"], axis=0),
-             node("Equal", ["d", "v"], ["c"])]  # fmt: skip
-    return nodes, {"ax": np.array(axis, I64), "v": np.array(value, I64)}
-
-
 @pytest.mark.parametrize("T", [1, 3])
 def test_lstm_in_a_branch_with_weights_built_in_the_branch_is_packed_at_load(T, tmp):
     """TorchScript builds a branch's W and R with Concat of constants inside the branch;
@@ -286,7 +284,7 @@ def test_float_condition_and_duplicate_outputs_are_refused(tmp):
     """onnxruntime refuses a float condition at load; leanrnn ran it (a NaN read as true).
     An If naming one output twice let the last branch output win, silently."""
     nodes, consts = _squeeze_if()
-    nodes[2] = node("Cast", ["dim"], ["c"], to=onnx.TensorProto.FLOAT)
+    nodes[2] = node("Cast", ["d"], ["c"], to=onnx.TensorProto.FLOAT)
     x = np.ones((2, 1, 4), F32)
     with pytest.raises(ModelFormatError, match="condition 'c' has dtype float32; expected bool"):
         load(model(nodes, {"x": x}, consts, out_dtypes=[F32], dynamic=True), tmp).run({"x": x})

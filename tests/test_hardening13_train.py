@@ -101,17 +101,29 @@ def test_assigning_a_trainers_parameter_grad_copies_into_its_buffer_and_steps():
     assert np.shares_memory(p.grad, tr.grad.buffer) and np.abs(p.grad).sum() > 0
 
 
+def _twins(make_torch):
+    """A float64 torch module and leanrnn's copy of it, a Trainer over the copy, and SGD with
+    momentum and weight decay on each side (what a skipped or zero step changes)."""
+    torch = pytest.importorskip("torch")
+    tm = make_torch(torch).double()
+    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
+    tr = Trainer(m)
+    opt = SGD(tr.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    topt = torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    return torch, tm, m, tr, opt, topt
+
+
+def _same_weights(tm, m):
+    for k, v in tm.state_dict().items():
+        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("case", ["fresh", "zero_grad twice"])
 def test_parameters_without_a_gradient_are_skipped_as_torch(case):
     """torch skips a parameter whose grad is None: before any backward, and after
     zero_grad() then zero_grad(set_to_none=False) (None stays None). leanrnn applied weight
     decay and momentum to zeros in both (0.0044 and 1.83 off torch)."""
-    torch = pytest.importorskip("torch")
-    tm = torch.nn.GRU(4, 5).double()
-    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
-    tr = Trainer(m)
-    opt = SGD(tr.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-    topt = torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    torch, tm, m, tr, opt, topt = _twins(lambda torch: torch.nn.GRU(4, 5))
     if case == "zero_grad twice":
         x = _x(4, dtype=np.float64)
         _step(tr, x)
@@ -124,8 +136,7 @@ def test_parameters_without_a_gradient_are_skipped_as_torch(case):
         topt.zero_grad(set_to_none=False)
     opt.step()
     topt.step()
-    for k, v in tm.state_dict().items():
-        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
+    _same_weights(tm, m)
 
 
 def test_trainer_zero_grad_checks_its_argument_before_zeroing():
@@ -141,12 +152,7 @@ def test_trainer_zero_grad_checks_its_argument_before_zeroing():
 def test_zero_grad_set_to_none_false_steps_on_the_zeros_as_torch(how):
     """torch's zero_grad(set_to_none=False) keeps zero gradients, and the next step applies
     momentum and weight decay to them; leanrnn skipped the parameters either way (0.43 off)."""
-    torch = pytest.importorskip("torch")
-    tm = torch.nn.RNN(4, 5).double()
-    m = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()})
-    tr = Trainer(m)
-    opt = SGD(tr.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-    topt = torch.optim.SGD(tm.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    torch, tm, m, tr, opt, topt = _twins(lambda torch: torch.nn.RNN(4, 5))
     x = _x(3, dtype=np.float64)
     _step(tr, x)
     opt.step()
@@ -156,8 +162,7 @@ def test_zero_grad_set_to_none_false_steps_on_the_zeros_as_torch(how):
     topt.zero_grad(set_to_none=False)
     opt.step()  # on the zeros
     topt.step()
-    for k, v in tm.state_dict().items():
-        np.testing.assert_allclose(m.state_dict()[k], v.numpy(), rtol=1e-12, atol=1e-14)
+    _same_weights(tm, m)
 
 
 @pytest.mark.parametrize(
