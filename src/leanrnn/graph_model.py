@@ -145,9 +145,10 @@ class GraphModel:
             "graph_arena_naive_bytes": est["plan"].naive_total,
             "rnn_arena_bytes": est["rnn_arena_bytes"],
             "shape_constant_bytes": est["shape_constant_bytes"],
+            "working_bytes": est["working_bytes"],
         }
         arena["total_bytes"] = sum(arena[k] for k in ("graph_arena_bytes", "rnn_arena_bytes",
-                                                       "shape_constant_bytes"))  # fmt: skip
+                                                       "shape_constant_bytes", "working_bytes"))  # fmt: skip
         return {
             "kind": "graph",
             "inputs": [t.to_dict() for t in g.inputs],

@@ -326,7 +326,9 @@ def inspect_cmd(args) -> int:
             f"    graph intermediates: {_mib(a['graph_arena_bytes'])} (without reuse: "
             f"{_mib(a['graph_arena_naive_bytes'])}); RNN scratch: {_mib(a['rnn_arena_bytes'])};"
             f" shape-derived constants: {_mib(a['shape_constant_bytes'])}"
-        )
+            + (f"; ops' own working memory: {_mib(a['working_bytes'])}"
+               if a.get("working_bytes") else "")
+        )  # fmt: skip
         print(f"    input shapes: {a['input_shapes']}")
     else:
         print(f"    without reuse: {_mib(a['naive_bytes'])}")

@@ -36,6 +36,10 @@ class OpDef:
     infer: Callable  # (ctx, node, ins: [Out|None], vals: [ndarray|None]) -> [Out]
     run: Callable  # (ctx, node, ins: [ndarray|None], outs: [ndarray|None], metas, tmp) -> [ndarray]
     scratch: Callable | None = None  # (ctx, node, ins, metas, needed) -> {name: (shape, dtype)}
+    # (ctx, node, ins, metas) -> bytes the run allocates itself, at most at once, and frees
+    # before it returns (numpy's temporaries of a blocked loop): counted with the plan, not
+    # placed in the arena
+    transient: Callable | None = None
 
 
 def _fail(node: Node, msg: str, cls: type[LeanRNNError] = ShapeError):

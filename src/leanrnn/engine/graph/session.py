@@ -95,6 +95,7 @@ class GraphSession:
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self.resize_constant_bytes = 0
+        self.working_bytes = 0  # what ops allocate while they run (OpDef.transient)
 
     @property
     def plan(self) -> Plan | None:
@@ -259,11 +260,26 @@ class GraphSession:
                 tmp = guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
             steps.append((node, outs, tmp))
         p, layout = self._plan_layout(steps, metas, limit)
+        # What ops allocate themselves while they run (Conv's and MaxPool's window blocks),
+        # the most any one does: the nodes run one after another, each freeing its own
+        transient, by = 0, None
+        for node, outs, _ in steps:
+            fn = OPS[node.op].transient
+            if fn is not None:
+                ins = [metas[i] if i else None for i in node.inputs]
+                n = guard(node, fn, ctx, node, ins, outs)
+                if n > transient:
+                    transient, by = n, node
+        if limit is not None and p.total + transient > limit:
+            raise PlanError(
+                f"[GraphSession.resize] node {by.name!r} ({by.op}) works in {transient:,} "
+                f"bytes of its own beside the graph arena's {p.total:,}; memory_limit={limit}"
+            )
         # Everything a run holds at once: the arena, the outputs handed out fresh per run, the
-        # shape-computed values and the RNN nodes' shared arena (the largest of their plans).
-        # A memory limit holds both arenas: the RNN nodes plan within what the graph's leaves
-        # (forward ones chunk to fit, as Session.resize(memory_limit=) does).
-        rnn_limit = None if limit is None else limit - p.total
+        # shape-computed values, the ops' own working memory and the RNN nodes' shared arena
+        # (the largest of their plans). A memory limit holds all of them: the RNN nodes plan
+        # within what the rest leaves (forward ones chunk to fit, as Session.resize does).
+        rnn_limit = None if limit is None else limit - p.total - transient
         if limit is not None:
             loose = [
                 n.name for n, _, _ in steps if n.op in RNN_OPS and n.name not in self._sessions
@@ -292,18 +308,19 @@ class GraphSession:
                             f"memory_limit={limit}: none is left for RNN node {node.name!r}"
                         )
                     rnn_bytes = max(rnn_bytes, sess.planned(N, T, seq, rnn_limit).total)
-        total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes
+        total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes + transient
         check_fits(
             total,
             f"a run of graph {g.name!r} for inputs "
             f"{ {k: list(m.shape) for k, m in metas_in.items()} } ({p.total:,} bytes of arena, "
             f"{fresh_bytes:,} of outputs, {extra + pending_bytes:,} of shape-computed tensors, "
-            f"{rnn_bytes:,} of RNN arena)",
+            f"{rnn_bytes:,} of RNN arena, {transient:,} of ops' own working memory)",
             _OP,
         )
         if plan_only:
             return {"plan": p, "arena_bytes": p.total, "rnn_arena_bytes": rnn_bytes,
-                    "shape_constant_bytes": extra + pending_bytes}  # fmt: skip
+                    "shape_constant_bytes": extra + pending_bytes,
+                    "working_bytes": transient}  # fmt: skip
         flush()
         # a held arena over what the limit leaves beside the RNN nodes' is let go
         views = self._allocate_arena(p, layout, None if limit is None else limit - rnn_bytes)
@@ -312,6 +329,7 @@ class GraphSession:
         self._steps, self._metas, self._values, self._views = steps, metas, values, views
         self._key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
         self.resize_constant_bytes = extra
+        self.working_bytes = transient
         self._plan = p
         return p
 
