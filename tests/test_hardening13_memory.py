@@ -43,3 +43,27 @@ def test_window_ops_working_memory_is_counted(op, tmp_path):
     assert peak - y.nbytes <= est["working_bytes"] + (64 << 10), (peak, est)
     with pytest.raises(PlanError, match=f"\\({op}\\) works in"):
         g.resize({"x": x.shape}, memory_limit=est["arena_bytes"] + est["working_bytes"] // 2)
+
+
+def test_memory_log_frees_a_replaced_arena(caplog, monkeypatch):
+    """LEANRNN_LOG=memory logged an arena's allocation but never its free: a session whose
+    arena grew logged both sizes while holding only the second. Each allocation now has its
+    free, once the buffer is gone."""
+    import gc
+    import logging
+
+    import leanrnn
+    from leanrnn import config
+
+    enabled = config.log_enabled
+    monkeypatch.setattr(config, "log_enabled", lambda topic: topic == "memory" or enabled(topic))
+    m = leanrnn.LSTM(4, 8, seed=0)
+    with caplog.at_level(logging.INFO, logger="leanrnn"):
+        m.session.resize(2, 10)
+        m.session.resize(64, 500)  # a larger arena replaces the first
+        del m
+        gc.collect()
+    lines = [r.getMessage() for r in caplog.records]
+    allocated = [ln.split(" at ")[-1] for ln in lines if ": allocate " in ln]
+    freed = [ln.split(" at ")[-1] for ln in lines if ": free " in ln]
+    assert len(allocated) >= 2 and sorted(allocated) == sorted(freed), lines

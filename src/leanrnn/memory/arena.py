@@ -10,6 +10,7 @@ import functools
 import logging
 import mmap
 import os
+import weakref
 
 import numpy as np
 
@@ -99,7 +100,12 @@ class Arena:
         self.nbytes = int(nbytes)
         self.buffer = aligned_empty(self.nbytes, what=name)
         if config.log_enabled("memory"):
-            _log.info("%s: allocate %d bytes at 0x%x", name, self.nbytes, self.buffer.ctypes.data)
+            at = self.buffer.ctypes.data
+            _log.info("%s: allocate %d bytes at 0x%x", name, self.nbytes, at)
+            # and its free, when the last view of the buffer goes (an arena replaced by a
+            # larger one logged only the new allocation: the lines did not add up)
+            base = self.buffer if self.buffer.base is None else self.buffer.base
+            weakref.finalize(base, _log.info, "%s: free %d bytes at 0x%x", name, self.nbytes, at)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
