@@ -93,7 +93,10 @@ def register(subparsers) -> None:
         help="output directory (default: ./bench-out)",
     )
     p.add_argument("--repeats", type=positive_int, help="max timed samples per row (default 15)")
-    p.add_argument("--warmup", type=nonnegative_int, help="warm-up runs per row (default 3)")
+    p.add_argument("--warmup", type=positive_int,
+                   help="warm-up runs per row, at least 1: the last one sizes the timed samples "
+                   "(with none, the load and first call did, and a slow first call left samples of "
+                   "one call each; default 3)")  # fmt: skip
     p.add_argument(
         "--max-time",
         type=positive_float,
@@ -184,6 +187,16 @@ def options_from_args(args):
     if args.stream_steps is not None:
         kw["stream_steps"] = args.stream_steps
     if args.threads:
+        from .. import config
+        from ..errors import SpecError
+
+        over = [t for t in args.threads if t > config.cores()]
+        if over:  # (leanrnn clamps to its cores and its peers do not: unequal, silently)
+            raise SpecError(
+                f"[bench] --threads {','.join(map(str, args.threads))}: this process may use "
+                f"{config.cores()} cores, and leanrnn runs at most that many threads where its "
+                f"peers would run {over[0]}; compare at {config.cores()} threads or fewer"
+            )
         kw["threads"] = args.threads
     for flag, name in (
         ("repeats", "repeats"),

@@ -330,14 +330,17 @@ BAR_PEERS = ("onnxruntime", "torch")
 def bar_rows(results: dict) -> list[dict]:
     """The engine issue's bar, row by row: in every LSTM full-sequence config, leanrnn no slower
     than the faster of onnxruntime and torch (median of repeated runs). ``passed`` is False when
-    leanrnn is slower, its output is wrong, or its row failed."""
+    leanrnn is slower, its output is wrong, or its row failed — or a peer's row failed or gave
+    wrong outputs: the faster peer is then unknown, and comparing with the one left turned a
+    FAIL into a pass (``peer_failed`` names it)."""
     out = []
     for key, by_engine in grouped(results).items():
         cell, H, stream, N, T, threads = key
         if cell != "lstm" or stream or BASE not in by_engine:
             continue
-        peers = [(median(by_engine.get(e)), e) for e in BAR_PEERS]
-        peers = [(t, e) for t, e in peers if t]
+        rows = {e: by_engine.get(e) for e in BAR_PEERS}
+        peers = [(median(r), e) for e, r in rows.items() if r and r.get("status") == "ok"]
+        failed = [e for e, r in rows.items() if r and r.get("status") != "ok"]
         if not peers:
             continue
         best_t, best_e = min(peers)
@@ -346,7 +349,9 @@ def bar_rows(results: dict) -> list[dict]:
         out.append({
             "key": key, "H": H, "N": N, "T": T, "threads": threads,
             "ratio": None if b is None else b / best_t, "peer": best_e,
-            "passed": b is not None and b <= best_t and base.get("status") == "ok",
+            "peer_failed": failed,
+            "passed": (b is not None and b <= best_t and base.get("status") == "ok"
+                       and not failed),
             "busy": busy(base),
             "cells": [_cell(by_engine.get(e), None) for e in (BASE, *BAR_PEERS)],
         })  # fmt: skip
@@ -359,6 +364,8 @@ def bars_table(results: dict) -> str | None:
     for b in bar_rows(results):
         ratio = "–" if b["ratio"] is None else f"{b['ratio']:.2f} (vs {b['peer']})"
         verdict = ("pass" if b["passed"] else "FAIL") + (" †" if b["busy"] else "")
+        if b["peer_failed"]:  # (not a pass whatever the ratio: the faster peer is unknown)
+            verdict = f"FAIL: {', '.join(b['peer_failed'])} did not run right"
         rows.append([str(b["H"]), str(b["N"]), str(b["T"]), str(b["threads"]), *b["cells"],
                      ratio, verdict])  # fmt: skip
     if not rows:

@@ -217,6 +217,7 @@ class GraphSession:
                 else:
                     yield node
 
+        graph_outputs = {t.name for t in g.outputs}
         for node in planned_nodes():
             ins = [metas[i] if i else None for i in node.inputs]
             vals = [values.get(i) if i else None for i in node.inputs]
@@ -224,8 +225,10 @@ class GraphSession:
             for name, m in zip(node.outputs, outs, strict=False):
                 if not name:  # an output the node does not make (an RNN's unnamed Y)
                     continue
-                if limit is not None and m.nbytes > limit:
-                    raise ShapeError(
+                # (a graph output is the caller's, handed out fresh per run: outside the limit,
+                # as a Session's outputs are; it was refused here with a ShapeError)
+                if limit is not None and m.nbytes > limit and name not in graph_outputs:
+                    raise PlanError(
                         f"[GraphSession.resize] node {node.name!r} ({node.op}) "
                         f"output {list(m.shape)} needs {m.nbytes} bytes; the memory"
                         f" limit is {limit}"

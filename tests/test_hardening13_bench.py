@@ -1,0 +1,38 @@
+"""Session 39, from a red-team pass on the benchmark harness: a failed peer turned a bar FAIL
+into a pass (the faster of torch and onnxruntime was taken among those left), thread counts
+above the cores ran leanrnn on fewer threads than its peers while the report said otherwise,
+and --warmup 0 sized the samples from the load and first call."""
+
+from __future__ import annotations
+
+import pytest
+
+from leanrnn import cli, config
+from leanrnn.bench import report
+
+
+def _row(engine: str, median_s: float, status: str = "ok") -> dict:
+    return {"engine": engine, "status": status,
+            "config": {"cell": "lstm", "H": 64, "stream": False, "N": 1, "T": 100, "threads": 1},
+            "timing": {"median_s": median_s}}  # fmt: skip
+
+
+@pytest.mark.parametrize("status", ["error", "mismatch"])
+def test_a_peer_that_did_not_run_right_fails_the_bar(status):
+    # onnxruntime 2x faster than leanrnn: a FAIL; with onnxruntime's row failed it read "pass"
+    rows = [_row("leanrnn", 2e-3), _row("torch", 5e-3), _row("onnxruntime", 1e-3, status)]
+    (bar,) = report.bar_rows({"rows": rows})
+    assert not bar["passed"] and bar["peer_failed"] == ["onnxruntime"]
+    assert "onnxruntime did not run right" in report.bars_table({"rows": rows})
+    ok = [_row("leanrnn", 2e-3), _row("torch", 5e-3), _row("onnxruntime", 3e-3)]
+    assert report.bar_rows({"rows": ok})[0]["passed"]
+
+
+def test_bench_refuses_more_threads_than_cores_and_no_warmup(tmp_path, capsys):
+    over = str(config.cores() + 1)
+    assert cli.main(["bench", "--threads", over, "--out", str(tmp_path / "b")]) != 0
+    assert f"compare at {config.cores()} threads or fewer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--warmup", "0", "--out", str(tmp_path / "b")])
+    assert "argument --warmup: 0" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
