@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from leanrnn.cli import positive_int
+
 # The worker: one forward of a single-layer model through Session.run(out=...), timed in turns.
 _WORKER = r"""
 import hashlib, sys, time
@@ -71,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("builds", nargs="+", help="NAME=PATH (or PATH) of a leanrnn source tree")
     ap.add_argument("--cell", choices=("lstm", "gru", "rnn"), default="lstm")
-    ap.add_argument("--hidden", type=int, default=512, help="H = C")
-    ap.add_argument("--batch", type=int, default=64, help="N")
-    ap.add_argument("--steps", type=int, default=100, help="T")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=2, help="forwards per turn")
+    ap.add_argument("--hidden", type=positive_int, default=512, help="H = C")
+    ap.add_argument("--batch", type=positive_int, default=64, help="N")
+    ap.add_argument("--steps", type=positive_int, default=100, help="T")
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--rounds", type=positive_int, default=16)
+    ap.add_argument("--reps", type=positive_int, default=2, help="forwards per turn")
     args = ap.parse_args(argv)
     builds = [_build(b) for b in args.builds]
     workers = []

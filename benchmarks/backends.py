@@ -17,6 +17,7 @@ import numpy as np
 
 import leanrnn
 from leanrnn import config
+from leanrnn.cli import positive_int
 
 ROWS = [  # (threads, H, N, T)
     (1, 128, 1, 100), (1, 128, 64, 100), (1, 512, 1, 100), (1, 512, 64, 50), (1, 37, 3, 7),
@@ -26,7 +27,7 @@ ROWS = [  # (threads, H, N, T)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     print("| threads | H | N | T | native | jit | native / jit | max abs diff |")

@@ -35,6 +35,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_int
+
 H = 512
 VOCAB = 10_000
 CLASSES = 1_000
@@ -632,11 +634,11 @@ def main() -> int:
         print(json.dumps(res))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--steps", type=int, default=100, help="T for the run part")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--trials", type=int, default=3, help="processes per load measurement")
-    p.add_argument("--rounds", type=int, default=6,
+    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=positive_int, default=100, help="T for the run part")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--trials", type=positive_int, default=3, help="processes per load measurement")
+    p.add_argument("--rounds", type=positive_int, default=6,
                    help="turns per engine of the interleaved run timing (--repeats runs each)")  # fmt: skip
     p.add_argument("--batches", default="1,64")
     p.add_argument("--part", choices=["load", "run", "all"], default="all")

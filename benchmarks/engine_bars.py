@@ -23,6 +23,7 @@ from pathlib import Path
 from leanrnn.bench import report
 from leanrnn.bench.cli import _ints
 from leanrnn.bench.harness import Options, run_suite
+from leanrnn.cli import positive_float, positive_int
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench-out/engine-bars"))
     ap.add_argument("--hidden", type=_ints, default=(128, 512, 1024))
     ap.add_argument("--threads", type=_ints, default=(1, 2))
-    ap.add_argument("--max-time", type=float, default=1.5, help="sampling seconds per row")
+    ap.add_argument("--max-time", type=positive_float, default=1.5, help="sampling seconds per row")
     ap.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=3,
         help="processes per row, interleaved in time; the median one is reported",
     )

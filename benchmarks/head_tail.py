@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_int
+
 
 def _runs(pm, a, out, tails, threads, sync, product, sess) -> dict:
     """{name: a call running one product}: leanrnn's with each tail, onnxruntime's if any."""
@@ -29,11 +31,11 @@ def _runs(pm, a, out, tails, threads, sync, product, sess) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[30, 100, 200])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--classes", type=int, default=1000, help="M, the head's width")
-    ap.add_argument("--inputs", type=int, default=512, help="K")
-    ap.add_argument("--samples", type=int, default=400)
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[30, 100, 200])
+    ap.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2])
+    ap.add_argument("--classes", type=positive_int, default=1000, help="M, the head's width")
+    ap.add_argument("--inputs", type=positive_int, default=512, help="K")
+    ap.add_argument("--samples", type=positive_int, default=400)
     ap.add_argument("--exact-width", action="store_true",
                     help="the padded tail exactly the panels' width (its rows a power of two "
                     "apart at 16 panels: what the quarter panel more avoids)")  # fmt: skip

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import textwrap
 
+from leanrnn.cli import positive_int
+
 PRELUDE = textwrap.dedent(
     """
     import json, os, time, tracemalloc
@@ -128,7 +130,7 @@ def child(code: str, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--out", default="bench-out/memory_bars.json")
     a = ap.parse_args()
     res = {"threads": a.threads}

@@ -41,6 +41,7 @@ import warnings
 import numpy as np
 
 import leanrnn
+from leanrnn.cli import positive_float, positive_int
 from leanrnn.kernels import _cpu
 
 F32_PEERS = ("torch f32", "ort f32")
@@ -311,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=_ints, default=(512, 1024))
     ap.add_argument("--threads", type=_ints, default=(1, 2))
     ap.add_argument("--cells", default="lstm,gru")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=0.4, help="per timing block")
-    ap.add_argument("--accuracy-steps", type=int, default=1000)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--seconds", type=positive_float, default=0.4, help="per timing block")
+    ap.add_argument("--accuracy-steps", type=positive_int, default=1000)
     ap.add_argument("--only", choices=("batch64",), help="only the batch-64 rows")
     ap.add_argument("--gemv", action="store_true", help="only the tile alone: GB/s of the "
                     "step's GEMV and GMAC/s of the projection GEMM (what bounds batch 1)")  # fmt: skip

@@ -30,6 +30,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_int
+
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
@@ -75,12 +77,12 @@ def onnx_lstm(sd: dict, C: int, H: int) -> bytes:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--input", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=7, help="turns per engine")
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per turn")
+    ap.add_argument("--hidden", type=positive_int, default=512)
+    ap.add_argument("--input", type=positive_int, default=128)
+    ap.add_argument("--batch", type=positive_int, default=64)
+    ap.add_argument("--steps", type=positive_int, default=100)
+    ap.add_argument("--rounds", type=positive_int, default=7, help="turns per engine")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed calls per turn")
     args = ap.parse_args(argv)
     sys.path.insert(0, SRC)
     import leanrnn

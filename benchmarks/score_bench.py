@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_float, positive_int
+
 C, H, LAYERS = 40, 256, 2
 
 
@@ -222,23 +224,27 @@ def process_scaling(model_path: str, data: str, tmp: str) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sequences", type=int, default=100_000)
-    p.add_argument("--median", type=float, default=40.0, help="median length (steps)")
-    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the lengths")
-    p.add_argument("--max-len", type=int, default=2000)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sequences", type=positive_int, default=100_000)
+    p.add_argument("--median", type=positive_float, default=40.0, help="median length (steps)")
+    p.add_argument(
+        "--sigma", type=positive_float, default=0.8, help="log-normal sigma of the lengths"
+    )
+    p.add_argument("--max-len", type=positive_int, default=2000)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument(
         "--baseline-sequences",
-        type=int,
+        type=positive_int,
         default=None,
         help="run the padded, Ray and process-scaling comparisons on the first this "
         "many sequences (leanrnn's length-aware path is measured on these too)",
     )
-    p.add_argument("--torch-sequences", type=int, default=None,
+    p.add_argument("--torch-sequences", type=positive_int, default=None,
                    help="run torch's loop on the first this many sequences")  # fmt: skip
     p.add_argument("--skip", nargs="*", default=[], choices=["torch", "ray", "memory", "padded"])
     p.add_argument("--memory-limit", default="64M", help="for the memory bar's runs")
-    p.add_argument("--memory-hidden", type=int, default=64, help="H of the memory bar's model")
+    p.add_argument(
+        "--memory-hidden", type=positive_int, default=64, help="H of the memory bar's model"
+    )
     p.add_argument("--json", default=None, help="write the numbers here too")
     args = p.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.1f} at the start", flush=True)

@@ -49,6 +49,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_float, positive_int
+
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
@@ -443,20 +445,22 @@ def engine_only(model, streams: list[int], steps: int, rounds: int, threads: int
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--input", type=int, default=40, help="features per step (C)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per request")
-    ap.add_argument("--period", type=float, default=0.1, help="seconds between a stream's sends")
-    ap.add_argument("--seconds", type=float, default=5.0, help="load per point")
-    ap.add_argument("--streams", type=int, nargs="+",
+    ap.add_argument("--hidden", type=positive_int, default=512)
+    ap.add_argument("--layers", type=positive_int, default=2)
+    ap.add_argument("--input", type=positive_int, default=40, help="features per step (C)")
+    ap.add_argument("--steps", type=positive_int, default=10, help="steps per request")
+    ap.add_argument(
+        "--period", type=positive_float, default=0.1, help="seconds between a stream's sends"
+    )
+    ap.add_argument("--seconds", type=positive_float, default=5.0, help="load per point")
+    ap.add_argument("--streams", type=positive_int, nargs="+",
                     default=[4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256])  # fmt: skip
-    ap.add_argument("--clients", type=int, default=2, help="client processes")
+    ap.add_argument("--clients", type=positive_int, default=2, help="client processes")
     ap.add_argument("--rpc", choices=("stream", "unary"), default="stream",
                     help="stream: each client process's streams share one ModelStreamInfer "
                     "stream (default); unary: one ModelInfer call per request")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=1, help="engine threads of the server")
-    ap.add_argument("--target", type=float, default=100.0, help="p99 bar in ms")
+    ap.add_argument("--threads", type=positive_int, default=1, help="engine threads of the server")
+    ap.add_argument("--target", type=positive_float, default=100.0, help="p99 bar in ms")
     ap.add_argument("--only", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS),
                     help="which servers to measure (default all three)")  # fmt: skip
     ap.add_argument("--serve-args", default="",
@@ -465,12 +469,12 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="write a p50/p99 plot here (matplotlib)")
     ap.add_argument(
         "--engine-only",
-        type=int,
+        type=positive_int,
         metavar="ROUNDS",
         help="measure the scheduler and engine in process instead (no transport)",
     )
     ap.add_argument("--ort-server", metavar="MODEL", help=argparse.SUPPRESS)  # the (c) process
-    ap.add_argument("--max-streams", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--max-streams", type=positive_int, default=1024, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     sys.path.insert(0, SRC)

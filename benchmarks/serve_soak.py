@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from leanrnn.cli import positive_float, positive_int
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_bench import launch  # the same server launch as the latency benchmark
 
@@ -93,10 +95,10 @@ def soak(protocol: str, model_path: str, steps: int, clients: int, seconds: floa
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--protocol", choices=["http", "grpc", "both"], default="both")
-    p.add_argument("--steps", type=int, default=50_000, help="steps per request (T)")
-    p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=40.0)
-    p.add_argument("--every", type=float, default=5.0, help="seconds between RSS samples")
+    p.add_argument("--steps", type=positive_int, default=50_000, help="steps per request (T)")
+    p.add_argument("--clients", type=positive_int, default=2)
+    p.add_argument("--seconds", type=positive_float, default=40.0)
+    p.add_argument("--every", type=positive_float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--limit", default="64M", help="the server's --max-queued-bytes")
     args = p.parse_args(argv)
     import leanrnn

@@ -75,6 +75,8 @@ from pathlib import Path
 
 import numpy as np
 
+from leanrnn.cli import positive_int
+
 ENGINES = ("leanrnn", "torch", "torch-nodnnl")
 TORCHES = ("torch", "torch-nodnnl")
 # (torch float32 first: the gradients' reference in speed_child)
@@ -699,6 +701,17 @@ def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(v) for v in s.split(",") if v)
 
 
+def _seconds_or_zero(text: str) -> float:
+    """argparse type: a finite number >= 0 (0: the fewest steps each engine takes)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -709,20 +722,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=_ints, default=(128, 512))
     ap.add_argument("--batch", type=_ints, default=(32, 64))
     ap.add_argument("--threads", type=_ints, default=(1, 2))
-    ap.add_argument("--rounds", type=int, default=3, help="fresh processes per thread count")
-    ap.add_argument("--max-time", type=float, default=1.5,
+    ap.add_argument(
+        "--rounds", type=positive_int, default=3, help="fresh processes per thread count"
+    )
+    ap.add_argument("--max-time", type=_seconds_or_zero, default=1.5,
                     help=f"sampling seconds per row and round (at least {MIN_REPS} steps per engine)")  # fmt: skip
-    ap.add_argument("--steps", type=int, default=1000, help="T of the memory bar's step")
-    ap.add_argument("--speed-steps", type=int, default=SPEED_T, help="T of the speed rows")
-    ap.add_argument("--block", type=int, default=BLOCK, help="steps per engine's turn in the "
+    ap.add_argument("--steps", type=positive_int, default=1000, help="T of the memory bar's step")
+    ap.add_argument("--speed-steps", type=positive_int, default=SPEED_T, help="T of the speed rows")
+    ap.add_argument("--block", type=positive_int, default=BLOCK, help="steps per engine's turn in the "
                     "speed rows, the first untimed (1: each step timed after a pause)")  # fmt: skip
-    ap.add_argument("--mem-rounds", type=int, default=1, help="fresh processes per memory variant")
+    ap.add_argument(
+        "--mem-rounds", type=positive_int, default=1, help="fresh processes per memory variant"
+    )
     ap.add_argument("--only", choices=("speed", "memory", "examples", "autocast"), default=None)
     ap.add_argument("--examples", type=lambda s: tuple(s.split(",")), default=EXAMPLE_NAMES,
                     help="with --only examples: which examples")  # fmt: skip
-    ap.add_argument("--example-steps", type=int, default=None,
+    ap.add_argument("--example-steps", type=positive_int, default=None,
                     help="optimizer steps of each example run (default: the example's own)")  # fmt: skip
-    ap.add_argument("--example-threads", type=int, default=2)
+    ap.add_argument("--example-threads", type=positive_int, default=2)
     a = ap.parse_args(argv)
 
     from leanrnn.bench.harness import machine_info
