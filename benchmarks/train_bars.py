@@ -75,7 +75,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leanrnn.cli import positive_int
+from leanrnn.cli import nonnegative_float, positive_int
 
 ENGINES = ("leanrnn", "torch", "torch-nodnnl")
 TORCHES = ("torch", "torch-nodnnl")
@@ -701,17 +701,6 @@ def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(v) for v in s.split(",") if v)
 
 
-def _seconds_or_zero(text: str) -> float:
-    """argparse type: a finite number >= 0 (0: the fewest steps each engine takes)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0")
-    return v
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -725,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rounds", type=positive_int, default=3, help="fresh processes per thread count"
     )
-    ap.add_argument("--max-time", type=_seconds_or_zero, default=1.5,
+    ap.add_argument("--max-time", type=nonnegative_float, default=1.5,
                     help=f"sampling seconds per row and round (at least {MIN_REPS} steps per engine)")  # fmt: skip
     ap.add_argument("--steps", type=positive_int, default=1000, help="T of the memory bar's step")
     ap.add_argument("--speed-steps", type=positive_int, default=SPEED_T, help="T of the speed rows")

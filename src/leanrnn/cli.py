@@ -113,12 +113,21 @@ class _Parser(argparse.ArgumentParser):
 
 def positive_float(s: str) -> float:
     """argparse type: a finite number > 0 (seconds)."""
+    return _finite(s, zero=False)
+
+
+def nonnegative_float(s: str) -> float:
+    """argparse type: a finite number >= 0 (seconds where 0 means 'the least')."""
+    return _finite(s, zero=True)
+
+
+def _finite(s: str, zero: bool) -> float:
     try:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{s}: expected a number > 0")
+    if not (0 <= v if zero else 0 < v) or v == float("inf") or v != v:
+        raise argparse.ArgumentTypeError(f"{s}: expected a finite number {'>=' if zero else '>'} 0")
     return v
 
 
