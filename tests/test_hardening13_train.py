@@ -192,3 +192,29 @@ def test_plan_counts_backwards_dense_copies_of_the_weights(make, autocast):
         made += tr._bf16.nbytes
     assert planned["dense_weight_bytes"] == made
     assert planned["total_bytes"] >= planned["arena_bytes"] + made
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_steps_memory_stays_within_its_plan(batch_first):
+    """What a training step takes beyond its inputs and outputs (traced: numpy's arrays) is at
+    most what plan() says, which memory_limit is held to: batch-first steps keep time-major
+    copies of y, dy and dx that the plan left out (2.2x a limit)."""
+    import tracemalloc
+
+    N, T, C = 8, 300, 16
+    m = leanrnn.LSTM(C, 32, num_layers=2, seed=0, batch_first=batch_first)
+    tr = Trainer(m)
+    shape = (N, T, C) if batch_first else (T, N, C)
+    x = np.random.default_rng(0).standard_normal(shape).astype(F32)
+    dy = np.ones((*shape[:2], 32), F32)
+    planned = tr.plan(N, T)["total_bytes"]
+    warm = Trainer(leanrnn.LSTM(C, 32, num_layers=2, seed=1, batch_first=batch_first))
+    w = warm.forward(x[:2, :2].copy())  # (what a first step imports is not the step's memory)
+    warm.backward(w, dy[:2, :2].copy())
+    tracemalloc.start()
+    t = tr.forward(x)
+    dx, _, _ = tr.backward(t, dy)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    beyond = peak - t.y.nbytes - dx.nbytes - t.h_n.nbytes - t.c_n.nbytes
+    assert beyond <= planned + (256 << 10), (beyond, planned)

@@ -254,6 +254,9 @@ def _run_train(args, pairs, pngs) -> int:
               "segment start" + (", in dx's rows" if info["boundaries_in_dx"] else "") + ")")  # fmt: skip
         print(f"dense copies{info['dense_weight_bytes']:>14,} B (of the weights, for backward's "
               "products" + (", and their bf16 rounding" if args.autocast else "") + ")")  # fmt: skip
+        if info["layout_copy_bytes"]:
+            print(f"time-major  {info['layout_copy_bytes']:>14,} B (batch_first: y, dy and dx "
+                  "copied time-major)")  # fmt: skip
         print(f"total       {info['total_bytes']:>14,} B beyond weights, gradients, inputs and "
               "outputs")  # fmt: skip
         if png:

@@ -703,12 +703,13 @@ class Trainer:
 
         ck = self._checkpoint_bytes(batch, steps, S)
         dense = self._dense_bytes()
+        copies = self._layout_copies(batch, steps)
         return dict(segment=S, segments=-(-steps // S), recompute=recompute, arena_bytes=arena,
                     plan=p, ops=ops,
                     lifetimes={pl.buffer.name: life(pl.buffer) for pl in p.placements},
                     boundaries_in_dx=self._boundaries_fit(batch, steps, S),
-                    checkpoint_bytes=ck, dense_weight_bytes=dense,
-                    total_bytes=arena + ck + dense)  # fmt: skip
+                    checkpoint_bytes=ck, dense_weight_bytes=dense, layout_copy_bytes=copies,
+                    total_bytes=arena + ck + dense + copies)  # fmt: skip
 
     def _boundary_floats(self, N: int) -> int:
         """Values of every layer's state at one segment boundary (h, and c for an LSTM)."""
@@ -767,6 +768,16 @@ class Trainer:
             extra = PackedWeights.size(spec, self.dtype, "bf16")
         return values * isz + extra
 
+    def _layout_copies(self, N: int, T: int) -> int:
+        """Bytes a batch-first step holds beyond its arena and outputs: it computes time-major,
+        so y (kept for backward: the tape's reserve), dy and dx are copies beside the
+        batch-first arrays handed in and out (a memory limit went 2.2x past without them)."""
+        spec = self.spec
+        if not spec.batch_first:
+            return 0
+        yk = spec.num_directions * spec.output_size
+        return T * N * (2 * yk + spec.input_size) * self.dtype.itemsize
+
     def _checkpoint_bytes(self, N: int, T: int, S: int) -> int:
         """Bytes of the boundary states beyond the step's outputs: none when they live in dx."""
         if self._boundaries_fit(N, T, S):
@@ -780,7 +791,8 @@ class Trainer:
         _segment."""
         stage = self.spec.batch_first if stage is None else stage
         need = plan(self._buffers(N, T, S, recompute, stage, self.autocast, draw)[0]).total
-        return need + self._checkpoint_bytes(N, T, S) + self._dense_bytes()
+        return (need + self._checkpoint_bytes(N, T, S) + self._dense_bytes()
+                + self._layout_copies(N, T))  # fmt: skip
 
     def _limited_segment(self, T: int, N: int, stage: bool, draw: bool = False) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
