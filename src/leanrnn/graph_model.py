@@ -147,8 +147,8 @@ class GraphModel:
             "shape_constant_bytes": est["shape_constant_bytes"],
             "working_bytes": est["working_bytes"],
         }
-        arena["total_bytes"] = sum(arena[k] for k in ("graph_arena_bytes", "rnn_arena_bytes",
-                                                       "shape_constant_bytes", "working_bytes"))  # fmt: skip
+        parts = ("graph_arena_bytes", "rnn_arena_bytes", "shape_constant_bytes", "working_bytes")
+        arena["total_bytes"] = sum(arena[k] for k in parts)
         return {
             "kind": "graph",
             "inputs": [t.to_dict() for t in g.inputs],

@@ -123,12 +123,15 @@ class Node:
     @staticmethod
     def from_dict(d: dict) -> Node:
         when = d.get("when") or []
-        if not isinstance(when, list) or not all(
-            isinstance(w, list) and len(w) == 2 and isinstance(w[0], str) and w[0]
-            and isinstance(w[1], bool) for w in when
-        ):  # fmt: skip
-            raise ValueError(f"node {d.get('name')!r} has when={when!r}; expected "
-                             "[[condition name, true|false], ...]")  # fmt: skip
+
+        def pair(w) -> bool:
+            return (isinstance(w, list) and len(w) == 2 and isinstance(w[0], str) and bool(w[0])
+                    and isinstance(w[1], bool))  # fmt: skip
+
+        bad = [when] if not isinstance(when, list) else [w for w in when if not pair(w)]
+        if bad:  # (the first one, cut: a hostile file's list could be megabytes)
+            raise ValueError(f"node {d.get('name')!r} has a condition {bad[0]!r:.200}; "
+                             "expected when = [[condition name, true|false], ...]")  # fmt: skip
         return Node(
             str(d["op"]),
             str(d["name"]),

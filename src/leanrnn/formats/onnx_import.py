@@ -511,7 +511,7 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
 
 def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, constants: dict,
                defined: set, seen_names: set, reader: _Reader,
-               reserved: frozenset = frozenset()) -> None:  # fmt: skip
+               reserved: frozenset) -> None:  # fmt: skip
     """Convert ``protos`` (a graph's or a branch's nodes) into ``nodes``. ``rename`` maps a
     branch's own tensor names to graph-unique ones (names from outer scopes stay as they are);
     ``when`` is the conditions the nodes run under, ``prefix`` goes before their names (a
@@ -528,10 +528,7 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
         ins = tuple(rename.get(x, x) for x in n.input)
         for o in n.output:  # a branch's outputs get names no other tensor has
             if o and when:
-                fresh = f"{name}:{o}"
-                while fresh in defined or fresh in reserved:
-                    fresh += "'"
-                rename[o] = fresh
+                rename[o] = _fresh(f"{name}:{o}", defined, reserved)
         outs = tuple(rename.get(o, o) for o in n.output)
         check_node_io(f"[load_onnx] {where}", ins, outs, defined)
         if op == "Constant":
@@ -556,6 +553,13 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
             node.attrs = rnn_attrs(op, attrs, where)
         nodes.append(node)
         defined |= {o for o in outs if o}
+
+
+def _fresh(base: str, defined: set, reserved: frozenset) -> str:
+    """``base``, primed until no tensor defined so far nor any top-level name has it."""
+    while base in defined or base in reserved:
+        base += "'"
+    return base
 
 
 def _add_if(n, name: str, ins, outs, rename: dict, when: tuple, nodes: list, constants: dict,
@@ -585,10 +589,7 @@ def _add_if(n, name: str, ins, outs, rename: dict, when: tuple, nodes: list, con
                                    "initializers; an If's branches take neither")  # fmt: skip
         inner = dict(rename)  # a branch sees the outer names, and its own apart
         for t in b.initializer:
-            fresh = f"{name}/{key}:{t.name}"
-            while fresh in defined or fresh in reserved:
-                fresh += "'"
-            inner[t.name] = fresh
+            fresh = inner[t.name] = _fresh(f"{name}/{key}:{t.name}", defined, reserved)
             constants[fresh] = reader.array(t, f"{where} {key} initializer {t.name!r}")
             defined.add(fresh)
         _add_nodes(b.node, inner, (*when, (ins[0], truth)), f"{name}/{key}/", nodes,

@@ -37,7 +37,6 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -323,20 +322,14 @@ def quantize_packed(pw: PackedWeights, precision: str, out: PackedWeights | None
     if reduce_range and precision != "int8-dynamic":
         raise DTypeError(f"[quantize] reduce_range (7-bit weight codes) is int8-dynamic's; "
                          f"{precision!r} multiplies no integer codes")  # fmt: skip
-    if precision == pw.precision:
-        if reduce_range and weight_bits(pw) != 7:
-            raise DTypeError("[quantize] the weights are int8-dynamic with 8-bit codes "
-                             "already; rounding them again to 7 bits would round twice: "
-                             "quantize the float32 model with reduce_range=True")  # fmt: skip
-        # a copy, as every other precision gives: one on the same buffer changed with it
-        if out is None:
-            return copy.deepcopy(pw)
-        if out.spec != pw.spec or out.precision != precision:
-            raise DTypeError(f"[quantize] out holds {out.precision} weights of {out.spec}; "
-                             f"expected {precision} weights of {pw.spec}")  # fmt: skip
-        out.buffer[:] = pw.buffer
-        return out
-    same = pw.precision != "float" and panel_format(pw.precision) == panel_format(precision)
+    if precision == pw.precision and reduce_range and weight_bits(pw) != 7:
+        raise DTypeError("[quantize] the weights are int8-dynamic with 8-bit codes "
+                         "already; rounding them again to 7 bits would round twice: "
+                         "quantize the float32 model with reduce_range=True")  # fmt: skip
+    # The same panels (its own precision, or bf16 <-> bf16-act): their bytes copied, never
+    # pw itself (a model on the same buffer changed with it)
+    same = precision == pw.precision or (
+        pw.precision != "float" and panel_format(pw.precision) == panel_format(precision))  # fmt: skip
     if pw.precision != "float" and not same:
         raise DTypeError(f"[quantize] the weights are {pw.precision} already; expected float32 "
                          f"weights: quantize the float32 model to {precision!r}")  # fmt: skip

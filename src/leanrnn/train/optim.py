@@ -221,11 +221,11 @@ class Parameter:
         # 0). The values are copied in, and the next step uses them, as after torch's
         # p.grad = g (also after zero_grad, which torch's None stands for).
         if grad is not self._grad:
-            if not isinstance(grad, np.ndarray) or grad.shape != self._grad.shape:
-                self._checked_grad(grad)  # (its errors name what is wrong)
-            if grad.dtype != self._grad.dtype:
-                self._checked_grad(grad)
-            self._grad[...] = grad
+            mine = self._grad
+            fits = isinstance(grad, np.ndarray) and grad.shape == mine.shape
+            if not fits or grad.dtype != mine.dtype:
+                self._checked_grad(grad)  # (raises, naming what is wrong)
+            mine[...] = grad
         self._stale = False
 
     @property

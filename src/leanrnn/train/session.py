@@ -509,9 +509,8 @@ class Trainer:
             self._refresh()
 
     def _weights_changed(self) -> bool:
-        return [
-            p.version for p in self._params
-        ] != self._seen or self.weights.generation != self._generation
+        mine = [p.version for p in self._params] != self._seen
+        return mine or self.weights.generation != self._generation
 
     # ------------------------------------------------------------------ forward
     @_one_at_a_time

@@ -100,9 +100,12 @@ def _check_scope(node: Node, scope: dict[str, tuple], defined: set[str]) -> None
     condition. A file that breaks this would read a tensor its plan never made."""
     where = f"[load] node {node.name!r} ({node.op})"
     for c, t in node.when:
-        if c not in defined or not isinstance(t, bool):
+        if c not in defined:
             raise ModelFormatError(f"{where} runs when {c!r}, which no earlier node, input or "
                                    "constant defines")  # fmt: skip
+        if not isinstance(t, bool):
+            raise ModelFormatError(f"{where} runs when {c!r} is {t!r:.40}; expected true or "
+                                   "false")  # fmt: skip
     reads = [(i, node.when) for i in node.inputs if i]
     if node.op == "If":
         k = len(node.outputs)
