@@ -36,3 +36,27 @@ def test_bench_refuses_more_threads_than_cores_and_no_warmup(tmp_path, capsys):
         cli.main(["bench", "--warmup", "0", "--out", str(tmp_path / "b")])
     assert "argument --warmup: 0" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_repeated_list_entries_are_one_row():
+    # --hidden 16,16 measured the row twice and the report merged the two as if rounds
+    args = cli.build_parser().parse_args(["bench", "--hidden", "16,32,16", "--cells", "gru,gru"])
+    assert args.hidden == (16, 32) and args.cells == ("gru",)
+
+
+def test_busy_marks_use_the_measuring_machines_cores(monkeypatch):
+    # a row measured on a 2-core machine with 0.9 cores busy elsewhere is not busy at 1 thread;
+    # rendered on a 1-core machine it was marked busy (and vice versa)
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 1)
+    row = {**_row("leanrnn", 1e-3), "background_cores": 0.9, "cores": 2}
+    assert not report.busy(row)
+    assert report.busy({**row, "cores": 1})
+
+
+def test_the_report_says_when_leanrnn_ran_on_the_jit():
+    rows = [{**_row("leanrnn", 1e-3), "ran_on": {"kernels": "jit"}}]
+    machine = {"settings": {"LEANRNN_BACKEND": "jit"}}
+    line = report.machine_line({"rows": rows, "machine": machine})
+    assert "LEANRNN_BACKEND=jit." in line and "ran on its jit kernels" in line
+    native = [{**_row("leanrnn", 1e-3), "ran_on": {"kernels": "native"}}]
+    assert "kernels" not in report.machine_line({"rows": native, "machine": {}})

@@ -31,14 +31,20 @@ def _ints(s: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers") from None
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"{s!r}: expected positive integers, e.g. 1,2")
-    return vals
+    return _once(vals)
+
+
+def _once(vals: tuple) -> tuple:
+    """``vals`` with repeats dropped, in order: ``--hidden 16,16`` measured one row twice and
+    the report merged the two as if they were rounds."""
+    return tuple(dict.fromkeys(vals))
 
 
 def _names(s: str) -> tuple[str, ...]:
     vals = tuple(v.strip() for v in s.split(",") if v.strip())
     if not vals:  # an empty list silently meant the default suite
         raise argparse.ArgumentTypeError(f"{s!r}: expected a comma list of names")
-    return vals
+    return _once(vals)
 
 
 def register(subparsers) -> None:

@@ -50,6 +50,11 @@ class Engine:
         """What the library reports about its threads, for the JSON (proof of enforcement)."""
         return {}
 
+    def ran_on(self) -> dict:
+        """After the first forward: what the library resolved to run on, for the JSON and the
+        report (leanrnn: the kernel backend, which may have fallen back to the JIT)."""
+        return {}
+
     def load(self, p: Problem, files: dict[str, str]) -> None:
         raise NotImplementedError
 
@@ -77,6 +82,11 @@ class LeanRNN(Engine):
         # The backend asked for, not resolved: resolving loads the kernels, which belongs to
         # the cold measurement (load + first forward).
         return {"leanrnn": self._lr.get_num_threads(), "backend": self._lr.config.backend()}
+
+    def ran_on(self) -> dict:
+        from ..kernels import runner
+
+        return {"kernels": runner.backend().name}
 
     def _model(self, p: Problem):
         return self._lr.Model.from_state_dict(p.sd)

@@ -184,6 +184,7 @@ def run_job(job: dict, workdir: Path) -> dict:
     mem = {"cold_peak": hwm() - r0, "cold_retained": rss() - r0, "peak_reset": can_reset}
     row["cold_s"] = cold_s
     row["os_threads"] = _os_threads()
+    row["ran_on"] = eng.ran_on()
 
     # Verify before any timing; a mismatch marks the row but the row is still measured.
     if cfg.stream:
@@ -527,6 +528,7 @@ def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int
         others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
     for res in out.values():
         res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
+        res["cores"] = os.cpu_count() or 1  # busy() reads it, on whatever machine renders
     return out
 
 
@@ -703,7 +705,13 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "versions": versions,
         "loadavg": os.getloadavg(),
+        # The switches that change which kernels and tiles leanrnn runs (kernels._cpu, runner,
+        # products), as set for this run: the children inherit them.
+        "settings": {k: v for k, v in os.environ.items() if k in RUN_SWITCHES},
     }
+
+
+RUN_SWITCHES = ("LEANRNN_BACKEND", "LEANRNN_ISA", "LEANRNN_AMX", "LEANRNN_GEMM")
 
 
 def _engine_status(names) -> dict[str, str | None]:
@@ -940,6 +948,9 @@ FIELDS = {
     "rows[].thread_info": "the engine's own thread settings as it reports them",
     "rows[].os_threads": "OS threads in the child after the first run (pools included)",
     "rows[].background_cores": "CPU used by other processes while the row ran, in cores",
+    "rows[].cores": "the cores of the machine that measured the row (the busy mark's measure)",
+    "rows[].ran_on": "what the engine resolved to run on after its first forward (leanrnn: "
+    "kernels native or jit)",
     "bandwidth[threads]": "STREAM-style copy, (read + written bytes)/s, DRAM-sized and per "
     "recurrent-weight size",
 }

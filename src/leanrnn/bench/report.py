@@ -94,7 +94,7 @@ def busy(row: dict | None) -> bool:
     """Whether other processes left this row fewer free cores than it had threads."""
     if not row or "background_cores" not in row:
         return False
-    cores = os.cpu_count() or 1
+    cores = row.get("cores") or os.cpu_count() or 1  # the measuring machine's (older JSON: ours)
     return row["background_cores"] > cores - row["config"]["threads"] + 0.25
 
 
@@ -570,8 +570,23 @@ def machine_line(results: dict) -> str:
     cpu = m.get("cpu_detail") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
     return (
         f"{cpu}; Python {m.get('python', '?')}; "
-        f"{vers}. Load average {load[0]} at start, {load[1]} at end."
+        f"{vers}. Load average {load[0]} at start, {load[1]} at end.{_settings(results)}"
     )
+
+
+def _settings(results: dict) -> str:
+    """The LEANRNN_* switches the run was measured under and the kernels leanrnn's rows ran on,
+    when either is not the default: a JIT run (asked for, or a failed native build's fallback)
+    is slower, and its table must not pass for the native build's."""
+    env = results.get("machine", {}).get("settings") or {}
+    kernels = sorted({
+        (r.get("ran_on") or {}).get("kernels") for r in results.get("rows", [])
+        if str(r.get("engine", "")).startswith(BASE)
+    } - {None})  # fmt: skip
+    text = "".join(f" {k}={v}." for k, v in sorted(env.items()))
+    if kernels and kernels != ["native"]:
+        text += f" leanrnn's rows ran on its {' and '.join(kernels)} kernels, not the native build."
+    return text
 
 
 def render(results: dict, plots: list[Path] | None = None) -> str:
