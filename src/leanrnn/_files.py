@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import stat
 
 from .errors import LeanRNNError
 
@@ -29,12 +30,16 @@ def replacing(path: str, suffix: str = ""):
     ``path`` (os.replace: the old file, if any, stays whole until then); if the block fails,
     it is removed and ``path`` is untouched. The OS's refusal (a full disk, a file size limit)
     is a LeanRNNError naming ``path``, not the temporary name. A symlink at ``path`` is
-    written through, as writing it in place did: its target is replaced."""
+    written through, as writing it in place did: its target is replaced. A file replaced keeps
+    its permission bits (the new one was created with the umask's: a private 0600 model came
+    back world-readable)."""
     path = through_link(path)
     tmp = temp_beside(path, suffix)
     try:
         with refused_as_error(path):
             yield tmp
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
             os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

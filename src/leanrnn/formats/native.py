@@ -15,6 +15,7 @@ allocated.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -35,13 +36,14 @@ from ..spec import USES_ALPHA, USES_BETA, RNNSpec
 from .packing import (
     PRECISIONS,
     SUPPORTED_DTYPES,
+    UNMARKED_BF16,
     PackedLayer,
     PackedWeights,
     check_precision,
     panel_format,
     tensor_dtype,
 )
-from .quantize import bf16_value, check_loaded, legacy_bf16_shape, pair_legacy_bf16
+from .quantize import bf16_value, check_loaded
 
 FORMAT = "leanrnn"
 VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
@@ -84,11 +86,18 @@ class _Entry:
 
 
 class _Container:
-    """A parsed and size-checked safetensors header; tensors are read on demand."""
+    """A parsed and size-checked safetensors header; tensors are read on demand, from ``f``
+    when the header was read from it: a reader that opens the path once sees one file whole
+    (opened by name for the size, the header and the data in turn, a load during another
+    process's atomic save mixed two files: one's spec with the other's weights)."""
 
-    def __init__(self, path: str, op: str) -> None:
+    def __init__(self, path: str, op: str, f=None) -> None:
         self.path, self.op = path, op
-        self.size, n, header = _read_header(path, op)
+        if f is None:
+            with _opened(path, op) as f:
+                self.size, n, header = _read_header(f, path, op)
+        else:
+            self.size, n, header = _read_header(f, path, op)
         self.data_start = 8 + n
         self.data_size = self.size - self.data_start
         meta = header.pop("__metadata__", None) or {}
@@ -254,32 +263,41 @@ class _Container:
         return out
 
 
-def _read_header(path: str, op: str) -> tuple[int, int, dict]:
-    """(file size, header length, parsed header) of a safetensors file; the declared header
-    length is checked against the file before it is read."""
+@contextlib.contextmanager
+def _opened(path: str, op: str):
+    """``path`` open for reading; the OS's refusal as a ModelFormatError naming it."""
     try:
-        size = os.path.getsize(path)
+        f = open(path, "rb")
     except OSError as e:
         raise ModelFormatError(f"[{op}] cannot read {path!r}: {e.strerror}") from None
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ModelFormatError(
-                f"[{op}] {path!r} is {size} bytes; a safetensors/.lrnn file starts with "
-                "an 8-byte header length (file truncated?)"
-            )
-        (n,) = struct.unpack("<Q", head)
-        if MAX_HEADER_BYTES < n <= size - 8:
-            raise ModelFormatError(
-                f"[{op}] {path!r} declares a {n}-byte header; refusing more than "
-                f"{MAX_HEADER_BYTES} bytes of JSON (no model's header is that large)"
-            )
-        if n < 2 or n > size - 8:
-            raise ModelFormatError(
-                f"[{op}] {path!r} declares a {n}-byte header but the file holds "
-                f"{size - 8} bytes after the length field (truncated or corrupt)"
-            )
-        raw = f.read(n)
+    with f:
+        yield f
+
+
+def _read_header(f, path: str, op: str) -> tuple[int, int, dict]:
+    """(file size, header length, parsed header) of the safetensors file open as ``f`` (read
+    from its start); the declared header length is checked against the file before it is
+    read."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise ModelFormatError(
+            f"[{op}] {path!r} is {size} bytes; a safetensors/.lrnn file starts with "
+            "an 8-byte header length (file truncated?)"
+        )
+    (n,) = struct.unpack("<Q", head)
+    if MAX_HEADER_BYTES < n <= size - 8:
+        raise ModelFormatError(
+            f"[{op}] {path!r} declares a {n}-byte header; refusing more than "
+            f"{MAX_HEADER_BYTES} bytes of JSON (no model's header is that large)"
+        )
+    if n < 2 or n > size - 8:
+        raise ModelFormatError(
+            f"[{op}] {path!r} declares a {n}-byte header but the file holds "
+            f"{size - 8} bytes after the length field (truncated or corrupt)"
+        )
+    raw = f.read(n)
     if len(raw) != n:
         raise ModelFormatError(f"[{op}] {path!r}: header truncated ({len(raw)} of {n} bytes)")
     try:
@@ -305,9 +323,9 @@ def is_safetensors(head: bytes) -> bool:
 
 def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
     """Every tensor of a plain safetensors file, sizes checked against the file first."""
-    c = _Container(str(path), op)
     out = {}
-    with open(c.path, "rb") as f:
+    with _opened(str(path), op) as f:
+        c = _Container(str(path), op, f)
         for name, e in sorted(c.entries.items()):
             a = c.array(f, e)
             out[name] = bf16_value(a) if e.bf16 else a  # bfloat16 bits: float32, exactly
@@ -546,7 +564,8 @@ def is_native(path: str) -> bool:
         if not is_safetensors(head):
             return False
         # The header's metadata decides; load() checks the tensor entries against the file.
-        meta = _read_header(path, "load")[2].get("__metadata__")
+        with open(path, "rb") as f:
+            meta = _read_header(f, path, "load")[2].get("__metadata__")
         return isinstance(meta, dict) and meta.get("format") == FORMAT
     except (OSError, LeanRNNError):
         return False
@@ -557,9 +576,43 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
 
     Every declared size is checked against the spec and the file size before allocation; with
     ``verify`` the checksum of metadata and data is checked too (catches bit flips)."""
-    op = "load"
-    c = _Container(str(path), op)
-    meta = c.metadata
+    op, path = "load", str(path)
+    with _opened(path, op) as f:  # one open file for the header and the data (_Container)
+        c = _Container(path, op, f)
+        meta = c.metadata
+        version = _version(c)
+        kind = meta.get("kind")
+        if kind == "rnn":
+            spec = _spec(meta.get("spec"), op, path)
+            dtype = _dtype(meta.get("dtype"), op, path)
+            precision = _precision(meta, dtype, op, path)
+            begin = _check_packed(c, "", spec, dtype, precision)
+            # _check_packed matched the unprefixed tensors to the layout; nothing else belongs
+            extra = sorted(set(c.entries) - {e.name for e in c.groups[""]})
+            if extra:
+                raise ModelFormatError(f"[{op}] {path!r}: unexpected tensors {extra[:8]}")
+            result = _packed(spec, dtype, precision)
+            digests = c.read_regions(f, [(begin, result.buffer)], version)
+            check_loaded(result, op, path)
+        elif kind == "graph":
+            result, digests = _read_graph(c, f, meta, version)
+        else:
+            raise ModelFormatError(f"[{op}] {path!r} has kind {kind!r}; expected 'rnn' or 'graph'")
+    if verify:
+        want = meta.get("checksum")
+        body = {k: v for k, v in meta.items() if k != "checksum"}
+        got = _joined(body, [d for d in digests if d])
+        if want != got:
+            raise ModelFormatError(
+                f"[{op}] {path!r}: checksum mismatch (stored {want}, computed {got}); the file "
+                "is corrupt"
+            )
+    return result
+
+
+def _version(c: _Container) -> int:
+    """The format version of a .lrnn file's header, which this leanrnn reads, else an error."""
+    op, path, meta = c.op, c.path, c.metadata
     if meta.get("format") != FORMAT:
         raise ModelFormatError(
             f"[{op}] {path!r} is a safetensors file without leanrnn metadata; "
@@ -578,53 +631,15 @@ def load(path: str, verify: bool = True) -> PackedWeights | Graph:
             f"[{op}] {path!r} has format version {meta.get('version')!r}; this leanrnn reads "
             f"versions 1..{VERSION} (upgrade leanrnn for newer files)"
         )
-    kind = meta.get("kind")
-    with open(c.path, "rb") as f:
-        if kind == "rnn":
-            spec = _spec(meta.get("spec"), op, path)
-            dtype = _dtype(meta.get("dtype"), op, path)
-            precision = _precision(meta.get("precision", "float"), dtype, op, path)
-            legacy = _legacy_bf16(meta, precision)
-            begin = _check_packed(c, "", spec, dtype, precision, legacy)
-            # _check_packed matched the unprefixed tensors to the layout; nothing else belongs
-            extra = sorted(set(c.entries) - {e.name for e in c.groups[""]})
-            if extra:
-                raise ModelFormatError(f"[{op}] {path!r}: unexpected tensors {extra[:8]}")
-            result = _packed(spec, dtype, precision)
-            digests = c.read_regions(f, [(begin, result.buffer)], version)
-            if not legacy:
-                check_loaded(result, op, path)
-            legacy_packed = [result] if legacy else []
-        elif kind == "graph":
-            result, digests, legacy_packed = _read_graph(c, f, meta, version)
-        else:
-            raise ModelFormatError(f"[{op}] {path!r} has kind {kind!r}; expected 'rnn' or 'graph'")
-    if verify:
-        want = meta.get("checksum")
-        body = {k: v for k, v in meta.items() if k != "checksum"}
-        got = _joined(body, [d for d in digests if d])
-        if want != got:
-            raise ModelFormatError(
-                f"[{op}] {path!r}: checksum mismatch (stored {want}, computed {got}); the file "
-                "is corrupt"
-            )
-    for pw in legacy_packed:  # after the checksum, which covers the bytes as stored
-        pair_legacy_bf16(pw)
-        check_loaded(pw, op, path)
-    return result
+    return version
 
 
-# bf16 panels in input pairs (formats.quantize.bf16_panel): files say so in "bf16_layout";
-# files without it hold the earlier layout, converted as they are read (same bytes per panel).
+# bf16 panels in input pairs: files say so (packing.UNMARKED_BF16 for those that do not)
 BF16_LAYOUT = "pairs"
 
 
 def _layout_meta(precision: str) -> dict[str, str]:
     return {"bf16_layout": BF16_LAYOUT} if panel_format(precision) == "bf16" else {}
-
-
-def _legacy_bf16(meta: dict, precision: str) -> bool:
-    return panel_format(precision) == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT
 
 
 def _spec(text, op, path) -> RNNSpec:
@@ -644,7 +659,9 @@ def _dtype(name, op, path) -> np.dtype:
     return dt
 
 
-def _precision(name, dtype: np.dtype, op, path) -> str:
+def _precision(meta: dict, dtype: np.dtype, op, path) -> str:
+    """The weight precision a header (a file's, or a graph node's packed entry) declares."""
+    name = meta.get("precision", "float")
     if name not in PRECISIONS:
         raise ModelFormatError(f"[{op}] {path!r}: weight precision {name!r}; expected one of "
                                f"{', '.join(map(repr, PRECISIONS))} (a newer leanrnn's file?)")  # fmt: skip
@@ -652,25 +669,24 @@ def _precision(name, dtype: np.dtype, op, path) -> str:
         check_precision(name, dtype, op)
     except LeanRNNError as e:
         raise ModelFormatError(f"[{op}] {path!r}: {_bare(e)}; the file is corrupt") from None
+    if panel_format(name) == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT:
+        raise ModelFormatError(f"[{op}] {path!r} holds {UNMARKED_BF16}")
     return name
 
 
-def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float",
-                   legacy_bf16: bool = False) -> tuple[dict, int]:  # fmt: skip
+def _packed_layout(spec: RNNSpec, dtype: np.dtype,
+                   precision: str = "float") -> tuple[dict, int]:  # fmt: skip
     """({name: (shape, byte offset or -1 if empty, dtype)}, total bytes) of
     ``PackedWeights(spec, dtype, precision=precision)``, computed from ``PackedWeights.layout``
     with Python ints, nothing allocated (an int8 panel's shape includes its scale rows, so the
     scale count is checked with the shape). The caller bounds ``spec.num_layers`` by the
-    tensors present first: this loops per tensor. ``legacy_bf16``: bf16 panels declared in the
-    earlier layout's shape (the same offsets)."""
+    tensors present first: this loops per tensor."""
     fields = len(PackedLayer.__dataclass_fields__)
     per_layer = fields * spec.num_directions
     out, off = {}, 0
     for i, (name, shape) in enumerate(PackedWeights.layout(spec, precision)):
         dt = tensor_dtype(name, dtype, precision)
         n = math.prod(shape) * dt.itemsize
-        if legacy_bf16 and name in ("Wt", "Rt"):
-            shape = legacy_bf16_shape(shape)
         key = f"l{i // per_layer}.d{i // fields % spec.num_directions}.{name}"
         out[key] = (tuple(shape), off if n else -1, dt)
         off += round_up(n, 64)
@@ -678,7 +694,7 @@ def _packed_layout(spec: RNNSpec, dtype: np.dtype, precision: str = "float",
 
 
 def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
-                  precision: str = "float", legacy_bf16: bool = False) -> int:  # fmt: skip
+                  precision: str = "float") -> int:  # fmt: skip
     """The byte offset of the packed tensors of ``prefix`` in the data section, after checking
     that they are exactly what ``PackedWeights(spec, dtype)`` lays out; allocates nothing."""
     op, path = c.op, c.path
@@ -697,9 +713,10 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
             f"[{op}] {path!r}: the spec ({spec.cell.upper()} C={spec.input_size} "
             f"H={spec.hidden_size} layers={spec.num_layers} {spec.direction}) needs "
             f"{want_n} packed tensors of at least {floor} bytes in all, but the file holds "
-            f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt"
+            f"{len(mine)} tensors of {end - begin} bytes for {what}; the file is corrupt, or "
+            "was written by another version: re-convert it"
         )
-    want, nbytes = _packed_layout(spec, dtype, precision, legacy_bf16)
+    want, nbytes = _packed_layout(spec, dtype, precision)
     got = {
         e.name[len(prefix) :]: (e.shape, e.begin - begin if e.end > e.begin else -1, e.dtype)
         for e in mine
@@ -718,8 +735,7 @@ def _check_packed(c: _Container, prefix: str, spec: RNNSpec, dtype: np.dtype,
 def _packed(spec: RNNSpec, dtype: np.dtype, precision: str) -> PackedWeights:
     """Unfilled packed weights for a spec ``_check_packed`` checked against the file: bounded
     by the bytes the file holds. No zero-fill: the read fills the whole buffer, padding
-    included; the caller reads them, then checks reduced ones (quantize.check_loaded) unless
-    their panels are in the legacy bf16 layout (checked once converted, pair_legacy_bf16)."""
+    included; the caller reads them, then checks reduced ones (quantize.check_loaded)."""
     return PackedWeights(spec, dtype, zero=False, precision=precision)
 
 
@@ -795,7 +811,7 @@ def _bare(e: Exception, where: str = "") -> str:
     return msg[len(where) + 2 :] if where and msg.startswith(where + ": ") else msg
 
 
-def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list[str], list]:
+def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list[str]]:
     op, path = c.op, c.path
     try:
         g = json.loads(meta.get("graph", ""))
@@ -825,7 +841,7 @@ def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list
     for node in rnn_nodes.values():
         if node.name not in packed_meta:  # packed ones are checked against their spec below
             _check_rnn_node(node, None, None, op, path)
-    reads, legacy_packed, fresh = [], [], []  # every region is read at once, checked after
+    reads, fresh = [], []  # every region is read at once, checked after
     used = set()
     for node_name, pm in packed_meta.items():
         if not isinstance(pm, dict):
@@ -837,17 +853,16 @@ def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list
             )
         spec = _spec(pm.get("spec"), op, path)
         dtype = _dtype(pm.get("dtype"), op, path)
-        precision = _precision(pm.get("precision", "float"), dtype, op, path)
+        precision = _precision(pm, dtype, op, path)
         prefix = f"rnn:{node_name}:"
         # sizes first (against the file), then the node's attributes against the spec, then
         # the weights are read
-        legacy = _legacy_bf16(pm, precision)
-        begin = _check_packed(c, prefix, spec, dtype, precision, legacy)
+        begin = _check_packed(c, prefix, spec, dtype, precision)
         _check_rnn_node(rnn_nodes[node_name], spec, dtype, op, path)
         pw = _packed(spec, dtype, precision)
         graph.packed[str(node_name)] = pw
         reads.append((begin, pw.buffer))
-        (legacy_packed if legacy else fresh).append(pw)
+        fresh.append(pw)
         used |= {prefix + k for k in pw.tensors()}
     consts = {k: e for k, e in c.entries.items() if k.startswith("const:")}
     unknown = sorted(set(c.entries) - used - set(consts))
@@ -871,4 +886,4 @@ def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list
             arr = arr.reshape(e.shape)
             arr.flags.writeable = False
             graph.constants[k[len("const:") :]] = arr
-    return graph, digests, legacy_packed
+    return graph, digests

@@ -9,9 +9,8 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   its weights of inputs 2*k2 and 2*k2 + 1 side by side in one 32-bit lane ([U, X/2, 2*Wd]).
   That is AMX's layout for a bf16 B tile (kernels._bf16amx loads panel rows as they are), and
   the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift and a
-  mask. Relative error <= 2**-8. Files and pickles made before 2026-12-02 hold the earlier
-  layout (each row's groups of 16 columns interleaved in pairs, BF16_ORDER); they are
-  converted as they are read (pair_legacy_bf16).
+  mask. Relative error <= 2**-8. Files and pickles made before 2026-12-01 18:32 UTC hold
+  one of two earlier layouts and are refused (formats.packing.UNMARKED_BF16).
 - ``bf16-act``: bf16's panels, and the activations rounded to bfloat16 too before every
   product, as torch's autocast and oneDNN do: on AMX (panel GEMMs of 4 rows or more) one tile
   product where bf16 does two; on every other path and CPU the rows rounded for the float32
@@ -57,10 +56,6 @@ from .packing import (
 )
 
 QMAX = 127  # symmetric int8: -128 is never used, so -q is always representable
-# The bf16 layout before 2026-12-02 (files of then still load): a row's groups of 16 columns
-# interleaved, 16-bit element m holding column BF16_ORDER[m]; BF16_INVERSE undoes it.
-BF16_ORDER = np.array([j for i in range(8) for j in (i, i + 8)])
-BF16_INVERSE = np.argsort(BF16_ORDER)
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -77,12 +72,6 @@ def bf16_round(a: np.ndarray) -> np.ndarray:
 def bf16_value(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bits -> float32 (exact)."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def _grouped(a: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Each group of 16 along the last axis reordered by ``order`` (a copy)."""
-    shape = a.shape
-    return a.reshape(*shape[:-1], shape[-1] // 16, 16)[..., order].reshape(shape)
 
 
 def _paired(bits: np.ndarray) -> np.ndarray:
@@ -104,28 +93,6 @@ def bf16_panel(w: np.ndarray) -> np.ndarray:
     """A float32 panel [..., X, Wd] (X even) -> its bf16 panel [..., X/2, 2*Wd] (rounded, in
     input pairs)."""
     return _paired(bf16_round(w))
-
-
-def bf16_pairs_from_interleaved(panel: np.ndarray) -> np.ndarray:
-    """A bf16 panel of the layout before 2026-12-02 ([..., X, Wd], BF16_ORDER) -> the same
-    weights in input pairs (bf16_panel's layout, the same number of elements)."""
-    return _paired(_grouped(panel, BF16_INVERSE))
-
-
-def legacy_bf16_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A bf16 panel's shape in the layout before 2026-12-02: [U, X, Wd] for [U, X/2, 2*Wd]
-    (the same elements)."""
-    U, X2, W2 = shape
-    return U, 2 * X2, W2 // 2
-
-
-def pair_legacy_bf16(pw: PackedWeights) -> None:
-    """``pw``'s bf16 W and R panels, holding the bytes of the layout before 2026-12-02 (a file's
-    or a pickle's), converted to input pairs in place."""
-    for pl in (pl for dirs in pw.layers for pl in dirs):
-        for name in _PANELS:
-            a = getattr(pl, name)
-            a[...] = bf16_pairs_from_interleaved(a.reshape(legacy_bf16_shape(a.shape)))
 
 
 def int8_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
