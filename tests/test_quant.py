@@ -728,7 +728,7 @@ def test_a_bf16_file_or_pickle_without_its_layout_is_refused():
     path = str(DATA / "lstm_bf16_before_pairs.lrnn")
     assert "bf16_layout" not in native._Container(path, "test").metadata
     for verify in (True, False):
-        with pytest.raises(ModelFormatError, match="without a bf16_layout.*quantize the float32"):
+        with pytest.raises(ModelFormatError, match=r"without a bf16_layout.*quantize the float32"):
             leanrnn.load(path, verify=verify)
     with pytest.raises(WeightsError, match="a pickle of bf16 weights without a bf16_layout"):
         pickle.loads((DATA / "lstm_bf16_before_pairs.pkl").read_bytes())
