@@ -112,9 +112,16 @@ class GraphModel:
         fix (the arena's ``input_shapes`` then say what was planned instead)."""
         g = self.graph
         layers, params, wbytes = [], 0, 0
+        first: dict[int, str] = {}  # id(packed weights) -> the first node holding them
         for node in g.nodes:
             pw = g.packed.get(node.name)
-            if node.op in RNN_OPS and pw is not None:
+            if node.op in RNN_OPS and pw is not None and id(pw) in first:
+                # the same weights as an earlier node (an exporter's unrolled decoder): one
+                # copy in memory and in a file, counted once
+                layers.append({"node": node.name, "op": node.op, "spec": spec_line(pw.spec),
+                               "shares": first[id(pw)]})  # fmt: skip
+            elif node.op in RNN_OPS and pw is not None:
+                first[id(pw)] = node.name
                 layers.append(
                     {
                         "node": node.name,

@@ -289,7 +289,7 @@ def inspect_cmd(args) -> int:
         ins = ", ".join(_tensor(t) for t in info["inputs"])
         outs = ", ".join(_tensor(t) for t in info["outputs"])
         print(f"  inputs:  {ins}\n  outputs: {outs}")
-        packed = [layer for layer in info["layers"] if "spec" in layer]
+        packed = [layer for layer in info["layers"] if "weight_bytes" in layer]  # not shares
         if packed:  # the same line as a stack's: what `convert --precision` made of the file
             kinds = sorted({layer.get("precision", "float") + _codes(layer) for layer in packed})
             panels = sum(layer.get("panel_bytes", 0) for layer in packed)
@@ -297,8 +297,11 @@ def inspect_cmd(args) -> int:
                   f"{_mib(panels)})")  # fmt: skip
         print("  nodes:")
         for layer in info["layers"]:
-            extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
-                     f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
+            if "shares" in layer:  # one copy of weights several nodes run on
+                extra = f"  {layer['spec']}  (the weights of {layer['shares']})"
+            else:
+                extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
+                         f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
             if layer.get("when"):  # an If's branch: runs only when these hold
                 when = layer["when"]
                 extra += "  when " + ", ".join(f"{c}={t}" for c, t in when[:4])

@@ -137,7 +137,10 @@ def _sessions(model):
     from leanrnn.graph_model import GraphModel
 
     if isinstance(model, GraphModel):
-        return [(name, Session(pw)) for name, pw in model.graph.packed.items()]
+        first: dict[int, str] = {}  # nodes that share weights (an unrolled decoder) say so
+        return [(name if first.setdefault(id(pw), name) == name
+                 else f"{name} (the weights of {first[id(pw)]})", Session(pw))
+                for name, pw in model.graph.packed.items()]  # fmt: skip
     return [("model", model.session)]
 
 

@@ -46,7 +46,11 @@ from .packing import (
 from .quantize import bf16_value, check_loaded
 
 FORMAT = "leanrnn"
-VERSION = 2  # 2: one-pass block-weighted data checksum (version 1 files still load)
+# 2: one-pass block-weighted data checksum (version 1 files still load); 3: a graph's RNN node
+# may share another's packed weights ({"shares": node}). A file is written in the oldest
+# version that holds it (2 unless it shares), so an older leanrnn reads every file it can.
+VERSION = SHARES_VERSION = 3
+WRITTEN_VERSION = 2
 # A header is JSON text: a tensor entry is ~80 bytes and a graph of 10,000 nodes ~1 MiB, so
 # 16 MiB is far beyond any real model's (save refuses to write more). Parsed, JSON takes up to ~30x its text in Python
 # objects (a 23 MiB header of empty objects peaked at 665 MiB under the old 64 MiB bound).
@@ -526,7 +530,7 @@ def save_rnn(weights: PackedWeights, path: str) -> None:
     """Write one recurrent stack (spec + packed weights) as ``.lrnn``."""
     meta = {
         "format": FORMAT,
-        "version": str(VERSION),
+        "version": str(WRITTEN_VERSION),
         "kind": "rnn",
         "dtype": weights.dtype.name,
         "spec": json.dumps(weights.spec.to_dict()),
@@ -541,7 +545,12 @@ def save_graph(graph: Graph, path: str) -> None:
     """Write an op graph (constants + packed RNN weights) as ``.lrnn``."""
     blocks = []
     packed = {}
+    first: dict[int, str] = {}  # id(packed weights) -> the node whose region holds them
     for node_name, pw in graph.packed.items():
+        if id(pw) in first:  # another node's weights (an unrolled decoder): written once
+            packed[node_name] = {"shares": first[id(pw)]}
+            continue
+        first[id(pw)] = node_name
         blocks.append((f"rnn:{node_name}:", _packed_items(pw)))
         packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
         if pw.precision != "float":
@@ -552,7 +561,9 @@ def save_graph(graph: Graph, path: str) -> None:
     blocks.append(("const:", [(k, np.asarray(v, order="C"), -1) for k, v in consts]))
     g = graph.to_dict()
     g["packed"] = packed
-    meta = {"format": FORMAT, "version": str(VERSION), "kind": "graph", "graph": json.dumps(g)}
+    # the oldest version that reads the file: a leanrnn before sharing reads one without it
+    version = SHARES_VERSION if len(first) < len(packed) else WRITTEN_VERSION
+    meta = {"format": FORMAT, "version": str(version), "kind": "graph", "graph": json.dumps(g)}
     _write(out_path(path), meta, blocks)
 
 
@@ -739,6 +750,21 @@ def _packed(spec: RNNSpec, dtype: np.dtype, precision: str) -> PackedWeights:
     return PackedWeights(spec, dtype, zero=False, precision=precision)
 
 
+def _share(graph: Graph, own: dict, node: Node, pm: dict, version: int, op: str,
+           path: str) -> None:  # fmt: skip
+    """``node`` runs on the packed weights of the node its entry names (save_graph writes one
+    region for weights several nodes share), its attributes checked against their spec."""
+    other = pm["shares"]
+    pw = own.get(other) if isinstance(other, str) else None
+    if version < SHARES_VERSION or len(pm) != 1 or pw is None:
+        why = (f"format version {version} has no shared weights" if version < SHARES_VERSION
+               else "no node with packed weights of its own has that name")  # fmt: skip
+        raise ModelFormatError(f"[{op}] {path!r}: packed entry {node.name!r} shares "
+                               f"{repr(other)[:80]}, but {why}; the file is corrupt")  # fmt: skip
+    _check_rnn_node(node, pw.spec, pw.dtype, op, path)
+    graph.packed[node.name] = pw
+
+
 def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str) -> None:
     """Check a graph file's RNN node with the IR's own functions: its attributes as
     ``ir.rnn_attrs`` validates them, and (``spec`` given) the spec ``ir.rnn_from_node`` builds
@@ -851,6 +877,8 @@ def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list
                 f"[{op}] {path!r}: packed weights for {node_name!r}, which is no LSTM/GRU/RNN "
                 "node of the graph; the file is corrupt"
             )
+        if "shares" in pm:  # another node's weights: after every region is laid out
+            continue
         spec = _spec(pm.get("spec"), op, path)
         dtype = _dtype(pm.get("dtype"), op, path)
         precision = _precision(pm, dtype, op, path)
@@ -864,6 +892,10 @@ def _read_graph(c: _Container, f, meta: dict, version: int) -> tuple[Graph, list
         reads.append((begin, pw.buffer))
         fresh.append(pw)
         used |= {prefix + k for k in pw.tensors()}
+    own = dict(graph.packed)  # (a share of a share is no file save_graph writes)
+    for node_name, pm in packed_meta.items():
+        if "shares" in pm:
+            _share(graph, own, rnn_nodes[node_name], pm, version, op, path)
     consts = {k: e for k, e in c.entries.items() if k.startswith("const:")}
     unknown = sorted(set(c.entries) - used - set(consts))
     if unknown:
