@@ -35,6 +35,10 @@ _POOL_MADE = threading.Lock()  # guards the creation of the Python pools
 _controller = None
 _pools: dict = {}  # purpose -> ThreadPoolExecutor (_pool)
 _forked = False  # this process is a fork's child (_renew_locks)
+# blas_alone: the threads inside it, the limiter of the first (its saved limits are restored
+# when the last leaves), and a limit_blas asked for meanwhile (applied then instead)
+_ALONE = threading.Lock()
+_alone = {"count": 0, "limiter": None, "wanted": None}
 _openmp_library: str | None = None  # use_openmp_of
 
 
@@ -42,9 +46,13 @@ def _renew_locks() -> None:
     """In a forked child: another thread of the parent may have held a lock mid-op (the GIL is
     released while kernels run), and no thread of the child will ever release it. The Python
     pools' threads do not exist in the child either."""
-    global POOL_LAUNCH, _POOL_MADE, _pools, _forked
+    global POOL_LAUNCH, _POOL_MADE, _pools, _forked, _ALONE
     POOL_LAUNCH, _POOL_MADE, _pools = threading.RLock(), threading.Lock(), {}
     _forked = True  # GNU OpenMP's teams do not survive a fork: no openmp_team here
+    _ALONE = threading.Lock()
+    if _alone["count"]:  # forked mid-run: no thread of the child will leave blas_alone
+        _alone["count"] = 0
+        _leave_alone()
 
 
 if hasattr(os, "register_at_fork"):
@@ -137,10 +145,51 @@ def blas_controller():
 
 
 def limit_blas(n: int) -> None:
-    """Limit every loaded BLAS library to ``n`` threads, process-wide."""
+    """Limit every loaded BLAS library to ``n`` threads, process-wide (inside ``blas_alone``:
+    once the last thread leaves it)."""
     c = blas_controller()
-    if c is not None:
-        c.limit(limits=n, user_api="blas")
+    if c is None:
+        return
+    with _ALONE:
+        if _alone["count"]:
+            _alone["wanted"] = n
+        else:
+            c.limit(limits=n, user_api="blas")
+
+
+@contextlib.contextmanager
+def blas_alone():
+    """BLAS on one thread while the block runs (its calls sit between leanrnn's spinning kernel
+    threads, or are split over Python threads already), then back to the limits it found.
+    Process-wide, so counted: the first thread in limits, the last one out restores. (A
+    threadpoolctl limiter per thread saved and restored the limits each found: two threads in
+    at once left BLAS at 1 thread for the rest of the process, the user's own numpy too.)"""
+    c = blas_controller()
+    if c is None:
+        yield
+        return
+    with _ALONE:
+        if not _alone["count"]:
+            _alone["limiter"] = c.limit(limits=1, user_api="blas")
+        _alone["count"] += 1
+    try:
+        yield
+    finally:
+        with _ALONE:
+            _alone["count"] -= 1
+            if not _alone["count"]:
+                _leave_alone()
+
+
+def _leave_alone() -> None:
+    """The last thread out of blas_alone (with _ALONE held): the limits it found, or the ones
+    limit_blas asked for meanwhile."""
+    limiter, wanted = _alone["limiter"], _alone["wanted"]
+    _alone["limiter"] = _alone["wanted"] = None
+    if limiter is not None:
+        limiter.restore_original_limits()
+    if wanted is not None:
+        blas_controller().limit(limits=wanted, user_api="blas")
 
 
 def _pool(purpose: str, threads: int):

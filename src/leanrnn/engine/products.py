@@ -22,7 +22,6 @@ Both give the same products to float32 rounding (sums in another order); tests r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -264,7 +263,7 @@ def calibrate(rounds: int = 5) -> dict:
     (rows x K x columns = _SHAPE, operands fresh from memory as a gradient's are), one thread
     each, interleaved ``rounds`` times; ``decide`` picks from the minima. Returns {"choice",
     "native_gflops", "blas_gflops"}."""
-    from ..threads import blas_controller
+    from ..threads import blas_alone
 
     R, K, M = _SHAPE
     rng = np.random.default_rng(0)
@@ -283,8 +282,7 @@ def calibrate(rounds: int = 5) -> dict:
         np.matmul(a, b, out=out)
 
     best = {"native": float("inf"), "blas": float("inf")}
-    c = blas_controller()
-    with c.limit(limits=1, user_api="blas") if c else contextlib.nullcontext():
+    with blas_alone():
         for f in (native, blas):
             f()  # warm: first calls load code and fault pages
         for _ in range(rounds):

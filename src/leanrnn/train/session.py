@@ -45,7 +45,6 @@ the recurrence's threads wait on each other for (a recomputing step with segment
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import weakref
@@ -78,7 +77,7 @@ from ..threads import (
     PACKED_MATMUL_PARALLEL_MACS,
     PARALLEL_MATMUL_MACS,
     PARALLEL_MIN_MACS,
-    blas_controller,
+    blas_alone,
     matmul_pool,
 )
 from .optim import Parameter, _bool, read_only
@@ -1178,8 +1177,7 @@ class Trainer:
         # every row is written (direction 0 of layer 0); until then dx's rows may hold the
         # boundary states (_boundaries)
         dx = sv["dx"] if input_grad else None
-        c = blas_controller()
-        with c.limit(limits=1, user_api="blas") if c is not None else contextlib.nullcontext():
+        with blas_alone():
             self._backward_segments(sv, mem, dyt, dx, dh, dc)
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)

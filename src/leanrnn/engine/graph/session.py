@@ -27,7 +27,7 @@ from ...errors import DTypeError, PlanError, ShapeError
 from ...ir import RNN_OPS
 from ...memory.arena import Arena, check_fits, reusable
 from ...memory.planner import Buffer, Plan, plan
-from ...threads import blas_controller
+from ...threads import blas_alone
 from .. import _check, _fork
 from .._turn import Turn
 from ..session import Pool, Session
@@ -483,7 +483,7 @@ class GraphSession:
                 self._resize(metas_in, self._limit)
             if not self._blas_alone:
                 return self._execute(feeds, times)
-            with blas_controller().limit(limits=1, user_api="blas"):
+            with blas_alone():
                 return self._execute(feeds, times)
 
     def _execute(self, feeds: dict, times: dict[str, float] | None = None) -> list[np.ndarray]:

@@ -1,0 +1,88 @@
+"""Session 40, from a red-team pass on library concurrency: two threads inside leanrnn's "BLAS on
+one thread" at once (a graph with RNN and MatMul nodes, a Trainer's backward) left BLAS at one
+thread for the rest of the process, each thread's threadpoolctl limiter restoring the limits it
+found; a Pool kept the arena of its largest member's plan after that member shrank or was
+dropped; a Stream's state read or a chunk fed from two threads could tear."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from leanrnn import config, threads
+
+onnx = pytest.importorskip("onnx")
+
+
+def _blas_threads() -> set[int]:
+    return {d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"}
+
+
+def _lstm_then_matmul(path, H=8):
+    """An ONNX graph with an LSTM and a MatMul: its runs keep BLAS on one thread."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=H),
+        helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
+        helper.make_node("MatMul", ["s", "M"], ["out"]),
+    ]
+    inits = [
+        numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 4 * H, H)).astype(np.float32), "W"),
+        numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 4 * H, H)).astype(np.float32), "R"),
+        numpy_helper.from_array(np.array([1], np.int64), "ax"),
+        numpy_helper.from_array(rng.standard_normal((H, 3)).astype(np.float32), "M"),
+    ]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", H])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, path)
+
+
+def test_two_graph_runs_at_once_leave_blas_as_they_found_it(tmp_path):
+    # Before, about one round in two ended with BLAS at one thread: A in (saves 2, sets 1), B in
+    # (saves 1), A out (2), B out (1). (How OpenBLAS answers a thread's limit depends on which
+    # thread set it, so the test runs the real race rather than forcing one order.)
+    import leanrnn
+
+    _lstm_then_matmul(tmp_path / "g.onnx")
+    models = [leanrnn.load(tmp_path / "g.onnx", threads=2) for _ in range(2)]  # BLAS kept at 1
+    x = np.random.default_rng(0).standard_normal((20, 4, 8)).astype(np.float32)
+    was = config.get_num_threads()
+    leanrnn.set_num_threads(2)  # (and BLAS to 2)
+    for m in models:
+        m(x)
+    try:
+        if _blas_threads() != {2}:
+            pytest.skip("BLAS runs one thread here whatever is asked")
+        for _ in range(5):
+            ts = [threading.Thread(target=lambda m=m: [m(x) for _ in range(300)]) for m in models]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(60)
+            assert _blas_threads() == {2}
+    finally:
+        leanrnn.set_num_threads(was)
+
+
+def test_blas_alone_counts_its_threads_and_keeps_a_limit_asked_meanwhile():
+    if not _blas_threads():
+        pytest.skip("numpy has no BLAS threadpoolctl can limit here")
+    with threadpool_limits(limits=2, user_api="blas"):
+        outer = threads.blas_alone()
+        outer.__enter__()
+        with threads.blas_alone():
+            assert _blas_threads() == {1}
+        assert _blas_threads() == {1}  # the outer one is still in
+        threads.limit_blas(2)  # set_num_threads(2) meanwhile: applied when the last leaves
+        assert _blas_threads() == {1}
+        outer.__exit__(None, None, None)
+        assert _blas_threads() == {2}
