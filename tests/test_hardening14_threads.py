@@ -86,3 +86,29 @@ def test_blas_alone_counts_its_threads_and_keeps_a_limit_asked_meanwhile():
         assert _blas_threads() == {1}
         outer.__exit__(None, None, None)
         assert _blas_threads() == {2}
+
+
+def test_a_pool_lets_the_arena_of_a_dropped_member_go():
+    # before: a big member's arena stayed with the pool after it was dropped, for good
+    import gc
+
+    import leanrnn
+    from leanrnn import Pool
+
+    pool = Pool()
+    small = leanrnn.LSTM(4, 8, seed=0)
+    small.session.pool = pool
+    x = np.ones((3, 1, 4), np.float32)
+    want = small(x)[0]
+    alone = pool.nbytes
+    big = leanrnn.GRU(64, 256, bidirectional=True, seed=0)
+    big.session.pool = pool
+    big(np.ones((50, 8, 64), np.float32))
+    grown = pool.nbytes
+    assert grown > 100 * alone
+    small(x)  # a smaller plan does not shrink it (a session's own arena does not either)
+    assert pool.nbytes == grown
+    del big
+    gc.collect()
+    np.testing.assert_array_equal(small(x)[0], want)
+    assert pool.nbytes == alone

@@ -323,11 +323,14 @@ class Pool:
 
     >>> pool = Pool(); a = Session(w1, pool=pool); b = Session(w2, pool=pool)
 
-    The arena is sized to the largest plan of its members (each member's latest); a member
-    resized with a ``memory_limit`` the arena exceeds shrinks it to that largest plan. When the
-    arena is replaced, every member drops its views of the old one (re-made at its next run),
-    so the pool holds one arena, not one per member. ``lock`` serializes runs of all members,
-    so sharing is safe across threads.
+    The arena holds the largest plan any live member has made since its last ``memory_limit``
+    (as a session's own arena does, it does not shrink when a member plans smaller: it would be
+    made again at each change of shape); a member resized with a ``memory_limit`` the arena
+    exceeds shrinks it to the largest of the members' latest plans, and once the members whose
+    plans made it that large are gone (garbage-collected), the next run shrinks it to what the
+    others need. When the arena is replaced, every member drops its views of the old one
+    (re-made at its next run), so the pool holds one arena, not one per member. ``lock``
+    serializes runs of all members, so sharing is safe across threads.
     """
 
     def __init__(self) -> None:
@@ -335,6 +338,7 @@ class Pool:
         self.generation = 0
         self.lock = Turn("Pool member's run")
         self._needs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # member -> bytes
+        self._peaks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # since its limit
         _fork.in_child(self, Pool._after_fork)
 
     def _after_fork(self) -> None:
@@ -348,20 +352,45 @@ class Pool:
     def acquire(self, nbytes: int, name: str, member=None, limit: int | None = None) -> Arena:
         """The arena, holding at least ``nbytes`` for ``member`` (the pool's lock held: no
         member is running). A new arena when there is none (or making it failed), when it is
-        too small, or when ``limit`` (the member's memory_limit) is below it and no member's
-        plan needs all of it. A need is recorded once it is met: one refused (too large for
-        the machine) must not become every member's."""
-        size = max([nbytes, *(v for m, v in self._needs.items() if m is not member)])
-        # over the limit, the arena is kept only while some member's plan needs all of it
-        if not reusable(self.arena, nbytes, None if limit is None else max(limit, size)):
+        too small, when ``limit`` (the member's memory_limit) is below it and no member's
+        latest plan needs all of it, or when no live member's plan ever needed all of it (the
+        one that did was dropped: a pool kept a dropped 9.9 MB member's arena for a 3.5 KB one
+        for good). A need is recorded once it is met: one refused (too large for the machine)
+        must not become every member's."""
+        others = [v for m, v in self._needs.items() if m is not member]
+        size = max([nbytes, *others])
+        mine = nbytes if limit is not None else max(nbytes, self._peaks.get(member, 0))
+        peak = max([mine, *(v for m, v in self._peaks.items() if m is not member)])
+        a = self.arena
+        if a is None or a.nbytes < nbytes:
+            want = peak
+        elif limit is not None and a.nbytes > max(limit, size):
+            want = size  # over the limit: kept only while some member's latest plan needs it
+        elif a.nbytes > peak:
+            want = peak
+        else:
+            want = None
+        if want is not None:
             for m in list(self._needs):  # their views would keep the old arena alive
                 m._drop_views()
             self.arena = None
-            self.arena = Arena(size, name=f"pool[{name}]")
+            self.arena = Arena(want, name=f"pool[{name}]")
             self.generation += 1
         if member is not None:
+            if member not in self._needs:
+                weakref.finalize(member, Pool._member_gone, weakref.ref(self))
             self._needs[member] = nbytes
+            self._peaks[member] = mine
         return self.arena
+
+    @staticmethod
+    def _member_gone(pool_ref) -> None:
+        """A member was garbage-collected: the others re-acquire at their next run (a new
+        generation), which sizes the arena to what they need. (Any thread, any time: only
+        the generation changes here; the arena is replaced under the lock, in acquire.)"""
+        pool = pool_ref()
+        if pool is not None:
+            pool.generation += 1
 
     @property
     def nbytes(self) -> int:
