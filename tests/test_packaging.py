@@ -58,3 +58,26 @@ def test_the_sdist_holds_the_package_and_the_tests_support_files(tmp_path):
     for support in ("tests/conftest.py", "tests/helpers.py", "tests/tolerances.py",
                     "tests/data/lstm_bf16_before_pairs.lrnn", "benchmarks/engine_bars.py"):  # fmt: skip
         assert support in names
+
+
+@pytest.mark.parametrize(
+    "missing, code, extra",
+    [
+        ("torch", "import leanrnn.torch", "torch"),
+        ("onnx", "import leanrnn.onnx_backend", "onnx"),
+        ("torch", "import leanrnn, sys; leanrnn.load(sys.argv[1])", "torch"),
+    ],
+)
+def test_a_missing_extra_is_named_with_its_install_line(tmp_path, missing, code, extra):
+    # before: a bare "No module named 'torch'", or "Install torch" (PyPI's plain torch is the
+    # CUDA build, several GB)
+    import zipfile as zf
+
+    ckpt = tmp_path / "m.pt"
+    with zf.ZipFile(ckpt, "w") as z:  # a torch zip checkpoint's shape is enough to be sniffed
+        z.writestr("m/data.pkl", b"")
+    prog = f"import sys; sys.modules[{missing!r}] = None\n{code}"
+    done = subprocess.run([sys.executable, "-c", prog, str(ckpt)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert f"pip install 'leanrnn[{extra}]'" in done.stderr, done.stderr[-1500:]

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 def test_readme_usage_example_runs():
     text = (Path(__file__).parent.parent / "README.md").read_text()
-    start = text.index("```python\nimport numpy as np, torch, leanrnn") + len("```python\n")
+    start = text.index("```python\nimport numpy as np, leanrnn\n\nlstm") + len("```python\n")
     code = text[start : text.index("```", start)]
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)

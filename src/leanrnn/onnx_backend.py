@@ -9,7 +9,15 @@ suite can run against it:
 from __future__ import annotations
 
 import numpy as np
-from onnx.backend.base import Backend, BackendRep
+
+try:
+    from onnx.backend.base import Backend, BackendRep
+except ImportError as e:
+    raise ImportError(
+        "leanrnn.onnx_backend needs onnx: pip install 'leanrnn[onnx]' (in a clone: pip install "
+        "-e '.[onnx]')",
+        name=e.name,
+    ) from e
 
 from .engine.graph import SUPPORTED_OPS
 from .errors import LeanRNNError

@@ -85,7 +85,15 @@ import weakref
 from functools import lru_cache
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as e:  # a bare "No module named 'torch'" named neither leanrnn nor the extra
+    raise ImportError(
+        "leanrnn.torch needs torch: pip install 'leanrnn[torch]' (in a clone: pip install -e "
+        "'.[torch]'; torch==2.13.0, whose CPU wheel pip takes from PyTorch's index: see README)",
+        name=e.name,
+    ) from e
 from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence

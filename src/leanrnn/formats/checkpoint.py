@@ -198,8 +198,8 @@ def read_torch(path: str) -> dict[str, np.ndarray]:
     except ImportError:
         raise ModelFormatError(
             f"[{op}] {path!r} is a PyTorch (pickle-based) checkpoint; reading it safely needs "
-            "torch (torch.load with weights_only=True). Install torch, or re-save the state dict "
-            "as .safetensors or .npz"
+            "torch (torch.load with weights_only=True): pip install 'leanrnn[torch]' (in a "
+            "clone: pip install -e '.[torch]'), or re-save the state dict as .safetensors or .npz"
         ) from None
     if zipfile.is_zipfile(path):  # the zip format (torch >= 1.6); the legacy one is a pickle
         try:
