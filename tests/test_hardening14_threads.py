@@ -112,3 +112,42 @@ def test_a_pool_lets_the_arena_of_a_dropped_member_go():
     gc.collect()
     np.testing.assert_array_equal(small(x)[0], want)
     assert pool.nbytes == alone
+
+
+def test_a_streams_state_read_waits_for_a_feed_in_progress():
+    # before: read while another thread fed, the state could be half one step's (h of some
+    # layers advanced, c of all), a state no sequence of feeds makes
+    import leanrnn
+
+    m = leanrnn.LSTM(4, 8, num_layers=2, seed=0)
+    st = m.session.stream(batch=1)
+    x = np.ones((1, 4), np.float32)
+    st.feed(x)  # binds the single step
+    in_step, go = threading.Event(), threading.Event()
+    real = m.session._step
+
+    def slow_step(*a):
+        in_step.set()
+        assert go.wait(30)
+        return real(*a)
+
+    m.session._step = slow_step
+    feeder = threading.Thread(target=st.feed, args=(x,))
+    feeder.start()
+    assert in_step.wait(30)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(st.state))
+    reader.start()
+    reader.join(0.3)
+    try:
+        assert reader.is_alive() and not got  # it waits for the feed
+    finally:
+        go.set()
+        feeder.join(30)
+        reader.join(30)
+    del m.session._step
+    ref = leanrnn.LSTM(4, 8, num_layers=2, seed=0).session.stream(batch=1)
+    ref.feed(x)
+    ref.feed(x)
+    np.testing.assert_array_equal(got[0][0], ref.state[0])  # the state after both feeds
+    np.testing.assert_array_equal(got[0][1], ref.state[1])

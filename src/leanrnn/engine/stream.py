@@ -8,8 +8,8 @@ import numpy as np
 
 from ..errors import DTypeError, LeanRNNError, ShapeError, SpecError
 from ..memory.arena import check_fits
-from . import _check
-from ._turn import unpicklable
+from . import _check, _fork
+from ._turn import Turn, unpicklable
 
 
 class Stream:
@@ -18,7 +18,9 @@ class Stream:
     are blocked by the chunk, and one sample's single steps take the GEMV, which sums in
     another order than the batch's tile, so the last bits may differ — up to ~4e-7 in float32
     over a 3-layer stack and 1000 steps at batch 1 (both within ~1e-6 of torch). A feed
-    changes the carried state all at once or, interrupted, not at all.
+    changes the carried state all at once or, interrupted, not at all. Feeds, state reads and
+    writes and resets take turns (a Stream's own lock): the state read by one thread while
+    another feeds is that of a whole number of feeds, never half of one (it tore across layers).
 
     >>> s = session.stream(batch=1)
     >>> y = s.feed(x_chunk)            # [Tc, N, C] -> [Tc, N, K]; or [N, C] -> [N, K] (one step)
@@ -51,6 +53,8 @@ class Stream:
         # took the general path; it runs while x and out fit it, else the general path does.
         self._step = None
         self._yshape = (self.batch, K)
+        self._turn = _stream_turn()
+        _fork.renew_lock(self, "_turn", make=_stream_turn)
 
     __reduce__ = unpicklable("Stream", "checkpoint it with saved = stream.state and restore "
                              "into a new stream with new.state = saved")  # fmt: skip
@@ -59,6 +63,13 @@ class Stream:
         """Run the next chunk. ``x``: [Tc, N, C] ([N, Tc, C] batch-first) or [N, C] for one
         step; ``lengths``: valid steps of each sample in this chunk (a sample's state freezes
         after them). ``out``: optional preallocated y. Returns y for the chunk."""
+        turn = self._turn
+        if turn._is_owned():  # (a signal handler's feed inside this stream's feed)
+            turn.refuse()
+        with turn:
+            return self._feed_now(x, lengths, out)
+
+    def _feed_now(self, x, lengths, out) -> np.ndarray:
         step = self._step
         if step is not None and lengths is None:
             # One step, x [N, C] and out [N, K] as it was bound for: no checks but the native
@@ -143,7 +154,8 @@ class Stream:
     @property
     def state(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(h [L, N, K], c [L, N, H] or None): a copy, safe to keep as a checkpoint."""
-        return self._h.copy(), (self._c.copy() if self._c is not None else None)
+        with self._turn():
+            return self._h.copy(), (self._c.copy() if self._c is not None else None)
 
     @state.setter
     def state(self, value) -> None:
@@ -161,12 +173,17 @@ class Stream:
                 f"[Stream.state] got a c for a {self.session.spec.cell.upper()} stream, which "
                 "has none; expected (h, None) as Stream.state returns it"
             )
-        self._h[:] = h
-        if self._c is not None:
-            self._c[:] = c
+        with self._turn():
+            self._h[:] = h
+            if self._c is not None:
+                self._c[:] = c
 
     def reset(self, i: int | None = None) -> None:
         """Zero the state of sample ``i`` (a new sequence starts in that slot), or of all."""
+        with self._turn():
+            self._reset(i)
+
+    def _reset(self, i: int | None) -> None:
         if i is None:
             self._h[:] = 0
             if self._c is not None:
@@ -184,6 +201,10 @@ class Stream:
         self._h[:, i] = 0
         if self._c is not None:
             self._c[:, i] = 0
+
+
+def _stream_turn() -> Turn:
+    return Turn("Stream")
 
 
 def _state(L: int, N: int, K: int, H: int, dtype) -> tuple:
