@@ -324,7 +324,13 @@ def _strip_raw_data(path: str, size: int) -> tuple[bytes, dict[int, tuple[int, i
 
 # --------------------------------------------------------------------------------- graph
 def _value_info(vi, where: str) -> TensorInfo:
+    if vi.type.WhichOneof("value") is None and where == "graph output":
+        # declared by name only (valid ONNX): a tensor whose type and shape the graph gives
+        return TensorInfo(vi.name, "", None)
     tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+    if tt is None and vi.type.WhichOneof("value") is None:
+        raise ModelFormatError(f"[load_onnx] {where} {vi.name!r} declares no type; give it its "
+                               "tensor type (elem_type and shape)")  # fmt: skip
     if tt is None:
         raise ModelFormatError(
             f"[load_onnx] {where} {vi.name!r} is not a tensor (sequence, map "

@@ -439,9 +439,12 @@ def _identity_infer(ctx, node, ins, vals):
 
 
 def _identity_run(ctx, node, ins, outs, metas, tmp):
+    # an output named "" (ONNX's "not wanted", e.g. Dropout's mask) is handed as None: the
+    # session gives it no buffer, and writing one failed every run of a model that loaded
     res = [ins[0].reshape(metas[0].shape)]
     if len(outs) > 1:
-        outs[1].fill(1)
+        if outs[1] is not None:
+            outs[1].fill(1)
         res.append(outs[1])
     return res
 
@@ -451,6 +454,8 @@ def _concat_infer(ctx, node, ins, vals):
         _fail(node, "needs one or more inputs", ModelFormatError)
     dt = _same_dtype(node, ins)
     rank = len(ins[0].shape)
+    if rank == 0:  # (onnxruntime refuses it too; this read ins' shape[0] and raised IndexError)
+        _fail(node, "concatenates scalars (rank 0), which have no axis; Unsqueeze them first")
     if "axis" not in node.attrs:
         _fail(node, "needs an axis attribute", ModelFormatError)
     a = _axis(node, node.attrs["axis"], max(rank, 1))
@@ -504,6 +509,8 @@ def _slices(node, ins, vals, opset) -> tuple[tuple[slice, ...], tuple[int, ...]]
         n = shape[a]
         s = s + n if s < 0 else s
         e = e + n if e < 0 else e
+        if e in _INT_MAX:  # "to the end" in the step's direction, as onnxruntime reads it (the
+            e = n if st > 0 else -1  # spec's clamp made x[3:INT_MAX:-1] empty, not x[3::-1])
         if st > 0:
             s, e = min(max(s, 0), n), min(max(e, 0), n)
         else:
@@ -511,6 +518,9 @@ def _slices(node, ins, vals, opset) -> tuple[tuple[slice, ...], tuple[int, ...]]
         sl[a] = slice(s, e if e >= 0 else None, st)
     out = tuple(len(range(*sl[i].indices(shape[i]))) for i in range(len(shape)))
     return tuple(sl), out
+
+
+_INT_MAX = (2**31 - 1, 2**63 - 1)  # exporters' "no end" (numpy's None) in Slice's ends
 
 
 def _slice_infer(ctx, node, ins, vals):
@@ -556,9 +566,10 @@ def _split_run(ctx, node, ins, outs, metas, tmp):
     start = 0
     for o, m in zip(outs, metas, strict=True):
         n = m.shape[a]
-        idx = [slice(None)] * ins[0].ndim
-        idx[a] = slice(start, start + n)
-        np.copyto(o, ins[0][tuple(idx)])
+        if o is not None:  # (an unnamed part: None)
+            idx = [slice(None)] * ins[0].ndim
+            idx[a] = slice(start, start + n)
+            np.copyto(o, ins[0][tuple(idx)])
         start += n
     return outs
 
@@ -667,8 +678,10 @@ def _topk_run(ctx, node, ins, outs, metas, tmp):
     k = metas[0].shape[a]
     order = _topk_order(node, x, a)
     idx = np.take(order, np.arange(k), axis=a)
-    np.copyto(outs[1], idx)
-    np.copyto(outs[0], np.take_along_axis(x, idx, axis=a))
+    if outs[1] is not None:  # (an unnamed output: None)
+        np.copyto(outs[1], idx)
+    if outs[0] is not None:
+        np.copyto(outs[0], np.take_along_axis(x, idx, axis=a))
     return outs
 
 

@@ -536,4 +536,6 @@ def _check_input_names(op: str, given, names: list[str]) -> None:
         raise ShapeError(
             f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
             f"the model's inputs are {names}"
-        )
+            + (" (an ONNX initializer listed among a graph's inputs is a constant here: "
+               "initializers are folded at load, so it cannot be fed)" if unknown else "")
+        )  # fmt: skip
