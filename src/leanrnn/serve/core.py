@@ -160,14 +160,18 @@ class Core:
         lane = self.scheduler.lanes[model]
         # compute_infer: from a request's first step in a batched engine call to its last (a
         # chunk's steps run one batched call each, among other streams' steps); compute_input
-        # and compute_output: the front ends' parsing of a request and encoding of its answer
+        # and compute_output: the front ends' parsing of a request and encoding of its answer.
+        # execution_count: the engine calls that completed requests, so that, as in Triton,
+        # inference_count / execution_count is the requests an execution answered (every
+        # engine call counted, a 4000-step request read 250 executions for 1 inference, and
+        # perf_analyzer's batch size 0.004)
         ci, co = st["compute_input"], st["compute_output"]
         return {
             "name": model,
             "version": "1",
             "last_inference": st["last"],
             "inference_count": count,
-            "execution_count": lane.calls,
+            "execution_count": lane.completing,
             "inference_stats": {
                 "success": {"count": count, "ns": ns},
                 "fail": {"count": st["fail"][0], "ns": st["fail"][1]},

@@ -486,7 +486,9 @@ def make_app(core: Core, metrics=None) -> Starlette:
     for base in (m, mv):
         routes += [
             Route(base, guarded(model_metadata)),
-            Route(base + "/ready", guarded(model_ready)),
+            # a health endpoint (KServe v2), open as the server's are: a readiness probe
+            # without the token read "not ready" for ever, with no error
+            Route(base + "/ready", guarded(model_ready, auth=False, counted=False)),
             Route(base + "/config", guarded(model_config)),
             Route(base + "/stats", guarded(stats)),
             Route(base + "/infer", guarded(infer), methods=["POST"]),

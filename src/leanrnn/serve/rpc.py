@@ -147,12 +147,16 @@ def parse(core: Core, req) -> tuple:
         if raw:
             tensors[t.name] = from_bytes(info, t.name, shape, raw[i])
         else:
-            values = getattr(t.contents, _CONTENTS[info.datatype])
+            field = _CONTENTS[info.datatype]
+            values = getattr(t.contents, field)
             if len(values) != int(np.prod(shape)):  # counted before anything is converted
+                elsewhere = [f.name for f, v in t.contents.ListFields() if f.name != field]
                 raise InvalidRequest(
-                    f"[infer] input {t.name!r} of shape {list(shape)} needs "
-                    f"{int(np.prod(shape))} values; got {len(values)} in contents"
-                )
+                    f"[infer] input {t.name!r} of shape {list(shape)} {info.datatype} needs "
+                    f"{int(np.prod(shape))} values in contents.{field}; got {len(values)}"
+                    + (f" (and values in {', '.join(elsewhere)}, which a {info.datatype} input "
+                       "does not read)" if elsewhere else "")
+                )  # fmt: skip
             # one number at a time into the array: np.asarray made a Python float of each
             # first (13x the message's size in memory, and 5x the time)
             tensors[t.name] = np.fromiter(values, info.dtype, len(values)).reshape(shape)
@@ -205,6 +209,35 @@ def add_service(servicer, server) -> None:
         server.add_registered_method_handlers(service.full_name, handlers)
 
 
+# The service's methods of extensions this server does not implement (nor list in its
+# metadata), by method: what they are part of. The generated servicer's own stubs answered
+# "Unexpected <class 'NotImplementedError'>: Method not implemented!".
+UNIMPLEMENTED = {
+    "RepositoryModelLoad": "model repository (load/unload)",
+    "RepositoryModelUnload": "model repository (load/unload)",
+    "SystemSharedMemoryStatus": "system shared-memory",
+    "SystemSharedMemoryRegister": "system shared-memory",
+    "SystemSharedMemoryUnregister": "system shared-memory",
+    "CudaSharedMemoryStatus": "CUDA shared-memory",
+    "CudaSharedMemoryRegister": "CUDA shared-memory",
+    "CudaSharedMemoryUnregister": "CUDA shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+
+
+def _unimplemented(method: str, extension: str):
+    async def refuse(self, request, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{method}: this server does not implement the {extension} extension (the server "
+            "metadata's extensions list what it does)",
+        )
+
+    refuse.__name__ = method
+    return refuse
+
+
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -245,11 +278,14 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.core.ready and not self.core.draining)
 
     async def ModelReady(self, request, context):
-        def fn():
+        # A health method (KServe v2), open without the token as ServerLive and ServerReady;
+        # a model or version not served is not ready (Triton's answer: NOT_FOUND made clients'
+        # polling loops raise, where HTTP's said False)
+        try:
             self.core.info(request.name, request.version)
-            return pb.ModelReadyResponse(ready=self.core.ready and not self.core.draining)
-
-        return await self._guard(context, fn)
+        except ServeError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.core.ready and not self.core.draining)
 
     async def ServerMetadata(self, request, context):
         return await self._guard(context, lambda: pb.ServerMetadataResponse(
@@ -328,8 +364,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests are handed to the scheduler in the order they arrive (so one sequence's
         requests keep their order); responses go back as they complete. An error answers that
-        request only (error_message), and the stream goes on. A stream counts as one call
-        against --max-concurrency until it ends."""
+        request only (error_message), and the stream goes on, except for a message over
+        --max-request-bytes, which gRPC refuses by ending the stream (``start``). A stream
+        counts as one call against --max-concurrency until it ends."""
         await self._enter(context)
         try:
             async for res in self._stream(request_iterator, context):
@@ -485,6 +522,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             metrics = None  # answers still computing then count nowhere
 
 
+for _m, _ext in UNIMPLEMENTED.items():
+    setattr(Servicer, _m, _unimplemented(_m, _ext))
+
+
 def _taken(f: asyncio.Future) -> None:
     if not f.cancelled():
         f.exception()
@@ -494,13 +535,37 @@ def _nothing() -> None:
     pass
 
 
+class _CappedWatches(health_aio.HealthServicer):
+    """grpc.health.v1 with at most ``cap`` Watch streams open. Each holds one of grpc's
+    concurrent-call slots (maximum_concurrent_rpcs counts them; --max-concurrency, which
+    counts the inference calls, does not) for as long as its client keeps it, without the
+    token: uncapped, 70 watches locked authenticated inference out at --max-concurrency 2."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap, self.watching = cap, 0
+
+    async def Watch(self, request, context) -> None:
+        if self.watching >= self.cap:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.watching} health Watch streams are open, the most this server keeps; "
+                "poll Check instead, or close a watch",
+            )
+        self.watching += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watching -= 1
+
+
 class Health:
     """The statuses of grpc.health.v1's services, set as the server's readiness changes."""
 
     SERVICES = ("", "inference.GRPCInferenceService")
 
-    def __init__(self) -> None:
-        self.servicer = health_aio.HealthServicer()
+    def __init__(self, watches: int = 32) -> None:
+        self.servicer = _CappedWatches(watches)
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else (
@@ -516,7 +581,12 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
     """A running grpc.aio server on host:port (0: any free port), its health service NOT_SERVING
     until ``Health.set(True)``; returns (server, port, health).
     Beyond ``max_rpcs`` calls in flight (a ModelStreamInfer stream counts as one until it
-    ends) new calls get RESOURCE_EXHAUSTED; the ones in flight are unaffected."""
+    ends) new calls get RESOURCE_EXHAUSTED; the ones in flight are unaffected. Health Watch
+    streams may hold half of the calls beyond --max-concurrency (``core.max_in_flight``).
+    A message over ``max_bytes`` is refused by gRPC itself, before this server reads it: a
+    unary call gets RESOURCE_EXHAUSTED; on a ModelStreamInfer stream it ends the stream (the
+    answers of its requests still computing are lost with it), as at any gRPC server's limit
+    (Triton's is 2 GiB): keep a stream's requests under --max-request-bytes."""
     server = grpc.aio.server(maximum_concurrent_rpcs=max_rpcs, options=[
         # gRPC's default SO_REUSEPORT lets a second server share a taken port and take half
         # its connections (and so half of some sequences' requests): refuse instead
@@ -529,7 +599,7 @@ async def start(core: Core, host: str, port: int, max_bytes: int, max_rpcs: int)
     ])  # fmt: skip
     try:
         add_service(Servicer(core), server)
-        health = Health()
+        health = Health(max(1, (max_rpcs - core.max_in_flight) // 2))
         await health.set(False)
         health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
         try:

@@ -233,6 +233,7 @@ class Lane:
         self._calls: dict[tuple[int, int], tuple] = {}
         self.step_seconds = 0.0  # running mean of one call's seconds per step
         self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
+        self.completing = 0  # engine calls that completed a request (Triton's executions)
 
     def _check_fits(self, S: int, nb: int, T: int) -> None:
         """The state slots and call buffers, by arithmetic, before any is allocated: past the
@@ -478,6 +479,7 @@ class Lane:
                     continue
             if s.queue:
                 self.ready.append(s)
+        self.completing += bool(done)
         return done
 
     def fail(self, picked: list[Sequence], error: BaseException) -> list[Request]:
