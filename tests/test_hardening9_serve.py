@@ -177,7 +177,10 @@ def test_typed_contents_are_counted_before_and_converted_without_a_list(server):
             t.contents.fp32_contents.extend(values)
             return stub.ModelInfer(req, timeout=60)
 
-        with pytest.raises(grpc.RpcError, match=f"needs {T * C} values in contents.fp32_contents; got {T * C - 1}"):
+        with pytest.raises(
+            grpc.RpcError,
+            match=rf"needs {T * C} values in contents\.fp32_contents; got {T * C - 1}",
+        ):
             call(x.reshape(-1)[:-1])
         res = call(x.reshape(-1))
     y = np.frombuffer(res.raw_output_contents[0], np.float32).reshape(T, K)

@@ -179,7 +179,9 @@ def test_grpc_typed_contents_instead_of_raw(server):
         y = np.frombuffer(res.raw_output_contents[names.index("y")], np.float32).reshape(4, 6)
         np.testing.assert_allclose(y, offline(server, "gru", x)["y"], rtol=0, atol=ATOL)
         del t.contents.fp32_contents[-1]
-        with pytest.raises(grpc.RpcError, match="needs 12 values in contents.fp32_contents; got 11"):
+        with pytest.raises(
+            grpc.RpcError, match=r"needs 12 values in contents\.fp32_contents; got 11"
+        ):
             service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
 
 
