@@ -60,3 +60,28 @@ def test_the_report_says_when_leanrnn_ran_on_the_jit():
     assert "LEANRNN_BACKEND=jit." in line and "ran on its jit kernels" in line
     native = [{**_row("leanrnn", 1e-3), "ran_on": {"kernels": "native"}}]
     assert "kernels" not in report.machine_line({"rows": native, "machine": {}})
+
+
+def test_a_run_none_of_whose_engines_can_run_is_refused(tmp_path, capsys, monkeypatch):
+    # before: it measured nothing, said "nowhere in this run" and exited 0
+    from leanrnn.bench import engines
+
+    monkeypatch.setattr(engines.importlib.util, "find_spec", lambda name: None)
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--engines", "torch,onnxruntime", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "none of the engines asked for can run here" in err
+    assert "torch: not installed: torch (pip install 'leanrnn[bench]')" in err
+
+
+def test_the_report_says_why_plots_and_heap_columns_are_missing(tmp_path, monkeypatch, capsys):
+    def no_matplotlib(results, out):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report, "plot", no_matplotlib)
+    results = {"rows": [], "machine": {"versions": {"memray": None}}}
+    report.write(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Not drawn: matplotlib is not installed" in md
+    assert "memray was not installed" in md
+    assert "no plots: matplotlib is not installed" in capsys.readouterr().err

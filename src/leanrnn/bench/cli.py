@@ -278,6 +278,17 @@ def with_precisions(engines: tuple[str, ...], precisions: tuple[str, ...]) -> tu
     return tuple(out)
 
 
+def _some_engine_runs(names) -> None:
+    """Refuse a run none of whose engines can run here (it measured nothing, said "nowhere in
+    this run" and exited 0), naming why each cannot."""
+    from .harness import _engine_status
+
+    status = _engine_status(names)
+    if status and all(why is not None for why in status.values()):
+        whys = "; ".join(f"{n}: {why}" for n, why in status.items())
+        raise LeanRNNError(f"[bench] none of the engines asked for can run here ({whys})")
+
+
 def run(args) -> int:
     from . import report
 
@@ -297,6 +308,7 @@ def run(args) -> int:
 
         output_dir(str(args.out), "bench --out")
         opts = options_from_args(args)
+        _some_engine_runs(opts.engines)
         results = run_suite(opts, progress=not args.no_progress)
         out = opts.out
     files = report.write(results, out, plots=not args.no_plots)

@@ -36,7 +36,9 @@ class Engine:
     def unavailable(cls) -> str | None:
         """Why this engine cannot run here, or None. Looks modules up without importing them."""
         missing = [m for m in cls.requires if importlib.util.find_spec(m) is None]
-        return f"not installed: {', '.join(missing)}" if missing else None
+        if not missing:
+            return None
+        return f"not installed: {', '.join(missing)} (pip install 'leanrnn[bench]')"
 
     @classmethod
     def unsupported(cls, cfg: Config) -> str | None:

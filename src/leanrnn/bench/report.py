@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -200,6 +201,9 @@ def memory_table(results: dict) -> str:
         "steps after warm-up, RSS / bytes allocated and not freed (memray). RSS counts memory "
         "the allocator keeps after free."
     )
+    versions = results.get("machine", {}).get("versions", {})
+    if "memray" in versions and not versions["memray"]:  # (say why the columns are empty)
+        legend += " The heap columns are empty: memray was not installed (pip install memray)."
     header = ["config", "engine", "cold peak", "warm peak", "heap peak", "growth (RSS / heap)"]
     return _table(header, rows) + "\n\n" + legend
 
@@ -589,7 +593,7 @@ def _settings(results: dict) -> str:
     return text
 
 
-def render(results: dict, plots: list[Path] | None = None) -> str:
+def render(results: dict, plots: list[Path] | None = None, no_plots: str | None = None) -> str:
     bars = bars_table(results)
     parts = [
         "# leanrnn bench",
@@ -623,7 +627,12 @@ def render(results: dict, plots: list[Path] | None = None) -> str:
     ]
     if plots:
         parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    elif no_plots:
+        parts += ["## Plots", "", f"Not drawn: {no_plots}.", ""]
     return "\n".join(parts)
+
+
+NO_PLOTS = "matplotlib is not installed (pip install 'leanrnn[plot]')"
 
 
 def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
@@ -632,13 +641,15 @@ def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
     pngs: list[Path] = []
+    why = None
     if plots:
         try:
             pngs = plot(results, out)
         except ImportError:
-            pngs = []
+            why = NO_PLOTS  # said in the report and here
+            print(f"bench: no plots: {why}", file=sys.stderr)
         files |= {p.stem: p for p in pngs}
     md = out / "report.md"
-    write_text(md, render(results, pngs))
+    write_text(md, render(results, pngs, why))
     files["report"] = md
     return files
