@@ -197,6 +197,29 @@ class RNNSpec:
         want = tuple(Activation.make(a) for a in DEFAULT_ACTIVATIONS[self.cell])
         return all(d == want for d in self.activations or ())
 
+    def beyond_torch(self) -> list[str]:
+        """What of this spec PyTorch's RNN modules cannot be (ONNX-only options): an empty list
+        for torch.nn.LSTM/GRU/RNN's own cells, whose state dicts and training leanrnn covers."""
+        bad = []
+        if self.direction == "reverse":
+            bad.append("direction='reverse'")
+        if self.peepholes:
+            bad.append("peepholes")
+        if self.clip is not None:
+            bad.append(f"clip={self.clip}")
+        if self.input_forget:
+            bad.append("input_forget")
+        if self.cell == "gru" and not self.linear_before_reset:
+            bad.append("linear_before_reset=0")
+        allowed = {"lstm": [("sigmoid", "tanh", "tanh")], "gru": [("sigmoid", "tanh")],
+                   "rnn": [("tanh",), ("relu",)]}[self.cell]  # fmt: skip
+        for d in self.activations or ():
+            names = tuple(a.name for a in d)
+            if names not in allowed or any(a.alpha or a.beta for a in d):
+                bad.append(f"activations {names}")
+                break
+        return bad
+
     def with_(self, **changes) -> RNNSpec:
         return replace(self, **changes)
 

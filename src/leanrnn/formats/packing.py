@@ -382,6 +382,17 @@ def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> P
             R = _check(f"{tag} R", lw.R, (G, K))
             bW = _check(f"{tag} bW", lw.bW, (G,))
             bR = _check(f"{tag} bR", lw.bR, (G,))
+            # weights the spec says are not there: packed, they ran (nonzero biases of a
+            # bias=False spec) or were dropped (peepholes, a projection), either way unseen
+            if not spec.bias and (bW.any() or bR.any()):
+                raise WeightsError(f"[pack] {tag}: the spec has bias=False but the biases are "
+                                   "not zero; pass zeros, or a spec with bias=True")  # fmt: skip
+            if lw.peep is not None and not spec.peepholes:
+                raise WeightsError(f"[pack] {tag}: peepholes given for a spec without them "
+                                   "(peepholes=False)")  # fmt: skip
+            if lw.proj is not None and not P:
+                raise WeightsError(f"[pack] {tag}: a projection given for a spec without one "
+                                   "(proj_size=0)")  # fmt: skip
             pl = pw.layers[li][di]
             rows_to_panels(W, pw.perm, pl.Wt)
             rows_to_panels(R, pw.perm, pl.Rt)

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from ..errors import WeightsError
+from ..errors import SpecError, WeightsError
 from ..spec import Activation, RNNSpec
 from .packing import TORCH_ORDER, LayerWeights, reorder_gates
 
@@ -157,7 +157,16 @@ def from_state_dict(spec: RNNSpec, sd: dict) -> list[list[LayerWeights]]:
 
 
 def to_state_dict(spec: RNNSpec, layers: list[list[LayerWeights]]) -> dict[str, np.ndarray]:
-    """The inverse of ``from_state_dict``: PyTorch names and gate order."""
+    """The inverse of ``from_state_dict``: PyTorch names and gate order. A spec PyTorch's
+    modules cannot be (spec.beyond_torch: a reverse-only direction, peepholes, clip, ONNX's
+    other activations...) is refused: its names would hold the weights and lose the rest, and
+    the dict loaded back computed something else, silently (0.15-2.0 off)."""
+    bad = spec.beyond_torch()
+    if bad:
+        raise SpecError(
+            f"[state_dict] this {spec.cell.upper()} uses {', '.join(bad)}, which PyTorch's "
+            "parameter names cannot record: save it as .lrnn (model.save) instead"
+        )
     H = spec.hidden_size
     # Inverse permutation of TORCH_ORDER: source block k came from internal position inv[k].
     order = TORCH_ORDER[spec.cell]

@@ -132,23 +132,9 @@ class TapeError(LeanRNNError, RuntimeError):
 
 
 def trainable(spec) -> None:
-    """SpecError unless leanrnn can train ``spec``: PyTorch's cells (ONNX-only options refuse)."""
-    bad = []
-    if spec.peepholes:
-        bad.append("peepholes")
-    if spec.clip is not None:
-        bad.append(f"clip={spec.clip}")
-    if spec.input_forget:
-        bad.append("input_forget")
-    if spec.cell == "gru" and not spec.linear_before_reset:
-        bad.append("linear_before_reset=0")
-    allowed = {"lstm": [("sigmoid", "tanh", "tanh")], "gru": [("sigmoid", "tanh")],
-               "rnn": [("tanh",), ("relu",)]}[spec.cell]  # fmt: skip
-    for d in spec.activations:
-        names = tuple(a.name for a in d)
-        if names not in allowed:
-            bad.append(f"activations {names}")
-            break
+    """SpecError unless leanrnn can train ``spec``: PyTorch's cells (ONNX-only options refuse;
+    a reverse-only direction trains, as a bidirectional stack's second direction does)."""
+    bad = [b for b in spec.beyond_torch() if not b.startswith("direction")]
     if bad:
         raise SpecError(
             f"[Trainer] this {spec.cell.upper()} uses {', '.join(bad)}: training covers PyTorch's "
