@@ -20,7 +20,8 @@ from leanrnn.formats.packing import LayerWeights
 
 
 def random_layers(spec, rng, dtype=np.float32, scale=0.5) -> list[list[LayerWeights]]:
-    """Canonical (PyTorch gate order) weights for ``spec``: normal draws times ``scale``."""
+    """Canonical (PyTorch gate order) weights for ``spec``: normal draws times ``scale`` (zero
+    biases for a bias=False spec, which pack refuses otherwise)."""
     out = []
     G, H, K, P = spec.gate_width, spec.hidden_size, spec.output_size, spec.proj_size
     for layer in range(spec.num_layers):
@@ -31,12 +32,16 @@ def random_layers(spec, rng, dtype=np.float32, scale=0.5) -> list[list[LayerWeig
             def r(*shape):
                 return (rng.standard_normal(shape) * scale).astype(dtype)
 
+            def b():  # drawn either way (the draws after stay the same); zero if bias=False
+                v = r(G)
+                return v if spec.bias else np.zeros_like(v)
+
             dirs.append(
                 LayerWeights(
                     r(G, C),
                     r(G, K),
-                    r(G),
-                    r(G),
+                    b(),
+                    b(),
                     r(3, H) if spec.peepholes else None,
                     r(P, H) if P else None,
                 )

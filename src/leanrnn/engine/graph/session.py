@@ -92,6 +92,10 @@ class GraphSession:
         )
         self._key = None
         self._limit: int | None = None  # the last resize's memory_limit (runs re-plan within it)
+        # The plans of the last PLANS_KEPT input shapes on the arena in place (_keep): a run of
+        # a shape seen before takes its plan back instead of planning again (0.3-0.4 ms of
+        # Python each time, where inputs of varying length made every run a new shape).
+        self._plans: dict[tuple, tuple] = {}
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self.resize_constant_bytes = 0
@@ -157,12 +161,46 @@ class GraphSession:
         try:
             p = self._resize_checked(metas_in, memory_limit)
             self._limit = memory_limit  # kept for the runs of other shapes, as a Session's
+            self._keep()
             return p
         except BaseException:
             # refused (or failed) part way: the next run plans again from scratch, so a
             # half-made plan (an RNN session resized, the other not) is never run
             self._key = None
             raise
+
+    _KEPT = ("_steps", "_metas", "_values", "_views", "_fresh", "_root", "_inplace", "_plan",
+             "resize_constant_bytes", "working_bytes")  # fmt: skip
+    # 64 shapes (inputs of 5..60 steps kept 56); a plan whose shape-computed tensors are large
+    # is not kept (each kept plan holds its own)
+    PLANS_KEPT, KEPT_CONSTANT_BYTES = 64, 1 << 20
+
+    def _keep(self) -> None:
+        """Keep the plan just made (its views are of the arena in place) for its shapes. Not
+        under a memory_limit: there each shape's plan splits the limit between the graph's
+        arena and the RNN nodes' in its own way, which a plan taken back would not redo."""
+        if self._limit is not None:
+            self._plans.clear()
+            return
+        self._plans.pop(self._key, None)
+        if self.resize_constant_bytes > self.KEPT_CONSTANT_BYTES:
+            return
+        if len(self._plans) >= self.PLANS_KEPT:
+            self._plans.pop(next(iter(self._plans)))  # the least recently used
+        self._plans[self._key] = tuple(getattr(self, a) for a in self._KEPT)
+
+    def _take_back(self, key: tuple) -> bool:
+        """The kept plan of input shapes ``key``, made the session's, if there is one. The RNN
+        nodes' sessions are not resized for it: their runs plan again where their own plan in
+        place does not serve the shape (Session._covers), within the same limit."""
+        kept = self._plans.pop(key, None)
+        if kept is None:
+            return False
+        self._plans[key] = kept  # now the most recently used
+        for a, v in zip(self._KEPT, kept, strict=True):
+            setattr(self, a, v)
+        self._key = key
+        return True
 
     def _resize_checked(self, metas_in: dict, memory_limit: int | None,
                         plan_only: bool = False) -> Plan | dict:  # fmt: skip
@@ -403,6 +441,7 @@ class GraphSession:
         not over ``cap`` bytes) and make every planned view; the layout becomes the session's."""
         fresh, root, inplace, shapes = layout
         if not reusable(self._arena, p.total, cap):
+            self._plans.clear()  # their views are of the arena going
             self._arena = None  # drop the old arena before taking the new one
             self._arena = Arena(p.total, name=f"graph arena[{self.loaded.graph.name}]")
         views = {}
@@ -479,8 +518,8 @@ class GraphSession:
         metas_in = {k: Out(v.shape, v.dtype) for k, v in feeds.items()}
         with self._lock():
             key = tuple((k, m.shape, m.dtype) for k, m in metas_in.items())
-            if key != self._key:  # another shape: planned within the last resize's limit
-                self._resize(metas_in, self._limit)
+            if key != self._key and not self._take_back(key):
+                self._resize(metas_in, self._limit)  # planned within the last resize's limit
             if not self._blas_alone:
                 return self._execute(feeds, times)
             with blas_alone():

@@ -1,0 +1,106 @@
+"""Session 40, from a red-team pass on performance cliffs: every change of the sequence length
+between calls planned the arena again (plan, views, the kernels' arguments: ~100 us of Python a
+call on a Model, 0.3-0.4 ms on a GraphModel), so inputs of varying length ran 2.6-7.6x
+onnxruntime's time where a fixed length ran faster than it. A Session now runs a shorter run on
+the plan in place, and a GraphModel takes back the plan of a shape it has seen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn.engine import session as S
+
+LENGTHS = [30, 7, 19, 30, 1, 25, 7, 12]
+
+
+def _count(monkeypatch, cls, name):
+    calls = []
+    real = getattr(cls, name)
+
+    def counted(self, *a, **k):
+        calls.append(a[:2])
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("make", [
+    lambda: leanrnn.LSTM(5, 8, num_layers=2, seed=0),
+    lambda: leanrnn.GRU(5, 8, bidirectional=True, seed=0),
+    lambda: leanrnn.RNN(5, 8, batch_first=True, seed=0),
+    lambda: leanrnn.LSTM(5, 8, proj_size=3, seed=0),
+])  # fmt: skip
+def test_shorter_runs_use_the_plan_in_place_and_compute_the_same(monkeypatch, make):
+    m, rng = make(), np.random.default_rng(0)
+    bf = m.spec.batch_first
+    xs = [rng.standard_normal((2, T, 5) if bf else (T, 2, 5)).astype(np.float32)
+          for T in LENGTHS]  # fmt: skip
+    want = [make()(x) for x in xs]  # each on a fresh model: planned for its own length
+    plans = _count(monkeypatch, S.Session, "_resize")
+    for x, w in zip(xs, want, strict=True):
+        got = m(x)
+        for g, e in zip(got[:1] + tuple(got[1]) if isinstance(got[1], tuple) else got,
+                        w[:1] + tuple(w[1]) if isinstance(w[1], tuple) else w, strict=True):  # fmt: skip
+            np.testing.assert_array_equal(g, e)
+    assert len(plans) == 1  # the first (longest) run's plan served the others
+
+
+def test_a_stream_of_varying_chunks_plans_once_for_the_longest():
+    m, r = leanrnn.LSTM(4, 6, seed=0), leanrnn.LSTM(4, 6, seed=0)
+    st, ref = m.session.stream(batch=1), r.session.stream(batch=1)
+    rng = np.random.default_rng(1)
+    for k in (8, 3, 5, 8, 2, 7):
+        x = rng.standard_normal((k, 1, 4)).astype(np.float32)
+        r.session.resize(1, k)  # the reference planned for each chunk's own length, as before
+        np.testing.assert_array_equal(st.feed(x), ref.feed(x))
+    np.testing.assert_array_equal(st.state[0], ref.state[0])
+    assert m.session._T == 8
+
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+
+def test_a_graph_takes_back_the_plan_of_a_shape_it_has_seen(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from leanrnn.engine.graph import session as gs
+
+    H, rng = 6, np.random.default_rng(0)
+    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=H, linear_before_reset=1),
+             helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
+             helper.make_node("Relu", ["s"], ["out"])]  # fmt: skip
+    inits = [numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 3 * H, 4)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 3 * H, H)).astype(np.float32), "R"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax")]  # fmt: skip
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 4])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "g.onnx")
+    lm, sess = leanrnn.load(tmp_path / "g.onnx"), ort.InferenceSession(str(tmp_path / "g.onnx"))
+    plans = _count(monkeypatch, gs.GraphSession, "_resize_checked")
+    for T in LENGTHS * 2:
+        x = rng.standard_normal((T, 2, 4)).astype(np.float32)
+        np.testing.assert_allclose(lm(x), sess.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    assert len(plans) == len(set(LENGTHS))  # one plan per shape, taken back after
+
+
+def test_single_steps_after_a_chunk_still_run_bound():
+    # the plan in place serves one step too: the stream's single steps bind to it (before the
+    # change they re-planned for T=1 and bound; a plan kept for the chunk must not lose that)
+    from leanrnn.kernels import runner
+
+    m, r = leanrnn.GRU(4, 6, num_layers=2, seed=0), leanrnn.GRU(4, 6, num_layers=2, seed=0)
+    st, ref = m.session.stream(batch=2), r.session.stream(batch=2)
+    rng = np.random.default_rng(2)
+    for k in (5, 1, 1, 3, 1, 1, 1):
+        x = rng.standard_normal((k, 2, 4) if k > 1 else (2, 4)).astype(np.float32)
+        r.session.resize(2, k)
+        np.testing.assert_array_equal(st.feed(x), ref.feed(x))
+    np.testing.assert_array_equal(st.state[0], ref.state[0])
+    if runner.binds():
+        assert st._step is not None and m.session._T == 5
