@@ -61,3 +61,26 @@ def test_pack_refuses_weights_the_spec_does_not_have():
     proj = LayerWeights(proj.W, proj.R, proj.bW, proj.bR, None, np.ones((2, H)))
     with pytest.raises(WeightsError, match="a projection given for a spec without one"):
         pack(RNNSpec("lstm", C, H), [[proj]])
+
+
+def test_a_predictor_made_outside_ray_leaves_the_process_threads_alone(tmp_path):
+    # before: Predictor(...) in a driver or notebook set the whole process (and BLAS) to one
+    # thread; allow_nonfinite="no" was taken as true and memory_limit=4.5 as 4
+    pytest.importorskip("pyarrow")
+    from leanrnn import config
+    from leanrnn.ray import Predictor
+
+    m = leanrnn.GRU(3, 4, seed=0)
+    m.save(tmp_path / "m.lrnn")
+    was = config.get_num_threads()
+    config.set_num_threads(2)  # (1 on a 1-core machine: the test then cannot tell)
+    try:
+        mine = config.get_num_threads()
+        p = Predictor(str(tmp_path / "m.lrnn"), threads=1)
+        assert config.get_num_threads() == mine and p.scorer.session.threads == 1
+    finally:
+        config.set_num_threads(was)
+    for bad, words in (({"allow_nonfinite": "no"}, "allow_nonfinite"),
+                       ({"memory_limit": 4.5}, "memory_limit"), ({"threads": 0}, "threads")):  # fmt: skip
+        with pytest.raises(leanrnn.errors.LeanRNNError, match=words):
+            Predictor(m, **bad)

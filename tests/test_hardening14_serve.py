@@ -114,3 +114,39 @@ def test_values_in_the_wrong_contents_field_are_named(srv):
         stub.ModelInfer(req, metadata=list(_auth().items()))
     assert "contents.fp32_contents" in e.value.details() and "fp64_contents" in e.value.details()
     ch.close()
+
+
+def test_an_embedded_schedulers_bad_submit_is_refused_before_it_shares_a_call():
+    # before: a wrong-C x was queued; its call failed with a bare broadcast ValueError for
+    # the good request batched with it too, and ended the good sequence
+    import time
+
+    from leanrnn import Pool
+    from leanrnn.errors import SpecError
+    from leanrnn.serve import Lane, Scheduler
+    from leanrnn.serve.errors import InvalidRequest, NotFound
+
+    m = leanrnn.LSTM(3, 4, seed=0)
+    lane = Lane("m", m, Pool(), threads=1, max_streams=4, max_batch=4, max_chunk=8,
+                idle_timeout=10.0)  # fmt: skip
+    sch = Scheduler({"m": lane}, max_wait=0.2)
+    x = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
+    good = sch.submit("m", ("", "good"), True, False, x)
+    for bad in (np.zeros((5, 7), np.float32), x.astype(np.float64), np.zeros((0, 3), np.float32),
+                [[1.0, 2.0, 3.0]]):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="model 'm' takes"):
+            sch.submit("m", ("", "bad"), True, True, bad)
+    with pytest.raises(NotFound, match="no model 'nope'"):
+        sch.submit("nope", ("", "x"), True, True, x)
+    sch.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not good.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert good.error is None
+        np.testing.assert_allclose(good.y, m(x[:, None])[0][:, 0], rtol=1e-5, atol=1e-6)
+    finally:
+        sch.drain(5)
+        sch.stop()
+    with pytest.raises(SpecError, match="max_chunk=0"):
+        Lane("m", m, Pool(), threads=1, max_streams=4, max_batch=4, max_chunk=0, idle_timeout=1.0)

@@ -73,6 +73,16 @@ def _model_from(model, threads):
     return model
 
 
+def _in_actor() -> bool:
+    """Whether this process is a Ray actor's (ray imported and initialised in it, with an
+    actor id): its thread settings are then the actor's own to set."""
+    ray = sys.modules.get("ray")
+    try:
+        return bool(ray and ray.is_initialized() and ray.get_runtime_context().get_actor_id())
+    except Exception:  # an older Ray without the call: not known to be an actor
+        return False
+
+
 class Predictor:
     """Scores batches of a Ray dataset: ``map_batches(Predictor, batch_format="pyarrow",
     fn_constructor_kwargs={"model": ...})``.
@@ -80,7 +90,9 @@ class Predictor:
     model: a path every worker can read, the bytes of a model file, or a leanrnn Model;
     column / length_column: as for leanrnn.score (None: the only list column / 'length');
     outputs: 'final', 'steps' or 'both'; threads: kernel threads per actor (default 1: an
-    actor per core; None: the process's default, all its cores).
+    actor per core; None: the process's default, all its cores). In a Ray actor they are the
+    process's (BLAS's too: set_num_threads); anywhere else (a driver, a notebook) only this
+    predictor's, so that making one there does not leave your process on one thread.
     Each call sorts its batch by length, runs it in length-aware batches and returns a
     pyarrow Table in the batch's row order: length, h_n, c_n, y (see leanrnn.score.writers).
     """
@@ -90,8 +102,14 @@ class Predictor:
                  memory_limit: int | None = None, batch_size: int | None = None,
                  allow_nonfinite: bool = False) -> None:  # fmt: skip
         from . import config
+        from .engine._check import bytes_or_none, count_or_none
 
-        if threads is not None:
+        threads = count_or_none("Predictor", "threads", threads)
+        memory_limit = bytes_or_none("Predictor", "memory_limit", memory_limit)  # 4.5 was 4
+        if not isinstance(allow_nonfinite, bool):  # "no" meant True
+            raise SpecError(f"[Predictor] allow_nonfinite={allow_nonfinite!r}; expected True "
+                            "or False")  # fmt: skip
+        if threads is not None and _in_actor():
             config.set_num_threads(threads)
         m = _model_from(model, threads)
         self.scorer = Scorer(m, outputs, memory_limit, threads, batch_size)

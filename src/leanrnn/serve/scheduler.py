@@ -62,7 +62,7 @@ from ..engine.session import Pool, Session, SlotStates
 from ..errors import PlanError, SpecError
 from ..memory.arena import machine_memory
 from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
-from .errors import Exhausted, InvalidRequest, SequenceError, Unavailable
+from .errors import Exhausted, InvalidRequest, NotFound, SequenceError, Unavailable
 
 _log = logging.getLogger("leanrnn.serve")
 
@@ -190,6 +190,12 @@ class Lane:
 
     def __init__(self, name: str, model, pool: Pool, *, threads: int | None, max_streams: int,
                  max_batch: int, max_chunk: int, idle_timeout: float) -> None:  # fmt: skip
+        for what, v in (("max_streams", max_streams), ("max_batch", max_batch),
+                        ("max_chunk", max_chunk)):  # fmt: skip
+            if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
+                raise SpecError(f"[serve] {what}={v!r}; expected a positive int")
+        if not isinstance(idle_timeout, int | float) or not idle_timeout > 0:
+            raise SpecError(f"[serve] idle_timeout={idle_timeout!r}; expected seconds > 0")
         session = getattr(model, "session", None)
         if not isinstance(session, Session):
             raise SpecError(
@@ -381,6 +387,16 @@ class Lane:
             self.ready.append(s)
         return r
 
+    def check_x(self, x) -> None:
+        """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype, T >= 1."""
+        ok = (isinstance(x, np.ndarray) and x.dtype == self.dtype and x.ndim == 2
+              and x.shape[0] >= 1 and x.shape[1] == self.C)  # fmt: skip
+        if not ok:
+            what = (f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray)
+                    else type(x).__name__)  # fmt: skip
+            raise InvalidRequest(f"[infer] x is {what}; model {self.name!r} takes [T >= 1, "
+                                 f"C={self.C}] {self.dtype}")  # fmt: skip
+
     def _check_state(self, h0, c0) -> None:
         if c0 is not None and not self.lstm:
             raise InvalidRequest(
@@ -532,8 +548,14 @@ class Scheduler:
                hold: bool = False) -> Request:  # fmt: skip
         """Queue a request; it counts ``request_bytes`` + ``extra`` (what its answer takes
         beyond y, e.g. as JSON) against --max-queued-bytes until the engine is done with it,
-        or with ``hold`` until ``release(request)`` as well (its answer has left)."""
-        lane = self.lanes[model]
+        or with ``hold`` until ``release(request)`` as well (its answer has left). ``x`` is
+        checked here, before it can share an engine call: the front ends check requests
+        first, but one embedding the scheduler that passed a wrong x failed the other streams
+        of its call, and ended their sequences."""
+        lane = self.lanes.get(model)
+        if lane is None:
+            raise NotFound(f"[infer] no model {model!r}; this scheduler runs {sorted(self.lanes)}")
+        lane.check_x(x)
         with self.cond:
             if not self._accepting:
                 raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
