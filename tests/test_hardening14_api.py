@@ -84,3 +84,55 @@ def test_a_predictor_made_outside_ray_leaves_the_process_threads_alone(tmp_path)
                        ({"memory_limit": 4.5}, "memory_limit"), ({"threads": 0}, "threads")):  # fmt: skip
         with pytest.raises(leanrnn.errors.LeanRNNError, match=words):
             Predictor(m, **bad)
+
+
+def _session():
+    return leanrnn.LSTM(3, 4, seed=0).session
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: leanrnn.LSTM(3, 4, seed=-1), "seed=-1"),
+        (lambda: leanrnn.LSTM(3, 4, seed=1.5), "seed=1.5"),
+        (lambda: leanrnn.LSTM(3, 4, nonlinearity="bogus"), "is an RNN's argument"),
+        (lambda: leanrnn.GRU(3, 4, nonlinearity="relu"), "is an RNN's argument"),
+        (lambda: _session().planned(1, 2, memory_limit="x"), "memory_limit='x'"),
+        (lambda: _session().resize(1, 2, latency=0.01), "choose an 'auto' batch"),
+        (lambda: Activation("Tanh"), "name 'Tanh'"),
+        (lambda: Activation.make("elu", "x"), "expected numbers"),
+        (lambda: RNNSpec("lstm", 3, 4, clip="a"), "clip='a'"),
+        (lambda: pack({"cell": "rnn"}, []), "spec is a dict"),
+        (lambda: pack(RNNSpec("rnn", 3, 4), [[(1, 2, 3, 4)]]), "lists .per direction. of"),
+        (lambda: leanrnn.tuning.tune(_session(), max_chunk=2.0), "max_chunk=2.0"),
+        (lambda: leanrnn.tuning.tune(_session(), measure=lambda b, c: None), "returned None"),
+        (lambda: leanrnn.tuning.choose(leanrnn.LSTM(3, 4)), "expected a leanrnn Session"),
+        (lambda: leanrnn.LSTM(3, 4)(np.ones((2, 1, 3), np.float32), return_sequences="no"),
+         "return_sequences='no'"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_get_leanrnn_errors_naming_them(call, words):
+    # before: numpy's or Python's own errors from deep inside (or nothing: the argument was
+    # ignored, or taken as true)
+    with pytest.raises(leanrnn.errors.LeanRNNError, match=words):
+        call()
+
+
+def test_defaults_and_late_settings_mean_what_they_say(tmp_path):
+    from leanrnn.train import Trainer
+
+    assert leanrnn.LSTM(3, 4, dtype=None, seed=0).dtype == np.float32  # was float64
+    assert leanrnn.tuning.bucket(np.int64(20)) == 20
+    tr = Trainer(leanrnn.LSTM(3, 4, seed=0, dtype=np.float64))
+    with pytest.raises(SpecError, match="own_memory='yes'"):
+        tr.forward(np.ones((2, 1, 3)), own_memory="yes")
+    tape = tr.forward(np.ones((2, 1, 3)))
+    with pytest.raises(SpecError, match="input_grad='no'"):
+        tr.backward(tape, np.ones_like(tape.y), input_grad="no")
+    for bad in ((0, 5), (2.0, 5)):
+        with pytest.raises(leanrnn.errors.ShapeError, match="expected positive ints"):
+            tr.plan(*bad)
+    np.savez(tmp_path / "d.npz", x=np.zeros((2, 3, 3), np.float32), lengths=np.array([3, 2]))
+    with pytest.raises(leanrnn.errors.LeanRNNError, match="ray_actors=3 sizes a Ray job"):
+        leanrnn.score(leanrnn.LSTM(3, 4), str(tmp_path / "d.npz"), str(tmp_path / "o.npz"),
+                      ray_actors=3)  # fmt: skip

@@ -100,3 +100,23 @@ def test_feeding_an_initializer_listed_as_an_input_says_why(tmp_path):
     with pytest.raises(ShapeError, match="initializers are folded at load"):
         lm.run({"x": x, "bias": x})
     assert isinstance(lm, leanrnn.GraphModel)
+
+
+def test_graph_threads_set_after_a_run_take_effect_and_are_checked(tmp_path):
+    # before: the planned session kept its threads while the property said otherwise, and -1
+    # was accepted until the next run
+    H = 4
+    rng = np.random.default_rng(0)
+    consts = {"W": rng.standard_normal((1, 3 * H, 3)).astype(np.float32),
+              "R": rng.standard_normal((1, 3 * H, H)).astype(np.float32)}  # fmt: skip
+    x = rng.standard_normal((5, 2, 3)).astype(np.float32)
+    m = model([node("GRU", ["x", "W", "R"], ["Y"], hidden_size=H)], {"x": x}, consts=consts)
+    g = load(m, tmp_path)
+    want = g.run({"x": x})[0]
+    g.threads = 1
+    np.testing.assert_array_equal(g.run({"x": x})[0], want)
+    assert [s.threads for s in g.session._sessions.values()] == [1]
+    with pytest.raises(leanrnn.errors.LeanRNNError, match="threads=-1"):
+        g.threads = -1
+    with pytest.raises(leanrnn.errors.LeanRNNError, match="threads=0"):
+        leanrnn.GraphModel(g.graph, threads=0)

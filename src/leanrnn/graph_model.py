@@ -34,7 +34,7 @@ class GraphModel:
     """
 
     def __init__(self, graph: Graph, threads: int | None = None) -> None:
-        self._loaded = LoadedGraph(graph, threads)
+        self._loaded = LoadedGraph(graph, _check.count_or_none("GraphModel", "threads", threads))
         self.graph = graph
         self._lock = threading.Lock()
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
@@ -49,12 +49,15 @@ class GraphModel:
 
     @property
     def threads(self) -> int | None:
-        """Kernel threads (None: all); set before the first run, which plans the session."""
+        """Kernel threads (None: all). Set after a run, the next run plans a session anew
+        with them (the planned one kept its threads while this said otherwise)."""
         return self._loaded.threads
 
     @threads.setter
     def threads(self, value: int | None) -> None:
-        self._loaded.threads = value
+        self._loaded.threads = _check.count_or_none("GraphModel", "threads", value)  # -1 ran late
+        with self._lock:
+            self._session = None
 
     # -- description
     @property

@@ -404,6 +404,16 @@ class _TorchLike(Model):
                 "dropout is identity there, pass 0"
             )
         acts = None
+        if self._cell != "rnn" and nonlinearity != "tanh":  # (it was ignored, even 'bogus')
+            raise SpecError(f"[{type(self).__name__}] nonlinearity={nonlinearity!r} is an RNN's "
+                            f"argument; a {self._cell.upper()}'s activations are fixed")  # fmt: skip
+        if dtype is None:  # the documented default (np.dtype(None) is float64)
+            dtype = np.float32
+        if seed is not None and (
+            not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0
+        ):  # (numpy's own error named no argument)
+            raise SpecError(f"[{type(self).__name__}] seed={seed!r}; expected an int >= 0 or "
+                            "None")  # fmt: skip
         if self._cell == "rnn":
             if nonlinearity not in ("tanh", "relu"):
                 raise SpecError(f"[RNN] nonlinearity={nonlinearity!r}; expected 'tanh' or 'relu'")

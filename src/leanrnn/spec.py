@@ -25,6 +25,7 @@ RNN   h' = f(W x + R h + bW + bR)                     [f = Tanh; PyTorch relu ->
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 from .errors import SpecError
@@ -70,6 +71,18 @@ class Activation:
     alpha: float = 0.0
     beta: float = 0.0
 
+    def __post_init__(self) -> None:
+        # built directly (not by make): Activation('Tanh') was a KeyError in the first run
+        if self.name not in ACTIVATIONS:
+            raise SpecError(
+                f"[Activation] name {self.name!r}; expected one of {', '.join(ACTIVATIONS)} "
+                "(lower case: Activation.make takes ONNX's spellings)"
+            )
+        for what in ("alpha", "beta"):
+            v = getattr(self, what)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise SpecError(f"[Activation] {what}={v!r}; expected a number")
+
     @staticmethod
     def make(name: str, alpha: float | None = None, beta: float | None = None) -> Activation:
         key = name.lower() if isinstance(name, str) else None
@@ -79,11 +92,13 @@ class Activation:
                 f"{', '.join(a.capitalize() for a in ACTIVATIONS)}"
             )
         da, db = ACTIVATIONS[key]
-        return Activation(
-            key,
-            float(da if alpha is None else alpha) if key in USES_ALPHA else 0.0,
-            float(db if beta is None else beta) if key in USES_BETA else 0.0,
-        )
+        try:
+            a = float(da if alpha is None else alpha) if key in USES_ALPHA else 0.0
+            b = float(db if beta is None else beta) if key in USES_BETA else 0.0
+        except (TypeError, ValueError):
+            raise SpecError(f"[Activation] {name} alpha={alpha!r}, beta={beta!r}; expected "
+                            "numbers") from None  # fmt: skip
+        return Activation(key, a, b)
 
     @property
     def code(self) -> int:
@@ -141,7 +156,11 @@ class RNNSpec:
                 f"[RNNSpec] proj_size={p} must be smaller than hidden_size={self.hidden_size} "
                 "(PyTorch's rule)"
             )
-        if self.clip is not None and not self.clip > 0:
+        if self.clip is not None and (
+            not isinstance(self.clip, numbers.Real)
+            or isinstance(self.clip, bool)
+            or not self.clip > 0
+        ):
             raise SpecError(f"[RNNSpec] clip={self.clip!r}; expected a positive float or None")
         if (self.input_forget or self.peepholes) and cell != "lstm":
             raise SpecError("[RNNSpec] input_forget and peepholes are LSTM options")

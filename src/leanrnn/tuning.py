@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PlanError
+import numpy as np
+
+from .engine import _check
+from .errors import PlanError, SpecError
 from .memory.arena import machine_memory
 
 # The memory limit when none is given: this much of the available memory, at most _MAX_DEFAULT.
@@ -107,6 +110,7 @@ def choose(session, *, memory_limit: int | None = None, per_step: bool = False,
     """
     from . import config
 
+    _session("choose", session)
     hw = hw or hardware()
     spec, w = session.spec, session.weights
     it = session.dtype.itemsize
@@ -180,6 +184,7 @@ MAX_TUNE_CHUNK = 16
 def bucket(n: int) -> int:
     """n rounded up to 1..8, then 4 values per octave (10, 12, 14, 16, 20, 24, ...): the row
     counts the server's calls are padded to (<= 25% padding), so they come in few shapes."""
+    n = int(n)  # (a numpy integer has no bit_length)
     if n <= 8:
         return n
     step = 1 << (n.bit_length() - 3)
@@ -313,6 +318,28 @@ class _Timer:
         return times[len(times) // 2]
 
 
+def _session(op: str, session) -> None:
+    """SpecError unless ``session`` is a Session (a model's is ``model.session``)."""
+    from .engine.session import Session
+
+    if not isinstance(session, Session):
+        raise SpecError(f"[{op}] got a {type(session).__name__}; expected a leanrnn Session "
+                        "(a model's: model.session)")  # fmt: skip
+
+
+def _seconds(measure, b: int, c: int) -> float:
+    """What ``measure(b, c)`` says one call takes, as a float of seconds >= 0."""
+    v = measure(b, c)
+    try:
+        secs = float(v)
+    except (TypeError, ValueError):
+        secs = float("nan")
+    if not secs >= 0:
+        raise PlanError(f"[tune] measure({b}, {c}) returned {v!r}; expected the seconds a call "
+                        "of that batch and chunk takes")  # fmt: skip
+    return secs
+
+
 def tune(session, *, latency: float | None = None, memory_limit: int | None = None,
          max_batch: int = MAX_TUNE_BATCH, max_chunk: int = MAX_TUNE_CHUNK,
          threads: int | None = None, measure=None, hw: Hardware | None = None,
@@ -345,9 +372,15 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     target = DEFAULT_LATENCY if latency is None else float(latency)
     if not target > 0:
         raise PlanError(f"[tune] latency={latency!r}; expected seconds > 0, e.g. 0.01")
-    if max_batch < 1 or max_chunk < 1:
-        raise PlanError(f"[tune] max_batch={max_batch}, max_chunk={max_chunk}; expected both >= 1")
-    threads = config.threads_for(threads)
+    if any(
+        not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1
+        for v in (max_batch, max_chunk)
+    ):  # (2.0 had no bit_length)
+        raise PlanError(f"[tune] max_batch={max_batch!r}, max_chunk={max_chunk!r}; expected "
+                        "both ints >= 1")  # fmt: skip
+    max_batch, max_chunk = int(max_batch), int(max_chunk)
+    _session("tune", session)
+    threads = config.threads_for(_check.count_or_none("tune", "threads", threads))
     chunkable = session.chunkable
     top = 1 << (max_chunk.bit_length() - 1)  # chunks are powers of two (the scheduler's T)
     chunks = [1 << i for i in range(top.bit_length())] if chunkable else [max_chunk]
@@ -375,7 +408,7 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
         if p is None:
             nbytes = nbytes_of(b, c)
             # Over the memory limit: never run it (that is what the limit protects).
-            secs = float(measure(b, c)) if nbytes <= limit else float("inf")
+            secs = _seconds(measure, b, c) if nbytes <= limit else float("inf")
             p = seen[(b, c)] = Point(b, c, secs, nbytes)
             points.append(p)
         return p

@@ -574,6 +574,9 @@ class Session:
                 if memory_limit is not None:
                     limit = _Limit(int(memory_limit), self.tuned.chunk, int(steps))
                 return self._resize(self.tuned.batch, steps, limit, return_sequences)
+        if latency is not None or measure is not None:  # (they were ignored)
+            raise ShapeError(f"[Session.resize] latency= and measure= choose an 'auto' batch; "
+                             f"batch={batch!r} is given")  # fmt: skip
         with self._turn():
             limit = None if memory_limit is None else _Limit(int(memory_limit), None, steps)
             return self._resize(batch, steps, limit, return_sequences)
@@ -646,6 +649,7 @@ class Session:
         making it (nothing allocated, the session's plan and limit as they were; PlanError as
         resize's when the limit cannot be met)."""
         batch, steps = _batch_steps(batch, steps)
+        memory_limit = _check.bytes_or_none("Session.planned", "memory_limit", memory_limit)
         with self._turn():
             chunk = self._chunk
             try:
@@ -890,6 +894,10 @@ class Session:
         (validated when it made them; a streaming step should not pay to check them again).
         ``op``: the operation errors name (Stream.feed's chunks)."""
         spec, dt = self.spec, self.dtype
+        # ("no" ran as True, None as False)
+        if not _trusted and not isinstance(return_sequences, bool | np.bool_):
+            raise DTypeError(f"[{op}] return_sequences={return_sequences!r}; expected True or "
+                             "False")  # fmt: skip
         x, T, N = self._input(op, x)
         L, D, K, H = self._LDKH
         LD = L * D

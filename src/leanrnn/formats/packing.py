@@ -365,6 +365,15 @@ def fold_biases(spec: RNNSpec, pl: PackedLayer) -> None:
 
 def pack(spec: RNNSpec, layers: list[list[LayerWeights]], dtype=np.float32) -> PackedWeights:
     """Pack canonical weights (validated against ``spec``) into the kernel layout."""
+    if not isinstance(spec, RNNSpec):
+        raise WeightsError(f"[pack] spec is a {type(spec).__name__}; expected an RNNSpec "
+                           "(RNNSpec.from_dict reads a dict)")  # fmt: skip
+    if not isinstance(layers, list | tuple) or not all(
+        isinstance(d, list | tuple) and all(isinstance(lw, LayerWeights) for lw in d)
+        for d in layers
+    ):
+        raise WeightsError("[pack] layers must be a list (per layer) of lists (per direction) "
+                           "of LayerWeights")  # fmt: skip
     if len(layers) != spec.num_layers or any(len(d) != spec.num_directions for d in layers):
         raise WeightsError(
             f"[pack] got {[len(d) for d in layers]} (layers x directions); expected "

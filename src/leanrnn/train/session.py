@@ -514,6 +514,7 @@ class Trainer:
         until then (a loader that refills one buffer: copy, or run backward first).
         leanrnn.torch's autograd guards them with torch's version counter.
         """
+        own_memory = _bool("Trainer.forward", "own_memory", own_memory)  # "yes" was true
         self._check_weights()
         spec, dt, op = self.spec, self.dtype, "Trainer.forward"
         L, D = spec.num_layers, spec.num_directions
@@ -672,6 +673,12 @@ class Trainer:
         ``masks``: the step is given its dropout masks (``forward(masks=)``, as leanrnn.torch
         does); by default the trainer draws them (in training mode with dropout) into the
         arena."""
+        if any(
+            not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1
+            for v in (batch, steps)
+        ):  # (0 and 2.0 gave plans, of float byte counts)
+            raise ShapeError(f"[Trainer.plan] batch={batch!r}, steps={steps!r}; expected "
+                             "positive ints")  # fmt: skip
         stage = self.spec.batch_first if staged is None else bool(staged)
         draw = not masks and self._draws()
         S = self._segment(steps, batch, stage, draw)
@@ -1112,6 +1119,7 @@ class Trainer:
         Accumulates the weight gradients into ``grad`` and returns ``(dx, dh0, dc0)`` (dc0 None
         for GRU/RNN). ``input_grad=False``: dx is not computed (None; saves a GEMM, as torch
         does for an input that does not require grad). A tape takes one backward."""
+        input_grad = _bool("Trainer.backward", "input_grad", input_grad)  # "no" was true
         op = "Trainer.backward"
         if not isinstance(tape, Tape) or tape._trainer is not self:
             raise TapeError(f"[{op}] tape is not a Tape of this trainer")
