@@ -136,3 +136,28 @@ def test_defaults_and_late_settings_mean_what_they_say(tmp_path):
     with pytest.raises(leanrnn.errors.LeanRNNError, match="ray_actors=3 sizes a Ray job"):
         leanrnn.score(leanrnn.LSTM(3, 4), str(tmp_path / "d.npz"), str(tmp_path / "o.npz"),
                       ray_actors=3)  # fmt: skip
+
+
+def test_a_cell_class_reads_only_its_own_cell_and_shows_its_signature():
+    import inspect
+
+    sd = leanrnn.GRU(3, 4, seed=0).state_dict()
+    with pytest.raises(SpecError, match="a LSTM is an LSTM"):
+        leanrnn.LSTM.from_state_dict(sd, cell="gru")  # was an "LSTM" that ran a GRU
+    assert isinstance(leanrnn.from_state_dict(sd, cell="gru"), leanrnn.GRU)
+    for cls in (leanrnn.GRU, leanrnn.RNN):  # was (*args, **kwargs)
+        assert "hidden_size" in inspect.signature(cls).parameters
+        with pytest.raises(SpecError, match="proj_size is only defined for LSTM"):
+            cls(3, 4, proj_size=2)
+
+
+def test_out_and_state_shape_errors_speak_in_the_callers_terms():
+    m = leanrnn.LSTM(4, 5, seed=0)
+    x = np.ones((3, 2, 4), np.float32)
+    three = (np.empty((3, 2, 5), np.float32), np.empty((1, 2, 5), np.float32),
+             np.empty((1, 2, 5), np.float32))  # fmt: skip
+    with pytest.raises(leanrnn.errors.ShapeError,
+                       match=r"\(h_n, c_n\) \(return_sequences=False writes no y\); got 3 arrays"):  # fmt: skip
+        m(x, out=three, return_sequences=False)  # said "got tuple of length 4"
+    with pytest.raises(leanrnn.errors.ShapeError, match=r"h0 must be 2-D .* got shape \(1, 1, 5\)"):
+        m(np.ones((3, 4), np.float32), (np.zeros((1, 1, 5), np.float32),) * 2)  # said (1,1,1,5)

@@ -159,7 +159,7 @@ def get_num_threads() -> int:
 def set_num_threads(n: int) -> None:
     """Set the threads for leanrnn kernels and for BLAS libraries loaded in this process.
 
-    ``n`` is clamped to ``1..cores()``.
+    ``n`` >= 1; more than ``cores()`` runs ``cores()`` (0 or less is an error).
     """
     global _threads
     if not isinstance(n, int | np.integer) or isinstance(n, bool):

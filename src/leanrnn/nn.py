@@ -87,6 +87,13 @@ class Model:
             else:
                 h0 = hx
             if unbatched:
+                for name, a in (("h0", h0), ("c0", c0)):
+                    if isinstance(a, np.ndarray) and a.ndim != 2:  # (an axis was added to it,
+                        raise ShapeError(  # and the error showed a 4-D shape no one passed)
+                            f"[{type(self).__name__}] x is unbatched [T, C]: {name} must be 2-D "
+                            f"[L*D, {'H' if name == 'c0' else 'K'}] too, as torch requires; got "
+                            f"shape {a.shape}"
+                        )
                 h0 = h0[:, None] if isinstance(h0, np.ndarray) else h0
                 c0 = c0[:, None] if isinstance(c0, np.ndarray) else c0
         if unbatched and out is not None:
@@ -305,7 +312,12 @@ class Model:
         if prefix is not None or "weight_ih_l0" not in state_dict:
             state_dict = checkpoint.select_rnn(state_dict, prefix, None, "from_state_dict")
         sd = {k: _to_numpy(v) for k, v in state_dict.items()}
-        cell = cell or getattr(cls, "_cell", None)
+        mine = getattr(cls, "_cell", None)
+        if cell is not None and mine is not None and cell != mine:  # an "LSTM" that was a GRU
+            raise SpecError(f"[{cls.__name__}.from_state_dict] cell={cell!r}; a {cls.__name__} "
+                            f"is an {mine.upper()}: use leanrnn.from_state_dict(..., "
+                            f"cell={cell!r})")  # fmt: skip
+        cell = cell or mine
         spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)
         if dtype is None:
             dtype = sd["weight_ih_l0"].dtype
@@ -403,6 +415,8 @@ class _TorchLike(Model):
                 f"[{type(self).__name__}] dropout={dropout}: leanrnn runs inference only; "
                 "dropout is identity there, pass 0"
             )
+        if proj_size and self._cell != "lstm":
+            raise SpecError(f"[{type(self).__name__}] proj_size is only defined for LSTM")
         acts = None
         if self._cell != "rnn" and nonlinearity != "tanh":  # (it was ignored, even 'bogus')
             raise SpecError(f"[{type(self).__name__}] nonlinearity={nonlinearity!r} is an RNN's "
@@ -449,21 +463,11 @@ class GRU(_TorchLike):
 
     _cell = "gru"
 
-    def __init__(self, *args, **kwargs) -> None:
-        if kwargs.get("proj_size"):
-            raise SpecError("[GRU] proj_size is only defined for LSTM")
-        super().__init__(*args, **kwargs)
-
 
 class RNN(_TorchLike):
     """torch.nn.RNN on leanrnn (``nonlinearity='tanh'`` or ``'relu'``); returns ``(y, h_n)``."""
 
     _cell = "rnn"
-
-    def __init__(self, *args, **kwargs) -> None:
-        if kwargs.get("proj_size"):
-            raise SpecError("[RNN] proj_size is only defined for LSTM")
-        super().__init__(*args, **kwargs)
 
 
 def from_torch(module, dtype=None) -> Model:

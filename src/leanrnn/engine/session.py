@@ -1008,14 +1008,20 @@ class Session:
             h_n = np.empty((LD, N, K), dt)
             c_n = np.empty((LD, N, H), dt) if is_lstm else None
             return y, h_n, c_n
+        given = out
         if isinstance(out, np.ndarray):
             out = (out,)
         if not return_sequences and isinstance(out, tuple | list):
             out = (None, *out)
         if not isinstance(out, tuple | list) or len(out) != (3 if is_lstm else 2):
+            # in the caller's terms: the arrays this call takes, and what it was given
+            want = (["y"] if return_sequences else []) + ["h_n"] + (["c_n"] if is_lstm else [])
+            got = (f"{len(given)} arrays" if isinstance(given, tuple | list) else
+                   "one array" if isinstance(given, np.ndarray) else type(given).__name__)  # fmt: skip
             raise ShapeError(
-                f"[{op}] out must be a tuple (y, h_n{', c_n' if is_lstm else ''}); got "
-                f"{type(out).__name__} of length {len(out) if isinstance(out, tuple | list) else '?'}"
+                f"[{op}] out must be a tuple ({', '.join(want)})"
+                + ("" if return_sequences else " (return_sequences=False writes no y)")
+                + f"; got {got}"
             )
         y = None
         if return_sequences:

@@ -115,7 +115,8 @@ class Source:
         self.C, self.dtype = C, np.dtype(dtype)
         self.opts = options or Options()
         if self.opts.lengths_path and (len(self.files) != 1 or _kind(self.files[0]) != "npy"):
-            raise DataError("[score] lengths_path is for a single .npy input only")
+            raise DataError("[score] lengths= (--lengths) is for a single .npy input only; an "
+                            ".npz or Parquet input carries its own lengths")  # fmt: skip
         kinds = {_kind(f) for f in self.files}
         for name, flag, kind in (("x_key", "--x-key", "npz"), ("lengths_key", "--lengths-key",
                                  "npz"), ("column", "--column", "parquet"),
