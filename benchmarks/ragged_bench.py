@@ -48,9 +48,9 @@ def _one_thread(ort):
     return so
 
 
-def onnx_lstm(sd: dict, C: int, H: int) -> bytes:
+def onnx_lstm(sd: dict, C: int, H: int, lengths: bool = True) -> bytes:
     """One ONNX LSTM node with PyTorch state dict ``sd``'s weights, taking X [T, N, C] and
-    sequence_lens [N]."""
+    (``lengths``) sequence_lens [N]."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -63,11 +63,13 @@ def onnx_lstm(sd: dict, C: int, H: int) -> bytes:
         (w("weight_ih_l0")[None], "W"), (w("weight_hh_l0")[None], "R"),
         (np.concatenate([w("bias_ih_l0"), w("bias_hh_l0")])[None], "B"))]  # fmt: skip
     f32 = TensorProto.FLOAT
-    node = helper.make_node("LSTM", ["X", "W", "R", "B", "sequence_lens"], ["Y"], hidden_size=H)
+    ins = ["X", "W", "R", "B"] + (["sequence_lens"] if lengths else [])
+    node = helper.make_node("LSTM", ins, ["Y"], hidden_size=H)
+    feeds = [helper.make_tensor_value_info("X", f32, ["T", "N", C])]
+    if lengths:
+        feeds.append(helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, ["N"]))
     graph = helper.make_graph(
-        [node], "ragged",
-        [helper.make_tensor_value_info("X", f32, ["T", "N", C]),
-         helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, ["N"])],
+        [node], "ragged", feeds,
         [helper.make_tensor_value_info("Y", f32, ["T", 1, "N", H])], inits)  # fmt: skip
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     m.ir_version = 8
