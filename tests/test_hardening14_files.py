@@ -158,7 +158,8 @@ def _edit_graph(path, edit):
         (lambda meta, g: meta.update(version="2"), "format version 2 has no shared weights"),
         (lambda meta, g: g["packed"].update(step1={"shares": "nope"}), "no node with packed"),
         (lambda meta, g: g["packed"].update(step1={"shares": "step2"}), "no node with packed"),
-        (lambda meta, g: g["packed"].update(step1={"shares": "step0", "x": 1}), "shares 'step0'"),
+        (lambda meta, g: g["packed"].update(step1={"shares": "step0", "x": 1}),
+         "holds more than 'shares'"),
         (lambda meta, g: g["nodes"][2]["attrs"].update(hidden_size=9), "hidden_size"),
     ],
 )
@@ -179,3 +180,29 @@ def test_inspect_and_plan_show_shared_weights_once(tmp_path, capsys):
     assert out.count("(the weights of step0)") == 2 and "parameters:   384" in out  # 2*3*8*8
     assert cli.main(["plan", str(tmp_path / "d.onnx"), "--batch", "1", "--steps", "2"]) == 0
     assert "step2 (the weights of step0): GRU" in capsys.readouterr().out
+
+
+def test_a_replaced_file_keeps_its_owner_but_not_special_bits(tmp_path):
+    # (review of the fix above) setuid/setgid were copied onto the writer's new file; root's
+    # save over a user's 0600 model left it root's, and the user locked out
+    path = tmp_path / "m.lrnn"
+    m = leanrnn.GRU(3, 5, seed=0)
+    m.save(path)
+    os.chmod(path, 0o4750)
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+    m.save(path)
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o750
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+
+
+def test_an_unmarked_bf16_act_pickle_is_told_to_quantize_to_bf16_act():
+    from leanrnn.formats.packing import PackedWeights, _packed_from_bytes
+
+    pw = leanrnn.quantize(leanrnn.LSTM(4, 8, seed=0), "bf16-act").weights
+    with pytest.raises(leanrnn.errors.WeightsError, match="leanrnn.quantize.model, 'bf16-act'"):
+        _packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer)
+    assert isinstance(_packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer, "pairs"),
+                      PackedWeights)  # fmt: skip

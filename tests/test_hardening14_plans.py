@@ -104,3 +104,28 @@ def test_single_steps_after_a_chunk_still_run_bound():
     np.testing.assert_array_equal(st.state[0], ref.state[0])
     if runner.binds():
         assert st._step is not None and m.session._T == 5
+
+
+def test_kept_graph_plans_hold_a_bounded_total_of_shape_computed_tensors(tmp_path):
+    # (review) each kept plan holds its own shape-computed values: 64 plans of just under the
+    # per-plan cap held 62 MiB that no figure reported
+    from onnx import TensorProto, helper
+
+    from leanrnn.engine.graph import session as gs
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("ConstantOfShape", ["s"], ["z"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
+             helper.make_node("Mul", ["x", "z"], ["y"])]  # fmt: skip
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "g.onnx")
+    lm = leanrnn.load(tmp_path / "g.onnx")
+    for T in range(900, 1000, 7):  # ~230-250 KiB of ConstantOfShape each
+        x = np.full((T, 64), 2.0, np.float32)
+        np.testing.assert_array_equal(lm(x), x)
+    s = lm.session
+    kept = sum(p[s._KEPT.index("resize_constant_bytes")] for p in s._plans.values())
+    assert 0 < kept <= gs.GraphSession.KEPT_CONSTANT_BYTES and len(s._plans) < 15

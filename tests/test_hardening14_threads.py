@@ -155,3 +155,22 @@ def test_a_streams_state_read_waits_for_a_feed_in_progress():
     ref.feed(x)
     np.testing.assert_array_equal(got[0][0], ref.state[0])  # the state after both feeds
     np.testing.assert_array_equal(got[0][1], ref.state[1])
+
+
+def test_a_streams_state_read_on_its_feeding_thread_is_the_state_before_the_feed():
+    # (review) a signal handler that interrupted a feed and read the state to checkpoint it
+    # was refused as "run again while its run is in progress"; a change of the state there is
+    # refused, saying why (the feed's end would overwrite it)
+    import leanrnn
+    from leanrnn.errors import LeanRNNError
+
+    st = leanrnn.GRU(3, 4, seed=0).session.stream(batch=1)
+    st.feed(np.ones((2, 1, 3), np.float32))
+    before = st.state
+    with st._turn:  # as the feeding thread holds it
+        h, _ = st.state
+        np.testing.assert_array_equal(h, before[0])
+        with pytest.raises(LeanRNNError, match=r"\[Stream.reset\] called while this stream's feed"):
+            st.reset()
+        with pytest.raises(LeanRNNError, match=r"\[Stream.state\] called while"):
+            st.state = before

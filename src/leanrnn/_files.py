@@ -38,12 +38,25 @@ def replacing(path: str, suffix: str = ""):
     try:
         with refused_as_error(path):
             yield tmp
-            with contextlib.suppress(FileNotFoundError):
-                os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+            _keep_access(path, tmp)
             os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def _keep_access(path: str, tmp: str) -> None:
+    """``tmp`` (about to replace ``path``) given ``path``'s owner and group where this process
+    may (root, or a group of its own), then its read/write/execute bits (not setuid, setgid or
+    sticky: the new file is its writer's). A new file had the umask's mode: a private 0600
+    model came back world-readable, and root's save of a user's file left it root's."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    with contextlib.suppress(OSError):
+        os.chown(tmp, st.st_uid, st.st_gid)
+    os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o777)
 
 
 def through_link(path: str) -> str:

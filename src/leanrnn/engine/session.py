@@ -939,7 +939,7 @@ class Session:
                 if len(self._keys) > 64:  # many distinct lengths: keep the memo small
                     self._keys.clear()
                 key = self._keys[memo] = self._key(N, T, return_sequences)
-            if stale or (key != self._key_now and not self._covers(key)):
+            if stale or (key != self._key_now and not self._covers(key, T)):
                 self._resize(N, T, self._limit, return_sequences)
             if self._T >= T:
                 self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
@@ -947,14 +947,17 @@ class Session:
                 self._execute_chunked(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
         return y, h_n, c_n
 
-    def _covers(self, key: tuple) -> bool:
-        """Whether the plan in place serves a run of ``key`` as it is: the same batch and kind
-        of run, no more planned steps (a shorter run uses the first T*N rows of each view).
-        Lengths that change from call to call then plan once, for the longest so far: each
-        re-plan (the plan, the views, the kernels' arguments) cost ~100 us of Python, 2.6x
-        onnxruntime's whole call at H=64 with T drawn from 5..60."""
+    def _covers(self, key: tuple, steps: int) -> bool:
+        """Whether the plan in place serves a run of ``steps`` steps, ``key``, as it is: the
+        same batch and kind of run, whole (not in chunks: their length is the plan's, and a
+        chunk set smaller must take effect), no more steps than planned (a shorter run uses
+        the first T*N rows of each view). Lengths that change from call to call then plan
+        once, for the longest so far: each re-plan (the plan, the views, the kernels'
+        arguments) cost ~100 us of Python, 2.6x onnxruntime's whole call at H=64 with T drawn
+        from 5..60."""
         now = self._key_now
-        return bool(now) and now[0] == key[0] and now[2:] == key[2:] and key[1] <= now[1]
+        return (bool(now) and key[1] == steps and now[0] == key[0] and now[2:] == key[2:]
+                and steps <= now[1])  # fmt: skip
 
     def _execute_chunked(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int,
                          store=None) -> None:  # fmt: skip
@@ -1124,7 +1127,7 @@ class Session:
                 return step
             stale = self.pool is not None and self._gen != self.pool.generation
             L, D, K, H = self._LDKH
-            if stale or not self._covers((N, 1, False, False)) or D != 1:
+            if stale or not self._covers((N, 1, False, False), 1) or D != 1:
                 return None
             if config.log_enabled("memory") or not runner.binds():  # each step then runs
                 return None  # through _execute, which logs, or on the JIT

@@ -36,12 +36,12 @@ from ..spec import USES_ALPHA, USES_BETA, RNNSpec
 from .packing import (
     PRECISIONS,
     SUPPORTED_DTYPES,
-    UNMARKED_BF16,
     PackedLayer,
     PackedWeights,
     check_precision,
     panel_format,
     tensor_dtype,
+    unmarked_bf16,
 )
 from .quantize import bf16_value, check_loaded
 
@@ -645,7 +645,7 @@ def _version(c: _Container) -> int:
     return version
 
 
-# bf16 panels in input pairs: files say so (packing.UNMARKED_BF16 for those that do not)
+# bf16 panels in input pairs: files say so (packing.unmarked_bf16 for those that do not)
 BF16_LAYOUT = "pairs"
 
 
@@ -681,7 +681,7 @@ def _precision(meta: dict, dtype: np.dtype, op, path) -> str:
     except LeanRNNError as e:
         raise ModelFormatError(f"[{op}] {path!r}: {_bare(e)}; the file is corrupt") from None
     if panel_format(name) == "bf16" and meta.get("bf16_layout") != BF16_LAYOUT:
-        raise ModelFormatError(f"[{op}] {path!r} holds {UNMARKED_BF16}")
+        raise ModelFormatError(f"[{op}] {path!r} holds {unmarked_bf16(name)}")
     return name
 
 
@@ -758,6 +758,7 @@ def _share(graph: Graph, own: dict, node: Node, pm: dict, version: int, op: str,
     pw = own.get(other) if isinstance(other, str) else None
     if version < SHARES_VERSION or len(pm) != 1 or pw is None:
         why = (f"format version {version} has no shared weights" if version < SHARES_VERSION
+               else f"the entry holds more than 'shares': {sorted(pm)[:4]}" if len(pm) != 1
                else "no node with packed weights of its own has that name")  # fmt: skip
         raise ModelFormatError(f"[{op}] {path!r}: packed entry {node.name!r} shares "
                                f"{repr(other)[:80]}, but {why}; the file is corrupt")  # fmt: skip

@@ -254,22 +254,25 @@ class PackedWeights:
 # of two column orders (one from 2026-11-30 19:01, one from 19:34 on) that the bytes cannot tell
 # apart: refused, since reading them as the later one computed garbage for the earlier one's
 # (0.5-7.7 off), and re-quantizing the float32 model gives the same model again.
-UNMARKED_BF16 = (
-    "bf16 weights without a bf16_layout, as leanrnn wrote them before 2026-12-01 in one of two "
-    "column orders that cannot be told apart; quantize the float32 model again "
-    "(leanrnn.quantize(model, 'bf16'), or leanrnn convert --precision bf16): bf16 rounding is "
-    "exact, so it is the same model"
-)
+def unmarked_bf16(precision: str) -> str:
+    """Why a file or pickle of ``precision`` ("bf16" or "bf16-act") weights without a
+    bf16_layout is refused, and what to do."""
+    return (
+        f"{precision} weights without a bf16_layout, as leanrnn wrote them before 2026-12-01 in "
+        "one of two column orders that cannot be told apart; quantize the float32 model again "
+        f"(leanrnn.quantize(model, {precision!r}), or leanrnn convert --precision {precision}): "
+        "bf16 rounding is exact, so it is the same model"
+    )
 
 
 def _packed_from_bytes(spec: RNNSpec, dtype, precision: str, buffer,
                        bf16_layout: str | None = None) -> PackedWeights:  # fmt: skip
     """``PackedWeights.__reduce__``'s inverse: the weights laid out anew, ``buffer`` copied in.
     Pickles of bf16 weights from before their panels held input pairs (no ``bf16_layout``) are
-    refused (UNMARKED_BF16); int8-dynamic panels get their DOT_NARROW flags from their codes
+    refused (unmarked_bf16); int8-dynamic panels get their DOT_NARROW flags from their codes
     (formats.quantize.set_narrow_flags)."""
     if panel_format(precision) == "bf16" and bf16_layout != "pairs":
-        raise WeightsError(f"[PackedWeights] a pickle of {UNMARKED_BF16}")
+        raise WeightsError(f"[PackedWeights] a pickle of {unmarked_bf16(precision)}")
     pw = PackedWeights(spec, dtype, zero=False, precision=precision)
     src = np.frombuffer(memoryview(buffer).cast("B"), np.uint8)
     if src.size != pw.nbytes:

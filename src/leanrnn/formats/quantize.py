@@ -10,7 +10,7 @@ widen each weight vector to float32 right after its load, kernels._qsimd).
   That is AMX's layout for a bf16 B tile (kernels._bf16amx loads panel rows as they are), and
   the float32 tile widens both inputs' 16 columns from one 64-byte load with a shift and a
   mask. Relative error <= 2**-8. Files and pickles made before 2026-12-01 18:32 UTC hold
-  one of two earlier layouts and are refused (formats.packing.UNMARKED_BF16).
+  one of two earlier layouts and are refused (formats.packing.unmarked_bf16).
 - ``bf16-act``: bf16's panels, and the activations rounded to bfloat16 too before every
   product, as torch's autocast and oneDNN do: on AMX (panel GEMMs of 4 rows or more) one tile
   product where bf16 does two; on every other path and CPU the rows rounded for the float32

@@ -171,8 +171,8 @@ class GraphSession:
 
     _KEPT = ("_steps", "_metas", "_values", "_views", "_fresh", "_root", "_inplace", "_plan",
              "resize_constant_bytes", "working_bytes")  # fmt: skip
-    # 64 shapes (inputs of 5..60 steps kept 56); a plan whose shape-computed tensors are large
-    # is not kept (each kept plan holds its own)
+    # 64 shapes (inputs of 5..60 steps kept 56), whose shape-computed tensors (each kept plan
+    # holds its own) come to at most KEPT_CONSTANT_BYTES together: the least recently used go
     PLANS_KEPT, KEPT_CONSTANT_BYTES = 64, 1 << 20
 
     def _keep(self) -> None:
@@ -183,10 +183,14 @@ class GraphSession:
             self._plans.clear()
             return
         self._plans.pop(self._key, None)
-        if self.resize_constant_bytes > self.KEPT_CONSTANT_BYTES:
+        mine = self.resize_constant_bytes
+        if mine > self.KEPT_CONSTANT_BYTES:
             return
-        if len(self._plans) >= self.PLANS_KEPT:
-            self._plans.pop(next(iter(self._plans)))  # the least recently used
+        i = self._KEPT.index("resize_constant_bytes")
+        held = sum(kept[i] for kept in self._plans.values())
+        while self._plans and (len(self._plans) >= self.PLANS_KEPT
+                               or held + mine > self.KEPT_CONSTANT_BYTES):  # fmt: skip
+            held -= self._plans.pop(next(iter(self._plans)))[i]  # the least recently used
         self._plans[self._key] = tuple(getattr(self, a) for a in self._KEPT)
 
     def _take_back(self, key: tuple) -> bool:
