@@ -158,8 +158,10 @@ def _edit_graph(path, edit):
         (lambda meta, g: meta.update(version="2"), "format version 2 has no shared weights"),
         (lambda meta, g: g["packed"].update(step1={"shares": "nope"}), "no node with packed"),
         (lambda meta, g: g["packed"].update(step1={"shares": "step2"}), "no node with packed"),
-        (lambda meta, g: g["packed"].update(step1={"shares": "step0", "x": 1}),
-         "holds more than 'shares'"),
+        (
+            lambda meta, g: g["packed"].update(step1={"shares": "step0", "x": 1}),
+            "holds more than 'shares'",
+        ),
         (lambda meta, g: g["nodes"][2]["attrs"].update(hidden_size=9), "hidden_size"),
     ],
 )
@@ -202,7 +204,9 @@ def test_an_unmarked_bf16_act_pickle_is_told_to_quantize_to_bf16_act():
     from leanrnn.formats.packing import PackedWeights, _packed_from_bytes
 
     pw = leanrnn.quantize(leanrnn.LSTM(4, 8, seed=0), "bf16-act").weights
-    with pytest.raises(leanrnn.errors.WeightsError, match="leanrnn.quantize.model, 'bf16-act'"):
+    with pytest.raises(
+        leanrnn.errors.WeightsError, match=r"leanrnn\.quantize\(model, 'bf16-act'\)"
+    ):
         _packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer)
     assert isinstance(_packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer, "pairs"),
                       PackedWeights)  # fmt: skip
