@@ -129,3 +129,24 @@ def test_kept_graph_plans_hold_a_bounded_total_of_shape_computed_tensors(tmp_pat
     s = lm.session
     kept = sum(p[s._KEPT.index("resize_constant_bytes")] for p in s._plans.values())
     assert 0 < kept <= gs.GraphSession.KEPT_CONSTANT_BYTES and len(s._plans) < 15
+
+
+def test_a_trainer_keeps_the_plans_of_the_lengths_it_has_seen(monkeypatch):
+    # its 16 plans, all cleared when full, re-planned 49 of 60 steps of lengths in 5..60
+    from leanrnn.train import Trainer
+    from leanrnn.train import session as ts
+
+    tr = Trainer(leanrnn.LSTM(4, 6, seed=0))
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((T, 2, 4)).astype(np.float32) for T in range(5, 45)]
+    grads = []
+    for x in xs:
+        tape = tr.forward(x)
+        grads.append(tr.backward(tape, np.ones_like(tape.y))[0])
+    planned = []
+    real = ts.plan
+    monkeypatch.setattr(ts, "plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    for x, g in zip(xs, grads, strict=True):
+        tape = tr.forward(x)
+        np.testing.assert_array_equal(tr.backward(tape, np.ones_like(tape.y))[0], g)
+    assert not planned
