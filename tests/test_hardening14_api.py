@@ -130,7 +130,7 @@ def test_defaults_and_late_settings_mean_what_they_say(tmp_path):
     with pytest.raises(SpecError, match="input_grad='no'"):
         tr.backward(tape, np.ones_like(tape.y), input_grad="no")
     for bad in ((0, 5), (2.0, 5)):
-        with pytest.raises(leanrnn.errors.ShapeError, match="expected positive ints"):
+        with pytest.raises(leanrnn.errors.ShapeError, match=r"batch=.*; expected a positive int"):
             tr.plan(*bad)
     np.savez(tmp_path / "d.npz", x=np.zeros((2, 3, 3), np.float32), lengths=np.array([3, 2]))
     with pytest.raises(leanrnn.errors.LeanRNNError, match="ray_actors=3 sizes a Ray job"):
@@ -142,7 +142,7 @@ def test_a_cell_class_reads_only_its_own_cell_and_shows_its_signature():
     import inspect
 
     sd = leanrnn.GRU(3, 4, seed=0).state_dict()
-    with pytest.raises(SpecError, match="a LSTM is an LSTM"):
+    with pytest.raises(SpecError, match="LSTM builds LSTM models; for a GRU use"):
         leanrnn.LSTM.from_state_dict(sd, cell="gru")  # was an "LSTM" that ran a GRU
     assert isinstance(leanrnn.from_state_dict(sd, cell="gru"), leanrnn.GRU)
     for cls in (leanrnn.GRU, leanrnn.RNN):  # was (*args, **kwargs)
@@ -161,3 +161,30 @@ def test_out_and_state_shape_errors_speak_in_the_callers_terms():
         m(x, out=three, return_sequences=False)  # said "got tuple of length 4"
     with pytest.raises(leanrnn.errors.ShapeError, match=r"h0 must be 2-D .* got shape \(1, 1, 5\)"):
         m(np.ones((3, 4), np.float32), (np.zeros((1, 1, 5), np.float32),) * 2)  # said (1,1,1,5)
+
+
+def test_a_pool_takes_a_plan_of_no_member_and_graph_threads_keep_the_limit(tmp_path):
+    # (review) Pool.acquire(nbytes, name) with its documented default member=None raised
+    # TypeError; GraphModel.threads = n dropped the session and the limit of its last resize
+    from leanrnn import Pool
+
+    assert Pool().acquire(1024, "x").nbytes >= 1024
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=4)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(rng.standard_normal((1, 12, 3)).astype(np.float32), "W"),
+         numpy_helper.from_array(rng.standard_normal((1, 12, 4)).astype(np.float32), "R")],
+    )  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    (tmp_path / "g.onnx").write_bytes(m.SerializeToString())
+    gm = leanrnn.load(tmp_path / "g.onnx")
+    gm.resize({"x": (5, 2, 3)}, memory_limit=1 << 20)
+    gm.threads = 1
+    gm(np.ones((5, 2, 3), np.float32))
+    assert gm.session._limit == 1 << 20

@@ -210,3 +210,17 @@ def test_an_unmarked_bf16_act_pickle_is_told_to_quantize_to_bf16_act():
         _packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer)
     assert isinstance(_packed_from_bytes(pw.spec, pw.dtype, "bf16-act", pw.buffer, "pairs"),
                       PackedWeights)  # fmt: skip
+
+
+def test_a_replacing_write_is_private_until_it_takes_the_files_place(tmp_path):
+    # (review) the mode was applied after the write: a private model's bytes sat in a temp
+    # file of the umask's mode (often world-readable) for the whole write
+    from leanrnn._files import replacing
+
+    path = tmp_path / "m.bin"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    with replacing(str(path)) as tmp, open(tmp, "wb") as f:
+        assert stat.S_IMODE(os.stat(tmp).st_mode) == 0o600
+        f.write(b"new")
+    assert path.read_bytes() == b"new" and stat.S_IMODE(os.stat(path).st_mode) == 0o640

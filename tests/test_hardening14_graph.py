@@ -97,8 +97,11 @@ def test_feeding_an_initializer_listed_as_an_input_says_why(tmp_path):
     lm = load(m, tmp_path)
     x = np.ones(2, np.float32)
     np.testing.assert_array_equal(lm.run({"x": x})[0], [11, 21])
-    with pytest.raises(ShapeError, match="initializers are folded at load"):
+    with pytest.raises(ShapeError, match=r"\[.bias.\] are initializers of the ONNX file"):
         lm.run({"x": x, "bias": x})
+    with pytest.raises(ShapeError) as typo:  # a misspelt input is not told it is a constant
+        lm.run({"X": x})
+    assert "initializer" not in str(typo.value)
     assert isinstance(lm, leanrnn.GraphModel)
 
 

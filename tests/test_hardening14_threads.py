@@ -157,20 +157,34 @@ def test_a_streams_state_read_waits_for_a_feed_in_progress():
     np.testing.assert_array_equal(got[0][1], ref.state[1])
 
 
-def test_a_streams_state_read_on_its_feeding_thread_is_the_state_before_the_feed():
+def test_a_streams_state_read_inside_its_own_feed_is_a_whole_feeds():
     # (review) a signal handler that interrupted a feed and read the state to checkpoint it
     # was refused as "run again while its run is in progress"; a change of the state there is
-    # refused, saying why (the feed's end would overwrite it)
+    # refused, saying why (the feed's end would overwrite it). The read here runs inside a
+    # real feed, from the session's run that the feed calls.
     import leanrnn
     from leanrnn.errors import LeanRNNError
 
-    st = leanrnn.GRU(3, 4, seed=0).session.stream(batch=1)
+    m = leanrnn.GRU(3, 4, seed=0)
+    st = m.session.stream(batch=1)
     st.feed(np.ones((2, 1, 3), np.float32))
     before = st.state
-    with st._turn:  # as the feeding thread holds it
-        h, _ = st.state
-        np.testing.assert_array_equal(h, before[0])
-        with pytest.raises(LeanRNNError, match=r"\[Stream.reset\] called while this stream's feed"):
-            st.reset()
-        with pytest.raises(LeanRNNError, match=r"\[Stream.state\] called while"):
-            st.state = before
+    seen, refused = [], []
+    real = m.session._run
+
+    def run_and_look(*a, **k):
+        seen.append(st.state)  # on the feeding thread, the feed in progress
+        for change in (st.reset, lambda: setattr(st, "state", before)):
+            try:
+                change()
+            except LeanRNNError as e:
+                refused.append(str(e))
+        return real(*a, **k)
+
+    m.session._run = run_and_look
+    st.feed(np.ones((3, 1, 3), np.float32))
+    del m.session._run
+    np.testing.assert_array_equal(seen[0][0], before[0])
+    assert not np.array_equal(st.state[0], before[0])
+    assert len(refused) == 2 and all("feed is in progress on this thread" in r for r in refused)
+    assert refused[0].startswith("[Stream.reset]") and refused[1].startswith("[Stream.state]")

@@ -37,26 +37,39 @@ def replacing(path: str, suffix: str = ""):
     tmp = temp_beside(path, suffix)
     try:
         with refused_as_error(path):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None  # a new file: the umask's mode, as open() gives
+            else:  # private while written (writers open it "wb": its mode stays)
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             yield tmp
-            _keep_access(path, tmp)
+            if st is not None:
+                _keep_access(st, tmp)
             os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
 
 
-def _keep_access(path: str, tmp: str) -> None:
-    """``tmp`` (about to replace ``path``) given ``path``'s owner and group where this process
-    may (root, or a group of its own), then its read/write/execute bits (not setuid, setgid or
-    sticky: the new file is its writer's). A new file had the umask's mode: a private 0600
-    model came back world-readable, and root's save of a user's file left it root's."""
+def _keep_access(st: os.stat_result, tmp: str) -> None:
+    """``tmp`` (about to replace the file ``st`` describes) given that file's owner and group
+    where this process may (root; a group of its own), then its read/write/execute bits (not
+    setuid, setgid or sticky: the new file is its writer's), the group's only if the group was
+    kept. A new file had the umask's mode: a private 0600 model came back world-readable, and
+    root's save of a user's file left it root's. A file system that refuses these (vfat,
+    some FUSE mounts) leaves tmp as it was written."""
+    group = True
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return
-    with contextlib.suppress(OSError):
         os.chown(tmp, st.st_uid, st.st_gid)
-    os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o777)
+    except OSError:
+        try:
+            os.chown(tmp, -1, st.st_gid)
+        except OSError:
+            group = st.st_gid == os.stat(tmp).st_gid
+    mode = stat.S_IMODE(st.st_mode) & 0o777
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, mode if group else mode & ~0o070)
 
 
 def through_link(path: str) -> str:

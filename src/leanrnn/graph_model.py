@@ -39,6 +39,7 @@ class GraphModel:
         self._lock = threading.Lock()
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
         self._session: GraphSession | None = None
+        self._limit: int | None = None  # a dropped session's memory_limit (threads' setter)
 
     def __reduce__(self):
         # deepcopy and pickle (a worker process, a copy per thread): the graph (its constants
@@ -56,7 +57,9 @@ class GraphModel:
     @threads.setter
     def threads(self, value: int | None) -> None:
         self._loaded.threads = _check.count_or_none("GraphModel", "threads", value)  # -1 ran late
-        with self._lock:
+        with self._lock:  # the next run's session: these threads, the last resize's limit
+            if self._session is not None:
+                self._limit = self._session._limit
             self._session = None
 
     # -- description
@@ -115,16 +118,15 @@ class GraphModel:
         fix (the arena's ``input_shapes`` then say what was planned instead)."""
         g = self.graph
         layers, params, wbytes = [], 0, 0
-        first: dict[int, str] = {}  # id(packed weights) -> the first node holding them
+        owners = g.weight_owners()
         for node in g.nodes:
             pw = g.packed.get(node.name)
-            if node.op in RNN_OPS and pw is not None and id(pw) in first:
-                # the same weights as an earlier node (an exporter's unrolled decoder): one
-                # copy in memory and in a file, counted once
+            if node.op in RNN_OPS and pw is not None and owners[node.name] != node.name:
+                # another node's weights (an exporter's unrolled decoder): one copy in
+                # memory and in a file, counted once
                 layers.append({"node": node.name, "op": node.op, "spec": spec_line(pw.spec),
-                               "shares": first[id(pw)]})  # fmt: skip
+                               "shares": owners[node.name]})  # fmt: skip
             elif node.op in RNN_OPS and pw is not None:
-                first[id(pw)] = node.name
                 layers.append(
                     {
                         "node": node.name,
@@ -192,7 +194,9 @@ class GraphModel:
         if self._session is None:
             with self._lock:  # two threads' first runs must not plan two sessions
                 if self._session is None:
-                    self._session = GraphSession(self._loaded)
+                    session = GraphSession(self._loaded)
+                    session._limit = self._limit
+                    self._session = session
         return self._session
 
     def run(self, feeds, times: dict[str, float] | None = None) -> list[np.ndarray]:

@@ -160,6 +160,13 @@ class Graph:
     opset: int = 17
     name: str = "graph"
 
+    def weight_owners(self) -> dict[str, str]:
+        """For each RNN node with packed weights, the first node (in ``packed``'s order) that
+        holds the same ones: itself, or the node whose weights it shares (an exporter's
+        unrolled decoder). Files, quantize, describe and plan keep and count them once."""
+        first: dict[int, str] = {}
+        return {name: first.setdefault(id(pw), name) for name, pw in self.packed.items()}
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,

@@ -314,9 +314,9 @@ class Model:
         sd = {k: _to_numpy(v) for k, v in state_dict.items()}
         mine = getattr(cls, "_cell", None)
         if cell is not None and mine is not None and cell != mine:  # an "LSTM" that was a GRU
-            raise SpecError(f"[{cls.__name__}.from_state_dict] cell={cell!r}; a {cls.__name__} "
-                            f"is an {mine.upper()}: use leanrnn.from_state_dict(..., "
-                            f"cell={cell!r})")  # fmt: skip
+            raise SpecError(f"[{cls.__name__}.from_state_dict] cell={cell!r}, but "
+                            f"{cls.__name__} builds {mine.upper()} models; for a {cell.upper()} "
+                            f"use leanrnn.from_state_dict(..., cell={cell!r})")  # fmt: skip
         cell = cell or mine
         spec = torch_format.infer_spec(sd, cell, nonlinearity, batch_first)
         if dtype is None:

@@ -102,13 +102,11 @@ class Predictor:
                  memory_limit: int | None = None, batch_size: int | None = None,
                  allow_nonfinite: bool = False) -> None:  # fmt: skip
         from . import config
-        from .engine._check import bytes_or_none, count_or_none
+        from .engine._check import bytes_or_none, count_or_none, flag
 
         threads = count_or_none("Predictor", "threads", threads)
         memory_limit = bytes_or_none("Predictor", "memory_limit", memory_limit)  # 4.5 was 4
-        if not isinstance(allow_nonfinite, bool):  # "no" meant True
-            raise SpecError(f"[Predictor] allow_nonfinite={allow_nonfinite!r}; expected True "
-                            "or False")  # fmt: skip
+        flag("Predictor", "allow_nonfinite", allow_nonfinite)
         if threads is not None and _in_actor():
             config.set_num_threads(threads)
         m = _model_from(model, threads)

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from .errors import DTypeError
-from .formats.packing import PRECISIONS, PackedWeights
+from .formats.packing import PRECISIONS
 from .formats.quantize import quantize_packed
 
 REDUCED = tuple(p for p in PRECISIONS if p != "float")
@@ -100,11 +100,12 @@ def _quantize(model, precision: str, op: str, reduce_range: bool = False):
             raise DTypeError(f"[{op}] RNN nodes {wide[:4]} compute in "
                              f"{g.packed[wide[0]].dtype}; {precision} weights run float32 "
                              "activations: export the model in float32 and load that")  # fmt: skip
-        once: dict[int, PackedWeights] = {}  # weights several nodes share: quantized once
-        for pw in g.packed.values():
-            if id(pw) not in once:
-                once[id(pw)] = quantize_packed(pw, precision, reduce_range=reduce_range)
-        packed = {k: once[id(pw)] for k, pw in g.packed.items()}
+        owners = g.weight_owners()  # weights several nodes share: quantized once
+        packed = {}
+        for k, pw in g.packed.items():
+            o = owners[k]
+            packed[k] = packed[o] if o != k else quantize_packed(pw, precision,
+                                                                 reduce_range=reduce_range)  # fmt: skip
         graph = dataclasses.replace(g, nodes=[dataclasses.replace(n) for n in g.nodes],
                                     constants=dict(g.constants), packed=packed)  # fmt: skip
         return GraphModel(graph, threads=model.threads)

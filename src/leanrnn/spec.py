@@ -216,11 +216,13 @@ class RNNSpec:
         want = tuple(Activation.make(a) for a in DEFAULT_ACTIVATIONS[self.cell])
         return all(d == want for d in self.activations or ())
 
-    def beyond_torch(self) -> list[str]:
+    def beyond_torch(self, reverse_ok: bool = False) -> list[str]:
         """What of this spec PyTorch's RNN modules cannot be (ONNX-only options): an empty list
-        for torch.nn.LSTM/GRU/RNN's own cells, whose state dicts and training leanrnn covers."""
+        for torch.nn.LSTM/GRU/RNN's own cells, whose state dicts and training leanrnn covers.
+        ``reverse_ok``: a reverse-only direction passes (training runs it, as a bidirectional
+        stack's second direction; torch's names cannot say it)."""
         bad = []
-        if self.direction == "reverse":
+        if self.direction == "reverse" and not reverse_ok:
             bad.append("direction='reverse'")
         if self.peepholes:
             bad.append("peepholes")

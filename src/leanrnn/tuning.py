@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from .engine import _check
 from .errors import PlanError, SpecError
 from .memory.arena import machine_memory
@@ -372,13 +370,8 @@ def tune(session, *, latency: float | None = None, memory_limit: int | None = No
     target = DEFAULT_LATENCY if latency is None else float(latency)
     if not target > 0:
         raise PlanError(f"[tune] latency={latency!r}; expected seconds > 0, e.g. 0.01")
-    if any(
-        not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1
-        for v in (max_batch, max_chunk)
-    ):  # (2.0 had no bit_length)
-        raise PlanError(f"[tune] max_batch={max_batch!r}, max_chunk={max_chunk!r}; expected "
-                        "both ints >= 1")  # fmt: skip
-    max_batch, max_chunk = int(max_batch), int(max_chunk)
+    max_batch = _check.count("tune", "max_batch", max_batch, PlanError)
+    max_chunk = _check.count("tune", "max_chunk", max_chunk, PlanError)  # (2.0: no bit_length)
     _session("tune", session)
     threads = config.threads_for(_check.count_or_none("tune", "threads", threads))
     chunkable = session.chunkable

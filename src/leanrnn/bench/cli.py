@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import LeanRNNError
@@ -312,6 +313,9 @@ def run(args) -> int:
         results = run_suite(opts, progress=not args.no_progress)
         out = opts.out
     files = report.write(results, out, plots=not args.no_plots)
+    why = None if args.no_plots else report.no_plots_reason()
+    if why:
+        print(f"bench: no plots: {why}", file=sys.stderr)
     if args.seed_table:
         print(report.seed_table(results))
     else:

@@ -86,9 +86,9 @@ class LeanRNN(Engine):
         return {"leanrnn": self._lr.get_num_threads(), "backend": self._lr.config.backend()}
 
     def ran_on(self) -> dict:
-        from ..kernels import runner
+        from ..engine import kernel_backend
 
-        return {"kernels": runner.backend().name}
+        return {"kernels": kernel_backend()}
 
     def _model(self, p: Problem):
         return self._lr.Model.from_state_dict(p.sd)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -635,6 +634,13 @@ def render(results: dict, plots: list[Path] | None = None, no_plots: str | None 
 NO_PLOTS = "matplotlib is not installed (pip install 'leanrnn[plot]')"
 
 
+def no_plots_reason() -> str | None:
+    """Why ``write`` will draw no plots here (NO_PLOTS), or None."""
+    import importlib.util
+
+    return NO_PLOTS if importlib.util.find_spec("matplotlib") is None else None
+
+
 def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
     """report.md (+ PNGs when matplotlib is installed) next to results.json."""
     out = Path(out)
@@ -646,8 +652,7 @@ def write(results: dict, out: Path, plots: bool = True) -> dict[str, Path]:
         try:
             pngs = plot(results, out)
         except ImportError:
-            why = NO_PLOTS  # said in the report and here
-            print(f"bench: no plots: {why}", file=sys.stderr)
+            why = NO_PLOTS  # said in the report (and by the CLI: no_plots_reason)
         files |= {p.stem: p for p in pngs}
     md = out / "report.md"
     write_text(md, render(results, pngs, why))

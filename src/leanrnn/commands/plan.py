@@ -137,10 +137,9 @@ def _sessions(model):
     from leanrnn.graph_model import GraphModel
 
     if isinstance(model, GraphModel):
-        first: dict[int, str] = {}  # nodes that share weights (an unrolled decoder) say so
-        return [(name if first.setdefault(id(pw), name) == name
-                 else f"{name} (the weights of {first[id(pw)]})", Session(pw))
-                for name, pw in model.graph.packed.items()]  # fmt: skip
+        owners = model.graph.weight_owners()  # nodes sharing weights (a decoder) say so
+        return [(name if owners[name] == name else f"{name} (the weights of {owners[name]})",
+                 Session(pw)) for name, pw in model.graph.packed.items()]  # fmt: skip
     return [("model", model.session)]
 
 

@@ -3,4 +3,13 @@
 from .session import Pool, Session
 from .stream import Stream
 
-__all__ = ["Pool", "Session", "Stream"]
+__all__ = ["Pool", "Session", "Stream", "kernel_backend"]
+
+
+def kernel_backend() -> str:
+    """The kernels this process runs on, resolved (loaded on first call): "native" or "jit"
+    (LEANRNN_BACKEND=jit, or a native build that failed); leanrnn.config.backend() is what was
+    asked for."""
+    from ..kernels import runner
+
+    return runner.backend().name

@@ -177,6 +177,22 @@ def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def count(op: str, name: str, v, error: type = SpecError) -> int:
+    """``v`` as an int >= 1 (a float, a string, a bool, None or a value < 1 refused: 2.0 gave
+    plans of float byte counts, 0 a plan of nothing), else ``error``."""
+    if not isinstance(v, int | np.integer) or isinstance(v, bool | np.bool_) or v < 1:
+        raise error(f"[{op}] {name}={v!r}; expected a positive int")
+    return int(v)
+
+
+def flag(op: str, name: str, v, error: type = SpecError) -> bool:
+    """``v`` as a bool (True, False, numpy's): "no", None or 1 refused, else ``error`` ("no"
+    ran as True, None as False)."""
+    if not isinstance(v, bool | np.bool_):
+        raise error(f"[{op}] {name}={v!r}; expected True or False")
+    return bool(v)
+
+
 def count_or_none(op: str, name: str, v, what: str = "a positive int") -> int | None:
     """``v`` as an int >= 1, or None. Settings such as threads and segment (byte counts:
     ``bytes_or_none``): a float, a string, a bool or a value < 1 is refused, never truncated or

@@ -359,7 +359,9 @@ class Pool:
         must not become every member's."""
         others = [v for m, v in self._needs.items() if m is not member]
         size = max([nbytes, *others])
-        mine = nbytes if limit is not None else max(nbytes, self._peaks.get(member, 0))
+        mine = nbytes
+        if limit is None and member is not None:
+            mine = max(nbytes, self._peaks.get(member, 0))
         peak = max([mine, *(v for m, v in self._peaks.items() if m is not member)])
         a = self.arena
         if a is None or a.nbytes < nbytes:
@@ -894,10 +896,8 @@ class Session:
         (validated when it made them; a streaming step should not pay to check them again).
         ``op``: the operation errors name (Stream.feed's chunks)."""
         spec, dt = self.spec, self.dtype
-        # ("no" ran as True, None as False)
-        if not _trusted and not isinstance(return_sequences, bool | np.bool_):
-            raise DTypeError(f"[{op}] return_sequences={return_sequences!r}; expected True or "
-                             "False")  # fmt: skip
+        if not _trusted:
+            _check.flag(op, "return_sequences", return_sequences, DTypeError)
         x, T, N = self._input(op, x)
         L, D, K, H = self._LDKH
         LD = L * D

@@ -154,8 +154,9 @@ class Stream:
     @property
     def state(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(h [L, N, K], c [L, N, H] or None): a copy, safe to keep as a checkpoint. Read in
-        a signal handler that interrupted a feed on this thread, it is the state before that
-        feed (a feed changes it at once, in one C call)."""
+        a signal handler that interrupted a feed on this thread, it is the state of a whole
+        number of feeds, before that one or after it, never half of one (a feed changes it in
+        one C call)."""
         if self._turn._is_owned():
             return self._h.copy(), (self._c.copy() if self._c is not None else None)
         with self._turn:

@@ -545,12 +545,11 @@ def save_graph(graph: Graph, path: str) -> None:
     """Write an op graph (constants + packed RNN weights) as ``.lrnn``."""
     blocks = []
     packed = {}
-    first: dict[int, str] = {}  # id(packed weights) -> the node whose region holds them
+    owners = graph.weight_owners()
     for node_name, pw in graph.packed.items():
-        if id(pw) in first:  # another node's weights (an unrolled decoder): written once
-            packed[node_name] = {"shares": first[id(pw)]}
+        if owners[node_name] != node_name:  # another node's weights: written once, with it
+            packed[node_name] = {"shares": owners[node_name]}
             continue
-        first[id(pw)] = node_name
         blocks.append((f"rnn:{node_name}:", _packed_items(pw)))
         packed[node_name] = {"spec": pw.spec.to_dict(), "dtype": pw.dtype.name}
         if pw.precision != "float":
@@ -562,7 +561,8 @@ def save_graph(graph: Graph, path: str) -> None:
     g = graph.to_dict()
     g["packed"] = packed
     # the oldest version that reads the file: a leanrnn before sharing reads one without it
-    version = SHARES_VERSION if len(first) < len(packed) else WRITTEN_VERSION
+    shares = any(owner != name for name, owner in owners.items())
+    version = SHARES_VERSION if shares else WRITTEN_VERSION
     meta = {"format": FORMAT, "version": str(version), "kind": "graph", "graph": json.dumps(g)}
     _write(out_path(path), meta, blocks)
 

@@ -204,8 +204,8 @@ def score(model, dataset, output, *, outputs: str = "final", memory_limit: int |
                     ("ray_actors", ray_actors)):  # fmt: skip
         count_or_none("score", name, v)  # 2.5 or True were truncated, 0 meant "default"
     if ray_actors is not None and ray is None:  # (it was ignored)
-        raise DataError(f"[score] ray_actors={ray_actors} sizes a Ray job: give ray= (an "
-                        "address, or 'local') too")  # fmt: skip
+        raise DataError(f"[score] ray_actors={ray_actors} sizes a Ray job: pass ray='auto' "
+                        "or a cluster's address too (--ray auto|ADDRESS)")  # fmt: skip
     for name, v in (("bucket", bucket), ("allow_nonfinite", allow_nonfinite),
                     ("progress", progress)):  # fmt: skip
         if not isinstance(v, bool | np.bool_):  # bucket="no" meant True

@@ -58,6 +58,7 @@ import time
 
 import numpy as np
 
+from ..engine import _check
 from ..engine.session import Pool, Session, SlotStates
 from ..errors import PlanError, SpecError
 from ..memory.arena import machine_memory
@@ -192,9 +193,9 @@ class Lane:
                  max_batch: int, max_chunk: int, idle_timeout: float) -> None:  # fmt: skip
         for what, v in (("max_streams", max_streams), ("max_batch", max_batch),
                         ("max_chunk", max_chunk)):  # fmt: skip
-            if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
-                raise SpecError(f"[serve] {what}={v!r}; expected a positive int")
-        if not isinstance(idle_timeout, int | float) or not idle_timeout > 0:
+            _check.count("serve", what, v)
+        if (not isinstance(idle_timeout, int | float) or isinstance(idle_timeout, bool)
+                or not idle_timeout > 0):  # fmt: skip
             raise SpecError(f"[serve] idle_timeout={idle_timeout!r}; expected seconds > 0")
         session = getattr(model, "session", None)
         if not isinstance(session, Session):

@@ -64,6 +64,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from leanrnn.engine import _check
 from leanrnn.errors import DTypeError, LayoutError, LeanRNNError, ShapeError, SpecError
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -445,9 +446,7 @@ def _float(
 
 
 def _bool(where: str, name: str, x: Any) -> bool:
-    if not isinstance(x, (bool, np.bool_)):
-        raise SpecError(f"[{where}] {name}={x!r}; expected True or False")
-    return bool(x)
+    return _check.flag(where, name, x)
 
 
 class _Hyper:

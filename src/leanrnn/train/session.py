@@ -137,7 +137,7 @@ class TapeError(LeanRNNError, RuntimeError):
 def trainable(spec) -> None:
     """SpecError unless leanrnn can train ``spec``: PyTorch's cells (ONNX-only options refuse;
     a reverse-only direction trains, as a bidirectional stack's second direction does)."""
-    bad = [b for b in spec.beyond_torch() if not b.startswith("direction")]
+    bad = spec.beyond_torch(reverse_ok=True)
     if bad:
         raise SpecError(
             f"[Trainer] this {spec.cell.upper()} uses {', '.join(bad)}: training covers PyTorch's "
@@ -676,12 +676,8 @@ class Trainer:
         ``masks``: the step is given its dropout masks (``forward(masks=)``, as leanrnn.torch
         does); by default the trainer draws them (in training mode with dropout) into the
         arena."""
-        if any(
-            not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1
-            for v in (batch, steps)
-        ):  # (0 and 2.0 gave plans, of float byte counts)
-            raise ShapeError(f"[Trainer.plan] batch={batch!r}, steps={steps!r}; expected "
-                             "positive ints")  # fmt: skip
+        batch = _check.count("Trainer.plan", "batch", batch, ShapeError)
+        steps = _check.count("Trainer.plan", "steps", steps, ShapeError)
         stage = self.spec.batch_first if staged is None else bool(staged)
         draw = not masks and self._draws()
         S = self._segment(steps, batch, stage, draw)

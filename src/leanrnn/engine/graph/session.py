@@ -118,7 +118,7 @@ class GraphSession:
         g = self.loaded.graph
         names = self.loaded.input_names
         if isinstance(shapes, dict):
-            _check_input_names("GraphSession.resize", shapes, names)
+            _check_input_names("GraphSession.resize", shapes, names, self.loaded.graph.constants)
             shapes = [shapes[n] for n in names]
         if len(shapes) != len(names):
             raise ShapeError(
@@ -481,7 +481,7 @@ class GraphSession:
                     f"{len(names)}: {names}"
                 )
             feeds = dict(zip(names, feeds, strict=True))
-        _check_input_names("GraphModel.run", feeds, names)
+        _check_input_names("GraphModel.run", feeds, names, self.loaded.graph.constants)
         out = {}
         for t in g.inputs:
             a = feeds[t.name]
@@ -571,14 +571,17 @@ class GraphSession:
         return results
 
 
-def _check_input_names(op: str, given, names: list[str]) -> None:
-    """ShapeError naming every missing and unexpected input (sorted), and the model's inputs."""
+def _check_input_names(op: str, given, names: list[str], constants=()) -> None:
+    """ShapeError naming every missing and unexpected input (sorted), and the model's inputs;
+    an unexpected one that is a constant of the graph (an ONNX initializer listed among its
+    inputs) is said to be one."""
     unknown = sorted(set(given) - set(names))
     missing = sorted(set(names) - set(given))
     if unknown or missing:
+        fixed = [k for k in unknown if k in constants]
         raise ShapeError(
             f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
             f"the model's inputs are {names}"
-            + (" (an ONNX initializer listed among a graph's inputs is a constant here: "
-               "initializers are folded at load, so it cannot be fed)" if unknown else "")
+            + (f" ({fixed} are initializers of the ONNX file, listed among its inputs: "
+               "constants here, folded at load, so they cannot be fed)" if fixed else "")
         )  # fmt: skip
