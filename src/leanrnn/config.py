@@ -46,7 +46,8 @@ def _cores() -> int:
     except AttributeError:  # not Linux
         n = max(1, os.cpu_count() or 1)
     raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
-    if raw.isdigit() and int(raw) > 0:  # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower)
+    # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower); ASCII digits only ('²' isdigit)
+    if raw.isascii() and raw.isdigit() and int(raw) > 0:
         return min(n, int(raw))
     return n
 

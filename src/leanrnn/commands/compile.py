@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,10 +72,17 @@ def prune(days: float) -> int:
 
 def run(args) -> int:
     if args.cache_dir:
+        from leanrnn import config
         from leanrnn.cli import output_dir
+        from leanrnn.errors import LeanRNNError
 
-        output_dir(args.cache_dir, "compile --cache-dir")
-        os.environ["LEANRNN_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+        # ~ as LEANRNN_CACHE_DIR reads it (a literal ./~ built where runs never look)
+        cache = os.path.expanduser(args.cache_dir)
+        output_dir(cache, "compile --cache-dir")
+        if not config.writable(Path(cache)):  # (it fell back to /tmp, and built there)
+            raise LeanRNNError(f"[compile --cache-dir] {cache!r} cannot be written; pick a "
+                               "directory this user can write")  # fmt: skip
+        os.environ["LEANRNN_CACHE_DIR"] = os.path.abspath(cache)
     from leanrnn.errors import LeanRNNError
     from leanrnn.kernels import native, runner
 

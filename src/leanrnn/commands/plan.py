@@ -144,12 +144,14 @@ def _sessions(model):
 
 
 def run(args) -> int:
-    from leanrnn.cli import output_file
+    from leanrnn.cli import not_an_input, output_file
     from leanrnn.engine import Session
     from leanrnn.memory.arena import machine_memory
 
     if args.png:
         output_file(args.png, "plan --png", ".png")
+        if os.path.exists(args.model):  # (a spec such as lstm:512 names no file)
+            not_an_input(args.png, "plan --png", model=args.model)  # it became a PNG
         if not args.png.lower().endswith(".png"):  # matplotlib failed after the whole plan
             from leanrnn.errors import LeanRNNError
 

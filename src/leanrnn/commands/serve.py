@@ -61,6 +61,12 @@ def _token(s: str) -> str:
             "an empty token; expected the secret clients send as 'Authorization: Bearer TOKEN' "
             "(check the variable it came from), or leave --token out for no authorization"
         )
+    if not all(33 <= ord(c) < 127 for c in s):  # no client could send it: 401s for everyone
+        raise argparse.ArgumentTypeError(
+            "a token with whitespace, control or non-ASCII characters (a CR from a CRLF env "
+            "file?), which clients' Authorization headers cannot carry as they are; use "
+            "printable ASCII"
+        )
     return s
 
 

@@ -70,7 +70,9 @@ def peak_rss() -> int:
 
 
 class _Progress:
-    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s. Best effort: a stderr
+    that cannot take it (closed, full, a pipe whose reader left) turns it off (it failed the
+    job, and the job's output was deleted with it)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled, self.done = total, enabled, 0
@@ -84,13 +86,18 @@ class _Progress:
             frac = self.done / self.total if self.total else 1.0
             bar = "#" * int(30 * frac)
             rate = self.done / max(now - self.t0, 1e-9)
-            sys.stderr.write(f"\r[{bar:<30}] {self.done:,}/{self.total:,} sequences  {rate:,.0f}/s")
-            sys.stderr.flush()
+            self._say(f"\r[{bar:<30}] {self.done:,}/{self.total:,} sequences  {rate:,.0f}/s")
 
     def close(self) -> None:
         if self.enabled:
-            sys.stderr.write("\n")
+            self._say("\n")
+
+    def _say(self, text: str) -> None:
+        try:
+            sys.stderr.write(text)
             sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):  # full, closed, or None
+            self.enabled = False
 
 
 def _check_output(output, dataset, model, lengths, local: bool) -> None:

@@ -13,6 +13,7 @@ Parquet stores h_n/c_n as fixed_size_list<fixed_size_list<float>[K]>[L*D].
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -185,8 +186,11 @@ class NpzOut:
                 o.write(block.data)
 
     def abort(self) -> None:
+        # (on a full disk a spool file's close flushes and fails again: that error replaced the
+        # one naming the output, and the spool folder stayed behind)
         for f in self._files.values():
-            f.close()
+            with contextlib.suppress(OSError):
+                f.close()
         shutil.rmtree(self._dir, ignore_errors=True)
         _remove(self.tmp)
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.session import Pool
+from ..errors import LeanRNNError
 from .core import Core, hostport
 from .metrics import Metrics
 from .scheduler import Lane, Scheduler
@@ -60,6 +61,19 @@ class _JSONLines(logging.Formatter):
         if record.exc_info:
             d["traceback"] = self.formatException(record.exc_info)
         return json.dumps(d, default=str)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level() -> str:
+    """LEANRNN_SERVE_LOG's level (default INFO, also when set empty, as other LEANRNN_*
+    variables are read); anything else is an error naming the variable."""
+    raw = os.environ.get("LEANRNN_SERVE_LOG", "").strip().upper() or "INFO"
+    if raw not in LOG_LEVELS:
+        raise LeanRNNError(f"[serve] LEANRNN_SERVE_LOG={raw!r}; expected one of "
+                           f"{', '.join(LOG_LEVELS)}")  # fmt: skip
+    return raw
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -198,7 +212,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     from .http import make_app  # (starlette, likewise)
 
     check_addresses(config)
-    _setup_logging(os.environ.get("LEANRNN_SERVE_LOG", "INFO").upper())
+    _setup_logging(_log_level())
     t0 = time.monotonic()
     try:  # the port first: a taken one should fail before the models load
         sock = _listen(config.host, config.http_port)
