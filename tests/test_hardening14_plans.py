@@ -150,3 +150,37 @@ def test_a_trainer_keeps_the_plans_of_the_lengths_it_has_seen(monkeypatch):
         tape = tr.forward(x)
         np.testing.assert_array_equal(tr.backward(tape, np.ones_like(tape.y))[0], g)
     assert not planned
+
+
+def test_a_session_takes_back_the_plans_of_batches_it_has_seen(monkeypatch):
+    # (red team on leanrnn.torch) a batch that changes between calls planned every call: a
+    # beam search's shrinking batch ran 2.1x its fixed-batch loop, slower than torch.nn
+    m, rng = leanrnn.LSTM(5, 8, num_layers=2, seed=0), np.random.default_rng(3)
+    xs = [rng.standard_normal((6, N, 5)).astype(np.float32) for N in (16, 17, 16, 17, 4, 16)]
+    want = [leanrnn.LSTM(5, 8, num_layers=2, seed=0)(x) for x in xs]
+    plans = _count(monkeypatch, S.Session, "_resize")
+    for rounds in range(2):
+        for x, w in zip(xs, want, strict=True):
+            got = m(x)
+            np.testing.assert_array_equal(got[0], w[0])
+            np.testing.assert_array_equal(got[1][0], w[1][0])
+        if rounds == 0:
+            first = len(plans)  # N=16, then 17 (a larger arena: 16's plan goes), 16, 4
+    assert first == 4 and len(plans) == first  # the second round plans nothing
+    m.session.resize(16, 6, memory_limit=1 << 20)  # another limit: the kept plans go
+    assert len(m.session._plans) == 1
+
+
+def test_a_pools_members_take_back_plans_only_on_the_arena_in_place():
+    pool = leanrnn.Pool()
+    a, b = leanrnn.GRU(3, 4, seed=0), leanrnn.GRU(3, 4, seed=1)
+    a.session.pool = b.session.pool = pool
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((3, 2, 3)).astype(np.float32)
+    big = rng.standard_normal((40, 64, 3)).astype(np.float32)
+    want_a = leanrnn.GRU(3, 4, seed=0)(small)[0]
+    a(small)
+    a(np.ones((3, 5, 3), np.float32))
+    b(big)  # grows the pool's arena: a's kept plans viewed the old one
+    assert not a.session._plans
+    np.testing.assert_array_equal(a(small)[0], want_a)
