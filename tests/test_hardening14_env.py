@@ -95,10 +95,11 @@ def test_compile_cache_dir_expands_home_and_refuses_an_unwritable_one(tmp_path, 
 
 
 def test_a_bad_serve_log_level_names_the_variable(monkeypatch):
-    from leanrnn.serve import server
+    from leanrnn import config
 
     monkeypatch.setenv("LEANRNN_SERVE_LOG", "loud")
     with pytest.raises(LeanRNNError, match="LEANRNN_SERVE_LOG='LOUD'"):
-        server._log_level()
-    monkeypatch.setenv("LEANRNN_SERVE_LOG", "")
-    assert server._log_level() == "INFO"
+        config.serve_log_level()
+    for ok, level in (("", "INFO"), ("warn", "WARN"), ("debug", "DEBUG")):  # logging's names
+        monkeypatch.setenv("LEANRNN_SERVE_LOG", ok)
+        assert config.serve_log_level() == level

@@ -46,8 +46,9 @@ def _cores() -> int:
     except AttributeError:  # not Linux
         n = max(1, os.cpu_count() or 1)
     raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
-    # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower); ASCII digits only ('²' isdigit)
-    if raw.isascii() and raw.isdigit() and int(raw) > 0:
+    # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower); decimal digits, as numba's int()
+    # reads them ('²' isdigit, and int() refused it)
+    if raw.isdecimal() and int(raw) > 0:
         return min(n, int(raw))
     return n
 
@@ -184,6 +185,16 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise LeanRNNError(f"[set_backend] {name!r}; expected one of {BACKENDS}")
     _backend = name
+
+
+def serve_log_level() -> str:
+    """LEANRNN_SERVE_LOG, the level of ``leanrnn serve``'s JSON log (default INFO, also when
+    set empty); a name logging does not know is an error naming the variable."""
+    raw = os.environ.get("LEANRNN_SERVE_LOG", "").strip().upper() or "INFO"
+    if raw not in logging.getLevelNamesMapping():
+        raise LeanRNNError(f"[serve] LEANRNN_SERVE_LOG={raw!r}; expected a logging level such "
+                           "as DEBUG, INFO, WARNING or ERROR")  # fmt: skip
+    return raw
 
 
 def log_enabled(topic: str) -> bool:

@@ -459,6 +459,7 @@ class Session:
             self._lock = Turn("Session.run")
         self._key_now = ()
         self._gen = -1
+        self._plans = {}  # (a half-kept one among them, as the views)
 
     @property
     def threads(self) -> int | None:
@@ -480,7 +481,6 @@ class Session:
     def chunk(self, v) -> None:
         # A property, as threads: chunk=0, -5 or 2.5 set after construction reached the planner.
         self._chunk = _positive_or_none("Session", "chunk", v)
-        getattr(self, "_plans", {}).clear()
         limit = getattr(self, "_limit", None)
         if limit is not None:  # under a memory limit, the chunk asked for is its largest
             self._limit = _Limit(limit.nbytes, self._chunk, limit.steps)
@@ -634,11 +634,16 @@ class Session:
 
     def _keep(self) -> None:
         """Keep the plan just made, of views of the arena in place (_allocate clears them all
-        when the arena is replaced, _resize when the limit changes)."""
+        when the arena is replaced, _resize when the limit changes). Not under a memory_limit:
+        there each batch's resize sets the chunk (_largest_chunk), which a plan taken back
+        would not redo."""
         plans = self._plans
+        if self._limit is not None:
+            plans.clear()
+            return
         plans.pop(self._key_now, None)
         if len(plans) >= self.PLANS_KEPT:
-            plans.pop(next(iter(plans)))  # the least recently used
+            plans.pop(next(iter(plans)), None)  # the least recently used
         plans[self._key_now] = (self._arena, tuple(getattr(self, a) for a in self._KEPT))
 
     def _take_back(self, key: tuple) -> bool:
@@ -647,6 +652,9 @@ class Session:
         if kept is None or kept[0] is not self._arena:
             return False
         self._plans[key] = kept  # now the most recently used
+        # the key last (_KEPT ends with it), cleared first: interrupted part way (Ctrl-C), the
+        # old key over the new views skipped the next run's plan and ran on a mix of the two
+        self._key_now = ()
         for a, v in zip(self._KEPT, kept[1], strict=True):
             setattr(self, a, v)
         return True
@@ -737,7 +745,10 @@ class Session:
     def _allocate(self, nbytes: int, name: str) -> None:
         limit = None if self._limit is None else self._limit.nbytes
         if self.pool is not None:
-            self._arena = self.pool.acquire(nbytes, name, self, limit)
+            arena = self.pool.acquire(nbytes, name, self, limit)
+            if arena is not self._arena:  # (a session's own arena before it joined the pool:
+                self._plans.clear()  # kept plans' views held it alive)
+            self._arena = arena
             self._gen = self.pool.generation
             return
         if not reusable(self._arena, nbytes, limit):
@@ -1199,8 +1210,8 @@ class Session:
 
     def _step_valid(self, step: _Step) -> bool:
         """Whether ``step`` still matches the session: the same plan (a resize makes new
-        calls; a forked child clears the key), arena generation and threads, and no memory
-        log to write (_execute writes it)."""
+        calls, a plan taken back its own again; a forked child clears the key and the kept
+        plans), arena generation and threads, and no memory log to write (_execute writes it)."""
         return (
             step.calls is self._calls
             and step.key is self._key_now

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
+from ..config import serve_log_level
 from ..engine.session import Pool
 from ..errors import LeanRNNError
 from .core import Core, hostport
@@ -61,19 +61,6 @@ class _JSONLines(logging.Formatter):
         if record.exc_info:
             d["traceback"] = self.formatException(record.exc_info)
         return json.dumps(d, default=str)
-
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _log_level() -> str:
-    """LEANRNN_SERVE_LOG's level (default INFO, also when set empty, as other LEANRNN_*
-    variables are read); anything else is an error naming the variable."""
-    raw = os.environ.get("LEANRNN_SERVE_LOG", "").strip().upper() or "INFO"
-    if raw not in LOG_LEVELS:
-        raise LeanRNNError(f"[serve] LEANRNN_SERVE_LOG={raw!r}; expected one of "
-                           f"{', '.join(LOG_LEVELS)}")  # fmt: skip
-    return raw
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -137,8 +124,6 @@ def check_addresses(config: ServeConfig) -> None:
     """Before anything binds or loads: the host is an address of this machine (a bad one was
     blamed on the port) and HTTP and gRPC are not given one port (HTTP bound it, the models
     loaded, and only then did gRPC fail)."""
-    from ..errors import LeanRNNError
-
     if "stats" in config.models:  # GET /v2/models/stats is every model's statistics
         raise LeanRNNError(
             "[serve] a model named 'stats': its metadata URL /v2/models/stats is the statistics "
@@ -212,7 +197,7 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
     from .http import make_app  # (starlette, likewise)
 
     check_addresses(config)
-    _setup_logging(_log_level())
+    _setup_logging(serve_log_level())
     t0 = time.monotonic()
     try:  # the port first: a taken one should fail before the models load
         sock = _listen(config.host, config.http_port)
