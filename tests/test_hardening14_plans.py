@@ -203,7 +203,7 @@ def test_an_interrupted_take_back_never_runs_a_mix_of_two_plans():
         armed = [True]
 
         class Interrupted(S.Session):
-            def __setattr__(self, name, value, stop=stop):
+            def __setattr__(self, name, value, stop=stop, armed=armed):
                 if armed[0] and name == stop:
                     armed[0] = False
                     raise KeyboardInterrupt
