@@ -224,3 +224,19 @@ def test_no_plans_are_kept_under_a_memory_limit():
     for N in (4, 32, 4):
         m(np.ones((50, N, 5), np.float32))
     assert not m.session._plans
+
+
+def test_batches_and_lengths_that_change_together_take_back_a_covering_plan(monkeypatch):
+    # (README check) with both changing, the kept plans were looked up by exact shape: 165 of
+    # 200 warm calls planned again (N alternating 1/2, T in 5..60)
+    m, rng = leanrnn.GRU(5, 8, seed=0), np.random.default_rng(4)
+    shapes = [(1 + i % 2, int(T)) for i, T in enumerate(rng.integers(5, 40, 60))]
+    xs = [rng.standard_normal((T, N, 5)).astype(np.float32) for N, T in shapes]
+    for x in xs:
+        m(x)
+    fresh = leanrnn.GRU(5, 8, seed=0)
+    want = [fresh(x)[0] for x in xs]
+    plans = _count(monkeypatch, S.Session, "_resize")
+    for x, w in zip(xs, want, strict=True):
+        np.testing.assert_array_equal(m(x)[0], w)
+    assert not plans

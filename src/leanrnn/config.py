@@ -97,6 +97,16 @@ def _env_log() -> frozenset[str]:
     return topics
 
 
+def serve_log_level() -> str:
+    """LEANRNN_SERVE_LOG, the level of ``leanrnn serve``'s JSON log (default INFO, also when
+    set empty); a name logging does not know is an error naming the variable."""
+    raw = os.environ.get("LEANRNN_SERVE_LOG", "").strip().upper() or "INFO"
+    if raw not in logging.getLevelNamesMapping():
+        raise LeanRNNError(f"[serve] LEANRNN_SERVE_LOG={raw!r}; expected a logging level such "
+                           "as DEBUG, INFO, WARNING or ERROR")  # fmt: skip
+    return raw
+
+
 def _read_env() -> tuple[int, str, str]:
     """(threads, backend, error): a bad value must not break ``import leanrnn`` (the CLI could
     not then print a one-line error), so it is recorded and raised by check_env(), which
@@ -110,10 +120,11 @@ def _read_env() -> tuple[int, str, str]:
         backend = _env_backend()
     except LeanRNNError as e:
         backend, errors = "auto", [*errors, str(e)]
-    try:
-        _env_log()
-    except LeanRNNError as e:
-        errors = [*errors, str(e)]
+    for read in (_env_log, serve_log_level):
+        try:
+            read()
+        except LeanRNNError as e:
+            errors = [*errors, str(e)]
     return threads, backend, "; ".join(errors)
 
 
@@ -185,16 +196,6 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise LeanRNNError(f"[set_backend] {name!r}; expected one of {BACKENDS}")
     _backend = name
-
-
-def serve_log_level() -> str:
-    """LEANRNN_SERVE_LOG, the level of ``leanrnn serve``'s JSON log (default INFO, also when
-    set empty); a name logging does not know is an error naming the variable."""
-    raw = os.environ.get("LEANRNN_SERVE_LOG", "").strip().upper() or "INFO"
-    if raw not in logging.getLevelNamesMapping():
-        raise LeanRNNError(f"[serve] LEANRNN_SERVE_LOG={raw!r}; expected a logging level such "
-                           "as DEBUG, INFO, WARNING or ERROR")  # fmt: skip
-    return raw
 
 
 def log_enabled(topic: str) -> bool:

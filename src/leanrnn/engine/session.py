@@ -646,12 +646,20 @@ class Session:
             plans.pop(next(iter(plans)), None)  # the least recently used
         plans[self._key_now] = (self._arena, tuple(getattr(self, a) for a in self._KEPT))
 
-    def _take_back(self, key: tuple) -> bool:
-        """The kept plan of ``key``, made the session's again, if it views the arena in place."""
-        kept = self._plans.pop(key, None)
+    def _take_back(self, key: tuple, steps: int) -> bool:
+        """The kept plan of ``key``, or the shortest kept one that serves it as ``_covers``
+        would (the same batch and kind, a whole run, no fewer steps: lengths and batches that
+        both change planned most calls), made the session's again; only plans that view the
+        arena in place."""
+        found = key if key in self._plans else None
+        if found is None and key[1] == steps:  # (a run in chunks takes its own chunk's plan)
+            fits = [k for k in self._plans if k[0] == key[0] and k[2:] == key[2:]
+                    and k[1] >= steps]  # fmt: skip
+            found = min(fits, key=lambda k: k[1], default=None)
+        kept = None if found is None else self._plans.pop(found)
         if kept is None or kept[0] is not self._arena:
             return False
-        self._plans[key] = kept  # now the most recently used
+        self._plans[found] = kept  # now the most recently used
         # the key last (_KEPT ends with it), cleared first: interrupted part way (Ctrl-C), the
         # old key over the new views skipped the next run's plan and ran on a mix of the two
         self._key_now = ()
@@ -986,7 +994,7 @@ class Session:
                     self._keys.clear()
                 key = self._keys[memo] = self._key(N, T, return_sequences)
             if stale or (key != self._key_now and not self._covers(key, T)
-                         and not self._take_back(key)):  # fmt: skip
+                         and not self._take_back(key, T)):  # fmt: skip
                 self._resize(N, T, self._limit, return_sequences)
             if self._T >= T:
                 self._execute(x, h0, c0, lengths, y, h_n, c_n, T, N, store)
