@@ -240,3 +240,46 @@ def test_batches_and_lengths_that_change_together_take_back_a_covering_plan(monk
     for x, w in zip(xs, want, strict=True):
         np.testing.assert_array_equal(m(x)[0], w)
     assert not plans
+
+
+def test_an_interrupted_graph_take_back_never_runs_a_mix_of_two_plans(tmp_path):
+    # (reading the change again) GraphSession's take-back set its key last without clearing it
+    # first, as Session's did before its review: a Ctrl-C part way left the previous shape's
+    # key over the other shape's steps and views
+    from onnx import TensorProto, helper, numpy_helper
+
+    from leanrnn.engine.graph import session as gs
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=4),
+             helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
+             helper.make_node("Relu", ["s"], ["out"])]  # fmt: skip
+    inits = [numpy_helper.from_array(rng.standard_normal((1, 12, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal((1, 12, 4)).astype(np.float32), "R"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax")]  # fmt: skip
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 3])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, tmp_path / "g.onnx")
+    big, first, then = (rng.standard_normal(s).astype(np.float32)
+                        for s in ((9, 8, 3), (9, 3, 3), (6, 2, 3)))  # fmt: skip
+    sess = ort.InferenceSession(str(tmp_path / "g.onnx"))
+    want = sess.run(None, {"x": then})[0]
+    for stop in gs.GraphSession._KEPT:
+        lm = leanrnn.load(tmp_path / "g.onnx")
+        for x in (big, first, then):
+            lm(x)
+        armed = [True]
+
+        class Interrupted(gs.GraphSession):
+            def __setattr__(self, name, value, stop=stop, armed=armed):
+                if armed[0] and name == stop:
+                    armed[0] = False
+                    raise KeyboardInterrupt
+                object.__setattr__(self, name, value)
+
+        lm.session.__class__ = Interrupted
+        with pytest.raises(KeyboardInterrupt):
+            lm(first)  # first's plan being taken back
+        np.testing.assert_allclose(lm(then), want, rtol=1e-5, atol=1e-6, err_msg=stop)

@@ -201,6 +201,9 @@ class GraphSession:
         if kept is None:
             return False
         self._plans[key] = kept  # now the most recently used
+        # the key cleared first, set last: interrupted part way (Ctrl-C), the old key over
+        # the new views skipped the next run's plan and ran on a mix of the two (Session's too)
+        self._key = None
         for a, v in zip(self._KEPT, kept, strict=True):
             setattr(self, a, v)
         self._key = key
