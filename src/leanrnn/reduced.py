@@ -100,12 +100,10 @@ def _quantize(model, precision: str, op: str, reduce_range: bool = False):
             raise DTypeError(f"[{op}] RNN nodes {wide[:4]} compute in "
                              f"{g.packed[wide[0]].dtype}; {precision} weights run float32 "
                              "activations: export the model in float32 and load that")  # fmt: skip
-        owners = g.weight_owners()  # weights several nodes share: quantized once
         packed = {}
-        for k, pw in g.packed.items():
-            o = owners[k]
-            packed[k] = packed[o] if o != k else quantize_packed(pw, precision,
-                                                                 reduce_range=reduce_range)  # fmt: skip
+        for k, owner in g.weight_owners().items():  # weights several nodes share: once
+            packed[k] = packed[owner] if owner != k else quantize_packed(
+                g.packed[k], precision, reduce_range=reduce_range)  # fmt: skip
         graph = dataclasses.replace(g, nodes=[dataclasses.replace(n) for n in g.nodes],
                                     constants=dict(g.constants), packed=packed)  # fmt: skip
         return GraphModel(graph, threads=model.threads)

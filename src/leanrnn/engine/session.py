@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -399,6 +400,14 @@ class Pool:
         return self.arena.nbytes if self.arena is not None else 0
 
 
+def _serves(planned: tuple, key: tuple, steps: int) -> bool:
+    """Whether the plan of key ``planned`` serves a run of ``steps`` steps whose key is ``key``
+    (keys: Session._key's (N, planned steps, staged, discard)): the same batch and kind of run,
+    whole (a run in chunks runs the plan's chunk: it takes its own), no more steps."""
+    return (key[1] == steps and planned[0] == key[0] and planned[2:] == key[2:]
+            and steps <= planned[1])  # fmt: skip
+
+
 class Session:
     """Runs one model. Concurrent ``run`` calls on one session are serialized by a lock (use
     one session per thread for parallel throughput; they can share weights); a run re-entered
@@ -433,7 +442,7 @@ class Session:
         self._keys: dict[tuple, tuple] = {}  # (N, T, return_sequences, chunk) -> _key(...)
         # The plans of the last PLANS_KEPT run shapes on the arena in place (_keep): a run of a
         # shape seen before takes its plan back (_take_back) instead of planning again
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: OrderedDict[tuple, tuple] = OrderedDict()
         spec, dt = self.spec, self.dtype
         # Per-call constants of the spec, read once (a streaming step is ~10 µs of which every
         # property lookup is a visible part).
@@ -459,7 +468,7 @@ class Session:
             self._lock = Turn("Session.run")
         self._key_now = ()
         self._gen = -1
-        self._plans = {}  # (a half-kept one among them, as the views)
+        self._plans = OrderedDict()  # (a half-kept one among them, as the views)
 
     @property
     def threads(self) -> int | None:
@@ -596,7 +605,7 @@ class Session:
             self._chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
                                               limit.cap, limit.steps)  # fmt: skip
         if limit != self._limit:
-            self._plans.clear()  # made within another limit
+            self._plans.clear()  # made within another limit (a plan refused below keeps none)
         self._limit = limit
         key = self._key(batch, steps, return_sequences)
         _, T, staged, discard = key
@@ -641,25 +650,26 @@ class Session:
         if self._limit is not None:
             plans.clear()
             return
-        plans.pop(self._key_now, None)
-        if len(plans) >= self.PLANS_KEPT:
-            plans.pop(next(iter(plans)), None)  # the least recently used
         plans[self._key_now] = (self._arena, tuple(getattr(self, a) for a in self._KEPT))
+        plans.move_to_end(self._key_now)
+        if len(plans) > self.PLANS_KEPT:
+            plans.popitem(last=False)  # the least recently used
 
     def _take_back(self, key: tuple, steps: int) -> bool:
         """The kept plan of ``key``, or the shortest kept one that serves it as ``_covers``
         would (the same batch and kind, a whole run, no fewer steps: lengths and batches that
         both change planned most calls), made the session's again; only plans that view the
         arena in place."""
-        found = key if key in self._plans else None
-        if found is None and key[1] == steps:  # (a run in chunks takes its own chunk's plan)
-            fits = [k for k in self._plans if k[0] == key[0] and k[2:] == key[2:]
-                    and k[1] >= steps]  # fmt: skip
-            found = min(fits, key=lambda k: k[1], default=None)
-        kept = None if found is None else self._plans.pop(found)
-        if kept is None or kept[0] is not self._arena:
+        plans = self._plans
+        fits = [k for k in plans if k == key or _serves(k, key, steps)]
+        found = min(fits, key=lambda k: k[1], default=None)
+        if found is None:
             return False
-        self._plans[found] = kept  # now the most recently used
+        if plans[found][0] is not self._arena:
+            del plans[found]
+            return False
+        plans.move_to_end(found)  # now the most recently used
+        kept = plans[found]
         # the key last (_KEPT ends with it), cleared first: interrupted part way (Ctrl-C), the
         # old key over the new views skipped the next run's plan and ran on a mix of the two
         self._key_now = ()
@@ -1010,9 +1020,7 @@ class Session:
         once, for the longest so far: each re-plan (the plan, the views, the kernels'
         arguments) cost ~100 us of Python, 2.6x onnxruntime's whole call at H=64 with T drawn
         from 5..60."""
-        now = self._key_now
-        return (bool(now) and key[1] == steps and now[0] == key[0] and now[2:] == key[2:]
-                and steps <= now[1])  # fmt: skip
+        return bool(self._key_now) and _serves(self._key_now, key, steps)
 
     def _execute_chunked(self, x, h0, c0, lengths, y, h_n, c_n, T: int, N: int,
                          store=None) -> None:  # fmt: skip

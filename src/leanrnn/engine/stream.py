@@ -4,6 +4,8 @@ Single steps of x [N, C] run a program bound once (Session._step_program) after 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..errors import DTypeError, LeanRNNError, ShapeError, SpecError
@@ -157,9 +159,7 @@ class Stream:
         a signal handler that interrupted a feed on this thread, it is the state of a whole
         number of feeds, before that one or after it, never half of one (a feed changes it in
         one C call)."""
-        if self._turn._is_owned():
-            return self._h.copy(), (self._c.copy() if self._c is not None else None)
-        with self._turn:
+        with contextlib.nullcontext() if self._turn._is_owned() else self._turn:
             return self._h.copy(), (self._c.copy() if self._c is not None else None)
 
     @state.setter

@@ -97,10 +97,7 @@ class _Container:
 
     def __init__(self, path: str, op: str, f=None) -> None:
         self.path, self.op = path, op
-        if f is None:
-            with _opened(path, op) as f:
-                self.size, n, header = _read_header(f, path, op)
-        else:
+        with _opened(path, op) if f is None else contextlib.nullcontext(f) as f:
             self.size, n, header = _read_header(f, path, op)
         self.data_start = 8 + n
         self.data_size = self.size - self.data_start
@@ -571,11 +568,9 @@ def save_graph(graph: Graph, path: str) -> None:
 def is_native(path: str) -> bool:
     try:
         with open(path, "rb") as f:
-            head = f.read(9)
-        if not is_safetensors(head):
-            return False
-        # The header's metadata decides; load() checks the tensor entries against the file.
-        with open(path, "rb") as f:
+            if not is_safetensors(f.read(9)):
+                return False
+            # The header's metadata decides; load() checks the tensor entries against the file.
             meta = _read_header(f, path, "load")[2].get("__metadata__")
         return isinstance(meta, dict) and meta.get("format") == FORMAT
     except (OSError, LeanRNNError):

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -195,7 +196,8 @@ class Trainer:
         self.dtype = w.dtype
         trainable(self.spec)
         self.autocast = autocast
-        self._plans: dict = {}  # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes)
+        # (N, T, S, recompute, stage_x, autocast) -> (plan, shapes), least recently used first
+        self._plans: OrderedDict = OrderedDict()
         self._limited: dict = {}  # (N, T, memory_limit, autocast) -> segment (_limited_segment)
         # settings: properties, checked here and whenever set later (Trainer.threads = -1 ran)
         self.threads = threads
@@ -262,7 +264,7 @@ class Trainer:
         _fork.in_child(self, Trainer._after_fork)
         # planned afresh: a plan pickled by another version may size its buffers otherwise
         # (dhn was [N, Kp] before RT's panels grew to 4 groups: the kernel would write past it)
-        self._plans = {}
+        self._plans = OrderedDict()
         # A Parameter pickles its arrays by value, so the copy's came back detached from the
         # weights and gradients they viewed: backward would write gradients no optimizer
         # reads and the optimizer update arrays no forward reads (training silently stalls).
@@ -998,13 +1000,13 @@ class Trainer:
         scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
         per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
         key = (N, T, S, recompute, stage_x, autocast, draw, self._native_gemm())
-        made = self._plans.pop(key, None)
+        made = self._plans.get(key)
         if made is None:
-            if len(self._plans) >= _PLANS_KEPT:
-                self._plans.pop(next(iter(self._plans)))
             bufs, shapes = self._buffers(N, T, S, recompute, stage_x, autocast, draw)
-            made = (plan(bufs), shapes)
-        self._plans[key] = made  # (now the most recently used)
+            made = self._plans[key] = (plan(bufs), shapes)
+            if len(self._plans) > _PLANS_KEPT:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(key)  # (now the most recently used)
         p, shapes = made
         spec = self.spec
         if own:
@@ -1025,11 +1027,11 @@ class Trainer:
         # were ~0.1 ms of every forward, a tenth of a small model's training step)
         cache = self._views.get(arena)
         if cache is None:
-            cache = self._views[arena] = {}
+            cache = self._views[arena] = OrderedDict()
         views = cache.get(key)
         if views is None or views["_plan"] is not p:
             if len(cache) >= _PLANS_KEPT:
-                cache.pop(next(iter(cache)))
+                cache.popitem(last=False)
             views = {"_plan": p}
             for pl in p.placements:
                 shape, dtype = shapes[pl.buffer.name]

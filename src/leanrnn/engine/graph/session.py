@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -95,7 +96,7 @@ class GraphSession:
         # The plans of the last PLANS_KEPT input shapes on the arena in place (_keep): a run of
         # a shape seen before takes its plan back instead of planning again (0.3-0.4 ms of
         # Python each time, where inputs of varying length made every run a new shape).
-        self._plans: dict[tuple, tuple] = {}
+        self._plans: OrderedDict[tuple, tuple] = OrderedDict()
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self.resize_constant_bytes = 0
@@ -182,25 +183,26 @@ class GraphSession:
         if self._limit is not None:
             self._plans.clear()
             return
-        self._plans.pop(self._key, None)
+        plans = self._plans
+        plans.pop(self._key, None)
         mine = self.resize_constant_bytes
         if mine > self.KEPT_CONSTANT_BYTES:
             return
         i = self._KEPT.index("resize_constant_bytes")
-        held = sum(kept[i] for kept in self._plans.values())
-        while self._plans and (len(self._plans) >= self.PLANS_KEPT
-                               or held + mine > self.KEPT_CONSTANT_BYTES):  # fmt: skip
-            held -= self._plans.pop(next(iter(self._plans)))[i]  # the least recently used
-        self._plans[self._key] = tuple(getattr(self, a) for a in self._KEPT)
+        held = sum(kept[i] for kept in plans.values())
+        while plans and (len(plans) >= self.PLANS_KEPT
+                         or held + mine > self.KEPT_CONSTANT_BYTES):  # fmt: skip
+            held -= plans.popitem(last=False)[1][i]  # the least recently used
+        plans[self._key] = tuple(getattr(self, a) for a in self._KEPT)
 
     def _take_back(self, key: tuple) -> bool:
         """The kept plan of input shapes ``key``, made the session's, if there is one. The RNN
         nodes' sessions are not resized for it: their runs plan again where their own plan in
         place does not serve the shape (Session._covers), within the same limit."""
-        kept = self._plans.pop(key, None)
+        kept = self._plans.get(key)
         if kept is None:
             return False
-        self._plans[key] = kept  # now the most recently used
+        self._plans.move_to_end(key)  # now the most recently used
         # the key cleared first, set last: interrupted part way (Ctrl-C), the old key over
         # the new views skipped the next run's plan and ran on a mix of the two (Session's too)
         self._key = None
