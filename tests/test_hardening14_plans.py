@@ -27,6 +27,21 @@ def _count(monkeypatch, cls, name):
     return calls
 
 
+def _interrupt_at(obj, stop: str) -> None:
+    """A KeyboardInterrupt at ``obj``'s next assignment of attribute ``stop`` (as a Ctrl-C
+    landing there), once."""
+    armed = [True]
+
+    class Interrupted(type(obj)):
+        def __setattr__(self, name, value):
+            if armed[0] and name == stop:
+                armed[0] = False
+                raise KeyboardInterrupt
+            object.__setattr__(self, name, value)
+
+    obj.__class__ = Interrupted
+
+
 @pytest.mark.parametrize("make", [
     lambda: leanrnn.LSTM(5, 8, num_layers=2, seed=0),
     lambda: leanrnn.GRU(5, 8, bidirectional=True, seed=0),
@@ -200,16 +215,7 @@ def test_an_interrupted_take_back_never_runs_a_mix_of_two_plans():
         m(big)  # the arena for all three
         m(first)
         m(then)
-        armed = [True]
-
-        class Interrupted(S.Session):
-            def __setattr__(self, name, value, stop=stop, armed=armed):
-                if armed[0] and name == stop:
-                    armed[0] = False
-                    raise KeyboardInterrupt
-                object.__setattr__(self, name, value)
-
-        m.session.__class__ = Interrupted
+        _interrupt_at(m.session, stop)
         with pytest.raises(KeyboardInterrupt):
             m(first)  # first's plan being taken back
         got = m(then)
@@ -270,16 +276,7 @@ def test_an_interrupted_graph_take_back_never_runs_a_mix_of_two_plans(tmp_path):
         lm = leanrnn.load(tmp_path / "g.onnx")
         for x in (big, first, then):
             lm(x)
-        armed = [True]
-
-        class Interrupted(gs.GraphSession):
-            def __setattr__(self, name, value, stop=stop, armed=armed):
-                if armed[0] and name == stop:
-                    armed[0] = False
-                    raise KeyboardInterrupt
-                object.__setattr__(self, name, value)
-
-        lm.session.__class__ = Interrupted
+        _interrupt_at(lm.session, stop)
         with pytest.raises(KeyboardInterrupt):
             lm(first)  # first's plan being taken back
         np.testing.assert_allclose(lm(then), want, rtol=1e-5, atol=1e-6, err_msg=stop)
