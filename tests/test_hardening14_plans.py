@@ -27,6 +27,24 @@ def _count(monkeypatch, cls, name):
     return calls
 
 
+def _gru_relu_onnx(path, W, R, **attrs) -> None:
+    """An ONNX graph x [T, N, C] -> GRU (W [1, 3H, C], R [1, 3H, H], ``attrs``) -> Squeeze ->
+    Relu, saved at ``path``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    H, C = R.shape[2], W.shape[2]
+    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=H, **attrs),
+             helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
+             helper.make_node("Relu", ["s"], ["out"])]  # fmt: skip
+    inits = [numpy_helper.from_array(W, "W"), numpy_helper.from_array(R, "R"),
+             numpy_helper.from_array(np.array([1], np.int64), "ax")]  # fmt: skip
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", C])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    onnx.save(m, path)
+
+
 def _interrupt_at(obj, stop: str) -> None:
     """A KeyboardInterrupt at ``obj``'s next assignment of attribute ``stop`` (as a Ctrl-C
     landing there), once."""
@@ -80,22 +98,13 @@ ort = pytest.importorskip("onnxruntime")
 
 
 def test_a_graph_takes_back_the_plan_of_a_shape_it_has_seen(tmp_path, monkeypatch):
-    from onnx import TensorProto, helper, numpy_helper
 
     from leanrnn.engine.graph import session as gs
 
     H, rng = 6, np.random.default_rng(0)
-    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=H, linear_before_reset=1),
-             helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
-             helper.make_node("Relu", ["s"], ["out"])]  # fmt: skip
-    inits = [numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 3 * H, 4)).astype(np.float32), "W"),
-             numpy_helper.from_array(rng.uniform(-0.5, 0.5, (1, 3 * H, H)).astype(np.float32), "R"),
-             numpy_helper.from_array(np.array([1], np.int64), "ax")]  # fmt: skip
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 4])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)  # fmt: skip
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
-    m.ir_version = 8
-    onnx.save(m, tmp_path / "g.onnx")
+    W = rng.uniform(-0.5, 0.5, (1, 3 * H, 4)).astype(np.float32)
+    _gru_relu_onnx(tmp_path / "g.onnx", W, rng.uniform(-0.5, 0.5, (1, 3 * H, H)).astype(np.float32),
+                   linear_before_reset=1)  # fmt: skip
     lm, sess = leanrnn.load(tmp_path / "g.onnx"), ort.InferenceSession(str(tmp_path / "g.onnx"))
     plans = _count(monkeypatch, gs.GraphSession, "_resize_checked")
     for T in LENGTHS * 2:
@@ -252,22 +261,12 @@ def test_an_interrupted_graph_take_back_never_runs_a_mix_of_two_plans(tmp_path):
     # (reading the change again) GraphSession's take-back set its key last without clearing it
     # first, as Session's did before its review: a Ctrl-C part way left the previous shape's
     # key over the other shape's steps and views
-    from onnx import TensorProto, helper, numpy_helper
 
     from leanrnn.engine.graph import session as gs
 
     rng = np.random.default_rng(0)
-    nodes = [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=4),
-             helper.make_node("Squeeze", ["Y", "ax"], ["s"]),
-             helper.make_node("Relu", ["s"], ["out"])]  # fmt: skip
-    inits = [numpy_helper.from_array(rng.standard_normal((1, 12, 3)).astype(np.float32), "W"),
-             numpy_helper.from_array(rng.standard_normal((1, 12, 4)).astype(np.float32), "R"),
-             numpy_helper.from_array(np.array([1], np.int64), "ax")]  # fmt: skip
-    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 3])],
-                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)  # fmt: skip
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
-    m.ir_version = 8
-    onnx.save(m, tmp_path / "g.onnx")
+    W = rng.standard_normal((1, 12, 3)).astype(np.float32)
+    _gru_relu_onnx(tmp_path / "g.onnx", W, rng.standard_normal((1, 12, 4)).astype(np.float32))
     big, first, then = (rng.standard_normal(s).astype(np.float32)
                         for s in ((9, 8, 3), (9, 3, 3), (6, 2, 3)))  # fmt: skip
     sess = ort.InferenceSession(str(tmp_path / "g.onnx"))
