@@ -238,6 +238,19 @@ def test_numba_with_nowhere_to_cache_gets_a_cache_dir_instead_of_failing(tmp_pat
     np.testing.assert_allclose(float(y), np.tanh(0.5), atol=atol(np.float32), rtol=0)
 
 
+def test_a_writable_cache_leaves_no_temp_dir_behind(tmp_path):
+    """The private temp dir is the fallback only: it used to be made (and left, empty) by every
+    process, its cache writable or not."""
+    (tmp_path / "tmp").mkdir()
+    env = _env(LEANRNN_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    res = _python("import os; from leanrnn.kernels import _jit; "
+                  "print(_jit.CACHE, os.environ['NUMBA_CACHE_DIR'])", env)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    cached, where = res.stdout.split()
+    assert cached == "True" and Path(where).parent == tmp_path / "cache" / "numba"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_the_build_processes_compile_every_entry_once_and_about_as_long():
     """kernels.aot._groups: each (dtype, job) entry in exactly one process, and the
     reduced-precision jobs shared out so that the processes' estimated times differ by less

@@ -171,22 +171,26 @@ def test_a_padded_tail_takes_the_whole_product_in_one_launch(M, threads, monkeyp
 def test_a_head_of_few_rows_plans_a_padded_tail(monkeypatch):
     """The graph's packed MatMul plans the padded tail for few rows (a product threads share)
     and the one-panel one for many or for tiny products (engine.graph.ops._matmul_scratch),
-    and runs right with each: one launch on the padded tail, two on the other."""
-    from leanrnn.engine.products import PANEL, padded_tail_width
+    and runs right with each: one launch on the padded tail, two on the other — or, for
+    more rows than a block of the one-panel tail holds (tail_rows), one for the whole panels
+    and one per block of rows for the last."""
+    from leanrnn.engine.products import PANEL, padded_tail_width, tail_rows
 
     rng = np.random.default_rng(3)
     blob = _model("MatMul", 70, rng)
     sess = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
     model = GraphModel(read_onnx(blob), threads=2)
     launches = _launches(monkeypatch)
-    for T, N, width, n in ((10, 50, padded_tail_width(2), 1), (300, 50, PANEL, 2),
-                           (2, 3, PANEL, 2)):  # fmt: skip
+    block = tail_rows(10**6, 4)
+    for T, N, shape, n in ((10, 50, (500, padded_tail_width(2)), 1),
+                           (20, 50, (1000, PANEL), 2), (300, 50, (block, PANEL), 1 + -(-15000 // block)),
+                           (2, 3, (6, PANEL), 2)):  # fmt: skip
         x = rng.standard_normal((T, N, C)).astype(np.float32)
         launches.clear()
         got = model(x)
         assert len(launches) == n, (T, N, launches)
         tails = {k: v for k, v in model.session._views.items() if k.endswith("#tail")}
-        assert [v.shape for v in tails.values()] == [(T * N, width)], tails.keys()
+        assert [v.shape for v in tails.values()] == [shape], tails.keys()
         want = sess.run(None, {"x": x})[0]
         np.testing.assert_allclose(
             got, want, rtol=RTOL_MATMUL[np.float32], atol=ATOL_MATMUL[np.float32]

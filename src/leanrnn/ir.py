@@ -149,7 +149,8 @@ class Graph:
     ``constants`` are weights and folded values by tensor name; ``packed`` maps the name of an
     RNN node (LSTM/GRU/RNN, always one layer) to its packed weights when they are constant (the
     node's W/R/B/P inputs are then ""). ``opset`` is the ONNX default-domain opset, which fixes
-    a few op semantics (e.g. Softmax's axis before opset 13).
+    a few op semantics (e.g. Softmax's axis before opset 13). ``fixed``: the ONNX file's graph
+    inputs that are initializers too (constants here, not inputs; named so in errors).
     """
 
     inputs: list[TensorInfo]
@@ -159,6 +160,7 @@ class Graph:
     packed: dict[str, PackedWeights] = field(default_factory=dict)
     opset: int = 17
     name: str = "graph"
+    fixed: frozenset[str] = frozenset()
 
     def weight_owners(self) -> dict[str, str]:
         """For each RNN node with packed weights, the first node (in ``packed``'s order) that
@@ -193,6 +195,22 @@ def check_opset(opset, where: str) -> int:
 
 
 # ------------------------------------------------------------------------- RNN node mapping
+# ONNX's inputs and outputs of each RNN op (the LSTM's P and Y_c are its own). A name beyond
+# them was ignored (a GRU's "P"), or an output never written returned the arena's old bytes.
+RNN_ARITY = {"LSTM": (8, 3), "GRU": (6, 2), "RNN": (6, 2)}
+
+
+def check_rnn_io(op: str, inputs, outputs, where: str) -> None:
+    """A ModelFormatError unless an ``op`` node names at most ONNX's inputs and outputs of
+    ``op`` (onnx.checker and onnxruntime refuse more)."""
+    n_in, n_out = RNN_ARITY[op]
+    if len(inputs) > n_in or len(outputs) > n_out:
+        raise ModelFormatError(
+            f"{where} has {len(inputs)} inputs and {len(outputs)} outputs; ONNX's {op} takes "
+            f"at most {n_in} inputs and makes at most {n_out} outputs"
+        )
+
+
 def rnn_attrs(op: str, raw: dict, where: str) -> dict:
     """Normalize an ONNX LSTM/GRU/RNN node's attributes to JSON values with defaults filled in.
 

@@ -143,7 +143,14 @@ def _agree(path: str, asked: dict, recorded: dict) -> None:
 
 
 def _path(path, op: str) -> str:
-    """``path`` as a str: a str, bytes or os.PathLike; anything else is named."""
+    """``path`` as a str: a str, bytes or os.PathLike; anything else is named. Bytes that
+    cannot be a path (a serialized model, as onnxruntime takes) are refused as such: they were
+    taken for a file name and quoted whole in the error (4x the model's size)."""
+    if isinstance(path, bytes) and (len(path) > 4096 or b"\0" in path):
+        raise ModelFormatError(
+            f"[{op}] got {len(path)} bytes that cannot be a file path (a serialized model?); "
+            "leanrnn loads models from files: write the bytes to a file and pass its path"
+        )
     try:
         return os.fsdecode(os.fspath(path))
     except TypeError:

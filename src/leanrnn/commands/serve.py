@@ -74,7 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve models over the KServe v2 / Triton protocol (HTTP and gRPC), batched",
-        description="Serves recurrent models (any file leanrnn.load takes) over the KServe v2 "
+        description="Serves recurrent stacks (LSTM/GRU/RNN, forward: a .lrnn saved from one, "
+        "or a PyTorch, .safetensors or .npz state dict; not ONNX graphs) over the KServe v2 "
         "inference protocol with Triton's sequence extension, on HTTP/REST and gRPC, so "
         "tritonclient and other KServe clients work unchanged. The steps of all live streams "
         "run as batched engine calls. Needs `pip install leanrnn[serve]` (in a clone: "

@@ -164,7 +164,9 @@ def apart(op: str, ins: tuple, updated: tuple, owner: np.ndarray) -> None:
 
 def lengths(op: str, lengths, N: int, T: int) -> np.ndarray:
     unmasked(op, "lengths", lengths)  # (a masked length ran as a real one)
-    arr = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths)
+    # Always a copy, checked and then used: the kernels read it with the GIL released, and a
+    # caller's array another thread changed after the check sent rows past T (a segfault)
+    arr = np.array(lengths)
     if arr.dtype.kind not in "iu":
         raise LengthsError(f"[{op}] lengths has dtype {arr.dtype}; expected an integer array")
     if arr.shape != (N,):

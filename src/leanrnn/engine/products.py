@@ -105,29 +105,47 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     launch instead when several threads share it, copied out: the last panel's launch of its
     own left a thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide
     head on 2 threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same
-    launches)."""
+    launches). A one-panel ``tail`` of fewer rows than ``a`` (tail_rows: a block of them) takes the last
+    panel block by block, each copied out before the next: the tail of a narrow head over a
+    long sequence was rows x 64 floats, 21x a 3-wide output and most of a tagger's arena."""
     R, K = a.shape
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
     parts = threads if threads > 1 and shares_threads(pm, R) else 1
-    wide = full < U and tail is not None and tail.shape[1] >= U * PANEL
+    wide = full < U and tail is not None and tail.shape[0] == R and tail.shape[1] >= U * PANEL
     padded = wide and parts > 1
     if wide:  # the contract: C-contiguous, R rows (a view of it is then one too)
-        assert tail.flags.c_contiguous and tail.shape[0] == R, (tail.shape, R)
+        assert tail.flags.c_contiguous, tail.strides
     if wide and not padded:  # its first R*64 elements as the one-panel tail
         tail = tail.reshape(-1)[: R * PANEL].reshape(R, PANEL)
+    rest = out.shape[1] - full * PANEL  # the last panel's real columns
     for u0, u1, dst in ((0, U, tail),) if padded else ((0, full, out), (full, U, tail)):
-        if u1 > u0:
+        if u1 <= u0:
+            continue
+        call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
+                        b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
+                        lengths=NO_SLOTS, T=0, xw_bf_T=0,  # every row
+                        q=NO_SCRATCH, bf16_act=False)  # fmt: skip
+        for r0 in range(0, R, dst.shape[0]):
+            r1 = min(R, r0 + dst.shape[0])
             sync[:] = 0
-            call = abi.Call("matmul", ("x", "y", "parts"), W=pm.W[u0:u1],
-                            b=pm.b[u0 * PANEL : u1 * PANEL], K=K, sync=sync,
-                            lengths=NO_SLOTS, T=0, xw_bf_T=0,  # every row
-                            q=NO_SCRATCH, bf16_act=False)  # fmt: skip
-            runner.run("matmul", call.bind(x=a, y=dst, parts=parts), parts)
+            runner.run("matmul", call.bind(x=a[r0:r1], y=dst[: r1 - r0], parts=parts), parts)
+            if dst is tail and not padded:
+                out[r0:r1, full * PANEL :] = tail[: r1 - r0, :rest]
     if padded:
         out[:] = tail[:, : out.shape[1]]
-    elif full < U:
-        out[:, full * PANEL :] = tail[:, : out.shape[1] - full * PANEL]
+
+
+# Bytes of a one-panel tail a graph plans (tail_rows): a block of rows, not all of them.
+TAIL_BLOCK_BYTES = 1 << 18
+
+
+def tail_rows(rows: int, itemsize: int) -> int:
+    """Rows of the one-panel tail planned for a product of ``rows`` rows: all of them up to
+    TAIL_BLOCK_BYTES, else a block of whole 12-row tiles (packed_product runs the last panel
+    block by block then)."""
+    block = max(12, TAIL_BLOCK_BYTES // (PANEL * itemsize) // 12 * 12)
+    return min(rows, block)
 
 
 # The most bytes a padded [rows, U*64] product may take as packed_product's tail: a copy that

@@ -192,8 +192,10 @@ def recurrence_arguments(spec: RNNSpec, pl, d: int, constants: tuple, sync, *, h
 
 def _slot_table(op: str, slot, N: int, S: int, lengths) -> np.ndarray:
     """``slot`` as an int64 [N] array the kernels can index the states with: each in 0..S-1
-    and distinct (two samples would update one state at once), or -1 on rows of length 0."""
-    arr = slot if isinstance(slot, np.ndarray) else np.asarray(slot)
+    and distinct (two samples would update one state at once), or -1 on rows of length 0.
+    Always a copy: the kernels index the states with it, the GIL released, and a caller's
+    array changed by another thread after the check wrote outside the states (a segfault)."""
+    arr = np.array(slot)
     if arr.dtype.kind not in "iu":
         raise DTypeError(
             f"[{op}] slot has dtype {arr.dtype}; expected integers (int64), one slot per sample"
@@ -489,7 +491,10 @@ class Session:
     @chunk.setter
     def chunk(self, v) -> None:
         # A property, as threads: chunk=0, -5 or 2.5 set after construction reached the planner.
-        self._chunk = _positive_or_none("Session", "chunk", v)
+        # ``_asked`` is the chunk asked for (here, or resize("auto")'s tuned one); ``_chunk``
+        # the one runs take: a memory limit's largest (at most the asked one), back to the
+        # asked one when a resize lifts the limit (the limit's stayed: 3.4x slower runs)
+        self._chunk = self._asked = _positive_or_none("Session", "chunk", v)
         limit = getattr(self, "_limit", None)
         if limit is not None:  # under a memory limit, the chunk asked for is its largest
             self._limit = _Limit(limit.nbytes, self._chunk, limit.steps)
@@ -584,7 +589,7 @@ class Session:
                               measure=measure, plan_steps=int(steps))  # fmt: skip
             with self._turn():
                 if self.tuned.chunk is not None:
-                    self._chunk = self.tuned.chunk
+                    self._chunk = self._asked = self.tuned.chunk
                 limit = None
                 if memory_limit is not None:
                     limit = _Limit(int(memory_limit), self.tuned.chunk, int(steps))
@@ -593,7 +598,9 @@ class Session:
             raise ShapeError(f"[Session.resize] latency= and measure= choose an 'auto' batch; "
                              f"batch={batch!r} is given")  # fmt: skip
         with self._turn():
-            limit = None if memory_limit is None else _Limit(int(memory_limit), None, steps)
+            limit = None
+            if memory_limit is not None:  # (a chunk asked for caps the limit's choice)
+                limit = _Limit(int(memory_limit), self._asked, steps)
             return self._resize(batch, steps, limit, return_sequences)
 
     def _resize(self, batch: int, steps: int, limit: _Limit | None,
@@ -604,6 +611,8 @@ class Session:
         if limit is not None:
             self._chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
                                               limit.cap, limit.steps)  # fmt: skip
+        else:
+            self._chunk = self._asked
         if limit != self._limit:
             self._plans.clear()  # made within another limit (a plan refused below keeps none)
         self._limit = limit

@@ -60,7 +60,10 @@ def sniff(path: str) -> str:
     'onnx' (a protobuf that starts like a ModelProto) or 'unknown'."""
     with open(path, "rb") as f:
         head = f.read(64)
-    if native.is_safetensors(head):
+        size = os.fstat(f.fileno()).st_size
+    # An ONNX file's ninth byte may be a '{' too: one whose declared header cannot fit is
+    # ONNX, when it starts like a ModelProto (else the safetensors reader says it is truncated)
+    if native.is_safetensors(head) and (native.is_safetensors(head, size) or head[:1] != b"\x08"):
         return "lrnn" if native.is_native(path) else "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:4] == b"PK\x05\x06":
         try:

@@ -30,7 +30,17 @@ import numpy as np
 from .. import threads
 from .._files import replacing
 from ..errors import LeanRNNError, ModelFormatError
-from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_opset, is_count, rnn_attrs, rnn_from_node
+from ..ir import (
+    RNN_OPS,
+    Graph,
+    Node,
+    TensorInfo,
+    check_opset,
+    check_rnn_io,
+    is_count,
+    rnn_attrs,
+    rnn_from_node,
+)
 from ..memory.arena import aligned_empty, round_up
 from ..spec import USES_ALPHA, USES_BETA, RNNSpec
 from .packing import (
@@ -317,9 +327,13 @@ def _read_header(f, path: str, op: str) -> tuple[int, int, dict]:
     return size, n, header
 
 
-def is_safetensors(head: bytes) -> bool:
-    """Whether ``head`` (the first >= 9 bytes of a file) looks like a safetensors header."""
-    return len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] >= 2
+def is_safetensors(head: bytes, size: int | None = None) -> bool:
+    """Whether ``head`` (the first >= 9 bytes of a file) looks like a safetensors header; with
+    the file's ``size``, also whether the header length it declares fits in the file."""
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    n = struct.unpack("<Q", head[:8])[0]
+    return n >= 2 and (size is None or n <= size - 8)
 
 
 def read_safetensors(path: str, op: str = "load") -> dict[str, np.ndarray]:
@@ -568,7 +582,7 @@ def save_graph(graph: Graph, path: str) -> None:
 def is_native(path: str) -> bool:
     try:
         with open(path, "rb") as f:
-            if not is_safetensors(f.read(9)):
+            if not is_safetensors(f.read(9), os.fstat(f.fileno()).st_size):
                 return False
             # The header's metadata decides; load() checks the tensor entries against the file.
             meta = _read_header(f, path, "load")[2].get("__metadata__")
@@ -767,6 +781,7 @@ def _check_rnn_node(node: Node, spec: RNNSpec | None, dtype, op: str, path: str)
     from them equal to the packed spec. Costs O(G): the weights it is handed are broadcast
     zeros in internal gate order, so nothing is copied."""
     where = f"node {node.name!r} ({node.op})"
+    check_rnn_io(node.op, node.inputs, node.outputs, f"[{op}] {path!r}: {where}")
     a = node.attrs
     try:
         try:

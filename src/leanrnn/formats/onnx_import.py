@@ -24,7 +24,16 @@ import numpy as np
 
 from ..engine.graph.passes import pack_constant_rnns
 from ..errors import LeanRNNError, ModelFormatError, WeightsError
-from ..ir import RNN_OPS, Graph, Node, TensorInfo, check_node_io, check_opset, rnn_attrs
+from ..ir import (
+    RNN_OPS,
+    Graph,
+    Node,
+    TensorInfo,
+    check_node_io,
+    check_opset,
+    check_rnn_io,
+    rnn_attrs,
+)
 from .onnx_quant import lower_quantized_lstms
 from .packing import reorder_gates
 
@@ -498,11 +507,19 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     nodes: list[Node] = []
     seen_names: set[str] = set()
     reserved = frozenset(o for n in g.node for o in n.output) | {vi.name for vi in g.output}
+    if opset < 14:  # (onnxruntime refuses such a node; it ran batch-first here)
+        for n in _every_node(g.node):
+            if n.op_type in RNN_OPS and any(a.name == "layout" for a in n.attribute):
+                raise ModelFormatError(
+                    f"[load_onnx] node {n.name!r} ({n.op_type}): layout is an attribute of "
+                    f"{n.op_type} from opset 14; the model imports opset {opset}"
+                )
     _add_nodes(g.node, {}, (), "", nodes, constants, defined, seen_names, reader, reserved)
     for t in outputs:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
-    graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph")
+    fixed = frozenset(vi.name for vi in g.input if vi.name in constants or vi.name in lazy)
+    graph = Graph(inputs, outputs, nodes, constants, {}, opset, g.name or "graph", fixed)
     lower_quantized_lstms(graph)  # onnxruntime's DynamicQuantizeLSTM -> LSTM
     pack_constant_rnns(graph, pack_dtype, lazy)
     # A node left unpacked has a weight computed by other nodes: a constant subgraph (torch's
@@ -513,6 +530,15 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     for k in sorted(k for k in lazy if k in read):
         graph.constants[k] = lazy[k].read()
     return graph
+
+
+def _every_node(protos):
+    """``protos`` and the nodes of every branch (If's) below them."""
+    for n in protos:
+        yield n
+        for a in n.attribute:
+            if a.HasField("g"):
+                yield from _every_node(a.g.node)
 
 
 def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, constants: dict,
@@ -556,6 +582,7 @@ def _add_nodes(protos, rename: dict, when: tuple, prefix: str, nodes: list, cons
                 raise ModelFormatError(f"[load_onnx] {where}: value must be a one-element tensor")
         node = Node(op, name, ins, outs, attrs, when)
         if op in RNN_OPS:
+            check_rnn_io(op, ins, outs, f"[load_onnx] {where}")
             node.attrs = rnn_attrs(op, attrs, where)
         nodes.append(node)
         defined |= {o for o in outs if o}

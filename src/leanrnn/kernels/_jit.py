@@ -47,7 +47,11 @@ def _cache() -> bool:
     elif user:
         bases = [Path(user)]
     else:
-        bases = [r / "numba" for r in (config.cache_dir(), config.temp_cache_dir()) if r]
+        home = config.cache_dir()
+        bases = [home / "numba"] if home else []
+        if not bases or not config.writable(bases[0] / fp):  # (made only when needed: it was
+            tmp = config.temp_cache_dir()  # left behind, empty, beside a writable cache)
+            bases += [tmp / "numba"] if tmp else []
     for i, base in enumerate(bases):
         d = base / fp
         if not config.writable(d):

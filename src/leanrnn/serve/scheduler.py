@@ -202,7 +202,9 @@ class Lane:
             raise SpecError(
                 f"[serve] model {name!r} is a {type(model).__name__}; serve batches recurrent "
                 "stacks (leanrnn.LSTM/GRU/RNN: a .lrnn saved from one, or a PyTorch, "
-                ".safetensors or .npz state dict); graphs (ONNX) are not served yet"
+                ".safetensors or .npz state dict); graphs (ONNX, or a .lrnn converted from "
+                "one) are not served yet: serve the recurrent stack's weights as a state dict "
+                "and run the graph's other ops in the client"
             )
         weights = session.weights
         spec = weights.spec

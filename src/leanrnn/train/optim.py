@@ -269,6 +269,13 @@ def _as_params(where: str, params: Any, *, allow_empty: bool) -> list[Parameter]
         )
     params = list(params)
     for i, p in enumerate(params):
+        if isinstance(p, dict) and "params" in p:  # torch's parameter groups
+            raise LeanRNNError(
+                f"[{where}] params[{i}] is a parameter group (a dict with 'params'); leanrnn "
+                "optimizers have one group: make one optimizer per group, e.g. "
+                "AdamW(weights, weight_decay=0.01) and AdamW(biases, weight_decay=0), and "
+                "step both"
+            )
         if not isinstance(p, Parameter):
             raise LeanRNNError(
                 f"[{where}] params[{i}] is a {type(p).__name__}; expected a "
@@ -622,12 +629,16 @@ class _Optimizer:
         """``{"state": {i: {"step": int, <buffer>: array copy, ...}}, "param_groups": [{
         <hyperparameters>, "params": [0, 1, ...]}]}``: torch.optim's layout with numpy arrays
         (copies) and plain ints; a parameter without state yet (no step taken) is absent."""
+        # Every buffer a parameter holds, needed by the current settings or not (torch's
+        # layout): one kept while momentum is 0, or an Adam state before amsgrad was switched
+        # on, was left out, and a resumed run diverged from the one that went on
         state = {}
-        keys = self._state_keys(self._hyper)
         for i, s in enumerate(self._state):
-            if keys and all(k in s for k in keys):
+            if s:
                 state[i] = {
-                    k: (s[k].copy() if isinstance(s[k], np.ndarray) else s[k]) for k in keys
+                    k: (s[k].copy() if isinstance(s[k], np.ndarray) else s[k])
+                    for k in self._KEYS
+                    if k in s
                 }
         group = {k: (tuple(v) if isinstance(v, tuple) else v) for k, v in self._hyper.items()}
         group["params"] = list(range(len(self._params)))
@@ -727,25 +738,27 @@ class _Optimizer:
                     new[k] = buf
             self._state[i] = new
 
-    def _state_keys(self, hyper: dict[str, Any]) -> tuple[str, ...]:
-        raise NotImplementedError
+    # The buffers a parameter's state may hold (in state_dict's order), and those a state
+    # that holds any must hold; the rest are made by the step that first needs them.
+    _KEYS: tuple[str, ...] = ()
+    _CORE: tuple[str, ...] = ()
 
     def _checked_state(self, where: str, i: int, s: Any, hyper: dict[str, Any]) -> dict:
         p = self._params[i]
         label = f"state[{i}] ({p.name or 'unnamed'})"
         if not isinstance(s, dict):
             raise LeanRNNError(f"[{where}] {label} is a {type(s).__name__}; expected a dict")
-        keys = self._state_keys(hyper)
         present = {k for k, v in s.items() if v is not None}
         if not present:  # torch's entry for a parameter that has not been stepped yet
             return {}
-        if present != set(keys):
+        if not present <= set(self._KEYS) or not set(self._CORE) <= present:
             raise LeanRNNError(
                 f"[{where}] {label} has keys {sorted(present)}; expected "
-                f"{sorted(keys)} for these hyperparameters"
+                f"{sorted(self._CORE)}, and of {sorted(set(self._KEYS) - set(self._CORE))} "
+                "any"
             )
         out: dict[str, Any] = {}
-        for k in keys:
+        for k in (k for k in self._KEYS if k in present):
             v = s[k]
             if k == "step":
                 step = np.asarray(v)
@@ -840,8 +853,7 @@ class SGD(_Optimizer):
             )
         return out
 
-    def _state_keys(self, hyper: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",) if hyper["momentum"] != 0 else ()
+    _KEYS = ("momentum_buffer",)
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         h = self._hyper
@@ -944,9 +956,8 @@ class Adam(_Optimizer):
             "maximize": _bool(w, "maximize", h["maximize"]),
         }
 
-    def _state_keys(self, hyper: dict[str, Any]) -> tuple[str, ...]:
-        keys = ("step", "exp_avg", "exp_avg_sq")
-        return (*keys, "max_exp_avg_sq") if hyper["amsgrad"] else keys
+    _KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _CORE = ("step", "exp_avg", "exp_avg_sq")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list):
@@ -972,7 +983,7 @@ class Adam(_Optimizer):
         amsgrad, maximize = h["amsgrad"], h["maximize"]
         if "exp_avg" not in state or (amsgrad and "max_exp_avg_sq" not in state):
             # the first step (or amsgrad just switched on): moments start at zero
-            for k in self._state_keys(h)[1:]:
+            for k in (self._KEYS if amsgrad else self._CORE)[1:]:
                 if k not in state:
                     state[k] = np.zeros_like(theta)
             state.setdefault("step", 0)

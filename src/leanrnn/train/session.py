@@ -548,8 +548,9 @@ class Trainer:
             _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
         # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
         # is read in place when it is already laid out so (the tape keeps a reference); else a
-        # copy in the arena, counted by the segment a memory limit picks
-        stage = spec.batch_first or not x.flags.c_contiguous
+        # copy in the arena, counted by the segment a memory limit picks (an unaligned one
+        # too: the kernels take aligned arrays only, as Session.run's copies them)
+        stage = spec.batch_first or not x.flags.c_contiguous or not x.flags.aligned
         # the trainer's own dropout masks, planned in the arena only when it draws them
         draw = bool(masks is None and self._draws())
         S = self._segment(T, N, stage, draw)
@@ -827,6 +828,8 @@ class Trainer:
         top = T - 1 if fit is None else fit - 1
         grid = sorted({int(s) for s in np.unique(np.geomspace(1, max(top, 1), 48).round())})
         needs = {S: self._need(N, T, S, True, stage, draw) for S in grid}
+        if fit is not None:  # (too big, or it was taken above; often the least: the error
+            needs[fit] = self._need(N, T, fit, True, stage, draw)  # named a larger figure)
         best = min(needs, key=needs.get)
         if needs[best] > limit:
             raise PlanError(
@@ -1148,7 +1151,7 @@ class Trainer:
         else:
             dy = _check.array(op, "dy", dy, dt, yshape, ("N", "T", "D*K") if spec.batch_first
                               else ("T", "N", "D*K"))  # fmt: skip
-            if spec.batch_first or not dy.flags.c_contiguous:
+            if spec.batch_first or not (dy.flags.c_contiguous and dy.flags.aligned):
                 dyt = np.empty((T * N, D * K), dt)
                 dyt[:] = (
                     dy.transpose(1, 0, 2).reshape(T * N, D * K)

@@ -30,6 +30,7 @@ from ..products import (
     packed_product,
     padded_tail_fits,
     padded_tail_width,
+    tail_rows,
 )
 from ..session import Session
 from .base import (
@@ -253,8 +254,10 @@ def _matmul_scratch(ctx, node, ins, metas, needed):
     if pm is None or pm.M % PANEL == 0 or len(metas[0].shape) < 1:
         return {}
     rows = math.prod(metas[0].shape[:-1])
-    wide = padded_tail_fits(pm, rows, np.dtype(metas[0].dtype).itemsize)
-    return {"tail": ((rows, padded_tail_width(pm.W.shape[0]) if wide else PANEL), metas[0].dtype)}
+    itemsize = np.dtype(metas[0].dtype).itemsize
+    if padded_tail_fits(pm, rows, itemsize):
+        return {"tail": ((rows, padded_tail_width(pm.W.shape[0])), metas[0].dtype)}
+    return {"tail": ((tail_rows(rows, itemsize), PANEL), metas[0].dtype)}
 
 
 def _matmul_run(ctx, node, ins, outs, metas, tmp):
@@ -874,7 +877,7 @@ def _rnn_infer(ctx, node, ins, vals):
         Y = (T, N, D, H)
     else:
         Y = (T, D, N, H)
-    metas = [Out(Y, wdt), Out(state, wdt), Out(state, wdt)]
+    metas = [Out(Y, wdt), Out(state, wdt)] + ([Out(state, wdt)] if node.op == "LSTM" else [])
     return metas[: len(node.outputs)]
 
 

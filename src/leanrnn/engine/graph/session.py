@@ -119,7 +119,7 @@ class GraphSession:
         g = self.loaded.graph
         names = self.loaded.input_names
         if isinstance(shapes, dict):
-            _check_input_names("GraphSession.resize", shapes, names, self.loaded.graph.constants)
+            _check_input_names("GraphSession.resize", shapes, names, self.loaded.graph)
             shapes = [shapes[n] for n in names]
         if len(shapes) != len(names):
             raise ShapeError(
@@ -270,7 +270,10 @@ class GraphSession:
             vals = [values.get(i) if i else None for i in node.inputs]
             outs = infer(ctx, node, ins, vals)
             for name, m in zip(node.outputs, outs, strict=False):
-                if not name:  # an output the node does not make (an RNN's unnamed Y)
+                # an output the node does not make (an RNN's unnamed Y), or an RNN output no
+                # one reads (never computed: a final-state classifier's Y was held to the
+                # limit, so no limit below T*N*H floats was accepted)
+                if not name or (node.op in RNN_OPS and name not in loaded.needed):
                     continue
                 # (a graph output is the caller's, handed out fresh per run: outside the limit,
                 # as a Session's outputs are; it was refused here with a ShapeError)
@@ -357,7 +360,14 @@ class GraphSession:
                             f"[GraphSession.resize] the graph's arena takes {p.total} bytes of "
                             f"memory_limit={limit}: none is left for RNN node {node.name!r}"
                         )
-                    rnn_bytes = max(rnn_bytes, sess.planned(N, T, seq, rnn_limit).total)
+                    try:
+                        rnn_bytes = max(rnn_bytes, sess.planned(N, T, seq, rnn_limit).total)
+                    except PlanError as e:  # (it named the node's share as the limit)
+                        raise PlanError(
+                            f"[GraphSession.resize] memory_limit={limit} leaves RNN node "
+                            f"{node.name!r} {rnn_limit} bytes beside the graph's arena of "
+                            f"{p.total}, and it needs more ({e}); raise the limit"
+                        ) from None
         total = p.total + fresh_bytes + extra + pending_bytes + rnn_bytes + transient
         check_fits(
             total,
@@ -486,7 +496,7 @@ class GraphSession:
                     f"{len(names)}: {names}"
                 )
             feeds = dict(zip(names, feeds, strict=True))
-        _check_input_names("GraphModel.run", feeds, names, self.loaded.graph.constants)
+        _check_input_names("GraphModel.run", feeds, names, self.loaded.graph)
         out = {}
         for t in g.inputs:
             a = feeds[t.name]
@@ -576,14 +586,14 @@ class GraphSession:
         return results
 
 
-def _check_input_names(op: str, given, names: list[str], constants=()) -> None:
+def _check_input_names(op: str, given, names: list[str], graph) -> None:
     """ShapeError naming every missing and unexpected input (sorted), and the model's inputs;
-    an unexpected one that is a constant of the graph (an ONNX initializer listed among its
-    inputs) is said to be one."""
+    an unexpected one that is an ONNX initializer listed among the graph's inputs is said to
+    be one (a constant here, or an RNN node's weight packed at load)."""
     unknown = sorted(set(given) - set(names))
     missing = sorted(set(names) - set(given))
     if unknown or missing:
-        fixed = [k for k in unknown if k in constants]
+        fixed = [k for k in unknown if k in graph.constants or k in graph.fixed]
         raise ShapeError(
             f"[{op}] missing inputs {missing}; unexpected inputs {unknown}; "
             f"the model's inputs are {names}"
