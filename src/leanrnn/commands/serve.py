@@ -20,6 +20,11 @@ def _model(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(
             f"{text!r}: model names use letters, digits, '-', '_' and '.'; pass NAME=PATH"
         )
+    if not name.strip("."):  # clients resolve /v2/models/../infer to /v2/infer: unreachable
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a model name of dots only is a relative path segment in the URLs "
+            "clients send; pass NAME=PATH with a letter or digit in NAME"
+        )
     return name, path
 
 

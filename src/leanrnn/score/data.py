@@ -142,7 +142,7 @@ class Source:
         out = []
         for r in self._readers:
             assert isinstance(r, _ParquetReader), r.path  # callers check the file names first
-            md = r.pf.metadata
+            md = r.metadata
             for g in range(md.num_row_groups):
                 rg = md.row_group(g)
                 if rg.num_rows:
@@ -200,11 +200,14 @@ class _ParquetReader:
         import pyarrow.parquet as pq
 
         self.path, self.src = path, src
+        # The footer is read and checked here, for every file before any work; the file is
+        # opened again to read its rows (pieces). Kept open from here, a directory of 1,100
+        # files ran out of descriptors, and a finished score's stayed open until a GC cycle.
         try:
-            self.pf = pq.ParquetFile(path)
+            with pq.ParquetFile(path) as pf:
+                self.metadata, schema = pf.metadata, pf.schema_arrow
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"[score] {path!r} is not a readable Parquet file: {e}") from None
-        schema = self.pf.schema_arrow
         names = schema.names
         opts = src.opts
         lists = [f.name for f in schema if _is_list(f.type)]
@@ -247,7 +250,7 @@ class _ParquetReader:
                 )
 
     def count(self) -> int:
-        return self.pf.metadata.num_rows
+        return self.metadata.num_rows
 
     def pieces(self, piece_bytes: int, row_cost: int = ROW_OBJECT_BYTES,
                ranges: list | None = None) -> Iterator[Piece]:  # fmt: skip
@@ -255,8 +258,9 @@ class _ParquetReader:
         row; the Ray path hands each actor a share of a file). Rows before a range's first row
         are decoded and dropped: Parquet cannot start reading inside a row group."""
         import pyarrow as pa
+        import pyarrow.parquet as pq
 
-        md = self.pf.metadata
+        md = self.metadata
         cols = [self.column] + ([self.length_column] if self.length_column else [])
         if ranges is None:
             ranges = [(g, 0, md.row_group(g).num_rows) for g in range(md.num_row_groups)]
@@ -275,6 +279,16 @@ class _ParquetReader:
                 big / 2**20,
                 piece_bytes / 2**20,
             )
+        try:
+            pf = pq.ParquetFile(self.path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataError(f"[score] {self.path!r} is not a readable Parquet file: {e}") from None
+        with pf:
+            yield from self._read(pf, md, cols, ranges, piece_bytes, row_cost)
+
+    def _read(self, pf, md, cols, ranges, piece_bytes: int, row_cost: int) -> Iterator[Piece]:
+        import pyarrow as pa
+
         for g, r0, r1 in ranges:
             rg = md.row_group(g)
             r1 = min(r1, rg.num_rows)
@@ -285,7 +299,7 @@ class _ParquetReader:
             where = f"{self.path!r}, row group {g}"
             start = 0  # row group row of b's first row
             try:
-                batches = self.pf.iter_batches(batch_size=rows, row_groups=[g], columns=cols)
+                batches = pf.iter_batches(batch_size=rows, row_groups=[g], columns=cols)
                 for b in batches:
                     n = b.num_rows
                     lo, hi = max(0, r0 - start), min(n, r1 - start)

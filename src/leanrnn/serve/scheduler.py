@@ -517,7 +517,11 @@ class Lane:
 
 class Scheduler:
     """One thread that runs the batched calls of every lane (the models share one pool, whose
-    arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe."""
+    arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe.
+
+    ``start()`` starts the thread and ``stop()`` ends it; the running thread holds the
+    scheduler (and its models), so one dropped without ``stop()`` lives as long as the
+    process. ``with Scheduler(...) as s:`` starts and stops it."""
 
     def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
                  metrics=None, max_queued_bytes: int | None = None) -> None:  # fmt: skip
@@ -544,6 +548,13 @@ class Scheduler:
 
     def start(self) -> None:
         self._thread.start()
+
+    def __enter__(self) -> Scheduler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     # ---------------------------------------------------------------- submitting
     def submit(self, model: str, key, start: bool, end: bool, x, h0=None, c0=None,
@@ -653,7 +664,8 @@ class Scheduler:
         with self.cond:
             self._stop = True
             self.cond.notify_all()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # (join raised on a scheduler never started)
+            self._thread.join(timeout=5)
 
     # ---------------------------------------------------------------- the loop
     def _ready_count(self) -> int:
