@@ -146,6 +146,10 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     local = str(tmp_path / "local.parquet")
     leanrnn.score(model, src, local)
     assert s.sequences == 0 and pq.read_table(out).schema.equals(pq.read_table(local).schema)
+    # (to a directory: one file of no rows with the columns; the directory was left empty)
+    s = leanrnn.score(model, src, str(tmp_path / "emptydir"), ray="auto")
+    got = pq.read_table(str(tmp_path / "emptydir"))
+    assert got.num_rows == 0 and got.schema.equals(pq.read_table(local).schema)
     seqs = _seqs("skewed", 90, seed=4)
     src = write_parquet(str(tmp_path / "in.parquet"), seqs, row_group_size=10)
     d = str(tmp_path / "outdir")
@@ -173,7 +177,8 @@ def test_ray_path_empty_input_and_directory_output(ray_local, model, tmp_path):
     assert "README" in names and not [n for n in names if n.startswith(".")]
     assert np.asarray(t["length"]).tolist() == [len(x) for x in seqs]
     assert sorted(os.listdir(tmp_path)) == sorted(["empty.parquet", "o.parquet", "local.parquet",
-                                                   "in.parquet", "outdir", "outdir2"])  # fmt: skip
+                                                   "in.parquet", "outdir", "outdir2",
+                                                   "emptydir"])  # fmt: skip
     # a file where the directory should go: refused before the work (it was a raw OS error
     # after it)
     (tmp_path / "afile").write_text("x")

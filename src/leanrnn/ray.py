@@ -52,6 +52,8 @@ READ_CPUS = 0.1
 # similar in bytes, so the last one decides how long the others wait), few enough that each
 # item's read-ahead window has thousands of sequences to sort by length.
 ITEMS_PER_ACTOR = 4
+# Restarts of an actor that died (and retries of the item it died on) before the job fails.
+ACTOR_RETRIES = 2
 
 __all__ = ["Predictor", "score_on_ray"]
 
@@ -94,13 +96,15 @@ class Predictor:
     process's (BLAS's too: set_num_threads); anywhere else (a driver, a notebook) only this
     predictor's, so that making one there does not leave your process on one thread.
     Each call sorts its batch by length, runs it in length-aware batches and returns a
-    pyarrow Table in the batch's row order: length, h_n, c_n, y (see leanrnn.score.writers).
+    pyarrow Table in the batch's row order: length, h_n, c_n, y (see leanrnn.score.writers),
+    then the batch's columns named in ``keep`` as they came (an id to join the scores back
+    on: Ray Data does not keep row order across blocks unless told to).
     """
 
     def __init__(self, model, *, outputs: str = "final", column: str | None = None,
                  length_column: str | None = None, threads: int | None = 1,
                  memory_limit: int | None = None, batch_size: int | None = None,
-                 allow_nonfinite: bool = False) -> None:  # fmt: skip
+                 allow_nonfinite: bool = False, keep: tuple[str, ...] = ()) -> None:  # fmt: skip
         from . import config
         from .engine._check import bytes_or_none, count_or_none, flag
 
@@ -113,6 +117,9 @@ class Predictor:
         self.scorer = Scorer(m, outputs, memory_limit, threads, batch_size)
         self.column, self.length_column = column, length_column
         self.allow_nonfinite = allow_nonfinite
+        if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
+            raise SpecError(f"[Predictor] keep={keep!r}; expected a tuple of column names")
+        self.keep = tuple(keep)
         # Load the kernels here, once per actor, not on the first batch.
         import numpy as np
 
@@ -165,11 +172,21 @@ class Predictor:
             where = (
                 f"{table.column('path')[0].as_py()!r} (a Ray batch; rows counted from its first)"
             )
+        missing = [k for k in self.keep if k not in table.column_names]
+        if missing:
+            raise DataError(f"[Predictor] batch has no columns {missing} to keep; its columns "
+                            f"are {table.column_names}")  # fmt: skip
         seqs = arrow_to_seqs(
             table.column(col), table.column(lc) if lc else None, self.scorer.C,
             self.scorer.dtype, where, col, lc, 0, self.allow_nonfinite,
         )  # fmt: skip
-        return to_arrow(self.scorer.score(seqs))
+        out = to_arrow(self.scorer.score(seqs))
+        for k in self.keep:
+            if k in out.column_names:
+                raise DataError(f"[Predictor] keep names {k!r}, which is an output column; "
+                                "rename it in the dataset first")  # fmt: skip
+            out = out.append_column(k, table.column(k))
+        return out
 
 
 class _RowGroupScorer(Predictor):
@@ -345,6 +362,10 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
             # queueing more only lets the first actor up take the others' share.
             compute=ray.data.ActorPoolStrategy(size=n, max_tasks_in_flight_per_actor=1),
             num_cpus=per_actor,
+            # An actor that dies on an item (a crash, the OOM killer) is restarted and the
+            # item retried ACTOR_RETRIES times, then the job fails (_actor_died); Ray Data's
+            # default, -1, retried it for ever: a job that never ended and never said why.
+            max_restarts=ACTOR_RETRIES, max_task_retries=ACTOR_RETRIES,
             fn_constructor_kwargs=dict(model=blob, outputs=outputs, options=opts,
                                        threads=threads, memory_limit=memory_limit,
                                        batch_size=batch_size),
@@ -358,8 +379,11 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
         if ds is None:
             if single:
                 out.close(probe.empty())
-            else:
+            else:  # one file of no rows, with the columns (an empty directory had none)
+                import pyarrow.parquet as pq
+
                 os.makedirs(output, exist_ok=True)
+                pq.write_table(to_arrow(probe.empty()), os.path.join(output, "empty.parquet"))
         elif single:
             with _quiet_own_errors():
                 for t in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -388,7 +412,9 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
             out.abort()
         if written is not None and written != output:
             shutil.rmtree(written, ignore_errors=True)
-        failure = _leanrnn_cause(e) if isinstance(e, ray.exceptions.RayError) else None
+        failure = None
+        if isinstance(e, ray.exceptions.RayError):
+            failure = _leanrnn_cause(e) or _actor_died(e)
         if failure is None:
             raise
         _release(e)
@@ -429,6 +455,20 @@ def _leanrnn_cause(e: BaseException) -> LeanRNNError | None:
     if lines:
         return DataError(lines[-1].split("Error: ", 1)[1].strip())
     return None
+
+
+def _actor_died(e: BaseException) -> LeanRNNError | None:
+    """A DataError for a job whose actor died on one item more often than it may restart."""
+    from ray.exceptions import RayActorError
+
+    if not any(isinstance(c, RayActorError) for c in _chain(e)):
+        return None
+    return DataError(
+        f"[score --ray] an actor died {ACTOR_RETRIES + 1} times on one work item (a crash, or "
+        "killed: out of memory?); no output was written. Look for the cause in Ray's worker "
+        "logs (/tmp/ray/session_latest/logs); a lower memory_limit or fewer actors per node "
+        "if it was memory"
+    )
 
 
 def _release(e: BaseException) -> None:

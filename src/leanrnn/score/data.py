@@ -391,6 +391,13 @@ def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
         col = col.combine_chunks()
     if isinstance(lengths, pa.ChunkedArray):
         lengths = lengths.combine_chunks()
+    if lengths is not None and not pa.types.is_integer(lengths.type):
+        # (the file readers check their schema first; a Ray batch reaches here unchecked, and
+        # 2.9 ran as 2, NaN as 0: a pandas integer column with one missing value is float64)
+        raise DTypeError(
+            f"[score] {where}, length column {length_column!r} has type {lengths.type}; "
+            "expected integers (fill or drop missing lengths, then cast the column to int)"
+        )
     n = len(col)
     if col.null_count:
         row = int(np.argmax(col.is_null().to_numpy(zero_copy_only=False)))
