@@ -49,7 +49,9 @@ def _batch(lengths, C=4, T=5):
     return x, col
 
 
-@pytest.mark.parametrize("lengths", [[5.0, 2.9, 4.0], [5.0, float("nan"), 4.0], [True, True, False]])
+@pytest.mark.parametrize(
+    "lengths", [[5.0, 2.9, 4.0], [5.0, float("nan"), 4.0], [True, True, False]]
+)
 def test_a_predictor_refuses_a_length_column_that_is_not_integers(lengths):
     """A Ray batch reached the lengths unchecked: 2.9 ran as 2, NaN as 0 (a pandas integer
     column with one missing value is float64); the file readers refuse such a column."""
