@@ -131,3 +131,35 @@ def test_torch_parameter_groups_are_told_to_use_one_optimizer_each():
     params = tr.parameters()
     with pytest.raises(LeanRNNError, match=r"parameter group.*one optimizer per group"):
         Adam([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}])
+
+
+def test_a_gemm_calibration_with_blas_on_several_threads_is_not_kept(monkeypatch, tmp_path):
+    """A build's wisdom read BLAS at 202 GFLOP/s "on one thread" (over this core's 118 peak:
+    BLAS ran on two) and chose it for training's products for as long as the build lived. A
+    measurement whose BLAS is not on one thread is not trusted (the native path) nor kept."""
+    import contextlib
+
+    from leanrnn import threads
+    from leanrnn.engine import products
+
+    monkeypatch.setattr(threads, "blas_alone", contextlib.nullcontext)  # (as if it failed)
+    monkeypatch.setattr(products, "_blas_threads", lambda: 2)
+    monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
+    got = products._measure_and_remember()
+    assert got["choice"] == "native" and got["untrusted"]
+    assert not (tmp_path / "wisdom.json").exists()
+    monkeypatch.setattr(products, "_blas_threads", lambda: 1)  # one thread: measured and kept
+    got = products._measure_and_remember()
+    assert "untrusted" not in got and (tmp_path / "wisdom.json").exists()
+
+
+def test_blas_threads_reads_what_blas_alone_sets():
+    from leanrnn import threads
+    from leanrnn.engine import products
+
+    if threads.blas_controller() is None or not any(
+        i["user_api"] == "blas" for i in threads.blas_controller().info()
+    ):
+        pytest.skip("no BLAS threadpoolctl can see")
+    with threads.blas_alone():
+        assert products._blas_threads() == 1
