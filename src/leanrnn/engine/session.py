@@ -559,8 +559,9 @@ class Session:
         does not fit whole. The limit stays with the session: a later run of another shape
         (another batch, longer steps, ``return_sequences=False``) plans its chunk within it, or
         raises PlanError; an arena held from before that exceeds it is released (a resize
-        without a limit lifts it). ``return_sequences=False`` plans for runs that keep only
-        final states (chunked by default, see DEFAULT_CHUNK).
+        without a limit lifts it, and the chunk goes back to the one asked for: ``chunk=``,
+        else auto). A chunk asked for caps the limit's choice. ``return_sequences=False``
+        plans for runs that keep only final states (chunked by default, see DEFAULT_CHUNK).
         Takes the session's (or its pool's) lock: a run on another thread finishes first.
 
         ``batch="auto"``: measure calls on this machine (``leanrnn.tuning.tune``) and plan for
