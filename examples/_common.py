@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +22,33 @@ LABELS = {
     "leanrnn-torch": "leanrnn.torch",
     "numpy": "leanrnn numpy-only",
 }
+
+
+def seed(text: str) -> int:
+    """argparse type: a seed numpy and torch both take (-1 failed in numpy once training had
+    started, 2**70 in torch)."""
+    v = _int(text)
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{v}: expected a seed in 0..2**63-1")
+    return v
+
+
+def threads(text: str) -> int:
+    """argparse type: threads, at least 1 and at most 4x this machine's cores (100000 crashed
+    torch.set_num_threads)."""
+    v = count(text)
+    most = 4 * (os.cpu_count() or 1)
+    if v > most:
+        raise argparse.ArgumentTypeError(f"{v}: expected at most {most} threads (4x this "
+                                         f"machine's {os.cpu_count()} cores)")  # fmt: skip
+    return v
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
 def count(text: str) -> int:
@@ -62,9 +90,10 @@ def out_file(text: str) -> str:
     return text
 
 
-# what matplotlib's savefig writes without extra packages
+# what matplotlib's savefig writes without extra packages (.pgf needs a LaTeX install: it
+# failed after training)
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif",
-                 ".tiff", ".pgf")  # fmt: skip
+                 ".tiff")  # fmt: skip
 
 
 def plot_file(text: str) -> str:
@@ -74,6 +103,8 @@ def plot_file(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected an image path ending in {', '.join(PLOT_SUFFIXES)}"
         )
+    if not have("matplotlib"):  # (found out after training, as an ImportError)
+        raise argparse.ArgumentTypeError("--plot needs matplotlib: pip install matplotlib")
     return out_file(text)
 
 
@@ -89,8 +120,8 @@ def add_common_args(p: argparse.ArgumentParser, steps: int) -> None:
                    help="torch.nn module, leanrnn.torch module (same script, module swapped) or "
                         "numpy-only leanrnn (leanrnn.train; no torch import)")  # fmt: skip
     p.add_argument("--steps", type=count, default=steps, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=count, default=2)
+    p.add_argument("--seed", type=seed, default=0, help="seeds the weights and the data order")
+    p.add_argument("--threads", type=threads, default=2, help="threads of the engine's kernels")
     p.add_argument("--lr", type=rate, default=None, help="Adam's learning rate")
     p.add_argument("--eval-every", type=count, default=None, help="steps between validations")
     p.add_argument("--plot", type=plot_file, metavar="PNG", help="write the loss curve(s) here")
@@ -142,6 +173,9 @@ def set_threads(n: int, engine: str):
     in-process)."""
     import leanrnn
 
+    if engine != "numpy" and not have("torch"):  # (a bare ModuleNotFoundError before)
+        raise SystemExit(f"[examples] --engine {engine} needs torch: pip install -e '.[torch]' "
+                         "(or run --engine numpy, which needs numpy and leanrnn only)")  # fmt: skip
     before = leanrnn.get_num_threads()
     leanrnn.set_num_threads(n)  # leanrnn's kernels, and BLAS...
     if engine == "numpy":
@@ -220,16 +254,32 @@ def finish(args, record: dict) -> dict:
     if not args.quiet:
         peak = "n/a" if record["peak_mib"] is None else f"{record['peak_mib']:.0f} MiB"
         print(
-            f"[{record['engine']}] {record['steps']} steps in {record['wall_s']:.1f} s "
-            f"({record['steps_per_s']:.2f} steps/s), final train loss "
+            f"[{record['engine']}] {record['steps']} steps in {record['wall_s']:.1f} s with "
+            f"validations (the steps alone: {record['steps_per_s']:.2f} steps/s), final train loss "
             f"{record['train_loss'][-1]:.4f}, val loss {record['val_loss'][-1]:.4f}, "
             f"peak memory {peak}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(record))
+        Path(args.json).write_text(to_json(record))
     if args.plot:
         plot([record], args.plot, record["title"])
     return record
+
+
+def to_json(obj) -> str:
+    """Strict JSON: a diverged run's NaN and Infinity losses as null (json.dumps wrote them
+    bare, which jq and JSON.parse refuse)."""
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(obj), allow_nan=False)
 
 
 def plot(records: list[dict], path: str, title: str) -> None:
@@ -330,7 +380,7 @@ def compare(script: str, argv: list[str], args, dump_init) -> list[dict]:
             records.append(json.loads(Path(out).read_text()))
     print(table(records))
     if args.json:
-        Path(args.json).write_text(json.dumps(records))
+        Path(args.json).write_text(to_json(records))
     if args.plot:
         plot(records, args.plot, records[0]["title"])
         print(f"[compare] wrote {args.plot}")
@@ -362,6 +412,13 @@ def init_arrays(
         if not arrays or not all(isinstance(v, np.ndarray) for v in arrays.values()):
             raise SystemExit(f"[examples] --init {path} holds no arrays; expected torch-named "
                              "arrays (weight_ih_l0, ...) saved with np.savez")  # fmt: skip
+        # the weights train in float32 in every engine: float64 ones are converted (numpy's
+        # engine built a float64 model and refused the float32 data); others are refused
+        bad = sorted(k for k, v in arrays.items() if v.dtype.kind != "f")
+        if bad:
+            raise SystemExit(f"[examples] --init {path}: {bad[:4]} are not float arrays; "
+                             "expected float32 weights")  # fmt: skip
+        arrays = {k: v.astype(np.float32) for k, v in arrays.items()}
         # another model's weights (the other example's, other sizes) fail here, naming what
         # differs, not deep in a framework's load_state_dict
         want = {k: v.shape for k, v in make_numpy().items()}

@@ -35,7 +35,9 @@ STDLIB_FILES = (
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    # no abbreviations: --compare's children get argv without --compare, and "--compar" kept
+    # in it made each child compare again (processes without end)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     common.add_common_args(p, steps=300)
     p.add_argument("--text", metavar="FILE", help="train on this text file instead of the stdlib")
@@ -64,10 +66,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def read_corpus(text_file: str | None) -> str:
     if text_file:
         try:
-            return Path(text_file).read_text(encoding="utf-8", errors="replace")
+            return Path(text_file).read_text(encoding="utf-8")
         except OSError as e:
             raise SystemExit(f"[char_lm] --text {text_file}: {e.strerror}; expected a readable "
                              "text file") from None  # fmt: skip
+        except UnicodeDecodeError as e:  # (replaced, Latin-1's letters became one character)
+            raise SystemExit(f"[char_lm] --text {text_file}: not UTF-8 text (byte {e.start}: "
+                             f"{e.object[e.start:e.start + 1]!r}); convert it first, e.g. iconv "
+                             "-f latin1 -t utf-8") from None  # fmt: skip
     root = Path(sysconfig.get_paths()["stdlib"])
     parts = [(root / f).read_text(encoding="utf-8") for f in STDLIB_FILES if (root / f).exists()]
     if not parts:
@@ -299,7 +305,8 @@ def main(argv: list[str] | None = None):
         return None
     if args.compare:
         return common.compare(__file__, argv, args,
-                              lambda path: np.savez(path, **torch_init(args, V)))  # fmt: skip
+                              lambda path: np.savez(path, **(torch_init(args, V) if common.have("torch")
+                                                             else numpy_init(args, V))))  # fmt: skip
     restore_threads = common.set_threads(args.threads, args.engine)
     try:
         return _run(args, argv, data)

@@ -25,7 +25,9 @@ import _common as common
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    # no abbreviations: --compare's children get argv without --compare, and "--compar" kept
+    # in it made each child compare again (processes without end)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     common.add_common_args(p, steps=300)
     p.add_argument("--series", choices=("sunspots", "co2"), default="sunspots")
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None):
     data = load_data(args)
     if args.compare:
         return common.compare(__file__, argv, args,
-                              lambda path: np.savez(path, **torch_init(args)))  # fmt: skip
+                              lambda path: np.savez(path, **(torch_init(args) if common.have("torch")
+                                                             else numpy_init(args))))  # fmt: skip
     restore_threads = common.set_threads(args.threads, args.engine)
     try:
         return _run(args, argv, data)
