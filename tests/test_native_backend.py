@@ -308,5 +308,6 @@ def test_compile_command_reports_the_build_or_why_not(tmp_path, capsys, monkeypa
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("LEANRNN_CACHE_DIR", str(tmp_path))
     assert cli.main(["compile", "--cache-dir", str(tmp_path)]) == 1
-    out = capsys.readouterr().out
-    assert "could not build the native kernels" in out and "/nonexistent/cc" in out
+    said = capsys.readouterr()  # on stderr, as every other error (session 41: it was stdout)
+    assert "leanrnn: error: could not build the native kernels" in said.err
+    assert "/nonexistent/cc" in said.err and "could not build" not in said.out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -102,13 +103,15 @@ def run(args) -> int:
     try:
         mod = runner.native_module(build=True)
     except ImportError as e:
-        print(f"leanrnn: the native kernels in {runner.where()} are broken: {e}")
+        print(f"leanrnn: error: the native kernels in {runner.where()} are broken: {e}",
+              file=sys.stderr)  # fmt: skip
         return 1
     if mod is None:
         why = native.failure(runner.where()) or "unknown"
-        print(f"leanrnn: could not build the native kernels: {why}")
-        print("(leanrnn still runs, on numba's JIT; fix the cause and run `leanrnn compile "
-              "--force`; a change of CC or of the compiler it finds is retried by itself)")  # fmt: skip
+        print(f"leanrnn: error: could not build the native kernels: {why}\n"
+              "(leanrnn still runs, on numba's JIT; fix the cause and run `leanrnn compile "
+              "--force`; a change of CC or of the compiler it finds is retried by itself)",
+              file=sys.stderr)  # fmt: skip
         return 1
     print(f"native kernels: {mod.__file__} ({time.perf_counter() - t0:.1f} s)")
     return 0

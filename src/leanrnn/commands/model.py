@@ -242,6 +242,9 @@ def run_cmd(args) -> int:
             )
         feeds[model.lengths_input] = lengths
     if isinstance(inp, np.lib.npyio.NpzFile):
+        both = sorted(set(feeds) & set(inp.files))
+        if both:  # (the file's lengths replaced the flag's without a word)
+            raise ShapeError(f"[run] --lengths and the --input .npz both give {both}; drop one")
         feeds.update({k: inp[k] for k in inp.files})
     else:
         rest = [n for n in model.input_names if n not in feeds]
@@ -250,6 +253,9 @@ def run_cmd(args) -> int:
                 f"[run] the model takes inputs {model.input_names}; pass them by name in an .npz"
             )
         feeds[rest[0]] = inp
+    # A file's arrays as the library takes them: C order and this machine's byte order (a
+    # Fortran-order or big-endian .npy was refused with advice to call np.ascontiguousarray)
+    feeds = {k: np.ascontiguousarray(v, v.dtype.newbyteorder("=")) for k, v in feeds.items()}
     outs = dict(zip(model.output_names, model.run(feeds), strict=True))
     if output:
         from .._files import replacing
@@ -284,7 +290,7 @@ def inspect_cmd(args) -> int:
         json.dump(info, sys.stdout, indent=2)
         print()
         return 0
-    print(f"{args.model}: {info['kind']} model")
+    print(f"{_shown(args.model)}: {info['kind']} model")
     if info["kind"] == "graph":
         ins = ", ".join(_tensor(t) for t in info["inputs"])
         outs = ", ".join(_tensor(t) for t in info["outputs"])
@@ -298,15 +304,15 @@ def inspect_cmd(args) -> int:
         print("  nodes:")
         for layer in info["layers"]:
             if "shares" in layer:  # one copy of weights several nodes run on
-                extra = f"  {layer['spec']}  (the weights of {layer['shares']})"
+                extra = f"  {layer['spec']}  (the weights of {_shown(layer['shares'])})"
             else:
                 extra = (f"  {layer['spec']}  ({_mib(layer['weight_bytes'])}"
                          f"{_precision(layer)})" if "spec" in layer else "")  # fmt: skip
             if layer.get("when"):  # an If's branch: runs only when these hold
                 when = layer["when"]
-                extra += "  when " + ", ".join(f"{c}={t}" for c, t in when[:4])
+                extra += "  when " + ", ".join(f"{_shown(c)}={t}" for c, t in when[:4])
                 extra += ", ..." if len(when) > 4 else ""
-            print(f"    {layer['op']:<16} {layer['node']}{extra}")
+            print(f"    {_shown(layer['op']):<16} {_shown(layer['node'])}{extra}")
     else:
         print(f"  dtype: {info['dtype']}")
         print(f"  weight precision: {info['precision']}{_codes(info)} (W and R panels: "
@@ -340,7 +346,14 @@ def inspect_cmd(args) -> int:
 
 def _tensor(t: dict) -> str:
     shape = "[shape unknown]" if t["shape"] is None else t["shape"]
-    return f"{t['name']} {t['dtype']}{shape}"
+    return f"{_shown(t['name'])} {t['dtype']}{shape}"
+
+
+def _shown(name) -> str:
+    """A name from a model file as it may be printed: quoted and escaped unless printable (a
+    newline in one forged a line of the report; escape sequences reached the terminal)."""
+    name = str(name)
+    return name if name.isprintable() else repr(name)
 
 
 def _codes(layer: dict) -> str:
