@@ -226,27 +226,66 @@ _N_NAMES = re.compile(r"^(n|b|batch(_?size)?|num_seq)$", re.I)
 def _input_shapes(model: GraphModel, batch: int, steps: int) -> dict[str, tuple[int, ...]]:
     """Concrete shapes for a graph's inputs for N=batch, T=steps: declared ints are kept;
     symbolic dims named like batch/time take N/T; the rest follow the first RNN node's layout
-    ([T, N, ...] for layout 0, [N, T, ...] for layout 1)."""
-    layout = next((n.attrs.get("layout", 0) for n in model.rnn_nodes), 0)
-    order = (steps, batch) if layout == 0 else (batch, steps)
+    ([T, N, ...] for layout 0, [N, T, ...] for layout 1) — through the Transposes (and an
+    embedding's Gather) between it and the input that feeds it, as exporters of batch-first
+    modules write them (a [N, T, C] input transposed for a layout-0 node was planned as
+    [T, N, C]: 2.9x the arena)."""
+    size = {"T": steps, "N": batch}
+    feeder, roles = _rnn_input_axes(model)
     shapes = {}
     for t in model.graph.inputs:
         if t.shape is None:
             raise ShapeError(f"[inspect] input {t.name!r} has no declared shape; cannot plan it")
+        order = [r for _, r in sorted(roles.items())] if t.name != feeder else None
         dims = []
         free = 0
-        for d in t.shape:
+        for i, d in enumerate(t.shape):
             if isinstance(d, int):
                 dims.append(d)
+            elif order is None and i in roles:  # the RNN's own input: its axes are known (a
+                dims.append(size[roles[i]])  # name such as "b" says less than the graph)
             elif isinstance(d, str) and _T_NAMES.match(d):
                 dims.append(steps)
             elif isinstance(d, str) and _N_NAMES.match(d):
                 dims.append(batch)
+            elif order is None:
+                dims.append(1)
             else:
-                dims.append(order[free] if free < 2 else 1)
+                dims.append(size[order[free]] if free < 2 else 1)
                 free += 1
         shapes[t.name] = tuple(dims)
     return shapes
+
+
+def _rnn_input_axes(model: GraphModel) -> tuple[str | None, dict[int, str]]:
+    """(the graph input that feeds the first RNN node's X, {its axis: "T" or "N"}), traced
+    back from X's axes through Transpose, Identity, Cast and an embedding Gather's indices;
+    (None, X's own axes) where the path is anything else."""
+    node = next(iter(model.rnn_nodes), None)
+    layout = 0 if node is None else node.attrs.get("layout", 0)
+    roles = {0: "T", 1: "N"} if layout == 0 else {0: "N", 1: "T"}
+    if node is None:
+        return None, roles
+    made = {o: n for n in model.graph.nodes for o in n.outputs if o}
+    inputs = {t.name for t in model.graph.inputs}
+    name, axes = node.inputs[0], dict(roles)
+    for _ in range(len(made) + 1):
+        if name in inputs:
+            return name, axes
+        p = made.get(name)
+        if p is None:
+            break
+        if p.op == "Transpose" and p.attrs.get("perm") is not None:
+            perm = list(p.attrs["perm"])  # output axis i is input axis perm[i]
+            axes = {perm[i]: r for i, r in axes.items() if i < len(perm)}
+            name = p.inputs[0]
+        elif p.op in ("Identity", "Cast"):
+            name = p.inputs[0]
+        elif p.op == "Gather" and int(p.attrs.get("axis", 0)) == 0 and len(p.inputs) > 1:
+            name = p.inputs[1]  # an embedding: the output's leading axes are the indices'
+        else:
+            break
+    return None, roles
 
 
 def _fixed_sizes(model: GraphModel, batch: int, steps: int, shapes: dict) -> set[str]:

@@ -50,7 +50,7 @@ MAX_SHARED_VIEWS = 4
 # numpy's limit on an array's rank (numpy 2; numpy 1 had 32, and refuses more itself)
 _MAX_NDIM = 64
 
-_RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$")
+_RNN_KEY = re.compile(r"^(.*?)weight_ih_l0$", re.DOTALL)  # (a prefix may hold a newline)
 # The entries of a torch RNN module that leanrnn packs (weight_ih_l0, bias_hh_l3_reverse, ...)
 _RNN_PARAM = re.compile(r"(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
 
