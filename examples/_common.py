@@ -266,6 +266,11 @@ def finish(args, record: dict) -> dict:
     return record
 
 
+def _loss(v) -> str:
+    """A loss for the tables: a diverged run's (NaN or inf; null in a record read back) too."""
+    return "n/a" if v is None else f"{v:.4f}"
+
+
 def to_json(obj) -> str:
     """Strict JSON: a diverged run's NaN and Infinity losses as null (json.dumps wrote them
     bare, which jq and JSON.parse refuse)."""
@@ -305,7 +310,7 @@ def plot(records: list[dict], path: str, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if len(records) > 1:
-        rows = [[LABELS[r["engine"]], f"{r['train_loss'][-1]:.4f}", f"{r['val_loss'][-1]:.4f}",
+        rows = [[LABELS[r["engine"]], _loss(r["train_loss"][-1]), _loss(r["val_loss"][-1]),
                  f"{r['wall_s']:.1f}", f"{r['steps_per_s']:.2f}",
                  "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"] for r in records]  # fmt: skip
         table = ax.table(cellText=rows, bbox=[0.0, -0.5, 1.0, 0.3],
@@ -326,8 +331,8 @@ def table(records: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in records:
         peak = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"| {LABELS[r['engine']]} | {r['train_loss'][-1]:.4f} | "
-                     f"{r['val_loss'][-1]:.4f} | {r['wall_s']:.1f} | {r['steps_per_s']:.2f} | "
+        lines.append(f"| {LABELS[r['engine']]} | {_loss(r['train_loss'][-1])} | "
+                     f"{_loss(r['val_loss'][-1])} | {r['wall_s']:.1f} | {r['steps_per_s']:.2f} | "
                      f"{peak} |")  # fmt: skip
     return "\n".join(lines)
 

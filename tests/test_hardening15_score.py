@@ -103,6 +103,15 @@ def test_the_ray_job_bounds_an_actors_restarts_and_names_its_death(monkeypatch, 
     src = tmp_path / "in.parquet"
     _, col = _batch([5, 2, 4])
     pq.write_table(pa.table({"x": col}), src)
-    with pytest.raises(lray.DataError, match="an actor died 3 times on one work item"):
+    with pytest.raises(lray.DataError, match="an actor died .restarted up to 2 times"):
         lray.score_on_ray(leanrnn.GRU(4, 8, seed=0), str(src), str(tmp_path / "o.parquet"))
     assert seen["max_restarts"] == seen["max_task_retries"] == lray.ACTOR_RETRIES == 2
+
+
+@pytest.mark.parametrize("keep", [None, 5, "utt_id", ("a", "a"), ("h_n",)])
+def test_a_predictor_checks_keep_when_made(keep):
+    from leanrnn.errors import SpecError
+    from leanrnn.ray import Predictor
+
+    with pytest.raises(SpecError, match=r"\[Predictor\] keep"):
+        Predictor(leanrnn.GRU(4, 8, seed=0), keep=keep)

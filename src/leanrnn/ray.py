@@ -117,8 +117,13 @@ class Predictor:
         self.scorer = Scorer(m, outputs, memory_limit, threads, batch_size)
         self.column, self.length_column = column, length_column
         self.allow_nonfinite = allow_nonfinite
-        if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
-            raise SpecError(f"[Predictor] keep={keep!r}; expected a tuple of column names")
+        if (not isinstance(keep, list | tuple) or not all(isinstance(k, str) for k in keep)
+                or len(set(keep)) != len(keep)):  # fmt: skip
+            raise SpecError(f"[Predictor] keep={keep!r}; expected a tuple of distinct column names")
+        clash = sorted(set(keep) & set(to_arrow(self.scorer.empty()).column_names))
+        if clash:
+            raise SpecError(f"[Predictor] keep names {clash}, which are output columns; rename "
+                            "them in the dataset first")  # fmt: skip
         self.keep = tuple(keep)
         # Load the kernels here, once per actor, not on the first batch.
         import numpy as np
@@ -182,9 +187,6 @@ class Predictor:
         )  # fmt: skip
         out = to_arrow(self.scorer.score(seqs))
         for k in self.keep:
-            if k in out.column_names:
-                raise DataError(f"[Predictor] keep names {k!r}, which is an output column; "
-                                "rename it in the dataset first")  # fmt: skip
             out = out.append_column(k, table.column(k))
         return out
 
@@ -380,10 +382,14 @@ def score_on_ray(model, dataset, output, *, outputs: str = "final",
             if single:
                 out.close(probe.empty())
             else:  # one file of no rows, with the columns (an empty directory had none)
+                import pyarrow.fs
                 import pyarrow.parquet as pq
 
-                os.makedirs(output, exist_ok=True)
-                pq.write_table(to_arrow(probe.empty()), os.path.join(output, "empty.parquet"))
+                fs, root = pyarrow.fs.FileSystem.from_uri(
+                    output if "://" in output else os.path.abspath(output)
+                )
+                fs.create_dir(root, recursive=True)
+                pq.write_table(to_arrow(probe.empty()), f"{root}/empty.parquet", filesystem=fs)
         elif single:
             with _quiet_own_errors():
                 for t in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
@@ -461,13 +467,15 @@ def _actor_died(e: BaseException) -> LeanRNNError | None:
     """A DataError for a job whose actor died on one item more often than it may restart."""
     from ray.exceptions import RayActorError
 
-    if not any(isinstance(c, RayActorError) for c in _chain(e)):
+    died = next((c for c in _chain(e) if isinstance(c, RayActorError)), None)
+    if died is None:
         return None
+    said = " ".join(str(died).split())[:300]
     return DataError(
-        f"[score --ray] an actor died {ACTOR_RETRIES + 1} times on one work item (a crash, or "
-        "killed: out of memory?); no output was written. Look for the cause in Ray's worker "
-        "logs (/tmp/ray/session_latest/logs); a lower memory_limit or fewer actors per node "
-        "if it was memory"
+        f"[score --ray] an actor died (restarted up to {ACTOR_RETRIES} times, its work item "
+        "retried as often: a crash, or killed, e.g. out of memory); no output was written. "
+        f"Ray said: {said}. The cause is in Ray's worker logs (/tmp/ray/session_latest/logs); "
+        "if it was memory, a lower memory_limit or fewer actors per node"
     )
 
 

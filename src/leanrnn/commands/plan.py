@@ -162,7 +162,7 @@ def run(args) -> int:
 
         raise LeanRNNError("[plan] --autocast-mode chooses --autocast's mode: add --autocast "
                            "(and --train)")  # fmt: skip
-    if args.chunk is not None and args.memory_limit is not None:  # the limit's choice won
+    if args.chunk is not None and args.memory_limit is not None:  # two answers to one question
         from leanrnn.errors import LeanRNNError
 
         what = "segment" if args.train else "chunk"

@@ -105,10 +105,13 @@ def packed_product(pm: PackedMatmul, a: np.ndarray, out: np.ndarray, tail, threa
     launch instead when several threads share it, copied out: the last panel's launch of its
     own left a thread idle and cost a team wake-up (benchmarks/head_tail.py, the 1000-wide
     head on 2 threads, Zen 3: 0.93x the time at 100 rows, 0.88x at 30; one thread: the same
-    launches). A one-panel ``tail`` of fewer rows than ``a`` (tail_rows: a block of them) takes the last
-    panel block by block, each copied out before the next: the tail of a narrow head over a
-    long sequence was rows x 64 floats, 21x a 3-wide output and most of a tagger's arena."""
+    launches). A one-panel ``tail`` of fewer rows than ``a`` (tail_rows: a block of them)
+    takes the last panel block by block, each copied out before the next: the tail of a
+    narrow head over a long sequence was rows x 64 floats, 21x a 3-wide output and most of a
+    tagger's arena."""
     R, K = a.shape
+    if R == 0:  # (no rows: nothing to launch, and no block of rows to step by)
+        return
     U = pm.W.shape[0]
     full = min(U, out.shape[1] // PANEL)  # panels written straight into out
     parts = threads if threads > 1 and shares_threads(pm, R) else 1

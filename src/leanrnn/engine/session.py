@@ -724,10 +724,13 @@ class Session:
         memory_limit = _check.bytes_or_none("Session.planned", "memory_limit", memory_limit)
         with self._turn():
             chunk = self._chunk
-            try:
+            try:  # the chunk as resize would take it (_resize): capped by, or else, the asked one
                 if memory_limit is not None:
                     self._chunk = self._largest_chunk(batch, steps, int(memory_limit),
-                                                      not return_sequences)  # fmt: skip
+                                                      not return_sequences, self._asked,
+                                                      steps)  # fmt: skip
+                else:
+                    self._chunk = self._asked
                 return plan(self.buffers(*self._key(batch, steps, return_sequences)))
             finally:
                 self._chunk = chunk

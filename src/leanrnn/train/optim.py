@@ -522,7 +522,10 @@ class _Optimizer:
     """What SGD and Adam share: the parameter list, checked hyperparameters, per-parameter
     state, the shared scratch buffers, zero_grad and state_dict/load_state_dict."""
 
-    _STATE_KEYS: ClassVar[tuple[str, ...]] = ()  # array entries of one parameter's state
+    # The entries a parameter's state may hold (in state_dict's order), and those a state
+    # that holds any must hold; the rest are made by the step that first needs them.
+    _STATE_KEYS: ClassVar[tuple[str, ...]] = ()
+    _CORE: ClassVar[tuple[str, ...]] = ()
     # Keys torch's param_groups carry that mean nothing here; a torch state dict converted to
     # numpy loads with them present.
     _TORCH_ONLY: ClassVar[frozenset[str]] = frozenset(
@@ -637,7 +640,7 @@ class _Optimizer:
             if s:
                 state[i] = {
                     k: (s[k].copy() if isinstance(s[k], np.ndarray) else s[k])
-                    for k in self._KEYS
+                    for k in self._STATE_KEYS
                     if k in s
                 }
         group = {k: (tuple(v) if isinstance(v, tuple) else v) for k, v in self._hyper.items()}
@@ -738,11 +741,6 @@ class _Optimizer:
                     new[k] = buf
             self._state[i] = new
 
-    # The buffers a parameter's state may hold (in state_dict's order), and those a state
-    # that holds any must hold; the rest are made by the step that first needs them.
-    _KEYS: tuple[str, ...] = ()
-    _CORE: tuple[str, ...] = ()
-
     def _checked_state(self, where: str, i: int, s: Any, hyper: dict[str, Any]) -> dict:
         p = self._params[i]
         label = f"state[{i}] ({p.name or 'unnamed'})"
@@ -751,14 +749,14 @@ class _Optimizer:
         present = {k for k, v in s.items() if v is not None}
         if not present:  # torch's entry for a parameter that has not been stepped yet
             return {}
-        if not present <= set(self._KEYS) or not set(self._CORE) <= present:
+        if not present <= set(self._STATE_KEYS) or not set(self._CORE) <= present:
             raise LeanRNNError(
                 f"[{where}] {label} has keys {sorted(present)}; expected "
-                f"{sorted(self._CORE)}, and of {sorted(set(self._KEYS) - set(self._CORE))} "
+                f"{sorted(self._CORE)}, and of {sorted(set(self._STATE_KEYS) - set(self._CORE))} "
                 "any"
             )
         out: dict[str, Any] = {}
-        for k in (k for k in self._KEYS if k in present):
+        for k in (k for k in self._STATE_KEYS if k in present):
             v = s[k]
             if k == "step":
                 step = np.asarray(v)
@@ -853,7 +851,7 @@ class SGD(_Optimizer):
             )
         return out
 
-    _KEYS = ("momentum_buffer",)
+    _STATE_KEYS = ("momentum_buffer",)
 
     def _update(self, i: int, theta: np.ndarray, g: np.ndarray, state: dict[str, Any]) -> None:
         h = self._hyper
@@ -956,7 +954,7 @@ class Adam(_Optimizer):
             "maximize": _bool(w, "maximize", h["maximize"]),
         }
 
-    _KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _CORE = ("step", "exp_avg", "exp_avg_sq")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -983,7 +981,7 @@ class Adam(_Optimizer):
         amsgrad, maximize = h["amsgrad"], h["maximize"]
         if "exp_avg" not in state or (amsgrad and "max_exp_avg_sq" not in state):
             # the first step (or amsgrad just switched on): moments start at zero
-            for k in (self._KEYS if amsgrad else self._CORE)[1:]:
+            for k in (self._STATE_KEYS if amsgrad else self._CORE)[1:]:
                 if k not in state:
                     state[k] = np.zeros_like(theta)
             state.setdefault("step", 0)
