@@ -103,7 +103,7 @@ def test_the_ray_job_bounds_an_actors_restarts_and_names_its_death(monkeypatch, 
     src = tmp_path / "in.parquet"
     _, col = _batch([5, 2, 4])
     pq.write_table(pa.table({"x": col}), src)
-    with pytest.raises(lray.DataError, match="an actor died .restarted up to 2 times"):
+    with pytest.raises(lray.DataError, match=r"an actor died \(restarted up to 2 times"):
         lray.score_on_ray(leanrnn.GRU(4, 8, seed=0), str(src), str(tmp_path / "o.parquet"))
     assert seen["max_restarts"] == seen["max_task_retries"] == lray.ACTOR_RETRIES == 2
 
