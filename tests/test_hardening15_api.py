@@ -163,3 +163,55 @@ def test_blas_threads_reads_what_blas_alone_sets():
         pytest.skip("no BLAS threadpoolctl can see")
     with threads.blas_alone():
         assert products._blas_threads() == 1
+
+
+def test_a_copied_trainer_runs_the_backward_of_a_copied_tape_after_steps():
+    """PackedWeights' copies dropped their generation: a (trainer, tape) copy taken after the
+    first optimizer step took its own weights for another writer's and refused the tape."""
+    import copy
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((T, N, C)).astype(np.float32)
+    dy = rng.standard_normal((T, N, H)).astype(np.float32)
+    tr = Trainer(leanrnn.LSTM(C, H, seed=0))
+    opt = SGD(tr.parameters(), lr=0.1)
+    for _ in range(2):
+        tr.zero_grad()
+        tr.backward(tr.forward(x), dy)
+        opt.step()
+    tr.zero_grad()
+    tape = tr.forward(x)
+    tr2, tape2 = copy.deepcopy((tr, tape))
+    dx2 = tr2.backward(tape2, dy)[0]
+    np.testing.assert_array_equal(dx2, tr.backward(tape, dy)[0])
+    np.testing.assert_array_equal(tr2.grad.buffer, tr.grad.buffer)
+
+
+def test_processes_choosing_the_gemm_together_take_one_answer(monkeypatch, tmp_path):
+    """Four processes started together on a new cache each measured on shared cores, and one
+    chose BLAS where three chose the tile (their gradients differed in the last bits). The
+    measurement is taken under a lock between processes; who waited reads its answer."""
+    import fcntl
+    import json
+    import threading
+
+    from leanrnn.engine import products
+
+    monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
+    calls = []
+    monkeypatch.setattr(products, "calibrate",
+                        lambda rounds=5: calls.append(1) or {"choice": "native",
+                                                             "native_gflops": 1.0,
+                                                             "blas_gflops": 1.0})  # fmt: skip
+    other = open(tmp_path / "wisdom.lock", "a")  # another process measuring: it holds the lock
+    fcntl.flock(other, fcntl.LOCK_EX)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(products._measure_and_remember()))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # waiting for the other's measurement
+    theirs = {"choice": "blas", "native_gflops": 1.0, "blas_gflops": 2.0}
+    (tmp_path / "wisdom.json").write_text(json.dumps({"gemm": theirs, "rule": products._RULE}))
+    other.close()  # (releases it)
+    t.join(10)
+    assert got == theirs and not calls  # its answer, not a measurement of its own

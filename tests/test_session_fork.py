@@ -193,3 +193,29 @@ def test_resize_waits_for_a_run_on_another_thread():
         assert not done.wait(0.3)  # blocked behind the "run"
     t.join(5)
     assert done.is_set() and s.plan is not None
+
+
+def test_child_runs_a_leanrnn_torch_module_whose_lock_another_thread_holds():
+    """Session 41: a leanrnn.torch module's engine lock was not renewed: a parent thread in
+    its forward at the fork (a DataLoader, a process pool) hung the child's first call."""
+    torch = pytest.importorskip("torch")
+    import leanrnn.torch as lt
+    from leanrnn.torch import _ENGINES
+
+    m = lt.LSTM(6, 12)
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((5, 2, 6)).astype(np.float32))
+    with torch.no_grad():
+        want = m(x)[0].numpy()
+    _fork_while_held(_ENGINES[m._key].lock, lambda: m(x)[0].detach().numpy(), want)
+
+
+def test_child_chooses_the_gemm_while_a_parent_thread_was_choosing(monkeypatch):
+    """Session 41: the lock of the first GEMM choice (a ~1 s measurement) was not renewed: a
+    fork during it hung the child at its first training step."""
+    from leanrnn.engine import products
+
+    monkeypatch.setattr(products, "_CHOICE", {})  # not chosen yet: the child takes the lock
+    m = leanrnn.LSTM(6, 12, seed=4)
+    x = np.random.default_rng(4).standard_normal((5, 2, 6)).astype(np.float32)
+    _fork_while_held(products._CHOOSING, lambda: (products.gemm_choice(np.float32),
+                                                   m(x)[0])[1], _reference(m, x))  # fmt: skip

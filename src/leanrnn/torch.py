@@ -98,6 +98,7 @@ from torch.autograd import forward_ad as _forward_ad
 from torch.autograd.function import once_differentiable
 from torch.nn.utils.rnn import PackedSequence
 
+from .engine import _fork
 from .engine.products import gemm_choice
 from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import torch_format
@@ -152,7 +153,10 @@ class _Engine:
         self.seen: list[tuple] = []
         # One forward or backward at a time per module: they share the trainer's arena, sync
         # array and gradient buffer (torch lets two Python threads run one module at once).
+        # Renewed in a forked child: held by a parent's thread at the fork, it hung the
+        # child's first call for ever (a DataLoader or a process pool forked mid-step).
         self.lock = threading.RLock()
+        _fork.renew_lock(self, "lock", threading.RLock)
 
     def sync(self, weights, dropout: bool) -> Trainer:
         """The trainer, its packed weights equal to ``weights`` (torch order and names)."""

@@ -22,8 +22,10 @@ Both give the same products to float32 rounding (sums in another order); tests r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from ..errors import LeanRNNError
 from ..kernels import abi, runner
 from ..memory.arena import aligned_empty
 from ..threads import PACKED_MATMUL_PARALLEL_MACS
+from . import _fork
 from .session import NO_SCRATCH, NO_SLOTS
 
 PANEL = 64  # output columns per panel: the widest register tile (4 x 16)
@@ -185,7 +188,10 @@ def padded_tail_width(panels: int) -> int:
 
 # ------------------------------------------------------------------ which GEMM
 _CHOICE: dict[str, dict] = {}  # "float32" -> calibrate()'s result, once per process
+# Renewed in a forked child: held by a parent's thread measuring at the fork, it hung the
+# child's first training step.
 _CHOOSING = threading.Lock()
+_fork.renew_lock(sys.modules[__name__], "_CHOOSING")
 _SHAPE = (768, 1536, 512)  # rows x K x columns of the timed product: ~1.2 GFLOP, a few ms
 
 
@@ -250,18 +256,48 @@ def _remembered() -> dict | None:
 
 
 def _measure_and_remember() -> dict:
-    result = calibrate()
-    if result.get("untrusted"):  # (a build kept BLAS at 202 GFLOP/s a "thread" for good)
-        return result  # not remembered: measured again by the next process
+    # One process of a build measures at a time, and the others then read its answer: four
+    # started together on a new cache measured on shared cores, one chose BLAS where three
+    # chose the tile, and their training gradients differed in the last bits.
+    with _wisdom_lock():
+        got = _remembered()
+        if got is not None:
+            return got
+        result = calibrate()
+        if result.get("untrusted"):  # (a build kept BLAS at 202 GFLOP/s a "thread" for good)
+            return result  # not remembered: measured again by the next process
+        try:
+            path = _wisdom_path()
+            if path is not None:
+                tmp = path.with_name(f"wisdom.json.tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"gemm": result, "rule": _RULE}))
+                os.replace(tmp, path)
+        except OSError:  # an unwritable cache: measured again by the next process
+            pass
+        return result
+
+
+@contextlib.contextmanager
+def _wisdom_lock():
+    """An exclusive lock on wisdom.json's folder between processes (flock on wisdom.lock), or
+    none where that cannot be had (no native build, an unwritable cache, no fcntl)."""
+    f = None
     try:
+        import fcntl
+
         path = _wisdom_path()
         if path is not None:
-            tmp = path.with_name(f"wisdom.json.tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"gemm": result, "rule": _RULE}))
-            os.replace(tmp, path)
-    except OSError:  # an unwritable cache: measured again by the next process
-        pass
-    return result
+            f = open(path.with_name("wisdom.lock"), "a")  # (closed below)
+            fcntl.flock(f, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        if f is not None:
+            f.close()
+        f = None
+    try:
+        yield
+    finally:
+        if f is not None:
+            f.close()  # (releases the lock)
 
 
 # BLAS runs training's products only when its GEMM is this much faster than the tile: the

@@ -154,10 +154,16 @@ class PackedWeights:
         # deepcopy and pickle: a new aligned buffer holding the same bytes, its views made
         # again. Copied one attribute at a time, each view became an unaligned array of its
         # own, outside the buffer the engine and the native writer read.
-        return _packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer, "pairs")
+        # The generation goes along as state (a dict update, as older pickles load): a
+        # Trainer's copy keeps the generation it last saw, and against a copy's 0 it took its
+        # own weights for another writer's and refused its tapes after the first step.
+        return (_packed_from_bytes, (self.spec, self.dtype, self.precision, self.buffer, "pairs"),
+                {"generation": self.generation})  # fmt: skip
 
     def __deepcopy__(self, memo) -> PackedWeights:
-        return _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer, "pairs")
+        new = _packed_from_bytes(self.spec, self.dtype, self.precision, self.buffer, "pairs")
+        new.generation = self.generation
+        return new
 
     def __copy__(self) -> PackedWeights:
         # shallow, as before: the same buffer and views (serve swaps the spec of such a copy)
