@@ -53,10 +53,7 @@ def _int(text: str) -> int:
 
 def count(text: str) -> int:
     """argparse type: an integer >= 1 (a size, a count of steps, threads, windows)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    v = _int(text)
     if v < 1:  # 0 steps ran nothing in silence; 0 windows divided by zero; 0 units crashed
         raise argparse.ArgumentTypeError(f"{v}: expected an integer >= 1")
     return v

@@ -143,26 +143,25 @@ def test_a_gemm_calibration_with_blas_on_several_threads_is_not_kept(monkeypatch
     from leanrnn.engine import products
 
     monkeypatch.setattr(threads, "blas_alone", contextlib.nullcontext)  # (as if it failed)
-    monkeypatch.setattr(products, "_blas_threads", lambda: 2)
+    monkeypatch.setattr(threads, "blas_threads", lambda: 2)
     monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
     got = products._measure_and_remember()
     assert got["choice"] == "native" and got["untrusted"]
     assert not (tmp_path / "wisdom.json").exists()
-    monkeypatch.setattr(products, "_blas_threads", lambda: 1)  # one thread: measured and kept
+    monkeypatch.setattr(threads, "blas_threads", lambda: 1)  # one thread: measured and kept
     got = products._measure_and_remember()
     assert "untrusted" not in got and (tmp_path / "wisdom.json").exists()
 
 
 def test_blas_threads_reads_what_blas_alone_sets():
     from leanrnn import threads
-    from leanrnn.engine import products
 
     if threads.blas_controller() is None or not any(
         i["user_api"] == "blas" for i in threads.blas_controller().info()
     ):
         pytest.skip("no BLAS threadpoolctl can see")
     with threads.blas_alone():
-        assert products._blas_threads() == 1
+        assert threads.blas_threads() == 1
 
 
 def test_a_copied_trainer_runs_the_backward_of_a_copied_tape_after_steps():

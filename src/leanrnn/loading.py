@@ -76,9 +76,7 @@ def load(
                     "float32 model it was made from in float64"
                 )
             return model if dtype is None or dtype == model.dtype else model.astype(dtype)
-        _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})},
-               _graph_recorded(obj))  # fmt: skip
-        return GraphModel(obj, threads=threads)
+        return _graph_model(path, obj, asked, dtype, threads)
     if kind in ("safetensors", "npz", "torch-zip", "pickle"):
         if prefix is not None and not isinstance(prefix, str):
             raise ModelFormatError(f"[load] prefix={prefix!r}; expected a str such as "
@@ -101,16 +99,17 @@ def load(
             f"[load] {path!r} is not a recognized model file: expected .lrnn, ONNX, a PyTorch "
             f"checkpoint, .safetensors or .npz (as ONNX: {e})"
         ) from None
-    _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})},
-           _graph_recorded(graph))  # fmt: skip
-    return GraphModel(graph, threads=threads)
+    return _graph_model(path, graph, asked, dtype, threads)
 
 
-def _graph_recorded(graph) -> dict:
-    """What a graph records of the loading options: its weights' float dtype, when its packed
-    RNN weights have one (dtype="float32" for a float32 graph was refused as not agreeing)."""
+def _graph_model(path: str, graph, asked: dict, dtype, threads) -> GraphModel:
+    """A graph file's GraphModel, the options asked of it agreeing with what it records: its
+    weights' float dtype, when its packed RNN weights have one (dtype="float32" for a float32
+    graph was refused as not agreeing)."""
     dts = {pw.dtype.name for pw in graph.packed.values()}
-    return {"dtype": dts.pop()} if len(dts) == 1 else {}
+    _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})},
+           {"dtype": dts.pop()} if len(dts) == 1 else {})  # fmt: skip
+    return GraphModel(graph, threads=threads)
 
 
 def _float_dtype(dtype) -> np.dtype | None:

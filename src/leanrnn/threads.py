@@ -144,6 +144,14 @@ def blas_controller():
     return _controller
 
 
+def blas_threads() -> int:
+    """The most threads any loaded BLAS runs with now (1 when none is known)."""
+    c = blas_controller()
+    if c is None:
+        return 1
+    return max((i["num_threads"] for i in c.info() if i["user_api"] == "blas"), default=1)
+
+
 def limit_blas(n: int) -> None:
     """Limit every loaded BLAS library to ``n`` threads, process-wide (inside ``blas_alone``:
     once the last thread leaves it)."""

@@ -322,7 +322,7 @@ def calibrate(rounds: int = 5) -> dict:
     (rows x K x columns = _SHAPE, operands fresh from memory as a gradient's are), one thread
     each, interleaved ``rounds`` times; ``decide`` picks from the minima. Returns {"choice",
     "native_gflops", "blas_gflops"}."""
-    from ..threads import blas_alone
+    from ..threads import blas_alone, blas_threads
 
     R, K, M = _SHAPE
     rng = np.random.default_rng(0)
@@ -342,7 +342,7 @@ def calibrate(rounds: int = 5) -> dict:
 
     best = {"native": float("inf"), "blas": float("inf")}
     with blas_alone():
-        alone = _blas_threads() <= 1
+        alone = blas_threads() <= 1
         for f in (native, blas):
             f()  # warm: first calls load code and fault pages
         for _ in range(rounds):
@@ -359,13 +359,3 @@ def calibrate(rounds: int = 5) -> dict:
     if not alone:  # BLAS timed on several threads: no measure of one thread's speed
         got.update(choice="native", untrusted=True)
     return got
-
-
-def _blas_threads() -> int:
-    """The most threads any loaded BLAS runs with now (1 when none is known)."""
-    from ..threads import blas_controller
-
-    c = blas_controller()
-    if c is None:
-        return 1
-    return max((i["num_threads"] for i in c.info() if i["user_api"] == "blas"), default=1)

@@ -609,11 +609,7 @@ class Session:
         """``limit``: the memory limit to plan within, kept for the re-plans of later runs."""
         batch, steps = _batch_steps(batch, steps)
         memory_limit = None if limit is None else limit.nbytes
-        if limit is not None:
-            self._chunk = self._largest_chunk(batch, steps, memory_limit, not return_sequences,
-                                              limit.cap, limit.steps)  # fmt: skip
-        else:
-            self._chunk = self._asked
+        self._chunk = self._chunk_within(batch, steps, limit, not return_sequences)
         if limit != self._limit:
             self._plans.clear()  # made within another limit (a plan refused below keeps none)
         self._limit = limit
@@ -722,18 +718,22 @@ class Session:
         resize's when the limit cannot be met)."""
         batch, steps = _batch_steps(batch, steps)
         memory_limit = _check.bytes_or_none("Session.planned", "memory_limit", memory_limit)
+        limit = None if memory_limit is None else _Limit(int(memory_limit), self._asked, steps)
         with self._turn():
             chunk = self._chunk
-            try:  # the chunk as resize would take it (_resize): capped by, or else, the asked one
-                if memory_limit is not None:
-                    self._chunk = self._largest_chunk(batch, steps, int(memory_limit),
-                                                      not return_sequences, self._asked,
-                                                      steps)  # fmt: skip
-                else:
-                    self._chunk = self._asked
+            try:  # the chunk as resize would take it
+                self._chunk = self._chunk_within(batch, steps, limit, not return_sequences)
                 return plan(self.buffers(*self._key(batch, steps, return_sequences)))
             finally:
                 self._chunk = chunk
+
+    def _chunk_within(self, batch: int, steps: int, limit: _Limit | None,
+                      discard: bool) -> int | None:  # fmt: skip
+        """The chunk runs take: the largest ``limit`` allows (within its cap), or without one
+        the chunk asked for (``chunk=``, resize("auto")'s; None: auto_chunk's)."""
+        if limit is None:
+            return self._asked
+        return self._largest_chunk(batch, steps, limit.nbytes, discard, limit.cap, limit.steps)
 
     def _largest_chunk(self, batch: int, steps: int, limit: int, discard: bool,
                        cap: int | None = None, upto: int | None = None) -> int | None:  # fmt: skip

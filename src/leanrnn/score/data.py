@@ -197,17 +197,13 @@ def check_values(a: np.ndarray, where: str, what: str, first_row: int, offsets=N
 class _ParquetReader:
     def __init__(self, path: str, src: Source) -> None:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self.path, self.src = path, src
         # The footer is read and checked here, for every file before any work; the file is
         # opened again to read its rows (pieces). Kept open from here, a directory of 1,100
         # files ran out of descriptors, and a finished score's stayed open until a GC cycle.
-        try:
-            with pq.ParquetFile(path) as pf:
-                self.metadata, schema = pf.metadata, pf.schema_arrow
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"[score] {path!r} is not a readable Parquet file: {e}") from None
+        with self._open() as pf:
+            self.metadata, schema = pf.metadata, pf.schema_arrow
         names = schema.names
         opts = src.opts
         lists = [f.name for f in schema if _is_list(f.type)]
@@ -257,8 +253,6 @@ class _ParquetReader:
         """ranges: (row group, first row, end row) triples to read, in this order (None: every
         row; the Ray path hands each actor a share of a file). Rows before a range's first row
         are decoded and dropped: Parquet cannot start reading inside a row group."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
 
         md = self.metadata
         cols = [self.column] + ([self.length_column] if self.length_column else [])
@@ -279,12 +273,18 @@ class _ParquetReader:
                 big / 2**20,
                 piece_bytes / 2**20,
             )
+        with self._open() as pf:
+            yield from self._read(pf, md, cols, ranges, piece_bytes, row_cost)
+
+    def _open(self):
+        """The file as a pyarrow ParquetFile (a context manager: closed after), or DataError."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         try:
-            pf = pq.ParquetFile(self.path)
+            return pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"[score] {self.path!r} is not a readable Parquet file: {e}") from None
-        with pf:
-            yield from self._read(pf, md, cols, ranges, piece_bytes, row_cost)
 
     def _read(self, pf, md, cols, ranges, piece_bytes: int, row_cost: int) -> Iterator[Piece]:
         import pyarrow as pa

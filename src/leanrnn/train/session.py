@@ -544,8 +544,7 @@ class Trainer:
             h0 = _check.array(op, "h0", h0, dt, (L * D, N, K), ("L*D", "N", "K"))
         if c0 is not None:
             c0 = _check.array(op, "c0", c0, dt, (L * D, N, H), ("L*D", "N", "H"))
-        lens = np.full(N, T, np.int64) if lengths is None else np.array(
-            _check.lengths(op, lengths, N, T), np.int64)  # fmt: skip
+        lens = np.full(N, T, np.int64) if lengths is None else _check.lengths(op, lengths, N, T)
         # time-major input: the kernels and the weight GEMMs read rows t*N + n; the caller's x
         # is read in place when it is already laid out so (the tape keeps a reference); else a
         # copy in the arena, counted by the segment a memory limit picks (an unaligned one
@@ -813,12 +812,15 @@ class Trainer:
         # with S) the boundary states cost nothing and bytes grow with S: if that segment fits,
         # the answer is above it.
         fit = next((S for S in _doubling(T - 1) if self._boundaries_fit(N, T, S)), None)
+        needs = {}
         if fit is not None:
             lo = 1 if fit == 1 else fit // 2 + 1
             while lo < fit:  # the exact shortest one, between the last miss and fit
                 mid = (lo + fit) // 2
                 lo, fit = (lo, mid) if self._boundaries_fit(N, T, mid) else (mid + 1, fit)
-            if self._need(N, T, fit, True, stage, draw) <= limit:
+            # too big, it stays a candidate for the least (often it: the error named more)
+            needs[fit] = self._need(N, T, fit, True, stage, draw)
+            if needs[fit] <= limit:
                 return longest(fit, T - 1)
         # Below it, bytes ~ a*S + b*T/S + c: the segments that fit are an interval around the
         # minimum. Where the minimum lies depends on how the per-step buffers (a) weigh against
@@ -827,9 +829,7 @@ class Trainer:
         # GEMMs).
         top = T - 1 if fit is None else fit - 1
         grid = sorted({int(s) for s in np.unique(np.geomspace(1, max(top, 1), 48).round())})
-        needs = {S: self._need(N, T, S, True, stage, draw) for S in grid}
-        if fit is not None:  # (too big, or it was taken above; often the least: the error
-            needs[fit] = self._need(N, T, fit, True, stage, draw)  # named a larger figure)
+        needs.update({S: self._need(N, T, S, True, stage, draw) for S in grid})
         best = min(needs, key=needs.get)
         if needs[best] > limit:
             raise PlanError(
