@@ -12,6 +12,7 @@ import numpy as np
 
 from .engine import _check, _fork
 from .engine.graph import GraphSession, LoadedGraph
+from .engine.graph.quant_ops import quantization_constants
 from .engine.model import parameter_count, spec_line
 from .errors import ShapeError, SpecError
 from .formats import native
@@ -144,8 +145,11 @@ class GraphModel:
                 layers.append({"node": node.name, "op": node.op})
             if node.when:  # runs in an If's branch, when these conditions hold
                 layers[-1]["when"] = [[c, t] for c, t in node.when]
-        for c in g.constants.values():
-            if c.dtype.kind == "f":
+        # parameters as torch counts the float model's: float constants and quantized (8-bit)
+        # weights, not the scales and zero points that quantization added
+        quant = quantization_constants(g)
+        for name, c in g.constants.items():
+            if name not in quant and (c.dtype.kind == "f" or c.dtype in (np.int8, np.uint8)):
                 params += c.size
             wbytes += c.nbytes
         shapes = _input_shapes(self, batch, steps)

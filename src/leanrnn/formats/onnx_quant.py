@@ -97,6 +97,16 @@ def _matrix(graph, node, which: str, D: int, K: int | None, G: int, where) -> Qu
                 f"[{D}, {G}] (per output column)",
                 WeightsError,
             )
+    if scale.shape != zp.shape:  # onnxruntime reads the zero points in the scales' layout:
+        # a per-direction zero point beside per-column scales ran its reverse direction on
+        # another direction's numbers, 0.67 away from the dequantized LSTM
+        _fail(
+            where,
+            f"{which}_scale has shape {list(scale.shape)} and {which}_zero_point "
+            f"{list(zp.shape)}; expected one layout for both, [{D}] (per direction) or "
+            f"[{D}, {G}] (per output column)",
+            WeightsError,
+        )
     if not np.isfinite(scale).all():
         _fail(where, f"{which}_scale holds non-finite values; expected finite scales",
               WeightsError)  # fmt: skip
@@ -116,6 +126,13 @@ def _matrix(graph, node, which: str, D: int, K: int | None, G: int, where) -> Qu
             WeightsError,
         )
     scale = np.broadcast_to(scale.reshape(D, -1), (D, G))
+    # scale * (q - zero_point) must be a float32: a finite scale of 1e37 made inf weights here
+    # (and NaN outputs), so the largest |q - zero_point| of each column bounds its scale
+    reach = np.abs(q.astype(np.int32) - zp[:, :1, None]).max(axis=1)  # [D, G]
+    if (np.abs(scale.astype(np.float64)) * reach > np.finfo(np.float32).max).any():
+        _fail(where, f"{which}_scale * ({which} - {which}_zero_point) overflows float32 (a "
+                     f"scale of {np.abs(scale).max():.3g}); expected the scales of quantized "
+                     "weights, which keep every weight finite", WeightsError)  # fmt: skip
     return QuantizedMatrix(q, np.ascontiguousarray(scale), np.ascontiguousarray(zp[:, 0]))
 
 
@@ -144,6 +161,9 @@ def quantized_lstm_weights(
         )
     W = _matrix(graph, node, "W", D, None, G, where)
     R = _matrix(graph, node, "R", D, hs, G, where)
+    if W.q.dtype != R.q.dtype:  # one type parameter in the op's schema: onnxruntime refuses
+        _fail(where, f"W is {W.q.dtype} and R is {R.q.dtype}; DynamicQuantizeLSTM takes one "
+                     "type for both (quantize them alike)", DTypeError)  # fmt: skip
     return W, R, attrs
 
 

@@ -343,7 +343,10 @@ def _dequantize_linear_infer(ctx, node, ins, vals):
         shapes.append((x.shape[_axis(node, node.attrs.get("axis", 1), len(x.shape))],))
     _input(node, ins, 1, "x_scale", (F32,), shapes)
     zp = _input(node, ins, 2, "x_zero_point", (x.dtype,))
-    if zp is not None and tuple(zp.shape) != tuple(ins[1].shape):
+    per_tensor = {(), (1,)}  # a scalar and a one-element vector alike, as onnxruntime reads them
+    if zp is not None and tuple(zp.shape) != tuple(ins[1].shape) and not (
+        tuple(zp.shape) in per_tensor and tuple(ins[1].shape) in per_tensor
+    ):
         _fail(node, f"x_zero_point has shape {list(zp.shape)}; expected x_scale's "
                     f"{list(ins[1].shape)}")  # fmt: skip
     return [Out(x.shape, F32)]
@@ -365,9 +368,10 @@ def dequantize_linear(x, scale, zp, out, diff) -> None:
 def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
     x, scale = ins[0], ins[1]
     zp = _zp_or_zero(_opt(ins, 2), x.dtype)
-    if scale.ndim == 1 and scale.size > 1 and x.ndim > 1:  # per axis: along `axis` (a
-        # one-element scale is per tensor, whatever axis says, as onnxruntime reads it)
-
+    if scale.size == 1:  # per tensor, whatever axis says, as onnxruntime reads it; a [1]
+        # scale must not make a scalar x's output [1]
+        scale, zp = scale.reshape(()), np.reshape(zp, ())
+    elif x.ndim > 1:  # per axis: along `axis`
         axis = _axis(node, node.attrs.get("axis", 1), x.ndim)
         shape = [1] * x.ndim
         shape[axis] = scale.size
@@ -375,6 +379,30 @@ def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
         zp = zp.reshape(shape) if np.ndim(zp) else zp
     dequantize_linear(x, scale, zp, outs[0], tmp["diff"])
     return outs
+
+
+# (op, input positions) of the quantization parameters of weights: scales and zero points.
+_QUANT_PARAMETER_INPUTS = {
+    "DequantizeLinear": (1, 2),
+    "MatMulInteger": (2, 3),
+    "com.microsoft::MatMulIntegerToFloat": (2, 3, 4, 5),
+    "com.microsoft::DynamicQuantizeMatMul": (1, 2),
+}
+
+
+def quantization_constants(graph) -> set[str]:
+    """Names of ``graph``'s constants that are scales or zero points of quantized weights, not
+    weights: the inputs those ops read them from, and a constant weight scale multiplied by a
+    DynamicQuantizeLinear's activation scale (quantize_dynamic's MatMulInteger head). What a
+    count of parameters leaves out, as torch counts the float model's."""
+    found = set()
+    act_scales = {n.outputs[1] for n in graph.nodes
+                  if n.op == "DynamicQuantizeLinear" and len(n.outputs) > 1}  # fmt: skip
+    for n in graph.nodes:
+        found.update(n.inputs[i] for i in _QUANT_PARAMETER_INPUTS.get(n.op, ()) if i < len(n.inputs))
+        if n.op == "Mul" and act_scales.intersection(n.inputs):
+            found.update(n.inputs)
+    return found & set(graph.constants)
 
 
 # The ops here that call BLAS (numpy's matmul): GraphSession keeps BLAS on one thread around
