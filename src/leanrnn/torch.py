@@ -629,12 +629,12 @@ class _EagerRNN(torch.autograd.Function):
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
         _save(ctx, x, h0, c0, spec, out, weights, masks)
-        if _saved_tensor_hooks():
+        if _copying_hooks():
             # Saved-tensor hooks (activation offload, compression) may save a copy of the
             # handle, and the tape goes with the original's storage (_handle): it was freed
-            # when the forward returned, and backward found no tape. The graph holds the
-            # original then, so the tape lives as long as the graph; and the weights, whose
-            # versions (not their copies') say whether one changed since.
+            # when the forward returned, and backward found no tape. The node holds the
+            # original then, until its backward (_first_order lets go of it), and the
+            # weights, whose versions (not their copies') say whether one changed since.
             ctx.originals = (out[3], weights)
         return out
 
@@ -681,16 +681,28 @@ class _EagerRNN(torch.autograd.Function):
             handle, weights = ctx.originals
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
+        if hasattr(ctx, "originals") and not torch._C._autograd._get_current_graph_task_keep_graph():
+            # torch frees a node's saved tensors after its backward unless the graph is
+            # retained; the original handle, held outside them, kept its tape (the whole
+            # forward's activations) for as long as the graph lived: a loop keeping each
+            # step's loss grew by a tape a step
+            del ctx.originals
         # (no gradients for lengths, masks, key, spec, bf16, mode)
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
                 grads[2] if ctx.has[1] else None, None, None, None, None, None, None,
                 *grads[3:])  # fmt: skip
 
 
-def _saved_tensor_hooks() -> bool:
-    """Whether torch.autograd.graph.saved_tensors_hooks (or save_on_cpu) are in force."""
+def _copying_hooks() -> bool:
+    """Whether saved-tensor hooks that may save a copy of a tensor (save_on_cpu, offloading,
+    compressing ones) are in force. torch.utils.checkpoint's are not such: its forward saves
+    nothing and its recomputation saves the recomputed tensors themselves, so the recomputed
+    handle brings its own tape (holding the forward's, checkpointing saved nothing)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+    hooks = top(False) if top is not None else ()
+    if hooks is None:
+        return False
+    return not hooks or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint"
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -952,6 +964,22 @@ class _RNNBase(torch.nn.Module):
     @property
     def all_weights(self) -> list[list[torch.nn.Parameter]]:
         return [[getattr(self, n) for n in names] for names in self._all_weights]
+
+    @property
+    def _flat_weights(self) -> list[torch.nn.Parameter]:
+        """The parameters in ``_flat_weights_names``' order, as torch's modules keep them (code
+        that reads a module's weights through it, a weight-dropout wrapper's, found none)."""
+        return [getattr(self, n) for n in self._flat_weights_names]
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every module it scripts, this one inside a model too:
+        # TorchScript compiles Python source it cannot read here (it failed on an f-string
+        # deep in forward); say which ways do work
+        raise NotImplementedError(
+            f"[leanrnn.torch.{type(self).__name__}] torch.jit.script cannot compile leanrnn's "
+            "modules; use torch.jit.trace, torch.export or torch.compile, which run leanrnn's "
+            "kernels, or convert with to_module() for torch.nn's scriptable module"
+        )
 
     def extra_repr(self) -> str:
         s = "{input_size}, {hidden_size}"
