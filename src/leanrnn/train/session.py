@@ -414,7 +414,7 @@ class Trainer:
         if tape._trainer is not self or mem is None:
             return
         tape.used = True
-        tape._saved = {"serial": tape._serial}
+        tape._saved = {"serial": tape._serial, "released": True}
         arena = mem["_arena"]
         if arena is not self._arena and len(self._spare) < _SPARE_KEPT:
             self._spare.append(arena)
@@ -622,7 +622,8 @@ class Trainer:
         stage = self.spec.batch_first if stage is None else stage
         if self.memory_limit is not None:
             # the search plans a few dozen segment lengths (~20 ms): once per step shape
-            key = (N, T, self.memory_limit, self.autocast, stage, draw)
+            # (threads: the plan's per-thread rows, _buffers' gw, and _dense_bytes' panels)
+            key = (N, T, self.memory_limit, self.autocast, stage, draw, self._threads())
             S = self._limited.get(key)
             if S is None:
                 S = self._limited_segment(T, N, stage, draw)
@@ -1002,7 +1003,7 @@ class Trainer:
         """Views of one planned arena for a step of N x T (segments of S): the reserve and the
         scratch of forward and backward, placed by lifetime (memory.planner). Plans are kept
         per shape (planning costs ~1.5 ms, a step of a small model ~10 ms)."""
-        key = (N, T, S, recompute, stage_x, autocast, draw, self._native_gemm())
+        key = (N, T, S, recompute, stage_x, autocast, draw, self._native_gemm(), self._threads())
         made = self._plans.get(key)
         if made is None:
             bufs, shapes = self._buffers(N, T, S, recompute, stage_x, autocast, draw)
@@ -1012,17 +1013,23 @@ class Trainer:
         self._plans.move_to_end(key)  # (now the most recently used)
         p, shapes = made
         spec = self.spec
+        cap = None
+        if self.memory_limit is not None:
+            # the limit holds the arena and what the step keeps beside it (_need): an arena
+            # kept from an earlier, larger step fitted the limit alone, and held 1.4x it
+            # beside a new shape's boundary states, dense copies and layout copies
+            cap = int(self.memory_limit) - (self._checkpoint_bytes(N, T, S)
+                                            + self._dense_bytes() + self._layout_copies(N, T))
         if own:
             # a released tape's arena when one is big enough: fresh pages cost a page fault
             # each, ~1 ms per 4 MiB
-            arena = next((a for a in self._spare if reusable(a, p.total, self.memory_limit)),
-                         None)  # fmt: skip
+            arena = next((a for a in self._spare if reusable(a, p.total, cap)), None)
             if arena is not None:
                 self._spare.remove(arena)
             else:
                 arena = Arena(p.total, name="tape")
         else:
-            if not reusable(self._arena, p.total, self.memory_limit):
+            if not reusable(self._arena, p.total, cap):
                 self._arena = None
                 self._arena = Arena(p.total, name=f"train[{spec.cell} N={N} T={T}]")
             arena = self._arena
@@ -1128,7 +1135,7 @@ class Trainer:
         op = "Trainer.backward"
         if not isinstance(tape, Tape) or tape._trainer is not self:
             raise TapeError(f"[{op}] tape is not a Tape of this trainer")
-        if "mem" not in tape._saved:
+        if tape._saved.get("released"):
             raise TapeError(f"[{op}] this tape was released (Trainer.release); run forward again")
         if tape.used:
             raise TapeError(f"[{op}] backward already ran on this tape; run forward again")
@@ -1178,6 +1185,11 @@ class Trainer:
         dx = sv["dx"] if input_grad else None
         with blas_alone():
             self._backward_segments(sv, mem, dyt, dx, dh, dc)
+        if mem["_arena"] is self._arena:
+            # used, the tape takes no second backward: it lets go of the shared arena, which
+            # it kept alive beside the next shape's (the next forward drops self._arena), a
+            # transient of twice the memory in a loop that keeps `tape` bound
+            tape._saved = {"serial": tape._serial}
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)
         dx = dx.reshape(T, N, C)
