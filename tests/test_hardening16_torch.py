@@ -81,7 +81,10 @@ def test_jit_script_is_refused_with_the_ways_that_work():
             return self.rnn(x)[0]
 
     for m in (lt.LSTM(3, 4), Model()):
-        with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match=r"torch\.jit\.script.*torch\.jit\.trace"):
+        with (
+            pytest.warns(DeprecationWarning),
+            pytest.raises(NotImplementedError, match=r"torch\.jit\.script.*torch\.jit\.trace"),
+        ):
             torch.jit.script(m)
 
 

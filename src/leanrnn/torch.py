@@ -681,7 +681,10 @@ class _EagerRNN(torch.autograd.Function):
             handle, weights = ctx.originals
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
-        if hasattr(ctx, "originals") and not torch._C._autograd._get_current_graph_task_keep_graph():
+        if (
+            hasattr(ctx, "originals")
+            and not torch._C._autograd._get_current_graph_task_keep_graph()
+        ):
             # torch frees a node's saved tensors after its backward unless the graph is
             # retained; the original handle, held outside them, kept its tape (the whole
             # forward's activations) for as long as the graph lived: a loop keeping each

@@ -190,12 +190,21 @@ class Core:
         c[0] += 1
         c[1] += int(seconds * 1e9)
 
-    async def infer_held(self, p: Parsed, protocol: str,
-                         json_bytes: int = 0) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
+    async def infer_held(self, p: Parsed, protocol: str, json_bytes: int = 0,
+                         arrival: int | None = None) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
         """Run ``p`` through the scheduler; (the requested outputs by name, release). The
         request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
         count against --max-queued-bytes until ``release()`` — call it once the answer has
-        left (or failed to), so answers a client does not read stay counted."""
+        left (or failed to), so answers a client does not read stay counted. ``arrival``: the
+        scheduler's token of this request while it arrived (Scheduler.arriving), let go of
+        once it is submitted or refused."""
+        try:
+            return await self._infer_held(p, protocol, json_bytes, arrival)
+        finally:
+            self.scheduler.arrived(arrival)  # (no-op when submitted: submit let go of it)
+
+    async def _infer_held(self, p: Parsed, protocol: str, json_bytes: int,
+                          arrival: int | None):  # fmt: skip
         if self.draining:
             raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
         info = self.infos[p.model]
@@ -225,6 +234,8 @@ class Core:
         except ServeError:
             self.io(p.model, "fail", time.monotonic() - t0)
             raise
+        finally:
+            self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving
 
         def release() -> None:
             # once, and the request let go of: gRPC keeps a call's done callbacks (this, from

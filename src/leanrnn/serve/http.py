@@ -381,7 +381,9 @@ async def _sent(send, message) -> None:
 
 def _error(core: Core, e: ServeError) -> JSONResponse:
     core.error(e, "http")
-    return JSONResponse({"error": str(e)}, status_code=e.http)
+    # a 401 names the scheme it wants (RFC 6750's challenge; clients and proxies look for it)
+    headers = {"WWW-Authenticate": "Bearer"} if e.http == 401 else None
+    return JSONResponse({"error": str(e)}, status_code=e.http, headers=headers)
 
 
 def make_app(core: Core, metrics=None) -> Starlette:
@@ -442,19 +444,26 @@ def make_app(core: Core, metrics=None) -> Starlette:
 
     async def infer(request):
         info = model_of(request)
-        body, held = await _body(request, core)
-        try:  # the body counts until its request is (infer_held submits before it awaits)
-            head = request.headers.get(HEADER_LENGTH)
-            # a large one parsed off the event loop: json.loads of a few MB of numbers held up
-            # every other stream (HTTP and gRPC) for as long as it took
-            t0 = time.perf_counter()
-            p = await off_loop(len(body), _parse, core, info, body, head)
-            core.io(info.name, "compute_input", time.perf_counter() - t0)
-            del body
-        finally:
-            core.unreserve(held)
-        size = json_bytes(info, p)
-        values, release = await core.infer_held(p, "http", size)
+        # arriving from its headers on: while its body comes, no sequence the request may be
+        # for is evicted (a body that took 1.6 s lost its sequence to a 1 s idle timeout)
+        arrival = core.scheduler.arriving()
+        try:
+            body, held = await _body(request, core)
+            try:  # the body counts until its request is (infer_held submits before it awaits)
+                head = request.headers.get(HEADER_LENGTH)
+                # a large one parsed off the event loop: json.loads of a few MB of numbers held
+                # up every other stream (HTTP and gRPC) for as long as it took
+                t0 = time.perf_counter()
+                p = await off_loop(len(body), _parse, core, info, body, head)
+                core.io(info.name, "compute_input", time.perf_counter() - t0)
+                del body
+            finally:
+                core.unreserve(held)
+            size = json_bytes(info, p)
+        except BaseException:
+            core.scheduler.arrived(arrival)
+            raise
+        values, release = await core.infer_held(p, "http", size, arrival)
         try:  # a large answer off the event loop: it must not hold up the other streams
             t0 = time.perf_counter()
             if size + nbytes(values) <= INLINE:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from functools import partial
 
 import grpc
 import numpy as np
@@ -411,14 +412,15 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             else:
                 room.clear()
 
-        async def one(ids, item, cost: int):
+        async def one(ids, item, cost: int, arrival: int | None):
             release = _nothing
             try:
                 if isinstance(item, ServeError):
+                    self.core.scheduler.arrived(arrival)
                     raise item
                 info, p = item
                 # submits before its first await: the pump lets it run before the next request
-                values, release = await self.core.infer_held(p, "grpc")
+                values, release = await self.core.infer_held(p, "grpc", 0, arrival)
                 t0 = time.perf_counter()
                 res = await off_loop(nbytes(values), answer, info, p, values, True)
                 self.core.io(info.name, "compute_output", time.perf_counter() - t0)
@@ -440,9 +442,14 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def pump():
             requests = request_iterator.__aiter__()
-            nxt = None
+            nxt = blocked = None
             try:
                 while True:
+                    if not room.is_set():
+                        # the stream's bytes are at their bound: the next request waits unread,
+                        # arriving (Scheduler.arriving) until it is submitted, so its sequence
+                        # is not evicted as idle behind a large request
+                        blocked = self.core.scheduler.arriving()
                     await room.wait()
                     nxt = asyncio.ensure_future(requests.__anext__())
                     # A stream that sends nothing for --idle-timeout with nothing of its in
@@ -477,12 +484,16 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     account(1, cost)
                     # submitted in arrival order: the task submits before its first await,
                     # and runs before the next request is read
-                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost))
+                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost, blocked))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    if blocked is not None:  # (a task cancelled before it ran runs no finally)
+                        task.add_done_callback(partial(_arrived, self.core.scheduler, blocked))
+                        blocked = None
                     await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
+                self.core.scheduler.arrived(blocked)
                 if nxt is not None:  # (cancelled: the client went)
                     nxt.cancel()
                     # a read cut short may still end on its own (grpc's iterator raising
@@ -524,6 +535,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 for _m, _ext in UNIMPLEMENTED.items():
     setattr(Servicer, _m, _unimplemented(_m, _ext))
+
+
+def _arrived(scheduler, token: int, _task) -> None:
+    scheduler.arrived(token)
 
 
 def _taken(f: asyncio.Future) -> None:

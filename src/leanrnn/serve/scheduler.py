@@ -7,7 +7,13 @@ Per model (``Lane``):
   c [L, S, Hp] (the kernels' padded width) for S = ``max_streams`` streams, in one aligned
   buffer of zeroed pages; a stream owns slot s from ``sequence_start`` until its
   ``sequence_end`` (freed at once) or its eviction after ``idle_timeout`` seconds without a
-  request. Beyond S live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
+  request. A stream is idle from the moment its last answer has left (``release``; while one
+  is still being sent it is not idle), and a
+  request still arriving counts as arrived: the front ends register one from its first byte
+  (HTTP) or from when they stop reading a gRPC stream to bound its bytes (``arriving``), and
+  no sequence idle for less than the timeout when the oldest such request began is evicted,
+  since it may be that request's (a sequence whose next request sat behind a large one in its
+  gRPC stream was evicted with "idle" in the message). Beyond S live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
   live ones are unaffected. An idle stream costs its slot's bytes and nothing else: only
   streams with a pending request are in the ready queue.
 - **A call.** Up to ``max_batch`` ready streams (first come, first served; a stream that still
@@ -52,6 +58,7 @@ import collections
 import copy
 import dataclasses
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -167,7 +174,8 @@ class _Slots:
 
 class Sequence:
     __slots__ = (
-        "ending", "inflight", "key", "last", "queue", "released", "slot", "started", "steps",
+        "answering", "ending", "inflight", "key", "last", "queue", "released", "slot", "started",
+        "steps",
     )  # fmt: skip
 
     def __init__(self, key, slot: int, now: float) -> None:
@@ -175,6 +183,7 @@ class Sequence:
         self.queue: collections.deque[Request] = collections.deque()
         self.ending = self.inflight = self.released = False
         self.steps = 0
+        self.answering = 0  # held requests whose answers have not left (Scheduler.release)
 
 
 def describe(key) -> str:
@@ -382,6 +391,7 @@ class Lane:
         y = np.empty((x.shape[0], self.DK), self.dtype)
         r = Request(x, y, end, want_state, on_done, extra, hold)
         r.seq, r.reset = s, reset
+        s.answering += hold
         s.queue.append(r)
         s.last = now
         if end:
@@ -407,12 +417,15 @@ class Lane:
                 "which has no cell state; send h0 only"
             )
 
-    def reap(self, now: float) -> list[tuple]:
-        """Evict sequences idle longer than the timeout; returns [(key, idle seconds)]."""
+    def reap(self, now: float, horizon: float | None = None) -> list[tuple]:
+        """Evict sequences idle longer than the timeout at ``horizon`` (default ``now``: the
+        start of the oldest request still arriving, Scheduler.arriving); returns [(key, idle
+        seconds at now)]."""
         out = []
         limit = self.idle_timeout
+        horizon = now if horizon is None else min(now, horizon)
         for key, s in list(self.seqs.items()):
-            if not s.queue and not s.inflight and now - s.last > limit:
+            if not s.queue and not s.inflight and not s.answering and horizon - s.last > limit:
                 idle = now - s.last
                 self._release(s)
                 self.evicted[_evicted_key(key)] = (idle, now)
@@ -439,7 +452,7 @@ class Lane:
         return picked
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
-        """Outside the lock: one engine call over ``picked``; returns (T, stream-steps). Only
+        """Outside the lock: one engine call over ``picked``; returns (steps run, stream-steps). Only
         the head requests of in-flight sequences are touched, and only their x, y and pos,
         which no other thread changes (a restart's submit may set a head's ``end``, which
         ``finish`` reads, under the lock)."""
@@ -475,7 +488,9 @@ class Lane:
             r.pos = p + k
         self.calls += 1
         self.rows += n
-        return T, sum(ks)
+        # the steps the call ran: its T is rounded up to a bucket, and steps past every row's
+        # length are skipped (metrics counted 36 steps a call for requests of 9, 11 and 13)
+        return max(ks), sum(ks)
 
     def finish(self, picked: list[Sequence], now: float) -> tuple[list[Request], int]:
         """Under the lock, after ``run``: complete finished requests, free ended slots, requeue
@@ -542,6 +557,8 @@ class Scheduler:
         self._accepting = True
         self._stop = False
         self._inflight = 0
+        self._arriving: dict[int, float] = {}  # token -> when (arriving)
+        self._tokens = itertools.count()
         self._reap_every = min(1.0, max(0.01, min(ln.idle_timeout for ln in self._order) / 4))
         self._next_reap = time.monotonic() + self._reap_every
         self._thread = threading.Thread(target=self._loop, name="leanrnn-scheduler", daemon=True)
@@ -625,6 +642,26 @@ class Scheduler:
                 r.hold = False
                 if r.finished:
                     self.queued_bytes -= r.nbytes
+                if r.seq is not None:
+                    # its stream is idle from now: the time its answer took to reach a slow
+                    # reader is not the client's (its next request waits for this answer)
+                    r.seq.answering -= 1
+                    r.seq.last = max(r.seq.last, time.monotonic())
+
+    def arriving(self) -> int:
+        """Register a request that is arriving (its body still coming, or unread behind a
+        large one) as of now; ``arrived(token)`` once it has been submitted or has failed.
+        Until then no sequence that was not already past the idle timeout at this moment is
+        evicted (it may be this request's)."""
+        with self.cond:
+            token = next(self._tokens)
+            self._arriving[token] = time.monotonic()
+            return token
+
+    def arrived(self, token: int | None) -> None:
+        if token is not None:
+            with self.cond:
+                self._arriving.pop(token, None)
 
     def _done(self, done: list[Request]) -> None:
         """Under the lock: the engine is done with ``done``; the bytes of those not held go."""
@@ -675,8 +712,9 @@ class Scheduler:
         if now < self._next_reap:
             return
         self._next_reap = now + self._reap_every
+        horizon = min(self._arriving.values(), default=now)  # (under the lock)
         for lane in self._order:
-            gone = lane.reap(now)
+            gone = lane.reap(now, horizon)
             for key, idle in gone:
                 fields = {"model": lane.name, "sequence": describe(key), "idle_s": round(idle, 3)}
                 _log.info("evict", extra={"fields": fields})

@@ -63,12 +63,51 @@ class _JSONLines(logging.Formatter):
         return json.dumps(d, default=str)
 
 
+class _Limited(logging.Filter):
+    """At most ``rate`` records a second through; the rest are counted, and the next record
+    let through says how many went (``suppressed``). For the transports' own loggers, which
+    anyone who can connect makes write: 1,000 garbage connections printed 1,000 plain-text
+    "Invalid HTTP request received." lines in 0.3 s."""
+
+    def __init__(self, rate: int = 5) -> None:
+        super().__init__()
+        self.rate, self.second, self.count, self.suppressed = rate, 0, 0, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        second = int(record.created)
+        if second != self.second:
+            self.second, self.count = second, 0
+        self.count += 1
+        if self.count > self.rate:
+            self.suppressed += 1
+            return False
+        fields = {"logger": record.name}
+        if self.suppressed:
+            fields["suppressed"], self.suppressed = self.suppressed, 0
+        record.fields = {**getattr(record, "fields", {}), **fields}
+        return True
+
+
+# Loggers of the libraries under the server (uvicorn's connection and ASGI errors, asyncio's
+# unretrieved exceptions, gRPC's): one JSON line each too, not plain text beside the log.
+_TRANSPORT_LOGGERS = ("uvicorn", "asyncio", "grpc")
+
+
 def _setup_logging(level: str = "INFO") -> None:
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(_JSONLines())
     _log.handlers[:] = [h]
     _log.setLevel(level)
     _log.propagate = False
+    limited = logging.StreamHandler(sys.stderr)
+    limited.setFormatter(_JSONLines())
+    limited.addFilter(_Limited())
+    for name in _TRANSPORT_LOGGERS:
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [limited]
+        lg.propagate = False
+        if lg.level == logging.NOTSET:
+            lg.setLevel(logging.WARNING)
 
 
 def tuned_batch(name: str, model, config: ServeConfig) -> int:
@@ -249,6 +288,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
             if stopping.is_set():
                 return
             stopping.set()
+            # one grace period in all: the drain, then the transports get what is left of it
+            # (each given a whole one, exit came at twice --grace)
+            deadline = loop.time() + config.grace
             _log.info(
                 "shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}}
             )
@@ -265,8 +307,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
                 await loop.run_in_executor(None, scheduler.stop)
                 await asyncio.sleep(0.05)  # let the last responses leave
                 if grpc_server is not None:
-                    await grpc_server.stop(grace=1.0)
+                    await grpc_server.stop(grace=min(1.0, max(0.1, deadline - loop.time())))
             finally:
+                http_server.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
                 http_server.should_exit = True
                 _log.info("drained", extra={"fields": {"all_finished": finished}})
 

@@ -1018,8 +1018,9 @@ class Trainer:
             # the limit holds the arena and what the step keeps beside it (_need): an arena
             # kept from an earlier, larger step fitted the limit alone, and held 1.4x it
             # beside a new shape's boundary states, dense copies and layout copies
-            cap = int(self.memory_limit) - (self._checkpoint_bytes(N, T, S)
-                                            + self._dense_bytes() + self._layout_copies(N, T))
+            cap = int(self.memory_limit) - (
+                self._checkpoint_bytes(N, T, S) + self._dense_bytes() + self._layout_copies(N, T)
+            )
         if own:
             # a released tape's arena when one is big enough: fresh pages cost a page fault
             # each, ~1 ms per 4 MiB

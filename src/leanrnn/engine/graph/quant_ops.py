@@ -344,8 +344,10 @@ def _dequantize_linear_infer(ctx, node, ins, vals):
     _input(node, ins, 1, "x_scale", (F32,), shapes)
     zp = _input(node, ins, 2, "x_zero_point", (x.dtype,))
     per_tensor = {(), (1,)}  # a scalar and a one-element vector alike, as onnxruntime reads them
-    if zp is not None and tuple(zp.shape) != tuple(ins[1].shape) and not (
-        tuple(zp.shape) in per_tensor and tuple(ins[1].shape) in per_tensor
+    if (
+        zp is not None
+        and tuple(zp.shape) != tuple(ins[1].shape)
+        and not (tuple(zp.shape) in per_tensor and tuple(ins[1].shape) in per_tensor)
     ):
         _fail(node, f"x_zero_point has shape {list(zp.shape)}; expected x_scale's "
                     f"{list(ins[1].shape)}")  # fmt: skip
@@ -399,7 +401,9 @@ def quantization_constants(graph) -> set[str]:
     act_scales = {n.outputs[1] for n in graph.nodes
                   if n.op == "DynamicQuantizeLinear" and len(n.outputs) > 1}  # fmt: skip
     for n in graph.nodes:
-        found.update(n.inputs[i] for i in _QUANT_PARAMETER_INPUTS.get(n.op, ()) if i < len(n.inputs))
+        found.update(
+            n.inputs[i] for i in _QUANT_PARAMETER_INPUTS.get(n.op, ()) if i < len(n.inputs)
+        )
         if n.op == "Mul" and act_scales.intersection(n.inputs):
             found.update(n.inputs)
     return found & set(graph.constants)
