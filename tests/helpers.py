@@ -363,3 +363,11 @@ class GrpcContextStub:
 
     def add_done_callback(self, fn):
         pass
+
+
+def sigterm_seconds(proc, timeout: float = 60.0) -> float:
+    """Send a server process SIGTERM; the seconds until it exited (with status 0, asserted)."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=timeout) == 0
+    return time.monotonic() - t0

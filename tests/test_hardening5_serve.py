@@ -165,8 +165,12 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
         def authorize(self, header):
             pass
 
-        async def infer_held(self, p, protocol, json_bytes=0):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
             return {"y": a}, lambda: None
+
+        class scheduler:  # (a request's arrival: not the point here)
+            arriving = staticmethod(lambda: 0)
+            arrived = staticmethod(lambda token: None)
 
     monkeypatch.setattr(h, "_parse", lambda *args: p)
     monkeypatch.setattr(h, "json_bytes", lambda info, p: 0)

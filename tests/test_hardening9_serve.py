@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import signal
 import socket
 import threading
 import time
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import served
+from helpers import served, sigterm_seconds
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -272,10 +271,7 @@ def test_what_the_grace_period_does_not_finish_gets_503_and_unavailable(big):
     for t in threads:
         t.start()
     time.sleep(1.0)
-    t0 = time.monotonic()
-    big["proc"].send_signal(signal.SIGTERM)
-    assert big["proc"].wait(timeout=30) == 0
-    stopped = time.monotonic() - t0
+    stopped = sigterm_seconds(big["proc"], timeout=30)
     for t in threads:
         t.join(timeout=60)
     assert len(got) == 6, got
