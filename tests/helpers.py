@@ -351,8 +351,12 @@ class ServeCoreStub:
     def error(self, e, protocol):
         pass
 
-    async def infer_held(self, p, protocol):
+    async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
         return self.values, lambda: None
+
+    class scheduler:  # a request's arrival (Scheduler.arriving): not the point here
+        arriving = staticmethod(lambda: 0)
+        arrived = staticmethod(lambda token: None)
 
 
 class GrpcContextStub:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import leanrnn
-from helpers import served
+from helpers import ServeCoreStub, served
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -168,9 +168,7 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
         async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
             return {"y": a}, lambda: None
 
-        class scheduler:  # (a request's arrival: not the point here)
-            arriving = staticmethod(lambda: 0)
-            arrived = staticmethod(lambda token: None)
+        scheduler = ServeCoreStub.scheduler  # (a request's arrival: not the point here)
 
     monkeypatch.setattr(h, "_parse", lambda *args: p)
     monkeypatch.setattr(h, "json_bytes", lambda info, p: 0)

@@ -700,7 +700,8 @@ def _copying_hooks() -> bool:
     """Whether saved-tensor hooks that may save a copy of a tensor (save_on_cpu, offloading,
     compressing ones) are in force. torch.utils.checkpoint's are not such: its forward saves
     nothing and its recomputation saves the recomputed tensors themselves, so the recomputed
-    handle brings its own tape (holding the forward's, checkpointing saved nothing)."""
+    handle brings its own tape (the forward's, held until backward, made checkpointing save
+    nothing)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooks = top(False) if top is not None else ()
     if hooks is None:

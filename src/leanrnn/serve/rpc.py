@@ -493,7 +493,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                self.core.scheduler.arrived(blocked)
                 if nxt is not None:  # (cancelled: the client went)
                     nxt.cancel()
                     # a read cut short may still end on its own (grpc's iterator raising
@@ -501,6 +500,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     # asyncio as "Task exception was never retrieved", outside the JSON log
                     nxt.add_done_callback(_taken)
                 out.put_nowait((None, 0, _nothing))
+                self.core.scheduler.arrived(blocked)  # (after the end mark: nothing may keep it)
 
         reader = asyncio.ensure_future(pump())
         try:
