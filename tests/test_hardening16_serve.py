@@ -80,8 +80,28 @@ def test_call_steps_count_the_steps_run_not_the_bucket():
     assert steps == 33
 
 
+def test_metric_series_exist_from_the_start():
+    """The labelled series appeared only at their first event: /metrics at start-up had no
+    series of any model."""
+    pytest.importorskip("prometheus_client")
+    from leanrnn.serve.metrics import Metrics
+
+    reg = Metrics(("a", "b")).registry
+    for name in ("active_streams", "steps_total", "engine_calls_total", "evictions_total",
+                 "call_steps_count", "queue_wait_seconds_count"):  # fmt: skip
+        for model in ("a", "b"):
+            assert reg.get_sample_value(f"leanrnn_serve_{name}", {"model": model}) == 0, name
+    for proto in ("http", "grpc"):
+        labels = {"model": "a", "protocol": proto}
+        assert reg.get_sample_value("leanrnn_serve_request_seconds_count", labels) == 0
+        for kind in ("invalid", "sequence", "exhausted", "unauthenticated", "unavailable"):
+            labels = {"kind": kind, "protocol": proto}
+            assert reg.get_sample_value("leanrnn_serve_errors_total", labels) == 0
+
+
 # ------------------------------------------------------------- one server: its operations
 import json  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import urllib.error  # noqa: E402
@@ -185,3 +205,37 @@ def test_sigterm_exits_within_one_grace_period(server):
     time.sleep(0.2)
     assert all(line.startswith("{") for line in server["logs"]), [
         line for line in server["logs"] if not line.startswith("{")][:3]  # fmt: skip
+
+
+def test_a_second_sigterm_ends_the_grace_period(tmp_path):
+    """A second SIGTERM (or Ctrl-C) during the drain was ignored: only SIGKILL stopped a drain
+    of a long --grace. Now it fails what has not run as UNAVAILABLE and exits."""
+    import tritonclient.grpc as tg
+
+    # four requests of 60,000 steps at H=256 run one after another (--max-batch 1): ~30 s
+    with served(tmp_path, "gru", leanrnn.GRU(4, 256, num_layers=2, seed=2), "--grace", "60",
+                "--threads", "1", "--max-batch", "1") as s:  # fmt: skip
+        got = []
+
+        def long(i):  # engine work far past the test's patience
+            inp = tg.InferInput("x", [60_000, 4], "FP32")
+            inp.set_data_from_numpy(np.ones((60_000, 4), np.float32))
+            try:
+                tg.InferenceServerClient(s["grpc"]).infer("gru", [inp], sequence_id=i + 1,
+                                                          sequence_start=True, sequence_end=True)  # fmt: skip
+                got.append("ok")
+            except Exception as e:  # (refused when the grace ends: what it should be)
+                got.append(str(e))
+
+        threads = [threading.Thread(target=long, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        s["proc"].send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert s["proc"].poll() is None  # draining, within its grace
+        stopped = sigterm_seconds(s["proc"])
+        for t in threads:
+            t.join(60)
+        assert stopped < 5, stopped  # was: the whole drain, up to --grace 60
+        assert any("UNAVAILABLE" in g for g in got), got

@@ -16,8 +16,14 @@ _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
+PROTOCOLS = ("http", "grpc")
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, models: tuple[str, ...] = ()) -> None:
+        """``models``: the served models, whose series are made at once (at 0): a series
+        that appears only at its first event reads as "no data" to a dashboard, and a rate
+        over it starts with a jump."""
         r = self.registry = CollectorRegistry()
         p = "leanrnn_serve_"
         self._active = Gauge(p + "active_streams", "Live sequences (slots held)", ["model"],
@@ -45,6 +51,19 @@ class Metrics:
                                registry=r)  # fmt: skip
         self._held = Gauge(p + "stream_held_bytes", "Bytes of gRPC stream answers waiting for "
                            "their clients to read them", registry=r)  # fmt: skip
+
+        from .errors import ServeError
+
+        kinds = {c.kind for c in _subclasses(ServeError)} | {ServeError.kind}
+        for m in models:
+            for metric in (self._active, self._steps, self._calls, self._busy, self._batch,
+                           self._call_steps, self._step, self._wait, self._evictions):  # fmt: skip
+                metric.labels(m)
+            for proto in PROTOCOLS:
+                self._latency.labels(m, proto)
+        for kind in sorted(kinds):
+            for proto in PROTOCOLS:
+                self._errors.labels(kind, proto)
 
     def active(self, model: str, n: int) -> None:
         self._active.labels(model).set(n)
@@ -74,3 +93,10 @@ class Metrics:
 
     def expose(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _subclasses(cls) -> list[type]:
+    out = []
+    for c in cls.__subclasses__():
+        out += [c, *_subclasses(c)]
+    return out

@@ -147,7 +147,7 @@ def build(config: ServeConfig, loaded: dict | None = None,
                          max_chunk=config.max_chunk, idle_timeout=config.idle_timeout)  # fmt: skip
         lane.warm_up()
         lanes[name] = lane
-    metrics = Metrics()
+    metrics = Metrics(tuple(lanes))
     scheduler = Scheduler(lanes, max_wait=config.max_wait, max_call=config.max_call,
                           metrics=metrics, max_queued_bytes=config.max_queued_bytes)  # fmt: skip
     # --max-concurrency is counted by the core (its refusals answered and in the metrics)
@@ -284,13 +284,21 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
         http_server = _Server(ucfg)
         stopping = asyncio.Event()
 
+        deadline = [0.0]  # when the grace period ends (set by the first signal)
+
         async def shutdown(signame: str) -> None:
             if stopping.is_set():
+                # a second signal ends the grace period now (it was ignored, and only SIGKILL
+                # stopped a drain of --grace 30): what has not run fails as UNAVAILABLE
+                if deadline[0] > loop.time():
+                    deadline[0] = loop.time()
+                    _log.info("shutdown now", extra={"fields": {"signal": signame}})
+                    await loop.run_in_executor(None, scheduler.stop)
                 return
             stopping.set()
             # one grace period in all: the drain, then the transports get what is left of it
             # (each given a whole one, exit came at twice --grace)
-            deadline = loop.time() + config.grace
+            deadline[0] = loop.time() + config.grace
             _log.info(
                 "shutdown", extra={"fields": {"signal": signame, "pending": scheduler.pending()}}
             )
@@ -307,9 +315,9 @@ async def serve_async(config: ServeConfig, loaded=None, ready_line=print,
                 await loop.run_in_executor(None, scheduler.stop)
                 await asyncio.sleep(0.05)  # let the last responses leave
                 if grpc_server is not None:
-                    await grpc_server.stop(grace=min(1.0, max(0.1, deadline - loop.time())))
+                    await grpc_server.stop(grace=min(1.0, max(0.1, deadline[0] - loop.time())))
             finally:
-                http_server.config.timeout_graceful_shutdown = max(0.1, deadline - loop.time())
+                http_server.config.timeout_graceful_shutdown = max(0.1, deadline[0] - loop.time())
                 http_server.should_exit = True
                 _log.info("drained", extra={"fields": {"all_finished": finished}})
 
