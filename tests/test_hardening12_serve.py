@@ -254,7 +254,7 @@ def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
     gate = asyncio.Event()
 
     class Core(ServeCoreStub):
-        async def infer_held(self, p, protocol):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
             await gate.wait()
             return {}, lambda: None
 

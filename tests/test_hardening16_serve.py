@@ -15,15 +15,15 @@ from leanrnn.engine.session import Pool
 from leanrnn.serve.errors import SequenceError
 from leanrnn.serve.scheduler import Lane, Scheduler
 
-IDLE = 0.3  # seconds; the scheduler looks every IDLE / 4
+IDLE = 1.0  # seconds; the scheduler looks every IDLE / 4
 
 
 @pytest.fixture
 def sched():
     m = leanrnn.GRU(4, 8, seed=0)
-    lane = Lane("m", m, Pool(), threads=1, max_streams=8, max_batch=4, max_chunk=4,
-                idle_timeout=IDLE)  # fmt: skip
-    with Scheduler({"m": lane}, max_wait=0.0) as s:
+    lanes = {name: Lane(name, m, Pool(), threads=1, max_streams=8, max_batch=4, max_chunk=4,
+                        idle_timeout=IDLE) for name in ("m", "other")}  # fmt: skip
+    with Scheduler(lanes, max_wait=0.0) as s:
         s.model = m
         yield s
 
@@ -41,26 +41,41 @@ def _run(s: Scheduler, key, start: bool, x, hold: bool = False):
 def test_requests_arriving_hold_off_eviction(sched):
     x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     a = _run(sched, 1, True, x)
-    token = sched.arriving()  # its next request's first bytes came in: the body still comes
-    time.sleep(3 * IDLE)
-    b = _run(sched, 1, False, x)  # was: SequenceError, "evicted ... after 0.9 s idle"
+    token = sched.arriving("m")  # its next request's first bytes came in: the body still comes
+    time.sleep(1.5 * IDLE)
+    b = _run(sched, 1, False, x)  # was: SequenceError, "evicted ... after 1.5 s idle"
     sched.arrived(token)
     want = sched.model(np.concatenate([x, x])[:, None])[0][:, 0]
     np.testing.assert_allclose(np.concatenate([a.y, b.y]), want, atol=1e-6, rtol=0)
-    time.sleep(3 * IDLE)  # nothing arriving now: idle, and evicted
+    # a request for another model holds off nothing here
+    other = sched.arriving("other")
+    time.sleep(1.5 * IDLE)
     with pytest.raises(SequenceError, match="evicted"):
         _run(sched, 1, False, x)
+    # and one that never comes postpones an eviction by one more timeout at most
+    _run(sched, 2, True, x)
+    forever = sched.arriving()  # (any model: a gRPC stream's)
+    time.sleep(2.6 * IDLE)
+    with pytest.raises(SequenceError, match="evicted"):
+        _run(sched, 2, False, x)
+    sched.arrived(other)
+    sched.arrived(forever)
 
 
 def test_an_answer_still_leaving_keeps_its_sequence(sched):
     x = np.ones((2, 4), np.float32)
     r = _run(sched, "s", True, x, hold=True)  # answered by the engine; being sent
-    time.sleep(3 * IDLE)
+    time.sleep(1.5 * IDLE)
     _run(sched, "s", False, x)  # was: evicted while its answer was on its way
     sched.release(r)  # the answer has left: idle from now
-    time.sleep(3 * IDLE)
+    time.sleep(1.5 * IDLE)
     with pytest.raises(SequenceError, match="evicted"):
         _run(sched, "s", False, x)
+    # an answer that never leaves (a client that stopped reading) holds one timeout more
+    _run(sched, "t", True, x, hold=True)
+    time.sleep(2.6 * IDLE)
+    with pytest.raises(SequenceError, match="evicted"):
+        _run(sched, "t", False, x)
 
 
 def test_call_steps_count_the_steps_run_not_the_bucket():
@@ -239,3 +254,118 @@ def test_a_second_sigterm_ends_the_grace_period(tmp_path):
             t.join(60)
         assert stopped < 5, stopped  # was: the whole drain, up to --grace 60
         assert any("UNAVAILABLE" in g for g in got), got
+
+
+# ------------------------------------------------- the gRPC stream's pump, in process
+class _Tokens:
+    """A scheduler's arrivals, counted: the tokens given and not yet given back."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, str | None] = {}
+        self.given = 0
+
+    def arriving(self, model=None) -> int:
+        self.given += 1
+        self.live[self.given] = model
+        return self.given
+
+    def arrived(self, token) -> None:
+        self.live.pop(token, None)
+
+
+def _pump_core(fail_on: set | None = None):
+    from helpers import ServeCoreStub
+
+    tokens = _Tokens()
+
+    class Core(ServeCoreStub):
+        scheduler = tokens
+
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+            import asyncio
+
+            tokens.arrived(arrival)  # (as the real one: given back once submitted)
+            await asyncio.sleep(0.05)  # the engine's work
+            if fail_on and p.n in fail_on:
+                raise RuntimeError("boom")
+            return {}, lambda: None
+
+    return Core(), tokens
+
+
+def _pump_patches(monkeypatch):
+    from types import SimpleNamespace
+
+    from leanrnn.serve import rpc
+
+    info = SimpleNamespace(name="m", outputs={"y": SimpleNamespace(shape=[1, 1])},
+                           dtype=np.dtype(np.float32))  # fmt: skip
+    monkeypatch.setattr(rpc, "parse", lambda core, req: (info, SimpleNamespace(
+        n=int(req.id), x=np.zeros((1, 1), np.float32))))  # fmt: skip
+    monkeypatch.setattr(rpc, "answer", lambda info, p, values, stream=False: b"ok")
+    monkeypatch.setattr(rpc, "WINDOW", 2)  # two requests in flight fill the bound
+    monkeypatch.setattr(rpc, "UNREAD_S", 0.2, raising=False)
+    return rpc
+
+
+@pytest.mark.parametrize("reads", [2, 6])
+def test_a_stream_gives_its_arrival_back_when_the_client_stops(monkeypatch, reads):
+    """A stream's token, taken while its bound stopped the reading, was kept until the next
+    request came: a client that stopped reading its answers (reads=2 of 6), or sending
+    requests (reads all 6, then sends nothing), held back every eviction of the server."""
+    import asyncio
+
+    from helpers import GrpcContextStub
+
+    rpc = _pump_patches(monkeypatch)
+    core, tokens = _pump_core()
+    quiet = asyncio.Event()
+
+    async def requests():
+        for n in range(6):
+            yield rpc.pb.ModelInferRequest(model_name="m", id=str(n)).SerializeToString()
+        await quiet.wait()  # then nothing, the stream open
+
+    async def main():
+        answers = 0
+        stream = rpc.Servicer(core).ModelStreamInfer(requests(), GrpcContextStub())
+        async for _ in stream:
+            answers += 1
+            if answers == reads:
+                break
+        await asyncio.sleep(0.6)  # past the engine's work and UNREAD_S
+        live = dict(tokens.live)
+        quiet.set()
+        await stream.aclose()
+        return answers, live
+
+    answers, live = asyncio.run(main())
+    assert answers == reads and tokens.given >= 1  # (the bound did stop the reading)
+    assert live == {}, live  # was: a token held while the client stayed away
+
+
+def test_a_request_that_fails_is_answered_and_the_stream_goes_on(monkeypatch):
+    """An exception other than a refusal in a stream's request left it unanswered, its place
+    in the stream's bound taken for good (the client waited for ever)."""
+    import asyncio
+
+    from helpers import GrpcContextStub
+
+    rpc = _pump_patches(monkeypatch)
+    core, tokens = _pump_core(fail_on={1})
+
+    async def requests():
+        for n in range(3):
+            yield rpc.pb.ModelInferRequest(model_name="m", id=str(n)).SerializeToString()
+
+    async def main():
+        got = []
+        async for raw in rpc.Servicer(core).ModelStreamInfer(requests(), GrpcContextStub()):
+            got.append(raw if isinstance(raw, bytes) else raw.SerializeToString())
+        return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 10))
+    assert len(got) == 3, got
+    failed = [rpc.pb.ModelStreamInferResponse.FromString(g) for g in got if g != b"ok"]
+    assert len(failed) == 1 and "RuntimeError: boom" in failed[0].error_message
+    assert tokens.live == {}

@@ -97,3 +97,13 @@ def test_flat_weights_are_torch_modules_list(kw):
                        strict=True):  # fmt: skip
         assert b is getattr(mine, n)
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_flat_weights_cannot_be_assigned_silently():
+    # torch's forward reads the list, so wrappers assign it; leanrnn's reads the named
+    # parameters, and an assignment taken would have been ignored
+    _, mine = _pair()
+    with pytest.raises(AttributeError, match=r"_flat_weights cannot be assigned.*to_module"):
+        mine._flat_weights = [w * 0 for w in mine._flat_weights]
+    x = torch.randn(2, 1, 3, dtype=torch.float64)
+    assert mine(x)[0].abs().sum() > 0

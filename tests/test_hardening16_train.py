@@ -78,3 +78,20 @@ def test_plans_follow_a_change_of_threads():
         Trainer(m, threads=2, memory_limit=least).plan(N, T)
     with pytest.raises(PlanError, match="memory_limit"):  # was: the one-thread plan, kept
         tr.plan(N, T)
+
+
+def test_a_used_tape_of_an_earlier_shape_lets_go_of_its_arena():
+    """Forward A, forward B of a larger shape (a new arena), backward A, backward B: tape A
+    kept the earlier arena (the fix above looked at the trainer's current arena only)."""
+    import gc
+    import weakref
+
+    tr = Trainer(leanrnn.GRU(8, 8, seed=0))
+    a = tr.forward(np.ones((5, 3, 8), np.float32))
+    first = weakref.ref(tr._arena)
+    b = tr.forward(np.ones((50, 3, 8), np.float32))
+    assert tr._arena is not first()
+    tr.backward(a, np.ones_like(a.y))
+    tr.backward(b, np.ones_like(b.y))
+    gc.collect()
+    assert first() is None

@@ -367,7 +367,7 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     class Core(ServeCoreStub):
         metrics = SimpleNamespace(stream_held=deltas.append)
 
-        async def infer_held(self, p, transport):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
             await gate.wait()
             return {}, lambda: None
 

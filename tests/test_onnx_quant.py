@@ -420,6 +420,10 @@ def test_onnxruntime_fused_heads(per_channel, tmp):
     np.testing.assert_allclose(got, want, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
     plain = leanrnn.load(path).run({"x": x})[0]
     np.testing.assert_allclose(got, plain, rtol=0, atol=ATOL_ORT_DYNAMIC_QUANT[F32])
+    # the fused head's int8 weights are parameters, its scales and zero points not (B was
+    # left out and b_zero_point counted in DynamicQuantizeMatMul)
+    want = sum(p.numel() for p in model.parameters())
+    assert leanrnn.load(fused).describe(1, 4)["parameters"] == want
 
 
 # ------------------------------------------------------ DynamicQuantizeLSTM nodes by hand

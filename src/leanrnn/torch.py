@@ -972,8 +972,20 @@ class _RNNBase(torch.nn.Module):
     @property
     def _flat_weights(self) -> list[torch.nn.Parameter]:
         """The parameters in ``_flat_weights_names``' order, as torch's modules keep them (code
-        that reads a module's weights through it, a weight-dropout wrapper's, found none)."""
+        that reads a module's weights through it, a weight-dropout wrapper's, found none). A
+        fresh list each time: the module's weights are its named parameters."""
         return [getattr(self, n) for n in self._flat_weights_names]
+
+    @_flat_weights.setter
+    def _flat_weights(self, value) -> None:
+        # torch's forward reads this list, so weight-dropout wrappers assign it; this forward
+        # reads the named parameters, and an assignment taken silently would be ignored
+        raise AttributeError(
+            f"[leanrnn.torch.{type(self).__name__}] _flat_weights cannot be assigned: the "
+            "forward reads the named parameters (weight_hh_l0, ...); set those (as "
+            "torch.nn.utils.parametrize or a tensor attribute), or convert with to_module() "
+            "for torch.nn's module"
+        )
 
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every module it scripts, this one inside a model too:

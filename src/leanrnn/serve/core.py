@@ -190,8 +190,9 @@ class Core:
         c[0] += 1
         c[1] += int(seconds * 1e9)
 
-    async def infer_held(self, p: Parsed, protocol: str, json_bytes: int = 0,
-                         arrival: int | None = None) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
+    async def infer_held(
+        self, p: Parsed, protocol: str, json_bytes: int = 0, arrival: int | None = None
+    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
         """Run ``p`` through the scheduler; (the requested outputs by name, release). The
         request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
         count against --max-queued-bytes until ``release()`` — call it once the answer has
@@ -200,8 +201,8 @@ class Core:
         once it is submitted or refused."""
         try:
             return await self._infer_held(p, protocol, json_bytes, arrival)
-        finally:
-            self.scheduler.arrived(arrival)  # (no-op when submitted: submit let go of it)
+        finally:  # (refused before its submit; once submitted, _infer_held let go of it)
+            self.scheduler.arrived(arrival)
 
     async def _infer_held(self, p: Parsed, protocol: str, json_bytes: int,
                           arrival: int | None):  # fmt: skip

@@ -446,7 +446,7 @@ def make_app(core: Core, metrics=None) -> Starlette:
         info = model_of(request)
         # arriving from its headers on: while its body comes, no sequence the request may be
         # for is evicted (a body that took 1.6 s lost its sequence to a 1 s idle timeout)
-        arrival = core.scheduler.arriving()
+        arrival = core.scheduler.arriving(info.name)
         try:
             body, held = await _body(request, core)
             try:  # the body counts until its request is (infer_held submits before it awaits)

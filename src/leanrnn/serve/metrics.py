@@ -68,14 +68,16 @@ class Metrics:
     def active(self, model: str, n: int) -> None:
         self._active.labels(model).set(n)
 
-    def call(self, model: str, streams: int, T: int, seconds: float, steps: int, done,
+    def call(self, model: str, streams: int, ran: int, seconds: float, steps: int, done,
              live: int) -> None:  # fmt: skip
+        """One engine call over ``streams`` streams that ran ``ran`` steps (``steps``
+        stream-steps in all) in ``seconds``."""
         self._calls.labels(model).inc()
         self._busy.labels(model).inc(seconds)
         self._steps.labels(model).inc(steps)
         self._batch.labels(model).observe(streams)
-        self._call_steps.labels(model).observe(T)
-        self._step.labels(model).observe(seconds / T)
+        self._call_steps.labels(model).observe(ran)
+        self._step.labels(model).observe(seconds / ran)
         self._active.labels(model).set(live)
 
     def request(self, model: str, protocol: str, seconds: float, queued: float) -> None:

@@ -149,8 +149,9 @@ def flag(params: dict, key: str, default: bool, whose: str = "") -> bool:
 
 def check_listed(info: ModelInfo, inputs: int, outputs: int) -> None:
     """A model has a handful of inputs and outputs, each listed once at most: a request listing
-    more is refused before any loop over them (600,000 requested outputs in 15 KB of gzip held
-    the event loop for 2.7 s; 16 MiB of empty gRPC ``outputs {}`` entries took 12 s)."""
+    more than one beyond them is refused before any loop over them (600,000 requested outputs
+    in 15 KB of gzip held the event loop for 2.7 s; 16 MiB of empty gRPC ``outputs {}``
+    entries took 12 s). The one beyond is named by the checks of each name."""
     for what, n, have in (("inputs", inputs, info.inputs), ("outputs", outputs, info.outputs)):
         # one more than the model has gets through, to be named by the checks of each name (a
         # GRU sent an LSTM's x, h0, c0 heard "3 inputs listed", not which one it lacks)

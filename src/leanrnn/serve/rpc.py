@@ -28,7 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from .core import Core, hostport, nbytes, off_loop
-from .errors import InvalidRequest, ServeError, Unavailable
+from .errors import Internal, InvalidRequest, ServeError, Unavailable
 from .protocol import (
     EXTENSIONS,
     VERSION,
@@ -47,6 +47,10 @@ pb = service_pb2
 # 1024 requests let one stream carry as many sequences at once as --max-streams' default.
 WINDOW = 1024
 WINDOW_BYTES = 4 << 20
+# Seconds a stream's next request may take to come once the stream is read again (after its
+# bound on requests and bytes in flight stopped it) and still count as having arrived while
+# it was not read (Scheduler.arriving).
+UNREAD_S = 1.0
 _CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 # ModelInfer and ModelStreamInfer take and give serialized messages: grpc.aio would otherwise
 # decode and encode them on the event loop, and upb's FromString, ByteSize and SerializeToString
@@ -401,6 +405,18 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         idle = self.core.idle_timeout
         last = [loop.time()]  # the stream's last request read or answer written
         idled = asyncio.Event()
+        # The stream's next request while the bound stops its reading and requests of the
+        # stream are still being computed: arriving (Scheduler.arriving), its token here. Once
+        # none is computing, what holds the bound up is answers the client has not read: its
+        # own pace, not the server's, and the token goes back.
+        computing = [0]
+        blocked: list = [None]
+
+        def computed() -> None:
+            computing[0] -= 1
+            if not computing[0] and blocked[0] is not None:
+                self.core.scheduler.arrived(blocked[0])
+                blocked[0] = None
 
         def account(requests: int, nbytes: int) -> None:
             held[0] += requests
@@ -419,12 +435,19 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     self.core.scheduler.arrived(arrival)
                     raise item
                 info, p = item
-                # submits before its first await: the pump lets it run before the next request
-                values, release = await self.core.infer_held(p, "grpc", 0, arrival)
+                computing[0] += 1
+                try:  # submits before its first await: the pump lets it run before the next
+                    values, release = await self.core.infer_held(p, "grpc", 0, arrival)
+                finally:
+                    computed()
                 t0 = time.perf_counter()
                 res = await off_loop(nbytes(values), answer, info, p, values, True)
                 self.core.io(info.name, "compute_output", time.perf_counter() - t0)
-            except ServeError as e:
+            except Exception as e:  # (not a cancellation: the client went)
+                if not isinstance(e, ServeError):  # a failure here, not a refusal: answered
+                    # as one, so the request's place in the stream's bound is given back and
+                    # its client is not left waiting for an answer that never comes
+                    e = Internal(f"[stream] this request failed: {type(e).__name__}: {e}")
                 self.core.error(e, "grpc")
                 failed = pb.ModelStreamInferResponse(error_message=str(e))
                 if ids is not None:  # (None: not a ModelInferRequest at all)
@@ -442,16 +465,25 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         async def pump():
             requests = request_iterator.__aiter__()
-            nxt = blocked = None
+            nxt = None
             try:
                 while True:
-                    if not room.is_set():
-                        # the stream's bytes are at their bound: the next request waits unread,
-                        # arriving (Scheduler.arriving) until it is submitted, so its sequence
-                        # is not evicted as idle behind a large request
-                        blocked = self.core.scheduler.arriving()
+                    if not room.is_set() and computing[0]:
+                        # at the stream's bound while the engine works: the next request
+                        # waits unread, arriving until it is submitted, so its sequence is not
+                        # evicted as idle behind a large request (``computing``)
+                        blocked[0] = self.core.scheduler.arriving()
                     await room.wait()
                     nxt = asyncio.ensure_future(requests.__anext__())
+                    if (
+                        blocked[0] is not None
+                        and not (await asyncio.wait({nxt}, timeout=UNREAD_S))[0]
+                    ):
+                        # no request was waiting behind the bound after all (or it is still
+                        # on its way): the stream is quiet, not arriving (a token kept here
+                        # held back every eviction for as long as the stream stayed open)
+                        self.core.scheduler.arrived(blocked[0])
+                        blocked[0] = None
                     # A stream that sends nothing for --idle-timeout with nothing of its in
                     # flight is closed: idle streams held --max-concurrency's calls for as long
                     # as they stayed open (and any sequence of theirs is evicted by then)
@@ -484,12 +516,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     account(1, cost)
                     # submitted in arrival order: the task submits before its first await,
                     # and runs before the next request is read
-                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost, blocked))
+                    arrival, blocked[0] = blocked[0], None
+                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost, arrival))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                    if blocked is not None:  # (a task cancelled before it ran runs no finally)
-                        task.add_done_callback(partial(_arrived, self.core.scheduler, blocked))
-                        blocked = None
+                    if arrival is not None:  # (a task cancelled before it ran runs no finally)
+                        task.add_done_callback(partial(_arrived, self.core.scheduler, arrival))
                     await asyncio.sleep(0)
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
@@ -500,7 +532,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     # asyncio as "Task exception was never retrieved", outside the JSON log
                     nxt.add_done_callback(_taken)
                 out.put_nowait((None, 0, _nothing))
-                self.core.scheduler.arrived(blocked)  # (after the end mark: nothing may keep it)
+                self.core.scheduler.arrived(blocked[0])  # (after the end mark: nothing may keep it)
 
         reader = asyncio.ensure_future(pump())
         try:

@@ -7,13 +7,15 @@ Per model (``Lane``):
   c [L, S, Hp] (the kernels' padded width) for S = ``max_streams`` streams, in one aligned
   buffer of zeroed pages; a stream owns slot s from ``sequence_start`` until its
   ``sequence_end`` (freed at once) or its eviction after ``idle_timeout`` seconds without a
-  request. A stream is idle from the moment its last answer has left (``release``; while one
-  is still being sent it is not idle), and a
+  request. A stream is idle from the moment its last answer has left (``release``), and a
   request still arriving counts as arrived: the front ends register one from its first byte
-  (HTTP) or from when they stop reading a gRPC stream to bound its bytes (``arriving``), and
-  no sequence idle for less than the timeout when the oldest such request began is evicted,
-  since it may be that request's (a sequence whose next request sat behind a large one in its
-  gRPC stream was evicted with "idle" in the message). Beyond S live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
+  (HTTP, for its model) or from when they stop reading a gRPC stream to bound its bytes (any
+  model) (``arriving``), and no sequence of its model that was idle for less than the timeout
+  when it began is evicted, as it may be that request's (a sequence whose next request sat
+  behind a large one on its gRPC stream was evicted "after 1.2 s idle"). Such a request, and an
+  answer still being sent, postpone an eviction by one more timeout at most: a client that
+  sends or reads slowly cannot keep sequences alive, its own or others', for longer. Beyond S
+  live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
   live ones are unaffected. An idle stream costs its slot's bytes and nothing else: only
   streams with a pending request are in the ready queue.
 - **A call.** Up to ``max_batch`` ready streams (first come, first served; a stream that still
@@ -29,8 +31,8 @@ Per model (``Lane``):
   (``lengths``) writes its h back to its slot, and c is updated in its slot for the whole
   call. Neither this module nor the Session copies a state in or out of a call (before: h
   and c taken from the slots into contiguous rows, copied into the arena's buffers, and both
-  back out the same way: 8 numpy copies per LSTM layer and call); what is left is the kernel's own gather of
-  h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
+  back out the same way: 8 numpy copies per LSTM layer and call); what is left is the
+  kernel's own gather of h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
   only by its own stream's calls (the table's slots are distinct, and a stream has one call
   in flight), and a frozen row's slot is not written at all.
 - **Shapes.** ``Session.run_slots`` plans again whenever N or T change (~1-20 ms), so calls come in
@@ -417,15 +419,19 @@ class Lane:
                 "which has no cell state; send h0 only"
             )
 
-    def reap(self, now: float, horizon: float | None = None) -> list[tuple]:
-        """Evict sequences idle longer than the timeout at ``horizon`` (default ``now``: the
-        start of the oldest request still arriving, Scheduler.arriving); returns [(key, idle
-        seconds at now)]."""
+    def reap(self, now: float, arriving: float | None = None) -> list[tuple]:
+        """Evict sequences idle longer than the timeout; returns [(key, idle seconds)].
+        ``arriving``: when the oldest request that may be for this model began to arrive
+        (Scheduler.arriving), None if there is none. Idleness is counted up to then, and up
+        to one timeout ago for a sequence whose answer is still being sent, but never to
+        earlier than one timeout ago (module docstring)."""
         out = []
         limit = self.idle_timeout
-        horizon = now if horizon is None else min(now, horizon)
+        floor = now - limit
+        horizon = now if arriving is None else max(min(now, arriving), floor)
         for key, s in list(self.seqs.items()):
-            if not s.queue and not s.inflight and not s.answering and horizon - s.last > limit:
+            at = floor if s.answering else horizon
+            if not s.queue and not s.inflight and at - s.last > limit:
                 idle = now - s.last
                 self._release(s)
                 self.evicted[_evicted_key(key)] = (idle, now)
@@ -452,7 +458,8 @@ class Lane:
         return picked
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
-        """Outside the lock: one engine call over ``picked``; returns (steps run, stream-steps). Only
+        """Outside the lock: one engine call over ``picked``; returns (steps it ran, stream-
+        steps). Only
         the head requests of in-flight sequences are touched, and only their x, y and pos,
         which no other thread changes (a restart's submit may set a head's ``end``, which
         ``finish`` reads, under the lock)."""
@@ -557,7 +564,7 @@ class Scheduler:
         self._accepting = True
         self._stop = False
         self._inflight = 0
-        self._arriving: dict[int, float] = {}  # token -> when (arriving)
+        self._arriving: dict[int, tuple] = {}  # token -> (when, model or None) (arriving)
         self._tokens = itertools.count()
         self._reap_every = min(1.0, max(0.01, min(ln.idle_timeout for ln in self._order) / 4))
         self._next_reap = time.monotonic() + self._reap_every
@@ -648,14 +655,15 @@ class Scheduler:
                     r.seq.answering -= 1
                     r.seq.last = max(r.seq.last, time.monotonic())
 
-    def arriving(self) -> int:
-        """Register a request that is arriving (its body still coming, or unread behind a
-        large one) as of now; ``arrived(token)`` once it has been submitted or has failed.
-        Until then no sequence that was not already past the idle timeout at this moment is
-        evicted (it may be this request's)."""
+    def arriving(self, model: str | None = None) -> int:
+        """Register a request for ``model`` (None: any model) that is arriving (its body still
+        coming, or unread behind a large one) as of now; ``arrived(token)`` once it has been
+        submitted, has failed or turned out not to be there. Until then no sequence of that
+        model that was not past the idle timeout at this moment is evicted (it may be this
+        request's), for one more timeout at most (Lane.reap)."""
         with self.cond:
             token = next(self._tokens)
-            self._arriving[token] = time.monotonic()
+            self._arriving[token] = (time.monotonic(), model)
             return token
 
     def arrived(self, token: int | None) -> None:
@@ -712,9 +720,10 @@ class Scheduler:
         if now < self._next_reap:
             return
         self._next_reap = now + self._reap_every
-        horizon = min(self._arriving.values(), default=now)  # (under the lock)
+        arriving = list(self._arriving.values())  # (under the lock)
         for lane in self._order:
-            gone = lane.reap(now, horizon)
+            since = min((t for t, m in arriving if m is None or m == lane.name), default=None)
+            gone = lane.reap(now, since)
             for key, idle in gone:
                 fields = {"model": lane.name, "sequence": describe(key), "idle_s": round(idle, 3)}
                 _log.info("evict", extra={"fields": fields})
@@ -770,7 +779,7 @@ class Scheduler:
                 t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
             t0 = time.monotonic()
             try:
-                T, steps = lane.run(picked, t_cap, t0)
+                ran, steps = lane.run(picked, t_cap, t0)
                 error = None
             except Exception as e:  # an engine failure: those requests fail, the server lives
                 _log.exception("engine call failed", extra={"fields": {"model": lane.name}})
@@ -789,13 +798,13 @@ class Scheduler:
                     cond.notify_all()  # drain() waits for this
                 live = len(lane.seqs)
             if error is None:
-                per_step = (t1 - t0) / T
+                per_step = (t1 - t0) / ran
                 lane.step_seconds = (
                     per_step if lane.step_seconds == 0 else 0.8 * lane.step_seconds + 0.2 * per_step
                 )
                 lane.steps += steps
                 if self.metrics is not None:
-                    self.metrics.call(lane.name, len(picked), T, t1 - t0, steps, done, live)
+                    self.metrics.call(lane.name, len(picked), ran, t1 - t0, steps, done, live)
             _notify(done)
             # let go of the batch before waiting for the next: this frame held the last
             # batch's requests, x and y included, for as long as the server stayed idle

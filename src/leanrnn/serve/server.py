@@ -89,7 +89,8 @@ class _Limited(logging.Filter):
 
 
 # Loggers of the libraries under the server (uvicorn's connection and ASGI errors, asyncio's
-# unretrieved exceptions, gRPC's): one JSON line each too, not plain text beside the log.
+# unretrieved exceptions, gRPC's): one JSON line each too, not plain text beside the log. They
+# are the process's: a program that runs the server in process has them taken over as well.
 _TRANSPORT_LOGGERS = ("uvicorn", "asyncio", "grpc")
 
 

@@ -220,7 +220,7 @@ class Trainer:
             prm._stale = True
         self._version = -1
         self._seen = None
-        self._dense: dict = {}  # rounding (None or "bf16") -> backward's dense weights (_dense_for)
+        self._dense: dict = {}  # (rounding, RT's groups) -> backward's dense weights (_dense_for)
         self._bf16: PackedWeights | None = None  # the master weights rounded (_forward_weights)
         self._bf16_version = -1
         self._serial = 0
@@ -449,12 +449,14 @@ class Trainer:
         the forward in ``autocast`` mode multiplied by (rounded to bf16 under autocast), for
         backward's GEMMs (Wp: Wd packed for the engine's GEMM, or None on BLAS); made once per
         change of the weights."""
-        key = None if autocast is None else "bf16"  # both modes' weights: the same rounding
+        groups = self._dh_groups()  # (RT's panel width: it follows the thread count)
+        key = (None if autocast is None else "bf16", groups)  # both modes: the same rounding
         made = self._dense.get(key)
         if made is not None:
             return made
+        if len(self._dense) >= 2:  # (a change of threads: the other width's copies go)
+            self._dense = {k: v for k, v in self._dense.items() if k[1] == groups}
         spec, w = self.spec, self.weights
-        groups = self._dh_groups()
         fw = self._forward_weights(autocast)
 
         def seen(pl, name):  # the values the forward multiplied by
@@ -588,9 +590,9 @@ class Trainer:
         # dx is made here, not in backward: until backward writes them, its rows hold the
         # boundary states (untouched pages of it cost nothing)
         dx = np.empty((T * N, C), dt)
-        saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, masks=masks, x=xt,
-                     h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y, yfull=yfull,
-                     dx=dx, autocast=mode)  # fmt: skip
+        saved = dict(T=T, N=N, S=S, recompute=recompute, lens=lens, mem=mem, own=own_memory,
+                     masks=masks, x=xt, h0=hs.copy(), c0=None if cs is None else cs.copy(), y=y,
+                     yfull=yfull, dx=dx, autocast=mode)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
         ckh, ckc = self._boundaries(dx, T, N, S)
@@ -1186,10 +1188,10 @@ class Trainer:
         dx = sv["dx"] if input_grad else None
         with blas_alone():
             self._backward_segments(sv, mem, dyt, dx, dh, dc)
-        if mem["_arena"] is self._arena:
-            # used, the tape takes no second backward: it lets go of the shared arena, which
-            # it kept alive beside the next shape's (the next forward drops self._arena), a
-            # transient of twice the memory in a loop that keeps `tape` bound
+        if not sv["own"]:
+            # used, the tape takes no second backward: it lets go of the trainer's arena (this
+            # one or an earlier shape's), which it kept alive beside the next shape's (the
+            # next forward drops self._arena): twice the memory in a loop that keeps `tape`
             tape._saved = {"serial": tape._serial}
         if dx is None:
             return None, dh, (dc if spec.cell == "lstm" else None)

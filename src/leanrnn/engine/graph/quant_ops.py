@@ -387,8 +387,8 @@ def _dequantize_linear_run(ctx, node, ins, outs, metas, tmp):
 _QUANT_PARAMETER_INPUTS = {
     "DequantizeLinear": (1, 2),
     "MatMulInteger": (2, 3),
-    "com.microsoft::MatMulIntegerToFloat": (2, 3, 4, 5),
-    "com.microsoft::DynamicQuantizeMatMul": (1, 2),
+    "com.microsoft::MatMulIntegerToFloat": (2, 3, 4, 5),  # (A, B, a/b scales, a/b zps, bias)
+    "com.microsoft::DynamicQuantizeMatMul": (2, 3),  # (A, B, b_scale, b_zero_point, bias)
 }
 
 
