@@ -355,7 +355,7 @@ class ServeCoreStub:
         return self.values, lambda: None
 
     class scheduler:  # a request's arrival (Scheduler.arriving): not the point here
-        arriving = staticmethod(lambda: 0)
+        arriving = staticmethod(lambda model=None: 0)
         arrived = staticmethod(lambda token: None)
 
 
