@@ -235,12 +235,17 @@ def _env_choice() -> str | None:
 
 
 def _wisdom_path():
-    """wisdom.json in the native build's folder (per build and CPU), or None on the JIT."""
+    """wisdom.json in the native build's folder (per build and CPU), on the JIT in its numba
+    cache's of the same fingerprint: each JIT process measured again, and under load one in
+    six chose the other GEMM, its gradients off in the last bits."""
+    from .. import config
     from ..kernels import native
 
-    if not runner.binds():
-        return None
-    return native.build_dir() / "wisdom.json"
+    if runner.binds():
+        return native.build_dir() / "wisdom.json"
+    d = config.numba_cache_dir(native.fingerprint())
+    d.mkdir(parents=True, exist_ok=True)
+    return d / "wisdom.json"
 
 
 def _remembered() -> dict | None:

@@ -184,16 +184,19 @@ def int8_dot(isa_: Isa) -> str:
     ``LEANRNN_AMX=0`` does not turn it off; ``vnni`` (AVX-512 VNNI's vpdpbusd on 512-bit
     vectors: 64 u8 x s8 products summed into 16 int32 in one instruction) where the AVX-512
     tile is compiled and this CPU has VNNI; ``avx2`` (vpsignb, vpmaddubsw, vpmaddwd and an add
-    on 256-bit vectors: four instructions for 32) on other x86 with AVX2 (``LEANRNN_ISA=avx2`` selects
-    it on a VNNI machine too); ``plain`` LLVM integer IR elsewhere. Every path gives the same
+    on 256-bit vectors: four instructions for 32) on other x86 with AVX2 (``LEANRNN_ISA=avx2``
+    selects it on a VNNI machine too); ``plain`` LLVM integer IR elsewhere. Every path gives the same
     exact int32 sums.
 
     The choice is part of signature(), so of every compiled kernel's fingerprint (the native
     build's and numba's cache directory, kernels.native and _jit): a process loads kernels
     with AMX code only after this function has asked for, and got, the tile state."""
-    if isa_.name == "avx512" and "avx512_vnni" in _flags()[0]:
+    flags = _flags()[0]
+    if isa_.name == "avx512" and "avx512_vnni" in flags:
         return "amx" if amx_enabled() and amx_usable() else "vnni"
-    return "avx2" if isa_.name in ("avx2", "avx512") else "plain"
+    # (the CPU's flag too: its AVX2 intrinsics have no lowering without it, where the float
+    # tiles' generic vectors do; LEANRNN_ISA=avx2 on a CPU without AVX2 aborted in LLVM)
+    return "avx2" if isa_.name in ("avx2", "avx512") and "avx2" in flags else "plain"
 
 
 def bf16_dot(isa_: Isa) -> str:

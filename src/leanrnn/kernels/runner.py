@@ -299,6 +299,13 @@ def _resolve(choice: str) -> _Native | _Jit:
 def _jit() -> _Jit:
     """The JIT backend, its build directory's fingerprint marked used (_mark_used: after
     _Jit(), which picks numba's cache folder)."""
+    import warnings
+
+    from numba.core.errors import NumbaIRAssumptionWarning
+
+    # numba's own note on IR it generated from the kernels (four ~12-line blocks asking the
+    # user to report it to numba, at the first compile of a float64 LSTM): not the user's
+    warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
     jit = _Jit()
     _mark_used(where())
     return jit

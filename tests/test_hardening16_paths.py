@@ -1,0 +1,45 @@
+"""Session 42, from a red-team pass forcing every kernel path: LEANRNN_ISA=avx2 (or avx512) on
+a CPU without AVX2 aborted the process in LLVM at the first int8-dynamic model (its AVX2
+intrinsics have no lowering there); on the JIT backend each process measured the training
+GEMM choice again, and under load one in six chose the other, its gradients off in the last
+bits. Each test failed before."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from leanrnn.engine import products
+from leanrnn.kernels import _cpu, runner
+
+
+def test_a_forced_avx2_int8_dot_needs_the_cpus_avx2(monkeypatch):
+    for isa in ("avx2", "avx512"):
+        monkeypatch.setattr(_cpu, "_flags", lambda: ({"sse4_2", "fma"}, "x86_64"))
+        assert _cpu.int8_dot(_cpu.ISAS[isa]) == "plain"  # was "avx2": LLVM ERROR, abort
+        monkeypatch.setattr(_cpu, "_flags", lambda: ({"avx", "avx2", "fma"}, "x86_64"))
+        assert _cpu.int8_dot(_cpu.ISAS[isa]) == "avx2"
+    monkeypatch.setattr(_cpu, "_flags", lambda: (set(), "aarch64"))
+    assert _cpu.int8_dot(_cpu.ISAS["avx2"]) == "plain"
+
+
+def test_the_jit_remembers_its_gemm_choice(monkeypatch, tmp_path):
+    calls = []
+
+    def fake(rounds=5):
+        calls.append(rounds)
+        return {"choice": "blas", "native_gflops": 1.0, "blas_gflops": 2.0}
+
+    monkeypatch.setenv("LEANRNN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.delenv(products.ENV_GEMM, raising=False)
+    monkeypatch.setattr(runner, "binds", lambda: False)  # the JIT backend
+    monkeypatch.setattr(products, "calibrate", fake)
+    monkeypatch.setattr(products, "_CHOICE", {})
+    path = products._wisdom_path()
+    assert path is not None and tmp_path in path.parents  # was None: never remembered
+    assert products.gemm_choice(np.float32) == "blas" and len(calls) == 1
+    monkeypatch.setattr(products, "_CHOICE", {})  # a new JIT process reads the file
+    assert products.gemm_choice(np.float32) == "blas" and len(calls) == 1
+    assert json.loads(path.read_text())["gemm"]["choice"] == "blas"
