@@ -252,9 +252,11 @@ def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
 
     monkeypatch.setattr(rpc, "parse", parse)
     gate = asyncio.Event()
+    entered = []
 
     class Core(ServeCoreStub):
         async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+            entered.append(p.id)
             await gate.wait()
             return {}, lambda: None
 
@@ -272,6 +274,8 @@ def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
         first = asyncio.ensure_future(answers.__anext__())
         await asyncio.sleep(0.2)  # read, parsed, computing
         held = tracemalloc.get_traced_memory()[0] - base
+        # computing indeed (a failing double was answered at once, and held nothing)
+        assert entered == ["r"] and not first.done()
         first.cancel()
         return held
 

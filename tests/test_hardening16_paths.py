@@ -43,3 +43,22 @@ def test_the_jit_remembers_its_gemm_choice(monkeypatch, tmp_path):
     monkeypatch.setattr(products, "_CHOICE", {})  # a new JIT process reads the file
     assert products.gemm_choice(np.float32) == "blas" and len(calls) == 1
     assert json.loads(path.read_text())["gemm"]["choice"] == "blas"
+
+
+def test_numbas_ir_notes_on_leanrnns_kernels_only_are_quiet():
+    """The JIT's first compile of a float64 LSTM printed four ~12-line NumbaIRAssumptionWarning
+    blocks asking the user to report them to numba; a user's own numba code keeps them."""
+    import warnings
+
+    from numba.core.errors import NumbaIRAssumptionWarning
+
+    def shown(where: str) -> bool:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            runner._jit()  # (the JIT backend as it is chosen; its filter goes in first)
+            warnings.warn_explicit(f"an IR assumption\nFile \"{where}\", line 3", 
+                                   NumbaIRAssumptionWarning, "x.py", 1)  # fmt: skip
+        return any(issubclass(w.category, NumbaIRAssumptionWarning) for w in got)
+
+    assert not shown("/site-packages/leanrnn/kernels/_math.py")  # was shown
+    assert shown("/home/me/my_kernels.py")

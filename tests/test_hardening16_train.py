@@ -95,3 +95,20 @@ def test_a_used_tape_of_an_earlier_shape_lets_go_of_its_arena():
     tr.backward(b, np.ones_like(b.y))
     gc.collect()
     assert first() is None
+
+
+def test_backwards_dense_copies_follow_the_thread_count():
+    """The dense copies of the weights backward multiplies by (their RT panels as wide as the
+    thread count allows) were kept for the first thread count: after a change of threads the
+    panels were the old width's, and the memory counted the new width's."""
+    m = leanrnn.LSTM(64, 64, seed=0)
+    tr = Trainer(m, threads=1)
+    x = np.random.default_rng(0).standard_normal((4, 2, 64)).astype(np.float32)
+    widths = []
+    for threads in (1, 2, 1, 2):
+        tr.threads = threads
+        tape = tr.forward(x)
+        tr.backward(tape, np.ones_like(tape.y))
+        assert [k[1] for k in tr._dense] == [tr._dh_groups()]  # one width: this count's
+        widths.append(tr._dh_groups())
+    assert len(set(widths)) == 2  # (else this test would see nothing)

@@ -304,8 +304,11 @@ def _jit() -> _Jit:
     from numba.core.errors import NumbaIRAssumptionWarning
 
     # numba's own note on IR it generated from the kernels (four ~12-line blocks asking the
-    # user to report it to numba, at the first compile of a float64 LSTM): not the user's
-    warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
+    # user to report it to numba, at the first compile of a float64 LSTM): not the user's.
+    # Only for leanrnn's kernels (numba names their source in the message); the user's own
+    # numba code keeps its warnings
+    warnings.filterwarnings("ignore", message=r"(?s).*leanrnn[/\\]kernels",
+                            category=NumbaIRAssumptionWarning)  # fmt: skip
     jit = _Jit()
     _mark_used(where())
     return jit

@@ -444,8 +444,9 @@ def make_app(core: Core, metrics=None) -> Starlette:
 
     async def infer(request):
         info = model_of(request)
-        # arriving from its headers on: while its body comes, no sequence the request may be
-        # for is evicted (a body that took 1.6 s lost its sequence to a 1 s idle timeout)
+        # arriving from its headers on: while its body comes, no sequence of its model that
+        # was not idle past the timeout then is evicted, for one more timeout at most (a body
+        # that took 1.6 s lost its sequence to a 1 s idle timeout)
         arrival = core.scheduler.arriving(info.name)
         try:
             body, held = await _body(request, core)

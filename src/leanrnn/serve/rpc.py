@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from functools import partial
 
@@ -42,6 +43,7 @@ from .protocol import (
 from .scheduler import request_bytes
 
 pb = service_pb2
+_log = logging.getLogger("leanrnn.serve")
 # Per ModelStreamInfer stream: the most requests read and not yet answered back, and the most
 # bytes of answers waiting for the client to take them, before the stream's next request waits.
 # 1024 requests let one stream carry as many sequences at once as --max-streams' default.
@@ -429,17 +431,23 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 room.clear()
 
         async def one(ids, item, cost: int, arrival: int | None):
+            counted = not isinstance(item, ServeError)
+            computing[0] += counted  # until its answer is queued (or it is given up)
+            try:
+                await _one(ids, item, cost, arrival)
+            finally:
+                if counted:
+                    computed()
+
+        async def _one(ids, item, cost: int, arrival: int | None):
             release = _nothing
             try:
                 if isinstance(item, ServeError):
                     self.core.scheduler.arrived(arrival)
                     raise item
                 info, p = item
-                computing[0] += 1
-                try:  # submits before its first await: the pump lets it run before the next
-                    values, release = await self.core.infer_held(p, "grpc", 0, arrival)
-                finally:
-                    computed()
+                # submits before its first await: the pump lets it run before the next request
+                values, release = await self.core.infer_held(p, "grpc", 0, arrival)
                 t0 = time.perf_counter()
                 res = await off_loop(nbytes(values), answer, info, p, values, True)
                 self.core.io(info.name, "compute_output", time.perf_counter() - t0)
@@ -447,6 +455,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if not isinstance(e, ServeError):  # a failure here, not a refusal: answered
                     # as one, so the request's place in the stream's bound is given back and
                     # its client is not left waiting for an answer that never comes
+                    _log.exception("stream request failed", extra={"fields": {"request": ids}})
                     e = Internal(f"[stream] this request failed: {type(e).__name__}: {e}")
                 self.core.error(e, "grpc")
                 failed = pb.ModelStreamInferResponse(error_message=str(e))

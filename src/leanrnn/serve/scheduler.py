@@ -8,14 +8,16 @@ Per model (``Lane``):
   buffer of zeroed pages; a stream owns slot s from ``sequence_start`` until its
   ``sequence_end`` (freed at once) or its eviction after ``idle_timeout`` seconds without a
   request. A stream is idle from the moment its last answer has left (``release``), and a
-  request still arriving counts as arrived: the front ends register one from its first byte
-  (HTTP, for its model) or from when they stop reading a gRPC stream to bound its bytes (any
-  model) (``arriving``), and no sequence of its model that was idle for less than the timeout
-  when it began is evicted, as it may be that request's (a sequence whose next request sat
-  behind a large one on its gRPC stream was evicted "after 1.2 s idle"). Such a request, and an
-  answer still being sent, postpone an eviction by one more timeout at most: a client that
-  sends or reads slowly cannot keep sequences alive, its own or others', for longer. Beyond S
-  live streams a new one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
+  request still arriving counts as arrived: the front ends register one (``arriving``) from
+  its first byte (HTTP, for its model), or for any model while they stop reading a gRPC
+  stream whose requests are still being computed, to bound its bytes (given back once none
+  is, or when no next request comes within a second of reading again). No sequence of that
+  model that was idle for less than the timeout when such a request began is evicted, as it
+  may be that request's (a sequence whose next request sat behind a large one on its gRPC
+  stream was evicted "after 1.2 s idle"). Such a request, and an answer still being sent,
+  postpone an eviction by one more timeout at most: a client that sends or reads slowly
+  cannot keep sequences alive, its own or others', for longer. Beyond S live streams a new
+  one gets ``Exhausted`` (HTTP 429 / RESOURCE_EXHAUSTED);
   live ones are unaffected. An idle stream costs its slot's bytes and nothing else: only
   streams with a pending request are in the ready queue.
 - **A call.** Up to ``max_batch`` ready streams (first come, first served; a stream that still
@@ -32,9 +34,9 @@ Per model (``Lane``):
   call. Neither this module nor the Session copies a state in or out of a call (before: h
   and c taken from the slots into contiguous rows, copied into the arena's buffers, and both
   back out the same way: 8 numpy copies per LSTM layer and call); what is left is the
-  kernel's own gather of h_{t-1}, N*K elements per layer against N*G*K multiply-adds per step. A slot is written
-  only by its own stream's calls (the table's slots are distinct, and a stream has one call
-  in flight), and a frozen row's slot is not written at all.
+  kernel's own gather of h_{t-1}, N*K elements per layer against N*G*K multiply-adds per
+  step. A slot is written only by its own stream's calls (the table's slots are distinct, and
+  a stream has one call in flight), and a frozen row's slot is not written at all.
 - **Shapes.** ``Session.run_slots`` plans again whenever N or T change (~1-20 ms), so calls come in
   few shapes, each with its own ``Session`` (on the model's weights and the server's shared
   ``Pool``) planned at start-up: N is rounded up to a bucket (4 per octave: <= 25% padding
@@ -458,8 +460,8 @@ class Lane:
         return picked
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
-        """Outside the lock: one engine call over ``picked``; returns (steps it ran, stream-
-        steps). Only
+        """Outside the lock: one engine call over ``picked``; returns (the steps it ran, the
+        stream-steps). Only
         the head requests of in-flight sequences are touched, and only their x, y and pos,
         which no other thread changes (a restart's submit may set a head's ``end``, which
         ``finish`` reads, under the lock)."""

@@ -454,8 +454,8 @@ class Trainer:
         made = self._dense.get(key)
         if made is not None:
             return made
-        if len(self._dense) >= 2:  # (a change of threads: the other width's copies go)
-            self._dense = {k: v for k, v in self._dense.items() if k[1] == groups}
+        # (a change of threads: the other width's copies go, as _dense_bytes counts one width)
+        self._dense = {k: v for k, v in self._dense.items() if k[1] == groups}
         spec, w = self.spec, self.weights
         fw = self._forward_weights(autocast)
 
