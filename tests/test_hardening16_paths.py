@@ -56,7 +56,7 @@ def test_numbas_ir_notes_on_leanrnns_kernels_only_are_quiet():
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
             runner._jit()  # (the JIT backend as it is chosen; its filter goes in first)
-            warnings.warn_explicit(f"an IR assumption\nFile \"{where}\", line 3", 
+            warnings.warn_explicit(f"an IR assumption\nFile \"{where}\", line 3",
                                    NumbaIRAssumptionWarning, "x.py", 1)  # fmt: skip
         return any(issubclass(w.category, NumbaIRAssumptionWarning) for w in got)
 
