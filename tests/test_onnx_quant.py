@@ -592,17 +592,6 @@ def test_quantized_file_converts_to_lrnn(tmp):
                                   leanrnn.load(path).run({"x": x})[0])  # fmt: skip
 
 
-class _EmbeddingTagger(torch.nn.Module if torch is not None else object):
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(20, 6)
-        self.rnn = torch.nn.LSTM(6, 9, bidirectional=True)
-        self.fc = torch.nn.Linear(18, 5)
-
-    def forward(self, tokens):
-        return self.fc(self.rnn(self.emb(tokens))[0])
-
-
 @needs_torch
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantized_file_counts_the_parameters_torch_counts(per_channel, tmp):
@@ -612,7 +601,7 @@ def test_quantized_file_counts_the_parameters_torch_counts(per_channel, tmp):
     from onnxruntime.quantization import quantize_dynamic
 
     torch.manual_seed(0)
-    model = _EmbeddingTagger().eval()
+    model = torch_tagger(20, 6, 9, 5)  # embedding -> 2-layer LSTM -> linear
     f32 = torch_export(model, (torch.randint(0, 20, (4, 2)),), tmp / f"emb{per_channel}.onnx",
                        False, names=(["tok"], ["y"]), dynamic={"tok": {0: "T", 1: "N"}})  # fmt: skip
     q = str(tmp / f"emb{per_channel}.q.onnx")
