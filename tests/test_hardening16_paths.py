@@ -62,3 +62,19 @@ def test_numbas_ir_notes_on_leanrnns_kernels_only_are_quiet():
 
     assert not shown("/site-packages/leanrnn/kernels/_math.py")  # was shown
     assert shown("/home/me/my_kernels.py")
+
+
+def test_info_under_the_jit_says_the_native_module_is_not_used(monkeypatch):
+    """`leanrnn info` with LEANRNN_BACKEND=jit named the native module's path as the kernels
+    in use."""
+    import pytest
+
+    from leanrnn import config
+    from leanrnn.commands import info
+
+    path, built = info._native_kernels()
+    if not built:  # (the tests build it at their start wherever a compiler is)
+        pytest.skip("no native build here")
+    monkeypatch.setattr(config, "_backend", "jit")
+    name, _ = info._native_kernels()
+    assert name.startswith("not used (LEANRNN_BACKEND=jit") and path in name  # was: path

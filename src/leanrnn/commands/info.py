@@ -117,6 +117,7 @@ def collect(measure_compile: bool) -> dict:
 def _native_kernels() -> tuple[str, bool]:
     """(where the ahead-of-time compiled kernels are, or why there are none; whether they are
     built). No build here."""
+    from leanrnn import config
     from leanrnn.kernels import native, runner
 
     try:
@@ -124,6 +125,9 @@ def _native_kernels() -> tuple[str, bool]:
     except (ImportError, OSError) as e:
         return f"broken: {e}", False
     if mod is not None:
+        if config.backend() == "jit":  # (the module is there, and this process's calls
+            # will not use it: it was named as if they did)
+            return f"not used (LEANRNN_BACKEND=jit; built: {mod.__file__})", True
         return mod.__file__, True
     why = native.failure(runner.where())
     if why:
