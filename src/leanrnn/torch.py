@@ -703,10 +703,10 @@ def _copying_hooks() -> bool:
     handle brings its own tape (the forward's, held until backward, made checkpointing save
     nothing)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else ()
-    if hooks is None:
-        return False
-    return not hooks or getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint"
+    if top is None:  # (a torch that does not say: they may copy)
+        return True
+    hooks = top(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint"
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

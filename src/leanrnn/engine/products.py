@@ -285,7 +285,7 @@ def _measure_and_remember() -> dict:
 @contextlib.contextmanager
 def _wisdom_lock():
     """An exclusive lock on wisdom.json's folder between processes (flock on wisdom.lock), or
-    none where that cannot be had (no native build, an unwritable cache, no fcntl)."""
+    none where that cannot be had (an unwritable cache, no fcntl)."""
     f = None
     try:
         import fcntl

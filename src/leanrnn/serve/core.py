@@ -190,22 +190,9 @@ class Core:
         c[0] += 1
         c[1] += int(seconds * 1e9)
 
-    async def infer_held(
-        self, p: Parsed, protocol: str, json_bytes: int = 0, arrival: int | None = None
-    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
-        """Run ``p`` through the scheduler; (the requested outputs by name, release). The
-        request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
-        count against --max-queued-bytes until ``release()`` — call it once the answer has
-        left (or failed to), so answers a client does not read stay counted. ``arrival``: the
-        scheduler's token of this request while it arrived (Scheduler.arriving), let go of
-        once it is submitted or refused."""
-        try:
-            return await self._infer_held(p, protocol, json_bytes, arrival)
-        finally:  # (refused before its submit; once submitted, _infer_held let go of it)
-            self.scheduler.arrived(arrival)
-
-    async def _infer_held(self, p: Parsed, protocol: str, json_bytes: int,
-                          arrival: int | None):  # fmt: skip
+    def _admissible(self, p: Parsed, json_bytes: int) -> None:
+        """Refuse ``p`` before it is queued: the server draining, or its answer past
+        --max-request-bytes."""
         if self.draining:
             raise Unavailable("[infer] the server is shutting down; send new work elsewhere")
         info = self.infos[p.model]
@@ -223,18 +210,30 @@ class Core:
                 "tritonclient's InferRequestedOutput(name, binary_data=True)), or send fewer "
                 "steps per request"
             )
+
+    async def infer_held(
+        self, p: Parsed, protocol: str, json_bytes: int = 0, arrival: int | None = None
+    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
+        """Run ``p`` through the scheduler; (the requested outputs by name, release). The
+        request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
+        count against --max-queued-bytes until ``release()`` — call it once the answer has
+        left (or failed to), so answers a client does not read stay counted. ``arrival``: the
+        scheduler's token of this request while it arrived (Scheduler.arriving), let go of
+        once it is submitted or refused."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         t0 = time.monotonic()
-        want_state = any(name != "y" for name in p.outputs)
-        try:  # refused by the scheduler (unknown or evicted sequence, full, ...): a failure
-            sent = self.scheduler.submit(
-                p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
-                lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
-            )  # fmt: skip
-        except ServeError:
-            self.io(p.model, "fail", time.monotonic() - t0)
-            raise
+        try:
+            self._admissible(p, json_bytes)
+            want_state = any(name != "y" for name in p.outputs)
+            try:  # refused by the scheduler (unknown or evicted sequence, full, ...): a failure
+                sent = self.scheduler.submit(
+                    p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
+                    lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
+                )  # fmt: skip
+            except ServeError:
+                self.io(p.model, "fail", time.monotonic() - t0)
+                raise
         finally:
             self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving
 

@@ -12,6 +12,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from .errors import ServeError
+
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 
@@ -51,8 +53,6 @@ class Metrics:
                                registry=r)  # fmt: skip
         self._held = Gauge(p + "stream_held_bytes", "Bytes of gRPC stream answers waiting for "
                            "their clients to read them", registry=r)  # fmt: skip
-
-        from .errors import ServeError
 
         kinds = {c.kind for c in _subclasses(ServeError)} | {ServeError.kind}
         for m in models:

@@ -461,10 +461,9 @@ class Lane:
 
     def run(self, picked: list[Sequence], t_cap: int, now: float) -> tuple[int, int]:
         """Outside the lock: one engine call over ``picked``; returns (the steps it ran, the
-        stream-steps). Only
-        the head requests of in-flight sequences are touched, and only their x, y and pos,
-        which no other thread changes (a restart's submit may set a head's ``end``, which
-        ``finish`` reads, under the lock)."""
+        stream-steps). Only the head requests of in-flight sequences are touched, and only
+        their x, y and pos, which no other thread changes (a restart's submit may set a head's
+        ``end``, which ``finish`` reads, under the lock)."""
         n = len(picked)
         heads = [s.queue[0] for s in picked]
         T = bucket(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))

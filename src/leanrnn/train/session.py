@@ -786,8 +786,13 @@ class Trainer:
         _segment."""
         stage = self.spec.batch_first if stage is None else stage
         need = plan(self._buffers(N, T, S, recompute, stage, self.autocast, draw)[0]).total
-        return (need + self._checkpoint_bytes(N, T, S) + self._dense_bytes()
-                + self._layout_copies(N, T))  # fmt: skip
+        return need + self._beside_arena(N, T, S)
+
+    def _beside_arena(self, N: int, T: int, S: int) -> int:
+        """Bytes a step of N x T in segments of S holds beyond its arena and outputs, counted
+        with it in ``memory_limit``: the boundary states, backward's dense copies of the
+        weights, a batch-first step's time-major copies."""
+        return self._checkpoint_bytes(N, T, S) + self._dense_bytes() + self._layout_copies(N, T)
 
     def _limited_segment(self, T: int, N: int, stage: bool, draw: bool = False) -> int:
         """The segment ``memory_limit`` allows: the whole sequence stored if it fits, else the
@@ -1020,9 +1025,7 @@ class Trainer:
             # the limit holds the arena and what the step keeps beside it (_need): an arena
             # kept from an earlier, larger step fitted the limit alone, and held 1.4x it
             # beside a new shape's boundary states, dense copies and layout copies
-            cap = int(self.memory_limit) - (
-                self._checkpoint_bytes(N, T, S) + self._dense_bytes() + self._layout_copies(N, T)
-            )
+            cap = int(self.memory_limit) - self._beside_arena(N, T, S)
         if own:
             # a released tape's arena when one is big enough: fresh pages cost a page fault
             # each, ~1 ms per 4 MiB
