@@ -131,10 +131,11 @@ def _finite(s: str, zero: bool) -> float:
     return v
 
 
-def output_file(path: str, flag: str, suffix: str = "") -> str:
+def output_file(path: str, flag: str, suffix: str = "", stdout: str | None = None) -> str:
     """``path`` if a file can be written there: its directory exists and it is not itself a
     directory or another non-file (a device, a FIFO). Checked before the work that would
-    produce the file, so a typo costs nothing."""
+    produce the file, so a typo costs nothing. ``stdout``: the name the flag takes for
+    standard output, offered when ``path`` is a device."""
     if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise LeanRNNError(
             f"[{flag}] {path!r} is a directory; expected a file path inside it, e.g. "
@@ -151,8 +152,9 @@ def output_file(path: str, flag: str, suffix: str = "") -> str:
         raise LeanRNNError(f"[{flag}] cannot write {path!r}: {parent!r} is not writable")
     if os.path.exists(path) and not os.path.isfile(path):
         # run --output /dev/null wrote /dev/null.npz; a writer's rename would replace a device
+        hint = f", or {stdout!r} for standard output" if stdout else ""
         raise LeanRNNError(f"[{flag}] {path!r} is not a regular file; expected a file path to "
-                           "write (or replace)")  # fmt: skip
+                           f"write (or replace){hint}")  # fmt: skip
     return path
 
 

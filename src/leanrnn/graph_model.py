@@ -116,7 +116,9 @@ class GraphModel:
         """Nodes, parameters, weight bytes and the arenas planned for ``batch`` sequences of
         ``steps`` steps (input shapes from the declared ones; see ``_input_shapes``). The
         reported ``batch``/``steps`` are what was planned: None for a size the declared shapes
-        fix (the arena's ``input_shapes`` then say what was planned instead)."""
+        fix (the arena's ``input_shapes`` then say what was planned instead). An input whose
+        shape the file leaves unknown (and which does not feed an RNN node's X or lengths)
+        leaves ``arena`` None and says why in ``unplanned``."""
         g = self.graph
         layers, params, wbytes = [], 0, 0
         owners = g.weight_owners()
@@ -152,7 +154,18 @@ class GraphModel:
             if name not in quant and (c.dtype.kind == "f" or c.dtype in (np.int8, np.uint8)):
                 params += c.size
             wbytes += c.nbytes
-        shapes = _input_shapes(self, batch, steps)
+        info = {
+            "kind": "graph",
+            "inputs": [t.to_dict() for t in g.inputs],
+            "outputs": [t.to_dict() for t in g.outputs],
+            "layers": layers,
+            "parameters": int(params),
+            "weight_bytes": int(wbytes),
+        }
+        try:
+            shapes = _input_shapes(self, batch, steps)
+        except ShapeError as e:  # the file says too little to plan: describe the rest
+            return {**info, "batch": batch, "steps": steps, "arena": None, "unplanned": str(e)}
         est = self.session.estimate(shapes)  # planned, not made: describing allocates nothing
         fixed = _fixed_sizes(self, batch, steps, shapes)
         arena = {
@@ -166,12 +179,7 @@ class GraphModel:
         parts = ("graph_arena_bytes", "rnn_arena_bytes", "shape_constant_bytes", "working_bytes")
         arena["total_bytes"] = sum(arena[k] for k in parts)
         return {
-            "kind": "graph",
-            "inputs": [t.to_dict() for t in g.inputs],
-            "outputs": [t.to_dict() for t in g.outputs],
-            "layers": layers,
-            "parameters": int(params),
-            "weight_bytes": int(wbytes),
+            **info,
             "batch": None if "batch" in fixed else batch,
             "steps": None if "steps" in fixed else steps,
             "arena": arena,
@@ -235,15 +243,22 @@ def _input_shapes(model: GraphModel, batch: int, steps: int) -> dict[str, tuple[
     modules write them (a [N, T, C] input transposed for a layout-0 node was planned as
     [T, N, C]: 2.9x the arena)."""
     size = {"T": steps, "N": batch}
-    feeder, roles = _rnn_input_axes(model)
+    feeder, roles, width = _rnn_input_axes(model)
     shapes = {}
     for t in model.graph.inputs:
-        if t.shape is None:
-            raise ShapeError(f"[inspect] input {t.name!r} has no declared shape; cannot plan it")
+        shape = t.shape
+        if shape is None and t.name == feeder and width is not None:
+            # undeclared (exporters of other frameworks leave it so): X's axes, C from W
+            shape = [width[1] if i == width[0] else roles[i] for i in range(len(roles) + 1)]
+        elif shape is None and t.name == model.lengths_input:
+            shape = ["N"]  # sequence_lens: one length per sequence
+        if shape is None:
+            raise ShapeError(f"[inspect] input {t.name!r} has no declared shape (and does not "
+                             "feed an RNN node's X or sequence_lens directly); cannot plan it")  # fmt: skip
         order = [r for _, r in sorted(roles.items())] if t.name != feeder else None
         dims = []
         free = 0
-        for i, d in enumerate(t.shape):
+        for i, d in enumerate(shape):
             if isinstance(d, int):
                 dims.append(d)
             elif order is None and i in roles:  # the RNN's own input: its axes are known (a
@@ -261,35 +276,42 @@ def _input_shapes(model: GraphModel, batch: int, steps: int) -> dict[str, tuple[
     return shapes
 
 
-def _rnn_input_axes(model: GraphModel) -> tuple[str | None, dict[int, str]]:
-    """(the graph input that feeds the first RNN node's X, {its axis: "T" or "N"}), traced
-    back from X's axes through Transpose, Identity, Cast and an embedding Gather's indices;
-    (None, X's own axes) where the path is anything else."""
+def _rnn_input_axes(model: GraphModel):
+    """(the graph input that feeds the first RNN node's X, {its axis: "T" or "N"}, (its
+    axis, size) that is X's feature axis C or None), traced back from X's axes through
+    Transpose, Identity, Cast and an embedding Gather's indices (which have no C axis);
+    (None, X's own axes, None) where the path is anything else."""
     node = next(iter(model.rnn_nodes), None)
     layout = 0 if node is None else node.attrs.get("layout", 0)
     roles = {0: "T", 1: "N"} if layout == 0 else {0: "N", 1: "T"}
     if node is None:
-        return None, roles
+        return None, roles, None
+    pw = model.graph.packed.get(node.name)  # (None: weights fed as inputs)
     made = {o: n for n in model.graph.nodes for o in n.outputs if o}
     inputs = {t.name for t in model.graph.inputs}
-    name, axes = node.inputs[0], dict(roles)
+    name, axes, rank = node.inputs[0], dict(roles), 3
+    width = None if pw is None else (2, pw.spec.input_size)
     for _ in range(len(made) + 1):
         if name in inputs:
-            return name, axes
+            return name, axes, width
         p = made.get(name)
         if p is None:
             break
         if p.op == "Transpose" and p.attrs.get("perm") is not None:
             perm = list(p.attrs["perm"])  # output axis i is input axis perm[i]
-            axes = {perm[i]: r for i, r in axes.items() if i < len(perm)}
+            if len(perm) != rank:
+                break
+            axes = {perm[i]: r for i, r in axes.items()}
+            width = None if width is None else (perm[width[0]], width[1])
             name = p.inputs[0]
         elif p.op in ("Identity", "Cast"):
             name = p.inputs[0]
         elif p.op == "Gather" and int(p.attrs.get("axis", 0)) == 0 and len(p.inputs) > 1:
-            name = p.inputs[1]  # an embedding: the output's leading axes are the indices'
+            # an embedding: the output's leading axes are the indices'
+            name, width, rank = p.inputs[1], None, rank - 1
         else:
             break
-    return None, roles
+    return None, roles, None
 
 
 def _fixed_sizes(model: GraphModel, batch: int, steps: int, shapes: dict) -> set[str]:

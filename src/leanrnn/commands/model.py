@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -24,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", help="l.npy: per-sample lengths [N] (integers)")
     p.add_argument(
         "--output",
-        help="write every output to this .npz file (.npz is added to a bare name; default: "
-        "print a summary)",
+        help="write every output to this .npz file (.npz is added to a bare name; '-': the "
+        ".npz to standard output; default: print a summary)",
     )
     p.add_argument("--threads", type=positive_int, help="kernel threads, >= 1 (default: all)")
     add_state_dict_options(p)
@@ -214,7 +215,9 @@ def run_cmd(args) -> int:
     from ..errors import LeanRNNError, ShapeError
 
     output = None
-    if args.output:  # np.savez adds .npz to any other name; say (and check) the real one
+    if args.output == "-" or (args.output and _is_stdout(args.output)):  # `--output - | python -c 'np.load(..'`
+        output = "-"  # (/dev/stdout redirected to a file wrote /dev/stdout.npz)
+    elif args.output:  # np.savez adds .npz to any other name; say (and check) the real one
         ext = os.path.splitext(args.output)[1]
         if ext != ".npz" and ext.lower() in _OTHER_FORMATS:  # out.txt was out.txt.npz, silently
             raise LeanRNNError(f"[run --output] {args.output!r} names a {ext} file; expected a "
@@ -222,7 +225,7 @@ def run_cmd(args) -> int:
                                "np.savez writes them), or one without, which gets .npz")  # fmt: skip
         output = args.output if ext == ".npz" else args.output + ".npz"
         for path in {args.output, output}:  # (--output /dev/null wrote /dev/null.npz)
-            output_file(path, "run --output", ".npz")
+            output_file(path, "run --output", ".npz", stdout="-")
         not_an_input(output, "run --output", model=args.model, input=args.input,
                      lengths=args.lengths)  # fmt: skip
     model = load_model(args.model, args, threads=args.threads)
@@ -256,8 +259,14 @@ def run_cmd(args) -> int:
     # A file's arrays as the library takes them: C order and this machine's byte order (a
     # Fortran-order or big-endian .npy was refused with advice to call np.ascontiguousarray)
     feeds = {k: np.ascontiguousarray(v, v.dtype.newbyteorder("=")) for k, v in feeds.items()}
+    feeds = {k: _integers_as_declared(model, k, v) for k, v in feeds.items()}
     outs = dict(zip(model.output_names, model.run(feeds), strict=True))
-    if output:
+    if output == "-":
+        buf = io.BytesIO()  # np.savez seeks as it writes a zip; a pipe cannot
+        np.savez(buf, **outs)
+        sys.stdout.buffer.write(buf.getbuffer())
+        sys.stdout.flush()
+    elif output:
         from .._files import replacing
 
         with replacing(output, ".npz") as tmp:  # whole or not at all, the old file kept till then
@@ -270,6 +279,33 @@ def run_cmd(args) -> int:
                 f"absmax={float(np.max(np.abs(v))) if v.size else 0.0:.6g}"
             )
     return 0
+
+
+def _is_stdout(path: str) -> bool:
+    """Whether ``path`` (/dev/stdout, /proc/self/fd/1) is this process's standard output."""
+    try:
+        a, b = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no such path; stdout closed or replaced
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _integers_as_declared(model, name: str, a):
+    """Integers ``a`` for input ``name`` in the integer dtype its graph declares, when every
+    value fits: np.save of a Python list writes int64, and exporters declare int32 or int64
+    lengths and token ids as they please (the library, as onnxruntime, takes the declared
+    dtype only; a file from another tool should not need a conversion script)."""
+    import numpy as np
+
+    declared = {t.name: t.dtype for t in getattr(getattr(model, "graph", None), "inputs", ())}
+    want = declared.get(name)
+    if not want or a.dtype.kind not in "iu" or np.dtype(want).kind not in "iu":
+        return a
+    want = np.dtype(want)
+    info = np.iinfo(want)
+    if a.size and (a.min() < info.min or a.max() > info.max):
+        return a  # left for the model's own dtype check to refuse, naming both
+    return a.astype(want)
 
 
 def inspect_cmd(args) -> int:
@@ -322,6 +358,9 @@ def inspect_cmd(args) -> int:
     print(f"  parameters:   {info['parameters']:,}")
     print(f"  weight bytes: {info['weight_bytes']:,} ({_mib(info['weight_bytes'])})")
     a = info["arena"]
+    if a is None:  # an input of unknown shape: the rest described, the arena not planned
+        print(f"  arena not planned: {info['unplanned'].removeprefix('[inspect] ')}")
+        return 0
     planned = f"N={info['batch']}, T={info['steps']}"
     # describe (and so --json) names what was planned: None for a size a graph's file fixes
     ignored = [f"--{k} {getattr(args, k)}" for k in ("batch", "steps") if info[k] is None]
