@@ -244,13 +244,28 @@ def from_bytes(info: ModelInfo, name: str, shape: tuple, data: bytes | memoryvie
     return np.frombuffer(data, info.dtype.newbyteorder("<")).astype(info.dtype).reshape(shape)
 
 
+def _holds_bool(data) -> bool:
+    """Whether JSON ``data`` holds a true/false among its numbers: numpy makes [0.5, true] a
+    float array with 1.0 in it, silently (Triton refuses a BOOL in an FP32 tensor)."""
+    todo = [data]
+    while todo:
+        v = todo.pop()
+        if type(v) is bool:
+            return True
+        if type(v) is list:
+            if any(type(e) is bool for e in v):
+                return True
+            todo.extend(e for e in v if type(e) is list)
+    return False
+
+
 def from_list(info: ModelInfo, name: str, shape: tuple, data) -> np.ndarray:
     """A tensor from JSON data: a flat or nested list of numbers, as many as the shape holds."""
     try:
         a = np.asarray(data)
     except ValueError:
         a = None
-    if a is None or a.dtype.kind not in "fiu" or a.dtype == np.bool_:
+    if a is None or a.dtype.kind not in "fiu" or a.dtype == np.bool_ or _holds_bool(data):
         raise InvalidRequest(
             f"[infer] input {name!r}: data must be a (flat or nested) list of numbers"
         )
