@@ -66,6 +66,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -542,9 +543,9 @@ class Scheduler:
     """One thread that runs the batched calls of every lane (the models share one pool, whose
     arena one call uses at a time) and evicts idle streams. ``submit`` is thread-safe.
 
-    ``start()`` starts the thread and ``stop()`` ends it; the running thread holds the
-    scheduler (and its models), so one dropped without ``stop()`` lives as long as the
-    process. ``with Scheduler(...) as s:`` starts and stops it."""
+    ``start()`` starts the thread and ``stop()`` ends it (what is still queued fails: call
+    ``drain()`` first); one dropped without ``stop()`` is collected and its thread ends within
+    a second (``_drive``). ``with Scheduler(...) as s:`` starts and stops it."""
 
     def __init__(self, lanes: dict[str, Lane], *, max_wait: float, max_call: float = 0.01,
                  metrics=None, max_queued_bytes: int | None = None) -> None:  # fmt: skip
@@ -569,7 +570,9 @@ class Scheduler:
         self._tokens = itertools.count()
         self._reap_every = min(1.0, max(0.01, min(ln.idle_timeout for ln in self._order) / 4))
         self._next_reap = time.monotonic() + self._reap_every
-        self._thread = threading.Thread(target=self._loop, name="leanrnn-scheduler", daemon=True)
+        self._was_idle = True  # the engine had no work before this turn (max_wait applies)
+        self._thread = threading.Thread(target=_drive, args=(weakref.ref(self), self.cond),
+                                        name="leanrnn-scheduler", daemon=True)  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
@@ -741,76 +744,79 @@ class Scheduler:
                 return lane
         return None
 
-    def _loop(self) -> None:
+    def _idle(self) -> float | None:
+        """Under the lock, before a turn: evict what has idled out; None when there is work
+        to run (or, stopping, to fail), else the seconds to wait for it (0: stopped, end)."""
+        self._reap(time.monotonic())
+        if self._ready_count():
+            return None
+        self._was_idle = True
+        return 0.0 if self._stop else self._reap_every
+
+    def _turn(self) -> bool:
+        """One batched engine call of the next lane with ready work (after waiting up to
+        max_wait for company when the engine was idle); False when stopping ended the loop."""
         cond = self.cond
-        idle = True
-        while True:
-            with cond:
-                if self._stop and self._ready_count():
-                    # stop() after the grace period: what was not run by now fails, at once
-                    done = self._abandon()
-                    cond.notify_all()
-                    break
-                while not self._ready_count():
-                    if self._stop:
-                        return
-                    idle = True
-                    cond.wait(self._reap_every)
-                    self._reap(time.monotonic())
-                self._reap(time.monotonic())
-                if idle and self.max_wait > 0:
-                    # The engine was idle: wait for company while the next arrival is expected
-                    # within the budget (never at low load, where the gap is long).
-                    deadline = time.monotonic() + self.max_wait
-                    while True:
-                        left = deadline - time.monotonic()
-                        ready = max(len(ln.ready) for ln in self._order)
-                        full = ready >= min(ln.max_batch for ln in self._order)
-                        if full or left <= 0 or self._gap > left or self._stop:
-                            break
-                        cond.wait(left)
+        with cond:
+            stopping = self._stop
+            if stopping:
+                # stop() after the grace period: what was not run by now fails, at once
+                done = self._abandon()
+                cond.notify_all()
+            elif self._was_idle and self.max_wait > 0:
+                # The engine was idle: wait for company while the next arrival is expected
+                # within the budget (never at low load, where the gap is long).
+                deadline = time.monotonic() + self.max_wait
+                while True:
+                    left = deadline - time.monotonic()
+                    ready = max(len(ln.ready) for ln in self._order)
+                    full = ready >= min(ln.max_batch for ln in self._order)
+                    if full or left <= 0 or self._gap > left or self._stop:
+                        break
+                    cond.wait(left)
+            if not stopping:
                 lane = self._next_lane()
                 if lane is None:
-                    continue
+                    return True
                 picked = lane.take()
                 self._inflight += len(picked)
-            idle = False
-            t_cap = lane.max_chunk
-            if lane.step_seconds > 0:
-                t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
-            t0 = time.monotonic()
-            try:
-                ran, steps = lane.run(picked, t_cap, t0)
-                error = None
-            except Exception as e:  # an engine failure: those requests fail, the server lives
-                _log.exception("engine call failed", extra={"fields": {"model": lane.name}})
-                # (logged: its traceback held Lane.run's frame, and so the batch's requests,
-                # in a cycle with the requests that keep the error)
-                error = e.with_traceback(None)
-            t1 = time.monotonic()
-            with cond:
-                self._inflight -= len(picked)
-                if error is None:
-                    done = lane.finish(picked, t1)
-                else:
-                    done = lane.fail(picked, error)
-                self._done(done)
-                if not self._pending():
-                    cond.notify_all()  # drain() waits for this
-                live = len(lane.seqs)
+        if stopping:
+            _notify(done)  # outside the lock, as every answer
+            return False
+        self._was_idle = False
+        t_cap = lane.max_chunk
+        if lane.step_seconds > 0:
+            t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
+        t0 = time.monotonic()
+        try:
+            ran, steps = lane.run(picked, t_cap, t0)
+            error = None
+        except Exception as e:  # an engine failure: those requests fail, the server lives
+            _log.exception("engine call failed", extra={"fields": {"model": lane.name}})
+            # (logged: its traceback held Lane.run's frame, and so the batch's requests,
+            # in a cycle with the requests that keep the error)
+            error = e.with_traceback(None)
+        t1 = time.monotonic()
+        with cond:
+            self._inflight -= len(picked)
             if error is None:
-                per_step = (t1 - t0) / ran
-                lane.step_seconds = (
-                    per_step if lane.step_seconds == 0 else 0.8 * lane.step_seconds + 0.2 * per_step
-                )
-                lane.steps += steps
-                if self.metrics is not None:
-                    self.metrics.call(lane.name, len(picked), ran, t1 - t0, steps, done, live)
-            _notify(done)
-            # let go of the batch before waiting for the next: this frame held the last
-            # batch's requests, x and y included, for as long as the server stayed idle
-            done = picked = error = None
-        _notify(done)  # the abandoned requests, outside the lock as above
+                done = lane.finish(picked, t1)
+            else:
+                done = lane.fail(picked, error)
+            self._done(done)
+            if not self._pending():
+                cond.notify_all()  # drain() waits for this
+            live = len(lane.seqs)
+        if error is None:
+            per_step = (t1 - t0) / ran
+            lane.step_seconds = (
+                per_step if lane.step_seconds == 0 else 0.8 * lane.step_seconds + 0.2 * per_step
+            )
+            lane.steps += steps
+            if self.metrics is not None:
+                self.metrics.call(lane.name, len(picked), ran, t1 - t0, steps, done, live)
+        _notify(done)
+        return True
 
     def _abandon(self) -> list[Request]:
         """Under the lock, when stopping: fail every queued request (none is in flight)."""
@@ -826,3 +832,27 @@ class Scheduler:
             done += lane.fail(picked, err)
         self._done(done)
         return done
+
+
+def _drive(ref: weakref.ref, cond: threading.Condition) -> None:
+    """The scheduler's thread. It holds the scheduler only for a turn (``Scheduler._turn``);
+    waiting for work, only a weak reference, so a scheduler dropped without ``stop()`` is
+    collected, its models with it, and this thread ends within a reap interval (it lived as
+    long as the process). A turn's batch is let go with its frame: a loop frame holding it
+    kept the last batch's requests, x and y included, for as long as the server stayed idle."""
+    while True:
+        with cond:  # held from the look to the wait: no submit's notify falls between
+            s = ref()
+            if s is None:
+                return
+            wait = s._idle()
+            del s
+            if wait == 0.0:
+                return
+            if wait is not None:
+                cond.wait(wait)
+                continue
+        s = ref()
+        if s is None or not s._turn():
+            return
+        del s
