@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,6 +27,13 @@ from .memory.arena import check_fits, round_up
 from .spec import Activation, RNNSpec
 
 
+# What a model's spec fixes, by torch.nn's names (read-only properties of Model)
+_FIXED = frozenset(("weights", "spec", "dtype", "input_size", "hidden_size", "num_layers", "bias",
+                    "batch_first", "bidirectional", "proj_size", "nonlinearity", "mode"))  # fmt: skip
+# torch.nn.LSTM/GRU/RNN's parameter names: weight_ih_l0, bias_hh_l1_reverse, weight_hr_l0
+_TORCH_PARAMETER = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
+
+
 class Model:
     """A runnable recurrent stack: spec + packed weights + a lazily planned Session.
 
@@ -35,30 +43,79 @@ class Model:
     """
 
     def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
-        self.weights = weights
-        self.session = Session(weights, threads=threads)
+        object.__setattr__(self, "session", Session(weights, threads=threads))
 
     def __reduce__(self):
         # deepcopy and pickle (a worker process, a copy to fine-tune): the weights (one new
         # aligned buffer, PackedWeights.__reduce__) and a new session of the same threads; the
         # session's locks, arena and bound programs belong to this process and this model.
-        return type(self)._from_packed, (self.weights, self.session.threads)
+        # What else was set on the instance (a subclass's own attributes) comes along.
+        state = {k: v for k, v in self.__dict__.items() if k != "session"}
+        return type(self)._from_packed, (self.weights, self.session.threads), state or None
+
+    def __setattr__(self, name: str, value) -> None:
+        # torch.nn's attribute names, assigned as on a torch module, made a new attribute
+        # that nothing read: `m.batch_first = True` then read [N, T, C] as [T, N, C], and
+        # `m.weight_ih_l0 = w` ran the old weights, in silence
+        if name in _FIXED or name == "session" or _TORCH_PARAMETER.match(name):
+            what = ("its weights are packed once" if name in ("weights", "session")
+                    or _TORCH_PARAMETER.match(name) else f"{name} is part of its spec")  # fmt: skip
+            raise AttributeError(
+                f"[{type(self).__name__}] cannot set {name!r}: {what}. Build a new model: "
+                "from_state_dict(sd, ...) with the state dict (model.state_dict() gives a "
+                "copy to edit) and the module's options, e.g. batch_first=True"
+            )
+        object.__setattr__(self, name, value)
 
     # -- description
     @property
+    def weights(self) -> PackedWeights:
+        """The packed weights the session runs (one buffer; read-only here: see __setattr__)."""
+        return self.session.weights
+
+    @property
     def spec(self) -> RNNSpec:
         return self.weights.spec
+
+    # torch.nn.LSTM/GRU/RNN's attributes, read off the spec (torch code reads them)
+    input_size = property(lambda self: self.spec.input_size)
+    hidden_size = property(lambda self: self.spec.hidden_size)
+    num_layers = property(lambda self: self.spec.num_layers)
+    bias = property(lambda self: self.spec.bias)
+    batch_first = property(lambda self: self.spec.batch_first)
+    bidirectional = property(lambda self: self.spec.direction == "bidirectional")
+    proj_size = property(lambda self: self.spec.proj_size)
 
     @property
     def dtype(self) -> np.dtype:
         return self.weights.dtype
 
+    @property
+    def nonlinearity(self) -> str | None:
+        """An RNN's "tanh" or "relu", as torch.nn.RNN names it (None for LSTM and GRU, and
+        for an ONNX stack whose activations torch has no name for)."""
+        s = self.spec
+        names = {a.name for acts in s.activations for a in acts} if s.cell == "rnn" else ()
+        return names.pop() if len(names) == 1 and names <= {"tanh", "relu"} else None
+
     def __repr__(self) -> str:
         s = self.spec
         extra = f", proj_size={s.proj_size}" if s.proj_size else ""
+        extra += "" if s.bias else ", bias=False"
+        if s.cell == "rnn" and self.nonlinearity != "tanh":  # (a relu RNN printed as a tanh one)
+            acts = self.nonlinearity or "/".join(a.name for a in s.activations[0])
+            extra += f", nonlinearity={acts!r}"
+        onnx_only = (s.cell != "rnn" and not s.default_activations) or s.peepholes or (
+            s.clip is not None or s.input_forget or s.direction == "reverse"
+            or (s.cell == "gru" and not s.linear_before_reset))  # fmt: skip
+        if onnx_only:  # an ONNX stack's options, which torch has no arguments for
+            extra += f"; {spec_line(s)}"
+        w = self.weights
+        precision = "" if w.precision == "float" else f", precision={w.precision!r}"
         return (
             f"{type(self).__name__}({s.input_size}, {s.hidden_size}, num_layers={s.num_layers}, "
-            f"direction={s.direction!r}, batch_first={s.batch_first}{extra}, dtype={self.dtype})"
+            f"bidirectional={s.direction == 'bidirectional'}, batch_first={s.batch_first}"
+            f"{extra}, dtype={self.dtype}{precision})"
         )
 
     # -- running
@@ -118,7 +175,9 @@ class Model:
             c_n = c_n[:, 0] if c_n is not None else None
         return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
 
-    __call__ = forward
+    def __call__(self, *args, **kwargs):
+        # (``__call__ = forward`` bound Model.forward: a subclass's own forward was skipped)
+        return self.forward(*args, **kwargs)
 
     def _batched_out(self, out, return_sequences: bool):
         """``out`` for an unbatched call, as the session takes it: each unbatched array (y
@@ -255,7 +314,9 @@ class Model:
     # -- weights in and out
     def state_dict(self) -> dict[str, np.ndarray]:
         """PyTorch-named parameters (numpy arrays) — ``torch_module.load_state_dict`` takes them
-        after ``torch.from_numpy``."""
+        after ``torch.from_numpy``. They are copies, unpacked from the packed weights (torch's
+        share the module's storage): editing them changes nothing until a model is built from
+        them (``from_state_dict(sd, ...)``)."""
         return torch_format.to_state_dict(self.spec, self.weights.unpack())
 
     def astype(self, dtype) -> Model:
@@ -342,12 +403,17 @@ class Model:
         """Copy a torch.nn.LSTM/GRU/RNN, its batch_first and nonlinearity included (imports
         torch only here)."""
         spec, sd = torch_format.from_torch_module(module)
+        mine = getattr(cls, "_cell", None)
+        if mine is not None and spec.cell != mine:  # LSTM.from_torch(gru) returned a GRU
+            raise SpecError(f"[{cls.__name__}.from_torch] the module is a torch "
+                            f"{spec.cell.upper()}; {cls.__name__} builds {mine.upper()} models: "
+                            "use leanrnn.from_torch(module), which picks the class")  # fmt: skip
         dtype = dtype or sd["weight_ih_l0"].dtype
         if np.dtype(dtype) == np.float16:
             raise DTypeError("[from_torch] the module's weights are float16; leanrnn computes "
                              "in float32 or float64: pass dtype=np.float32")  # fmt: skip
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
-        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell]
+        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if mine is None else cls
         return target._from_packed(weights)
 
 

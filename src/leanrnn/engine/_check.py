@@ -18,14 +18,19 @@ def array(
 ) -> np.ndarray:
     """Check an input array: ndarray, ``dtype``, shape ``want`` (None = any), C-contiguous."""
     if not isinstance(a, np.ndarray):
+        tensor = hasattr(a, "detach") and hasattr(a, "numpy")  # torch's, without importing it
+        hint = (f" ({name}.numpy(); or leanrnn.torch's modules, which take tensors)" if tensor
+                else "")  # fmt: skip
         raise DTypeError(
             f"[{op}] {name} is a {type(a).__name__}; expected a numpy.ndarray of {dtype} "
-            f"with shape {fmt_shape(names)}"
+            f"with shape {fmt_shape(names)}{hint}"
         )
     if type(a) is not np.ndarray:
         unmasked(op, name, a, name == "x")
     if a.dtype != dtype:
         hint = f"; convert with {name}.astype(np.{dtype.name})" if a.dtype.kind in "fiu" else ""
+        if name == "h0" and a.dtype.kind in "iu" and a.ndim == 1:  # model(x, lengths)
+            hint += "; or, if these are lengths, pass them by name: lengths=..."
         raise DTypeError(
             f"[{op}] {name} has dtype {a.dtype}; expected {dtype} (the model's dtype; leanrnn "
             f"never converts silently){hint}"

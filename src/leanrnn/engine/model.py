@@ -5,7 +5,7 @@ of model they hold; plus the spec-derived facts both kinds describe.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,6 +21,8 @@ class RunnableModel(Protocol):
     name).
 
     - ``run(feeds)``: the outputs, in ``output_names`` order (fresh arrays the caller owns).
+    - ``model(...)``: the kind's own call (``Model``: torch.nn's forward; ``GraphModel``: the
+      inputs positionally or by name).
     - ``resize(shapes, dtypes=None, memory_limit=None)``: plan the arena for input ``shapes``
       (dict or list, like feeds) before the first run; returns the ``Plan``.
     - ``stream(batch=1)``: a ``Stream`` that carries the recurrent state from one chunk of steps
@@ -42,6 +44,8 @@ class RunnableModel(Protocol):
     def lengths_input(self) -> str | None: ...
 
     def run(self, feeds) -> list[np.ndarray]: ...
+
+    def __call__(self, *args, **kwargs) -> Any: ...
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan: ...
 

@@ -30,6 +30,12 @@ class Stream:
     """
 
     def __init__(self, session, batch: int) -> None:
+        if not hasattr(session, "_step_program"):  # Stream(model, 2): every feed then failed
+            inner = getattr(session, "session", None)  # on a missing Session method
+            if not hasattr(inner, "_step_program"):
+                raise SpecError(f"[Stream] got {type(session).__name__}; expected a leanrnn "
+                                "Session or recurrent model (model.stream(batch) makes one)")  # fmt: skip
+            session = inner
         spec = session.spec
         if spec.direction != "forward":
             raise SpecError(
@@ -39,7 +45,7 @@ class Stream:
         if not isinstance(batch, int | np.integer) or isinstance(batch, bool) or batch < 1:
             raise ShapeError(f"[Session.stream] batch={batch!r}; expected a positive int")
         self.session = session
-        self.batch = int(batch)
+        self._batch = int(batch)
         L, K, H, dt = spec.num_layers, spec.output_size, spec.hidden_size, session.dtype
         # h and c are views of one buffer, and a chunk's final states go to a second one,
         # copied over the first in one call once the whole chunk has run: updated in place, an
@@ -48,7 +54,7 @@ class Stream:
         # both, sized by the batch asked for: refused by arithmetic, by name
         check_fits(2 * L * self.batch * (K + Hc) * dt.itemsize,
                    f"the state of a stream of batch={self.batch}", "Session.stream")  # fmt: skip
-        self._hc, self._h, self._c = _state(L, self.batch, K, Hc, dt)
+        self._hc, self._h, self._c = _state(L, self._batch, K, Hc, dt)
         self._next = _state(L, self.batch, K, Hc, dt)  # (buffer, h, c): a chunk's final states
         self.steps = 0  # steps fed since creation or the last full reset
         # A single step bound once (Session._step_program), made after the first step that
@@ -57,6 +63,18 @@ class Stream:
         self._yshape = (self.batch, K)
         self._turn = _stream_turn()
         _fork.renew_lock(self, "_turn", make=_stream_turn)
+
+    @property
+    def batch(self) -> int:
+        """The sequences this stream carries, fixed when it is opened (its state buffers are
+        sized by it: a batch set afterwards ran the kernels past them)."""
+        return self._batch
+
+    @batch.setter
+    def batch(self, value) -> None:
+        raise AttributeError(f"[Stream] batch is fixed at {self._batch} when a stream is opened; "
+                             f"open another (model.stream({value!r})) and copy the samples' "
+                             "states across through .state")  # fmt: skip
 
     __reduce__ = unpicklable("Stream", "checkpoint it with saved = stream.state and restore "
                              "into a new stream with new.state = saved")  # fmt: skip
