@@ -17,6 +17,7 @@ paths, no ``..``), and nothing is ever executed.
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 
@@ -350,8 +351,10 @@ def _value_info(vi, where: str) -> TensorInfo:
     if tt.HasField("shape"):
         dims: list[int | str | None] = []
         for d in tt.shape.dim:
-            if d.HasField("dim_value"):
+            if d.HasField("dim_value") and d.dim_value >= 0:
                 dims.append(int(d.dim_value))
+            elif d.HasField("dim_value"):  # -1: a "make it dynamic" edit; onnxruntime takes
+                dims.append(None)  # any size there (every input was refused)
             elif d.HasField("dim_param") and d.dim_param:
                 dims.append(str(d.dim_param))
             else:
@@ -457,10 +460,15 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
             f"[load_onnx] {label!r} holds no ONNX graph with outputs "
             "(not an ONNX model, or truncated)"
         )
+    # The last entry, as onnxruntime and onnx's reference evaluator take it: a file "upgraded"
+    # by appending ("", 13) to its ("", 11) ran 11's Softmax (0.55 off onnxruntime's)
     opset = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
-    check_opset(opset[0] if opset else None, f"[load_onnx] {label!r}")
+    if not opset:
+        raise ModelFormatError(f"[load_onnx] {label!r} imports no opset of the default ONNX "
+                               "domain (opset_import); leanrnn needs the version its ops follow")  # fmt: skip
+    check_opset(opset[-1], f"[load_onnx] {label!r}")
     try:
-        return _convert(model.graph, opset[0], reader, pack_dtype)
+        return _convert(model.graph, opset[-1], reader, pack_dtype)
     except LeanRNNError:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as e:
@@ -514,7 +522,8 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
                     f"[load_onnx] node {n.name!r} ({n.op_type}): layout is an attribute of "
                     f"{n.op_type} from opset 14; the model imports opset {opset}"
                 )
-    _add_nodes(g.node, {}, (), "", nodes, constants, defined, seen_names, reader, reserved)
+    protos = _topological(g.node, defined)
+    _add_nodes(protos, {}, (), "", nodes, constants, defined, seen_names, reader, reserved)
     for t in outputs:
         if t.name not in defined:
             raise ModelFormatError(f"[load_onnx] graph output {t.name!r} is never produced")
@@ -530,6 +539,52 @@ def _convert(g, opset: int, reader: _Reader, pack_dtype) -> Graph:
     for k in sorted(k for k in lazy if k in read):
         graph.constants[k] = lazy[k].read()
     return graph
+
+
+def _topological(protos, defined: set[str]) -> list:
+    """The graph's nodes in an order that defines every tensor before it is read, the file's
+    own where it does. onnx.checker refuses a file whose nodes are out of order, but
+    onnxruntime sorts them and runs it (and tools that edit graphs append nodes at the end):
+    a stable sort, each node as early as its inputs allow and never before one listed ahead
+    of it that it does not depend on. A cycle or a dangling name is left for check_node_io to
+    name."""
+    protos = list(protos)
+    made: dict[str, int] = {}
+    for k, n in enumerate(protos):
+        for o in n.output:
+            made.setdefault(o, k)
+
+    def reads(n):  # its inputs and what its branches read from outside them
+        names = set(n.input)
+        for a in n.attribute:
+            if a.HasField("g"):
+                inner = {o for m in _every_node(a.g.node) for o in m.output}
+                names |= {i for m in _every_node(a.g.node) for i in m.input if i not in inner}
+                names |= {vi.name for vi in a.g.output if vi.name not in inner}
+        return names
+
+    needs = [{made[i] for i in reads(n) if i and i not in defined and i in made} - {k}
+             for k, n in enumerate(protos)]  # fmt: skip
+    if all(d < k for k, deps in enumerate(needs) for d in deps):
+        return protos  # in order already (every file onnx.checker passes)
+    waiting = [len(deps) for deps in needs]
+    users: dict[int, list[int]] = {}
+    for k, deps in enumerate(needs):
+        for d in deps:
+            users.setdefault(d, []).append(k)
+    ready = [k for k, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(k)
+        for u in users.get(k, ()):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(protos):  # a cycle: the file's order, refused by the check
+        return protos
+    return [protos[k] for k in order]
 
 
 def _every_node(protos):

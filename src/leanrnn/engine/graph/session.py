@@ -78,6 +78,7 @@ class GraphSession:
         }
         self._ctx = Ctx(g, self._sessions, loaded.threads, loaded.matmuls)
         self._ctx.needed = loaded.needed
+        self._scratch = _scratch_prefix(g)
         # a run from a signal handler inside a run deadlocked on a plain lock: Turn refuses it;
         # a fork mid-run must not leave the child's lock held
         _fork.renew_lock(self, make=_graph_turn)
@@ -393,6 +394,11 @@ class GraphSession:
         self._plan = p
         return p
 
+    def _scratch_name(self, step: int, node, key: str) -> str:
+        """The arena name of scratch ``key`` of ``node``, the ``step``-th to run: past every
+        tensor's name (_scratch_prefix) and every other node's, duplicate node names too."""
+        return f"{self._scratch}{step}:{node.name}#{key}"
+
     def _plan_layout(self, steps, metas, limit):
         """Lifetimes -> one arena's plan, by arithmetic (``_allocate_arena`` then takes it). A
         tensor's memory is shared by its *family*: the views of it and the elementwise ops that
@@ -447,12 +453,12 @@ class GraphSession:
         for k, (node, _, tmp) in enumerate(steps):
             for key, (shape, dt) in tmp.items():
                 nbytes = math.prod(shape) * np.dtype(dt).itemsize
-                buffers.append(Buffer(f"{node.name}#{key}", nbytes, k, k))
+                buffers.append(Buffer(self._scratch_name(k, node, key), nbytes, k, k))
         p = plan(buffers, limit=limit)
         shapes = {r: (metas[r].shape, metas[r].dtype) for r in family}
-        for node, _, tmp in steps:
+        for k, (node, _, tmp) in enumerate(steps):
             for key, (shape, dt) in tmp.items():
-                shapes[f"{node.name}#{key}"] = (shape, np.dtype(dt))
+                shapes[self._scratch_name(k, node, key)] = (shape, np.dtype(dt))
         return p, (fresh, root, inplace, shapes)
 
     def _allocate_arena(self, p: Plan, layout, cap: int | None = None) -> dict[str, np.ndarray]:
@@ -549,7 +555,7 @@ class GraphSession:
         env.update(feeds)
         fresh: dict[str, np.ndarray] = {}
         views, ctx, root, inplace = self._views, self._ctx, self._root, self._inplace
-        for node, metas, tmp_spec in self._steps:
+        for step, (node, metas, tmp_spec) in enumerate(self._steps):
             outs = []
             for name, m in zip(node.outputs, metas, strict=False):
                 if not name or m.view or name not in root:
@@ -561,7 +567,7 @@ class GraphSession:
                     outs.append(fresh[name])
                 else:
                     outs.append(views[name])
-            tmp = {k: views[f"{node.name}#{k}"] for k in tmp_spec}
+            tmp = {k: views[self._scratch_name(step, node, k)] for k in tmp_spec}
             ins = [env[i] if i else None for i in node.inputs]
             if times is None:
                 res = guard(node, OPS[node.op].run, ctx, node, ins, outs, metas, tmp)
@@ -600,3 +606,12 @@ def _check_input_names(op: str, given, names: list[str], graph) -> None:
             + (f" ({fixed} are initializers of the ONNX file, listed among its inputs: "
                "constants here, folded at load, so they cannot be fed)" if fixed else "")
         )  # fmt: skip
+
+
+def _scratch_prefix(g) -> str:
+    """One '#' more than any of ``g``'s tensor names starts with: the nodes' scratch buffers,
+    named after it, share the arena's namespace with the tensors (a tensor named "lstm#c"
+    collided with LSTM node "lstm"'s scratch "c": "duplicate buffer names" on a valid file)."""
+    names = {t.name for t in g.inputs} | set(g.constants)
+    names.update(o for n in g.nodes for o in n.outputs)
+    return "#" * (1 + max((len(n) - len(n.lstrip("#")) for n in names), default=0))
