@@ -924,7 +924,7 @@ class _RNNBase(torch.nn.Module):
         self.proj_size = proj_size
         # under torch.autocast(bfloat16): "bf16" rounds the weights only, "bf16-act" also the
         # vectors they multiply, as torch's autocast does (faster; Trainer.autocast)
-        self.autocast_mode = "bf16"
+        self._autocast_mode = "bf16"
         D = 2 if bidirectional else 1
         G = {"LSTM": 4, "GRU": 3}.get(mode, 1) * hidden_size
         K = proj_size or hidden_size
@@ -955,6 +955,22 @@ class _RNNBase(torch.nn.Module):
         self.reset_parameters()
 
     # -- torch.nn.RNNBase's surface
+
+    @property
+    def autocast_mode(self) -> str:
+        """Under ``torch.autocast("cpu", torch.bfloat16)``: "bf16" rounds the weights only,
+        "bf16-act" also the vectors they multiply, as torch's autocast does (faster; see
+        Trainer.autocast). Checked when set (a typo ran every forward outside bf16 autocast
+        and failed at the first one inside, long after)."""
+        d = self.__dict__  # (modules pickled before the check kept it as a plain attribute)
+        return d.get("_autocast_mode", d.get("autocast_mode", "bf16"))
+
+    @autocast_mode.setter
+    def autocast_mode(self, mode: str) -> None:
+        if not isinstance(mode, str) or mode not in AUTOCAST_MODES:
+            raise SpecError(f"[{type(self).__name__}] autocast_mode={mode!r}; expected one of "
+                            f"{', '.join(map(repr, AUTOCAST_MODES))}")  # fmt: skip
+        self._autocast_mode = mode
     def reset_parameters(self) -> None:
         """torch's init: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)), in registration order (so
         a seeded module equals a seeded torch module)."""
@@ -1213,12 +1229,7 @@ class _RNNBase(torch.nn.Module):
         # states and outputs; float64 modules and float16 autocast compute as they are)
         bf16 = (autocast and wdt == torch.float32
                 and torch.get_autocast_dtype("cpu") == torch.bfloat16)  # fmt: skip
-        mode = getattr(self, "autocast_mode", "bf16")  # (modules pickled before it: bf16)
-        if bf16 and mode not in AUTOCAST_MODES:
-            raise SpecError(
-                f"[{name}] autocast_mode={mode!r}; expected one of "
-                f"{', '.join(map(repr, AUTOCAST_MODES))}"
-            )
+        mode = self.autocast_mode
         if N == 0:  # an empty batch: torch.nn's modules return empty outputs whose graph
             # reaches the parameters (and x, h_0, c_0) with zero gradients; so do these
             zero = sum(t.sum() for t in (x, h0, c0, *weights) if t is not None) * 0
