@@ -135,3 +135,45 @@ def test_the_package_is_typed():
 
     assert importlib.resources.files("leanrnn").joinpath("py.typed").is_file()
     assert "__call__" in RunnableModel.__dict__  # leanrnn.load(p)(x) type-checks
+
+
+def test_rnn_takes_torchs_positional_order():
+    tm = torch.nn.RNN(3, 4, 2, "relu", False)  # nonlinearity fourth, bias fifth
+    lm = leanrnn.RNN(3, 4, 2, "relu", False, seed=0)  # was: bias='relu', refused
+    assert (lm.nonlinearity, lm.bias, lm.num_layers) == (tm.nonlinearity, tm.bias, 2)
+    lm = leanrnn.from_state_dict({k: v.detach().numpy() for k, v in tm.state_dict().items()},
+                                 nonlinearity="relu")  # fmt: skip
+    x = _x(5, 2, 3)
+    np.testing.assert_allclose(lm(x)[0], tm(torch.from_numpy(x))[0].detach().numpy(),
+                               atol=2e-6, rtol=0)  # fmt: skip
+
+
+def test_state_dict_errors_name_the_mistake():
+    from leanrnn.errors import WeightsError
+
+    gru = {k: v.numpy() for k, v in torch.nn.GRU(3, 4).state_dict().items()}
+    with pytest.raises(WeightsError, match="a GRU's state dict .* not an LSTM's"):
+        leanrnn.LSTM.from_state_dict(gru)  # was "weight_hh_l0 has shape (12, 4); expected..."
+    lstm = {k: v.numpy() for k, v in torch.nn.LSTM(3, 4).state_dict().items()}
+    lstm["weight_ih_l0"] = lstm["weight_ih_l0"].T.copy()
+    with pytest.raises(WeightsError, match=r"weight_ih_l0 has shape \(3, 16\).*transposed"):
+        leanrnn.from_state_dict(lstm)
+
+
+def test_run_and_resize_take_x_and_its_shape_bare():
+    g = leanrnn.GRU(3, 4, seed=0)
+    x = _x(5, 2, 3)
+    np.testing.assert_array_equal(g.run(x)[0], g(x)[0])  # was "5 inputs"
+    assert g.resize((7, 2, 3)).total == g.resize({"x": (7, 2, 3)}).total  # was "x shape 7"
+
+
+def test_a_batch_of_no_sequences_gives_empty_outputs_as_torch():
+    for kind in ("LSTM", "GRU"):
+        tm = getattr(torch.nn, kind)(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        lm = leanrnn.from_torch(tm)
+        x = np.zeros((0, 5, 3), np.float32)
+        want, got = tm(torch.from_numpy(x)), lm(x)  # was "T and N must be >= 1"
+        flat = (lambda o: [o[0], *o[1]] if kind == "LSTM" else [o[0], o[1]])  # noqa: E731
+        assert [tuple(t.shape) for t in flat(want)] == [a.shape for a in flat(got)]
+    with pytest.raises(leanrnn.errors.ShapeError, match="C=3"):
+        lm(np.zeros((0, 5, 2), np.float32))

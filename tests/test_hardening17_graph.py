@@ -124,3 +124,16 @@ def test_nodes_out_of_order_are_sorted(tmp_path):
               str(tmp_path / "cyc.onnx"))  # fmt: skip
     with pytest.raises(ModelFormatError, match="not in topological order"):
         leanrnn.load(str(tmp_path / "cyc.onnx"))
+
+
+def test_run_of_one_array_feeds_a_one_input_graph(tmp_path):
+    rng = np.random.default_rng(4)
+    g = helper.make_graph(
+        [helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=H)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", C])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], _weights(rng),
+    )  # fmt: skip
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    x = rng.standard_normal((6, 2, C)).astype(np.float32)
+    got, want = _both(m, tmp_path / "m.onnx", {"x": x})
+    _close(leanrnn.load(str(tmp_path / "m.onnx")).run(x), want)  # was "got 6 inputs"

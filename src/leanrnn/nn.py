@@ -135,6 +135,8 @@ class Model:
                     f"{'[N, T, C]' if spec.batch_first else '[T, N, C]'}"
                 )
             x = x[None] if spec.batch_first else x[:, None]
+        if _empty_batch(x, spec) and out is None and lengths is None:
+            return self._empty(x, hx, return_sequences)
         h0 = c0 = None
         if hx is not None:
             if spec.cell == "lstm":
@@ -178,6 +180,21 @@ class Model:
     def __call__(self, *args, **kwargs):
         # (``__call__ = forward`` bound Model.forward: a subclass's own forward was skipped)
         return self.forward(*args, **kwargs)
+
+    def _empty(self, x, hx, return_sequences: bool):
+        """torch.nn's answer for a batch of N=0 sequences: empty outputs (x's dtype and C
+        checked as for any batch, as torch checks them)."""
+        spec = self.spec
+        if x.dtype != self.dtype or x.shape[2] != spec.input_size:
+            self.session.run(x)  # its own error, in its words
+        T = x.shape[1 if spec.batch_first else 0]
+        LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        y = None
+        if return_sequences:
+            y = np.zeros((0, T, spec.num_directions * K) if spec.batch_first
+                         else (T, 0, spec.num_directions * K), self.dtype)  # fmt: skip
+        h_n, c_n = np.zeros((LD, 0, K), self.dtype), np.zeros((LD, 0, H), self.dtype)
+        return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
 
     def _batched_out(self, out, return_sequences: bool):
         """``out`` for an unbatched call, as the session takes it: each unbatched array (y
@@ -230,6 +247,8 @@ class Model:
     def run(self, feeds) -> list[np.ndarray]:
         """``[y, h_n]`` (``[y, h_n, c_n]`` for LSTM) for ``feeds``: a dict with ``x`` and
         optionally ``h0``, ``c0``, ``lengths``, or a list in that order; see ``Session.run``."""
+        if isinstance(feeds, np.ndarray):  # run(x): x alone (a list of its T steps it was)
+            feeds = [feeds]
         if not isinstance(feeds, dict):
             feeds = list(feeds)
             if len(feeds) > len(self._INPUTS):  # zip dropped the rest in silence
@@ -261,6 +280,10 @@ class Model:
                 raise ShapeError(f"[{op}] shapes for unknown inputs {unknown}; the model takes "
                                  f"{', '.join(self._INPUTS)}")  # fmt: skip
             shape = shapes.get("x")
+        elif isinstance(shapes, list | tuple) and shapes and all(
+            isinstance(d, int | np.integer) for d in shapes
+        ):
+            shape = shapes  # x's shape itself, (T, N, C)
         elif isinstance(shapes, list | tuple):
             shape = shapes[0] if shapes else None
         else:
@@ -268,7 +291,7 @@ class Model:
         if not isinstance(shape, list | tuple | np.ndarray) or len(shape) != 3 or shape[2] != C:
             raise ShapeError(
                 f"[{op}] x shape {shape!r}; expected [T, N, C={C}] ([N, T, C={C}] with "
-                "batch_first), given as {'x': shape} or [shape]"
+                "batch_first), given as the shape, {'x': shape} or [shape]"
             )
         T, N = (shape[1], shape[0]) if self.spec.batch_first else (shape[0], shape[1])
         return self.session.resize(N, T, memory_limit)
@@ -417,6 +440,14 @@ class Model:
         return target._from_packed(weights)
 
 
+def _empty_batch(x, spec: RNNSpec) -> bool:
+    """Whether ``x`` is a batched array of N=0 sequences (of T >= 1 steps)."""
+    if not isinstance(x, np.ndarray) or x.ndim != 3:
+        return False
+    T, N = (x.shape[1], x.shape[0]) if spec.batch_first else x.shape[:2]
+    return N == 0 and T >= 1
+
+
 def _to_numpy(v) -> np.ndarray:
     if isinstance(v, np.ndarray):
         return v
@@ -531,9 +562,20 @@ class GRU(_TorchLike):
 
 
 class RNN(_TorchLike):
-    """torch.nn.RNN on leanrnn (``nonlinearity='tanh'`` or ``'relu'``); returns ``(y, h_n)``."""
+    """torch.nn.RNN on leanrnn: ``RNN(input_size, hidden_size, num_layers=1,
+    nonlinearity='tanh', bias=True, batch_first=False, dropout=0.0, bidirectional=False)``,
+    torch's order (nonlinearity fourth: RNN(3, 4, 2, 'relu') was read as bias='relu');
+    returns ``(y, h_n)``."""
 
     _cell = "rnn"
+
+    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
+                 nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
+                 dropout: float = 0.0, bidirectional: bool = False, *, dtype=np.float32,
+                 seed: int | None = None, threads: int | None = None) -> None:  # fmt: skip
+        super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
+                         bidirectional, nonlinearity=nonlinearity, dtype=dtype, seed=seed,
+                         threads=threads)  # fmt: skip
 
 
 def from_torch(module, dtype=None) -> Model:

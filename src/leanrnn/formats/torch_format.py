@@ -26,6 +26,10 @@ def _suffix(d: int) -> str:
     return "_reverse" if d == 1 else ""
 
 
+def _a(cell: str) -> str:
+    return ("a " if cell == "gru" else "an ") + cell.upper()  # a GRU, an LSTM, an RNN
+
+
 def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
                batch_first: bool = False) -> RNNSpec:  # fmt: skip
     """Read sizes (and, if ``cell`` is None, the cell) off a PyTorch RNN state dict."""
@@ -48,12 +52,23 @@ def infer_spec(sd: dict, cell: str | None = None, nonlinearity: str = "tanh",
         )
     G, C = w_ih
     proj = np.shape(sd["weight_hr_l0"])[0] if "weight_hr_l0" in sd else 0
+    H = np.shape(sd["weight_hr_l0"])[1] if proj else w_hh[1]
+    ratios = {4: "lstm", 3: "gru", 1: "rnn"}
+    read = ratios.get(G // H) if H and not G % H else None  # the cell the shapes say
     if cell is None:
-        H = np.shape(sd["weight_hr_l0"])[1] if proj else w_hh[1]
-        ratios = {4: "lstm", 3: "gru", 1: "rnn"}
-        if H == 0 or G % H or G // H not in ratios:
-            raise WeightsError(f"[from_state_dict] gate width {G} is not 4H, 3H or H for H={H}")
-        cell = ratios[G // H]
+        if read is None:
+            raise WeightsError(
+                f"[from_state_dict] weight_ih_l0 has shape {tuple(w_ih)}: its {G} rows are not "
+                f"4H, 3H or H for H={H} ({'weight_hr_l0' if proj else 'weight_hh_l0'}'s "
+                "columns); torch stores it [gates*H, input_size] (transposed?)"
+            )
+        cell = read
+    elif read is not None and read != cell:  # LSTM.from_state_dict(a GRU's): "expected (12, 3)"
+        raise WeightsError(
+            f"[from_state_dict] {_a(read)}'s state dict (weight_ih_l0 has {G} rows = "
+            f"{G // H}H for H={H}), not {_a(cell)}'s; leanrnn.from_state_dict(sd) picks "
+            "the class from the shapes"
+        )
     else:
         # The cell fixes the gate count, so the input weights' rows give H; every other shape
         # is then checked against it (with a message naming the tensor that disagrees).

@@ -494,6 +494,11 @@ class GraphSession:
     def _feeds(self, feeds) -> dict[str, np.ndarray]:
         g = self.loaded.graph
         names = self.loaded.input_names
+        if isinstance(feeds, np.ndarray):  # run(x) of a one-input graph: x alone, not its rows
+            if len(names) != 1:
+                raise ShapeError(f"[GraphModel.run] got one array; the model takes "
+                                 f"{len(names)} inputs: {names} (a dict or a list, in order)")  # fmt: skip
+            feeds = [feeds]
         if not isinstance(feeds, dict):
             feeds = list(feeds)
             if len(feeds) != len(names):
