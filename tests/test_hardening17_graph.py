@@ -137,3 +137,90 @@ def test_run_of_one_array_feeds_a_one_input_graph(tmp_path):
     x = rng.standard_normal((6, 2, C)).astype(np.float32)
     got, want = _both(m, tmp_path / "m.onnx", {"x": x})
     _close(leanrnn.load(str(tmp_path / "m.onnx")).run(x), want)  # was "got 6 inputs"
+
+
+def _gru_file(tmp_path, x_name="x"):
+    rng = np.random.default_rng(5)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.5).astype(np.float32), n)
+             for n, s in (("W", (2, 3 * H, C)), ("R", (2, 3 * H, H)))]  # fmt: skip
+    g = helper.make_graph(
+        [helper.make_node("GRU", [x_name, "W", "R"], ["Y"], hidden_size=H,
+                          direction="bidirectional", linear_before_reset=1)], "g",
+        [helper.make_tensor_value_info(x_name, TensorProto.FLOAT, ["T", "N", C])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    path = str(tmp_path / f"gru_{x_name}.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)]), path)
+    return path
+
+
+def test_a_graph_models_graph_is_what_it_runs(tmp_path):
+    import copy
+
+    m = leanrnn.load(_gru_file(tmp_path))
+    other = leanrnn.load(_gru_file(tmp_path, "tokens"))
+    with pytest.raises(AttributeError, match="cannot set 'graph'"):
+        m.graph = other.graph  # it ran one graph and saved, copied and described the other
+    with pytest.raises(AttributeError, match="did you mean 'threads'"):
+        m.thread = 2  # taken in silence, threads unchanged
+    m.threads = 1
+    assert m.threads == 1 and m.input_names == ["x"]
+    assert copy.deepcopy(m).graph.inputs[0].name == "x"
+
+
+def test_copies_keep_the_memory_limit(tmp_path):
+    import copy
+    import pickle
+
+    from leanrnn.errors import PlanError
+
+    m = leanrnn.load(_gru_file(tmp_path), threads=1)
+    x = np.zeros((100, 2, C), np.float32)
+    m.resize({"x": (10, 2, C)}, memory_limit=20_000)
+    with pytest.raises(PlanError, match="memory_limit"):
+        m.run({"x": x})
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        with pytest.raises(PlanError, match="memory_limit"):  # a copy ran it, with no limit
+            twin.run({"x": x})
+        np.testing.assert_array_equal(twin.run({"x": x[:10]})[0], m.run({"x": x[:10]})[0])
+
+
+@pytest.mark.parametrize("batch,steps", [(2.5, 5), (True, 5), ("2", 5), (-1, 5), (2, 0)])
+def test_describe_checks_its_sizes(tmp_path, batch, steps):
+    from leanrnn.errors import ShapeError
+
+    m = leanrnn.load(_gru_file(tmp_path))
+    with pytest.raises(ShapeError, match="expected a positive int"):
+        m.describe(batch, steps)  # 2.5 reported batch 2.5 and planned 2
+    with pytest.raises(ShapeError, match="expected a positive int"):
+        leanrnn.GRU(3, 4).describe(batch, steps)
+
+
+@pytest.mark.parametrize("shape", [(5.7, 2, C), ("abc", 2, C), 5])
+def test_resize_refuses_shapes_that_are_not_ints(tmp_path, shape):
+    from leanrnn.errors import ShapeError
+
+    m = leanrnn.load(_gru_file(tmp_path))
+    with pytest.raises(ShapeError, match="expected a list or tuple of ints"):
+        m.resize({"x": shape})  # (5.7, 2, 4) planned T=5
+
+
+def test_an_input_named_self_is_fed_by_keyword(tmp_path):
+    path = _gru_file(tmp_path, "self")
+    x = np.random.default_rng(6).standard_normal((3, 1, C)).astype(np.float32)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(leanrnn.load(path)(self=x), sess.run(None, {"self": x})[0],
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_load_dtype_of_a_graph_without_packed_weights(tmp_path):
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )  # fmt: skip
+    path = str(tmp_path / "relu.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)]), path)
+    leanrnn.load(path, dtype=np.float32)  # what the file computes in: was refused
+    with pytest.raises(ModelFormatError, match="a graph computes in the dtypes its file"):
+        leanrnn.load(path, dtype=np.float64)

@@ -5,6 +5,7 @@ and graph ``.lrnn`` files). It sits above the engine, like ``nn.Model``: the eng
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
 
@@ -35,19 +36,40 @@ class GraphModel:
     """
 
     def __init__(self, graph: Graph, threads: int | None = None) -> None:
-        self._loaded = LoadedGraph(graph, _check.count_or_none("GraphModel", "threads", threads))
-        self.graph = graph
-        self._lock = threading.Lock()
+        own = {"_loaded": LoadedGraph(graph, _check.count_or_none("GraphModel", "threads", threads)),
+               "_lock": threading.Lock(), "_session": None,
+               "_limit": None}  # (_limit: a dropped session's memory_limit, threads' setter)  # fmt: skip
+        self.__dict__.update(own)
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
-        self._session: GraphSession | None = None
-        self._limit: int | None = None  # a dropped session's memory_limit (threads' setter)
 
     def __reduce__(self):
         # deepcopy and pickle (a worker process, a copy per thread): the graph (its constants
         # and packed weights copied, PackedWeights.__reduce__) loaded again, as a saved
         # .lrnn is: the load-time passes leave a graph they made as it is. The lock, the
-        # session and its arenas belong to this process and this model.
-        return type(self), (self.graph, self._loaded.threads)
+        # session and its arenas belong to this process and this model; the memory_limit of
+        # its last resize comes along (a copy ran what the original refused).
+        limit = self._session._limit if self._session is not None else self._limit
+        return type(self), (self.graph, self._loaded.threads), {"_limit": limit}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __setattr__(self, name: str, value) -> None:
+        # Only threads is set from outside: `m.graph = other` ran one graph and saved, copied
+        # and described another; `m.thread = 2` was taken, and changed nothing
+        if name != "threads" and not name.startswith("_"):
+            known = [n for n in dir(type(self)) if not n.startswith("_")]
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near and near[0] != name else ""
+            raise AttributeError(f"[GraphModel] cannot set {name!r}{hint}: a loaded graph is "
+                                 "fixed (load the other file; threads is the one setting)")  # fmt: skip
+        object.__setattr__(self, name, value)
+
+    @property
+    def graph(self) -> Graph:
+        """The graph as loaded and rewritten (folded constants, packed weights): what runs,
+        what ``save`` writes."""
+        return self._loaded.graph
 
     @property
     def threads(self) -> int | None:
@@ -119,6 +141,8 @@ class GraphModel:
         fix (the arena's ``input_shapes`` then say what was planned instead). An input whose
         shape the file leaves unknown (and which does not feed an RNN node's X or lengths)
         leaves ``arena`` None and says why in ``unplanned``."""
+        batch = _check.count("GraphModel.describe", "batch", batch, ShapeError)
+        steps = _check.count("GraphModel.describe", "steps", steps, ShapeError)
         g = self.graph
         layers, params, wbytes = [], 0, 0
         owners = g.weight_owners()
@@ -217,7 +241,7 @@ class GraphModel:
         under "op name" (GraphSession.run)."""
         return self.session.run(feeds, times)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, /, *args, **kwargs):  # (an input may be named "self")
         if args and kwargs:
             raise ShapeError("[GraphModel] pass inputs positionally or by name, not both")
         outs = self.run(dict(kwargs) if kwargs else list(args))

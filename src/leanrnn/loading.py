@@ -107,8 +107,10 @@ def _graph_model(path: str, graph, asked: dict, dtype, threads) -> GraphModel:
     weights' float dtype, when its packed RNN weights have one (dtype="float32" for a float32
     graph was refused as not agreeing)."""
     dts = {pw.dtype.name for pw in graph.packed.values()}
+    if not dts:  # no packed RNN weights (none, or fed as inputs): the float inputs' declared
+        dts = {t.dtype for t in graph.inputs if t.dtype in ("float32", "float64")}
     _agree(path, {**asked, **({"dtype": dtype.name} if dtype is not None else {})},
-           {"dtype": dts.pop()} if len(dts) == 1 else {})  # fmt: skip
+           {"dtype": dts.pop()} if len(dts) == 1 else {}, graph=True)  # fmt: skip
     return GraphModel(graph, threads=threads)
 
 
@@ -134,7 +136,7 @@ def _recorded(spec) -> dict:
     return rec
 
 
-def _agree(path: str, asked: dict, recorded: dict) -> None:
+def _agree(path: str, asked: dict, recorded: dict, graph: bool = False) -> None:
     """Refuse options a file has its own answer to, unless they agree with it: ignoring them
     (batch_first=True on a time-major .lrnn) would run other data than the caller meant."""
     bad = {k: v for k, v in asked.items() if recorded.get(k, object()) != v}
@@ -145,9 +147,10 @@ def _agree(path: str, asked: dict, recorded: dict) -> None:
             f"[load] {what} given for {path!r}, a .lrnn/ONNX file that records its own model"
             + (f" ({has})" if has else "")
             + "; these options are for state dicts (.pt, .safetensors, .npz), which cannot "
-            "record them: drop them (a stack's dtype converts: load(path, dtype=...) or "
-            "model.astype)"
-        )
+            + ("record them: drop them (a graph computes in the dtypes its file declares)"
+               if graph else "record them: drop them (a stack's dtype converts: "
+               "load(path, dtype=...) or model.astype)")
+        )  # fmt: skip
 
 
 def _path(path, op: str) -> str:

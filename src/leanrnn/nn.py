@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .engine import Session
+from .engine import Session, _check
 from .engine.model import parameter_count, spec_line
 from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import checkpoint, native, torch_format
@@ -302,6 +302,8 @@ class Model:
 
     def describe(self, batch: int, steps: int) -> dict:
         """Layers, parameters, weight bytes and the arena planned for ``batch`` x ``steps``."""
+        batch = _check.count(f"{type(self).__name__}.describe", "batch", batch, ShapeError)
+        steps = _check.count(f"{type(self).__name__}.describe", "steps", steps, ShapeError)
         spec = self.spec
         p = self.session.planned(batch, steps)  # (the session's own plan and limit untouched)
         check_fits(p.total, f"the arena of N={batch}, T={steps}", "describe")

@@ -137,7 +137,17 @@ class GraphSession:
                 raise DTypeError(
                     f"[GraphSession.resize] input {t.name!r} has no declared dtype; pass dtypes="
                 )
-            metas[t.name] = Out(tuple(int(d) for d in shape), np.dtype(dt))
+            dims = tuple(shape) if isinstance(shape, list | tuple | np.ndarray) else None
+            if dims is None or not all(isinstance(d, int | np.integer) and not
+                                       isinstance(d, bool | np.bool_) and d >= 0 for d in dims):
+                raise ShapeError(f"[GraphSession.resize] input {t.name!r}: shape {shape!r}; "
+                                 "expected a list or tuple of ints >= 0")  # (5.7 planned 5)
+            try:
+                dtype = np.dtype(dt)
+            except TypeError:
+                raise DTypeError(f"[GraphSession.resize] input {t.name!r}: dtype {dt!r} is not "
+                                 "a numpy dtype") from None  # fmt: skip
+            metas[t.name] = Out(tuple(int(d) for d in dims), dtype)
         return metas
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
