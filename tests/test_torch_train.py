@@ -433,9 +433,8 @@ def test_autocast_mode_bf16_act_rounds_the_activations_as_torch_does(cell):
         errors[mode] = max(float(e) for e in err)
     assert errors["bf16-act"] <= RTOL_AUTOCAST_BF16_ACT, errors
     assert errors["bf16"] > 3 * RTOL_AUTOCAST_BF16_ACT, errors
-    m.autocast_mode = "fp16"
-    with pytest.raises(SpecError, match="autocast_mode='fp16'"), torch.autocast("cpu"):
-        m(x.detach().float())
+    with pytest.raises(SpecError, match="autocast_mode='fp16'"):  # refused when set
+        m.autocast_mode = "fp16"
 
 
 def test_autocast_bf16_act_inference_runs_the_inference_engine():
