@@ -47,12 +47,18 @@ class PlanError(LeanRNNError, ValueError):
     """A memory plan cannot be made (e.g. it does not fit the memory limit)."""
 
 
+class NonFiniteError(LeanRNNError, RuntimeError):
+    """Gradients hold NaN or infinity where the caller asked for finite ones
+    (``clip_grad_norm(error_if_nonfinite=True)``; a RuntimeError, as torch's is)."""
+
+
 __all__ = [
     "DTypeError",
     "LayoutError",
     "LeanRNNError",
     "LengthsError",
     "ModelFormatError",
+    "NonFiniteError",
     "PlanError",
     "ShapeError",
     "SpecError",

@@ -65,7 +65,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from leanrnn.engine import _check
-from leanrnn.errors import DTypeError, LayoutError, LeanRNNError, ShapeError, SpecError
+from leanrnn.errors import (
+    DTypeError,
+    LayoutError,
+    LeanRNNError,
+    NonFiniteError,
+    ShapeError,
+    SpecError,
+)
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -394,7 +401,7 @@ def clip_grad_norm(
             for i, (q, n) in enumerate(zip(params, norms, strict=True))
             if not np.isfinite(n)
         ]
-        raise LeanRNNError(
+        raise NonFiniteError(
             f"[{where}] the total {p:g}-norm of the gradients is {total}; "
             f"expected a finite norm (non-finite in: {', '.join(bad)}); the "
             "gradients were left unchanged: look for NaN/inf in the loss or the "
@@ -1027,11 +1034,13 @@ class Adam(_Optimizer):
         np.divide(d, bias_correction2_sqrt, out=d)
         np.add(d, eps, out=d)
         np.multiply(m, -step_size, out=tmp)
-        if eps == 0:
+        if theta.dtype.type(eps) == 0:  # (1e-50 is 0 in float32: 0/0 as below, NaN everywhere)
             # 0/0 where every gradient so far was 0 (m = v = 0): torch writes NaN there and the
             # next forward spreads it to every weight. A trainer's padding is such an entry on
-            # every step: it is left unmoved (tmp holds -step_size * 0), as any eps > 0 leaves it
-            np.divide(tmp, d, out=tmp, where=d != 0)
+            # every step: it is left unmoved (tmp holds -step_size * 0), as any eps > 0 leaves
+            # it. A gradient so small that v underflowed to 0 still divides (+-inf, as torch).
+            with np.errstate(divide="ignore"):
+                np.divide(tmp, d, out=tmp, where=(d != 0) | (tmp != 0))
         else:
             np.divide(tmp, d, out=tmp)
         np.add(theta, tmp, out=theta)

@@ -552,6 +552,15 @@ class Trainer:
         # copy in the arena, counted by the segment a memory limit picks (an unaligned one
         # too: the kernels take aligned arrays only, as Session.run's copies them)
         stage = spec.batch_first or not x.flags.c_contiguous or not x.flags.aligned
+        # Padding (steps past a sample's length) is never read forward, but the input weights'
+        # gradient sums x's rows times gate gradients over every row: NaN there (np.empty, a
+        # loader's fill) made all of dW_ih NaN as NaN * 0, where torch's packed sequence
+        # never reads it. Such padding is zeroed in the staged copy (the caller's x as it was).
+        pad = None if lengths is None else _padding(lens, T, spec.batch_first)
+        if pad is not None and not np.isfinite(x[pad]).all():
+            stage = True
+        else:
+            pad = None
         # the trainer's own dropout masks, planned in the arena only when it draws them
         draw = bool(masks is None and self._draws())
         S = self._segment(T, N, stage, draw)
@@ -576,6 +585,8 @@ class Trainer:
             xt[:] = (
                 x.transpose(1, 0, 2).reshape(T * N, C) if spec.batch_first else x.reshape(T * N, C)
             )
+            if pad is not None:
+                xt.reshape(T, N, C)[pad.T if spec.batch_first else pad] = 0
         else:
             xt = x.reshape(T * N, C)
         # a forward stack's output has one row block in front: backward writes the initial
@@ -1566,6 +1577,15 @@ def _masked(a: np.ndarray, mask: tuple, r0: int, r1: int, out: np.ndarray) -> No
     np.multiply(a, rows[r0:r1], out=out)
     if scale is not None:
         out *= scale
+
+
+def _padding(lens: np.ndarray, T: int, batch_first: bool) -> np.ndarray | None:
+    """The steps past each sample's length, as a boolean mask over x's [T, N] ([N, T] batch
+    first) axes; None when every sample runs all T."""
+    if (lens >= T).all():
+        return None
+    past = np.arange(T)[:, None] >= lens[None, :]
+    return past.T if batch_first else past
 
 
 def _front_rows(spec, N: int) -> int:

@@ -1,0 +1,99 @@
+"""Session 43, from a red-team pass over training numerics (float64 against torch, float32
+under stress): NaN in x past a sample's length, padding torch's packed sequence never reads,
+made the whole input-weight gradient NaN; Adam/AdamW with an eps that rounds to 0 in float32
+(1e-50) turned every weight NaN; eps=0 left entries unmoved whose tiny gradient underflowed
+v to 0 (torch: +-inf); clip_grad_norm's non-finite error was not a RuntimeError, as torch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import leanrnn
+from leanrnn.formats import torch_format
+from leanrnn.train import Adam, AdamW, Parameter, Trainer, clip_grad_norm
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+def test_non_finite_padding_leaves_the_gradients_finite(cell, batch_first, fill):
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, cell)(4, 16, num_layers=2, bidirectional=True,
+                                  batch_first=batch_first).double()  # fmt: skip
+    T, lens = 5, np.array([5, 2, 3])
+    x = np.random.default_rng(0).standard_normal((T, 3, 4))
+    for n, length in enumerate(lens):
+        x[length:, n] = fill  # a loader's fill, or np.empty
+    xin = x.transpose(1, 0, 2).copy() if batch_first else x
+    tr = Trainer(leanrnn.from_torch(ref))
+    tape = tr.forward(xin, lengths=lens)
+    live = (np.arange(T)[:, None] < lens[None, :])[..., None]  # [T, N, 1]
+    if batch_first:
+        live = live.transpose(1, 0, 2)
+    dy = np.broadcast_to(live, tape.y.shape).astype(float)  # d(sum of the valid y)
+    dx = tr.backward(tape, dy)[0]
+    # torch on the same data, packed: the padding is never read
+    xt = torch.tensor(np.nan_to_num(xin, nan=0.0, posinf=0.0), requires_grad=True)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(xt, torch.tensor(lens),
+                                                     batch_first=batch_first,
+                                                     enforce_sorted=False)  # fmt: skip
+    y, _ = ref(packed)
+    y, _ = torch.nn.utils.rnn.pad_packed_sequence(y, batch_first=batch_first, total_length=T)
+    y.sum().backward()
+    np.testing.assert_allclose(tape.y, y.detach().numpy(), rtol=1e-10, atol=1e-12)
+    grads = torch_format.to_state_dict(tr.spec, tr.gradients())
+    for k, p in ref.named_parameters():
+        assert np.isfinite(grads[k]).all(), k  # weight_ih: every entry was NaN
+        np.testing.assert_allclose(grads[k], p.grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=k)
+    np.testing.assert_allclose(np.where(live, dx, 0), xt.grad.numpy(), rtol=1e-9, atol=1e-11)
+    assert np.isnan(xin).any() or np.isinf(xin).any()  # the caller's x as it was
+
+
+@pytest.mark.parametrize("Opt,TOpt", [(Adam, "Adam"), (AdamW, "AdamW")])
+def test_adam_with_an_eps_that_is_zero_in_float32(Opt, TOpt):
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(3, 5)
+    m = leanrnn.from_torch(ref)
+    tr = Trainer(m)
+    opt = Opt(tr.parameters(), lr=1e-2, eps=1e-50)
+    topt = getattr(torch.optim, TOpt)(ref.parameters(), lr=1e-2, eps=1e-50)
+    x = np.random.default_rng(0).standard_normal((4, 2, 3)).astype(np.float32)
+    for _ in range(3):
+        tape = tr.forward(x)
+        tr.backward(tape, np.ones_like(tape.y))
+        opt.step()
+        tr.zero_grad()
+        topt.zero_grad()
+        ref(torch.from_numpy(x))[0].sum().backward()
+        topt.step()
+    sd = m.state_dict()
+    for k, v in ref.state_dict().items():
+        assert np.isfinite(sd[k]).all(), k  # was NaN everywhere (0/0 on the padding)
+        np.testing.assert_allclose(sd[k], v.numpy(), atol=1e-6, rtol=0, err_msg=k)
+
+
+def test_adam_eps_zero_divides_a_gradient_too_small_for_v():
+    g = np.array([3e-23, -5e-24, 0.0], np.float32)
+    p = Parameter(np.ones(3, np.float32), np.zeros(3, np.float32))
+    opt = Adam([p], lr=1e-3, eps=0.0)
+    p.grad = g
+    opt.step()
+    tp = torch.nn.Parameter(torch.ones(3))
+    topt = torch.optim.Adam([tp], lr=1e-3, eps=0.0)
+    tp.grad = torch.from_numpy(g.copy())
+    topt.step()
+    want = tp.detach().numpy()
+    np.testing.assert_array_equal(p.value[:2], want[:2])  # +-inf, as torch (was 1, 1)
+    assert p.value[2] == 1.0  # a gradient 0 on every step: unmoved (torch: NaN), as documented
+
+
+def test_clip_grad_norm_non_finite_is_a_runtime_error():
+    p = Parameter(np.ones(3, np.float32), np.zeros(3, np.float32))
+    p.grad = np.array([1.0, np.nan, 0.0], np.float32)
+    with pytest.raises(RuntimeError, match="norm of the gradients is nan"):
+        clip_grad_norm([p], 1.0, error_if_nonfinite=True)  # code written for torch catches it
+    with pytest.raises(leanrnn.errors.LeanRNNError):
+        clip_grad_norm([p], 1.0, error_if_nonfinite=True)
