@@ -177,3 +177,16 @@ def test_a_batch_of_no_sequences_gives_empty_outputs_as_torch():
         assert [tuple(t.shape) for t in flat(want)] == [a.shape for a in flat(got)]
     with pytest.raises(leanrnn.errors.ShapeError, match="C=3"):
         lm(np.zeros((0, 5, 2), np.float32))
+
+
+def test_copies_keep_the_sessions_chunk_and_limit():
+    m = leanrnn.LSTM(3, 16, seed=0)
+    m.resize((50, 2, 3), memory_limit=20_000)
+    x = _x(200, 2, 3)
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert (twin.session.chunk, twin.session._limit) == (m.session.chunk, m.session._limit)
+        np.testing.assert_array_equal(twin(x)[0], m(x)[0])
+        assert twin.session.arena_bytes <= 20_000  # a copy planned T=200 whole, no limit
+    g = leanrnn.GRU(3, 4)
+    g.session.chunk = 7
+    assert copy.deepcopy(g).session.chunk == 7  # (was None)

@@ -49,9 +49,18 @@ class Model:
         # deepcopy and pickle (a worker process, a copy to fine-tune): the weights (one new
         # aligned buffer, PackedWeights.__reduce__) and a new session of the same threads; the
         # session's locks, arena and bound programs belong to this process and this model.
-        # What else was set on the instance (a subclass's own attributes) comes along.
+        # What else was set on the instance (a subclass's own attributes) comes along, and
+        # the session's chunk and memory limit (a copy ran what the original refused).
         state = {k: v for k, v in self.__dict__.items() if k != "session"}
-        return type(self)._from_packed, (self.weights, self.session.threads), state or None
+        s = self.session
+        state["_session_settings"] = {"chunk": s.chunk, "_limit": s._limit}
+        return type(self)._from_packed, (self.weights, s.threads), state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        for name, value in state.pop("_session_settings", {}).items():
+            setattr(self.session, name, value)
+        self.__dict__.update(state)
 
     def __setattr__(self, name: str, value) -> None:
         # torch.nn's attribute names, assigned as on a torch module, made a new attribute
