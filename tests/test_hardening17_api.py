@@ -152,7 +152,7 @@ def test_state_dict_errors_name_the_mistake():
     from leanrnn.errors import WeightsError
 
     gru = {k: v.numpy() for k, v in torch.nn.GRU(3, 4).state_dict().items()}
-    with pytest.raises(WeightsError, match="a GRU's state dict .* not an LSTM's"):
+    with pytest.raises(WeightsError, match=r"a GRU's state dict .* not an LSTM's"):
         leanrnn.LSTM.from_state_dict(gru)  # was "weight_hh_l0 has shape (12, 4); expected..."
     lstm = {k: v.numpy() for k, v in torch.nn.LSTM(3, 4).state_dict().items()}
     lstm["weight_ih_l0"] = lstm["weight_ih_l0"].T.copy()
@@ -173,8 +173,9 @@ def test_a_batch_of_no_sequences_gives_empty_outputs_as_torch():
         lm = leanrnn.from_torch(tm)
         x = np.zeros((0, 5, 3), np.float32)
         want, got = tm(torch.from_numpy(x)), lm(x)  # was "T and N must be >= 1"
-        flat = (lambda o: [o[0], *o[1]] if kind == "LSTM" else [o[0], o[1]])  # noqa: E731
-        assert [tuple(t.shape) for t in flat(want)] == [a.shape for a in flat(got)]
+        if kind == "LSTM":
+            want, got = [want[0], *want[1]], [got[0], *got[1]]
+        assert [tuple(t.shape) for t in want] == [a.shape for a in got]
     with pytest.raises(leanrnn.errors.ShapeError, match="C=3"):
         lm(np.zeros((0, 5, 2), np.float32))
 

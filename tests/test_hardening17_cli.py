@@ -14,9 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from leanrnn import cli
-
 from helpers import src_env
+from leanrnn import cli
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402

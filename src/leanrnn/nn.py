@@ -26,7 +26,6 @@ from .formats.quantize import weight_bits
 from .memory.arena import check_fits, round_up
 from .spec import Activation, RNNSpec
 
-
 # What a model's spec fixes, by torch.nn's names (read-only properties of Model)
 _FIXED = frozenset(("weights", "spec", "dtype", "input_size", "hidden_size", "num_layers", "bias",
                     "batch_first", "bidirectional", "proj_size", "nonlinearity", "mode"))  # fmt: skip
@@ -289,8 +288,10 @@ class Model:
                 raise ShapeError(f"[{op}] shapes for unknown inputs {unknown}; the model takes "
                                  f"{', '.join(self._INPUTS)}")  # fmt: skip
             shape = shapes.get("x")
-        elif isinstance(shapes, list | tuple) and shapes and all(
-            isinstance(d, int | np.integer) for d in shapes
+        elif (
+            isinstance(shapes, list | tuple)
+            and shapes
+            and all(isinstance(d, int | np.integer) for d in shapes)
         ):
             shape = shapes  # x's shape itself, (T, N, C)
         elif isinstance(shapes, list | tuple):

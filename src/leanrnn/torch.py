@@ -971,6 +971,7 @@ class _RNNBase(torch.nn.Module):
             raise SpecError(f"[{type(self).__name__}] autocast_mode={mode!r}; expected one of "
                             f"{', '.join(map(repr, AUTOCAST_MODES))}")  # fmt: skip
         self._autocast_mode = mode
+
     def reset_parameters(self) -> None:
         """torch's init: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)), in registration order (so
         a seeded module equals a seeded torch module)."""

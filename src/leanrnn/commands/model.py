@@ -215,8 +215,10 @@ def run_cmd(args) -> int:
     from ..errors import LeanRNNError, ShapeError
 
     output = None
-    if args.output == "-" or (args.output and _is_stdout(args.output)):  # `--output - | python -c 'np.load(..'`
-        output = "-"  # (/dev/stdout redirected to a file wrote /dev/stdout.npz)
+    # `--output - | python -c 'np.load(...)'`; /dev/stdout redirected to a file wrote
+    # /dev/stdout.npz
+    if args.output == "-" or (args.output and _is_stdout(args.output)):
+        output = "-"
     elif args.output:  # np.savez adds .npz to any other name; say (and check) the real one
         ext = os.path.splitext(args.output)[1]
         if ext != ".npz" and ext.lower() in _OTHER_FORMATS:  # out.txt was out.txt.npz, silently

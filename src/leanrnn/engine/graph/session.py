@@ -138,10 +138,14 @@ class GraphSession:
                     f"[GraphSession.resize] input {t.name!r} has no declared dtype; pass dtypes="
                 )
             dims = tuple(shape) if isinstance(shape, list | tuple | np.ndarray) else None
-            if dims is None or not all(isinstance(d, int | np.integer) and not
-                                       isinstance(d, bool | np.bool_) and d >= 0 for d in dims):
-                raise ShapeError(f"[GraphSession.resize] input {t.name!r}: shape {shape!r}; "
-                                 "expected a list or tuple of ints >= 0")  # (5.7 planned 5)
+            if dims is None or not all(
+                isinstance(d, int | np.integer) and not isinstance(d, bool | np.bool_) and d >= 0
+                for d in dims
+            ):
+                raise ShapeError(  # (5.7 planned 5)
+                    f"[GraphSession.resize] input {t.name!r}: shape {shape!r}; "
+                    "expected a list or tuple of ints >= 0"
+                )
             try:
                 dtype = np.dtype(dt)
             except TypeError:
