@@ -60,3 +60,113 @@ def test_a_scheduler_dropped_without_stop_ends_its_thread():
     thread.join(timeout=5)
     assert ref() is None and not thread.is_alive()
     assert threading.active_count() < 50  # (nothing else piled up meanwhile)
+
+
+# ---------------------------------------------------------------------------------------------
+# A gRPC stream's requests of a sequence, refused in the middle by --max-queued-bytes, left a
+# gap its later (already sent) requests silently ran across: a refused chunk's next chunk ran
+# on the state before it, and a refused sequence_start on a live id let the next request
+# continue the old sequence. Such a request now waits for room, its stream unread meanwhile.
+
+
+@pytest.fixture(scope="module")
+def queued_server(tmp_path_factory):
+    import leanrnn
+    from helpers import served
+
+    pytest.importorskip("tritonclient.grpc")
+    d = tmp_path_factory.mktemp("queued")
+    with served(d, "m", leanrnn.LSTM(4, 8, num_layers=2, seed=1), "--max-queued-bytes",
+                "200K") as s:  # fmt: skip
+        yield s
+
+
+def _stream(grpc_url, sends):
+    """{request id: y} (or {"err": [...]}) for ``sends`` = [(sequence id, x, start)], all
+    sent at once on one ModelStreamInfer stream."""
+    import queue
+
+    import tritonclient.grpc as tg
+
+    client = tg.InferenceServerClient(grpc_url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, (sid, x, start) in enumerate(sends):
+            inp = tg.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            client.async_stream_infer("m", [inp], outputs=[tg.InferRequestedOutput("y")],
+                                      request_id=str(i), sequence_id=sid,
+                                      sequence_start=start)  # fmt: skip
+        got = {}
+        for _ in sends:
+            r, e = answers.get(timeout=120)
+            if e is None:
+                got[r.get_response().id] = r.as_numpy("y")
+            else:
+                got.setdefault("err", []).append(str(e))
+    finally:
+        client.stop_stream()
+        client.close()
+    return got
+
+
+def test_a_full_queue_holds_a_streams_sequence_instead_of_gapping_it(queued_server):
+    m = queued_server["model"]
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((n, 4)).astype(np.float32) for n in (3000, 3, 3000, 3)]
+    got = _stream(queued_server["grpc"], [("hog", xs[0], True), ("S", xs[1], True),
+                                          ("S", xs[2], False), ("S", xs[3], False)])  # fmt: skip
+    assert "err" not in got, got["err"]  # chunk 2 was refused (429) and chunk 3 skipped it
+    want = m(np.concatenate(xs[1:])[:, None])[0][:, 0]
+    np.testing.assert_allclose(np.concatenate([got["1"], got["2"], got["3"]]), want,
+                               atol=1e-5, rtol=0)  # fmt: skip
+
+
+def test_a_restart_on_a_full_queue_does_not_continue_the_old_sequence(queued_server):
+    m = queued_server["model"]
+    rng = np.random.default_rng(9)
+    old, hog, new1 = (rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 3000, 3000))
+    new2 = rng.standard_normal((3, 4)).astype(np.float32)
+    _stream(queued_server["grpc"], [("R", old, True)])
+    got = _stream(queued_server["grpc"], [("hog", hog, True), ("R", new1, True),
+                                          ("R", new2, False)])  # fmt: skip
+    assert "err" not in got, got["err"]
+    want = m(np.concatenate([new1, new2])[:, None])[0][-3:, 0]  # not old's continuation
+    np.testing.assert_allclose(got["2"], want, atol=1e-5, rtol=0)
+
+
+def test_a_uint64_id_sent_as_int64_is_that_id(queued_server):
+    """Triton's C++ client sends a uint64 sequence_id as an int64 parameter: 2**64-1 arrives
+    as -1 (refused: "expected an integer in 1..2**64-1"), where Triton reads it back."""
+    from leanrnn.serve.rpc import _params
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest()
+    req.parameters["sequence_id"].int64_param = -1
+    req.parameters["sequence_start"].bool_param = True
+    assert _params(req.parameters) == {"sequence_id": 2**64 - 1, "sequence_start": True}
+
+
+@pytest.mark.parametrize("sid", [None, 0, ""])
+@pytest.mark.parametrize("flag", ["sequence_start", "sequence_end"])
+def test_start_or_end_needs_a_sequence_id(sid, flag):
+    """The sequence extension: with start or end set, sequence_id "must be set to a non-zero
+    or non-empty string value"; they were taken as a stateless call."""
+    from leanrnn.serve.protocol import sequence
+
+    params = {flag: True} if sid is None else {flag: True, "sequence_id": sid}
+    with pytest.raises(InvalidRequest, match="without a sequence_id"):
+        sequence(params)
+    key, start, end = sequence({} if sid is None else {"sequence_id": sid})
+    assert key[0] == "" and start and end  # a stateless call, as before
+
+
+def test_string_ids_are_announced(queued_server):
+    import tritonclient.http as th
+
+    c = th.InferenceServerClient(queued_server["http"])
+    try:
+        assert "sequence(string_id)" in c.get_server_metadata()["extensions"]
+    finally:
+        c.close()

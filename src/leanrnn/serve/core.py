@@ -12,7 +12,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import Busy, Internal, NotFound, ServeError, TooLarge, Unauthenticated, Unavailable
+from .errors import (
+    Busy,
+    Internal,
+    NotFound,
+    QueueFull,
+    ServeError,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
 from .protocol import ModelInfo, Parsed, check_version, clip
 from .scheduler import Request, Scheduler
 
@@ -22,6 +31,9 @@ _log = logging.getLogger("leanrnn.serve")
 # hop costs more than they do); larger ones in a worker thread, so that one large message does
 # not hold up every other stream (HTTP and gRPC) for as long as its conversion takes.
 INLINE = 256 << 10
+# How often a gRPC stream's request of a sequence looks for room in a full queue
+# (Core.infer_held): the engine drains it in calls of ~max_call seconds.
+ROOM_POLL_S = 0.005
 
 
 async def off_loop(nbytes: int, fn, *args):
@@ -212,30 +224,47 @@ class Core:
             )
 
     async def infer_held(
-        self, p: Parsed, protocol: str, json_bytes: int = 0, arrival: int | None = None
-    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:
+        self, p: Parsed, protocol: str, json_bytes: int = 0, arrival: int | None = None,
+        submitted: asyncio.Future | None = None,
+    ) -> tuple[dict[str, np.ndarray], Callable[[], None]]:  # fmt: skip
         """Run ``p`` through the scheduler; (the requested outputs by name, release). The
         request's bytes (x, y, and ``json_bytes``: at most what its outputs take as JSON)
         count against --max-queued-bytes until ``release()`` — call it once the answer has
         left (or failed to), so answers a client does not read stay counted. ``arrival``: the
         scheduler's token of this request while it arrived (Scheduler.arriving), let go of
-        once it is submitted or refused."""
+        once it is submitted or refused. ``submitted``: a gRPC stream's request, resolved
+        once it is queued or refused; such a request of a sequence that finds the queue full
+        (QueueFull) waits for room rather than being refused, its stream unread meanwhile
+        (the stream's later requests of the sequence, already sent, ran across the gap)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         t0 = time.monotonic()
+        waiting = None  # while it waits for room: arriving, so its sequence is not evicted
         try:
             self._admissible(p, json_bytes)
             want_state = any(name != "y" for name in p.outputs)
-            try:  # refused by the scheduler (unknown or evicted sequence, full, ...): a failure
-                sent = self.scheduler.submit(
-                    p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
-                    lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
-                )  # fmt: skip
-            except ServeError:
-                self.io(p.model, "fail", time.monotonic() - t0)
-                raise
+            while True:
+                try:  # refused (unknown or evicted sequence, full, ...): a failure
+                    sent = self.scheduler.submit(
+                        p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
+                        lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
+                    )  # fmt: skip
+                    break
+                except QueueFull:
+                    if submitted is None or p.key[0] == "" or self.draining:
+                        self.io(p.model, "fail", time.monotonic() - t0)
+                        raise
+                    if waiting is None:
+                        waiting = self.scheduler.arriving(p.model)
+                    await asyncio.sleep(ROOM_POLL_S)
+                except ServeError:
+                    self.io(p.model, "fail", time.monotonic() - t0)
+                    raise
         finally:
             self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving
+            self.scheduler.arrived(waiting)
+            if submitted is not None and not submitted.done():
+                submitted.set_result(None)
 
         def release() -> None:
             # once, and the request let go of: gRPC keeps a call's done callbacks (this, from

@@ -34,6 +34,12 @@ class Exhausted(ServeError):
     http, grpc, kind = 429, "RESOURCE_EXHAUSTED", "exhausted"
 
 
+class QueueFull(Exhausted):
+    """Accepted requests hold --max-queued-bytes: this one would pass it. A gRPC stream's
+    request of a sequence waits for room instead (its later requests are already on the way:
+    one refused in the middle left a gap the next one silently ran across)."""
+
+
 class TooLarge(ServeError):
     http, grpc, kind = 413, "RESOURCE_EXHAUSTED", "too_large"
 

@@ -20,7 +20,9 @@ from .errors import InvalidRequest, NotFound
 
 VERSION = "1"
 PLATFORM = "leanrnn"
-EXTENSIONS = ["binary_tensor_data", "sequence", "model_configuration", "statistics"]
+# "sequence(string_id)": string sequence ids work too (the sequence extension's word for it)
+EXTENSIONS = ["binary_tensor_data", "sequence", "sequence(string_id)", "model_configuration",
+              "statistics"]  # fmt: skip
 DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
 CONFIG_TYPES = {"FP32": "TYPE_FP32", "FP64": "TYPE_FP64"}
 _anonymous = itertools.count(1)
@@ -195,6 +197,12 @@ def sequence(params: dict) -> tuple[tuple, bool, bool]:
             f"[infer] parameter sequence_id={clip(sid)}; expected an unsigned integer or a string"
         )
     if sid is None or sid == 0 or sid == "":
+        if start or end:  # the sequence extension: they need a non-zero, non-empty id
+            raise InvalidRequest(
+                "[infer] sequence_start/sequence_end without a sequence_id (or with 0 or \"\", "
+                "which mean no sequence); give the sequence an id, or drop the flags for a "
+                "stateless call"
+            )
         return ("", next(_anonymous)), True, True
     if isinstance(sid, int) and not 0 < sid < 1 << 64:
         raise InvalidRequest(f"[infer] sequence_id={clip(sid)}; expected an integer in 1..2**64-1")

@@ -65,11 +65,21 @@ MAX_FIELDS = 256
 MAX_DIMS = 8
 
 
+def _submitted(fut: asyncio.Future, _task) -> None:
+    """A stream request's task ended (even cancelled before it ran): its pump reads on."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _params(m) -> dict:
     out = {}
     for key, v in m.items():
         which = v.WhichOneof("parameter_choice")
         out[key] = getattr(v, which) if which else None
+        if key == "sequence_id" and which == "int64_param" and out[key] < 0:
+            # Triton's C++ client (and perf_analyzer) send a uint64 id as int64: 2**64-1
+            # arrives as -1, and Triton's server reads it back as the uint64
+            out[key] += 1 << 64
     return out
 
 
@@ -430,24 +440,27 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             else:
                 room.clear()
 
-        async def one(ids, item, cost: int, arrival: int | None):
+        async def one(ids, item, cost: int, arrival: int | None, submitted: asyncio.Future):
             counted = not isinstance(item, ServeError)
             computing[0] += counted  # until its answer is queued (or it is given up)
             try:
-                await _one(ids, item, cost, arrival)
+                await _one(ids, item, cost, arrival, submitted)
             finally:
                 if counted:
                     computed()
+                if not submitted.done():  # (a task cancelled before it ran runs no finally)
+                    submitted.set_result(None)
 
-        async def _one(ids, item, cost: int, arrival: int | None):
+        async def _one(ids, item, cost: int, arrival: int | None, submitted: asyncio.Future):
             release = _nothing
             try:
                 if isinstance(item, ServeError):
                     self.core.scheduler.arrived(arrival)
                     raise item
                 info, p = item
-                # submits before its first await: the pump lets it run before the next request
-                values, release = await self.core.infer_held(p, "grpc", 0, arrival)
+                # queued (or refused) before the pump reads the next request (``submitted``):
+                # a sequence's requests in stream order, even one that waits for room
+                values, release = await self.core.infer_held(p, "grpc", 0, arrival, submitted)
                 t0 = time.perf_counter()
                 res = await off_loop(nbytes(values), answer, info, p, values, True)
                 self.core.io(info.name, "compute_output", time.perf_counter() - t0)
@@ -523,15 +536,19 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         item = e.with_traceback(None)  # (its frames held the message)
                     data = None
                     account(1, cost)
-                    # submitted in arrival order: the task submits before its first await,
-                    # and runs before the next request is read
+                    # submitted in arrival order: the next request is read once this one is
+                    # queued or refused (at once, unless it waits for room: QueueFull)
                     arrival, blocked[0] = blocked[0], None
-                    task = asyncio.ensure_future(one(tuple(ids) or None, item, cost, arrival))
+                    submitted = loop.create_future()
+                    task = asyncio.ensure_future(
+                        one(tuple(ids) or None, item, cost, arrival, submitted)
+                    )
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                     if arrival is not None:  # (a task cancelled before it ran runs no finally)
                         task.add_done_callback(partial(_arrived, self.core.scheduler, arrival))
-                    await asyncio.sleep(0)
+                    task.add_done_callback(partial(_submitted, submitted))
+                    await submitted
                 await asyncio.gather(*tasks, return_exceptions=True)
             finally:
                 if nxt is not None:  # (cancelled: the client went)

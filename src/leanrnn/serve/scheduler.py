@@ -75,7 +75,14 @@ from ..engine.session import Pool, Session, SlotStates
 from ..errors import PlanError, SpecError
 from ..memory.arena import machine_memory
 from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
-from .errors import Exhausted, InvalidRequest, NotFound, SequenceError, Unavailable
+from .errors import (
+    Exhausted,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+    SequenceError,
+    Unavailable,
+)
 
 _log = logging.getLogger("leanrnn.serve")
 
@@ -607,7 +614,7 @@ class Scheduler:
                 cost = request_bytes(x, lane.DK, lane.dtype) + extra
                 # (one request alone always goes: a limit below it must not wedge the server)
                 if self.queued_bytes and self.queued_bytes + cost > limit:
-                    raise Exhausted(
+                    raise QueueFull(
                         f"[infer] {self.queued_bytes} bytes of accepted requests are waiting "
                         "for the engine or for their clients to read the answers, and this one "
                         f"({int(cost)} B) would pass the server's "
