@@ -583,11 +583,13 @@ class RNN(_TorchLike):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
-                 dropout: float = 0.0, bidirectional: bool = False, *, dtype=np.float32,
-                 seed: int | None = None, threads: int | None = None) -> None:  # fmt: skip
+                 dropout: float = 0.0, bidirectional: bool = False, *, proj_size: int = 0,
+                 dtype=np.float32, seed: int | None = None,
+                 threads: int | None = None) -> None:  # fmt: skip
+        # (proj_size: refused by name, as torch refuses it, not as an unknown argument)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
-                         bidirectional, nonlinearity=nonlinearity, dtype=dtype, seed=seed,
-                         threads=threads)  # fmt: skip
+                         bidirectional, proj_size, nonlinearity=nonlinearity, dtype=dtype,
+                         seed=seed, threads=threads)  # fmt: skip
 
 
 def from_torch(module, dtype=None) -> Model:
