@@ -36,3 +36,60 @@ def test_autocast_mode_set_and_carried():
     with torch.autocast("cpu", torch.bfloat16):
         a, b = m(x)[0], old(x)[0]
     assert a.shape == b.shape == (5, 2, 4)
+
+
+def test_a_parametrized_modules_copy_gets_its_own_engine():
+    """torch's parametrize gave the class a deepcopy of its own, which copied the engine key
+    along: the module and its copy (an AveragedModel/EMA) shared one engine, repacking each
+    other's weights and replaying the forward at every step."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    m = lt.LSTM(3, 4)
+    weight_norm(m, "weight_ih_l0")
+    twin = copy.deepcopy(m)
+    assert twin._key != m._key
+    ref = torch.nn.LSTM(3, 4)
+    weight_norm(ref, "weight_ih_l0")
+    ref.load_state_dict(m.state_dict())
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((5, 2, 3)).astype(np.float32))
+    with torch.no_grad():
+        for mod in (m, twin):
+            np.testing.assert_allclose(mod(x)[0].numpy(), ref(x)[0].numpy(), atol=2e-6)
+
+
+def test_engine_keys_do_not_restart_in_each_process():
+    import subprocess
+    import sys
+
+    from helpers import src_env
+
+    code = "import leanrnn.torch as lt; print(lt.LSTM(3, 4)._key)"
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=src_env(), timeout=120, check=True).stdout.strip()
+            for _ in range(2)}  # fmt: skip
+    assert len(keys) == 2, keys  # both were 1: a program traced in one named the other's
+
+
+def test_conversions_leave_torchs_generator_alone():
+    """from_module and to_module built their module with torch's initialisation, drawing from
+    the caller's generator: the next nn.Linear came out otherwise (0.64 off)."""
+    g = torch.nn.GRU(3, 4)
+    torch.manual_seed(0)
+    want = torch.nn.Linear(3, 3).weight.detach().clone()
+    torch.manual_seed(0)
+    lt.GRU.from_module(g).to_module()
+    np.testing.assert_array_equal(torch.nn.Linear(3, 3).weight.detach().numpy(), want.numpy())
+
+
+def test_a_pruned_module_is_told_to_remove_the_pruning():
+    from torch.nn.utils import prune
+
+    from leanrnn.errors import WeightsError
+
+    g = torch.nn.GRU(3, 4)
+    prune.l1_unstructured(g, "weight_ih_l0", amount=0.5)
+    with pytest.raises(WeightsError, match=r"prune.remove\(module, 'weight_ih_l0'\)"):
+        lt.GRU.from_module(g)  # advised remove_weight_norm, which raises on a pruned module
+    prune.remove(g, "weight_ih_l0")
+    assert lt.GRU.from_module(g).weight_ih_l0.shape == (12, 3)

@@ -74,11 +74,13 @@ Design.
 """
 
 import contextlib
+import copy
 import itertools
 import json
 import math
 import numbers
 import os
+import secrets
 import threading
 import warnings
 import weakref
@@ -291,7 +293,10 @@ def _bias_to_rows(
 
 
 _ENGINES: dict[int, _Engine] = {}
-_KEYS = itertools.count(1)
+# Engine keys from a random start: a program traced or exported in one process carries its
+# module's key, and counted from 1 in the next process it named that process's first module
+# (the two then repacked each other's weights at every step)
+_KEYS = itertools.count(secrets.randbits(40) << 20)
 
 
 def _engine(key: int, spec: str) -> _Engine:
@@ -1030,6 +1035,18 @@ class _RNNBase(torch.nn.Module):
             s += ", bidirectional={bidirectional}"
         return s.format(**self.__dict__)
 
+    def __deepcopy__(self, memo):
+        # Defined here, a parametrized module (weight_norm, orthogonal, AveragedModel of one)
+        # copies through it too: torch's parametrize gives the class a deepcopy of its own
+        # otherwise, which copied the engine key along (two modules on one engine)
+        done = memo.get(id(self))
+        if done is not None:
+            return done
+        replica = type(self).__new__(type(self))
+        memo[id(self)] = replica
+        _RNNBase.__setstate__(replica, copy.deepcopy(_RNNBase.__getstate__(self), memo))
+        return replica
+
     def __getstate__(self):
         # a copy (deepcopy, pickle) gets its own engine: two modules sharing one would repack
         # each other's weights and invalidate each other's tapes
@@ -1059,13 +1076,17 @@ class _RNNBase(torch.nn.Module):
         w = getattr(self, self._flat_weights_names[0])
         kw = dict(num_layers=self.num_layers, bias=self.bias, batch_first=self.batch_first,
                   dropout=self.dropout, bidirectional=self.bidirectional, dtype=w.dtype)  # fmt: skip
-        if self._cell == "lstm":
-            m = torch.nn.LSTM(self.input_size, self.hidden_size, proj_size=self.proj_size, **kw)
-        elif self._cell == "gru":
-            m = torch.nn.GRU(self.input_size, self.hidden_size, **kw)
-        else:
-            m = torch.nn.RNN(self.input_size, self.hidden_size, nonlinearity=self._nonlinearity,
-                             **kw)  # fmt: skip
+        # built under a fork of torch's generator: its initialisation, overwritten at once,
+        # drew from the caller's stream (the next nn.Linear came out otherwise)
+        with torch.random.fork_rng(devices=[]):
+            if self._cell == "lstm":
+                m = torch.nn.LSTM(self.input_size, self.hidden_size, proj_size=self.proj_size,
+                                  **kw)  # fmt: skip
+            elif self._cell == "gru":
+                m = torch.nn.GRU(self.input_size, self.hidden_size, **kw)
+            else:
+                m = torch.nn.RNN(self.input_size, self.hidden_size,
+                                 nonlinearity=self._nonlinearity, **kw)  # fmt: skip
         with torch.no_grad():  # (a parametrized or subclassed module's too)
             weights = torch_format.module_weights(
                 self, f"leanrnn.torch.{type(self).__name__}.to_module"
@@ -1092,9 +1113,9 @@ class _RNNBase(torch.nn.Module):
             kw["proj_size"] = module.proj_size
         if cls._cell == "rnn":
             kw["nonlinearity"] = module.nonlinearity
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")  # the dropout/num_layers warning: torch's said it
-            m = cls(module.input_size, module.hidden_size, **kw)
+            m = cls(module.input_size, module.hidden_size, **kw)  # (to_module: the generator)
         with torch.no_grad():  # the weights it computes with (torch_format.module_weights)
             weights = torch_format.module_weights(
                 module, f"leanrnn.torch.{cls.__name__}.from_module"

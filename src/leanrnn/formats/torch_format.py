@@ -214,17 +214,21 @@ def module_weights(module, op: str) -> dict:
     a subclass's child modules left out (its state_dict holds both). A weight that is neither
     a parameter nor parametrized is a hook's: the old ``torch.nn.utils.weight_norm`` recomputes
     it before each forward, so it reads as of the last one (one optimizer step stale): refused."""
-    from torch.nn.utils import parametrize
+    from torch.nn.utils import parametrize, prune
 
     names = getattr(module, "_flat_weights_names", None) or list(module.state_dict())
     out = {}
     for k in names:
         if k not in module._parameters and not parametrize.is_parametrized(module, k):
+            pruned = any(isinstance(h, prune.BasePruningMethod)
+                         for h in module._forward_pre_hooks.values())  # fmt: skip
+            fix = (f"torch.nn.utils.prune.remove(module, {k!r})" if pruned
+                   else f"torch.nn.utils.remove_weight_norm(module, {k!r})")  # fmt: skip
             raise WeightsError(
-                f"[{op}] the module's {k!r} is computed by a hook (the old "
-                "torch.nn.utils.weight_norm's), so it holds the last forward's value: remove it "
-                f"first (torch.nn.utils.remove_weight_norm(module, {k!r})), or use "
-                "torch.nn.utils.parametrizations.weight_norm"
+                f"[{op}] the module's {k!r} is computed by a forward pre-hook (torch.nn.utils."
+                "prune's, or the old torch.nn.utils.weight_norm's), so it holds the last "
+                f"forward's value: make it a parameter again first ({fix}), or use a "
+                "parametrization (torch.nn.utils.parametrize, parametrizations.weight_norm)"
             )
         out[k] = getattr(module, k)
     return out
