@@ -139,8 +139,9 @@ def test_a_restart_on_a_full_queue_does_not_continue_the_old_sequence(queued_ser
 def test_a_uint64_id_sent_as_int64_is_that_id(queued_server):
     """Triton's C++ client sends a uint64 sequence_id as an int64 parameter: 2**64-1 arrives
     as -1 (refused: "expected an integer in 1..2**64-1"), where Triton reads it back."""
-    from leanrnn.serve.rpc import _params
     from tritonclient.grpc import service_pb2 as pb
+
+    from leanrnn.serve.rpc import _params
 
     req = pb.ModelInferRequest()
     req.parameters["sequence_id"].int64_param = -1

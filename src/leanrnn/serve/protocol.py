@@ -199,7 +199,7 @@ def sequence(params: dict) -> tuple[tuple, bool, bool]:
     if sid is None or sid == 0 or sid == "":
         if start or end:  # the sequence extension: they need a non-zero, non-empty id
             raise InvalidRequest(
-                "[infer] sequence_start/sequence_end without a sequence_id (or with 0 or \"\", "
+                '[infer] sequence_start/sequence_end without a sequence_id (or with 0 or "", '
                 "which mean no sequence); give the sequence an id, or drop the flags for a "
                 "stateless call"
             )
