@@ -351,7 +351,9 @@ class ServeCoreStub:
     def error(self, e, protocol):
         pass
 
-    async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+    async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):
+        if submitted is not None:  # queued at once, as the real one (stream order)
+            submitted.set_result(None)
         return self.values, lambda: None
 
     class scheduler:  # a request's arrival (Scheduler.arriving): not the point here

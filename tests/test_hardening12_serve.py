@@ -255,7 +255,9 @@ def test_a_stream_holds_only_x_of_a_request_while_it_computes(monkeypatch):
     entered = []
 
     class Core(ServeCoreStub):
-        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):
+            if submitted is not None:  # queued at once, as the real one (stream order)
+                submitted.set_result(None)
             entered.append(p.id)
             await gate.wait()
             return {}, lambda: None

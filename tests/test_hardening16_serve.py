@@ -281,7 +281,9 @@ def _pump_core(fail_on: set | None = None):
     class Core(ServeCoreStub):
         scheduler = tokens
 
-        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):
+            if submitted is not None:  # queued at once, as the real one (stream order)
+                submitted.set_result(None)
             import asyncio
 
             tokens.arrived(arrival)  # (as the real one: given back once submitted)

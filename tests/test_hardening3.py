@@ -367,7 +367,9 @@ def test_grpc_stream_gone_mid_request_leaves_the_held_gauge_at_zero(monkeypatch)
     class Core(ServeCoreStub):
         metrics = SimpleNamespace(stream_held=deltas.append)
 
-        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):
+            if submitted is not None:  # queued at once, as the real one (stream order)
+                submitted.set_result(None)
             await gate.wait()
             return {}, lambda: None
 

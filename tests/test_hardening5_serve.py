@@ -165,7 +165,9 @@ def test_json_answer_is_encoded_in_pieces_off_the_event_loop(monkeypatch):
         def authorize(self, header):
             pass
 
-        async def infer_held(self, p, protocol, json_bytes=0, arrival=None):
+        async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):
+            if submitted is not None:  # queued at once, as the real one (stream order)
+                submitted.set_result(None)
             return {"y": a}, lambda: None
 
         scheduler = ServeCoreStub.scheduler  # (a request's arrival: not the point here)
