@@ -97,3 +97,15 @@ def test_clip_grad_norm_non_finite_is_a_runtime_error():
         clip_grad_norm([p], 1.0, error_if_nonfinite=True)  # code written for torch catches it
     with pytest.raises(leanrnn.errors.LeanRNNError):
         clip_grad_norm([p], 1.0, error_if_nonfinite=True)
+
+
+def test_trainable_names_what_it_takes():
+    from leanrnn.errors import SpecError
+    from leanrnn.train import trainable
+
+    m = leanrnn.LSTM(3, 4, seed=0)
+    assert trainable(m) is None and trainable(m.spec) is None
+    with pytest.raises(SpecError, match="int8 weights; training updates float weights"):
+        trainable(leanrnn.quantize(m, "int8"))  # the spec alone said "trainable"
+    with pytest.raises(SpecError, match="expected an RNNSpec"):
+        trainable(3)  # 'int' object has no attribute 'beyond_torch'

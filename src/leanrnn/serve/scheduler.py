@@ -225,7 +225,8 @@ class Lane:
                 "stacks (leanrnn.LSTM/GRU/RNN: a .lrnn saved from one, or a PyTorch, "
                 ".safetensors or .npz state dict); graphs (ONNX, or a .lrnn converted from "
                 "one) are not served yet: serve the recurrent stack's weights as a state dict "
-                "and run the graph's other ops in the client"
+                "(`leanrnn convert` it to a .lrnn with --precision P to keep a reduced "
+                "precision) and run the graph's other ops in the client"
             )
         weights = session.weights
         spec = weights.spec

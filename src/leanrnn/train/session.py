@@ -74,6 +74,7 @@ from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena, reusable
 from ..memory.planner import Buffer, plan
+from ..spec import RNNSpec
 from ..threads import (
     PACKED_MATMUL_PARALLEL_MACS,
     PARALLEL_MATMUL_MACS,
@@ -137,7 +138,16 @@ class TapeError(LeanRNNError, RuntimeError):
 
 def trainable(spec) -> None:
     """SpecError unless leanrnn can train ``spec``: PyTorch's cells (ONNX-only options refuse;
-    a reverse-only direction trains, as a bidirectional stack's second direction does)."""
+    a reverse-only direction trains, as a bidirectional stack's second direction does).
+    ``spec``: an RNNSpec, or a model (its spec and its weights' precision)."""
+    weights = getattr(spec, "weights", None)
+    if weights is not None and getattr(weights, "precision", "float") != "float":
+        raise SpecError(f"[trainable] the model has {weights.precision} weights; training "
+                        "updates float weights (train the float model, then quantize)")  # fmt: skip
+    spec = getattr(spec, "spec", spec)
+    if not isinstance(spec, RNNSpec):  # (a raw AttributeError named a method of the spec)
+        raise SpecError(f"[trainable] got {type(spec).__name__}; expected an RNNSpec or a "
+                        "leanrnn.LSTM/GRU/RNN model")  # fmt: skip
     bad = spec.beyond_torch(reverse_ok=True)
     if bad:
         raise SpecError(
