@@ -181,13 +181,38 @@ def test_a_batch_of_no_sequences_gives_empty_outputs_as_torch():
 
 
 def test_copies_keep_the_sessions_chunk_and_limit():
-    m = leanrnn.LSTM(3, 16, seed=0)
-    m.resize((50, 2, 3), memory_limit=20_000)
     x = _x(200, 2, 3)
-    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+    for make in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        m = leanrnn.LSTM(3, 16, seed=0)
+        m.resize((50, 2, 3), memory_limit=20_000)
+        twin = make(m)
         assert (twin.session.chunk, twin.session._limit) == (m.session.chunk, m.session._limit)
         np.testing.assert_array_equal(twin(x)[0], m(x)[0])
         assert twin.session.arena_bytes <= 20_000  # a copy planned T=200 whole, no limit
+        for a in (m, twin):  # the limit lifted: both back to the automatic chunk
+            a.resize((50, 2, 3))
+        assert twin.session.chunk == m.session.chunk, "the copy kept the limit's chunk as asked"
     g = leanrnn.GRU(3, 4)
     g.session.chunk = 7
     assert copy.deepcopy(g).session.chunk == 7  # (was None)
+
+
+def test_threads_mode_and_dropout_as_torch_names_them():
+    m = leanrnn.RNN(3, 4, nonlinearity="relu", seed=0)
+    assert (m.mode, m.dropout, m.threads) == ("RNN_RELU", 0.0, None)
+    assert leanrnn.LSTM(3, 4).mode == torch.nn.LSTM(3, 4).mode
+    m.threads = 1  # an attribute nothing read
+    assert m.session.threads == 1
+    with pytest.raises(SpecError, match="threads=0"):
+        m.threads = 0
+    with pytest.raises(AttributeError, match="dropout is the identity"):
+        m.dropout = 0.5
+
+
+def test_an_empty_batch_checks_its_state_as_torch():
+    g = leanrnn.GRU(3, 4, seed=0)
+    x = np.zeros((5, 0, 3), np.float32)
+    with pytest.raises(leanrnn.errors.ShapeError, match=r"h0 has shape \(1, 7, 4\)"):
+        g(x, np.zeros((1, 7, 4), np.float32))  # torch: "Expected hidden size (1, 0, 4)"
+    assert g(x, np.zeros((1, 0, 4), np.float32))[1].shape == (1, 0, 4)
+    assert g(x, lengths=np.zeros(0, np.int64))[0].shape == (5, 0, 4)

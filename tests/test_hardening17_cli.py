@@ -124,3 +124,15 @@ def test_run_writes_the_npz_to_standard_output(tmp_path, target):
     assert piped.returncode == 0, piped.stderr
     with np.load(io.BytesIO(piped.stdout)) as z:
         np.testing.assert_array_equal(z["h_n"], m(x)[1][0])
+
+
+def test_run_output_dash_refuses_a_terminal(tmp_path, capsys, monkeypatch):
+    import leanrnn
+    from helpers import fails_in_one_line
+
+    path = str(tmp_path / "m.lrnn")
+    leanrnn.save(leanrnn.GRU(C, H, seed=0), path)
+    np.save(tmp_path / "x.npy", np.zeros((2, 1, C), np.float32))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    fails_in_one_line(capsys, ["run", path, "--input", str(tmp_path / "x.npy"), "--output", "-"],
+                      "standard output is a terminal")  # fmt: skip

@@ -282,3 +282,24 @@ def test_external_offsets_are_decimal_byte_counts(tmp_path, offset):
     onnx.save(m, str(tmp_path / "m.onnx"))
     with pytest.raises(ModelFormatError, match="expected decimal byte counts"):
         leanrnn.load(str(tmp_path / "m.onnx"))
+
+
+def test_a_graph_model_takes_the_callers_own_attributes(tmp_path):
+    """The first version of the graph's guard refused every public name but threads: a
+    subclass's own attributes, a tag, and mock.patch.object of run."""
+    from unittest import mock
+
+    m = leanrnn.load(_gru_file(tmp_path))
+    m.name = "prod"
+    x = np.zeros((2, 1, C), np.float32)
+    with mock.patch.object(m, "run", return_value=["mocked"]):
+        assert m(x) == "mocked"
+    assert m.name == "prod" and m(x).shape == (2, 2, 1, H)
+    for name in ("input_names", "output_names", "session", "graph"):
+        with pytest.raises(AttributeError, match=f"cannot set '{name}'"):
+            setattr(m, name, None)
+
+
+def test_resize_of_a_one_input_graph_takes_the_shape_bare(tmp_path):
+    m = leanrnn.load(_gru_file(tmp_path))
+    assert m.resize((6, 2, C)).total == m.resize({"x": (6, 2, C)}).total  # "got 3 shapes"

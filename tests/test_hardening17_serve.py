@@ -4,6 +4,8 @@ Triton refuses a boolean in a numeric tensor."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,52 @@ def test_string_ids_are_announced(queued_server):
         assert "sequence(string_id)" in c.get_server_metadata()["extensions"]
     finally:
         c.close()
+
+
+def test_a_refusal_on_a_stream_ends_the_sequence_and_the_wait_is_bounded():
+    """The review's case: answers that are never released hold the queue full. A stream's
+    request of a sequence waits for room for at most its model's idle timeout, then is
+    refused; the sequence then ends after its accepted requests, so its next request (already
+    sent on the stream) is refused too, naming why, instead of running across the gap."""
+    import asyncio
+
+    import leanrnn
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve.core import Core
+    from leanrnn.serve.errors import QueueFull, SequenceError
+    from leanrnn.serve.protocol import Parsed
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    m = leanrnn.GRU(4, 8, seed=0)
+    lane = Lane("m", m, Pool(), threads=1, max_streams=8, max_batch=4, max_chunk=4,
+                idle_timeout=0.5)  # fmt: skip
+    x = np.ones((3, 4), np.float32)
+    with Scheduler({"m": lane}, max_wait=0.0, max_queued_bytes=300) as s:
+        core = Core.__new__(Core)  # (the parts infer_held uses)
+        core.scheduler, core.draining = s, False
+        core.io = lambda *a: None
+        core._admissible = lambda p, j: None
+        held = s.submit("m", ("i", 99), True, False, x, hold=True)  # never released
+        done = []
+        s.submit("m", ("i", 1), True, False, x, on_done=done.append)
+        deadline = time.monotonic() + 10
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held.nbytes and done
+
+        def parsed(start):  # (6 steps: past the limit beside the held request's 3)
+            return Parsed("m", "r", ("i", 1), start, False, np.ones((6, 4), np.float32), None,
+                          None, ["y"], {})  # fmt: skip
+
+        async def stream_request(start):
+            sub = asyncio.get_running_loop().create_future()
+            return await core.infer_held(parsed(start), "grpc", 0, None, sub)
+
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull):
+            asyncio.run(stream_request(False))  # waited forever before the cap
+        assert 0.4 < time.monotonic() - t0 < 5
+        s.release(held)
+        with pytest.raises(SequenceError, match="a request of it on its stream was refused"):
+            s.submit("m", ("i", 1), False, False, x)  # ran on the state before the gap
+        s.submit("m", ("i", 1), True, False, x)  # a start begins it again

@@ -55,14 +55,18 @@ class GraphModel:
         self.__dict__.update(state)
 
     def __setattr__(self, name: str, value) -> None:
-        # Only threads is set from outside: `m.graph = other` ran one graph and saved, copied
-        # and described another; `m.thread = 2` was taken, and changed nothing
-        if name != "threads" and not name.startswith("_"):
-            known = [n for n in dir(type(self)) if not n.startswith("_")]
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near and near[0] != name else ""
+        # `m.graph = other` ran one graph and saved, copied and described another; `m.thread
+        # = 2` was taken and changed nothing. What the model reports (its properties but
+        # threads) and near misses of threads are refused; other names are the caller's
+        # (a subclass's own attributes, a tag, a mock of a method).
+        attr = getattr(type(self), name, None)
+        fixed = isinstance(attr, property) and attr.fset is None
+        typo = (attr is None and name not in self.__dict__
+                and difflib.get_close_matches(name, ["threads"], n=1, cutoff=0.75))  # fmt: skip
+        if fixed or typo:
+            hint = " (did you mean 'threads'?)" if typo else ""
             raise AttributeError(f"[GraphModel] cannot set {name!r}{hint}: a loaded graph is "
-                                 "fixed (load the other file; threads is the one setting)")  # fmt: skip
+                                 "fixed (load the other file; threads is its one setting)")  # fmt: skip
         object.__setattr__(self, name, value)
 
     @property

@@ -28,7 +28,8 @@ from .spec import Activation, RNNSpec
 
 # What a model's spec fixes, by torch.nn's names (read-only properties of Model)
 _FIXED = frozenset(("weights", "spec", "dtype", "input_size", "hidden_size", "num_layers", "bias",
-                    "batch_first", "bidirectional", "proj_size", "nonlinearity", "mode"))  # fmt: skip
+                    "batch_first", "bidirectional", "proj_size", "nonlinearity", "mode",
+                    "dropout"))  # fmt: skip
 # torch.nn.LSTM/GRU/RNN's parameter names: weight_ih_l0, bias_hh_l1_reverse, weight_hr_l0
 _TORCH_PARAMETER = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
 
@@ -51,14 +52,15 @@ class Model:
         # What else was set on the instance (a subclass's own attributes) comes along, and
         # the session's chunk and memory limit (a copy ran what the original refused).
         state = {k: v for k, v in self.__dict__.items() if k != "session"}
+        # (the chunk asked for and the one runs take: a limit's chunk is not asked for, and
+        # a copy that took it as asked kept it once a resize lifted the limit)
         s = self.session
-        state["_session_settings"] = {"chunk": s.chunk, "_limit": s._limit}
+        state["_session_settings"] = {"_asked": s._asked, "_chunk": s._chunk, "_limit": s._limit}
         return type(self)._from_packed, (self.weights, s.threads), state
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
-        for name, value in state.pop("_session_settings", {}).items():
-            setattr(self.session, name, value)
+        self.session.__dict__.update(state.pop("_session_settings", {}))
         self.__dict__.update(state)
 
     def __setattr__(self, name: str, value) -> None:
@@ -68,6 +70,10 @@ class Model:
         if name in _FIXED or name == "session" or _TORCH_PARAMETER.match(name):
             what = ("its weights are packed once" if name in ("weights", "session")
                     or _TORCH_PARAMETER.match(name) else f"{name} is part of its spec")  # fmt: skip
+            if name == "dropout":  # (torch's modules drop out in training only)
+                raise AttributeError(f"[{type(self).__name__}] cannot set 'dropout': a model "
+                                     "runs inference, where dropout is the identity; train "
+                                     "with leanrnn.train.Trainer(model, dropout=p)")  # fmt: skip
             raise AttributeError(
                 f"[{type(self).__name__}] cannot set {name!r}: {what}. Build a new model: "
                 "from_state_dict(sd, ...) with the state dict (model.state_dict() gives a "
@@ -97,6 +103,24 @@ class Model:
     @property
     def dtype(self) -> np.dtype:
         return self.weights.dtype
+
+    dropout = property(lambda self: 0.0)  # inference: torch's eval mode, dropout off
+
+    @property
+    def mode(self) -> str:
+        """torch.nn.RNNBase's mode: "LSTM", "GRU", "RNN_TANH" or "RNN_RELU"."""
+        cell = self.spec.cell
+        return cell.upper() if cell != "rnn" else f"RNN_{(self.nonlinearity or 'tanh').upper()}"
+
+    @property
+    def threads(self) -> int | None:
+        """The session's kernel threads (None: all); set, the next run plans with them (it
+        was an attribute nothing read, as a GraphModel's is its one setting)."""
+        return self.session.threads
+
+    @threads.setter
+    def threads(self, value) -> None:
+        self.session.threads = value
 
     @property
     def nonlinearity(self) -> str | None:
@@ -143,7 +167,7 @@ class Model:
                     f"{'[N, T, C]' if spec.batch_first else '[T, N, C]'}"
                 )
             x = x[None] if spec.batch_first else x[:, None]
-        if _empty_batch(x, spec) and out is None and lengths is None:
+        if _empty_batch(x, spec) and out is None and (lengths is None or np.size(lengths) == 0):
             return self._empty(x, hx, return_sequences)
         h0 = c0 = None
         if hx is not None:
@@ -197,6 +221,14 @@ class Model:
             self.session.run(x)  # its own error, in its words
         T = x.shape[1 if spec.batch_first else 0]
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
+        if hx is not None:  # checked as torch checks it: (L*D, 0, K), and c (L*D, 0, H)
+            lstm = spec.cell == "lstm"
+            if lstm and (not isinstance(hx, tuple | list) or len(hx) != 2):
+                raise SpecError(f"[{type(self).__name__}] hx must be a tuple (h0, c0) for LSTM")
+            op = f"{type(self).__name__}"
+            for name, a, w in zip(("h0", "c0"), hx if lstm else (hx,), (K, H), strict=False):
+                if a is not None:
+                    _check.array(op, name, a, self.dtype, (LD, 0, w), ("L*D", "N", "K"))
         y = None
         if return_sequences:
             y = np.zeros((0, T, spec.num_directions * K) if spec.batch_first

@@ -218,6 +218,9 @@ def run_cmd(args) -> int:
     # `--output - | python -c 'np.load(...)'`; /dev/stdout redirected to a file wrote
     # /dev/stdout.npz
     if args.output == "-" or (args.output and _is_stdout(args.output)):
+        if sys.stdout.isatty():  # a zip archive is no text for a terminal
+            raise LeanRNNError("[run --output] standard output is a terminal; redirect it to a "
+                               "file or pipe (--output - > y.npz), or name the file")  # fmt: skip
         output = "-"
     elif args.output:  # np.savez adds .npz to any other name; say (and check) the real one
         ext = os.path.splitext(args.output)[1]

@@ -556,9 +556,9 @@ def _topological(protos, defined: set[str]) -> list:
     """The graph's nodes in an order that defines every tensor before it is read, the file's
     own where it does. onnx.checker refuses a file whose nodes are out of order, but
     onnxruntime sorts them and runs it (and tools that edit graphs append nodes at the end):
-    a stable sort, each node as early as its inputs allow and never before one listed ahead
-    of it that it does not depend on. A cycle or a dangling name is left for check_node_io to
-    name."""
+    Kahn's sort, the ready node listed first going first. Only the top-level list is sorted
+    (a branch's own nodes must be in order). A cycle or a dangling name is left for
+    check_node_io to name."""
     protos = list(protos)
     made: dict[str, int] = {}
     for k, n in enumerate(protos):
@@ -568,8 +568,9 @@ def _topological(protos, defined: set[str]) -> list:
     def reads(n):  # its inputs and what its branches read from outside them
         names = set(n.input)
         for a in n.attribute:
-            if a.HasField("g"):
+            if a.HasField("g"):  # (its own initializers and outputs are not outer reads)
                 inner = {o for m in _every_node(a.g.node) for o in m.output}
+                inner |= {t.name for t in a.g.initializer}
                 names |= {i for m in _every_node(a.g.node) for i in m.input if i not in inner}
                 names |= {vi.name for vi in a.g.output if vi.name not in inner}
         return names

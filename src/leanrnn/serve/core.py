@@ -240,26 +240,35 @@ class Core:
         fut = loop.create_future()
         t0 = time.monotonic()
         waiting = None  # while it waits for room: arriving, so its sequence is not evicted
+        patience = self.scheduler.lanes[p.model].idle_timeout
+        scheduled = False  # refused by the scheduler (unknown or evicted sequence, full, ...)
         try:
             self._admissible(p, json_bytes)
             want_state = any(name != "y" for name in p.outputs)
+            scheduled = True
             while True:
-                try:  # refused (unknown or evicted sequence, full, ...): a failure
+                try:
                     sent = self.scheduler.submit(
                         p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
                         lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
                     )  # fmt: skip
                     break
                 except QueueFull:
-                    if submitted is None or p.key[0] == "" or self.draining:
-                        self.io(p.model, "fail", time.monotonic() - t0)
+                    # a stream's request of a sequence waits, for as long as a sequence may
+                    # go unfed (the queue may be full of answers slow readers hold)
+                    late = time.monotonic() - t0 >= patience
+                    if submitted is None or p.key[0] == "" or self.draining or late:
                         raise
                     if waiting is None:
                         waiting = self.scheduler.arriving(p.model)
                     await asyncio.sleep(ROOM_POLL_S)
-                except ServeError:
-                    self.io(p.model, "fail", time.monotonic() - t0)
-                    raise
+        except ServeError as e:
+            if scheduled:  # a failure in the statistics, as the engine's are
+                self.io(p.model, "fail", time.monotonic() - t0)
+            if submitted is not None:  # a stream's later requests are already sent: they must
+                # not run across the gap (nothing if the sequence is not live)
+                self.scheduler.break_off(p.model, p.key, f"{e.kind}: {str(e)[:120]}")
+            raise
         finally:
             self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving
             self.scheduler.arrived(waiting)

@@ -400,8 +400,11 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         # Backpressure: a client that sends but does not read would otherwise have every
         # answer of its stream queued here, without bound. Each request counts against
         # --max-queued-bytes until its answer has been written to the stream (as ModelInfer's
-        # and HTTP's do), so the answers of all streams together stay within it: past it, new
-        # requests are answered RESOURCE_EXHAUSTED's error. And the stream holds at most WINDOW
+        # and HTTP's do), so the answers of all streams together stay within it: past it, a
+        # request of a sequence waits for room (up to its model's --idle-timeout; Core.
+        # infer_held), the stream unread meanwhile, and others are answered
+        # RESOURCE_EXHAUSTED's error; a refused request of a live sequence ends it (its next
+        # requests, already sent, would run across the gap). And the stream holds at most WINDOW
         # requests read and not yet written back, and WINDOW_BYTES of them (a request being
         # computed counts its x and y, an answer its message); past either, its next request
         # is not read (gRPC's flow control then holds the client's sends), and other streams

@@ -256,6 +256,9 @@ class Lane:
         self.seqs: dict = {}
         self.ready: collections.deque[Sequence] = collections.deque()
         self.evicted: collections.OrderedDict = collections.OrderedDict()
+        # Sequences ended because a request of theirs on a gRPC stream was refused (broken):
+        # digest -> (when, why), as evicted ones are remembered
+        self.broken: collections.OrderedDict = collections.OrderedDict()
         # Call buffers for the largest call; each call uses contiguous leading parts of them.
         self._x = np.zeros(T * nb * C, self.dtype)
         self._y = np.zeros(T * nb * K, self.dtype)
@@ -348,6 +351,7 @@ class Lane:
                 s.queue[-1].end = False  # (finish reads it under the lock, as this runs)
                 s.ending = False
             self.evicted.pop(_evicted_key(key), None)
+            self.broken.pop(_evicted_key(key), None)
         elif start:
             # A start on a live id with nothing queued: its slot is free at once, and taken
             # again. Everything that can refuse comes first: a refused start (429) leaves the
@@ -376,7 +380,17 @@ class Lane:
                 raise
             s = self.seqs[key] = Sequence(key, slot, now)
             self.evicted.pop(_evicted_key(key), None)
+            self.broken.pop(_evicted_key(key), None)
         else:
+            gone = self.broken.get(_evicted_key(key))
+            if gone is not None and (s is None or s.ending):
+                when, why = gone
+                raise SequenceError(
+                    f"[infer] sequence {describe(key)} of model {name!r} was ended {now - when:.1f}"
+                    f" s ago: a request of it on its stream was refused ({why}), and the steps "
+                    "after it would have run without that request's; start it again with "
+                    "sequence_start=true"
+                )
             if s is None:
                 ev = self.evicted.get(_evicted_key(key))
                 if ev is not None:
@@ -412,6 +426,23 @@ class Lane:
         if len(s.queue) == 1 and not s.inflight:
             self.ready.append(s)
         return r
+
+    def break_off(self, key, why: str, now: float) -> None:
+        """Under the lock: end live sequence ``key`` after its accepted requests, because a
+        later request of it was refused on a stream whose next requests are already sent
+        (they would run across the gap, on the state before the refused steps); its next
+        request other than a start is refused, saying so. Nothing if ``key`` is not live."""
+        s = self.seqs.get(key)
+        if s is None:
+            return
+        if s.queue:
+            s.queue[-1].end = True  # (finish reads it under the lock, as this runs)
+            s.ending = True
+        elif not s.inflight:
+            self._release(s)
+        self.broken[_evicted_key(key)] = (now, why)
+        if len(self.broken) > EVICTED_MEMORY:
+            self.broken.popitem(last=False)
 
     def check_x(self, x) -> None:
         """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype, T >= 1."""
@@ -631,6 +662,14 @@ class Scheduler:
                 self.metrics.active(lane.name, len(lane.seqs))
             self.cond.notify()
         return r
+
+    def break_off(self, model: str, key, why: str) -> None:
+        """End sequence ``key`` of ``model`` after its accepted requests (Lane.break_off)."""
+        lane = self.lanes.get(model)
+        if lane is None or key[0] == "":
+            return
+        with self.cond:
+            lane.break_off(key, why, time.monotonic())
 
     def reserve(self, n: int, mine: int = 0) -> None:
         """Count ``n`` more bytes of a request body being read, which holds ``mine`` already,

@@ -119,6 +119,13 @@ class GraphSession:
     def _input_metas(self, shapes, dtypes) -> dict:
         g = self.loaded.graph
         names = self.loaded.input_names
+        one_shape = (
+            isinstance(shapes, list | tuple)
+            and bool(shapes)
+            and all(isinstance(d, int | np.integer) and not isinstance(d, bool) for d in shapes)
+        )
+        if one_shape and len(names) == 1:  # resize(x.shape) of a one-input graph, as run(x)
+            shapes = [shapes]
         if isinstance(shapes, dict):
             _check_input_names("GraphSession.resize", shapes, names, self.loaded.graph)
             shapes = [shapes[n] for n in names]
