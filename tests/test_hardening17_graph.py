@@ -65,14 +65,19 @@ def test_a_file_without_a_default_opset_says_so(tmp_path):
         leanrnn.load(str(tmp_path / "m.onnx"))
 
 
-def test_dims_declared_minus_one_take_any_size(tmp_path):
-    rng = np.random.default_rng(1)
+def _lstm_model(rng, x_shape):
+    """One LSTM node on input x declared ``x_shape``, opset 13."""
     g = helper.make_graph(
         [helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=H)], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7, 1, C])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], _weights(rng),
     )  # fmt: skip
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_dims_declared_minus_one_take_any_size(tmp_path):
+    rng = np.random.default_rng(1)
+    m = _lstm_model(rng, [7, 1, C])
     dims = m.graph.input[0].type.tensor_type.shape.dim
     dims[0].dim_value = -1  # "make it dynamic"
     dims[1].dim_value = -1
@@ -128,12 +133,7 @@ def test_nodes_out_of_order_are_sorted(tmp_path):
 
 def test_run_of_one_array_feeds_a_one_input_graph(tmp_path):
     rng = np.random.default_rng(4)
-    g = helper.make_graph(
-        [helper.make_node("LSTM", ["x", "W", "R"], ["Y"], hidden_size=H)], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", C])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], _weights(rng),
-    )  # fmt: skip
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m = _lstm_model(rng, ["T", "N", C])
     x = rng.standard_normal((6, 2, C)).astype(np.float32)
     got, want = _both(m, tmp_path / "m.onnx", {"x": x})
     _close(leanrnn.load(str(tmp_path / "m.onnx")).run(x), want)  # was "got 6 inputs"
