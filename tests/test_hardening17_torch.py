@@ -93,3 +93,34 @@ def test_a_pruned_module_is_told_to_remove_the_pruning():
         lt.GRU.from_module(g)  # advised remove_weight_norm, which raises on a pruned module
     prune.remove(g, "weight_ih_l0")
     assert lt.GRU.from_module(g).weight_ih_l0.shape == (12, 3)
+
+
+def test_the_readmes_training_loop_runs_with_either_module():
+    """The README's leanrnn.torch snippet ran one window only: with no zero_grad its
+    gradients grew window by window, and its (None, None) state was refused by torch.nn's
+    module, which the snippet offers through to_module()."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("```python\nimport torch, leanrnn.torch as lt\n") + len("```python\n")
+    code = text[start : text.index("```", start)]
+    rng = np.random.default_rng(0)
+    windows = [torch.from_numpy(rng.standard_normal((2, 5, 64)).astype(np.float32))
+               for _ in range(3)]  # fmt: skip
+    for swap in (False, True):
+        src = code if not swap else code.replace(
+            "opt = torch.optim", "lstm = lstm.to_module()\nopt = torch.optim")  # fmt: skip
+        ns = {"windows": windows, "loss_fn": lambda y: y.pow(2).mean()}
+        exec(compile(src, "README.md", "exec"), ns)
+        assert all(p.grad is None for p in ns["lstm"].parameters())  # zeroed after each step
+        assert ns["state"][0].shape == (2, 2, 128) and not ns["state"][0].requires_grad
+
+
+def test_frozen_weights_stay_frozen_across_a_swap():
+    g = torch.nn.GRU(3, 4)
+    g.weight_ih_l0.requires_grad_(False)  # was trained after from_module (0.038 in a step)
+    m = lt.GRU.from_module(g)
+    back = m.to_module()
+    for mod in (m, back):
+        frozen = [n for n, p in mod.named_parameters() if not p.requires_grad]
+        assert frozen == ["weight_ih_l0"], frozen

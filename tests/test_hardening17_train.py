@@ -109,3 +109,26 @@ def test_trainable_names_what_it_takes():
         trainable(leanrnn.quantize(m, "int8"))  # the spec alone said "trainable"
     with pytest.raises(SpecError, match="expected an RNNSpec"):
         trainable(3)  # 'int' object has no attribute 'beyond_torch'
+
+
+def test_a_trainer_of_a_graph_model_says_what_to_train(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from leanrnn.errors import SpecError
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("GRU", ["x", "W", "R"], ["Y"], hidden_size=4, name="rnn",
+                          linear_before_reset=1)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "N", 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+         for n, s in (("W", (1, 12, 3)), ("R", (1, 12, 4)))],
+    )  # fmt: skip
+    path = str(tmp_path / "g.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)]), path)
+    gm = leanrnn.load(path)
+    with pytest.raises(SpecError, match=r"model.graph.packed\[name\], names \['rnn'\]"):
+        Trainer(gm)  # said "load a file first with leanrnn.load(path)": it was
+    Trainer(leanrnn.Model(gm.graph.packed["rnn"]))  # what the message offers

@@ -292,6 +292,20 @@ def _bias_to_rows(
         out[part] = blocks[Uf:, g, :r].reshape(-1)
 
 
+def _frozen_as(new: torch.nn.Module, old: torch.nn.Module) -> None:
+    """``new``'s weights as trainable as ``old``'s (a frozen weight was trained after a
+    from_module/to_module swap). A parametrized weight of ``old`` (weight_norm) is copied as
+    the weight it computes: trainable if any of its originals is."""
+    from torch.nn.utils import parametrize
+
+    for name, p in new.named_parameters(recurse=False):
+        if parametrize.is_parametrized(old, name):
+            originals = old.parametrizations[name].parameters()
+            p.requires_grad_(any(q.requires_grad for q in originals))
+        elif isinstance(getattr(old, name, None), torch.nn.Parameter):
+            p.requires_grad_(getattr(old, name).requires_grad)
+
+
 _ENGINES: dict[int, _Engine] = {}
 # Engine keys from a random start: a program traced or exported in one process carries its
 # module's key, and counted from 1 in the next process it named that process's first module
@@ -1092,12 +1106,16 @@ class _RNNBase(torch.nn.Module):
                 self, f"leanrnn.torch.{type(self).__name__}.to_module"
             )
             m.load_state_dict({k: v.detach() for k, v in weights.items()})
+        _frozen_as(m, self)
         m.train(self.training)
         return m
 
     @classmethod
     def from_module(cls, module: torch.nn.Module):
-        """This class's twin of a torch.nn.LSTM/GRU/RNN (its options and weights, copied)."""
+        """This class's twin of a torch.nn.LSTM/GRU/RNN: its options and the weights it
+        computes with, copied (frozen ones stay frozen). New parameters: an optimizer made
+        for ``module`` does not step them (make it after the swap), and a parametrization
+        (weight_norm) is not carried: register it on the twin to train through it."""
         want = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn": torch.nn.RNN}[cls._cell]
         ours = isinstance(module, _RNNBase) and module._cell == cls._cell
         if not (ours or isinstance(module, want)):
@@ -1121,6 +1139,7 @@ class _RNNBase(torch.nn.Module):
                 module, f"leanrnn.torch.{cls.__name__}.from_module"
             )
             m.load_state_dict({k: v.detach() for k, v in weights.items()})
+        _frozen_as(m, module)
         m.train(module.training)
         if ours:
             m.autocast_mode = getattr(module, "autocast_mode", "bf16")

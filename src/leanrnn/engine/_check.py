@@ -235,6 +235,14 @@ def packed_weights(op: str, model):
 
     w = model if isinstance(model, PackedWeights) else getattr(model, "weights", None)
     if not isinstance(w, PackedWeights):
+        graph = getattr(model, "graph", None)
+        if graph is not None and hasattr(graph, "packed"):  # leanrnn.load of an ONNX file
+            nodes = list(graph.packed)[:4]
+            raise SpecError(
+                f"[{op}] got a GraphModel (an op graph); this takes a recurrent stack: one of "
+                f"its RNN nodes' weights (model.graph.packed[name], names {nodes}), or the "
+                "stack's state dict through leanrnn.from_state_dict"
+            )
         raise SpecError(
             f"[{op}] got a {type(model).__name__}; expected a leanrnn LSTM/GRU/RNN model or its "
             "PackedWeights (model.weights); load a file first with leanrnn.load(path)"
