@@ -222,3 +222,110 @@ def test_a_refusal_on_a_stream_ends_the_sequence_and_the_wait_is_bounded():
         with pytest.raises(SequenceError, match="a request of it on its stream was refused"):
             s.submit("m", ("i", 1), False, False, x)  # ran on the state before the gap
         s.submit("m", ("i", 1), True, False, x)  # a start begins it again
+
+
+# ---------------------------------------------------------------------------------------------
+# The second review: a stream's request refused before infer_held (by --max-queued-bytes while
+# its message was counted, or by parsing) left its sequence live, and the next request ran
+# across the gap; a sequence's own refusals overwrote the first reason it was ended for.
+
+
+def _stream_case(second, idle=1.0, limit=400):
+    """On one stream: a start of sequence 1 (2 steps), then, once 352 of ``limit`` bytes are
+    held by a request elsewhere that is never released, ``second`` (the serialized request)
+    and a 2-step continuation. The three answers (error message or "ok"), and the lane."""
+    import asyncio
+
+    import leanrnn
+    from helpers import GrpcContextStub
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve import rpc
+    from leanrnn.serve.core import Core
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    lane = Lane("m", leanrnn.GRU(4, 8, seed=0), Pool(), threads=1, max_streams=8, max_batch=4,
+                max_chunk=4, idle_timeout=idle)  # fmt: skip
+    with Scheduler({"m": lane}, max_wait=0.0, max_queued_bytes=limit) as s:
+        core = Core(s, token=None, max_request_bytes=1 << 20)
+        core.ready = True
+        gate = asyncio.Event()
+
+        async def requests():
+            yield _request(0, 2, start=True)
+            await gate.wait()
+            yield second
+            yield _request(2, 2)
+
+        async def main():
+            out = []
+            stream = rpc.Servicer(core).ModelStreamInfer(requests(), GrpcContextStub())
+            async for raw in stream:
+                msg = rpc.pb.ModelStreamInferResponse.FromString(raw)
+                out.append(msg.error_message or "ok")
+                if len(out) == 1:
+                    s.submit("m", ("i", 99), True, False, np.ones((6, 4), np.float32), hold=True)
+                    gate.set()
+                if len(out) == 3:
+                    break
+            await stream.aclose()
+            return out
+
+        return asyncio.run(asyncio.wait_for(main(), 30)), lane
+
+
+def _request(i, T, start=False, output="y"):
+    from leanrnn.serve import rpc
+
+    r = rpc.pb.ModelInferRequest(model_name="m", id=str(i))
+    r.parameters["sequence_id"].int64_param = 1
+    if start:
+        r.parameters["sequence_start"].bool_param = True
+    r.inputs.add(name="x", datatype="FP32", shape=[T, 4])
+    r.raw_input_contents.append(np.ones((T, 4), np.float32).tobytes())
+    r.outputs.add(name=output)
+    return r.SerializeToString()
+
+
+@pytest.mark.parametrize("case", ["counted while read", "refused by parsing"])
+def test_a_stream_request_refused_before_the_scheduler_ends_its_sequence(case):
+    second = _request(1, 6) if case == "counted while read" else _request(1, 2, output="bogus")
+    out, lane = _stream_case(second)
+    assert out[0] == "ok" and out[1] != "ok"
+    # the continuation ran on the state before the refused request (answered "ok")
+    assert "was ended" in out[2] and "refused" in out[2], out
+    assert ("i", 1) not in lane.seqs
+
+
+def test_a_sequences_own_refusals_keep_the_first_reason():
+    import asyncio
+
+    import leanrnn
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve.core import Core
+    from leanrnn.serve.errors import QueueFull, SequenceError
+    from leanrnn.serve.protocol import Parsed
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    lane = Lane("m", leanrnn.GRU(4, 8, seed=0), Pool(), threads=1, max_streams=8, max_batch=4,
+                max_chunk=4, idle_timeout=0.2)  # fmt: skip
+    s = Scheduler({"m": lane}, max_wait=0.0, max_queued_bytes=300)  # not started: work stays
+    core = Core(s, token=None, max_request_bytes=1 << 20)
+    s.submit("m", ("i", 1), True, False, np.ones((3, 4), np.float32))  # queued, live
+
+    async def stream_request(T, start=False):
+        sub = asyncio.get_running_loop().create_future()
+        p = Parsed("m", "r", ("i", 1), start, False, np.ones((T, 4), np.float32), None, None,
+                   ["y"], {})  # fmt: skip
+        return await core.infer_held(p, "grpc", 0, None, sub)
+
+    with pytest.raises(QueueFull):
+        asyncio.run(stream_request(6))
+    first = dict(lane.broken)
+    for _ in range(2):  # its own refusals: the reason (and the time) stay the first
+        with pytest.raises(SequenceError, match=r"refused \(the server's queue was full"):
+            asyncio.run(stream_request(1))
+    assert dict(lane.broken) == first
+    # a restart while the old sequence still has work queued clears the tombstone
+    s.submit("m", ("i", 1), True, False, np.ones((1, 4), np.float32))
+    assert not lane.broken
+    s.stop()

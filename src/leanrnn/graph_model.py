@@ -61,8 +61,8 @@ class GraphModel:
         # (a subclass's own attributes, a tag, a mock of a method).
         attr = getattr(type(self), name, None)
         fixed = isinstance(attr, property) and attr.fset is None
-        typo = (attr is None and name not in self.__dict__
-                and difflib.get_close_matches(name, ["threads"], n=1, cutoff=0.75))  # fmt: skip
+        typo = (attr is None and not name.startswith("_") and name not in self.__dict__
+                and difflib.get_close_matches(name, ["threads"], n=1, cutoff=0.85))  # fmt: skip
         if fixed or typo:
             hint = " (did you mean 'threads'?)" if typo else ""
             raise AttributeError(f"[GraphModel] cannot set {name!r}{hint}: a loaded graph is "

@@ -32,8 +32,10 @@ _log = logging.getLogger("leanrnn.serve")
 # not hold up every other stream (HTTP and gRPC) for as long as its conversion takes.
 INLINE = 256 << 10
 # How often a gRPC stream's request of a sequence looks for room in a full queue
-# (Core.infer_held): the engine drains it in calls of ~max_call seconds.
+# (Core.infer_held): first after ROOM_POLL_S (the engine drains it in calls of ~max_call
+# seconds), then at doubling intervals up to ROOM_POLL_MAX_S.
 ROOM_POLL_S = 0.005
+ROOM_POLL_MAX_S = 0.05
 
 
 async def off_loop(nbytes: int, fn, *args):
@@ -242,6 +244,7 @@ class Core:
         waiting = None  # while it waits for room: arriving, so its sequence is not evicted
         patience = self.scheduler.lanes[p.model].idle_timeout
         scheduled = False  # refused by the scheduler (unknown or evicted sequence, full, ...)
+        pause = ROOM_POLL_S
         try:
             self._admissible(p, json_bytes)
             want_state = any(name != "y" for name in p.outputs)
@@ -261,13 +264,14 @@ class Core:
                         raise
                     if waiting is None:
                         waiting = self.scheduler.arriving(p.model)
-                    await asyncio.sleep(ROOM_POLL_S)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, ROOM_POLL_MAX_S)  # (many waiters: fewer looks)
         except ServeError as e:
             if scheduled:  # a failure in the statistics, as the engine's are
                 self.io(p.model, "fail", time.monotonic() - t0)
             if submitted is not None:  # a stream's later requests are already sent: they must
                 # not run across the gap (nothing if the sequence is not live)
-                self.scheduler.break_off(p.model, p.key, f"{e.kind}: {str(e)[:120]}")
+                self.scheduler.break_off(p.model, p.key, e)
             raise
         finally:
             self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving

@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from .core import Core, hostport, nbytes, off_loop
-from .errors import Internal, InvalidRequest, ServeError, Unavailable
+from .core import ROOM_POLL_MAX_S, ROOM_POLL_S, Core, hostport, nbytes, off_loop
+from .errors import Exhausted, Internal, InvalidRequest, ServeError, Unavailable
 from .protocol import (
     EXTENSIONS,
     VERSION,
@@ -38,6 +38,7 @@ from .protocol import (
     check_listed,
     clip,
     from_bytes,
+    sequence,
     unsupported,
 )
 from .scheduler import request_bytes
@@ -341,21 +342,63 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         return await self._guard(context, fn)
 
-    async def _read(self, data: bytes, ids: list) -> tuple:
+    async def _room(self, data: bytes, stream: bool) -> None:
+        """Count ``data``'s bytes against --max-queued-bytes (Core.reserve). A stream's
+        request waits for room, arriving for any model meanwhile (its sequence not evicted as
+        idle), up to --idle-timeout; refused then, it ends its sequence, read from the
+        message (which the stream's own bound holds anyway): else the next request, already
+        sent, ran across the gap."""
+        n, t0 = len(data), time.monotonic()
+        pause, waiting = ROOM_POLL_S, None
+        try:
+            while True:
+                try:
+                    self.core.reserve(n)
+                    return
+                except Exhausted as e:
+                    if not stream:
+                        raise
+                    if time.monotonic() - t0 >= self.core.idle_timeout:
+                        with contextlib.suppress(ServeError):
+                            request = decode(data)
+                            key = sequence(_params(request.parameters))[0]
+                            self.core.scheduler.break_off(request.model_name, key, e)
+                        raise
+                    if waiting is None:
+                        waiting = self.core.scheduler.arriving()
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, ROOM_POLL_MAX_S)
+        finally:
+            self.core.scheduler.arrived(waiting)
+
+    async def _read(self, data: bytes, ids: list, stream: bool = False) -> tuple:
         """(info, parsed) of one serialized request; ``ids`` gets its (model_name, id) once
         decoded. Its bytes count against --max-queued-bytes while it is decoded and parsed,
         as an HTTP body's do while read (past it: RESOURCE_EXHAUSTED before any decoding; 12
         calls of 60 MiB took the server 2.4 GB past a 1 GiB limit). Only x, a copy, outlives
-        this: the decoded message (the request's size again) goes with the frame."""
+        this: the decoded message (the request's size again) goes with the frame.
+
+        ``stream``: a ModelStreamInfer request, whose stream's next requests are already
+        sent. It waits for room rather than be refused (up to --idle-timeout, as infer_held's
+        wait), and a refusal ends its sequence: refused and left live, the next request ran
+        across the gap (Scheduler.break_off)."""
         n = len(data)
-        self.core.reserve(n)
+        await self._room(data, stream)
+        key = None
         try:
             t0 = time.perf_counter()
             request = await off_loop(n, decode, data)
             ids[:] = (request.model_name, request.id)
+            if stream:
+                with contextlib.suppress(ServeError):  # (its own refusal comes in parse)
+                    key = sequence(_params(request.parameters))[0]
             info, p = await off_loop(n, parse, self.core, request)
             self.core.io(info.name, "compute_input", time.perf_counter() - t0)
             return info, p
+        except ServeError as e:
+            if key is not None:
+                self.core.scheduler.break_off(ids[0], key, e)
+            raise
         finally:
             self.core.unreserve(n)
 
@@ -532,7 +575,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     cost = len(data)
                     ids: list = []
                     try:
-                        info, p = await self._read(data, ids)
+                        info, p = await self._read(data, ids, stream=True)
                         cost = request_bytes(p.x, info.outputs["y"].shape[1], info.dtype)
                         item = (info, p)
                     except ServeError as e:

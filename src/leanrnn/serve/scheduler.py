@@ -81,6 +81,7 @@ from .errors import (
     NotFound,
     QueueFull,
     SequenceError,
+    ServeError,
     Unavailable,
 )
 
@@ -427,14 +428,15 @@ class Lane:
             self.ready.append(s)
         return r
 
-    def break_off(self, key, why: str, now: float) -> None:
+    def break_off(self, key, why: str, now: float) -> bool:
         """Under the lock: end live sequence ``key`` after its accepted requests, because a
         later request of it was refused on a stream whose next requests are already sent
         (they would run across the gap, on the state before the refused steps); its next
-        request other than a start is refused, saying so. Nothing if ``key`` is not live."""
+        request other than a start is refused, saying so. Whether it ended it (not when
+        ``key`` is not live, or already ended this way: the first reason stays)."""
         s = self.seqs.get(key)
-        if s is None:
-            return
+        if s is None or _evicted_key(key) in self.broken:
+            return False
         if s.queue:
             s.queue[-1].end = True  # (finish reads it under the lock, as this runs)
             s.ending = True
@@ -443,6 +445,7 @@ class Lane:
         self.broken[_evicted_key(key)] = (now, why)
         if len(self.broken) > EVICTED_MEMORY:
             self.broken.popitem(last=False)
+        return True
 
     def check_x(self, x) -> None:
         """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype, T >= 1."""
@@ -663,13 +666,22 @@ class Scheduler:
             self.cond.notify()
         return r
 
-    def break_off(self, model: str, key, why: str) -> None:
-        """End sequence ``key`` of ``model`` after its accepted requests (Lane.break_off)."""
+    def break_off(self, model: str, key, error: ServeError) -> None:
+        """End sequence ``key`` of ``model`` after its accepted requests (Lane.break_off),
+        ``error`` having refused a request of it on a stream. Not for a refusal about the
+        sequence itself (SequenceError: it says so to every request) or the server stopping."""
         lane = self.lanes.get(model)
-        if lane is None or key[0] == "":
+        if lane is None or key[0] == "" or isinstance(error, SequenceError | Unavailable):
             return
+        why = _why(error)
         with self.cond:
-            lane.break_off(key, why, time.monotonic())
+            if not lane.break_off(key, why, time.monotonic()):
+                return
+            live = len(lane.seqs)
+        _log.info("sequence ended", extra={"fields": {"model": model, "sequence": describe(key),
+                                                      "why": why}})  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.active(model, live)
 
     def reserve(self, n: int, mine: int = 0) -> None:
         """Count ``n`` more bytes of a request body being read, which holds ``mine`` already,
@@ -879,6 +891,14 @@ class Scheduler:
             done += lane.fail(picked, err)
         self._done(done)
         return done
+
+
+def _why(error: ServeError) -> str:
+    """A refusal in a few words, for the message of a sequence it ended."""
+    if isinstance(error, QueueFull) or "--max-queued-bytes" in str(error):
+        return "the server's queue was full (--max-queued-bytes)"
+    text = str(error).removeprefix("[infer] ").removeprefix("[stream] ")
+    return f"{error.kind}: {text[:100]}{'...' if len(text) > 100 else ''}"
 
 
 def _drive(ref: weakref.ref, cond: threading.Condition) -> None:
