@@ -132,3 +132,45 @@ def test_a_trainer_of_a_graph_model_says_what_to_train(tmp_path):
     with pytest.raises(SpecError, match=r"model.graph.packed\[name\], names \['rnn'\]"):
         Trainer(gm)  # said "load a file first with leanrnn.load(path)": it was
     Trainer(leanrnn.Model(gm.graph.packed["rnn"]))  # what the message offers
+
+
+def test_alternating_shapes_under_a_memory_limit_keep_one_arena(monkeypatch):
+    """A one-segment step whose boundary states do not fit in dx counted a second copy of its
+    initial states against memory_limit: that tipped its plan under the limit by ~31 KiB, so
+    the big step's arena was dropped and made again on every step two shapes alternated
+    (1,000 arenas, 1 GiB of fresh pages, in 1,000 steps). Segment 0 now starts from the
+    tape's own copy; the gradients are those of a run without a limit."""
+    import leanrnn.train.session as ts
+
+    made = []
+
+    class Counting(ts.Arena):
+        def __init__(self, nbytes, name="arena"):
+            made.append(nbytes)
+            super().__init__(nbytes, name)
+
+    monkeypatch.setattr(ts, "Arena", Counting)
+    # (one thread: the plan of two tipped under the limit otherwise too, or not at all)
+    limited = Trainer(leanrnn.LSTM(16, 32, num_layers=2, seed=0), memory_limit=2 << 20)
+    free = Trainer(leanrnn.LSTM(16, 32, num_layers=2, seed=0))
+    limited.threads = free.threads = 1
+    opts = [Adam(tr.parameters()) for tr in (limited, free)]
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        N, T = ((55, 95), (63, 2))[step % 2]
+        x = rng.standard_normal((T, N, 16), dtype=np.float32)
+        got = []
+        for tr, opt in zip((limited, free), opts, strict=True):
+            if tr is limited:
+                made.clear()
+            tape = tr.forward(x)
+            tr.backward(tape, tape.y * 0.01, input_grad=False)
+            got.append(torch_format.to_state_dict(tr.spec, tr.gradients()))
+            if tr is limited:
+                allocated = len(made)
+            opt.step()
+            tr.zero_grad()
+        for k in got[1]:
+            np.testing.assert_allclose(got[0][k], got[1][k], rtol=1e-4, atol=1e-6, err_msg=k)
+        if step >= 2:
+            assert allocated == 0, f"step {step}: a new arena ({made})"

@@ -616,11 +616,12 @@ class Trainer:
                      yfull=yfull, dx=dx, autocast=mode)  # fmt: skip
         # Segment by segment, keeping every layer's state at each boundary: backward starts
         # each segment from them (and, recomputing, replays the segment's forward from them).
-        ckh, ckc = self._boundaries(dx, T, N, S)
+        ckh, ckc = self._boundaries(dx, T, N, S, saved["h0"], saved["c0"])
         for j, s0 in enumerate(range(0, T, S)):
-            ckh[j][:] = hs
-            if ckc is not None:
-                ckc[j][:] = cs
+            if ckh[j] is not saved["h0"]:  # (segment 0's may be the tape's copy itself)
+                ckh[j][:] = hs
+                if ckc is not None:
+                    ckc[j][:] = cs
             s1 = min(T, s0 + S)
             self._forward_segment(mem, xt, y[s0 * N : s1 * N], hs, cs, lens, s0, s1, N, masks,
                                   0 if recompute else s0 * N, mode)  # fmt: skip
@@ -742,21 +743,26 @@ class Trainer:
         per, C = self._boundary_floats(N), self.spec.input_size
         return per <= S * N * C and -(-T // S) * per <= T * N * C
 
-    def _boundaries(self, dx: np.ndarray, T: int, N: int, S: int):
+    def _boundaries(self, dx: np.ndarray, T: int, N: int, S: int, h0, c0):
         """Every segment's boundary states: lists of views h [L*D, N, K] and (LSTM) c
-        [L*D, N, H], in dx's rows when they fit there (_boundaries_fit), else their own."""
+        [L*D, N, H], in dx's rows when they fit there (_boundaries_fit), else their own but
+        the first: segment 0 starts from the tape's copy of the initial states, ``h0`` and
+        ``c0`` (a second copy of them, counted against memory_limit, tipped a small step's
+        plan under its limit by a few KiB: the arena was dropped and made again every step
+        two shapes alternated)."""
         spec = self.spec
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
         nseg, per = -(-T // S), self._boundary_floats(N)
+        hsz = LD * N * K
+        lstm = spec.cell == "lstm"
         if self._boundaries_fit(N, T, S):
             flat = dx.reshape(-1)
             blocks = [flat[j * per : (j + 1) * per] for j in range(nseg)]
-        else:
-            blocks = list(np.empty((nseg, per), self.dtype))
-        hsz = LD * N * K
-        ckh = [b[:hsz].reshape(LD, N, K) for b in blocks]
-        ckc = [b[hsz:].reshape(LD, N, H) for b in blocks] if spec.cell == "lstm" else None
-        return ckh, ckc
+            ckh = [b[:hsz].reshape(LD, N, K) for b in blocks]
+            return ckh, ([b[hsz:].reshape(LD, N, H) for b in blocks] if lstm else None)
+        blocks = list(np.empty((nseg - 1, per), self.dtype))
+        ckh = [h0, *(b[:hsz].reshape(LD, N, K) for b in blocks)]
+        return ckh, ([c0, *(b[hsz:].reshape(LD, N, H) for b in blocks)] if lstm else None)
 
     def _dense_bytes(self) -> int:
         """Bytes of what backward keeps derived from the weights (_dense_for: dense W and R, R's
@@ -795,10 +801,11 @@ class Trainer:
         return T * N * (2 * yk + spec.input_size) * self.dtype.itemsize
 
     def _checkpoint_bytes(self, N: int, T: int, S: int) -> int:
-        """Bytes of the boundary states beyond the step's outputs: none when they live in dx."""
+        """Bytes of the boundary states beyond the step's outputs: none when they live in dx,
+        and never the first segment's (the tape's copy of the initial states, _boundaries)."""
         if self._boundaries_fit(N, T, S):
             return 0
-        return -(-T // S) * self._boundary_floats(N) * self.dtype.itemsize
+        return (-(-T // S) - 1) * self._boundary_floats(N) * self.dtype.itemsize
 
     def _need(self, N: int, T: int, S: int, recompute: bool, stage: bool | None = None,
               draw: bool = False) -> int:  # fmt: skip
