@@ -31,9 +31,9 @@ _log = logging.getLogger("leanrnn.serve")
 # hop costs more than they do); larger ones in a worker thread, so that one large message does
 # not hold up every other stream (HTTP and gRPC) for as long as its conversion takes.
 INLINE = 256 << 10
-# How often a gRPC stream's request of a sequence looks for room in a full queue
-# (Core.infer_held): first after ROOM_POLL_S (the engine drains it in calls of ~max_call
-# seconds), then at doubling intervals up to ROOM_POLL_MAX_S.
+# How often a gRPC stream's request looks for room in a full queue (Core.with_room): first
+# after ROOM_POLL_S (the engine drains it in calls of ~max_call seconds), then at doubling
+# intervals up to ROOM_POLL_MAX_S.
 ROOM_POLL_S = 0.005
 ROOM_POLL_MAX_S = 0.05
 
@@ -152,6 +152,30 @@ class Core:
     def unreserve(self, n: int) -> None:
         self.scheduler.unreserve(n)
 
+    async def with_room(self, attempt: Callable, model: str | None = None):
+        """``attempt()`` (a submit, or a reserve of a message's bytes) once --max-queued-bytes
+        has room for it: tried again while it raises QueueFull, first after ROOM_POLL_S and
+        then at doubling intervals, for up to ``model``'s --idle-timeout (None: any model's,
+        the longest), arriving for ``model`` meanwhile so the waiting request's sequence is
+        not evicted as idle. QueueFull past that, or while the server drains. A gRPC
+        stream's requests wait so: their stream's next ones are already sent."""
+        t0 = time.monotonic()
+        patience = self.idle_timeout if model is None else self.scheduler.lanes[model].idle_timeout
+        pause, waiting = ROOM_POLL_S, None
+        try:
+            while True:
+                try:
+                    return attempt()
+                except QueueFull:
+                    if self.draining or time.monotonic() - t0 >= patience:
+                        raise
+                    if waiting is None:
+                        waiting = self.scheduler.arriving(model)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, ROOM_POLL_MAX_S)  # (many waiters: fewer looks)
+        finally:
+            self.scheduler.arrived(waiting)
+
     def error(self, e: ServeError, protocol: str) -> None:
         if self.metrics is not None:
             self.metrics.error(e.kind, protocol)
@@ -241,31 +265,22 @@ class Core:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         t0 = time.monotonic()
-        waiting = None  # while it waits for room: arriving, so its sequence is not evicted
-        patience = self.scheduler.lanes[p.model].idle_timeout
         scheduled = False  # refused by the scheduler (unknown or evicted sequence, full, ...)
-        pause = ROOM_POLL_S
         try:
             self._admissible(p, json_bytes)
             want_state = any(name != "y" for name in p.outputs)
             scheduled = True
-            while True:
-                try:
-                    sent = self.scheduler.submit(
-                        p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
-                        lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
-                    )  # fmt: skip
-                    break
-                except QueueFull:
-                    # a stream's request of a sequence waits, for as long as a sequence may
-                    # go unfed (the queue may be full of answers slow readers hold)
-                    late = time.monotonic() - t0 >= patience
-                    if submitted is None or p.key[0] == "" or self.draining or late:
-                        raise
-                    if waiting is None:
-                        waiting = self.scheduler.arriving(p.model)
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, ROOM_POLL_MAX_S)  # (many waiters: fewer looks)
+
+            def submit():
+                return self.scheduler.submit(
+                    p.model, p.key, p.start, p.end, p.x, p.h0, p.c0, want_state,
+                    lambda r: loop.call_soon_threadsafe(_resolve, fut, r), json_bytes, True,
+                )  # fmt: skip
+
+            if submitted is None or p.key[0] == "":
+                sent = submit()
+            else:  # a stream's request of a sequence: it waits for room (with_room)
+                sent = await self.with_room(submit, p.model)
         except ServeError as e:
             if scheduled:  # a failure in the statistics, as the engine's are
                 self.io(p.model, "fail", time.monotonic() - t0)
@@ -275,7 +290,6 @@ class Core:
             raise
         finally:
             self.scheduler.arrived(arrival)  # queued (or refused): no longer arriving
-            self.scheduler.arrived(waiting)
             if submitted is not None and not submitted.done():
                 submitted.set_result(None)
 

@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from .core import ROOM_POLL_MAX_S, ROOM_POLL_S, Core, hostport, nbytes, off_loop
-from .errors import Exhausted, Internal, InvalidRequest, ServeError, Unavailable
+from .core import Core, hostport, nbytes, off_loop
+from .errors import Internal, InvalidRequest, QueueFull, ServeError, Unavailable
 from .protocol import (
     EXTENSIONS,
     VERSION,
@@ -67,7 +67,9 @@ MAX_DIMS = 8
 
 
 def _submitted(fut: asyncio.Future, _task) -> None:
-    """A stream request's task ended (even cancelled before it ran): its pump reads on."""
+    """A stream request's task ended (even cancelled before it ran, or refused before it
+    reached Core.infer_held, which resolves ``fut`` once it queues or refuses): its pump
+    reads on."""
     if not fut.done():
         fut.set_result(None)
 
@@ -344,32 +346,24 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _room(self, data: bytes, stream: bool) -> None:
         """Count ``data``'s bytes against --max-queued-bytes (Core.reserve). A stream's
-        request waits for room, arriving for any model meanwhile (its sequence not evicted as
-        idle), up to --idle-timeout; refused then, it ends its sequence, read from the
-        message (which the stream's own bound holds anyway): else the next request, already
-        sent, ran across the gap."""
-        n, t0 = len(data), time.monotonic()
-        pause, waiting = ROOM_POLL_S, None
+        request waits for room (Core.with_room); refused then, it ends its sequence, read
+        from the message (which the stream's own bound holds anyway): else the next
+        request, already sent, ran across the gap."""
+        n = len(data)
         try:
-            while True:
-                try:
-                    self.core.reserve(n)
-                    return
-                except Exhausted as e:
-                    if not stream:
-                        raise
-                    if time.monotonic() - t0 >= self.core.idle_timeout:
-                        with contextlib.suppress(ServeError):
-                            request = decode(data)
-                            key = sequence(_params(request.parameters))[0]
-                            self.core.scheduler.break_off(request.model_name, key, e)
-                        raise
-                    if waiting is None:
-                        waiting = self.core.scheduler.arriving()
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, ROOM_POLL_MAX_S)
-        finally:
-            self.core.scheduler.arrived(waiting)
+            self.core.reserve(n)
+            return
+        except QueueFull:
+            if not stream:
+                raise
+        try:
+            await self.core.with_room(lambda: self.core.reserve(n))
+        except QueueFull as e:
+            with contextlib.suppress(ServeError):
+                request = decode(data)
+                key = sequence(_params(request.parameters))[0]
+                self.core.scheduler.break_off(request.model_name, key, e)
+            raise
 
     async def _read(self, data: bytes, ids: list, stream: bool = False) -> tuple:
         """(info, parsed) of one serialized request; ``ids`` gets its (model_name, id) once
@@ -494,8 +488,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             finally:
                 if counted:
                     computed()
-                if not submitted.done():  # (a task cancelled before it ran runs no finally)
-                    submitted.set_result(None)
 
         async def _one(ids, item, cost: int, arrival: int | None, submitted: asyncio.Future):
             release = _nothing

@@ -685,7 +685,7 @@ class Scheduler:
 
     def reserve(self, n: int, mine: int = 0) -> None:
         """Count ``n`` more bytes of a request body being read, which holds ``mine`` already,
-        against --max-queued-bytes (Exhausted past it, unless nothing but this body counts: a
+        against --max-queued-bytes (QueueFull past it, unless nothing but this body counts: a
         request alone always goes, as in submit): clients that send most of a large body and
         stall held it outside every limit (8 of 48 MiB grew the server by 400 MiB under a 16
         MiB limit). ``unreserve`` them once the request is parsed, or dropped."""
@@ -693,7 +693,7 @@ class Scheduler:
             limit = self.max_queued_bytes
             others = self.queued_bytes - mine
             if limit is not None and others and self.queued_bytes + n > limit:
-                raise Exhausted(
+                raise QueueFull(
                     f"[infer] {self.queued_bytes} bytes of requests being read or waiting for "
                     f"the engine or their clients, and this body's next {n} B would pass the "
                     f"server's limit of {limit} (--max-queued-bytes); retry later"
