@@ -97,6 +97,13 @@ def _evicted_key(key) -> int:
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
 
 
+def _remember(table: collections.OrderedDict, key, value) -> None:
+    """``table[digest of key] = value``, the oldest entry dropped past EVICTED_MEMORY."""
+    table[_evicted_key(key)] = value
+    if len(table) > EVICTED_MEMORY:
+        table.popitem(last=False)
+
+
 def pow2_floor(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (n.bit_length() - 1)
@@ -351,8 +358,7 @@ class Lane:
             if s.ending:
                 s.queue[-1].end = False  # (finish reads it under the lock, as this runs)
                 s.ending = False
-            self.evicted.pop(_evicted_key(key), None)
-            self.broken.pop(_evicted_key(key), None)
+            self._forget(key)
         elif start:
             # A start on a live id with nothing queued: its slot is free at once, and taken
             # again. Everything that can refuse comes first: a refused start (429) leaves the
@@ -380,8 +386,7 @@ class Lane:
                 self.free.append(slot)
                 raise
             s = self.seqs[key] = Sequence(key, slot, now)
-            self.evicted.pop(_evicted_key(key), None)
-            self.broken.pop(_evicted_key(key), None)
+            self._forget(key)
         else:
             gone = self.broken.get(_evicted_key(key))
             if gone is not None and (s is None or s.ending):
@@ -442,10 +447,13 @@ class Lane:
             s.ending = True
         elif not s.inflight:
             self._release(s)
-        self.broken[_evicted_key(key)] = (now, why)
-        if len(self.broken) > EVICTED_MEMORY:
-            self.broken.popitem(last=False)
+        _remember(self.broken, key, (now, why))
         return True
+
+    def _forget(self, key) -> None:
+        """A start: what was remembered of an earlier sequence of ``key`` goes."""
+        self.evicted.pop(_evicted_key(key), None)
+        self.broken.pop(_evicted_key(key), None)
 
     def check_x(self, x) -> None:
         """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype, T >= 1."""
@@ -479,9 +487,7 @@ class Lane:
             if not s.queue and not s.inflight and at - s.last > limit:
                 idle = now - s.last
                 self._release(s)
-                self.evicted[_evicted_key(key)] = (idle, now)
-                if len(self.evicted) > EVICTED_MEMORY:
-                    self.evicted.popitem(last=False)
+                _remember(self.evicted, key, (idle, now))
                 out.append((key, idle))
         return out
 
