@@ -36,11 +36,11 @@ class GraphModel:
     """
 
     def __init__(self, graph: Graph, threads: int | None = None) -> None:
-        own = {"_loaded": LoadedGraph(graph, _check.count_or_none("GraphModel", "threads", threads)),
-               "_lock": threading.Lock(), "_session": None,
-               "_limit": None}  # (_limit: a dropped session's memory_limit, threads' setter)  # fmt: skip
-        self.__dict__.update(own)
+        self._loaded = LoadedGraph(graph, _check.count_or_none("GraphModel", "threads", threads))
+        self._lock = threading.Lock()
         _fork.renew_lock(self)  # a fork mid-run must not leave the child's lock held
+        self._session: GraphSession | None = None
+        self._limit: int | None = None  # a dropped session's memory_limit (threads' setter)
 
     def __reduce__(self):
         # deepcopy and pickle (a worker process, a copy per thread): the graph (its constants
@@ -50,9 +50,6 @@ class GraphModel:
         # its last resize comes along (a copy ran what the original refused).
         limit = self._session._limit if self._session is not None else self._limit
         return type(self), (self.graph, self._loaded.threads), {"_limit": limit}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
     def __setattr__(self, name: str, value) -> None:
         # `m.graph = other` ran one graph and saved, copied and described another; `m.thread

@@ -167,8 +167,6 @@ class Model:
                     f"{'[N, T, C]' if spec.batch_first else '[T, N, C]'}"
                 )
             x = x[None] if spec.batch_first else x[:, None]
-        if _empty_batch(x, spec) and out is None and (lengths is None or np.size(lengths) == 0):
-            return self._empty(x, hx, return_sequences)
         h0 = c0 = None
         if hx is not None:
             if spec.cell == "lstm":
@@ -187,6 +185,8 @@ class Model:
                         )
                 h0 = h0[:, None] if isinstance(h0, np.ndarray) else h0
                 c0 = c0[:, None] if isinstance(c0, np.ndarray) else c0
+        if _empty_batch(x, spec) and out is None and (lengths is None or np.size(lengths) == 0):
+            return self._empty(x, h0, c0, return_sequences)
         if unbatched and out is not None:
             try:
                 y, h_n, c_n = self.session.run(
@@ -213,22 +213,18 @@ class Model:
         # (``__call__ = forward`` bound Model.forward: a subclass's own forward was skipped)
         return self.forward(*args, **kwargs)
 
-    def _empty(self, x, hx, return_sequences: bool):
-        """torch.nn's answer for a batch of N=0 sequences: empty outputs (x's dtype and C
-        checked as for any batch, as torch checks them)."""
+    def _empty(self, x, h0, c0, return_sequences: bool):
+        """torch.nn's answer for a batch of N=0 sequences: empty outputs (x's dtype and C,
+        and the states' shapes (L*D, 0, K) and (L*D, 0, H), checked as torch checks them)."""
         spec = self.spec
         if x.dtype != self.dtype or x.shape[2] != spec.input_size:
             self.session.run(x)  # its own error, in its words
         T = x.shape[1 if spec.batch_first else 0]
         LD, K, H = spec.num_layers * spec.num_directions, spec.output_size, spec.hidden_size
-        if hx is not None:  # checked as torch checks it: (L*D, 0, K), and c (L*D, 0, H)
-            lstm = spec.cell == "lstm"
-            if lstm and (not isinstance(hx, tuple | list) or len(hx) != 2):
-                raise SpecError(f"[{type(self).__name__}] hx must be a tuple (h0, c0) for LSTM")
-            op = f"{type(self).__name__}"
-            for name, a, w in zip(("h0", "c0"), hx if lstm else (hx,), (K, H), strict=False):
-                if a is not None:
-                    _check.array(op, name, a, self.dtype, (LD, 0, w), ("L*D", "N", "K"))
+        for name, a, w, wn in (("h0", h0, K, "K"), ("c0", c0, H, "H")):
+            if a is not None:
+                _check.array(type(self).__name__, name, a, self.dtype, (LD, 0, w),
+                             ("L*D", "N", wn))  # fmt: skip
         y = None
         if return_sequences:
             y = np.zeros((0, T, spec.num_directions * K) if spec.batch_first
