@@ -17,7 +17,7 @@ paths, no ``..``), and nothing is ever executed.
 
 from __future__ import annotations
 
-import heapq
+import graphlib
 import math
 import os
 
@@ -556,9 +556,8 @@ def _topological(protos, defined: set[str]) -> list:
     """The graph's nodes in an order that defines every tensor before it is read, the file's
     own where it does. onnx.checker refuses a file whose nodes are out of order, but
     onnxruntime sorts them and runs it (and tools that edit graphs append nodes at the end):
-    Kahn's sort, the ready node listed first going first. Only the top-level list is sorted
-    (a branch's own nodes must be in order). A cycle or a dangling name is left for
-    check_node_io to name."""
+    graphlib's sort of them. Only the top-level list is sorted (a branch's own nodes must be
+    in order). A cycle or a dangling name is left for check_node_io to name."""
     protos = list(protos)
     made: dict[str, int] = {}
     for k, n in enumerate(protos):
@@ -579,24 +578,11 @@ def _topological(protos, defined: set[str]) -> list:
              for k, n in enumerate(protos)]  # fmt: skip
     if all(d < k for k, deps in enumerate(needs) for d in deps):
         return protos  # in order already (every file onnx.checker passes)
-    waiting = [len(deps) for deps in needs]
-    users: dict[int, list[int]] = {}
-    for k, deps in enumerate(needs):
-        for d in deps:
-            users.setdefault(d, []).append(k)
-    ready = [k for k, w in enumerate(waiting) if w == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        k = heapq.heappop(ready)
-        order.append(k)
-        for u in users.get(k, ()):
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(protos):  # a cycle: the file's order, refused by the check
+    try:
+        order = graphlib.TopologicalSorter(dict(enumerate(needs))).static_order()
+        return [protos[k] for k in order]
+    except graphlib.CycleError:  # the file's order, refused by the check
         return protos
-    return [protos[k] for k in order]
 
 
 def _every_node(protos):

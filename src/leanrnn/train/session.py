@@ -618,10 +618,9 @@ class Trainer:
         # each segment from them (and, recomputing, replays the segment's forward from them).
         ckh, ckc = self._boundaries(dx, T, N, S, saved["h0"], saved["c0"])
         for j, s0 in enumerate(range(0, T, S)):
-            if ckh[j] is not saved["h0"]:  # (segment 0's may be the tape's copy itself)
-                ckh[j][:] = hs
-                if ckc is not None:
-                    ckc[j][:] = cs
+            ckh[j][:] = hs  # (segment 0's may be the tape's copy itself: the same values)
+            if ckc is not None:
+                ckc[j][:] = cs
             s1 = min(T, s0 + S)
             self._forward_segment(mem, xt, y[s0 * N : s1 * N], hs, cs, lens, s0, s1, N, masks,
                                   0 if recompute else s0 * N, mode)  # fmt: skip
