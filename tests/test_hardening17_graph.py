@@ -53,12 +53,17 @@ def test_the_last_default_opset_listed_is_the_one(tmp_path):
     np.testing.assert_allclose(got[0].sum(axis=1), 1.0, rtol=1e-5)  # (was 0.14)
 
 
-def test_a_file_without_a_default_opset_says_so(tmp_path):
-    g = helper.make_graph(
+def _relu_graph():
+    """One Relu on a float input of 2 values: a graph with no RNN node."""
+    return helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])], "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
     )  # fmt: skip
+
+
+def test_a_file_without_a_default_opset_says_so(tmp_path):
+    g = _relu_graph()
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("com.example", 1)])
     onnx.save(m, str(tmp_path / "m.onnx"))
     with pytest.raises(ModelFormatError, match="imports no opset of the default ONNX domain"):
@@ -214,11 +219,7 @@ def test_an_input_named_self_is_fed_by_keyword(tmp_path):
 
 
 def test_load_dtype_of_a_graph_without_packed_weights(tmp_path):
-    g = helper.make_graph(
-        [helper.make_node("Relu", ["x"], ["y"])], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-    )  # fmt: skip
+    g = _relu_graph()
     path = str(tmp_path / "relu.onnx")
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)]), path)
     leanrnn.load(path, dtype=np.float32)  # what the file computes in: was refused
