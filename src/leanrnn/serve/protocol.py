@@ -234,8 +234,6 @@ def check_input(info: ModelInfo, name: str, datatype: str, shape) -> tuple[int, 
             f"[infer] input {name!r} has shape {clip(shape)}; model {info.name!r} expects "
             f"{list(t.shape)} (-1: any number of steps)"
         )
-    if name == "x" and shape[0] == 0:
-        raise InvalidRequest(f"[infer] input 'x' has 0 steps (shape {list(shape)}); send >= 1")
     if any(d > 1 << 40 for d in shape):
         raise InvalidRequest(f"[infer] input {name!r} has shape {list(shape)}: too large")
     return tuple(shape)

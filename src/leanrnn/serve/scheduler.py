@@ -456,13 +456,14 @@ class Lane:
         self.broken.pop(_evicted_key(key), None)
 
     def check_x(self, x) -> None:
-        """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype, T >= 1."""
+        """InvalidRequest unless ``x`` is steps of this model: [T, C] of its dtype (T may be 0:
+        a request that only ends its sequence, or starts it from h0/c0, and reads its state)."""
         ok = (isinstance(x, np.ndarray) and x.dtype == self.dtype and x.ndim == 2
-              and x.shape[0] >= 1 and x.shape[1] == self.C)  # fmt: skip
+              and x.shape[1] == self.C)  # fmt: skip
         if not ok:
             what = (f"{x.dtype} {list(x.shape)}" if isinstance(x, np.ndarray)
                     else type(x).__name__)  # fmt: skip
-            raise InvalidRequest(f"[infer] x is {what}; model {self.name!r} takes [T >= 1, "
+            raise InvalidRequest(f"[infer] x is {what}; model {self.name!r} takes [T, "
                                  f"C={self.C}] {self.dtype}")  # fmt: skip
 
     def _check_state(self, h0, c0) -> None:
@@ -513,18 +514,24 @@ class Lane:
         stream-steps). Only the head requests of in-flight sequences are touched, and only
         their x, y and pos, which no other thread changes (a restart's submit may set a head's
         ``end``, which ``finish`` reads, under the lock)."""
-        n = len(picked)
         heads = [s.queue[0] for s in picked]
-        T = bucket(min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk))
-        session, x, y, lens, slot = self._call(bucket(n), T)
-        ks = [min(r.T - r.pos, T) for r in heads]
-        # Rows longest first: a row whose steps are done leaves the step GEMMs with every row
-        # after it (kernels.recurrent._live_end), and so do the padding rows at the end.
-        rows = sorted(range(n), key=ks.__getitem__, reverse=True)
         for s, r in zip(picked, heads, strict=True):
             if r.reset is not None:  # a restart's first step: its state, in the slot it reuses
                 self.states.put(s.slot, *r.reset)
                 r.reset = None
+            if r.t_first is None:
+                r.t_first = now
+        T = bucket(max(1, min(max(r.T - r.pos for r in heads), t_cap, self.max_chunk)))
+        ks = [min(r.T - r.pos, T) for r in heads]
+        # Rows longest first: a row whose steps are done leaves the step GEMMs with every row
+        # after it (kernels.recurrent._live_end), and so do the padding rows at the end. A
+        # request of 0 steps (a sequence_end, or a start with h0/c0, and nothing to run) has
+        # no row: it is done once its reset is in its slot.
+        rows = sorted((i for i in range(len(picked)) if ks[i]), key=ks.__getitem__, reverse=True)
+        n = len(rows)
+        if not n:
+            return 0, 0
+        session, x, y, lens, slot = self._call(bucket(n), T)
         slot[:n] = [picked[i].slot for i in rows]
         slot[n:] = -1  # padding rows (bucket): no slot, never advanced
         lens[:n] = [ks[i] for i in rows]
@@ -535,8 +542,6 @@ class Lane:
             x[:k, j] = r.x[p : p + k]
             if k < T:
                 x[k:, j] = 0  # frozen rows still pass through the input projection
-            if r.t_first is None:
-                r.t_first = now
         session.run_slots(x, self.states, slot, lens, out=y)  # the states in place, by slot
         for j, i in enumerate(rows):
             r, k = heads[i], ks[i]
@@ -872,7 +877,7 @@ class Scheduler:
             if not self._pending():
                 cond.notify_all()  # drain() waits for this
             live = len(lane.seqs)
-        if error is None:
+        if error is None and ran:  # (ran 0: only requests of 0 steps, no engine call)
             per_step = (t1 - t0) / ran
             lane.step_seconds = (
                 per_step if lane.step_seconds == 0 else 0.8 * lane.step_seconds + 0.2 * per_step

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ... import config
-from ...errors import DTypeError, PlanError, ShapeError
+from ...errors import DTypeError, ModelFormatError, PlanError, ShapeError
 from ...ir import RNN_OPS
 from ...memory.arena import Arena, check_fits, reusable
 from ...memory.planner import Buffer, Plan, plan
@@ -334,6 +334,17 @@ class GraphSession:
             if OPS[node.op].scratch is not None:
                 tmp = guard(node, OPS[node.op].scratch, ctx, node, ins, outs, loaded.needed)
             steps.append((node, outs, tmp))
+        for t in g.outputs:
+            # onnxruntime refuses such a file at load ("Type Error"); handing out the computed
+            # dtype under the declared name would be a silent change of type
+            if t.dtype and metas[t.name].dtype != np.dtype(t.dtype):
+                raise ModelFormatError(
+                    f"[GraphSession.resize] graph output {t.name!r} is declared {t.dtype}, "
+                    f"but the graph computes it as {metas[t.name].dtype} for inputs "
+                    f"{ {k: m.dtype.name for k, m in metas_in.items()} }: the file's "
+                    "declared type is wrong (onnxruntime refuses it too); fix the output's "
+                    "type in the file"
+                )
         p, layout = self._plan_layout(steps, metas, limit)
         # What ops allocate themselves while they run (Conv's and MaxPool's window blocks),
         # the most any one does: the nodes run one after another, each freeing its own

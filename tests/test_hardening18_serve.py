@@ -1,0 +1,127 @@
+"""Session 44, from the list earlier sessions noticed and left alone: a request of 0 steps was
+refused ("input 'x' has 0 steps"), so a client had no way to end a stream without a step to
+send (its slot held until the idle timeout, against --max-streams), nor to restore a snapshot
+(h0/c0 at sequence_start) and read it back before its first step."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory):
+    import leanrnn
+    from helpers import served
+
+    pytest.importorskip("tritonclient.http")
+    pytest.importorskip("tritonclient.grpc")
+    d = tmp_path_factory.mktemp("zero")
+    with served(d, "m", leanrnn.LSTM(3, 5, num_layers=2, seed=4), "--max-streams", "1") as s:
+        yield s
+
+
+def _client(server, protocol):
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    mod = th if protocol == "http" else tg
+    return mod, mod.InferenceServerClient(server[protocol])
+
+
+def _infer(mod, c, feeds: dict, outputs=("y", "h_n", "c_n"), **kw):
+    ins = []
+    for name, v in feeds.items():
+        i = mod.InferInput(name, list(v.shape), "FP32")
+        i.set_data_from_numpy(v)
+        ins.append(i)
+    outs = [mod.InferRequestedOutput(n) for n in outputs]
+    return c.infer("m", ins, outputs=outs, **kw)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_zero_step_end_frees_the_slot_and_answers_the_state(one_slot, protocol):
+    mod, c = _client(one_slot, protocol)
+    model = one_slot["model"]
+    x = np.random.default_rng(1).standard_normal((6, 3)).astype(np.float32)
+    sid = 4100 + (protocol == "grpc")
+    ys = [_infer(mod, c, {"x": x[:4]}, sequence_id=sid, sequence_start=True).as_numpy("y")]
+    ys.append(_infer(mod, c, {"x": x[4:]}, sequence_id=sid).as_numpy("y"))
+    end = _infer(mod, c, {"x": x[:0]}, sequence_id=sid, sequence_end=True)
+    y_ref, (h_ref, c_ref) = model(x[:, None])
+    np.testing.assert_allclose(np.concatenate(ys), y_ref[:, 0], rtol=0, atol=ATOL)
+    assert end.as_numpy("y").shape == (0, 5)
+    np.testing.assert_allclose(end.as_numpy("h_n"), h_ref[:, 0], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(end.as_numpy("c_n"), c_ref[:, 0], rtol=0, atol=ATOL)
+    # the one slot (--max-streams 1) is free at once: a new sequence starts without a 429
+    other = _infer(mod, c, {"x": x[:1]}, sequence_id=sid + 10, sequence_start=True,
+                   sequence_end=True)  # fmt: skip
+    np.testing.assert_allclose(other.as_numpy("y"), y_ref[:1, 0], rtol=0, atol=ATOL)
+    # and the ended id is not live
+    with pytest.raises(Exception, match="not live"):
+        _infer(mod, c, {"x": x[:1]}, sequence_id=sid)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_zero_step_start_restores_a_snapshot_to_read_and_continue(one_slot, protocol):
+    mod, c = _client(one_slot, protocol)
+    model = one_slot["model"]
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    h0 = rng.standard_normal((2, 5)).astype(np.float32)
+    c0 = rng.standard_normal((2, 5)).astype(np.float32)
+    sid = f"snap-{protocol}"
+    back = _infer(mod, c, {"x": x[:0], "h0": h0, "c0": c0}, sequence_id=sid, sequence_start=True)
+    np.testing.assert_array_equal(back.as_numpy("h_n"), h0)
+    np.testing.assert_array_equal(back.as_numpy("c_n"), c0)
+    r = _infer(mod, c, {"x": x}, sequence_id=sid, sequence_end=True)
+    y_ref, (h_ref, _) = model(x[:, None], (h0[:, None], c0[:, None]))
+    np.testing.assert_allclose(r.as_numpy("y"), y_ref[:, 0], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(r.as_numpy("h_n"), h_ref[:, 0], rtol=0, atol=ATOL)
+
+
+def test_zero_step_requests_beside_running_streams_leave_them_exact():
+    """In one engine turn with other streams' steps: the 0-step request has no row (its
+    state is not advanced, nor another stream's), and a turn of only such requests runs no
+    engine call (it divided the call's time by its 0 steps)."""
+    import leanrnn
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    m = leanrnn.GRU(4, 6, num_layers=2, seed=3)
+    lane = Lane("m", m, Pool(), threads=1, max_streams=8, max_batch=8, max_chunk=4,
+                idle_timeout=30.0)  # fmt: skip
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((7, 4)).astype(np.float32) for _ in range(3)]
+    done = []
+    with Scheduler({"m": lane}, max_wait=0.0) as s:
+        # stream 0 starts with 3 steps; then, submitted together, its 0-step request (the
+        # state after 3 steps), stream 1's and 2's whole sequences, and stream 0's rest
+        first = s.submit("m", 10, True, False, xs[0][:3], want_state=True, on_done=done.append)
+        deadline = time.monotonic() + 10
+        while not first.finished and time.monotonic() < deadline:
+            time.sleep(0.005)
+        mid = s.submit("m", 10, False, False, xs[0][:0], want_state=True, on_done=done.append)
+        others = [s.submit("m", 11 + k, True, True, xs[1 + k], want_state=True,
+                           on_done=done.append) for k in range(2)]  # fmt: skip
+        rest = s.submit("m", 10, False, True, xs[0][3:], want_state=True, on_done=done.append)
+        alone = s.submit("m", 20, True, True, xs[0][:0], want_state=True, on_done=done.append)
+        while len(done) < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert len(done) == 6 and all(r.error is None for r in done)
+    y3, h3 = m(xs[0][:3, None])
+    np.testing.assert_allclose(mid.h_out, h3[:, 0], rtol=0, atol=1e-6)
+    assert mid.y.shape == (0, 6)
+    y, h = m(xs[0][:, None])
+    np.testing.assert_allclose(np.concatenate([first.y, rest.y]), y[:, 0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(rest.h_out, h[:, 0], rtol=0, atol=1e-6)
+    for k, r in enumerate(others):
+        yk, hk = m(xs[1 + k][:, None])
+        np.testing.assert_allclose(r.y, yk[:, 0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(r.h_out, hk[:, 0], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(alone.h_out, np.zeros((2, 6), np.float32))
+    assert lane.seqs == {}  # every slot given back
