@@ -348,7 +348,7 @@ class ServeCoreStub:
     def unreserve(self, n):
         pass
 
-    def error(self, e, protocol):
+    def error(self, e, protocol, model=None):
         pass
 
     async def infer_held(self, p, protocol, json_bytes=0, arrival=None, submitted=None):

@@ -110,8 +110,9 @@ def test_metric_series_exist_from_the_start():
         labels = {"model": "a", "protocol": proto}
         assert reg.get_sample_value("leanrnn_serve_request_seconds_count", labels) == 0
         for kind in ("invalid", "sequence", "exhausted", "unauthenticated", "unavailable"):
-            labels = {"kind": kind, "protocol": proto}
-            assert reg.get_sample_value("leanrnn_serve_errors_total", labels) == 0
+            for model in ("", "a", "b"):
+                labels = {"kind": kind, "protocol": proto, "model": model}
+                assert reg.get_sample_value("leanrnn_serve_errors_total", labels) == 0
 
 
 # ------------------------------------------------------------- one server: its operations

@@ -125,3 +125,38 @@ def test_zero_step_requests_beside_running_streams_leave_them_exact():
         np.testing.assert_allclose(r.h_out, hk[:, 0], rtol=0, atol=1e-6)
     np.testing.assert_array_equal(alone.h_out, np.zeros((2, 6), np.float32))
     assert lane.seqs == {}  # every slot given back
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus's error counter had no model label (kind and protocol only): with several models
+# served, one model's failing clients could not be told apart on a dashboard.
+
+
+def _errors(server) -> dict[tuple, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{server['http']}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("leanrnn_serve_errors_total{"):
+            labels, value = line[len("leanrnn_serve_errors_total{") :].rsplit("} ", 1)
+            pairs = dict(p.split("=", 1) for p in labels.split(","))
+            out[tuple(pairs[k].strip('"') for k in ("kind", "protocol", "model"))] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_errors_are_counted_per_model_and_never_per_made_up_name(one_slot, protocol):
+    mod, c = _client(one_slot, protocol)
+    x = np.zeros((1, 3), np.float32)
+    before = _errors(one_slot)
+    with pytest.raises(Exception, match="not live"):
+        _infer(mod, c, {"x": x}, sequence_id=f"never-started-{protocol}")
+    with pytest.raises(Exception, match="unknown model"):
+        i = mod.InferInput("x", [1, 3], "FP32")
+        i.set_data_from_numpy(x)
+        c.infer("no-such-model", [i])
+    after = _errors(one_slot)
+    assert after[("sequence", protocol, "m")] == before[("sequence", protocol, "m")] + 1
+    assert after[("not_found", protocol, "")] == before[("not_found", protocol, "")] + 1
+    assert not any(k[2] == "no-such-model" for k in after)

@@ -253,8 +253,10 @@ def test_concurrency_cap_refuses_new_calls_and_keeps_those_in_flight(tmp_path):
             time.sleep(0.05)
         assert hc.is_server_live() and hc.is_server_ready()
         metrics = urllib.request.urlopen(f"http://{http_url}/metrics", timeout=10).read().decode()
-        assert 'leanrnn_serve_errors_total{kind="busy",protocol="grpc"} 1.0' in metrics, metrics
-        assert 'leanrnn_serve_errors_total{kind="busy",protocol="http"}' in metrics, metrics
+        assert 'leanrnn_serve_errors_total{kind="busy",model="",protocol="grpc"} 1.0' in metrics, (
+            metrics)  # fmt: skip
+        assert 'leanrnn_serve_errors_total{kind="busy",model="gru",protocol="http"}' in metrics, (
+            metrics)  # fmt: skip
         for s in held:
             s.close()
         time.sleep(0.2)

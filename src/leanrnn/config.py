@@ -29,6 +29,7 @@ import os
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,13 +39,68 @@ from .errors import LeanRNNError
 _log = logging.getLogger("leanrnn")
 
 
+def _quota_cores(root: str = "/") -> int | None:
+    """The CPUs a cgroup CPU quota allows this process, rounded up (``docker --cpus=1.5``:
+    2), or None if there is none: cgroup v2's ``cpu.max`` and v1's ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``, of the process's own cgroup and each one above it (the smallest
+    counts), under ``root`` (tests give a fake tree). Threads past the quota are descheduled
+    for the rest of each period, and the recurrence's threads spin-wait for each other every
+    step: a 2-thread launch under a 1-CPU quota waits on the throttled one."""
+    base = os.path.join(root, "sys", "fs", "cgroup")
+    try:
+        with open(os.path.join(root, "proc", "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    # (dir under base, quota file, period file or None: v2 holds both in one)
+    places: list[tuple[str, str, str | None]] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:  # v2: "0::/path"
+            places.append((os.path.join(base, path.lstrip("/")), "cpu.max", None))
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/path"
+            for mount in (controllers, "cpu", "cpu,cpuacct"):
+                d = os.path.join(base, mount, path.lstrip("/"))
+                places.append((d, "cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    if not places:  # no /proc: the namespace's root, both versions
+        places = [(base, "cpu.max", None),
+                  (os.path.join(base, "cpu"), "cpu.cfs_quota_us", "cpu.cfs_period_us")]  # fmt: skip
+    best = None
+    for d, quota_file, period_file in places:
+        d = os.path.normpath(d)
+        while d.startswith(base):  # the cgroup and its ancestors up to the mount
+            try:
+                with open(os.path.join(d, quota_file)) as f:
+                    words = f.read().split()
+                if period_file is not None:
+                    with open(os.path.join(d, period_file)) as f:
+                        words = [words[0], f.read().strip()]
+                quota, period = int(words[0]), int(words[1])
+            except (OSError, ValueError, IndexError):  # absent, "max", unreadable: no quota
+                quota = period = -1
+            if quota > 0 and period > 0:
+                n = max(1, -(-quota // period))
+                best = n if best is None else min(best, n)
+            if d == base:
+                break
+            d = os.path.dirname(d)
+    return best
+
+
 def _cores() -> int:
-    """The cores this process may run on, as numba counts them for its pool (its
-    NUMBA_NUM_THREADS overrides), so both backends use the same number."""
+    """The cores this process may run on now: its affinity mask, a cgroup CPU quota
+    (_quota_cores) and NUMBA_NUM_THREADS, which caps numba's pool (so both backends use the
+    same number)."""
     try:
         n = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         n = max(1, os.cpu_count() or 1)
+    quota = _quota_cores()
+    if quota is not None:
+        n = min(n, quota)
     raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
     # a cap: 64 on 2 cores ran 64 threads on 2 (10x slower); decimal digits, as numba's int()
     # reads them ('²' isdigit, and int() refused it)
@@ -53,7 +109,13 @@ def _cores() -> int:
     return n
 
 
+# The cores at start-up: the most threads any launch runs, for the life of the process (the
+# kernels' per-thread buffers are sized for this many). cores() follows the mask and quota
+# down from there: a process pinned to fewer CPUs after import (a fork's child pinning
+# itself, a container's quota lowered) runs fewer threads, not 2 spinning threads on 1 CPU.
 _CORES = _cores()
+_seen = [_CORES, time.monotonic(), os.getpid()]  # cores(): the last count, when, by whom
+_RECOUNT_SECONDS = 0.25  # (a count costs ~0.5 us of affinity and ~20 us of cgroup files)
 
 
 def _env_threads() -> int:
@@ -148,25 +210,33 @@ except LeanRNNError:  # reported by check_env(); the known topics still log
 
 
 def cores() -> int:
-    """The cores seen at start-up: no launch runs more threads than this."""
-    return _CORES
+    """The cores this process may use now (affinity mask, cgroup CPU quota,
+    NUMBA_NUM_THREADS), never more than at start-up (max_threads); counted again at most
+    every 0.25 s, and at once in a fork's child. No launch runs more threads than this: more
+    would make the recurrence's threads, which spin-wait for each other every step, wait on
+    descheduled ones."""
+    now, pid = time.monotonic(), os.getpid()
+    if now - _seen[1] > _RECOUNT_SECONDS or pid != _seen[2]:
+        _seen[:] = [min(_cores(), _CORES), now, pid]
+    return _seen[0]
 
 
 def max_threads() -> int:
-    """The most threads a session splits its work into: the cores. More would make the
-    recurrence's threads, which spin-wait for each other every step, wait on descheduled ones."""
+    """The cores at start-up: the most threads a launch may ever run, which the kernels'
+    per-thread buffers are sized for (cores() may be fewer by the time one runs)."""
     return _CORES
 
 
 def threads_for(requested: int | None) -> int:
     """Threads to run with: ``requested`` (a session's own setting) or else the global one,
-    at most max_threads()."""
-    return min(requested or _threads, max_threads())
+    at most cores()."""
+    return min(requested or _threads, cores())
 
 
 def get_num_threads() -> int:
-    """Threads leanrnn kernels (and BLAS, through threadpoolctl) use."""
-    return _threads
+    """Threads leanrnn kernels (and BLAS, through threadpoolctl) use: the setting, at most
+    cores()."""
+    return min(_threads, cores())
 
 
 def set_num_threads(n: int) -> None:

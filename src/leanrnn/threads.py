@@ -144,6 +144,27 @@ def blas_controller():
     return _controller
 
 
+def _for_the_process(call):
+    """``call()`` (a threadpoolctl limit or restore) made for the whole process from whichever
+    thread runs it. threadpoolctl >= 3.8 lets only the first Python thread that limits a
+    process-wide OpenBLAS pool change it again, and silently drops every other thread's
+    calls: a restore from the thread that left blas_alone last, or set_num_threads from a
+    worker, did nothing (BLAS stayed at 1 thread for the rest of the process). leanrnn's
+    calls are counted under _ALONE, for the process, so its thread takes control for the
+    call and lets go after it (older threadpoolctl has no such rule, nor this method)."""
+    try:
+        from threadpoolctl import OpenBLASController
+
+        clear = OpenBLASController.clear_controlling_thread
+    except (ImportError, AttributeError):
+        return call()
+    clear(force=True)
+    try:
+        return call()
+    finally:
+        clear(force=True)
+
+
 def blas_threads() -> int:
     """The most threads any loaded BLAS runs with now (1 when none is known)."""
     c = blas_controller()
@@ -162,7 +183,7 @@ def limit_blas(n: int) -> None:
         if _alone["count"]:
             _alone["wanted"] = n
         else:
-            c.limit(limits=n, user_api="blas")
+            _for_the_process(lambda: c.limit(limits=n, user_api="blas"))
 
 
 @contextlib.contextmanager
@@ -178,7 +199,7 @@ def blas_alone():
         return
     with _ALONE:
         if not _alone["count"]:
-            _alone["limiter"] = c.limit(limits=1, user_api="blas")
+            _alone["limiter"] = _for_the_process(lambda: c.limit(limits=1, user_api="blas"))
         _alone["count"] += 1
     try:
         yield
@@ -195,9 +216,9 @@ def _leave_alone() -> None:
     limiter, wanted = _alone["limiter"], _alone["wanted"]
     _alone["limiter"] = _alone["wanted"] = None
     if limiter is not None:
-        limiter.restore_original_limits()
+        _for_the_process(limiter.restore_original_limits)
     if wanted is not None:
-        blas_controller().limit(limits=wanted, user_api="blas")
+        _for_the_process(lambda: blas_controller().limit(limits=wanted, user_api="blas"))
 
 
 def _pool(purpose: str, threads: int):

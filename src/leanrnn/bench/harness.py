@@ -39,6 +39,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import config
 from .._files import write_text
 from .problem import Config
 
@@ -387,14 +388,29 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def _busy_cpu_s() -> float:
-    """CPU seconds all processes on this machine have spent busy since boot (/proc/stat)."""
+    """CPU seconds all processes have spent busy since boot (/proc/stat) on the CPUs this
+    process may run on (its children inherit the mask): under ``taskset -c 0``, another
+    process busy on CPU 0 is in the way and one on CPU 1 is not (the machine's total
+    counted both, and missed the first against 2 cores)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        allowed = None
+    busy = 0
     try:
         with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
+            for line in f:
+                name, *rest = line.split()
+                if not name.startswith("cpu"):
+                    break  # the cpu lines come first
+                if (allowed is None and name == "cpu") or (
+                    allowed is not None and name[3:].isdigit() and int(name[3:]) in allowed
+                ):
+                    v = [int(x) for x in rest]
+                    busy += sum(v[:8]) - v[3] - (v[4] if len(v) > 4 else 0)  # - idle, iowait
+    except (OSError, ValueError):
         return float("nan")
-    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _children_cpu_s() -> float:
@@ -528,7 +544,7 @@ def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int
         others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
     for res in out.values():
         res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
-        res["cores"] = os.cpu_count() or 1  # busy() reads it, on whatever machine renders
+        res["cores"] = config.cores()  # busy() reads it, on whatever machine renders
     return out
 
 
@@ -700,7 +716,7 @@ def machine_info() -> dict:
     return {
         "cpu": cpu_name(),
         "cpu_detail": describe(),
-        "cores": os.cpu_count(),
+        "cores": config.cores(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": versions,

@@ -284,8 +284,12 @@ def _size(text: str) -> int:
 def caches() -> dict[str, int]:
     """Per-core data cache sizes in bytes {L1d, L2, L3} (L3: the whole shared cache), from
     sysfs; a typical current core's sizes where the OS does not say."""
+    return _read_caches(Path("/sys/devices/system/cpu/cpu0/cache"))
+
+
+def _read_caches(root: Path) -> dict[str, int]:
+    """caches() from the sysfs folder ``root`` (tests give a fake one)."""
     out = {"L1d": 32 << 10, "L2": 1 << 20, "L3": 32 << 20}
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
     try:
         for d in sorted(root.glob("index*")):
             level = int((d / "level").read_text())
@@ -293,8 +297,12 @@ def caches() -> dict[str, int]:
             if kind == "Instruction":
                 continue
             name = "L1d" if level == 1 else f"L{level}"
-            if name in out:
-                out[name] = _size((d / "size").read_text())
+            size = _size((d / "size").read_text())
+            # a size under 1 KiB is no data cache (a hypervisor's "0K"): the blocking derived
+            # from it crashed every run (kc: a negative shift), where an unreadable one is
+            # the typical core's
+            if name in out and size >= 1 << 10:
+                out[name] = size
     except (OSError, ValueError):
         pass
     return out
@@ -305,7 +313,7 @@ def kc(l2: int) -> int:
     row tiles share takes a quarter of L2 (the rest holds the rows of A and C passing through).
     1 MiB of L2 (Zen 5) gives 1024; 512 KiB (Zen 3) 512; 2 MiB (Sapphire Rapids) 2048."""
     k = l2 // (4 * MAX_GROUPS * B * 4)
-    return max(128, 1 << (k.bit_length() - 1))  # a power of two: whole cache lines per row
+    return max(128, 1 << max(k.bit_length() - 1, 0))  # a power of two: whole cache lines per row
 
 
 def row_chunk(l2: int, kc_: int, align: int) -> int:
@@ -370,7 +378,12 @@ def cpu_name() -> str:
 def describe() -> str:
     """One line naming the CPU and what the kernels are compiled for (compiled_for), for the
     bench reports."""
-    return f"{cpu_name()}, {os.cpu_count()} logical CPUs; {compiled_for()}"
+    from .. import config
+
+    usable = config.cores()
+    n = os.cpu_count()
+    cpus = f"{n} logical CPUs" if usable == n else f"{usable} of {n} logical CPUs usable"
+    return f"{cpu_name()}, {cpus}; {compiled_for()}"
 
 
 def compiled_for() -> str:

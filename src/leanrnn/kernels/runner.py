@@ -301,6 +301,12 @@ def _jit() -> _Jit:
     _Jit(), which picks numba's cache folder)."""
     import warnings
 
+    raw = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+    if raw and not (raw.isdecimal() and int(raw) > 0):  # numba's own error is a traceback
+        raise LeanRNNError(
+            f"[backend] NUMBA_NUM_THREADS={raw!r}: numba's JIT kernels (the backend running "
+            "here) need a positive integer; set one, or unset it to use every core"
+        )
     from numba.core.errors import NumbaIRAssumptionWarning
 
     # numba's own note on IR it generated from the kernels (four ~12-line blocks asking the

@@ -176,9 +176,11 @@ class Core:
         finally:
             self.scheduler.arrived(waiting)
 
-    def error(self, e: ServeError, protocol: str) -> None:
+    def error(self, e: ServeError, protocol: str, model: str | None = None) -> None:
+        """Count and log refusal ``e``; ``model``: the model the request named, if known
+        (labelled only if served: a client's made-up names must not grow the metrics)."""
         if self.metrics is not None:
-            self.metrics.error(e.kind, protocol)
+            self.metrics.error(e.kind, protocol, model if model in self.infos else "")
         now, window = time.monotonic(), self._refusal_log
         if now - window[0] >= 1.0:
             window[0], window[1] = now, 0

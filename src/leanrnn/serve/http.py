@@ -379,8 +379,8 @@ async def _sent(send, message) -> None:
         ) from None
 
 
-def _error(core: Core, e: ServeError) -> JSONResponse:
-    core.error(e, "http")
+def _error(core: Core, e: ServeError, model: str | None = None) -> JSONResponse:
+    core.error(e, "http", model)
     # a 401 names the scheme it wants (RFC 6750's challenge; clients and proxies look for it)
     headers = {"WWW-Authenticate": "Bearer"} if e.http == 401 else None
     return JSONResponse({"error": str(e)}, status_code=e.http, headers=headers)
@@ -396,13 +396,13 @@ def make_app(core: Core, metrics=None) -> Starlette:
                 if counted:
                     core.enter("http")
             except ServeError as e:
-                return _error(core, e)
+                return _error(core, e, request.path_params.get("model"))
             try:
                 if auth:
                     core.authorize(request.headers.get("authorization"))
                 return await handler(request)
             except ServeError as e:
-                return _error(core, e)
+                return _error(core, e, request.path_params.get("model"))
             except ClientDisconnect:  # gone mid-body: nobody to answer, nothing was queued
                 return Response(status_code=400)
             finally:

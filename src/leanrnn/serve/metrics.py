@@ -49,8 +49,9 @@ class Metrics:
                                   registry=r)  # fmt: skip
         self._evictions = Counter(p + "evictions", "Sequences evicted after the idle timeout",
                                   ["model"], registry=r)  # fmt: skip
-        self._errors = Counter(p + "errors", "Refused or failed requests", ["kind", "protocol"],
-                               registry=r)  # fmt: skip
+        self._errors = Counter(p + "errors", "Refused or failed requests (model: the served "
+                               'model the request named, "" if none)',
+                               ["kind", "protocol", "model"], registry=r)  # fmt: skip
         self._held = Gauge(p + "stream_held_bytes", "Bytes of gRPC stream answers waiting for "
                            "their clients to read them", registry=r)  # fmt: skip
 
@@ -63,7 +64,8 @@ class Metrics:
                 self._latency.labels(m, proto)
         for kind in sorted(kinds):
             for proto in PROTOCOLS:
-                self._errors.labels(kind, proto)
+                for m in ["", *models]:
+                    self._errors.labels(kind, proto, m)
 
     def active(self, model: str, n: int) -> None:
         self._active.labels(model).set(n)
@@ -90,8 +92,8 @@ class Metrics:
     def stream_held(self, delta: int) -> None:
         self._held.inc(delta)
 
-    def error(self, kind: str, protocol: str) -> None:
-        self._errors.labels(kind, protocol).inc()
+    def error(self, kind: str, protocol: str, model: str = "") -> None:
+        self._errors.labels(kind, protocol, model).inc()
 
     def expose(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -262,12 +262,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: Core) -> None:
         self.core = core
 
-    async def _refuse(self, context, e: ServeError):
+    async def _refuse(self, context, e: ServeError, model: str | None = None):
         """Count ``e`` and abort the call with its code (raises: the call ends here). ``e``'s
         traceback is dropped first: grpc's AbortError, raised while ``e`` is handled, and the
         call's context form a cycle with it, which kept the frames of a refused request, and
         its message, until a garbage collection (+120-180 MiB per refused 60 MiB call)."""
-        self.core.error(e, "grpc")
+        self.core.error(e, "grpc", model)
         e.with_traceback(None)
         await context.abort(getattr(grpc.StatusCode, e.grpc), str(e))
 
@@ -278,16 +278,16 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ServeError as e:
             await self._refuse(context, e)
 
-    async def _guard(self, context, fn):
+    async def _guard(self, context, fn, model: list | None = None):
         """Run ``fn()`` within --max-concurrency after the token check; a ServeError aborts the
-        call with its code."""
+        call with its code. ``model``: holds the model the call names first (once known)."""
         await self._enter(context)
         try:
             md = dict(context.invocation_metadata() or ())
             self.core.authorize(md.get("authorization"))
             return await fn() if asyncio.iscoroutinefunction(fn) else fn()
         except ServeError as e:
-            await self._refuse(context, e)
+            await self._refuse(context, e, model[0] if model else None)
         finally:
             self.core.leave("grpc")
 
@@ -316,7 +316,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             md = self.core.info(request.name, request.version).metadata()
             return json_format.ParseDict(md, pb.ModelMetadataResponse())
 
-        return await self._guard(context, fn)
+        return await self._guard(context, fn, [request.name])
 
     async def ModelConfig(self, request, context):
         def fn():
@@ -325,7 +325,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 config=json_format.ParseDict(cfg, model_config_pb2.ModelConfig())
             )
 
-        return await self._guard(context, fn)
+        return await self._guard(context, fn, [request.name])
 
     async def ModelStatistics(self, request, context):
         def fn():
@@ -402,7 +402,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             # cycle with the call's context, keeps them until a garbage collection
             nonlocal data
             mine, data = data, None
-            info, p = await self._read(mine, [])
+            info, p = await self._read(mine, ids)
             del mine
             values, release = await self.core.infer_held(p, "grpc")
             # the request's bytes count until the call is over: its answer written to the
@@ -413,7 +413,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.core.io(info.name, "compute_output", time.perf_counter() - t0)
             return res
 
-        return await self._guard(context, fn)
+        ids: list = []  # (model_name, id) once decoded
+        return await self._guard(context, fn, ids)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests are handed to the scheduler in the order they arrive (so one sequence's
@@ -508,7 +509,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     # its client is not left waiting for an answer that never comes
                     _log.exception("stream request failed", extra={"fields": {"request": ids}})
                     e = Internal(f"[stream] this request failed: {type(e).__name__}: {e}")
-                self.core.error(e, "grpc")
+                self.core.error(e, "grpc", ids[0] if ids else None)
                 failed = pb.ModelStreamInferResponse(error_message=str(e))
                 if ids is not None:  # (None: not a ModelInferRequest at all)
                     failed.infer_response.model_name, failed.infer_response.id = ids
