@@ -160,3 +160,59 @@ def test_errors_are_counted_per_model_and_never_per_made_up_name(one_slot, proto
     assert after[("sequence", protocol, "m")] == before[("sequence", protocol, "m")] + 1
     assert after[("not_found", protocol, "")] == before[("not_found", protocol, "")] + 1
     assert not any(k[2] == "no-such-model" for k in after)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory check of a model's state slots and call buffers was per model: three models of
+# 0.6x the machine each started without a word (45 GB of zeroed pages on a 24 GiB machine),
+# to die as streams filled them.
+
+
+def test_the_lanes_memory_is_checked_together(monkeypatch):
+    import leanrnn
+    from leanrnn.errors import PlanError
+    from leanrnn.serve import scheduler
+    from leanrnn.serve.server import ServeConfig, build
+
+    m = leanrnn.LSTM(4, 32, seed=0)
+    cfg = ServeConfig(max_batch=4, max_chunk=4, max_streams=256)
+    one = scheduler.Lane("probe", m, scheduler.Pool(), threads=1, max_streams=256, max_batch=4,
+                         max_chunk=4, idle_timeout=60.0).fixed_bytes  # fmt: skip
+    monkeypatch.setattr(scheduler, "machine_memory", lambda: int(one * 2.5))
+    core, sched, _ = build(cfg, {"a": m, "b": m})  # two fit
+    assert set(sched.lanes) == {"a", "b"}
+    with pytest.raises(PlanError, match=r"model 'c'.*beside the .* bytes of the models before it"):
+        build(cfg, {"a": m, "b": m, "c": m})  # each alone fits; the three do not
+
+
+# ---------------------------------------------------------------------------------------------
+# serve's state-dict flags went to every model: a checkpoint's --prefix refused each .lrnn
+# served beside it, and a float16 state dict's --dtype float32 converted a float64 .lrnn to
+# float32, silently (its metadata said FP32).
+
+
+def test_state_dict_flags_go_to_the_state_dicts_only(tmp_path):
+    import tritonclient.http as th
+
+    import leanrnn
+    from helpers import launch_server, stop_server
+
+    f64 = leanrnn.LSTM(3, 4, seed=1).astype(np.float64)
+    f64.save(tmp_path / "f64.lrnn")
+    g = leanrnn.GRU(3, 5, seed=2)
+    np.savez(tmp_path / "ck.npz", **{f"enc.rnn.{k}": v.astype(np.float16)
+                                     for k, v in g.state_dict().items()})  # fmt: skip
+    proc, http_url, _, logs = launch_server([
+        f"a={tmp_path / 'f64.lrnn'}", f"b={tmp_path / 'ck.npz'}", "--prefix", "enc.rnn.",
+        "--dtype", "float32", "--max-batch", "2"])  # fmt: skip
+    try:
+        c = th.InferenceServerClient(http_url)
+        assert c.get_model_metadata("a")["inputs"][0]["datatype"] == "FP64"
+        assert c.get_model_metadata("b")["inputs"][0]["datatype"] == "FP32"
+        x = np.random.default_rng(0).standard_normal((4, 3))
+        i = th.InferInput("x", [4, 3], "FP64")
+        i.set_data_from_numpy(x)
+        y = c.infer("a", [i]).as_numpy("y")
+        np.testing.assert_allclose(y, f64(x[:, None])[0][:, 0], rtol=0, atol=1e-12)
+    finally:
+        assert stop_server(proc) == 0, "".join(logs)

@@ -187,7 +187,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     from .model import add_state_dict_options
 
-    add_state_dict_options(p)  # applied to every MODEL
+    # applied to the state dicts among the MODELs (to every MODEL if none is one)
+    add_state_dict_options(p)
     p.set_defaults(func=run)
 
 
@@ -224,13 +225,31 @@ def run(args: argparse.Namespace) -> int:
     with cli_advice():
         if not load_options(args):
             return serve(cfg)
-        # the server loads files plainly: load them here with the state-dict flags
+        # the server loads files plainly: load them here with the state-dict flags. Beside a
+        # state dict, a .lrnn or ONNX file is served as it records itself: the flags are the
+        # state dict's (a checkpoint's --prefix refused every .lrnn served with it, and a
+        # float16 state dict's --dtype float32 converted a float64 .lrnn, silently); with no
+        # state dict among the models they apply to all (--dtype converts a .lrnn stack)
         import asyncio
 
+        from ..formats.checkpoint import sniff
+        from ..loading import load
         from ..serve import server
 
+        def state_dict(path) -> bool:
+            try:
+                return sniff(path) in ("safetensors", "npz", "torch-zip", "pickle")
+            except OSError:  # load says what is wrong with it
+                return False
+
+        some = any(state_dict(path) for _, path in args.models)
+
+        def flagged(path) -> bool:
+            return not some or state_dict(path)
+
         def loaded():  # once the port is bound (serve_async): a taken one fails first
-            return {name: load_model(path, args) for name, path in args.models}
+            return {name: load_model(path, args) if flagged(path) else load(path)
+                    for name, path in args.models}  # fmt: skip
 
         asyncio.run(server.serve_async(cfg, loaded=loaded,
                                        ready_line=lambda s: print(s, flush=True)))  # fmt: skip

@@ -219,7 +219,10 @@ class Lane:
     """One model: its state slots, live sequences, ready queue and batched calls."""
 
     def __init__(self, name: str, model, pool: Pool, *, threads: int | None, max_streams: int,
-                 max_batch: int, max_chunk: int, idle_timeout: float) -> None:  # fmt: skip
+                 max_batch: int, max_chunk: int, idle_timeout: float,
+                 committed: int = 0) -> None:  # fmt: skip
+        """``committed``: bytes of state slots and call buffers the server's other lanes,
+        made before this one, already hold (the machine's memory must take all of them)."""
         for what, v in (("max_streams", max_streams), ("max_batch", max_batch),
                         ("max_chunk", max_chunk)):  # fmt: skip
             _check.count("serve", what, v)
@@ -256,7 +259,7 @@ class Lane:
         self.max_batch, self.idle_timeout = max_batch, idle_timeout
         self.max_chunk = max_chunk = pow2_floor(max_chunk)
         nb, T = bucket(max_batch), max_chunk
-        self._check_fits(S, nb, T)
+        self.fixed_bytes = self._check_fits(S, nb, T, committed)
         # The state slots: h [L, S, K], c [L, S, Hp]; h_store and c_store view the real units.
         self.states = SlotStates(weights, S)
         self.h_store, self.c_store = self.states.h, self.states.c
@@ -277,22 +280,27 @@ class Lane:
         self.steps = self.calls = self.rows = 0  # stream-steps, engine calls, streams in them
         self.completing = 0  # engine calls that completed a request (Triton's executions)
 
-    def _check_fits(self, S: int, nb: int, T: int) -> None:
-        """The state slots and call buffers, by arithmetic, before any is allocated: past the
-        machine's memory numpy said 'out of memory' naming no option, or (below it, with
-        overcommit) the server started and died later."""
+    def _check_fits(self, S: int, nb: int, T: int, committed: int) -> int:
+        """The state slots and call buffers' bytes, by arithmetic, checked before any is
+        allocated with the other lanes' (``committed``) against the machine's memory: past
+        it numpy said 'out of memory' naming no option, or (below it, with overcommit: the
+        slots are zeroed pages, touched as streams fill them) the server started and died
+        later (three models of 0.6x the machine each started without a word)."""
         L, K, C, it = self.L, self.K, self.C, self.dtype.itemsize
         state = L * S * (K + (self.weights.Hp if self.lstm else 0)) * it  # as SlotStates
         calls = (T * nb * (C + K)) * it + 16 * nb
         limit = machine_memory()
-        if state + calls > limit:
+        if committed + state + calls > limit:
+            others = (f", beside the {committed:,} bytes of the models before it"
+                      if committed else "")  # fmt: skip
             raise PlanError(
                 f"[serve] model {self.name!r}: {S:,} stream slots (--max-streams) hold "
                 f"{state:,} bytes of state and calls of {nb:,} streams x {T:,} steps "
-                f"(--max-batch, --max-chunk) {calls:,} bytes of buffers; expected together at "
-                f"most this machine's {limit:,} bytes ({limit / 2**30:,.1f} GiB): lower "
-                "--max-streams, --max-batch or --max-chunk"
+                f"(--max-batch, --max-chunk) {calls:,} bytes of buffers{others}; expected "
+                f"together at most this machine's {limit:,} bytes ({limit / 2**30:,.1f} GiB): "
+                "lower --max-streams (per model), --max-batch or --max-chunk"
             )
+        return state + calls
 
     # ------------------------------------------------------------ the model's tensors
     @property

@@ -141,11 +141,14 @@ def build(config: ServeConfig, loaded: dict | None = None,
     pool = Pool()
     lanes = {}
     models = loaded or {name: load(path) for name, path in config.models.items()}
+    committed = 0  # the lanes' state slots and call buffers, all checked against the machine
     for name, model in models.items():
         max_batch = config.max_batch or tuned_batch(name, model, config)
         lane = make_lane(name, model, pool, threads=config.threads,
                          max_streams=config.max_streams, max_batch=max_batch,
-                         max_chunk=config.max_chunk, idle_timeout=config.idle_timeout)  # fmt: skip
+                         max_chunk=config.max_chunk, idle_timeout=config.idle_timeout,
+                         committed=committed)  # fmt: skip
+        committed += lane.fixed_bytes
         lane.warm_up()
         lanes[name] = lane
     metrics = Metrics(tuple(lanes))
