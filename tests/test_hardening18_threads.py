@@ -119,7 +119,7 @@ def test_a_mask_narrowed_after_import_runs_fewer_threads_with_the_same_results()
         import os, time
         import numpy as np
         import leanrnn
-        from leanrnn import config
+        from leanrnn import config, threads
         x = np.random.default_rng(0).standard_normal((20, 8, 16)).astype(np.float32)
         m = leanrnn.LSTM(16, 64, seed=1)
         y2 = m(x)[0]
@@ -127,7 +127,7 @@ def test_a_mask_narrowed_after_import_runs_fewer_threads_with_the_same_results()
         pid = os.fork()
         if pid == 0:  # a fork's child pinning itself: counted at once
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-            ok = config.cores() == 1 and config.threads_for(None) == 1
+            ok = config.cores() == 1 and threads.pool_threads(2) == 1
             ok = ok and np.array_equal(m(x)[0], y2)
             os._exit(0 if ok else 3)
         assert os.waitpid(pid, 0)[1] == 0

@@ -109,10 +109,11 @@ def _cores() -> int:
     return n
 
 
-# The cores at start-up: the most threads any launch runs, for the life of the process (the
-# kernels' per-thread buffers are sized for this many). cores() follows the mask and quota
-# down from there: a process pinned to fewer CPUs after import (a fork's child pinning
-# itself, a container's quota lowered) runs fewer threads, not 2 spinning threads on 1 CPU.
+# The cores at start-up: the most parts any launch splits into, for the life of the process
+# (the kernels' per-thread buffers are sized for this many). cores() follows the mask and
+# quota down from there, and launches run on at most that many threads (pool_threads): a
+# process pinned to fewer CPUs after import (a fork's child pinning itself, a container's
+# quota lowered) runs its parts on fewer threads, not 2 spinning threads on 1 CPU.
 _CORES = _cores()
 _seen = [_CORES, time.monotonic(), os.getpid()]  # cores(): the last count, when, by whom
 _RECOUNT_SECONDS = 0.25  # (a count costs ~0.5 us of affinity and ~20 us of cgroup files)
@@ -228,9 +229,11 @@ def max_threads() -> int:
 
 
 def threads_for(requested: int | None) -> int:
-    """Threads to run with: ``requested`` (a session's own setting) or else the global one,
-    at most cores()."""
-    return min(requested or _threads, cores())
+    """Threads a session splits its work into: ``requested`` (its own setting) or else the
+    global one, at most max_threads(). (The OS threads that run those parts are at most
+    cores() at each launch, threads.pool_threads: a mask narrowed after the plan runs the
+    same parts, so the same bits, on fewer threads.)"""
+    return min(requested or _threads, max_threads())
 
 
 def get_num_threads() -> int:

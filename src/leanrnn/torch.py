@@ -628,6 +628,18 @@ _TWICE = (b"[leanrnn.torch] a double backward (create_graph=True, then different
           b"(to_module() converts)")  # fmt: skip
 
 
+def _differentiated_twice(ctx, *grads):
+    raise RuntimeError(_TWICE.decode())
+
+
+# The op path's double backward (a function mode, such as `with torch.device("cpu"):`, sends
+# eager calls through the ops) differentiates rnn_backward itself: without a formula torch
+# said "no autograd formula was registered ... use register_autograd", advice for the op's
+# author, where the eager path says what to do
+_rnn_backward.register_autograd(_differentiated_twice,
+                                setup_context=lambda ctx, inputs, output: None)  # fmt: skip
+
+
 _FORWARD_AD = ("[{}] forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not "
                "supported by leanrnn.torch's modules; use torch.nn.LSTM/GRU/RNN for it "
                "(to_module() converts)")  # fmt: skip
@@ -655,6 +667,11 @@ class _EagerRNN(torch.autograd.Function):
             # original then, until its backward (_first_order lets go of it), and the
             # weights, whose versions (not their copies') say whether one changed since.
             ctx.originals = (out[3], weights)
+            # The hooks' copies of x and y also carry no version check: the tape reads y (the
+            # last layer's reserve) and an unstaged x where they lie, so y.mul_(2) after the
+            # forward gave wrong gradients, silently (torch's own GRU saves neither). Their
+            # versions now, checked by the backward (_check_unchanged).
+            ctx.in_place = _read_in_place(out[3], x, out[0])
         return out
 
     @staticmethod
@@ -698,6 +715,7 @@ class _EagerRNN(torch.autograd.Function):
         handle, _x, _y, _masks, *weights = ctx.saved_tensors
         if hasattr(ctx, "originals"):  # (saved-tensor hooks: ctx.saved_tensors may be copies)
             handle, weights = ctx.originals
+            _check_unchanged(ctx.in_place)
         need_x = ctx.needs_input_grad[0]
         grads = _backward_grads(handle, dy, dh_n, dc_n if ctx.lstm else None, weights, need_x)
         if (
@@ -713,6 +731,37 @@ class _EagerRNN(torch.autograd.Function):
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
                 grads[2] if ctx.has[1] else None, None, None, None, None, None, None,
                 *grads[3:])  # fmt: skip
+
+
+def _read_in_place(handle: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> list:
+    """[(name, tensor, its version)] for x and y where the tape of ``handle`` reads them in
+    their own memory (not a staged copy): what a backward must find unchanged."""
+    entry = _TAPES.get(int(handle[0]))
+    if entry is None:
+        return []
+    tape = entry[1]
+    kept = [tape._saved.get("x"), tape._y]
+    out = []
+    for name, t in (("input x", x), ("output y", y)):
+        a = t.detach().numpy()
+        if any(k is not None and np.may_share_memory(a, k) for k in kept):
+            out.append((name, t, t._version))
+    return out
+
+
+def _check_unchanged(in_place: list) -> None:
+    """The error torch's version check gives, where saved-tensor hooks keep it from checking
+    (_read_in_place)."""
+    for name, t, version in in_place:
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [leanrnn.torch] the RNN's {name} was changed in place "
+                "after its forward, under saved-tensor hooks (save_on_cpu, offloading), which "
+                "copy it without torch's version check; the backward reads it where it lies. "
+                "Change it out of place (y = y * 2, not y.mul_(2)), or run the module with "
+                "batch_first=True (its y is a copy)"
+            )
 
 
 def _copying_hooks() -> bool:

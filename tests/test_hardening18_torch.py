@@ -1,0 +1,83 @@
+"""Session 44, from a red-team pass on leanrnn.torch's autograd semantics: under saved-tensor
+hooks that copy (save_on_cpu, offloading, compression), an in-place change of the output y or
+the input x after the forward gave wrong gradients, silently (the hooks' copies carry no
+version check, and the tape reads y and an unstaged x where they lie); and a double backward
+on the ops' path (under a function mode such as torch.device) got torch's message for op
+authors instead of leanrnn's."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+lt = pytest.importorskip("leanrnn.torch")
+
+
+def _clone_hooks():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+HOOKS = [torch.autograd.graph.save_on_cpu, _clone_hooks]
+
+
+def _pair(cls, **kw):
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, cls)(3, 4, **kw).double()
+    return ref, lt.from_module(ref)
+
+
+@pytest.mark.parametrize("hooks", HOOKS, ids=["save_on_cpu", "clone"])
+@pytest.mark.parametrize("cls", ["LSTM", "GRU", "RNN"])
+def test_y_changed_in_place_under_copying_hooks_is_refused(cls, hooks):
+    _, m = _pair(cls)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    with hooks():
+        y, _ = m(x)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="output y was changed in place"):
+        (y**2).sum().backward()  # (wrong weight gradients before: off by up to 13.5)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_x_changed_in_place_under_copying_hooks_is_refused(cls):
+    _, m = _pair(cls)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    with _clone_hooks():
+        y, _ = m(x)
+    x.mul_(3)  # e.g. a loader's buffer refilled before the backward
+    with pytest.raises(RuntimeError, match="input x was changed in place"):
+        (y**2).sum().backward()
+
+
+@pytest.mark.parametrize("hooks", HOOKS, ids=["save_on_cpu", "clone"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_under_copying_hooks_gradients_are_torch_s(hooks, batch_first):
+    """Out of place (and, batch-first, whose y is a copy, in place too): torch's gradients."""
+    ref, m = _pair("GRU", batch_first=batch_first)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+
+    def grads(mod, in_place):
+        mod.zero_grad()
+        with hooks():
+            y, _ = mod(x)
+        if in_place:
+            y.mul_(2)
+        else:
+            y = y * 2
+        (y**2).sum().backward()
+        return [p.grad.clone() for p in mod.parameters()]
+
+    want = grads(ref, False)
+    for in_place in [False, True] if batch_first else [False]:
+        for g, w in zip(grads(m, in_place), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_double_backward_on_the_ops_path_says_what_to_do():
+    m = lt.LSTM(3, 4)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    with torch.device("cpu"):  # a function mode: the forward takes the custom ops
+        y, _ = m(x)
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match=r"double backward .*to_module\(\) converts"):
+            g.pow(2).sum().backward()
