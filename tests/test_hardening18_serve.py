@@ -216,3 +216,56 @@ def test_state_dict_flags_go_to_the_state_dicts_only(tmp_path):
         np.testing.assert_allclose(y, f64(x[:, None])[0][:, 0], rtol=0, atol=1e-12)
     finally:
         assert stop_server(proc) == 0, "".join(logs)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve refused every graph, an ONNX export of a torch.nn.LSTM too (the most common ONNX
+# LSTM there is), advising a conversion no tool made: it now serves the stack such a graph is
+# (GraphModel.as_stack), and still refuses a graph that computes more, saying what.
+
+
+def test_an_onnx_export_of_a_stack_is_served_and_a_graph_with_a_head_is_refused(tmp_path):
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    import tritonclient.grpc as tg
+
+    from helpers import launch_server, stop_server, torch_export
+
+    torch.manual_seed(3)
+    lstm = torch.nn.LSTM(3, 6, num_layers=2).eval()
+    x = torch.randn(9, 1, 3)
+    path = torch_export(lstm, (x,), tmp_path / "lstm.onnx", dynamo=False,
+                        dynamic={"input": {0: "T", 1: "N"}}, names=(["input"], ["y", "h", "c"]))  # fmt: skip
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    want = s.run(None, {"input": x.numpy()})
+    proc, _, grpc_url, logs = launch_server([f"lstm={path}", "--max-batch", "4"])
+    try:
+        c = tg.InferenceServerClient(grpc_url)
+        ys = []
+        for k, (a, b) in enumerate([(0, 4), (4, 5), (5, 9)]):
+            i = tg.InferInput("x", [b - a, 3], "FP32")
+            i.set_data_from_numpy(x.numpy()[a:b, 0])
+            r = c.infer("lstm", [i], sequence_id=77, sequence_start=k == 0,
+                        sequence_end=b == 9)  # fmt: skip
+            ys.append(r.as_numpy("y"))
+        np.testing.assert_allclose(np.concatenate(ys), want[0][:, 0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(r.as_numpy("h_n"), want[1][:, 0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(r.as_numpy("c_n"), want[2][:, 0], rtol=0, atol=1e-5)
+    finally:
+        assert stop_server(proc) == 0, "".join(logs)
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.head = torch.nn.GRU(3, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.rnn(x)[0])
+
+    import leanrnn
+    from leanrnn.errors import SpecError
+    from leanrnn.serve.scheduler import stack_of
+
+    head = torch_export(Tagger().eval(), (x,), tmp_path / "tagger.onnx", dynamo=False)
+    with pytest.raises(SpecError, match=r"computes more than a recurrent stack.*(MatMul|Gemm)"):
+        stack_of("tagger", leanrnn.load(head))

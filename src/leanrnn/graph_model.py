@@ -5,6 +5,8 @@ and graph ``.lrnn`` files). It sits above the engine, like ``nn.Model``: the eng
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
 import re
 import threading
@@ -15,11 +17,13 @@ from .engine import _check, _fork
 from .engine.graph import GraphSession, LoadedGraph
 from .engine.graph.quant_ops import quantization_constants
 from .engine.model import parameter_count, spec_line
-from .errors import ShapeError, SpecError
+from .errors import LeanRNNError, ShapeError, SpecError
 from .formats import native
+from .formats.packing import pack
 from .formats.quantize import weight_bits
 from .ir import RNN_OPS, Graph, Node
 from .memory.planner import Plan
+from .nn import GRU, LSTM, RNN, Model
 
 
 class GraphModel:
@@ -85,6 +89,220 @@ class GraphModel:
             if self._session is not None:
                 self._limit = self._session._limit
             self._session = None
+
+    # -- the recurrent stack inside
+    def as_stack(self) -> Model:
+        """The recurrent stack this graph computes, as a ``leanrnn.LSTM``/``GRU``/``RNN``, when
+        that is all it computes: its RNN nodes (forward, weights in the file) chained layer to
+        layer, and no more than the glue exporters write around them (``torch.onnx.export`` of
+        an ``nn.LSTM``, TorchScript's or dynamo's: initial states of zeros made from the
+        input's shape, or graph inputs; the Squeeze or Reshape of Y's direction axis between
+        layers; the Transposes of a batch-first layout; the Concat of the layers' final
+        states). Its ``model(x, hx)`` gives the graph's outputs as ``(y, h_n)`` /
+        ``(y, (h_n, c_n))``, same weights and attributes (an ONNX node's clip, activations,
+        peepholes run as in the graph). ``leanrnn serve`` serves a graph this way.
+
+        The RNN nodes, their attributes and the graph's ends are read off the graph; the glue
+        between them (data movement only: Identity, Transpose, Squeeze, Reshape) is then
+        checked by running both on random inputs of two shapes (a Reshape's shape is often
+        computed from the input's): ``SpecError`` naming what else the graph computes, or
+        where the two differ, otherwise."""
+        g = self.graph
+        nodes = self.rnn_nodes
+        made = {o: n for n in g.nodes for o in n.outputs if o}
+        inputs = {t.name: t for t in g.inputs}
+
+        def refuse(why: str):
+            return SpecError(f"[GraphModel.as_stack] {why}; only a graph that is a recurrent "
+                             "stack and the glue around it is one")  # fmt: skip
+
+        if not nodes:
+            raise refuse("the graph has no RNN node")
+        L = len(nodes)
+        packed = []
+        for node in nodes:
+            pw = g.packed.get(node.name)
+            if pw is None:
+                raise refuse(f"RNN node {node.name!r} takes its weights as graph inputs or "
+                             "computed tensors")  # fmt: skip
+            if pw.spec.direction != "forward":
+                raise refuse(f"RNN node {node.name!r} is {pw.spec.direction}")
+            if len(node.inputs) > 4 and node.inputs[4]:
+                raise refuse(f"RNN node {node.name!r} takes sequence_lens from the graph")
+            if node.when:
+                raise refuse(f"RNN node {node.name!r} runs inside an If branch")
+            packed.append(pw)
+        spec0 = packed[0].spec
+        for node, pw in zip(nodes[1:], packed[1:], strict=True):
+            if dataclasses.replace(pw.spec, input_size=spec0.input_size) != spec0 or (
+                pw.precision != packed[0].precision or pw.dtype != packed[0].dtype
+            ):
+                raise refuse(f"RNN node {node.name!r} is not a layer like the first "
+                             f"({spec_line(pw.spec)} after {spec_line(spec0)})")  # fmt: skip
+
+        def moved(name: str, stop) -> str:
+            """Back from tensor ``name`` through data movement (Identity, Transpose, Squeeze,
+            Reshape) until ``stop(name)``: that tensor."""
+            for _ in range(len(g.nodes) + 1):
+                if stop(name):
+                    return name
+                p = made.get(name)
+                if p is None or p.when or p.op not in ("Identity", "Transpose", "Squeeze",
+                                                       "Reshape"):  # fmt: skip
+                    break
+                name = p.inputs[0]
+            raise refuse(f"tensor {name!r} is made by "
+                         f"{'an ' + made[name].op if name in made else 'no'} op the stack "
+                         "explains")  # fmt: skip
+
+        # layer 0 reads a graph input; layer k the layer before it
+        x_name = moved(nodes[0].inputs[0], inputs.__contains__)
+        for k in range(1, L):
+            prev = nodes[k - 1].outputs[0]
+            if moved(nodes[k].inputs[0], lambda n, prev=prev: n == prev) != prev:
+                raise refuse(f"RNN node {nodes[k].name!r} does not read the layer before it")
+
+        # the initial states: zeros made by the graph, or graph inputs (layer k: slice k)
+        def zeros(name: str) -> bool:
+            for _ in range(len(g.nodes) + 1):
+                if name in g.constants:
+                    return not np.any(g.constants[name])
+                p = made.get(name)
+                if p is None or p.when:
+                    return False
+                if p.op == "ConstantOfShape":
+                    v = p.attrs.get("value")
+                    return v is None or not np.any(
+                        np.asarray(v.get("values", 0) if isinstance(v, dict) else v)
+                    )
+                if p.op == "Concat":
+                    return all(zeros(i) for i in p.inputs if i)
+                if p.op not in ("Identity", "Cast", "Expand", "Reshape", "Slice", "Squeeze",
+                                "Unsqueeze", "Transpose", "Tile", "Gather"):  # fmt: skip
+                    return False
+                name = p.inputs[0]
+            return False
+
+        state_inputs: dict[str, str] = {}  # "h0"/"c0" -> the graph input it comes from
+        for slot, what in ((5, "h0"), (6, "c0")):
+            src = set()
+            for k, node in enumerate(nodes):
+                name = node.inputs[slot] if len(node.inputs) > slot else ""
+                if not name or zeros(name):
+                    src.add(None)
+                    continue
+                p = made.get(name)
+                if name in inputs and L == 1:
+                    src.add(name)
+                elif (p is not None and p.op == "Slice" and p.inputs[0] in inputs
+                      and _slices_layer(p, g.constants, k)):  # fmt: skip
+                    src.add(p.inputs[0])
+                else:
+                    raise refuse(f"RNN node {node.name!r}'s initial state {name!r} is neither "
+                                 "zeros nor a graph input")  # fmt: skip
+            if len(src) > 1:
+                raise refuse(f"the layers' {what} come from different places")
+            (one,) = src
+            if one is not None:
+                state_inputs[what] = one
+        others = set(inputs) - {x_name, *state_inputs.values()}
+        if others:
+            raise refuse(f"the graph takes inputs {sorted(others)} the stack has no use for")
+
+        # every graph output: the last layer's Y, or the layers' final states (one layer's, or
+        # all of them concatenated in layer order)
+        last = nodes[-1]
+        finals = [[n.outputs[j] if len(n.outputs) > j else "" for n in nodes] for j in (1, 2)]
+        roles = []
+        for t in g.outputs:
+            name = t.name
+            while name in made and made[name].op == "Identity" and not made[name].when:
+                name = made[name].inputs[0]
+            p = made.get(name)
+            for j, role in ((0, "h_n"), (1, "c_n")):
+                if (L == 1 and name == finals[j][0]) or (
+                    L > 1 and p is not None and p.op == "Concat" and not p.when
+                    and int(p.attrs.get("axis", 0)) == 0 and list(p.inputs) == finals[j]
+                ):  # fmt: skip
+                    roles.append(role)
+                    break
+            else:
+                if name in inputs or name in g.constants:
+                    raise refuse(f"output {t.name!r} is not computed by the stack")
+                moved(name, lambda n: n == last.outputs[0])
+                roles.append("y")
+
+        batch_first = self._batch_first(x_name)
+        spec = dataclasses.replace(spec0, num_layers=L, batch_first=batch_first)
+        if L == 1:
+            weights = copy.copy(packed[0])  # the same packed buffer: nothing is copied
+            weights.spec = spec
+        elif packed[0].precision != "float":
+            raise refuse(f"its {L} RNN nodes hold {packed[0].precision} weights (a stack of "
+                         "separate reduced layers is made only from float ones)")  # fmt: skip
+        else:
+            weights = pack(spec, [pw.unpack()[0] for pw in packed], packed[0].dtype)
+        cls = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell]
+        stack = cls._from_packed(weights, self.threads)
+        self._check_stack(stack, x_name, state_inputs, roles)
+        return stack
+
+    def _batch_first(self, x_name: str) -> bool:
+        """Whether input ``x_name`` is batch-first: the first RNN node's X axes traced back to
+        it through its Transposes (_rnn_input_axes); time-major where they are not traced."""
+        name, axes, _ = _rnn_input_axes(self)
+        return name == x_name and axes.get(0) == "N"
+
+    def _check_stack(self, stack: Model, x_name: str, state_inputs: dict, roles: list) -> None:
+        """as_stack's last check: the graph and ``stack`` agree on random inputs of two shapes
+        (one where the graph declares fixed sizes), which the glue's data movement would not
+        if it did anything but what the stack does."""
+        decl = next(t.shape for t in self.graph.inputs if t.name == x_name) or (None,) * 3
+        bf = stack.batch_first
+        rng = np.random.default_rng(0)
+        tried = set()
+        for T, N in ((3, 2), (5, 3)):
+            shape = [N, T] if bf else [T, N]
+            shape = tuple(d if isinstance(d, int) else want
+                          for d, want in zip(decl, [*shape, stack.input_size], strict=False))  # fmt: skip
+            if shape in tried or len(shape) != 3:
+                continue
+            tried.add(shape)
+            n = shape[0] if bf else shape[1]
+            x = rng.uniform(-1, 1, shape).astype(stack.dtype)
+            LK = (stack.num_layers, n)
+            feeds = {x_name: x}
+            hx = {}
+            for what, name in state_inputs.items():
+                width = stack.spec.output_size if what == "h0" else stack.hidden_size
+                feeds[name] = hx[what] = rng.uniform(-1, 1, (*LK, width)).astype(stack.dtype)
+            try:
+                got = self.run(feeds)
+            except LeanRNNError as e:
+                raise SpecError(f"[GraphModel.as_stack] the graph does not run on a probe input "
+                                f"of shape {list(shape)}: {e}") from None  # fmt: skip
+            state = None
+            if stack.spec.cell == "lstm" and hx:
+                zero = np.zeros((*LK, stack.hidden_size), stack.dtype)
+                state = (hx.get("h0", zero[..., : stack.spec.output_size]), hx.get("c0", zero))
+            elif hx:
+                state = hx["h0"]
+            y, h = stack(x, state)
+            mine = {"y": y, "h_n": h[0] if isinstance(h, tuple) else h,
+                    "c_n": h[1] if isinstance(h, tuple) else None}  # fmt: skip
+            for role, out, name in zip(roles, got, self.output_names, strict=True):
+                ref = mine[role]
+                if ref is not None and ref.shape == out.shape:
+                    if np.allclose(out, ref, rtol=1e-4, atol=1e-5):
+                        continue
+                    what = "other values"
+                else:
+                    what = f"shape {list(out.shape)}"
+                raise SpecError(
+                    f"[GraphModel.as_stack] output {name!r} is not the stack's {role} (a "
+                    f"probe input of shape {list(shape)} gave {what}): the glue around the RNN "
+                    "nodes computes something else"
+                )
 
     # -- description
     @property
@@ -344,3 +562,18 @@ def _fixed_sizes(model: GraphModel, batch: int, steps: int, shapes: dict) -> set
     ``shapes`` (``_input_shapes(model, batch, steps)``) do not change with them."""
     return {name for name, b, s in (("batch", batch + 1, steps), ("steps", batch, steps + 1))
             if _input_shapes(model, b, s) == shapes}  # fmt: skip
+
+
+def _slices_layer(node: Node, constants: dict, k: int) -> bool:
+    """Whether Slice ``node`` takes index k of axis 0 (a stacked initial state's layer k)."""
+
+    def arg(i: int, key: str):
+        if len(node.inputs) > i and node.inputs[i]:
+            v = constants.get(node.inputs[i])
+            return None if v is None else [int(a) for a in np.atleast_1d(v)]
+        v = node.attrs.get(key)
+        return None if v is None else [int(a) for a in np.atleast_1d(v)]
+
+    starts, ends, axes, steps = arg(1, "starts"), arg(2, "ends"), arg(3, "axes"), arg(4, "steps")
+    return (starts == [k] and ends == [k + 1] and axes in (None, [0])
+            and steps in (None, [1]))  # fmt: skip

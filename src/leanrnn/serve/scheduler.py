@@ -73,6 +73,7 @@ import numpy as np
 from ..engine import _check
 from ..engine.session import Pool, Session, SlotStates
 from ..errors import PlanError, SpecError
+from ..graph_model import GraphModel
 from ..memory.arena import machine_memory
 from ..tuning import bucket  # one rule for the call shapes and the batches tune tries
 from .errors import (
@@ -215,8 +216,26 @@ def describe(key) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({n} characters)"
 
 
+def stack_of(name: str, model):
+    """``model``, or the recurrent stack a graph model is (GraphModel.as_stack: an ONNX export
+    of a torch.nn.LSTM and the glue around it); a graph that computes more is refused with
+    what more (its other ops are not batched across streams)."""
+    if not isinstance(model, GraphModel):
+        return model
+    try:
+        return model.as_stack()
+    except SpecError as e:
+        raise SpecError(
+            f"[serve] model {name!r} is a graph that computes more than a recurrent stack "
+            f"({e}); serve batches recurrent stacks only: serve the stack (an ONNX file of it "
+            "alone, or its weights as a state dict) and run the graph's other ops in the "
+            "client"
+        ) from None
+
+
 class Lane:
-    """One model: its state slots, live sequences, ready queue and batched calls."""
+    """One model: its state slots, live sequences, ready queue and batched calls. ``model``: a
+    leanrnn.LSTM/GRU/RNN, or a graph model that is one (stack_of)."""
 
     def __init__(self, name: str, model, pool: Pool, *, threads: int | None, max_streams: int,
                  max_batch: int, max_chunk: int, idle_timeout: float,
@@ -229,15 +248,13 @@ class Lane:
         if (not isinstance(idle_timeout, int | float) or isinstance(idle_timeout, bool)
                 or not idle_timeout > 0):  # fmt: skip
             raise SpecError(f"[serve] idle_timeout={idle_timeout!r}; expected seconds > 0")
+        model = stack_of(name, model)
         session = getattr(model, "session", None)
         if not isinstance(session, Session):
             raise SpecError(
                 f"[serve] model {name!r} is a {type(model).__name__}; serve batches recurrent "
-                "stacks (leanrnn.LSTM/GRU/RNN: a .lrnn saved from one, or a PyTorch, "
-                ".safetensors or .npz state dict); graphs (ONNX, or a .lrnn converted from "
-                "one) are not served yet: serve the recurrent stack's weights as a state dict "
-                "(`leanrnn convert` it to a .lrnn with --precision P to keep a reduced "
-                "precision) and run the graph's other ops in the client"
+                "stacks (leanrnn.LSTM/GRU/RNN, a .lrnn saved from one, a PyTorch, "
+                ".safetensors or .npz state dict, or an ONNX graph that is only a stack)"
             )
         weights = session.weights
         spec = weights.spec

@@ -18,7 +18,7 @@ from ..engine.session import Pool
 from ..errors import LeanRNNError
 from .core import Core, hostport
 from .metrics import Metrics
-from .scheduler import Lane, Scheduler
+from .scheduler import Lane, Scheduler, stack_of
 
 _log = logging.getLogger("leanrnn.serve")
 
@@ -143,6 +143,7 @@ def build(config: ServeConfig, loaded: dict | None = None,
     models = loaded or {name: load(path) for name, path in config.models.items()}
     committed = 0  # the lanes' state slots and call buffers, all checked against the machine
     for name, model in models.items():
+        model = stack_of(name, model)  # (once: a graph's stack of several nodes is packed anew)
         max_batch = config.max_batch or tuned_batch(name, model, config)
         lane = make_lane(name, model, pool, threads=config.threads,
                          max_streams=config.max_streams, max_batch=max_batch,
