@@ -87,11 +87,30 @@ class _Reader:
         base_dir: str | None,
         path: str | None = None,
         raw: dict[int, tuple[int, int]] | None = None,
+        file=None,
     ) -> None:
         self.base_dir = base_dir
         self.path = path
         self.raw = raw or {}
         self._sizes: dict[str, int] = {}
+        # Every file is opened once for the whole load, the model file's by read_onnx (its
+        # skeleton was parsed from it): opened again by name per tensor, a file replaced in
+        # the middle (an atomic rename of a new version) gave tensors read at the old
+        # skeleton's offsets from the new bytes, silently (0.94 off onnxruntime)
+        self._files: dict[str, object] = {} if path is None else {path: file}
+
+    def _open(self, path: str):
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = open(path, "rb")
+        return f
+
+    def close(self) -> None:
+        """Close the external data files (the model file is its opener's)."""
+        for p, f in self._files.items():
+            if p != self.path and f is not None:
+                f.close()
+        self._files.clear()
 
     def initializer(
         self, g, index: int, rows: tuple[tuple[int, ...], int] | None = None
@@ -126,21 +145,21 @@ class _Reader:
         out = np.empty(dims, dtype.newbyteorder("<"))
         if not nbytes:  # an empty tensor: memoryview cannot cast a view with a 0 in its shape
             return out.astype(dtype, copy=False)
-        with open(path, "rb") as f:
-            if rows is None:
-                spans = [(offset, out.reshape(-1))]
-            else:  # out[d, k*H:(k+1)*H] <- source block order[k] of direction d
-                order, H = rows
-                block = H * math.prod(dims[2:]) * dtype.itemsize
-                spans = [
-                    (offset + (d * len(order) + src) * block, out[d, k * H : (k + 1) * H])
-                    for d in range(dims[0])
-                    for k, src in enumerate(order)
-                ]
-            for start, dst in spans:
-                f.seek(start)
-                if dst.nbytes and f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
-                    raise ModelFormatError(f"[load_onnx] {where}: file truncated while reading")
+        f = self._open(path)
+        if rows is None:
+            spans = [(offset, out.reshape(-1))]
+        else:  # out[d, k*H:(k+1)*H] <- source block order[k] of direction d
+            order, H = rows
+            block = H * math.prod(dims[2:]) * dtype.itemsize
+            spans = [
+                (offset + (d * len(order) + src) * block, out[d, k * H : (k + 1) * H])
+                for d in range(dims[0])
+                for k, src in enumerate(order)
+            ]
+        for start, dst in spans:
+            f.seek(start)
+            if dst.nbytes and f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
+                raise ModelFormatError(f"[load_onnx] {where}: file truncated while reading")
         return out.astype(dtype, copy=False)
 
     def _declared(self, t, where: str) -> tuple[np.dtype, list[int], int]:
@@ -190,10 +209,10 @@ class _Reader:
         out = np.empty(dims, dtype)
         if not nbytes:  # an empty tensor: memoryview cannot cast a view with a 0 in its shape
             return out
-        with open(path, "rb") as f:
-            f.seek(offset)
-            if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
-                raise ModelFormatError(f"[load_onnx] {where}: short read from {path!r}")
+        f = self._open(path)
+        f.seek(offset)
+        if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
+            raise ModelFormatError(f"[load_onnx] {where}: short read from {path!r}")
         return out
 
     def _external_span(self, t, dtype, dims, nbytes: int, where: str) -> tuple[str, int]:
@@ -226,7 +245,9 @@ class _Reader:
                 "decimal byte counts"
             )
         offset, length = int(raw[0]), int(raw[1])
-        size = self._sizes.setdefault(path, os.path.getsize(path))
+        size = self._sizes.get(path)
+        if size is None:  # of the file as opened for the load (_open)
+            size = self._sizes[path] = os.fstat(self._open(path).fileno()).st_size
         if length != nbytes or offset < 0 or offset + length > size:
             raise WeightsError(
                 f"[load_onnx] {where} declares {dtype}{dims} = {nbytes} bytes at offset {offset} "
@@ -308,38 +329,37 @@ def _copy_message(f, start: int, end: int, label: str, on_len) -> bytes:
     return bytes(out)
 
 
-def _strip_raw_data(path: str, size: int) -> tuple[bytes, dict[int, tuple[int, int]]]:
-    """The model's protobuf with every initializer's raw bytes left out, and where those bytes
-    are in the file (by initializer index). Parsing then costs kilobytes, not the model's size,
-    and each weight is read straight from the file into its array."""
+def _strip_raw_data(f, path: str, size: int) -> tuple[bytes, dict[int, tuple[int, int]]]:
+    """The protobuf of model file ``f`` (open, named ``path``) with every initializer's raw
+    bytes left out, and where those bytes are in the file (by initializer index). Parsing then
+    costs kilobytes, not the model's size, and each weight is read straight from the file into
+    its array."""
     raw: dict[int, tuple[int, int]] = {}
     count = [0]
 
-    with open(path, "rb") as f:
+    def tensor(index):
+        def on_len(field, offset, length):
+            if field == _TENSOR_RAW_DATA:
+                raw[index] = (offset, length)  # the last occurrence wins, as in protobuf
+                return b""
+            return None
 
-        def tensor(index):
-            def on_len(field, offset, length):
-                if field == _TENSOR_RAW_DATA:
-                    raw[index] = (offset, length)  # the last occurrence wins, as in protobuf
-                    return b""
-                return None
+        return on_len
 
-            return on_len
+    def graph(field, offset, length):
+        if field != _GRAPH_INITIALIZER:
+            return None
+        index = count[0]
+        count[0] += 1
+        return _copy_message(f, offset, offset + length, path, tensor(index))
 
-        def graph(field, offset, length):
-            if field != _GRAPH_INITIALIZER:
-                return None
-            index = count[0]
-            count[0] += 1
-            return _copy_message(f, offset, offset + length, path, tensor(index))
+    def model(field, offset, length):
+        if field != _MODEL_GRAPH:
+            return None
+        # (a repeated graph field merges, appending initializers: the count runs on)
+        return _copy_message(f, offset, offset + length, path, graph)
 
-        def model(field, offset, length):
-            if field != _MODEL_GRAPH:
-                return None
-            # (a repeated graph field merges, appending initializers: the count runs on)
-            return _copy_message(f, offset, offset + length, path, graph)
-
-        stripped = _copy_message(f, 0, size, path, model)
+    stripped = _copy_message(f, 0, size, path, model)
     return stripped, raw
 
 
@@ -442,25 +462,34 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
     """Parse an ONNX model (path or bytes) into a ``Graph``. RNN nodes whose W/R/B/P are
     constants get packed weights (in their own dtype, or ``pack_dtype``)."""
     try:
-        import onnx
-        from google.protobuf.message import DecodeError
+        import onnx  # noqa: F401 - here for the error naming the extra
     except ImportError:  # pragma: no cover - exercised only without the optional dependency
         raise ModelFormatError(
             "[load_onnx] reading ONNX files needs the onnx package: pip install 'leanrnn[onnx]'"
         ) from None
     if isinstance(source, bytes | bytearray | memoryview):
-        data, label = bytes(source), "<bytes>"
-        reader = _Reader(None)
-    else:
-        label = os.fspath(source)
-        size = os.path.getsize(label)
+        return _read_onnx(bytes(source), "<bytes>", _Reader(None), pack_dtype)
+    label = os.fspath(source)
+    with open(label, "rb") as f:  # one open file for the whole load (_Reader._files)
+        size = os.fstat(f.fileno()).st_size
         if size > MAX_ONNX_BYTES:
             raise ModelFormatError(
                 f"[load_onnx] {label!r} is {size} bytes; one ONNX protobuf "
                 "holds at most 2 GiB (use external data)"
             )
-        data, raw = _strip_raw_data(label, size)
-        reader = _Reader(os.path.dirname(os.path.abspath(label)), label, raw)
+        data, raw = _strip_raw_data(f, label, size)
+        reader = _Reader(os.path.dirname(os.path.abspath(label)), label, raw, f)
+        try:
+            return _read_onnx(data, label, reader, pack_dtype)
+        finally:
+            reader.close()
+
+
+def _read_onnx(data: bytes, label: str, reader: _Reader, pack_dtype) -> Graph:
+    """read_onnx of the protobuf ``data`` (the raw weights left out, read by ``reader``)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
