@@ -7,6 +7,7 @@ for each tensor and read at the old skeleton's offsets."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +90,82 @@ def test_an_onnx_file_replaced_in_the_middle_of_its_load_is_read_whole(tmp_path,
     x = rng.standard_normal((5, 2, 3)).astype(np.float32)
     want = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(m.run({"x": x})[0], want[0], rtol=0, atol=1e-5)  # (0.94 off)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rest of that pass: a score output replaced came back 0644 over a 0600 file; a path with
+# '=' given to serve was split as NAME=PATH; `bench --from-json` read a FIFO for ever (and
+# /dev/zero until memory ran out) and an --out that is a file ended in FileExistsError; a
+# FIFO at the build's wisdom.json blocked every process's first training step; a relative
+# LEANRNN_CACHE_DIR moved with each chdir (a kernel build of 3-11 minutes after each).
+
+
+@pytest.mark.parametrize("ext", [".npz", ".parquet"])
+def test_a_score_output_replaced_keeps_its_mode(tmp_path, ext):
+    if ext == ".parquet":
+        pytest.importorskip("pyarrow")
+    x = np.random.default_rng(3).standard_normal((3, 4, 2)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / f"out{ext}"
+    out.write_bytes(b"old")
+    out.chmod(0o600)
+    leanrnn.score(leanrnn.GRU(2, 3, seed=0), str(tmp_path / "x.npy"), str(out))
+    assert out.stat().st_mode & 0o777 == 0o600 and out.stat().st_size > 3
+
+
+def test_a_serve_path_holding_an_equals_sign_is_not_split(tmp_path, monkeypatch):
+    import argparse
+
+    from leanrnn.commands.serve import _model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run=3.lrnn").write_bytes(b"x")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"holds '='.*run_3=run=3.lrnn"):
+        _model("run=3.lrnn")
+    assert _model("run_3=run=3.lrnn") == ("run_3", "run=3.lrnn")
+    assert _model("a=elsewhere.lrnn") == ("a", "elsewhere.lrnn")  # (no such file: NAME=PATH)
+
+
+def _cli(*args, timeout=60):
+    import subprocess
+    import sys
+
+    from helpers import src_env
+
+    return subprocess.run([sys.executable, "-m", "leanrnn", *args], capture_output=True,
+                          text=True, timeout=timeout, env=src_env())  # fmt: skip
+
+
+def test_bench_from_json_refuses_a_fifo_and_an_out_that_is_a_file(tmp_path):
+    fifo = tmp_path / "results.json"
+    os.mkfifo(fifo)
+    r = _cli("bench", "--from-json", str(fifo))  # (waited for a writer for ever)
+    assert r.returncode != 0 and "not a regular file" in r.stderr, r.stderr
+    good = tmp_path / "good.json"
+    good.write_text('{"rows": []}')
+    (tmp_path / "taken").write_text("a file")
+    r = _cli("bench", "--from-json", str(good), "--out", str(tmp_path / "taken"), "--no-plots")
+    assert r.returncode != 0 and "expected a directory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_fifo_in_the_build_s_wisdom_does_not_block(tmp_path, monkeypatch):
+    from leanrnn.engine import products
+
+    os.mkfifo(tmp_path / "wisdom.json")
+    os.mkfifo(tmp_path / "wisdom.lock")
+    monkeypatch.setattr(products, "_wisdom_path", lambda: tmp_path / "wisdom.json")
+    assert products._remembered() is None  # (read for ever before)
+    with products._wisdom_lock():  # (opened for ever before: no lock then, as without fcntl)
+        pass
+
+
+def test_a_relative_cache_dir_is_the_start_directory_s(tmp_path, monkeypatch):
+    from leanrnn import config
+
+    monkeypatch.setenv("LEANRNN_CACHE_DIR", "rel-cache")
+    monkeypatch.chdir(tmp_path)
+    assert config.cache_dir() == Path(config._START_DIR) / "rel-cache"
+    monkeypatch.delenv("LEANRNN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # invalid (XDG): ignored
+    assert config.cache_dir() == Path.home() / ".cache" / "leanrnn"

@@ -44,12 +44,27 @@ def replacing(path: str, suffix: str = ""):
             else:  # private while written (writers open it "wb": its mode stays)
                 os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             yield tmp
-            if st is not None:
-                _keep_access(st, tmp)
-            os.replace(tmp, path)
+            install(tmp, path, st)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+_UNSEEN = object()
+
+
+def install(tmp: str, path: str, st=_UNSEEN) -> None:
+    """os.replace(tmp, path), the file replaced keeping its access (_keep_access): for writers
+    that stream into ``tmp`` beyond one block (score's outputs came back 0644 over a 0600
+    file). ``st``: ``path``'s stat taken before (None: there was no file), else taken now."""
+    if st is _UNSEEN:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+    if st is not None:
+        _keep_access(st, tmp)
+    os.replace(tmp, path)
 
 
 def _keep_access(st: os.stat_result, tmp: str) -> None:

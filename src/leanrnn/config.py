@@ -8,8 +8,10 @@ Environment variables (read once at import; the setters below change them at run
 - ``LEANRNN_BACKEND``: ``auto`` (default), ``native`` or ``jit``: which compiled kernels run
   (kernels.runner).
 - ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native); else
-  ``$XDG_CACHE_HOME/leanrnn``, else ``~/.cache/leanrnn``. If it cannot be written, a build goes
-  to a private directory in the temp dir instead (temp_cache_dir), with a warning. A folder per
+  ``$XDG_CACHE_HOME/leanrnn`` (an absolute one), else ``~/.cache/leanrnn``; a relative
+  ``LEANRNN_CACHE_DIR`` is under the directory the process started in. If it cannot be
+  written, a build goes to a private directory in the temp dir instead (temp_cache_dir), with
+  a warning. A folder per
   fingerprint; those of other fingerprints unused for native.PRUNE_AFTER_DAYS days go after a
   successful build (kernels.native.prune; ``leanrnn compile --prune`` on demand).
 - ``LEANRNN_LOG``: comma-separated log topics; ``memory`` logs every arena acquire and release.
@@ -115,6 +117,10 @@ def _cores() -> int:
 # process pinned to fewer CPUs after import (a fork's child pinning itself, a container's
 # quota lowered) runs its parts on fewer threads, not 2 spinning threads on 1 CPU.
 _CORES = _cores()
+try:
+    _START_DIR = os.getcwd()  # what a relative LEANRNN_CACHE_DIR is relative to (cache_dir)
+except OSError:  # (started in a deleted directory: relative paths mean nothing there)
+    _START_DIR = "/"
 _seen = [_CORES, time.monotonic(), os.getpid()]  # cores(): the last count, when, by whom
 _RECOUNT_SECONDS = 0.25  # (a count costs ~0.5 us of affinity and ~20 us of cgroup files)
 
@@ -293,11 +299,17 @@ def cache_dir() -> Path:
     """Where leanrnn keeps what it builds (LEANRNN_CACHE_DIR, see the module docstring)."""
     # ~ expanded: a quoted value (a Dockerfile's ENV, an .env file) reaches us unexpanded and
     # made a directory named "~" in the working directory, and a build there
+    # A relative LEANRNN_CACHE_DIR is the start-up directory's: resolved against the working
+    # directory of the moment, a chdir (Hydra's per-run directories) sent every run to build
+    # the kernels anew, 3-11 minutes. A relative XDG_CACHE_HOME is invalid (the XDG spec:
+    # ignored).
     d = os.environ.get("LEANRNN_CACHE_DIR")
     if d:
-        return Path(d).expanduser()
+        return Path(_START_DIR, Path(d).expanduser())
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg).expanduser() / "leanrnn" if xdg else Path.home() / ".cache" / "leanrnn"
+    if xdg and Path(xdg).expanduser().is_absolute():
+        return Path(xdg).expanduser() / "leanrnn"
+    return Path.home() / ".cache" / "leanrnn"
 
 
 def writable(directory: Path) -> bool:

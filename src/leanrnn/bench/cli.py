@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import stat
 import sys
 from pathlib import Path
 
 from ..errors import LeanRNNError
+
+# the most bytes a results.json --from-json reads (a full bench's is a few MiB)
+MAX_RESULTS_BYTES = 256 << 20
 
 EPILOG = """\
 default suite: LSTM and GRU, single layer, input = hidden, H in {128, 512, 1024}; (N=1, T=100),
@@ -247,6 +251,14 @@ def _results(path: Path) -> dict:
     from ..errors import LeanRNNError
 
     try:
+        # a regular file of a results.json's size: a FIFO waited for a writer for ever, and
+        # /dev/zero was read until memory ran out
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RESULTS_BYTES:
+            what = ("not a regular file" if not stat.S_ISREG(st.st_mode)
+                    else f"{st.st_size:,} bytes (a results.json is under {MAX_RESULTS_BYTES:,})")  # fmt: skip
+            raise LeanRNNError(f"[bench --from-json] {str(path)!r} is {what}; pass the "
+                               "results.json a bench run wrote")  # fmt: skip
         results = json.loads(path.read_bytes())
     except OSError as e:  # (was the OS's words alone: "FileNotFoundError: [Errno 2] ...")
         raise LeanRNNError(f"[bench --from-json] cannot read {str(path)!r}: {e.strerror or e}; "
@@ -301,8 +313,11 @@ def run(args) -> int:
             print(f"{name:<15} {'ok' if why is None else why:<28} {cls.description}")
         return 0
     if args.from_json:
+        from ..cli import output_dir
+
         results = _results(args.from_json)
         out = args.out if args.out != Path("bench-out") else args.from_json.parent
+        output_dir(str(out), "bench --out")  # (a file there ended in FileExistsError)
     else:
         from ..cli import output_dir
         from .harness import run_suite
@@ -323,7 +338,8 @@ def run(args) -> int:
         print("\nWhere leanrnn is not yet the best:")
         for line in report.summary(results) or ["nowhere in this run"]:
             print(f"- {line}")
-    print(f"\nresults: {Path(out) / 'results.json'}")
+    # (--from-json writes no results.json into another --out: it named one there all the same)
+    print(f"\nresults: {args.from_json or Path(out) / 'results.json'}")
     for name, path in files.items():
         print(f"{name}: {path}")
     return 0

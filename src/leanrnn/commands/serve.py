@@ -13,6 +13,14 @@ from ..errors import LeanRNNError
 def _model(text: str) -> tuple[str, str]:
     """'NAME=PATH' or 'PATH' (named after the file, without its extension)."""
     name, sep, path = text.partition("=")
+    if sep and os.path.exists(text):
+        # a path with '=' in it (run=3.lrnn, lr=0.01/m.lrnn) was split as NAME=PATH: another
+        # file served under another name, or "does not exist"
+        stem = os.path.splitext(os.path.basename(text))[0].replace("=", "_")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a file whose path holds '=', read as NAME=PATH; pass NAME=PATH "
+            f"(e.g. {stem or 'model'}={text})"
+        )
     if not sep:
         path = text
         name = os.path.splitext(os.path.basename(text))[0]

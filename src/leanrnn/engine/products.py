@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -248,12 +249,22 @@ def _wisdom_path():
     return d / "wisdom.json"
 
 
+def _regular_text(path, most: int = 1 << 20) -> str:
+    """The text of the regular file ``path`` (OSError for anything else, or past ``most``
+    bytes): a FIFO put at wisdom.json blocked every process's first training step."""
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > most:
+            raise OSError(f"{path} is not a regular file of at most {most} bytes")
+        return f.read().decode()
+
+
 def _remembered() -> dict | None:
     try:
         path = _wisdom_path()
         if path is None:
             return None
-        wisdom = json.loads(path.read_text())
+        wisdom = json.loads(_regular_text(path))
         got = wisdom["gemm"] if wisdom.get("rule") == _RULE else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -292,7 +303,13 @@ def _wisdom_lock():
 
         path = _wisdom_path()
         if path is not None:
-            f = open(path.with_name("wisdom.lock"), "a")  # (closed below)
+            # O_NONBLOCK: a FIFO in its place would wait for a reader (the first training step
+            # of every process, for ever); the lock is then not had, as with no fcntl
+            fd = os.open(path.with_name("wisdom.lock"), os.O_WRONLY | os.O_APPEND
+                         | os.O_CREAT | os.O_NONBLOCK, 0o644)  # fmt: skip
+            f = os.fdopen(fd, "a")  # (closed below)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError("wisdom.lock is not a regular file")
             fcntl.flock(f, fcntl.LOCK_EX)
     except (ImportError, OSError):
         if f is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._files import refused_as_error, temp_beside, through_link
+from .._files import install, refused_as_error, temp_beside, through_link
 from .data import DataError
 
 
@@ -98,7 +98,7 @@ class ParquetOut:
             self.write(empty)
         with refused_as_error(self.path, "score"):
             self._w.close()
-            os.replace(self.tmp, self.path)
+            install(self.tmp, self.path)
 
     def abort(self) -> None:
         if self._w is not None:
@@ -163,7 +163,7 @@ class NpzOut:
                             ):
                                 _header(o, (self._n, *row), dt)
                                 shutil.copyfileobj(f, o, self.PIECE)
-                os.replace(self.tmp, self.path)
+                install(self.tmp, self.path)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
 
