@@ -121,7 +121,15 @@ try:
     _START_DIR = os.getcwd()  # what a relative LEANRNN_CACHE_DIR is relative to (cache_dir)
 except OSError:  # (started in a deleted directory: relative paths mean nothing there)
     _START_DIR = "/"
-_seen = [_CORES, time.monotonic(), os.getpid()]  # cores(): the last count, when, by whom
+_seen = [_CORES, time.monotonic()]  # cores(): the last count, and when
+
+
+def _count_again() -> None:
+    _seen[1] = float("-inf")
+
+
+if hasattr(os, "register_at_fork"):  # a fork's child counts at once (it may pin itself)
+    os.register_at_fork(after_in_child=_count_again)
 _RECOUNT_SECONDS = 0.25  # (a count costs ~0.5 us of affinity and ~20 us of cgroup files)
 
 
@@ -222,10 +230,10 @@ def cores() -> int:
     every 0.25 s, and at once in a fork's child. No launch runs more threads than this: more
     would make the recurrence's threads, which spin-wait for each other every step, wait on
     descheduled ones."""
-    now, pid = time.monotonic(), os.getpid()
-    if now - _seen[1] > _RECOUNT_SECONDS or pid != _seen[2]:
-        _seen[:] = [min(_cores(), _CORES), now, pid]
-    return _seen[0]
+    now = time.monotonic()
+    if now - _seen[1] > _RECOUNT_SECONDS:
+        _seen[:] = [min(_cores(), _CORES), now]
+    return int(_seen[0])
 
 
 def max_threads() -> int:
