@@ -169,3 +169,44 @@ def test_a_relative_cache_dir_is_the_start_directory_s(tmp_path, monkeypatch):
     monkeypatch.delenv("LEANRNN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # invalid (XDG): ignored
     assert config.cache_dir() == Path.home() / ".cache" / "leanrnn"
+
+
+def test_an_onnx_model_of_many_external_files_loads_within_a_small_descriptor_limit(tmp_path):
+    """A review of the fix above: it kept every external data file open for the whole load,
+    and a model saved one file per tensor failed with "Too many open files"."""
+    import resource
+    import subprocess
+    import sys
+
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto as P
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from helpers import src_env
+
+    rng = np.random.default_rng(6)
+    names = [f"c{k}" for k in range(80)]
+    inits = [nh.from_array(rng.standard_normal(8).astype(np.float32), n) for n in names]
+    outs = [f"s{k}" for k in range(79)] + ["y"]
+    nodes = [h.make_node("Add", [a, c], [o])
+             for a, c, o in zip(["x", *outs[:-1]], names, outs, strict=True)]  # fmt: skip
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", P.FLOAT, [8])],
+                     [h.make_tensor_value_info("y", P.FLOAT, [8])], inits)  # fmt: skip
+    path = tmp_path / "many.onnx"
+    onnx.save_model(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), str(path),
+                    save_as_external_data=True, all_tensors_to_one_file=False,
+                    size_threshold=0)  # fmt: skip
+    assert len(list(tmp_path.iterdir())) > 80
+    want = sum(nh.to_array(t) for t in inits)
+    code = (
+        "import resource, numpy as np, leanrnn;"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60));"
+        f"m = leanrnn.load({str(path)!r});"
+        "print(repr(m(np.zeros(8, np.float32)).tolist()))"
+    )
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 60
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=src_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_allclose(eval(r.stdout), want, rtol=1e-6)

@@ -138,7 +138,8 @@ def test_an_onnx_node_s_own_attributes_come_with_the_stack(tmp_path):
 
 @pytest.mark.parametrize(
     ("kw", "words"),
-    [({"tail": "Relu"}, "made by an Relu op"), ({"tail": "MatMul"}, "made by an MatMul op"),
+    [({"tail": "Relu"}, "made by a Relu op, which the stack does not explain"),
+     ({"tail": "MatMul"}, "made by a MatMul op"),
      ({"direction": "bidirectional"}, "is bidirectional"),
      ({"initial": 0.5}, "neither zeros nor a graph input")],
 )  # fmt: skip
@@ -154,3 +155,87 @@ def test_zeros_as_initial_state_constants_are_the_stack_s_default(tmp_path):
     x = np.random.default_rng(2).standard_normal((5, 2, 3)).astype(np.float32)
     np.testing.assert_allclose(leanrnn.load(path).as_stack()(x)[0], _ort(path, [x])[0],
                                rtol=0, atol=1e-5)  # fmt: skip
+
+
+# A red-team pass on as_stack and a review: an x declared of rank 2 ran no probe at all (a
+# Reshape of [T, C] rows into T sequences of one step was taken as one sequence, and served);
+# probes at T=3/N=2 and T=5/N=3 only; and a one-layer stack shared the graph's packed weights
+# (training it changed the graph model's outputs).
+
+
+def _lstm_after(tmp_path, x_shape, pre, inits_extra=()):
+    """An LSTM (C=3, H=4) whose X is ``pre`` (nodes) applied to graph input x of ``x_shape``,
+    its Y squeezed to output y."""
+    from onnx import TensorProto as P
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(4)
+    inits = [nh.from_array((rng.standard_normal(s) * 0.5).astype(np.float32), n)
+             for n, s in (("W", (1, 16, 3)), ("R", (1, 16, 4)))]  # fmt: skip
+    inits += [nh.from_array(np.array([1], np.int64), "ax"), *inits_extra]
+    nodes = [*pre, h.make_node("LSTM", ["xs", "W", "R"], ["Y"], hidden_size=4),
+             h.make_node("Squeeze", ["Y", "ax"], ["y"])]  # fmt: skip
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", P.FLOAT, x_shape)],
+                     [h.make_tensor_value_info("y", P.FLOAT, None)], inits)  # fmt: skip
+    path = str(tmp_path / "pre.onnx")
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_rows_reshaped_into_sequences_of_one_step_are_not_a_stack(tmp_path):
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from leanrnn.errors import SpecError
+
+    path = _lstm_after(tmp_path, ["R", 3], [h.make_node("Reshape", ["x", "to"], ["xs"])],
+                       [nh.from_array(np.array([1, -1, 3], np.int64), "to")])  # fmt: skip
+    with pytest.raises(SpecError, match="declared of rank 2"):
+        leanrnn.load(path).as_stack()
+
+
+def test_glue_that_swaps_time_and_batch_is_caught_by_the_probes(tmp_path):
+    """A Reshape of x [T, N, C] to [N, T, C] from x's own shape: a batch read as time, which
+    only the probes can tell (every tensor name and op on the path is as a stack's)."""
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    from leanrnn.errors import SpecError
+
+    pre = [h.make_node("Shape", ["x"], ["s"]),
+           h.make_node("Gather", ["s", "swap"], ["to"], axis=0),
+           h.make_node("Reshape", ["x", "to"], ["xs"])]  # fmt: skip
+    path = _lstm_after(tmp_path, ["T", "N", 3], pre,
+                       [nh.from_array(np.array([1, 0, 2], np.int64), "swap")])  # fmt: skip
+    with pytest.raises(SpecError, match=r"not the stack's y .*probe input"):
+        leanrnn.load(path).as_stack()
+
+
+def test_a_reshape_to_a_shape_read_off_the_input_values_is_refused(tmp_path):
+    from onnx import helper as h
+
+    from leanrnn.errors import SpecError
+
+    pre = [h.make_node("Cast", ["x"], ["xi"], to=7),
+           h.make_node("ReduceMax", ["xi"], ["m"], keepdims=0),
+           h.make_node("Reshape", ["x", "m"], ["xs"])]  # fmt: skip
+    with pytest.raises(SpecError, match="shape computed from the inputs' values"):
+        leanrnn.load(_lstm_after(tmp_path, ["T", "N", 3], pre)).as_stack()
+
+
+def test_training_the_stack_leaves_the_graph_as_it_was(tmp_path):
+    from leanrnn.train import SGD, Trainer
+
+    path = _lstm_graph(tmp_path)
+    g = leanrnn.load(path)
+    x = np.random.default_rng(5).standard_normal((4, 2, 3)).astype(np.float32)
+    before = g.run({"x": x})[0].copy()
+    stack = g.as_stack()
+    tr = Trainer(stack)
+    opt = SGD(tr.parameters(), lr=0.5)
+    tape = tr.forward(x)
+    tr.backward(tape, np.ones_like(tape.y))
+    opt.step()
+    assert np.abs(stack(x)[0] - before).max() > 1e-3  # the stack did change
+    np.testing.assert_array_equal(g.run({"x": x})[0], before)

@@ -216,6 +216,8 @@ def test_state_dict_flags_go_to_the_state_dicts_only(tmp_path):
         np.testing.assert_allclose(y, f64(x[:, None])[0][:, 0], rtol=0, atol=1e-12)
     finally:
         assert stop_server(proc) == 0, "".join(logs)
+    said = "".join(logs)
+    assert "--prefix --dtype applied to the state dicts among the models; a served as" in said
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,3 +271,54 @@ def test_an_onnx_export_of_a_stack_is_served_and_a_graph_with_a_head_is_refused(
     head = torch_export(Tagger().eval(), (x,), tmp_path / "tagger.onnx", dynamo=False)
     with pytest.raises(SpecError, match=r"computes more than a recurrent stack.*(MatMul|Gemm)"):
         stack_of("tagger", leanrnn.load(head))
+
+
+# ---------------------------------------------------------------------------------------------
+# A red-team pass on the 0-step requests: a turn of them only left the active-streams gauge
+# at the live count before it (it was updated with an engine call's metrics), counted as a
+# Triton execution, and a stateless one took a slot (a flood of them turned new sequences
+# away at --max-streams).
+
+
+def _wait(pred, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert pred()
+
+
+def test_zero_step_turns_keep_the_gauge_and_the_executions_true():
+    import leanrnn
+    from leanrnn.engine.session import Pool
+    from leanrnn.serve.metrics import Metrics
+    from leanrnn.serve.scheduler import Lane, Scheduler
+
+    m = leanrnn.LSTM(3, 4, seed=5)
+    lane = Lane("m", m, Pool(), threads=1, max_streams=2, max_batch=2, max_chunk=4,
+                idle_timeout=30.0)  # fmt: skip
+    metrics = Metrics(("m",))
+
+    def active():
+        return metrics.registry.get_sample_value("leanrnn_serve_active_streams", {"model": "m"})
+
+    x = np.ones((2, 3), np.float32)
+    with Scheduler({"m": lane}, max_wait=0.0, metrics=metrics) as s:
+        first = s.submit("m", 1, True, False, x)
+        _wait(lambda: first.finished)
+        executions = lane.completing
+        assert active() == 1
+        end = s.submit("m", 1, False, True, x[:0], want_state=True)
+        _wait(lambda: end.finished)
+        _wait(lambda: active() == 0)  # (it stayed 1 until the next engine call)
+        assert lane.completing == executions  # (a turn without an engine call is none)
+        np.testing.assert_allclose(end.h_out, m(x[:, None])[1][0][:, 0], rtol=0, atol=1e-6)
+        # both slots held: a stateless 0-step request is still answered (it needs none)
+        held = [s.submit("m", k, True, False, x) for k in (7, 8)]
+        _wait(lambda: all(r.finished for r in held))
+        h0 = np.full((1, 4), 0.5, np.float32)
+        c0 = np.full((1, 4), -0.5, np.float32)
+        alone = s.submit("m", ("", 123), True, True, x[:0], h0, c0, want_state=True)
+        assert alone.finished and alone.error is None and alone.y.shape == (0, 4)
+        np.testing.assert_array_equal(alone.h_out, h0)
+        np.testing.assert_array_equal(alone.c_out, c0)
+        assert len(lane.seqs) == 2 and active() == 2

@@ -117,6 +117,7 @@ def test_the_machine_s_own_quota_reads_without_error():
 def test_a_mask_narrowed_after_import_runs_fewer_threads_with_the_same_results():
     code = textwrap.dedent("""
         import os, time
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])  # (2 at start-up)
         import numpy as np
         import leanrnn
         from leanrnn import config, threads
@@ -182,3 +183,37 @@ def test_bench_describes_the_cpus_it_may_use():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"1 of {os.cpu_count()} logical CPUs usable" in r.stdout
+
+
+@TWO_CPUS
+def test_leanrnn_gives_blas_control_back_to_a_user_s_thread():
+    """A review of the fix above: it cleared threadpoolctl's controlling thread after its own
+    calls, taking control from a user's threadpool_limits block on another thread (a third
+    thread could then take it for good, and the user's restore was dropped)."""
+    tp = pytest.importorskip("threadpoolctl")
+    if not _openblas_threads() or not hasattr(tp, "OpenBLASController"):
+        pytest.skip("numpy's BLAS here is not OpenBLAS, or threadpoolctl has no such rule")
+    state = tp.OpenBLASController._SHARED_STATE
+    if not hasattr(state, "controlling_thread"):
+        pytest.skip("threadpoolctl before 3.8 has no controlling thread")
+    entered, leave = threading.Event(), threading.Event()
+    seen = []
+
+    def user():
+        with tp.threadpool_limits(limits=1, user_api="blas"):
+            entered.set()
+            leave.wait(30)
+            seen.append(set(_openblas_threads()))
+
+    u = threading.Thread(target=user)
+    before = set(_openblas_threads())
+    u.start()
+    try:
+        assert entered.wait(30)
+        with threads.blas_alone():
+            assert set(_openblas_threads()) == {1}
+        assert state.controlling_thread is u  # (None before: control taken from the user)
+    finally:
+        leave.set()
+        u.join()
+    assert seen == [{1}] and set(_openblas_threads()) == before

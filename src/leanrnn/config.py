@@ -9,7 +9,7 @@ Environment variables (read once at import; the setters below change them at run
   (kernels.runner).
 - ``LEANRNN_CACHE_DIR``: where the ahead-of-time compiled kernels live (kernels.native); else
   ``$XDG_CACHE_HOME/leanrnn`` (an absolute one), else ``~/.cache/leanrnn``; a relative
-  ``LEANRNN_CACHE_DIR`` is under the directory the process started in. If it cannot be
+  ``LEANRNN_CACHE_DIR`` is under the working directory leanrnn was imported in. If it cannot be
   written, a build goes to a private directory in the temp dir instead (temp_cache_dir), with
   a warning. A folder per
   fingerprint; those of other fingerprints unused for native.PRUNE_AFTER_DAYS days go after a
@@ -251,8 +251,8 @@ def threads_for(requested: int | None) -> int:
 
 
 def get_num_threads() -> int:
-    """Threads leanrnn kernels (and BLAS, through threadpoolctl) use: the setting, at most
-    cores()."""
+    """Threads leanrnn kernels use: the setting (set_num_threads, LEANRNN_NUM_THREADS), at
+    most cores() (BLAS is limited to the setting itself)."""
     return min(_threads, cores())
 
 
@@ -307,7 +307,7 @@ def cache_dir() -> Path:
     """Where leanrnn keeps what it builds (LEANRNN_CACHE_DIR, see the module docstring)."""
     # ~ expanded: a quoted value (a Dockerfile's ENV, an .env file) reaches us unexpanded and
     # made a directory named "~" in the working directory, and a build there
-    # A relative LEANRNN_CACHE_DIR is the start-up directory's: resolved against the working
+    # A relative LEANRNN_CACHE_DIR is the import's working directory's: resolved against the
     # directory of the moment, a chdir (Hydra's per-run directories) sent every run to build
     # the kernels anew, 3-11 minutes. A relative XDG_CACHE_HOME is invalid (the XDG spec:
     # ignored).

@@ -104,9 +104,10 @@ class GraphModel:
 
         The RNN nodes, their attributes and the graph's ends are read off the graph; the glue
         between them (data movement only: Identity, Transpose, Squeeze, Reshape) is then
-        checked by running both on random inputs of two shapes (a Reshape's shape is often
-        computed from the input's): ``SpecError`` naming what else the graph computes, or
-        where the two differ, otherwise."""
+        checked by running both on random inputs of four shapes (a Reshape's shape is often
+        computed from the input's; one computed from its values is refused): ``SpecError``
+        naming what else the graph computes, or where the two differ, otherwise. The stack
+        has weights of its own (training it leaves the graph as it was)."""
         g = self.graph
         nodes = self.rnn_nodes
         made = {o: n for n in g.nodes for o in n.outputs if o}
@@ -140,9 +141,29 @@ class GraphModel:
                 raise refuse(f"RNN node {node.name!r} is not a layer like the first "
                              f"({spec_line(pw.spec)} after {spec_line(spec0)})")  # fmt: skip
 
+        shape_only: dict[str, bool] = {}  # tensors of_shapes found computed from shapes
+
+        def of_shapes(name: str) -> bool:
+            """Whether tensor ``name`` is computed from constants and the graph inputs' shapes
+            alone (a Reshape's target: the probes below then see what it does at any size,
+            where one read off the inputs' values could do anything)."""
+            todo, seen = [name], set()
+            while todo:
+                n = todo.pop()
+                if n in seen or n in shape_only or n in g.constants:
+                    continue
+                p = made.get(n)
+                if p is None:  # a graph input's values
+                    return False
+                seen.add(n)
+                if p.op != "Shape":
+                    todo.extend(i for i in p.inputs if i)
+            shape_only.update(dict.fromkeys(seen, True))
+            return True
+
         def moved(name: str, stop) -> str:
             """Back from tensor ``name`` through data movement (Identity, Transpose, Squeeze,
-            Reshape) until ``stop(name)``: that tensor."""
+            a Reshape to a shape computed from shapes) until ``stop(name)``: that tensor."""
             for _ in range(len(g.nodes) + 1):
                 if stop(name):
                     return name
@@ -150,10 +171,12 @@ class GraphModel:
                 if p is None or p.when or p.op not in ("Identity", "Transpose", "Squeeze",
                                                        "Reshape"):  # fmt: skip
                     break
+                if p.op == "Reshape" and not (len(p.inputs) > 1 and of_shapes(p.inputs[1])):
+                    raise refuse(f"Reshape {p.name!r} takes a shape computed from the inputs' "
+                                 "values")  # fmt: skip
                 name = p.inputs[0]
-            raise refuse(f"tensor {name!r} is made by "
-                         f"{'an ' + made[name].op if name in made else 'no'} op the stack "
-                         "explains")  # fmt: skip
+            what = f"a {made[name].op} op" if name in made else "no op"
+            raise refuse(f"tensor {name!r} is made by {what}, which the stack does not explain")
 
         # layer 0 reads a graph input; layer k the layer before it
         x_name = moved(nodes[0].inputs[0], inputs.__contains__)
@@ -219,11 +242,11 @@ class GraphModel:
             while name in made and made[name].op == "Identity" and not made[name].when:
                 name = made[name].inputs[0]
             p = made.get(name)
+            # (a Concat of the layers' final states on axis 0, -3 of their rank 3; of one)
+            stacked = (p is not None and p.op == "Concat" and not p.when
+                       and int(p.attrs.get("axis", 0)) % 3 == 0)  # fmt: skip
             for j, role in ((0, "h_n"), (1, "c_n")):
-                if (L == 1 and name == finals[j][0]) or (
-                    L > 1 and p is not None and p.op == "Concat" and not p.when
-                    and int(p.attrs.get("axis", 0)) == 0 and list(p.inputs) == finals[j]
-                ):  # fmt: skip
+                if (L == 1 and name == finals[j][0]) or (stacked and list(p.inputs) == finals[j]):
                     roles.append(role)
                     break
             else:
@@ -234,8 +257,8 @@ class GraphModel:
 
         batch_first = self._batch_first(x_name)
         spec = dataclasses.replace(spec0, num_layers=L, batch_first=batch_first)
-        if L == 1:
-            weights = copy.copy(packed[0])  # the same packed buffer: nothing is copied
+        if L == 1:  # a copy of its own: a trained stack left the graph's weights changed
+            weights = copy.deepcopy(packed[0])
             weights.spec = spec
         elif packed[0].precision != "float":
             raise refuse(f"its {L} RNN nodes hold {packed[0].precision} weights (a stack of "
@@ -254,18 +277,22 @@ class GraphModel:
         return name == x_name and axes.get(0) == "N"
 
     def _check_stack(self, stack: Model, x_name: str, state_inputs: dict, roles: list) -> None:
-        """as_stack's last check: the graph and ``stack`` agree on random inputs of two shapes
-        (one where the graph declares fixed sizes), which the glue's data movement would not
-        if it did anything but what the stack does."""
+        """as_stack's last check: the graph and ``stack`` agree on random inputs of four
+        shapes (T and N apart, and each of them 1; fewer where the graph declares fixed
+        sizes), which the glue's data movement would not if it did anything but what the
+        stack does."""
         decl = next(t.shape for t in self.graph.inputs if t.name == x_name) or (None,) * 3
+        if len(decl) != 3:
+            raise SpecError(f"[GraphModel.as_stack] input {x_name!r} is declared of rank "
+                            f"{len(decl)}; a stack takes [T, N, C] (or [N, T, C])")  # fmt: skip
         bf = stack.batch_first
         rng = np.random.default_rng(0)
         tried = set()
-        for T, N in ((3, 2), (5, 3)):
+        for T, N in ((3, 2), (5, 3), (7, 1), (1, 4)):
             shape = [N, T] if bf else [T, N]
             shape = tuple(d if isinstance(d, int) else want
-                          for d, want in zip(decl, [*shape, stack.input_size], strict=False))  # fmt: skip
-            if shape in tried or len(shape) != 3:
+                          for d, want in zip(decl, [*shape, stack.input_size], strict=True))  # fmt: skip
+            if shape in tried:
                 continue
             tried.add(shape)
             n = shape[0] if bf else shape[1]

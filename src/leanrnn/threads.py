@@ -151,18 +151,27 @@ def _for_the_process(call):
     calls: a restore from the thread that left blas_alone last, or set_num_threads from a
     worker, did nothing (BLAS stayed at 1 thread for the rest of the process). leanrnn's
     calls are counted under _ALONE, for the process, so its thread takes control for the
-    call and lets go after it (older threadpoolctl has no such rule, nor this method)."""
+    call and gives it back after it (older threadpoolctl has no such rule, nor this state)."""
     try:
         from threadpoolctl import OpenBLASController
 
-        clear = OpenBLASController.clear_controlling_thread
+        state = OpenBLASController._SHARED_STATE
+        state.lock, state.controlling_thread  # noqa: B018 - the attributes this relies on
     except (ImportError, AttributeError):
         return call()
-    clear(force=True)
+    me = threading.current_thread()
+    with state.lock:  # (set_num_threads takes it only to claim control: no deadlock)
+        before = state.controlling_thread
+        state.controlling_thread = me
     try:
         return call()
     finally:
-        clear(force=True)
+        # control goes back to the thread that had it (a user's threadpool_limits block on
+        # another thread keeps its restore), else to none
+        with state.lock:
+            if state.controlling_thread in (me, None):
+                alive = before is not None and before is not me and before.is_alive()
+                state.controlling_thread = before if alive else None
 
 
 def blas_threads() -> int:

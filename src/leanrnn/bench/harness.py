@@ -387,6 +387,13 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def _mask_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _busy_cpu_s() -> float:
     """CPU seconds all processes have spent busy since boot (/proc/stat) on the CPUs this
     process may run on (its children inherit the mask): under ``taskset -c 0``, another
@@ -544,7 +551,9 @@ def interleaved(jobs: dict[str, dict], threads: int, timeout: float, blocks: int
         others = (_busy_cpu_s() - busy0) - (_children_cpu_s() - mine0)
     for res in out.values():
         res["background_cores"] = max(0.0, others / wall) if wall > 0 else float("nan")
-        res["cores"] = config.cores()  # busy() reads it, on whatever machine renders
+        # busy() reads it, on whatever machine renders: the CPUs _busy_cpu_s counted (the
+        # mask's; a cgroup quota of 2 on a 64-CPU host compared 64 CPUs' load against 2)
+        res["cores"] = _mask_cpus()
     return out
 
 

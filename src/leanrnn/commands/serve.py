@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ..cli import port, positive_float, positive_int, size
 from ..errors import LeanRNNError
@@ -88,7 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve models over the KServe v2 / Triton protocol (HTTP and gRPC), batched",
         description="Serves recurrent stacks (LSTM/GRU/RNN, forward: a .lrnn saved from one, "
-        "or a PyTorch, .safetensors or .npz state dict; not ONNX graphs) over the KServe v2 "
+        "a PyTorch, .safetensors or .npz state dict, or an ONNX graph that is only such a "
+        "stack, as torch.onnx.export writes one) over the KServe v2 "
         "inference protocol with Triton's sequence extension, on HTTP/REST and gRPC, so "
         "tritonclient and other KServe clients work unchanged. The steps of all live streams "
         "run as batched engine calls. Needs `pip install leanrnn[serve]` (in a clone: "
@@ -251,6 +253,12 @@ def run(args: argparse.Namespace) -> int:
                 return False
 
         some = any(state_dict(path) for _, path in args.models)
+        recorded = [name for name, path in args.models if some and not state_dict(path)]
+        if recorded:  # said, not left to be found out (--dtype not applied to them)
+            flags = " ".join(f"--{k.replace('_', '-')}" for k in load_options(args))
+            print(f"leanrnn serve: {flags} applied to the state dicts among the models; "
+                  f"{', '.join(recorded)} served as their files record them",
+                  file=sys.stderr)  # fmt: skip
 
         def flagged(path) -> bool:
             return not some or state_dict(path)

@@ -17,6 +17,7 @@ paths, no ``..``), and nothing is ever executed.
 
 from __future__ import annotations
 
+import contextlib
 import graphlib
 import math
 import os
@@ -93,24 +94,35 @@ class _Reader:
         self.path = path
         self.raw = raw or {}
         self._sizes: dict[str, int] = {}
-        # Every file is opened once for the whole load, the model file's by read_onnx (its
-        # skeleton was parsed from it): opened again by name per tensor, a file replaced in
-        # the middle (an atomic rename of a new version) gave tensors read at the old
-        # skeleton's offsets from the new bytes, silently (0.94 off onnxruntime)
-        self._files: dict[str, object] = {} if path is None else {path: file}
+        # The model file stays open for the whole load (read_onnx: its skeleton was parsed
+        # from it): opened again by name per tensor, a file replaced in the middle (an atomic
+        # rename of a new version) gave tensors read at the old skeleton's offsets from the
+        # new bytes, silently (0.94 off onnxruntime). An external data file is opened per
+        # tensor (a model saved one file per tensor held a descriptor each: "Too many open
+        # files" at a thousand), and must be the version its first open saw (_seen).
+        self._file = file
+        self._seen: dict[str, tuple[int, ...]] = {}
 
-    def _open(self, path: str):
-        f = self._files.get(path)
-        if f is None:
-            f = self._files[path] = open(path, "rb")
-        return f
-
-    def close(self) -> None:
-        """Close the external data files (the model file is its opener's)."""
-        for p, f in self._files.items():
-            if p != self.path and f is not None:
-                f.close()
-        self._files.clear()
+    @contextlib.contextmanager
+    def _open(self, path: str, where: str):
+        """``path`` open to read for the block: the model file as read_onnx holds it, or an
+        external data file, the same version as at its first open in this load."""
+        if path == self.path and self._file is not None:
+            yield self._file
+            return
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise ModelFormatError(f"[load_onnx] {where}: cannot open {path!r}: {e}") from None
+        with f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._seen.setdefault(path, ident) != ident:
+                raise ModelFormatError(
+                    f"[load_onnx] {where}: external data file {path!r} changed while the "
+                    "model was loading; load it again once it is written"
+                )
+            yield f
 
     def initializer(
         self, g, index: int, rows: tuple[tuple[int, ...], int] | None = None
@@ -145,7 +157,6 @@ class _Reader:
         out = np.empty(dims, dtype.newbyteorder("<"))
         if not nbytes:  # an empty tensor: memoryview cannot cast a view with a 0 in its shape
             return out.astype(dtype, copy=False)
-        f = self._open(path)
         if rows is None:
             spans = [(offset, out.reshape(-1))]
         else:  # out[d, k*H:(k+1)*H] <- source block order[k] of direction d
@@ -156,10 +167,11 @@ class _Reader:
                 for d in range(dims[0])
                 for k, src in enumerate(order)
             ]
-        for start, dst in spans:
-            f.seek(start)
-            if dst.nbytes and f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
-                raise ModelFormatError(f"[load_onnx] {where}: file truncated while reading")
+        with self._open(path, where) as f:
+            for start, dst in spans:
+                f.seek(start)
+                if dst.nbytes and f.readinto(memoryview(dst).cast("B")) != dst.nbytes:
+                    raise ModelFormatError(f"[load_onnx] {where}: file truncated while reading")
         return out.astype(dtype, copy=False)
 
     def _declared(self, t, where: str) -> tuple[np.dtype, list[int], int]:
@@ -209,10 +221,10 @@ class _Reader:
         out = np.empty(dims, dtype)
         if not nbytes:  # an empty tensor: memoryview cannot cast a view with a 0 in its shape
             return out
-        f = self._open(path)
-        f.seek(offset)
-        if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
-            raise ModelFormatError(f"[load_onnx] {where}: short read from {path!r}")
+        with self._open(path, where) as f:
+            f.seek(offset)
+            if f.readinto(memoryview(out).cast("B")) != nbytes:  # pragma: no cover - raced
+                raise ModelFormatError(f"[load_onnx] {where}: short read from {path!r}")
         return out
 
     def _external_span(self, t, dtype, dims, nbytes: int, where: str) -> tuple[str, int]:
@@ -246,8 +258,9 @@ class _Reader:
             )
         offset, length = int(raw[0]), int(raw[1])
         size = self._sizes.get(path)
-        if size is None:  # of the file as opened for the load (_open)
-            size = self._sizes[path] = os.fstat(self._open(path).fileno()).st_size
+        if size is None:  # of the version the load reads (_open)
+            with self._open(path, where) as f:
+                size = self._sizes[path] = os.fstat(f.fileno()).st_size
         if length != nbytes or offset < 0 or offset + length > size:
             raise WeightsError(
                 f"[load_onnx] {where} declares {dtype}{dims} = {nbytes} bytes at offset {offset} "
@@ -479,10 +492,7 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
             )
         data, raw = _strip_raw_data(f, label, size)
         reader = _Reader(os.path.dirname(os.path.abspath(label)), label, raw, f)
-        try:
-            return _read_onnx(data, label, reader, pack_dtype)
-        finally:
-            reader.close()
+        return _read_onnx(data, label, reader, pack_dtype)
 
 
 def _read_onnx(data: bytes, label: str, reader: _Reader, pack_dtype) -> Graph:

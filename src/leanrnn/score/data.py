@@ -9,7 +9,6 @@ sizes (npy headers, Parquet metadata) are checked against what the file holds be
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -203,7 +202,7 @@ class _ParquetReader:
         # The footer is read and checked here, for every file before any work; the file is
         # opened again to read its rows (pieces). Kept open from here, a directory of 1,100
         # files ran out of descriptors, and a finished score's stayed open until a GC cycle.
-        with self._open() as (pf, self.ident):
+        with self._open() as pf:
             self.metadata, schema = pf.metadata, pf.schema_arrow
         names = schema.names
         opts = src.opts
@@ -274,27 +273,22 @@ class _ParquetReader:
                 big / 2**20,
                 piece_bytes / 2**20,
             )
-        with self._open() as (pf, ident):
-            if ident != self.ident:  # (its footer, self.metadata, is another file's)
+        with self._open() as pf:
+            # the rows are read as the footer read first says (self.metadata): a file
+            # replaced since (a rename of a new version) was read as a mix of the two
+            if not pf.metadata.equals(md):
                 raise _changed(self.path)
             yield from self._read(pf, md, cols, ranges, piece_bytes, row_cost)
 
-    @contextlib.contextmanager
     def _open(self):
-        """(the file as a pyarrow ParquetFile, its identity) for the block, or DataError.
-        Opened by path (pyarrow's native reads; a Python file object costs a call per read),
-        its identity taken before and after: a file replaced between the two is refused."""
+        """The file as a pyarrow ParquetFile (a context manager: closed after), or DataError."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
-            ident = identity(self.path)
-            pf = pq.ParquetFile(self.path)
+            return pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"[score] {self.path!r} is not a readable Parquet file: {e}") from None
-        with pf:
-            same_file(self.path, ident, self.path)
-            yield pf, ident
 
     def _read(self, pf, md, cols, ranges, piece_bytes: int, row_cost: int) -> Iterator[Piece]:
         import pyarrow as pa
@@ -480,24 +474,11 @@ def arrow_to_seqs(col, lengths, C: int, dtype, where: str, column: str,
 
 
 # ----------------------------------------------------------------------------- npy / npz
-def identity(f) -> tuple[int, ...]:
-    """What tells one version of a file from another (an open file, or a path): device,
-    inode, size and modification time. A header is read before any work and the data later,
-    through the file opened again: replaced or rewritten in between (an atomic rename of a
-    new file), the data was read with the old header's shape, silently (2 rows scored from
-    the new bytes read as [2, 6, 3] where they were [4, 3, 3])."""
-    st = os.stat(f) if isinstance(f, str) else os.fstat(f.fileno())
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def same_file(f, ident: tuple, path: str) -> None:
-    """DataError unless ``f`` (an open file, or a path) is the version ``ident`` was taken
-    of (identity)."""
-    if identity(f) != ident:
-        raise _changed(path)
-
-
 def _changed(path: str) -> DataError:
+    """A file replaced or rewritten between its header's read and its rows': read as a mix of
+    the two versions before (2 rows scored from the new bytes read as the old [2, 6, 3],
+    where they were [4, 3, 3]). Told by what the header says and the size, not by inode or
+    modification time: a FUSE mount may renumber inodes of files nobody changed."""
     return DataError(
         f"[score] {path!r} changed while it was being scored (replaced or rewritten after its "
         "header was read, before its rows were): score it again once it is written"
@@ -513,34 +494,35 @@ class _Member:
     shape: tuple[int, ...]
     dtype: np.dtype
     data_bytes: int  # bytes the file holds after the header
-    ident: tuple[int, ...]  # the file's identity when the header was read
 
     def open(self):
-        """(file object positioned at the data, closer); DataError if the file is not the
-        one the header was read from."""
+        """(file object positioned at the data, closer); DataError if the file no longer holds
+        what the header read first said (_changed)."""
         if self.key is None:
             f = open(self.path, "rb")
+            closers = [f.close]
+            size = os.fstat(f.fileno()).st_size
+        else:
+            z = zipfile.ZipFile(self.path)
             try:
-                same_file(f, self.ident, self.path)
-                _read_header(f, self.path, None)
+                f = z.open(self.key)
             except BaseException:
-                f.close()
+                z.close()
                 raise
-            return f, f.close
-        raw = open(self.path, "rb")
+            closers = [f.close, z.close]
+            size = z.getinfo(self.key).file_size
         try:
-            same_file(raw, self.ident, self.path)
-            z = zipfile.ZipFile(raw)
+            shape, dtype = _read_header(f, self.path, self.key)
+            if (shape, dtype, size - f.tell()) != (self.shape, self.dtype, self.data_bytes):
+                raise _changed(self.path)
         except BaseException:
-            raw.close()
+            for close in closers:
+                close()
             raise
-        f = z.open(self.key)
-        _read_header(f, self.path, self.key)
 
         def close():
-            f.close()
-            z.close()
-            raw.close()
+            for c in closers:
+                c()
 
         return f, close
 
@@ -571,15 +553,14 @@ def _members(path: str, kind: str) -> dict[str, _Member]:
         if kind == "npy":
             _regular(path)  # a --lengths FIFO would wait for a writer
             with open(path, "rb") as f:
-                ident = identity(f)
+                size = os.fstat(f.fileno()).st_size
                 shape, dtype = _read_header(f, path, None)
                 hdr = f.tell()
-            return {"": _Member(path, None, shape, dtype, ident[2] - hdr, ident)}
+            return {"": _Member(path, None, shape, dtype, size - hdr)}
         from ..formats.checkpoint import check_zip_sizes  # here: `import leanrnn` loads score
 
         out = {}
-        with open(path, "rb") as raw, zipfile.ZipFile(raw) as z:
-            ident = identity(raw)
+        with zipfile.ZipFile(path) as z:
             check_zip_sizes(z, path, "score", DataError)  # before a read inflates a bomb
             for info in z.infolist():
                 if not info.filename.endswith(".npy"):
@@ -588,7 +569,7 @@ def _members(path: str, kind: str) -> dict[str, _Member]:
                     shape, dtype = _read_header(f, path, info.filename)
                     hdr = f.tell()
                 out[info.filename[:-4]] = _Member(
-                    path, info.filename, shape, dtype, info.file_size - hdr, ident
+                    path, info.filename, shape, dtype, info.file_size - hdr
                 )
         return out
     except (OSError, zipfile.BadZipFile, EOFError) as e:

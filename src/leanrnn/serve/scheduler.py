@@ -207,6 +207,12 @@ class Sequence:
         self.answering = 0  # held requests whose answers have not left (Scheduler.release)
 
 
+def _stateless(key) -> bool:
+    """Whether ``key`` is a request's own sequence (protocol.sequence: ("", counter)), not
+    one a client named."""
+    return isinstance(key, tuple) and key[:1] == ("",)
+
+
 def describe(key) -> str:
     """A sequence id as the user sent it: 42 or 'abc', a long one cut (it goes into errors
     and the eviction log: 250-character ids made a 3 KB log line per eviction)."""
@@ -394,7 +400,7 @@ class Lane:
             if not self.free and old is None:
                 what = (
                     "a request without a sequence_id (a sequence of its own) was not run"
-                    if key[0] == ""  # an internal counter: no id the client knows
+                    if _stateless(key)  # an internal counter: no id the client knows
                     else f"sequence {describe(key)} was not started"
                 )
                 raise Exhausted(
@@ -456,6 +462,20 @@ class Lane:
             s.ending = True
         if len(s.queue) == 1 and not s.inflight:
             self.ready.append(s)
+        return r
+
+    def answer_now(self, x, h0, c0, want_state: bool, on_done, extra: int,
+                   hold: bool) -> Request:  # fmt: skip
+        """A stateless request of 0 steps (Scheduler.submit), answered without a slot: y [0,
+        DK] and, asked, its h0/c0 or zeros as the final states."""
+        self._check_state(h0, c0)
+        self.states.check(h0, c0, "infer")
+        r = Request(x, np.empty((0, self.DK), self.dtype), True, want_state, on_done, extra, hold)
+        if want_state:
+            LD, K, H, _ = self.states.shape
+            r.h_out = np.zeros((LD, K), self.dtype) if h0 is None else np.array(h0)
+            if self.lstm:
+                r.c_out = np.zeros((LD, H), self.dtype) if c0 is None else np.array(c0)
         return r
 
     def break_off(self, key, why: str, now: float) -> bool:
@@ -579,9 +599,10 @@ class Lane:
         # length are skipped (metrics counted 36 steps a call for requests of 9, 11 and 13)
         return max(ks), sum(ks)
 
-    def finish(self, picked: list[Sequence], now: float) -> tuple[list[Request], int]:
-        """Under the lock, after ``run``: complete finished requests, free ended slots, requeue
-        streams with more work. Returns the completed requests."""
+    def finish(self, picked: list[Sequence], now: float, ran: int = 1) -> list[Request]:
+        """Under the lock, after ``run`` (which ran ``ran`` steps: 0 for a turn of 0-step
+        requests, which counts as no execution): complete finished requests, free ended
+        slots, requeue streams with more work. Returns the completed requests."""
         done = []
         for s in picked:
             s.inflight = False
@@ -600,7 +621,7 @@ class Lane:
                     continue
             if s.queue:
                 self.ready.append(s)
-        self.completing += bool(done)
+        self.completing += bool(done) and ran > 0
         return done
 
     def fail(self, picked: list[Sequence], error: BaseException) -> list[Request]:
@@ -691,8 +712,19 @@ class Scheduler:
                         f"({int(cost)} B) would pass the server's "
                         f"limit of {limit} (--max-queued-bytes); retry later or send less at once"
                     )
-            r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now, extra, hold)
-            self.queued_bytes += r.nbytes
+            if _stateless(key) and not x.shape[0]:
+                # a stateless request of 0 steps: its answer is its h0/c0 (or zeros), with no
+                # slot and no engine call (it took a slot: at --max-streams a flood of them
+                # turned new sequences away)
+                r = lane.answer_now(x, h0, c0, want_state, on_done, extra, hold)
+                self.queued_bytes += r.nbytes
+                self._done([r])
+                answered = [r]
+            else:
+                r = lane.submit(key, start, end, x, h0, c0, want_state, on_done, now, extra,
+                                hold)  # fmt: skip
+                self.queued_bytes += r.nbytes
+                answered = []
             if self._last_arrival is not None:
                 gap = now - self._last_arrival
                 self._gap = gap if self._gap == float("inf") else 0.9 * self._gap + 0.1 * gap
@@ -700,6 +732,7 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.active(lane.name, len(lane.seqs))
             self.cond.notify()
+        _notify(answered)  # (outside the lock, as every answer)
         return r
 
     def break_off(self, model: str, key, error: ServeError) -> None:
@@ -707,7 +740,7 @@ class Scheduler:
         ``error`` having refused a request of it on a stream. Not for a refusal about the
         sequence itself (SequenceError: it says so to every request) or the server stopping."""
         lane = self.lanes.get(model)
-        if lane is None or key[0] == "" or isinstance(error, SequenceError | Unavailable):
+        if lane is None or _stateless(key) or isinstance(error, SequenceError | Unavailable):
             return
         why = _why(error)
         with self.cond:
@@ -883,6 +916,7 @@ class Scheduler:
         if lane.step_seconds > 0:
             t_cap = max(1, min(lane.max_chunk, int(self.max_call / lane.step_seconds)))
         t0 = time.monotonic()
+        rows0 = lane.rows
         try:
             ran, steps = lane.run(picked, t_cap, t0)
             error = None
@@ -895,13 +929,15 @@ class Scheduler:
         with cond:
             self._inflight -= len(picked)
             if error is None:
-                done = lane.finish(picked, t1)
+                done = lane.finish(picked, t1, ran)
             else:
                 done = lane.fail(picked, error)
             self._done(done)
             if not self._pending():
                 cond.notify_all()  # drain() waits for this
             live = len(lane.seqs)
+        if self.metrics is not None:  # (a turn of 0-step requests ends sequences too)
+            self.metrics.active(lane.name, live)
         if error is None and ran:  # (ran 0: only requests of 0 steps, no engine call)
             per_step = (t1 - t0) / ran
             lane.step_seconds = (
@@ -909,7 +945,8 @@ class Scheduler:
             )
             lane.steps += steps
             if self.metrics is not None:
-                self.metrics.call(lane.name, len(picked), ran, t1 - t0, steps, done, live)
+                # (the streams with rows: a 0-step request beside them had none)
+                self.metrics.call(lane.name, lane.rows - rows0, ran, t1 - t0, steps, done, live)
         _notify(done)
         return True
 

@@ -341,9 +341,9 @@ class GraphSession:
                 raise ModelFormatError(
                     f"[GraphSession.resize] graph output {t.name!r} is declared {t.dtype}, "
                     f"but the graph computes it as {metas[t.name].dtype} for inputs "
-                    f"{ {k: m.dtype.name for k, m in metas_in.items()} }: the file's "
-                    "declared type is wrong (onnxruntime refuses it too); fix the output's "
-                    "type in the file"
+                    f"{ {k: m.dtype.name for k, m in metas_in.items()} } (onnxruntime "
+                    "refuses such a file at load; if it runs this one, leanrnn computes an "
+                    "op's type wrongly: please report it)"
                 )
         p, layout = self._plan_layout(steps, metas, limit)
         # What ops allocate themselves while they run (Conv's and MaxPool's window blocks),
