@@ -81,3 +81,56 @@ def test_a_double_backward_on_the_ops_path_says_what_to_do():
         (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
         with pytest.raises(RuntimeError, match=r"double backward .*to_module\(\) converts"):
             g.pow(2).sum().backward()
+
+
+def test_under_copying_hooks_x_and_y_go_with_their_last_reference():
+    """A review of the check above: the node kept x and y (y -> its grad_fn -> the node ->
+    y, a cycle), so every step's x and y waited for a garbage collection."""
+    import gc
+    import weakref
+
+    _, m = _pair("GRU")
+    gc.collect()
+    gc.disable()
+    try:
+        for backward in (True, False):
+            x = torch.randn(5, 2, 3, dtype=torch.float64)
+            with torch.autograd.graph.save_on_cpu():
+                y = m(x)[0]  # (h_n, kept, would keep the graph)
+            if backward:
+                (y**2).sum().backward()
+            refs = [weakref.ref(x), weakref.ref(y)]
+            del x, y
+            assert [r() for r in refs] == [None, None], backward
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_a_hook_on_an_output_the_loss_does_not_use_is_not_called(cls):
+    """It was called with None (y, h_n and c_n were outputs of one node), where torch.nn's
+    modules never call it: a usual hook (g * 0.5) raised a TypeError."""
+    ref, m = _pair(cls)
+    x = torch.randn(5, 2, 3, dtype=torch.float64)
+    grads = []
+    for mod in (ref, m):
+        y, h = mod(x)
+        for t in h if isinstance(h, tuple) else (h,):
+            t.register_hook(lambda g: g * 0.5)
+        calls = []
+        y.register_hook(lambda g, calls=calls: calls.append(g.shape))
+        mod.zero_grad()
+        (y**2).sum().backward()
+        assert calls == [y.shape]
+        grads.append([p.grad.clone() for p in mod.parameters()])
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    # a hook on h_n that the loss does use: called once, its scaling applied, as torch's
+    for mod in (ref, m):
+        mod.zero_grad()
+        y, h = mod(x)
+        hn = h[0] if isinstance(h, tuple) else h
+        hn.register_hook(lambda g: g * 0.5)
+        (y.sum() + hn.sum()).backward()
+    for a, b in zip(ref.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10)

@@ -256,7 +256,7 @@ def get_num_threads() -> int:
     return min(_threads, cores())
 
 
-def set_num_threads(n: int) -> None:
+def set_num_threads(n: int | np.integer) -> None:
     """Set the threads for leanrnn kernels and for BLAS libraries loaded in this process.
 
     ``n`` >= 1; more than ``cores()`` runs ``cores()`` (0 or less is an error).

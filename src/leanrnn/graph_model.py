@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import re
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -487,13 +488,13 @@ class GraphModel:
         under "op name" (GraphSession.run)."""
         return self.session.run(feeds, times)
 
-    def __call__(self, /, *args, **kwargs):  # (an input may be named "self")
+    def __call__(self, /, *args, **kwargs) -> Any:  # (an input may be named "self")
         if args and kwargs:
             raise ShapeError("[GraphModel] pass inputs positionally or by name, not both")
         outs = self.run(dict(kwargs) if kwargs else list(args))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan:
+    def resize(self, shapes, dtypes=None, memory_limit: int | float | None = None) -> Plan:
         """Plan the session for input ``shapes`` (dict or list) in at most ``memory_limit``
         bytes of arena, the graph's and its RNN nodes' together (an int, or a whole float such
         as 4e6); see ``GraphSession.resize``."""

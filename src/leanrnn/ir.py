@@ -16,22 +16,19 @@ importer): the engine reads this module, never a file format.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .errors import DTypeError, ModelFormatError, SpecError, WeightsError
-from .formats.packing import (
+from .formats.packing import (  # (PackedWeights too: typing.get_type_hints(Graph) reads it)
     ONNX_ORDER,
     ONNX_PEEP_ORDER,
     SUPPORTED_DTYPES,
     LayerWeights,
+    PackedWeights,
     reorder_gates,
 )
 from .spec import DEFAULT_ACTIVATIONS, USES_ALPHA, USES_BETA, Activation, RNNSpec
-
-if TYPE_CHECKING:
-    from .formats.packing import PackedWeights
 
 # The recurrent ops and the cell each one runs
 RNN_OPS = {"LSTM": "lstm", "GRU": "gru", "RNN": "rnn"}

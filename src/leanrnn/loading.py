@@ -24,7 +24,7 @@ from .formats.packing import SUPPORTED_DTYPES, PackedWeights
 from .graph_model import GraphModel
 from .nn import GRU, LSTM, RNN, Model
 
-_CELL_MODULES = {"lstm": LSTM, "gru": GRU, "rnn": RNN}
+_CELL_MODULES: dict[str, type[Model]] = {"lstm": LSTM, "gru": GRU, "rnn": RNN}
 
 __all__ = ["convert", "load", "save"]
 
@@ -32,14 +32,14 @@ __all__ = ["convert", "load", "save"]
 def load(
     path,
     *,
-    threads: int | None = None,
+    threads: int | np.integer | None = None,
     verify: bool = True,
     prefix: str | None = None,
     cell: str | None = None,
     nonlinearity: str | None = None,
     batch_first: bool | None = None,
     dtype=None,
-) -> RunnableModel:
+) -> Model | GraphModel:
     """Load a model from ``path``; returns an ``LSTM``/``GRU``/``RNN`` for a recurrent stack or a
     ``GraphModel`` for a graph (ONNX, or a ``.lrnn`` converted from one).
 

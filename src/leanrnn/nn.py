@@ -13,17 +13,20 @@ import copy
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Self, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from .engine import Session, _check
+from .engine import Session, Stream, _check
 from .engine.model import parameter_count, spec_line
 from .errors import DTypeError, ShapeError, SpecError, WeightsError
 from .formats import checkpoint, native, torch_format
 from .formats.packing import PackedWeights, pack
 from .formats.quantize import weight_bits
 from .memory.arena import check_fits, round_up
+from .memory.planner import Plan
 from .spec import Activation, RNNSpec
 
 # What a model's spec fixes, by torch.nn's names (read-only properties of Model)
@@ -32,6 +35,11 @@ _FIXED = frozenset(("weights", "spec", "dtype", "input_size", "hidden_size", "nu
                     "dropout"))  # fmt: skip
 # torch.nn.LSTM/GRU/RNN's parameter names: weight_ih_l0, bias_hh_l1_reverse, weight_hr_l0
 _TORCH_PARAMETER = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")
+
+# The call's types (LSTM, GRU and RNN declare them per cell; Model's are Any: either cell)
+_Array = NDArray[Any]
+_LSTMState = tuple[_Array, _Array]
+_LSTMHx = Sequence[_Array | None] | None  # (h0, c0), either None for zeros
 
 
 class Model:
@@ -42,7 +50,9 @@ class Model:
     [T, C], in which case the batch dimension is dropped from the outputs too.
     """
 
-    def __init__(self, weights: PackedWeights, threads: int | None = None) -> None:
+    session: Session  # (set once by __init__, through object.__setattr__: see __setattr__)
+
+    def __init__(self, weights: PackedWeights, threads: int | np.integer | None = None) -> None:
         object.__setattr__(self, "session", Session(weights, threads=threads))
 
     def __reduce__(self):
@@ -63,7 +73,7 @@ class Model:
         self.session.__dict__.update(state.pop("_session_settings", {}))
         self.__dict__.update(state)
 
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
         # torch.nn's attribute names, assigned as on a torch module, made a new attribute
         # that nothing read: `m.batch_first = True` then read [N, T, C] as [T, N, C], and
         # `m.weight_ih_l0 = w` ran the old weights, in silence
@@ -92,19 +102,41 @@ class Model:
         return self.weights.spec
 
     # torch.nn.LSTM/GRU/RNN's attributes, read off the spec (torch code reads them)
-    input_size = property(lambda self: self.spec.input_size)
-    hidden_size = property(lambda self: self.spec.hidden_size)
-    num_layers = property(lambda self: self.spec.num_layers)
-    bias = property(lambda self: self.spec.bias)
-    batch_first = property(lambda self: self.spec.batch_first)
-    bidirectional = property(lambda self: self.spec.direction == "bidirectional")
-    proj_size = property(lambda self: self.spec.proj_size)
+    @property
+    def input_size(self) -> int:
+        return self.spec.input_size
 
     @property
-    def dtype(self) -> np.dtype:
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def bias(self) -> bool:
+        return self.spec.bias
+
+    @property
+    def batch_first(self) -> bool:
+        return self.spec.batch_first
+
+    @property
+    def bidirectional(self) -> bool:
+        return self.spec.direction == "bidirectional"
+
+    @property
+    def proj_size(self) -> int:
+        return self.spec.proj_size
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
         return self.weights.dtype
 
-    dropout = property(lambda self: 0.0)  # inference: torch's eval mode, dropout off
+    @property
+    def dropout(self) -> float:
+        return 0.0  # inference: torch's eval mode, dropout off
 
     @property
     def mode(self) -> str:
@@ -119,7 +151,7 @@ class Model:
         return self.session.threads
 
     @threads.setter
-    def threads(self, value) -> None:
+    def threads(self, value: int | np.integer | None) -> None:
         self.session.threads = value
 
     @property
@@ -151,7 +183,8 @@ class Model:
         )
 
     # -- running
-    def forward(self, x, hx=None, lengths=None, out=None, return_sequences: bool = True):
+    def forward(self, x: _Array, hx: Any = None, lengths: ArrayLike | None = None,
+                out: Any = None, return_sequences: bool = True) -> Any:  # fmt: skip
         """Run the model; see ``Session.run`` for shapes. ``return_sequences=False`` returns
         ``None`` for y and, for a forward stack, keeps memory independent of T (the run is
         chunked; reverse and bidirectional stacks hold the whole sequence). For unbatched x
@@ -209,7 +242,7 @@ class Model:
             c_n = c_n[:, 0] if c_n is not None else None
         return (y, (h_n, c_n)) if spec.cell == "lstm" else (y, h_n)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # (``__call__ = forward`` bound Model.forward: a subclass's own forward was skipped)
         return self.forward(*args, **kwargs)
 
@@ -305,7 +338,7 @@ class Model:
         )
         return [y, h_n, c_n] if self.spec.cell == "lstm" else [y, h_n]
 
-    def resize(self, shapes, dtypes=None, memory_limit: int | None = None):
+    def resize(self, shapes, dtypes=None, memory_limit: int | float | None = None) -> Plan:
         """Plan the session for x of shape ``shapes["x"]`` (or ``shapes[0]``): [T, N, C], or
         [N, T, C] with batch_first. ``dtypes`` is accepted for the protocol; x's dtype is the
         weights' (checked at run)."""
@@ -334,11 +367,11 @@ class Model:
         T, N = (shape[1], shape[0]) if self.spec.batch_first else (shape[0], shape[1])
         return self.session.resize(N, T, memory_limit)
 
-    def stream(self, batch: int = 1):
+    def stream(self, batch: int = 1) -> Stream:
         """A ``Stream`` over this model's session: feed chunks of steps, state carried."""
         return self.session.stream(batch)
 
-    def describe(self, batch: int, steps: int) -> dict:
+    def describe(self, batch: int | np.integer, steps: int | np.integer) -> dict[str, Any]:
         """Layers, parameters, weight bytes and the arena planned for ``batch`` x ``steps``."""
         batch = _check.count(f"{type(self).__name__}.describe", "batch", batch, ShapeError)
         steps = _check.count(f"{type(self).__name__}.describe", "steps", steps, ShapeError)
@@ -382,7 +415,7 @@ class Model:
         them (``from_state_dict(sd, ...)``)."""
         return torch_format.to_state_dict(self.spec, self.weights.unpack())
 
-    def astype(self, dtype) -> Model:
+    def astype(self, dtype: DTypeLike) -> Self:
         """A copy with weights in ``dtype`` (float32 or float64), on the same threads. Reduced
         weights (``leanrnn.quantize``) stay reduced: they run float32 only, so float64 is an
         error rather than a silent dequantization."""
@@ -399,15 +432,16 @@ class Model:
         return type(self)._from_packed(pack(self.spec, w.unpack(), dtype), threads)
 
     @classmethod
-    def _from_packed(cls, weights: PackedWeights, threads: int | None = None) -> Model:
+    def _from_packed(cls, weights: PackedWeights, threads: int | np.integer | None = None) -> Self:
         obj = cls.__new__(cls)
         Model.__init__(obj, weights, threads)
         return obj
 
     @classmethod
-    def from_state_dict(cls, state_dict: dict, *, cell: str | None = None,
+    def from_state_dict(cls, state_dict: Mapping[str, Any], *, cell: str | None = None,
                         nonlinearity: str = "tanh", batch_first: bool = False,
-                        dtype=None, prefix: str | None = None) -> Model:  # fmt: skip
+                        dtype: DTypeLike | None = None,
+                        prefix: str | None = None) -> Self:  # fmt: skip
         """Build from a PyTorch-named dict of arrays (numpy or torch tensors on the CPU).
 
         ``prefix`` picks the RNN module out of a whole model's state dict (``"encoder.rnn."``,
@@ -458,11 +492,11 @@ class Model:
                     "them all explicitly"
                 )
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
-        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if cls is Model else cls
-        return target._from_packed(weights)
+        target = _CELL_CLASSES[spec.cell] if cls is Model else cls
+        return target._from_packed(weights)  # type: ignore[return-value]  # (Model: its cell's)
 
     @classmethod
-    def from_torch(cls, module, dtype=None) -> Model:
+    def from_torch(cls, module: Any, dtype: DTypeLike | None = None) -> Model:
         """Copy a torch.nn.LSTM/GRU/RNN, its batch_first and nonlinearity included (imports
         torch only here)."""
         spec, sd = torch_format.from_torch_module(module)
@@ -476,7 +510,7 @@ class Model:
             raise DTypeError("[from_torch] the module's weights are float16; leanrnn computes "
                              "in float32 or float64: pass dtype=np.float32")  # fmt: skip
         weights = pack(spec, torch_format.from_state_dict(spec, sd), dtype)
-        target = {"lstm": LSTM, "gru": GRU, "rnn": RNN}[spec.cell] if mine is None else cls
+        target = _CELL_CLASSES[spec.cell] if mine is None else cls
         return target._from_packed(weights)
 
 
@@ -545,8 +579,9 @@ class _TorchLike(Model):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
                  batch_first: bool = False, dropout: float = 0.0, bidirectional: bool = False,
-                 proj_size: int = 0, *, nonlinearity: str = "tanh", dtype=np.float32,
-                 seed: int | None = None, threads: int | None = None) -> None:  # fmt: skip
+                 proj_size: int = 0, *, nonlinearity: str = "tanh",
+                 dtype: DTypeLike | None = np.float32, seed: int | np.integer | None = None,
+                 threads: int | np.integer | None = None) -> None:  # fmt: skip
         if dropout:
             raise SpecError(
                 f"[{type(self).__name__}] dropout={dropout}: leanrnn runs inference only; "
@@ -574,7 +609,8 @@ class _TorchLike(Model):
         spec = RNNSpec(
             self._cell, input_size, hidden_size, num_layers=num_layers,
             direction=_direction(bidirectional), proj_size=proj_size,
-            bias=bias, batch_first=batch_first, activations=acts,
+            bias=bias, batch_first=batch_first,
+            activations=acts,  # type: ignore[arg-type]  # (None: the cell's defaults)
         )  # fmt: skip
         _check_build_fits(type(self).__name__, spec, dtype)
         # PyTorch's initialisation: every parameter ~ U(-1/sqrt(H), 1/sqrt(H)).
@@ -594,11 +630,63 @@ class LSTM(_TorchLike):
 
     _cell = "lstm"
 
+    if TYPE_CHECKING:  # the call's types, per cell, for type checkers (Model.forward runs)
+        # fmt: off
+        @overload
+        def forward(self, x: _Array, hx: _LSTMHx = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: Literal[True] = True) -> tuple[_Array, _LSTMState]: ...
+        @overload
+        def forward(self, x: _Array, hx: _LSTMHx = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _LSTMState]: ...
+        def forward(self, x: _Array, hx: _LSTMHx = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _LSTMState]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _LSTMHx = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: Literal[True] = True) -> tuple[_Array, _LSTMState]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _LSTMHx = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _LSTMState]: ...
+        def __call__(self, x: _Array, hx: _LSTMHx = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _LSTMState]: ...
+        # fmt: on
+
 
 class GRU(_TorchLike):
     """torch.nn.GRU on leanrnn (linear_before_reset, like PyTorch); call returns ``(y, h_n)``."""
 
     _cell = "gru"
+
+    if TYPE_CHECKING:  # the call's types, per cell, for type checkers (Model.forward runs)
+        # fmt: off
+        @overload
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
+        @overload
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        # fmt: on
 
 
 class RNN(_TorchLike):
@@ -612,19 +700,49 @@ class RNN(_TorchLike):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1,
                  nonlinearity: str = "tanh", bias: bool = True, batch_first: bool = False,
                  dropout: float = 0.0, bidirectional: bool = False, *, proj_size: int = 0,
-                 dtype=np.float32, seed: int | None = None,
-                 threads: int | None = None) -> None:  # fmt: skip
+                 dtype: DTypeLike | None = np.float32, seed: int | np.integer | None = None,
+                 threads: int | np.integer | None = None) -> None:  # fmt: skip
         # (proj_size: refused by name, as torch refuses it, not as an unknown argument)
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, proj_size, nonlinearity=nonlinearity, dtype=dtype,
                          seed=seed, threads=threads)  # fmt: skip
 
+    if TYPE_CHECKING:  # the call's types, per cell, for type checkers (Model.forward runs)
+        # fmt: off
+        @overload
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
+        @overload
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        def forward(self, x: _Array, hx: _Array | None = None,
+                    lengths: ArrayLike | None = None, out: Any = None,
+                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
+        @overload
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        def __call__(self, x: _Array, hx: _Array | None = None,
+                     lengths: ArrayLike | None = None, out: Any = None,
+                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
+        # fmt: on
 
-def from_torch(module, dtype=None) -> Model:
+
+# The class of each cell (typed: a dict literal of them reads as dict[str, type] to mypy)
+_CELL_CLASSES: dict[str, type[Model]] = {"lstm": LSTM, "gru": GRU, "rnn": RNN}
+
+
+def from_torch(module: Any, dtype: DTypeLike | None = None) -> Model:
     """Copy a torch.nn.LSTM/GRU/RNN into the matching leanrnn module."""
     return Model.from_torch(module, dtype)
 
 
-def from_state_dict(state_dict: dict, **kwargs) -> Model:
+def from_state_dict(state_dict: Mapping[str, Any], **kwargs: Any) -> Model:
     """Build from a PyTorch-named state dict; see ``Model.from_state_dict``."""
     return Model.from_state_dict(state_dict, **kwargs)

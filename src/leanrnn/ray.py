@@ -103,7 +103,7 @@ class Predictor:
 
     def __init__(self, model, *, outputs: str = "final", column: str | None = None,
                  length_column: str | None = None, threads: int | None = 1,
-                 memory_limit: int | None = None, batch_size: int | None = None,
+                 memory_limit: int | float | None = None, batch_size: int | None = None,
                  allow_nonfinite: bool = False, keep: tuple[str, ...] = ()) -> None:  # fmt: skip
         from . import config
         from .engine._check import bytes_or_none, count_or_none, flag

@@ -8,17 +8,22 @@ formats; the engine runs the result with the reduced-precision jobs (kernels.abi
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
 from .errors import DTypeError
-from .formats.packing import PRECISIONS
+from .formats.packing import PRECISIONS, PackedWeights
 from .formats.quantize import quantize_packed
+from .graph_model import GraphModel
+from .nn import Model
 
 REDUCED = tuple(p for p in PRECISIONS if p != "float")
 
+_M = TypeVar("_M", bound=Model)  # quantize gives a Model's own class back
 
-def check_reduced(precision, op: str, reduce_range: bool = False) -> None:
+
+def check_reduced(precision: Any, op: str, reduce_range: bool = False) -> None:
     """DTypeError unless ``precision`` names a reduced precision (and, with ``reduce_range``,
     the one that has it)."""
     if not isinstance(reduce_range, (bool, np.bool_)):
@@ -35,7 +40,12 @@ def check_reduced(precision, op: str, reduce_range: bool = False) -> None:
                          f"{precision!r} multiplies no integer codes")  # fmt: skip
 
 
-def quantize(model, precision: str, *, reduce_range: bool = False):
+@overload
+def quantize(model: _M, precision: str, *, reduce_range: bool = False) -> _M: ...
+@overload
+def quantize(model: GraphModel, precision: str, *, reduce_range: bool = False) -> GraphModel: ...
+def quantize(model: Model | GraphModel, precision: str, *,
+             reduce_range: bool = False) -> Model | GraphModel:  # fmt: skip
     """A copy of ``model`` whose recurrent layers' input and recurrent weights are ``precision``
     ("bf16": bfloat16, rounded to nearest even; "int8": symmetric, one float32 scale per output
     unit and gate). Activations, states and sums stay float32; biases, peepholes and the LSTM
@@ -73,12 +83,10 @@ def quantize(model, precision: str, *, reduce_range: bool = False):
     return _quantize(model, precision, "quantize", reduce_range)
 
 
-def _quantize(model, precision: str, op: str, reduce_range: bool = False):
+def _quantize(model: Any, precision: str, op: str,
+              reduce_range: bool = False) -> Model | GraphModel:  # fmt: skip
     """``quantize``, its errors under ``op`` (``convert`` calls it too)."""
     check_reduced(precision, op, reduce_range)
-    from .graph_model import GraphModel
-    from .nn import Model
-
     if isinstance(model, Model):
         return type(model)._from_packed(
             quantize_packed(model.weights, precision, reduce_range=reduce_range),
@@ -100,7 +108,7 @@ def _quantize(model, precision: str, op: str, reduce_range: bool = False):
             raise DTypeError(f"[{op}] RNN nodes {wide[:4]} compute in "
                              f"{g.packed[wide[0]].dtype}; {precision} weights run float32 "
                              "activations: export the model in float32 and load that")  # fmt: skip
-        packed = {}
+        packed: dict[str, PackedWeights] = {}
         for k, owner in g.weight_owners().items():  # weights several nodes share: once
             packed[k] = packed[owner] if owner != k else quantize_packed(
                 g.packed[k], precision, reduce_range=reduce_range)  # fmt: skip

@@ -121,7 +121,8 @@ class RNNSpec:
     proj_size: int = 0
     bias: bool = True
     batch_first: bool = False
-    activations: tuple[tuple[Activation, ...], ...] | None = None
+    # None (the default) is filled in with the defaults by __post_init__: read, never None
+    activations: tuple[tuple[Activation, ...], ...] = None  # type: ignore[assignment]
     clip: float | None = None
     input_forget: bool = False
     peepholes: bool = False

@@ -85,6 +85,7 @@ import threading
 import warnings
 import weakref
 from functools import lru_cache
+from typing import Self
 
 import numpy as np
 
@@ -137,7 +138,8 @@ def _spec(s: str) -> RNNSpec:
     if cell == "rnn":
         acts = ((Activation.make(nonlin),),) * (2 if bidir else 1)
     return RNNSpec(cell, C, H, num_layers=L, direction="bidirectional" if bidir else "forward",
-                   proj_size=P, bias=bias, batch_first=False, activations=acts)  # fmt: skip
+                   proj_size=P, bias=bias, batch_first=False,
+                   activations=acts)  # type: ignore[arg-type]  # (None: the defaults)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- engines
@@ -659,8 +661,14 @@ class _EagerRNN(torch.autograd.Function):
         ctx.mark_non_differentiable(out[3])
         # unused outputs' gradients stay None: Trainer.backward takes None as zeros
         ctx.set_materialize_grads(False)
-        _save(ctx, x, h0, c0, spec, out, weights, masks)
-        if _copying_hooks():
+        copying = _copying_hooks()
+        # (under such hooks, y itself is not saved: save_on_cpu "packs" a CPU tensor as
+        # itself, so the node held its own output, y -> grad_fn -> node -> y, a cycle no
+        # collection frees: a forward under the hooks never backpropagated kept its y and
+        # tape for good. The version check it was saved for is _check_unchanged's there.)
+        _save(ctx, x, h0, c0, spec, (out[0].new_empty(0), *out[1:]) if copying else out,
+              weights, masks)  # fmt: skip
+        if copying:
             # Saved-tensor hooks (activation offload, compression) may save a copy of the
             # handle, and the tape goes with the original's storage (_handle): it was freed
             # when the forward returned, and backward found no tape. The node holds the
@@ -726,7 +734,7 @@ class _EagerRNN(torch.autograd.Function):
             # retained; the original handle, held outside them, kept its tape (the whole
             # forward's activations) for as long as the graph lived: a loop keeping each
             # step's loss grew by a tape a step
-            del ctx.originals
+            del ctx.originals, ctx.in_place
         # (no gradients for lengths, masks, key, spec, bf16, mode)
         return (grads[0] if need_x else None, grads[1] if ctx.has[0] else None,
                 grads[2] if ctx.has[1] else None, None, None, None, None, None, None,
@@ -745,15 +753,18 @@ def _read_in_place(handle: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> li
     for name, t in (("input x", x), ("output y", y)):
         a = t.detach().numpy()
         if any(k is not None and np.may_share_memory(a, k) for k in kept):
-            out.append((name, t, t._version))
+            # by weak reference: the node holding y itself was a cycle (y -> its grad_fn ->
+            # ctx -> y), every step's x and y freed only by a garbage collection
+            out.append((name, weakref.ref(t), t._version))
     return out
 
 
 def _check_unchanged(in_place: list) -> None:
     """The error torch's version check gives, where saved-tensor hooks keep it from checking
     (_read_in_place)."""
-    for name, t, version in in_place:
-        if t._version != version:
+    for name, ref, version in in_place:
+        t = ref()
+        if t is not None and t._version != version:  # (gone: nothing can change it)
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: [leanrnn.torch] the RNN's {name} was changed in place "
@@ -762,6 +773,14 @@ def _check_unchanged(in_place: list) -> None:
                 "Change it out of place (y = y * 2, not y.mul_(2)), or run the module with "
                 "batch_first=True (its y is a copy)"
             )
+
+
+def _own_nodes(*outs):
+    """The forward's outputs, each behind an autograd node of its own (a view, ~1 us): as
+    outputs of the one RNN node, a hook on one the loss does not use (h_n, c_n: y's only)
+    was called with None, where torch.nn's modules never call it (a usual hook, g * 0.5,
+    raised a TypeError)."""
+    return tuple(t.view_as(t) if t is not None and t.requires_grad else t for t in outs)
 
 
 def _copying_hooks() -> bool:
@@ -1160,7 +1179,7 @@ class _RNNBase(torch.nn.Module):
         return m
 
     @classmethod
-    def from_module(cls, module: torch.nn.Module):
+    def from_module(cls, module: torch.nn.Module) -> Self:
         """This class's twin of a torch.nn.LSTM/GRU/RNN: its options and the weights it
         computes with, copied (frozen ones stay frozen). New parameters: an optimizer made
         for ``module`` does not step them (make it after the swap), and a parametrization
@@ -1328,9 +1347,11 @@ class _RNNBase(torch.nn.Module):
             c_n = x.new_zeros((LD, 0, self.hidden_size)) + zero if lstm else None
         elif not _eager((x, h0, c0, lengths, masks, *weights)):
             y, h_n, c_n, _ = torch.ops.leanrnn.rnn_forward(*args, need_grad, bf16, mode)
+            y, h_n, c_n = _own_nodes(y, h_n, c_n)
         elif need_grad:
             y, h_n, c_n, _ = _EagerRNN.apply(x, h0, c0, lengths, masks, self._key,
                                              self._spec_str, bf16, mode, *weights)  # fmt: skip
+            y, h_n, c_n = _own_nodes(y, h_n, c_n)
         else:
             y, h_n, c_n, _ = _forward(*args, False, bf16, mode)
         adt = torch.get_autocast_dtype("cpu") if autocast else None
@@ -1413,7 +1434,7 @@ class RNN(_RNNBase):
         self.nonlinearity = self_nonlinearity
 
 
-def from_module(module: torch.nn.Module) -> _RNNBase:
+def from_module(module: torch.nn.Module) -> LSTM | GRU | RNN:
     """leanrnn.torch's twin of a torch.nn.LSTM, GRU or RNN, or a copy of one of leanrnn.torch's
     own (options and weights copied)."""
     for twin, cls in ((LSTM, torch.nn.LSTM), (GRU, torch.nn.GRU), (RNN, torch.nn.RNN)):

@@ -97,7 +97,7 @@ class Tuning:
         return max(1, min(self.batch, fit))
 
 
-def choose(session, *, memory_limit: int | None = None, per_step: bool = False,
+def choose(session, *, memory_limit: int | float | None = None, per_step: bool = False,
            batch: int | None = None, threads: int | None = None,
            hw: Hardware | None = None) -> Tuning:  # fmt: skip
     """A Tuning for ``session`` (a leanrnn Session: its weights and spec) on this machine.
@@ -338,7 +338,7 @@ def _seconds(measure, b: int, c: int) -> float:
     return secs
 
 
-def tune(session, *, latency: float | None = None, memory_limit: int | None = None,
+def tune(session, *, latency: float | None = None, memory_limit: int | float | None = None,
          max_batch: int = MAX_TUNE_BATCH, max_chunk: int = MAX_TUNE_CHUNK,
          threads: int | None = None, measure=None, hw: Hardware | None = None,
          plan_steps: int | None = None) -> Measured:  # fmt: skip

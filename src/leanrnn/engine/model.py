@@ -5,13 +5,13 @@ of model they hold; plus the spec-derived facts both kinds describe.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import numpy as np
+# (imported to run, not only for type checkers: typing.get_type_hints reads these names)
+import numpy as np
 
-    from ..memory.planner import Plan
-    from ..spec import RNNSpec
+from ..memory.planner import Plan
+from ..spec import RNNSpec
 
 
 @runtime_checkable
@@ -45,13 +45,13 @@ class RunnableModel(Protocol):
 
     def run(self, feeds) -> list[np.ndarray]: ...
 
-    def __call__(self, *args, **kwargs) -> Any: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def resize(self, shapes, dtypes=None, memory_limit: int | None = None) -> Plan: ...
 
-    def stream(self, batch: int = 1): ...
+    def stream(self, batch: int = 1) -> Any: ...  # (unannotated, pyright read it as -> None)
 
-    def describe(self, batch: int, steps: int) -> dict: ...
+    def describe(self, batch: int, steps: int) -> dict[str, Any]: ...
 
     def save(self, path) -> str: ...
 

@@ -41,10 +41,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, overload
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from .. import config
 from ..errors import DTypeError, PlanError, ShapeError, SpecError
@@ -56,8 +58,16 @@ from ..spec import RNNSpec
 from ..threads import PARALLEL_MIN_MACS
 from . import _check, _fork
 from ._turn import Turn, unpicklable
+from .stream import Stream
+
+if TYPE_CHECKING:  # (tuning sits above the engine: imported at run time where it is used)
+    from ..tuning import Measured
 
 _log = logging.getLogger("leanrnn")
+_Array = NDArray[Any]
+# c_n: an LSTM's array, None for GRU/RNN. That is the model's cell, not the call's types, so
+# Any stands beside the array (typeshed's way): "| None" made an LSTM's c_n.shape an error
+_CellState = _Array | Any
 
 # Steps per chunk when a run keeps only final states and no chunk was set: small enough that
 # scratch stays a few hundred KiB at H=512, long enough that per-chunk overhead is noise.
@@ -318,7 +328,7 @@ class _Limit:
 
     nbytes: int
     cap: int | None
-    steps: int
+    steps: int | np.integer  # (resize's, as given)
 
 
 class Pool:
@@ -415,8 +425,9 @@ class Session:
     one session per thread for parallel throughput; they can share weights); a run re-entered
     on its own thread (a signal handler's, inside a run) is refused (engine._turn)."""
 
-    def __init__(self, weights: PackedWeights, threads: int | None = None,
-                 chunk: int | None = None, pool: Pool | None = None) -> None:  # fmt: skip
+    def __init__(self, weights: PackedWeights, threads: int | np.integer | None = None,
+                 chunk: int | np.integer | None = None,
+                 pool: Pool | None = None) -> None:  # fmt: skip
         weights = _check.packed_weights("Session", weights)
         self.weights = weights
         self.spec: RNNSpec = weights.spec
@@ -435,7 +446,7 @@ class Session:
         self._arena: Arena | None = None
         self._plan: Plan | None = None
         self._N = self._T = -1
-        self.tuned = None  # resize(batch="auto")'s choice (leanrnn.tuning.Measured)
+        self.tuned: Measured | None = None  # resize(batch="auto")'s choice
         # The last resize's (memory_limit, largest chunk, steps): the re-plans of later runs
         # (another N, T or return_sequences) keep within the limit too (_resize, _Limit).
         self._limit: _Limit | None = None
@@ -478,7 +489,7 @@ class Session:
         return self._nthreads
 
     @threads.setter
-    def threads(self, v) -> None:
+    def threads(self, v: int | np.integer | None) -> None:
         # A property, so that ``session.threads = n`` (loading, scoring) is checked as the
         # constructor's argument is: threads=-1 or 2.5 used to reach the kernels.
         self._nthreads = _check.count_or_none("Session", "threads", v)
@@ -489,7 +500,7 @@ class Session:
         return self._chunk
 
     @chunk.setter
-    def chunk(self, v) -> None:
+    def chunk(self, v: int | np.integer | None) -> None:
         # A property, as threads: chunk=0, -5 or 2.5 set after construction reached the planner.
         # ``_asked`` is the chunk asked for (here, or resize("auto")'s tuned one); ``_chunk``
         # the one runs take: a memory limit's largest (at most the asked one), back to the
@@ -547,9 +558,10 @@ class Session:
         sample's last step, so it needs the whole sequence (as bidirectional layers do)."""
         return self.spec.direction == "forward"
 
-    def resize(self, batch: int | str, steps: int, memory_limit: int | None = None,
-               return_sequences: bool = True, *, latency: float | None = None,
-               measure=None) -> Plan:  # fmt: skip
+    def resize(self, batch: int | np.integer | str, steps: int | np.integer,
+               memory_limit: int | float | None = None, return_sequences: bool = True, *,
+               latency: float | None = None,
+               measure: Callable[[int, int], float] | None = None) -> Plan:  # fmt: skip
         """Plan every scratch buffer for ``batch`` sequences of up to ``steps`` steps, in one
         arena, and allocate it (reusing the current arena when the plan fits in it).
 
@@ -604,7 +616,7 @@ class Session:
                 limit = _Limit(int(memory_limit), self._asked, steps)
             return self._resize(batch, steps, limit, return_sequences)
 
-    def _resize(self, batch: int, steps: int, limit: _Limit | None,
+    def _resize(self, batch: int | np.integer, steps: int | np.integer, limit: _Limit | None,
                 return_sequences: bool) -> Plan:  # fmt: skip
         """``limit``: the memory limit to plan within, kept for the re-plans of later runs."""
         batch, steps = _batch_steps(batch, steps)
@@ -711,8 +723,9 @@ class Session:
         T = steps if chunk is None or not self.chunkable else min(steps, chunk)
         return (batch, T, T < steps and self.spec.batch_first, not return_sequences)
 
-    def planned(self, batch: int, steps: int, return_sequences: bool = True,
-                memory_limit: int | None = None) -> Plan:  # fmt: skip
+    def planned(self, batch: int | np.integer, steps: int | np.integer,
+                return_sequences: bool = True,
+                memory_limit: int | float | None = None) -> Plan:  # fmt: skip
         """The plan ``resize(batch, steps, memory_limit, return_sequences)`` would make, without
         making it (nothing allocated, the session's plan and limit as they were; PlanError as
         resize's when the limit cannot be met)."""
@@ -863,7 +876,20 @@ class Session:
     def _threads(self) -> int:
         return config.threads_for(self.threads)
 
-    def run(self, x, h0=None, c0=None, lengths=None, out=None, return_sequences: bool = True):
+    # (y is None only with return_sequences=False)
+    # fmt: off
+    @overload
+    def run(self, x: _Array, h0: _Array | None = None, c0: _Array | None = None,
+            lengths: ArrayLike | None = None, out: Any = None,
+            return_sequences: Literal[True] = True) -> tuple[_Array, _Array, _CellState]: ...
+    @overload
+    def run(self, x: _Array, h0: _Array | None = None, c0: _Array | None = None,
+            lengths: ArrayLike | None = None, out: Any = None,
+            return_sequences: bool = True) -> tuple[_Array | None, _Array, _CellState]: ...
+    # fmt: on
+    def run(self, x: _Array, h0: _Array | None = None, c0: _Array | None = None,
+            lengths: ArrayLike | None = None, out: Any = None, return_sequences: bool = True,
+            ) -> tuple[_Array | None, _Array, _CellState]:  # fmt: skip
         """Run the whole stack over ``x``.
 
         x:       [T, N, C] ([N, T, C] if spec.batch_first), the model's dtype, C-contiguous
@@ -1092,6 +1118,15 @@ class Session:
             out = (out,)
         if not return_sequences and isinstance(out, tuple | list):
             out = (None, *out)
+        if not is_lstm and isinstance(out, tuple | list) and len(out) == 3:
+            # (y, h_n, None) is what run returns for a GRU/RNN: taken back as out, as an
+            # LSTM's is (it was refused as 3 arrays); an array there would not be written
+            if out[2] is not None:
+                raise ShapeError(
+                    f"[{op}] a {spec.cell.upper()} has no cell state: out[2] (c_n) must be "
+                    f"None or left out; got {type(out[2]).__name__}"
+                )
+            out = out[:2]
         if not isinstance(out, tuple | list) or len(out) != (3 if is_lstm else 2):
             # in the caller's terms: the arrays this call takes, and what it was given
             want = (["y"] if return_sequences else []) + ["h_n"] + (["c_n"] if is_lstm else [])
@@ -1266,10 +1301,8 @@ class Session:
             if (b.first if what == "acquire" else b.last) == k:
                 _log.info("op %d %s %-10s %10d B at +%d", k, what, b.name, b.nbytes, pl.offset)
 
-    def stream(self, batch: int = 1):
+    def stream(self, batch: int = 1) -> Stream:
         """A ``Stream`` over this session: feed chunks, state carried (unidirectional stacks)."""
-        from .stream import Stream
-
         st = Stream(self, batch)
         with self._turn():  # _drop_views walks the set under the same lock
             self._streams.add(st)

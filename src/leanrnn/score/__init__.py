@@ -172,7 +172,8 @@ def _load(model, threads):
     return model
 
 
-def score(model, dataset, output, *, outputs: str = "final", memory_limit: int | None = None,
+def score(model, dataset, output, *, outputs: str = "final",
+          memory_limit: int | float | None = None,
           threads: int | None = None, batch_size: int | None = None, bucket: bool = True,
           column: str | None = None, length_column: str | None = None,
           x_key: str | None = None, lengths_key: str | None = None, lengths: str | None = None,

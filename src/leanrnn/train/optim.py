@@ -917,7 +917,7 @@ class Adam(_Optimizer):
         self,
         params: Any,
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),  # (a list, as torch takes)
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
@@ -1058,7 +1058,7 @@ class AdamW(Adam):
         self,
         params: Any,
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] | list[float] = (0.9, 0.999),  # (a list, as torch takes)
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,

@@ -49,8 +49,11 @@ import functools
 import math
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .. import config
 from ..engine import _check, _fork
@@ -69,7 +72,7 @@ from ..engine.session import (
     recurrence_arguments,
 )
 from ..errors import DTypeError, LeanRNNError, PlanError, ShapeError, SpecError
-from ..formats.packing import PackedWeights, fold_biases, from_panels, same_panels
+from ..formats.packing import LayerWeights, PackedWeights, fold_biases, from_panels, same_panels
 from ..formats.quantize import dequantize_panel, quantize_packed
 from ..kernels import abi, runner
 from ..memory.arena import Arena, reusable
@@ -85,6 +88,17 @@ from ..threads import (
 from .optim import Parameter, _bool, read_only
 
 __all__ = ["Tape", "TapeError", "Trainer", "trainable"]
+
+_Array = NDArray[Any]
+_F = TypeVar("_F", bound=Callable[..., Any])
+_CellState = _Array | Any  # c_n, dc0: None for GRU/RNN (as Session.run's c_n: see there)
+
+
+class Matmul(Protocol):
+    """``Trainer.matmul``'s type: ``f(a, b, out=out)`` writes ``a @ b`` into ``out`` (what it
+    returns is not read)."""
+
+    def __call__(self, a: _Array, b: _Array, /, out: _Array) -> object: ...
 
 
 # memory plans kept per trainer, one per step shape, the least recently used going first: 16,
@@ -119,7 +133,7 @@ _SETTINGS_BEFORE_PROPERTIES = (("threads", "_threads_asked"), ("segment", "_segm
                                ("dropout", "_dropout"))  # fmt: skip
 
 
-def _one_at_a_time(method):
+def _one_at_a_time(method: _F) -> _F:
     """A Trainer method run under the trainer's Turn: another thread's forward overwrote the
     arena a backward was reading (gradients 5-87 off a scale of 272, and no error), and a
     signal handler's inside a run is refused."""
@@ -129,7 +143,7 @@ def _one_at_a_time(method):
         with self._turn():
             return method(self, *args, **kwargs)
 
-    return serialized
+    return serialized  # type: ignore[return-value]  # (the method's own signature, wrapped)
 
 
 class TapeError(LeanRNNError, RuntimeError):
@@ -164,8 +178,11 @@ class Tape:
     the gradients without a word (leanrnn.torch hands torch the array itself, ``_y``, whose
     version counter guards it there)."""
 
-    def __init__(self, trainer, y, h_n, c_n, saved: dict) -> None:
-        self._y, self.h_n, self.c_n = y, h_n, c_n
+    def __init__(self, trainer: Trainer, y: _Array, h_n: _Array, c_n: _CellState,
+                 saved: dict) -> None:  # fmt: skip
+        self._y = y
+        self.h_n: _Array = h_n
+        self.c_n: _CellState = c_n
         self._trainer = trainer
         self._saved = saved
         self._version = trainer._version
@@ -191,11 +208,12 @@ class Trainer:
     fight it for the cores). ``a``, ``b`` may be strided views; ``out`` is C-contiguous.
     """
 
-    matmul = None
+    matmul: Matmul | None = None
 
-    def __init__(self, model, threads: int | None = None, segment: int | None = None,
-                 recompute: bool = False, memory_limit: int | None = None,
-                 dropout: float = 0.0, seed: int | None = None,
+    def __init__(self, model: Any, threads: int | np.integer | None = None,
+                 segment: int | np.integer | None = None, recompute: bool = False,
+                 memory_limit: int | float | None = None, dropout: float = 0.0,
+                 seed: int | np.integer | None = None,
                  autocast: str | None = None) -> None:  # fmt: skip
         w = _check.packed_weights("Trainer", model)
         if w.precision != "float":  # reduced weights are for inference (leanrnn.quantize)
@@ -307,6 +325,16 @@ class Trainer:
           activations, like that of the weights, passes gradients straight through)."""
         return self._autocast
 
+    @autocast.setter  # (right below its getter: mypy reads a setter apart from it as none)
+    def autocast(self, value: str | None) -> None:
+        if value is not None and value not in AUTOCAST_MODES:
+            raise SpecError(f"[Trainer] autocast={value!r}; expected None or one of "
+                            f"{', '.join(map(repr, AUTOCAST_MODES))}")  # fmt: skip
+        if value is not None and self.dtype != np.float32:
+            raise DTypeError(f"[Trainer] autocast={value!r} needs float32 (master) weights; these "
+                             f"are {self.dtype}")  # fmt: skip
+        self._autocast = value
+
     # Refused, not truncated or clamped, whenever set: segment=2.5 ran segments of 2, threads=-1
     # ran, and set after construction dropout=1.5 zeroed the layers' inputs.
     @property
@@ -315,7 +343,7 @@ class Trainer:
         return self._threads_asked
 
     @threads.setter
-    def threads(self, value) -> None:
+    def threads(self, value: int | np.integer | None) -> None:
         self._threads_asked = _check.count_or_none("Trainer", "threads", value)
 
     @property
@@ -324,7 +352,7 @@ class Trainer:
         return self._segment_steps
 
     @segment.setter
-    def segment(self, value) -> None:
+    def segment(self, value: int | np.integer | None) -> None:
         self._segment_steps = _check.count_or_none("Trainer", "segment", value, "steps >= 1")
 
     @property
@@ -354,7 +382,7 @@ class Trainer:
         return self._memory_limit
 
     @memory_limit.setter
-    def memory_limit(self, value) -> None:
+    def memory_limit(self, value: int | float | None) -> None:
         self._memory_limit = _check.bytes_or_none("Trainer", "memory_limit", value)
 
     @property
@@ -380,16 +408,6 @@ class Trainer:
             self._plans.clear()
             self._limited.clear()
         self._dropout = float(value)
-
-    @autocast.setter
-    def autocast(self, value) -> None:
-        if value is not None and value not in AUTOCAST_MODES:
-            raise SpecError(f"[Trainer] autocast={value!r}; expected None or one of "
-                            f"{', '.join(map(repr, AUTOCAST_MODES))}")  # fmt: skip
-        if value is not None and self.dtype != np.float32:
-            raise DTypeError(f"[Trainer] autocast={value!r} needs float32 (master) weights; these "
-                             f"are {self.dtype}")  # fmt: skip
-        self._autocast = value
 
     # ------------------------------------------------------------------ parameters
     def _make_parameters(self) -> list[Parameter]:
@@ -1157,8 +1175,21 @@ class Trainer:
                 _masked(yout, masks[layer], s0 * N, s1 * N, mem[f"xd.{layer}"][off : off + TN])
 
     # ------------------------------------------------------------------ backward
+    # (dx is None only with input_grad=False)
+    # fmt: off
+    @overload
+    def backward(self, tape: Tape, dy: _Array | None = None, dh_n: _Array | None = None,
+                 dc_n: _Array | None = None, input_grad: Literal[True] = True,
+                 ) -> tuple[_Array, _Array, _CellState]: ...
+    @overload
+    def backward(self, tape: Tape, dy: _Array | None = None, dh_n: _Array | None = None,
+                 dc_n: _Array | None = None, input_grad: bool = True,
+                 ) -> tuple[_Array | None, _Array, _CellState]: ...
+    # fmt: on
     @_one_at_a_time
-    def backward(self, tape: Tape, dy=None, dh_n=None, dc_n=None, input_grad: bool = True):
+    def backward(self, tape: Tape, dy: _Array | None = None, dh_n: _Array | None = None,
+                 dc_n: _Array | None = None, input_grad: bool = True,
+                 ) -> tuple[_Array | None, _Array, _CellState]:  # fmt: skip
         """Gradients of a loss through the tape's forward, given the loss's gradients ``dy``
         (like tape.y, or None = 0), ``dh_n`` and ``dc_n`` (like h_n/c_n, or None = 0).
         Accumulates the weight gradients into ``grad`` and returns ``(dx, dh0, dc0)`` (dc0 None
@@ -1572,7 +1603,7 @@ class Trainer:
         return share
 
     # ------------------------------------------------------------------ views
-    def gradients(self):
+    def gradients(self) -> list[list[LayerWeights]]:
         """The accumulated gradients as canonical weights (LayerWeights, internal gate order),
         the layout ``pack`` takes; ``torch_format.to_state_dict`` names them like PyTorch."""
         return self.grad.unpack()
