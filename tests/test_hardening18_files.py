@@ -210,3 +210,21 @@ def test_an_onnx_model_of_many_external_files_loads_within_a_small_descriptor_li
                        timeout=120, env=src_env())  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     np.testing.assert_allclose(eval(r.stdout), want, rtol=1e-6)
+
+
+def test_a_ray_output_directory_made_new_has_the_umask_s_mode(tmp_path):
+    """score --ray staged a new OUTPUT directory with mkdtemp (0700) and renamed it into
+    place: other users could not read the results."""
+    from leanrnn._files import current_umask
+    from leanrnn.ray import _move_in, _staging
+
+    out = str(tmp_path / "results")
+    tmp = _staging(out)
+    (Path(tmp) / "part-0.parquet").write_bytes(b"x")
+    _move_in(tmp, out)
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~current_umask()
+    old = os.umask(0o027)
+    try:
+        assert current_umask() == 0o027
+    finally:
+        os.umask(old)

@@ -87,6 +87,21 @@ def _keep_access(st: os.stat_result, tmp: str) -> None:
         os.chmod(tmp, mode if group else mode & ~0o070)
 
 
+def current_umask() -> int:
+    """The process's umask, read without setting it where Linux says it (/proc: os.umask's
+    set-and-restore changes it for every thread meanwhile), else by that."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def through_link(path: str) -> str:
     """Where writing ``path`` goes: a symlink's target (os.replace over the link itself would
     put a file in its place)."""

@@ -41,6 +41,7 @@ import tempfile
 import time
 import traceback
 
+from ._files import current_umask
 from .errors import LeanRNNError, SpecError
 from .score.batching import Counters, Scorer
 from .score.data import DataError, Options, Source, arrow_to_seqs
@@ -527,6 +528,9 @@ def _move_in(tmp: str, output: str) -> None:
     when there is none yet, else file by file (_check_output refused one holding Parquet files
     already: a second run there doubled the rows)."""
     if not os.path.isdir(output):
+        # the umask's mode, as os.mkdir gives a new directory: mkdtemp's 0700 came along
+        # with the rename, and other users could not read the results
+        os.chmod(tmp, 0o777 & ~current_umask())
         os.replace(tmp, os.path.realpath(output))
         return
     for name in os.listdir(tmp):
