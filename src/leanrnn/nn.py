@@ -657,10 +657,8 @@ class LSTM(_TorchLike):
         # fmt: on
 
 
-class GRU(_TorchLike):
-    """torch.nn.GRU on leanrnn (linear_before_reset, like PyTorch); call returns ``(y, h_n)``."""
-
-    _cell = "gru"
+class _HiddenOnly(_TorchLike):
+    """GRU and RNN: one state, h."""
 
     if TYPE_CHECKING:  # the call's types, per cell, for type checkers (Model.forward runs)
         # fmt: off
@@ -689,7 +687,13 @@ class GRU(_TorchLike):
         # fmt: on
 
 
-class RNN(_TorchLike):
+class GRU(_HiddenOnly):
+    """torch.nn.GRU on leanrnn (linear_before_reset, like PyTorch); call returns ``(y, h_n)``."""
+
+    _cell = "gru"
+
+
+class RNN(_HiddenOnly):
     """torch.nn.RNN on leanrnn: ``RNN(input_size, hidden_size, num_layers=1,
     nonlinearity='tanh', bias=True, batch_first=False, dropout=0.0, bidirectional=False)``,
     torch's order (nonlinearity fourth: RNN(3, 4, 2, 'relu') was read as bias='relu');
@@ -706,32 +710,6 @@ class RNN(_TorchLike):
         super().__init__(input_size, hidden_size, num_layers, bias, batch_first, dropout,
                          bidirectional, proj_size, nonlinearity=nonlinearity, dtype=dtype,
                          seed=seed, threads=threads)  # fmt: skip
-
-    if TYPE_CHECKING:  # the call's types, per cell, for type checkers (Model.forward runs)
-        # fmt: off
-        @overload
-        def forward(self, x: _Array, hx: _Array | None = None,
-                    lengths: ArrayLike | None = None, out: Any = None,
-                    return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
-        @overload
-        def forward(self, x: _Array, hx: _Array | None = None,
-                    lengths: ArrayLike | None = None, out: Any = None,
-                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
-        def forward(self, x: _Array, hx: _Array | None = None,
-                    lengths: ArrayLike | None = None, out: Any = None,
-                    return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
-        @overload
-        def __call__(self, x: _Array, hx: _Array | None = None,
-                     lengths: ArrayLike | None = None, out: Any = None,
-                     return_sequences: Literal[True] = True) -> tuple[_Array, _Array]: ...
-        @overload
-        def __call__(self, x: _Array, hx: _Array | None = None,
-                     lengths: ArrayLike | None = None, out: Any = None,
-                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
-        def __call__(self, x: _Array, hx: _Array | None = None,
-                     lengths: ArrayLike | None = None, out: Any = None,
-                     return_sequences: bool = True) -> tuple[_Array | None, _Array]: ...
-        # fmt: on
 
 
 # The class of each cell (typed: a dict literal of them reads as dict[str, type] to mypy)
