@@ -25,6 +25,7 @@ RNN   h' = f(W x + R h + bW + bR)                     [f = Tanh; PyTorch relu ->
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, replace
 
@@ -80,8 +81,11 @@ class Activation:
             )
         for what in ("alpha", "beta"):
             v = getattr(self, what)
-            if not isinstance(v, numbers.Real) or isinstance(v, bool):
-                raise SpecError(f"[Activation] {what}={v!r}; expected a number")
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+                raise SpecError(f"[Activation] {what}={v!r}; expected a finite number")
+            # a Python float: a numpy one (np.float32(0.1)) reached describe(), and the
+            # .lrnn header's JSON could not be written (a bare TypeError from save)
+            object.__setattr__(self, what, float(v))
 
     @staticmethod
     def make(name: str, alpha: float | None = None, beta: float | None = None) -> Activation:
@@ -163,6 +167,10 @@ class RNNSpec:
             or not self.clip > 0
         ):
             raise SpecError(f"[RNNSpec] clip={self.clip!r}; expected a positive float or None")
+        if self.clip is not None:
+            # a Python float (np.float32 broke the header's JSON); an infinite one clips
+            # nothing: None, which JSON can say (inspect --json printed "clip": Infinity)
+            object.__setattr__(self, "clip", None if math.isinf(self.clip) else float(self.clip))
         if (self.input_forget or self.peepholes) and cell != "lstm":
             raise SpecError("[RNNSpec] input_forget and peepholes are LSTM options")
         acts = self.activations

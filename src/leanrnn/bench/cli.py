@@ -327,17 +327,25 @@ def run(args) -> int:
         _some_engine_runs(opts.engines)
         results = run_suite(opts, progress=not args.no_progress)
         out = opts.out
-    files = report.write(results, out, plots=not args.no_plots)
+    try:
+        # (the tables first: a results.json they cannot read leaves no half-written report)
+        if args.seed_table:
+            tables = [report.seed_table(results)]
+        else:
+            tables = [report.latency_table(results), "\nWhere leanrnn is not yet the best:"]
+            tables += [f"- {line}" for line in report.summary(results) or ["nowhere in this run"]]
+        files = report.write(results, out, plots=not args.no_plots)
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+        if not args.from_json:
+            raise
+        # a hand-edited or foreign results.json: one line, not a traceback of the report's
+        raise LeanRNNError(f"[bench --from-json] {str(args.from_json)!r} is not a bench "
+                           f"results JSON this leanrnn reads ({type(e).__name__}: {e}); pass "
+                           "the results.json a bench run wrote") from None  # fmt: skip
     why = None if args.no_plots else report.no_plots_reason()
     if why:
         print(f"bench: no plots: {why}", file=sys.stderr)
-    if args.seed_table:
-        print(report.seed_table(results))
-    else:
-        print(report.latency_table(results))
-        print("\nWhere leanrnn is not yet the best:")
-        for line in report.summary(results) or ["nowhere in this run"]:
-            print(f"- {line}")
+    print("\n".join(tables))
     # (--from-json writes no results.json into another --out: it named one there all the same)
     print(f"\nresults: {args.from_json or Path(out) / 'results.json'}")
     for name, path in files.items():

@@ -92,7 +92,8 @@ def config_label(key: tuple) -> str:
 
 def busy(row: dict | None) -> bool:
     """Whether other processes left this row fewer free cores than it had threads."""
-    if not row or "background_cores" not in row:
+    # (None: not measured; the harness writes a NaN as JSON's null)
+    if not row or not isinstance(row.get("background_cores"), int | float):
         return False
     cores = row.get("cores") or os.cpu_count() or 1  # the measuring machine's (older JSON: ours)
     return row["background_cores"] > cores - row["config"]["threads"] + 0.25

@@ -116,6 +116,22 @@ def load_model(path: str, args, **kw):
 
 
 # ------------------------------------------------------------------------------------ helpers
+def _strict(v):
+    """``v`` (dicts, lists, numbers) with non-finite floats as None and numpy scalars as
+    Python ones, for strict JSON."""
+    import math
+
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_strict(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, str | bytes):  # a numpy scalar
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
 def _npy_header(f, where: str) -> int:
     """Read a .npy header from ``f``; the bytes its array declares. Refuses what np.load would
     turn into a pickle attempt or an object array."""
@@ -328,7 +344,9 @@ def inspect_cmd(args) -> int:
             f"chunks of {m.group(2)} steps) {str(e)[m.end() :]}"
         ) from None
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
+        # strict JSON: a non-finite float as null (json's default wrote NaN / Infinity, which
+        # jq and JSON.parse refuse), a numpy scalar as its Python value
+        json.dump(_strict(info), sys.stdout, indent=2, allow_nan=False)
         print()
         return 0
     print(f"{_shown(args.model)}: {info['kind']} model")
