@@ -236,6 +236,12 @@ def cores() -> int:
     return int(_seen[0])
 
 
+def serving_threads() -> int:
+    """The engine threads ``leanrnn serve`` runs by default, and ``leanrnn tune`` measures
+    with: all cores but one, left to the front ends (HTTP, gRPC) and the clients' bytes."""
+    return max(1, cores() - 1)
+
+
 def max_threads() -> int:
     """The cores at start-up: the most threads a launch may ever run, which the kernels'
     per-thread buffers are sized for (cores() may be fewer by the time one runs)."""

@@ -136,16 +136,20 @@ def choose(session, *, memory_limit: int | float | None = None, per_step: bool =
     if chunkable:
         cache = max(hw.l2, min(hw.l3 // max(1, hw.cores) // 2, 4 << 20))
         chunk = max(MIN_CHUNK, cache // (batch * w.Gp * it))
-        # The largest chunk whose plan fits the arena's share of the limit (shrinking the
-        # batch when not even MIN_CHUNK steps fit).
+        # The largest chunk whose plan fits the arena's share of the limit, shrinking the
+        # batch when not even MIN_CHUNK steps fit (the chunk went to 1 first: 1-step chunks
+        # of 63 rows ran 2-6x slower than 15 rows of 8 steps under the same limit), and
+        # below MIN_CHUNK steps only at batch 1. Batches stay multiples of the 6-row
+        # register tile (31 left a row to the slower single-row path).
         while True:
             need = _arena(session, batch, chunk, per_step)
             if need <= arena_bytes:
                 break
-            if chunk > 1:
+            if chunk > MIN_CHUNK or (chunk > 1 and batch == 1):
                 chunk = max(1, chunk // 2)
             elif batch > 1:
-                batch = max(1, batch // 2)
+                half = batch // 2
+                batch = max(1, half - half % 6 if half >= 6 else half)
             else:
                 raise PlanError(
                     f"[tuning] one step of one sequence needs {need} bytes of arena; the "
@@ -353,9 +357,9 @@ def tune(session, *, latency: float | None = None, memory_limit: int | float | N
     step per call (the smallest call a server makes: the batch comes first, since a stream's
     latency under load is its share of the engine's time per stream-step) finds the batch,
     then one over the powers of two up to ``max_chunk`` finds the chunk: ~10 calls measured. A stack that cannot
-    be chunked (reverse, bidirectional) is measured at ``max_chunk`` steps and gets chunk
-    None; its memory is counted at ``plan_steps`` (default ``max_chunk``), the steps its runs
-    will hold whole (``Session.resize("auto", steps)`` passes them). If not even batch 1 meets
+    be chunked (reverse, bidirectional) is measured and counted at ``plan_steps`` (default
+    ``max_chunk``), the steps its calls run whole (``Session.resize("auto", steps)`` passes
+    them), and gets chunk None. If not even batch 1 meets
     the target, batch 1 is chosen (the server must run), the table says "chosen, over" and
     ``meets_target`` is False; if not even batch 1 fits the memory limit, PlanError says so. A
     memory limit above half the machine's memory is taken as that half.
@@ -376,9 +380,11 @@ def tune(session, *, latency: float | None = None, memory_limit: int | float | N
     threads = config.threads_for(_check.count_or_none("tune", "threads", threads))
     chunkable = session.chunkable
     top = 1 << (max_chunk.bit_length() - 1)  # chunks are powers of two (the scheduler's T)
-    chunks = [1 << i for i in range(top.bit_length())] if chunkable else [max_chunk]
-    first = chunks[0]
     held = max(max_chunk, plan_steps or 0)  # a whole-sequence stack's steps
+    # (timed at its whole calls' steps: at max_chunk's 16, a bidirectional stack's batch of
+    # 160 "met" a 10 ms target its calls of 1000 steps took 210 ms over)
+    chunks = [1 << i for i in range(top.bit_length())] if chunkable else [held]
+    first = chunks[0]
 
     def nbytes_of(b: int, c: int) -> int:
         return call_bytes(session, b, c if chunkable else held)

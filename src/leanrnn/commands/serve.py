@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise LeanRNNError(f"[serve] two models named {dup}; pass NAME=PATH to tell them apart")
-    threads = args.threads or max(1, _config.cores() - 1)
+    threads = args.threads or _config.serving_threads()
     cfg = ServeConfig(
         models=dict(args.models), host=args.host, http_port=args.http_port,
         grpc_port=None if args.no_grpc else 8001 if args.grpc_port is None else args.grpc_port,

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bytes one call may hold, e.g. 64M (default: 1/4 of available, <= 256M)")  # fmt: skip
     p.add_argument("--max-batch", type=positive_int, default=256, help="largest batch tried")
     p.add_argument("--max-chunk", type=positive_int, default=16, help="largest chunk tried")
-    p.add_argument("--threads", type=positive_int, default=None, help="engine threads")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="engine threads (default: serve's, all cores but one)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     from .model import add_state_dict_options
 
@@ -48,9 +49,14 @@ def run(args: argparse.Namespace) -> int:
             f"[tune] {args.model!r} has {len(pairs)} recurrent sessions; tune takes one "
             "recurrent stack (an LSTM/GRU/RNN file, or a shorthand such as lstm:512x2)"
         )
+    from .. import config
+
+    # serve's threads by default: tune on all cores chose batch 1 on a loaded machine where
+    # serve, on one fewer, chose 256 (and the printed serve command left --threads out)
+    threads = args.threads or config.serving_threads()
     m = tune(pairs[0][1], latency=args.latency_ms / 1000,
              memory_limit=args.memory_limit, max_batch=args.max_batch,
-             max_chunk=args.max_chunk, threads=args.threads)  # fmt: skip
+             max_chunk=args.max_chunk, threads=threads)  # fmt: skip
     if args.json:
         # a call past the memory limit is not timed (seconds=inf): null, since Python's
         # 'Infinity' is not JSON and strict readers (jq, JSON.parse) refused the whole output
@@ -78,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
             t.add_row(*r, style="bold" if r[-1].startswith("chosen") else None)
         Console().print(t)
     chunk = "whole sequences" if m.chunk is None else m.chunk
-    print(f"batch {m.batch}, chunk {chunk}  (leanrnn serve --max-batch {m.batch}"
-          + (f" --max-chunk {m.chunk})" if m.chunk else ")"))  # fmt: skip
+    print(f"batch {m.batch}, chunk {chunk}  (leanrnn serve --threads {m.threads} "
+          f"--max-batch {m.batch}" + (f" --max-chunk {m.chunk})" if m.chunk else ")"))  # fmt: skip
     if not m.meets_target:
         print(f"warning: no call meets the {m.latency * 1e3:g} ms target on this machine, "
               "not even batch 1: this is the fastest there is; raise --latency-ms, or expect "
