@@ -217,3 +217,30 @@ def test_leanrnn_gives_blas_control_back_to_a_user_s_thread():
         leave.set()
         u.join()
     assert seen == [{1}] and set(_openblas_threads()) == before
+
+
+@TWO_CPUS
+def test_set_num_threads_reaches_a_blas_loaded_after_leanrnn_s_first_limit():
+    """Found by CI: leanrnn's threadpoolctl controller listed the libraries loaded when it
+    was made; scipy's OpenBLAS, loaded later (and left at 1 thread by someone else's limit),
+    kept that limit through set_num_threads(2)."""
+    pytest.importorskip("scipy")
+    code = textwrap.dedent("""
+        import numpy, leanrnn
+        from threadpoolctl import ThreadpoolController, threadpool_info
+        leanrnn.set_num_threads(1)  # leanrnn's controller: numpy's BLAS
+        before = {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"}
+        import scipy.linalg  # its own OpenBLAS
+        libs = [i for i in threadpool_info() if i["user_api"] == "blas"]
+        if not {i["filepath"] for i in libs} - before:
+            print("no new BLAS")
+            raise SystemExit(0)
+        ThreadpoolController().limit(limits=1, user_api="blas")  # never restored
+        leanrnn.set_num_threads(2)
+        print(sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.strip() == "no new BLAS":
+        pytest.skip("scipy's BLAS is numpy's here")
+    assert r.stdout.strip() == "[2, 2]", r.stdout  # ([1, 2] before)

@@ -185,6 +185,12 @@ def blas_threads() -> int:
 def limit_blas(n: int) -> None:
     """Limit every loaded BLAS library to ``n`` threads, process-wide (inside ``blas_alone``:
     once the last thread leaves it)."""
+    global _controller
+    with _ALONE:
+        # the libraries loaded now (a controller lists those of its making: scipy's OpenBLAS,
+        # loaded after leanrnn's first limit, kept whatever limit it had)
+        if not _alone["count"]:
+            _controller = None
     c = blas_controller()
     if c is None:
         return
