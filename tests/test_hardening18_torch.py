@@ -134,3 +134,35 @@ def test_a_hook_on_an_output_the_loss_does_not_use_is_not_called(cls):
         (y.sum() + hn.sum()).backward()
     for a, b in zip(ref.parameters(), m.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cls", ["LSTM", "GRU"])
+def test_final_states_detach_in_place_between_chunks_as_torch_s(cls):
+    """A review of the hook fix above: outputs handed out as views could not be detached in
+    place ("Can't detach views in-place"), which truncated backprop does between chunks."""
+    ref, m = _pair(cls)
+    xs = torch.randn(3, 4, 2, 3, dtype=torch.float64)
+    grads = []
+    for mod in (ref, m):
+        mod.zero_grad()
+        h = None
+        for x in xs:
+            y, h = mod(x, h)
+            (y**2).sum().backward()
+            for t in h if isinstance(h, tuple) else (h,):
+                t.detach_()
+        grads.append([p.grad.clone() for p in mod.parameters()])
+    for g, w in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_slice_of_x_changed_through_its_base_under_copying_hooks_is_refused():
+    """The slice's Python object is gone by the backward; its base's in-place change must
+    still be seen (a weak reference to the slice missed it)."""
+    _, m = _pair("GRU")
+    big = torch.randn(9, 2, 3, dtype=torch.float64)
+    with _clone_hooks():
+        y, _ = m(big[:5])
+    big.add_(1)
+    with pytest.raises(RuntimeError, match="input x was changed in place"):
+        (y**2).sum().backward()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 
 from . import config
@@ -40,6 +41,7 @@ _forked = False  # this process is a fork's child (_renew_locks)
 _ALONE = threading.Lock()
 _alone = {"count": 0, "limiter": None, "wanted": None}
 _openmp_library: str | None = None  # use_openmp_of
+_modules = [0]  # len(sys.modules) when the controller was made (blas_alone)
 
 
 def _renew_locks() -> None:
@@ -141,6 +143,7 @@ def blas_controller():
         except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
             return None
         _controller = ThreadpoolController()
+        _modules[0] = len(sys.modules)
     return _controller
 
 
@@ -170,7 +173,7 @@ def _for_the_process(call):
         # another thread keeps its restore), else to none
         with state.lock:
             if state.controlling_thread in (me, None):
-                alive = before is not None and before is not me and before.is_alive()
+                alive = before is not None and before.is_alive()  # (this thread too)
                 state.controlling_thread = before if alive else None
 
 
@@ -208,6 +211,10 @@ def blas_alone():
     Process-wide, so counted: the first thread in limits, the last one out restores. (A
     threadpoolctl limiter per thread saved and restored the limits each found: two threads in
     at once left BLAS at 1 thread for the rest of the process, the user's own numpy too.)"""
+    global _controller
+    with _ALONE:
+        if not _alone["count"] and _controller is not None and _modules[0] != len(sys.modules):
+            _controller = None  # modules imported since: maybe a BLAS of their own (scipy's)
     c = blas_controller()
     if c is None:
         yield

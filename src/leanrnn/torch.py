@@ -753,18 +753,18 @@ def _read_in_place(handle: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> li
     for name, t in (("input x", x), ("output y", y)):
         a = t.detach().numpy()
         if any(k is not None and np.may_share_memory(a, k) for k in kept):
-            # by weak reference: the node holding y itself was a cycle (y -> its grad_fn ->
-            # ctx -> y), every step's x and y freed only by a garbage collection
-            out.append((name, weakref.ref(t), t._version))
+            # a detached alias: it shares t's version counter (a slice x whose Python object
+            # died still counts its base's in-place changes) without t's grad_fn (the node
+            # holding y itself was a cycle, y -> grad_fn -> ctx -> y)
+            out.append((name, t.detach(), t._version))
     return out
 
 
 def _check_unchanged(in_place: list) -> None:
     """The error torch's version check gives, where saved-tensor hooks keep it from checking
     (_read_in_place)."""
-    for name, ref, version in in_place:
-        t = ref()
-        if t is not None and t._version != version:  # (gone: nothing can change it)
+    for name, t, version in in_place:
+        if t._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: [leanrnn.torch] the RNN's {name} was changed in place "
@@ -775,12 +775,13 @@ def _check_unchanged(in_place: list) -> None:
             )
 
 
-def _own_nodes(*outs):
-    """The forward's outputs, each behind an autograd node of its own (a view, ~1 us): as
-    outputs of the one RNN node, a hook on one the loss does not use (h_n, c_n: y's only)
+def _own_nodes(y, h_n, c_n):
+    """The final states each behind an autograd node of its own (a copy: [L*D, N, K], small):
+    as outputs of the one RNN node, a hook on one the loss does not use (h_n when only y is)
     was called with None, where torch.nn's modules never call it (a usual hook, g * 0.5,
-    raised a TypeError)."""
-    return tuple(t.view_as(t) if t is not None and t.requires_grad else t for t in outs)
+    raised a TypeError). Copies, not views: h.detach_() between truncated-backprop chunks
+    raises on a view ("Can't detach views in-place"). y stays the node's own output."""
+    return (y, *(t.clone() if t is not None and t.requires_grad else t for t in (h_n, c_n)))
 
 
 def _copying_hooks() -> bool:

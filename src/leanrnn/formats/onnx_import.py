@@ -483,7 +483,7 @@ def read_onnx(source, *, pack_dtype=None) -> Graph:
     if isinstance(source, bytes | bytearray | memoryview):
         return _read_onnx(bytes(source), "<bytes>", _Reader(None), pack_dtype)
     label = os.fspath(source)
-    with open(label, "rb") as f:  # one open file for the whole load (_Reader._files)
+    with open(label, "rb") as f:  # one open file for the whole load (_Reader._file)
         size = os.fstat(f.fileno()).st_size
         if size > MAX_ONNX_BYTES:
             raise ModelFormatError(

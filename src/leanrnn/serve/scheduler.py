@@ -471,6 +471,7 @@ class Lane:
         self._check_state(h0, c0)
         self.states.check(h0, c0, "infer")
         r = Request(x, np.empty((0, self.DK), self.dtype), True, want_state, on_done, extra, hold)
+        r.t_first = r.t_submit  # (no queue: its queue time is 0, not negative)
         if want_state:
             LD, K, H, _ = self.states.shape
             r.h_out = np.zeros((LD, K), self.dtype) if h0 is None else np.array(h0)
