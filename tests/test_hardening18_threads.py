@@ -244,3 +244,30 @@ def test_set_num_threads_reaches_a_blas_loaded_after_leanrnn_s_first_limit():
     if r.stdout.strip() == "no new BLAS":
         pytest.skip("scipy's BLAS is numpy's here")
     assert r.stdout.strip() == "[2, 2]", r.stdout  # ([1, 2] before)
+
+
+@TWO_CPUS
+def test_blas_alone_reaches_a_blas_loaded_after_leanrnn_s_first_use():
+    """A review of the fix above: blas_alone kept the first controller, and a BLAS loaded
+    later (scipy's) ran its own threads beside the kernels' spinning ones."""
+    pytest.importorskip("scipy")
+    code = textwrap.dedent("""
+        import numpy, leanrnn
+        from leanrnn import threads
+        from threadpoolctl import threadpool_info
+        leanrnn.set_num_threads(2)
+        with threads.blas_alone():  # leanrnn's controller: numpy's BLAS
+            pass
+        before = {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"}
+        import scipy.linalg  # its own OpenBLAS
+        if not {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"} - before:
+            print("no new BLAS")
+            raise SystemExit(0)
+        with threads.blas_alone():
+            print(sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.strip() == "no new BLAS":
+        pytest.skip("scipy's BLAS is numpy's here")
+    assert r.stdout.strip() == "[1, 1]", r.stdout  # ([1, 2] before)
