@@ -207,6 +207,9 @@ def test_leanrnn_gives_blas_control_back_to_a_user_s_thread():
 
     u = threading.Thread(target=user)
     before = set(_openblas_threads())
+    # (no thread in control: an earlier test's may still hold it, alive, and the user's
+    # block would then be threadpoolctl's no-op)
+    tp.OpenBLASController.clear_controlling_thread(force=True)
     u.start()
     try:
         assert entered.wait(30)
