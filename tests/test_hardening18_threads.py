@@ -222,55 +222,51 @@ def test_leanrnn_gives_blas_control_back_to_a_user_s_thread():
     assert seen == [{1}] and set(_openblas_threads()) == before
 
 
+def _blas_after_scipy(first: str, then: str) -> str:
+    """In a fresh process: ``first`` (leanrnn makes its threadpoolctl controller, knowing
+    numpy's BLAS), scipy imported (its own OpenBLAS), then ``then``, which prints; its output
+    (the test skips where scipy's BLAS is numpy's)."""
+    pytest.importorskip("scipy")
+    code = "\n".join([
+        "import numpy, leanrnn",
+        "from leanrnn import threads",
+        "from threadpoolctl import ThreadpoolController, threadpool_info",
+        "def blas(): return [i for i in threadpool_info() if i['user_api'] == 'blas']",
+        first,
+        "before = {i['filepath'] for i in blas()}",
+        "import scipy.linalg",
+        "if not {i['filepath'] for i in blas()} - before:",
+        "    print('no new BLAS')",
+        "    raise SystemExit(0)",
+        then,
+    ])  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.strip() == "no new BLAS":
+        pytest.skip("scipy's BLAS is numpy's here")
+    return r.stdout.strip()
+
+
 @TWO_CPUS
 def test_set_num_threads_reaches_a_blas_loaded_after_leanrnn_s_first_limit():
     """Found by CI: leanrnn's threadpoolctl controller listed the libraries loaded when it
     was made; scipy's OpenBLAS, loaded later (and left at 1 thread by someone else's limit),
     kept that limit through set_num_threads(2)."""
-    pytest.importorskip("scipy")
-    code = textwrap.dedent("""
-        import numpy, leanrnn
-        from threadpoolctl import ThreadpoolController, threadpool_info
-        leanrnn.set_num_threads(1)  # leanrnn's controller: numpy's BLAS
-        before = {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"}
-        import scipy.linalg  # its own OpenBLAS
-        libs = [i for i in threadpool_info() if i["user_api"] == "blas"]
-        if not {i["filepath"] for i in libs} - before:
-            print("no new BLAS")
-            raise SystemExit(0)
-        ThreadpoolController().limit(limits=1, user_api="blas")  # never restored
-        leanrnn.set_num_threads(2)
-        print(sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    if r.stdout.strip() == "no new BLAS":
-        pytest.skip("scipy's BLAS is numpy's here")
-    assert r.stdout.strip() == "[2, 2]", r.stdout  # ([1, 2] before)
+    out = _blas_after_scipy(
+        "leanrnn.set_num_threads(1)",
+        "ThreadpoolController().limit(limits=1, user_api='blas')  # never restored\n"
+        "leanrnn.set_num_threads(2)\n"
+        "print(sorted(i['num_threads'] for i in blas()))",
+    )
+    assert out == "[2, 2]", out  # ([1, 2] before)
 
 
 @TWO_CPUS
 def test_blas_alone_reaches_a_blas_loaded_after_leanrnn_s_first_use():
     """A review of the fix above: blas_alone kept the first controller, and a BLAS loaded
     later (scipy's) ran its own threads beside the kernels' spinning ones."""
-    pytest.importorskip("scipy")
-    code = textwrap.dedent("""
-        import numpy, leanrnn
-        from leanrnn import threads
-        from threadpoolctl import threadpool_info
-        leanrnn.set_num_threads(2)
-        with threads.blas_alone():  # leanrnn's controller: numpy's BLAS
-            pass
-        before = {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"}
-        import scipy.linalg  # its own OpenBLAS
-        if not {i["filepath"] for i in threadpool_info() if i["user_api"] == "blas"} - before:
-            print("no new BLAS")
-            raise SystemExit(0)
-        with threads.blas_alone():
-            print(sorted(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"))
-    """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    if r.stdout.strip() == "no new BLAS":
-        pytest.skip("scipy's BLAS is numpy's here")
-    assert r.stdout.strip() == "[1, 1]", r.stdout  # ([1, 2] before)
+    out = _blas_after_scipy(
+        "leanrnn.set_num_threads(2)\nwith threads.blas_alone(): pass",
+        "with threads.blas_alone(): print(sorted(i['num_threads'] for i in blas()))",
+    )
+    assert out == "[1, 1]", out  # ([1, 2] before)
