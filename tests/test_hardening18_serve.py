@@ -160,6 +160,18 @@ def test_errors_are_counted_per_model_and_never_per_made_up_name(one_slot, proto
     assert after[("sequence", protocol, "m")] == before[("sequence", protocol, "m")] + 1
     assert after[("not_found", protocol, "")] == before[("not_found", protocol, "")] + 1
     assert not any(k[2] == "no-such-model" for k in after)
+    # and the refusal's log line names the model, as the metric's label does
+    import json
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [json.loads(ln) for ln in one_slot["logs"] if ln.startswith("{")]
+        refused = [e for e in lines if e.get("event") == "refused"
+                   and f"never-started-{protocol}" in e.get("error", "")]  # fmt: skip
+        if refused:
+            break
+        time.sleep(0.05)
+    assert refused and refused[-1].get("model") == "m", refused
 
 
 # ---------------------------------------------------------------------------------------------

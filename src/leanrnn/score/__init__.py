@@ -53,7 +53,8 @@ class ScoreSummary:
         pad = f"padding {self.padding:.1%} of steps run{saved}"
         if self.padding != self.padding:  # NaN: the Ray path's actors keep their own counts
             pad = "padding counted in the Ray actors"
-        where = f"{self.workers} Ray actors" if self.workers > 1 else f"{self.threads} threads"
+        where = (f"{self.workers} Ray actors" if self.workers > 1
+                 else f"{self.threads} thread{'s' if self.threads != 1 else ''}")  # fmt: skip
         return (
             f"scored {self.sequences:,} sequences ({self.steps:,} steps) in {self.seconds:.2f} s: "
             f"{self.sequences_per_s:,.0f} sequences/s on {where}\n"

@@ -189,6 +189,8 @@ class Core:
             return
         window[1] += 1
         fields = {"protocol": protocol, "kind": e.kind, "error": str(e)[:1024]}
+        if model in self.infos:  # (the metric's label, in the log line too)
+            fields["model"] = model
         if window[2]:  # how many went unlogged before this one
             fields["suppressed"], window[2] = window[2], 0
         _log.info("refused", extra={"fields": fields})
