@@ -6,6 +6,8 @@ serve runs on all but one (batch 1 where serve chose 256 on a loaded machine).""
 
 from __future__ import annotations
 
+import numpy as np
+
 import leanrnn
 from leanrnn import config
 from leanrnn.tuning import MIN_CHUNK, choose, tune
@@ -49,3 +51,29 @@ def test_tune_measures_with_serve_s_threads_and_says_them(capsys, monkeypatch):
     assert seen == [config.serving_threads()]
     out = capsys.readouterr().out
     assert f"leanrnn serve --threads {config.serving_threads()} --max-batch" in out
+
+
+def test_resize_auto_measures_once_per_question():
+    """It measured anew on every call (~1.4 s at H=512, against 0.15 ms for an explicit
+    resize); the same question now reuses the answer, another one measures."""
+    m = leanrnn.LSTM(4, 8, seed=0)
+    s = m.session
+    calls = []
+
+    def measure(batch, chunk):
+        calls.append((batch, chunk))
+        return 1e-5 * batch * chunk
+
+    s.resize("auto", 16, latency=0.01, measure=measure)
+    n = len(calls)
+    assert n > 0
+    s.resize("auto", 16, latency=0.01, measure=measure)
+    assert len(calls) == n  # the same question: no measuring
+    s.resize("auto", 16, latency=0.001, measure=measure)
+    assert len(calls) > n  # another target: measured
+    n = len(calls)
+    s.tuned = None  # asked to measure again
+    s.resize("auto", 16, latency=0.001, measure=measure)
+    assert len(calls) > n
+    x = np.random.default_rng(0).standard_normal((16, s.tuned.batch, 4)).astype(np.float32)
+    np.testing.assert_array_equal(s.run(x)[0], leanrnn.LSTM(4, 8, seed=0)(x)[0])
