@@ -87,6 +87,19 @@ def _keep_access(st: os.stat_result, tmp: str) -> None:
         os.chmod(tmp, mode if group else mode & ~0o070)
 
 
+def read_regular(path, most: int) -> bytes:
+    """The bytes of the regular file ``path``, or OSError saying why not: anything else (a
+    FIFO waits for a writer for ever, /dev/zero is read until memory runs out) or more than
+    ``most`` bytes. Opened without blocking, checked on the file opened."""
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{os.fspath(path)!r} is not a regular file")
+        if st.st_size > most:
+            raise OSError(f"{os.fspath(path)!r} is {st.st_size:,} bytes; at most {most:,} read")
+        return f.read()
+
+
 def current_umask() -> int:
     """The process's umask, read without setting it where Linux says it (/proc: os.umask's
     set-and-restore changes it for every thread meanwhile), else by that."""

@@ -142,26 +142,6 @@ class GraphModel:
                 raise refuse(f"RNN node {node.name!r} is not a layer like the first "
                              f"({spec_line(pw.spec)} after {spec_line(spec0)})")  # fmt: skip
 
-        shape_only: dict[str, bool] = {}  # tensors of_shapes found computed from shapes
-
-        def of_shapes(name: str) -> bool:
-            """Whether tensor ``name`` is computed from constants and the graph inputs' shapes
-            alone (a Reshape's target: the probes below then see what it does at any size,
-            where one read off the inputs' values could do anything)."""
-            todo, seen = [name], set()
-            while todo:
-                n = todo.pop()
-                if n in seen or n in shape_only or n in g.constants:
-                    continue
-                p = made.get(n)
-                if p is None:  # a graph input's values
-                    return False
-                seen.add(n)
-                if p.op != "Shape":
-                    todo.extend(i for i in p.inputs if i)
-            shape_only.update(dict.fromkeys(seen, True))
-            return True
-
         def moved(name: str, stop) -> str:
             """Back from tensor ``name`` through data movement (Identity, Transpose, Squeeze,
             a Reshape to a shape computed from shapes) until ``stop(name)``: that tensor."""
@@ -172,7 +152,11 @@ class GraphModel:
                 if p is None or p.when or p.op not in ("Identity", "Transpose", "Squeeze",
                                                        "Reshape"):  # fmt: skip
                     break
-                if p.op == "Reshape" and not (len(p.inputs) > 1 and of_shapes(p.inputs[1])):
+                # its target shape computed from constants and the inputs' shapes alone (the
+                # load's classification): the probes below then see what it does at any
+                # size, where one read off the inputs' values could do anything
+                shape = p.inputs[1] if len(p.inputs) > 1 else ""
+                if p.op == "Reshape" and self._kind.get(shape) not in ("const", "shape"):
                     raise refuse(f"Reshape {p.name!r} takes a shape computed from the inputs' "
                                  "values")  # fmt: skip
                 name = p.inputs[0]

@@ -41,7 +41,7 @@ _forked = False  # this process is a fork's child (_renew_locks)
 _ALONE = threading.Lock()
 _alone = {"count": 0, "limiter": None, "wanted": None}
 _openmp_library: str | None = None  # use_openmp_of
-_modules = [0]  # len(sys.modules) when the controller was made (blas_alone)
+_modules = [0]  # len(sys.modules) when the controller was made (blas_controller)
 
 
 def _renew_locks() -> None:
@@ -135,9 +135,12 @@ def pool_threads(parts: int) -> int:
 
 def blas_controller():
     """The process's one threadpoolctl controller (it keeps a handle per loaded BLAS; limiting
-    is process-wide and cheap), made on first use; None without threadpoolctl."""
+    is process-wide and cheap), made on first use, and again once modules were imported since
+    (a controller lists the libraries of its making: scipy's OpenBLAS, loaded after leanrnn's
+    first limit, kept whatever limit it had, and ran its own threads inside blas_alone; a
+    limiter already made keeps the handles it limited); None without threadpoolctl."""
     global _controller
-    if _controller is None:
+    if _controller is None or _modules[0] != len(sys.modules):
         try:
             from threadpoolctl import ThreadpoolController
         except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
@@ -188,12 +191,6 @@ def blas_threads() -> int:
 def limit_blas(n: int) -> None:
     """Limit every loaded BLAS library to ``n`` threads, process-wide (inside ``blas_alone``:
     once the last thread leaves it)."""
-    global _controller
-    with _ALONE:
-        # the libraries loaded now (a controller lists those of its making: scipy's OpenBLAS,
-        # loaded after leanrnn's first limit, kept whatever limit it had)
-        if not _alone["count"]:
-            _controller = None
     c = blas_controller()
     if c is None:
         return
@@ -211,10 +208,6 @@ def blas_alone():
     Process-wide, so counted: the first thread in limits, the last one out restores. (A
     threadpoolctl limiter per thread saved and restored the limits each found: two threads in
     at once left BLAS at 1 thread for the rest of the process, the user's own numpy too.)"""
-    global _controller
-    with _ALONE:
-        if not _alone["count"] and _controller is not None and _modules[0] != len(sys.modules):
-            _controller = None  # modules imported since: maybe a BLAS of their own (scipy's)
     c = blas_controller()
     if c is None:
         yield

@@ -123,7 +123,7 @@ def choose(session, *, memory_limit: int | float | None = None, per_step: bool =
     per_state = (w.Gp + 2 * w.Kp + w.Hp) * it
     if batch is None:
         n = max(1, min(MAX_BATCH, hw.l2 // 2 // per_state))
-        batch = n - n % 6 if n >= 6 else n
+        batch = _whole_tiles(n)
     batch = max(1, int(batch))
     # Padded input and (per_step) output per (sequence, step); unchunkable stacks also hold
     # their whole xw and layer outputs in the arena.
@@ -148,8 +148,7 @@ def choose(session, *, memory_limit: int | float | None = None, per_step: bool =
             if chunk > MIN_CHUNK or (chunk > 1 and batch == 1):
                 chunk = max(1, chunk // 2)
             elif batch > 1:
-                half = batch // 2
-                batch = max(1, half - half % 6 if half >= 6 else half)
+                batch = max(1, _whole_tiles(batch // 2))
             else:
                 raise PlanError(
                     f"[tuning] one step of one sequence needs {need} bytes of arena; the "
@@ -162,6 +161,12 @@ def choose(session, *, memory_limit: int | float | None = None, per_step: bool =
             f"the memory limit {limit} leaves {batch_bytes}: raise memory_limit"
         )
     return Tuning(batch, chunk, threads, limit, int(limit * WINDOW_SHARE), batch_bytes, step_bytes)
+
+
+def _whole_tiles(n: int) -> int:
+    """``n`` rows rounded down to whole 6-row register tiles (below 6: as it is): a row left
+    alone runs the slower single-row path."""
+    return n - n % 6 if n >= 6 else n
 
 
 def _arena(session, batch: int, chunk: int, per_step: bool) -> int:

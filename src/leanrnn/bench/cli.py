@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import stat
 import sys
 from pathlib import Path
 
@@ -248,18 +247,13 @@ def _custom_engine(name: str) -> bool:
 
 def _results(path: Path) -> dict:
     """A saved results.json (``--from-json``), or a one-line error naming the file."""
+    from .._files import read_regular
     from ..errors import LeanRNNError
 
     try:
-        # a regular file of a results.json's size: a FIFO waited for a writer for ever, and
-        # /dev/zero was read until memory ran out
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RESULTS_BYTES:
-            what = ("not a regular file" if not stat.S_ISREG(st.st_mode)
-                    else f"{st.st_size:,} bytes (a results.json is under {MAX_RESULTS_BYTES:,})")  # fmt: skip
-            raise LeanRNNError(f"[bench --from-json] {str(path)!r} is {what}; pass the "
-                               "results.json a bench run wrote")  # fmt: skip
-        results = json.loads(path.read_bytes())
+        # (a regular file of a results.json's size: a FIFO waited for a writer for ever, and
+        # /dev/zero was read until memory ran out)
+        results = json.loads(read_regular(path, MAX_RESULTS_BYTES))
     except OSError as e:  # (was the OS's words alone: "FileNotFoundError: [Errno 2] ...")
         raise LeanRNNError(f"[bench --from-json] cannot read {str(path)!r}: {e.strerror or e}; "
                            "pass the results.json a bench run wrote") from None  # fmt: skip
@@ -312,14 +306,13 @@ def run(args) -> int:
             why = cls.unavailable()
             print(f"{name:<15} {'ok' if why is None else why:<28} {cls.description}")
         return 0
-    if args.from_json:
-        from ..cli import output_dir
+    from ..cli import output_dir
 
+    if args.from_json:
         results = _results(args.from_json)
         out = args.out if args.out != Path("bench-out") else args.from_json.parent
         output_dir(str(out), "bench --out")  # (a file there ended in FileExistsError)
     else:
-        from ..cli import output_dir
         from .harness import run_suite
 
         output_dir(str(args.out), "bench --out")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._files import read_regular
 from ..errors import LeanRNNError
 from ..kernels import abi, runner
 from ..memory.arena import aligned_empty
@@ -249,22 +250,13 @@ def _wisdom_path():
     return d / "wisdom.json"
 
 
-def _regular_text(path, most: int = 1 << 20) -> str:
-    """The text of the regular file ``path`` (OSError for anything else, or past ``most``
-    bytes): a FIFO put at wisdom.json blocked every process's first training step."""
-    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > most:
-            raise OSError(f"{path} is not a regular file of at most {most} bytes")
-        return f.read().decode()
-
-
 def _remembered() -> dict | None:
     try:
         path = _wisdom_path()
         if path is None:
             return None
-        wisdom = json.loads(_regular_text(path))
+        # (a regular file: a FIFO put there blocked every process's first training step)
+        wisdom = json.loads(read_regular(path, 1 << 20))
         got = wisdom["gemm"] if wisdom.get("rule") == _RULE else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
